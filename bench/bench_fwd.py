@@ -1,0 +1,208 @@
+"""Forward benchmark: flashgen fwd_v2 next to torch SDPA's backends, same run.
+
+Convention (FlashAttention papers): hidden 2048 (heads = 2048 / d), batch =
+16384 / seqlen, FLOPs = 4 * B * H * N^2 * d, halved for causal. Times are
+medians of CUDA-event-timed repeats after warm-up, on fresh random inputs.
+
+    python3 bench/bench_fwd.py --out bench/results/fwd_h200.json [--d 64,128] [--seqlens ...]
+    python3 bench/bench_fwd.py --sweep   # also time candidate tiles (to pick the default rule)
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import flashgen  # noqa: E402
+from flashgen import KernelSpec  # noqa: E402
+
+SDPA = {
+    "sdpa_flash": "FLASH_ATTENTION",
+    "sdpa_cudnn": "CUDNN_ATTENTION",
+    "sdpa_efficient": "EFFICIENT_ATTENTION",
+}
+
+
+def flops(b, h, n, d, causal):
+    f = 4 * b * h * n * n * d
+    return f / 2 if causal else f
+
+
+def time_ms(fn, reps=30, warmup=5):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def sdpa_fn(backend, q, k, v, causal):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    be = getattr(SDPBackend, SDPA[backend])
+
+    def run():
+        with sdpa_kernel(be):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return run
+
+
+def inputs(n, d, dtype=torch.bfloat16):
+    b, h = max(1, 16384 // n), 2048 // d
+    mk = lambda: torch.randn(b, h, n, d, device="cuda", dtype=dtype)  # noqa: E731
+    return (b, h), mk(), mk(), mk()
+
+
+def bench_cell(n, d, causal, impls):
+    (b, h), q, k, v = inputs(n, d)
+    f = flops(b, h, n, d, causal)
+    row = {"seqlen": n, "head_dim": d, "causal": causal, "batch": b, "heads": h}
+    for name, make in impls.items():
+        try:
+            ms = time_ms(make(q, k, v, causal))
+            row[name] = {"ms": ms, "tflops": f / ms / 1e9}
+        except Exception as exc:  # a backend that refuses a shape is recorded, not fatal
+            row[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    return row
+
+
+def flashgen_impl(spec=None):
+    return lambda q, k, v, causal: (lambda: flashgen.attention(q, k, v, causal=causal, spec=spec))
+
+
+def sweep_candidates(d, causal, arch="sm_90a"):
+    tiles = [(128, 64, 4, 2), (128, 32, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 2), (64, 128, 4, 2),
+             (128, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 4, 2), (192, 64, 4, 2)]
+    for bm, bn, w, st in tiles:
+        spec = KernelSpec(kind="fwd_v2", arch=arch, dtype="bf16", head_dim=d, block_m=bm, block_n=bn, warps=w,
+                          stages=st, causal=causal)
+        try:
+            spec.validate()
+        except ValueError:
+            continue
+        yield spec
+
+
+def host_overhead_us(n_calls=2000):
+    """Per-call host time of flashgen.attention on a cached kernel (tiny problem, GPU not the limit)."""
+    q = torch.randn(1, 1, 64, 64, device="cuda", dtype=torch.bfloat16)
+    for _ in range(20):
+        flashgen.attention(q, q, q)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n_calls):
+        flashgen.attention(q, q, q)
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    sdpa_t0 = time.perf_counter()
+    for _ in range(n_calls):
+        F.scaled_dot_product_attention(q, q, q)
+    sdpa_t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return {"flashgen_us": (t1 - t0) / n_calls * 1e6, "sdpa_us": (sdpa_t1 - sdpa_t0) / n_calls * 1e6}
+
+
+def peak_memory(n, h=16, d=128):
+    """Bytes the call allocates beyond its inputs, output and LSE (batch 1)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    q, k, v = (torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out, lse = flashgen.attention(q, k, v, causal=True, return_lse=True)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    result = out.numel() * out.element_size() + lse.numel() * lse.element_size()
+    return {"seqlen": n, "heads": h, "head_dim": d, "peak_extra_bytes": peak, "output_and_lse_bytes": result,
+            "beyond_output_bytes": peak - result, "standard_attention_S_bytes": h * n * n * 2}
+
+
+def meta():
+    try:
+        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                         cwd=os.path.dirname(__file__)).strip()
+    except Exception:
+        commit = "unknown"
+    import cupy
+    from flashgen.codegen.compiler import nvrtc_version
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "gpu": torch.cuda.get_device_name(), "commit": commit, "flashgen": flashgen.__version__,
+            "torch": torch.__version__, "cupy": cupy.__version__, "nvrtc": list(nvrtc_version()),
+            "python": platform.python_version()}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--d", default="64,128")
+    ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--sweep", action="store_true", help="time candidate tiles at 2k/8k too")
+    ap.add_argument("--no-main", action="store_true", help="skip the main table")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    result = {"meta": meta(), "convention": "hidden 2048, batch 16384/N, 4BHN^2d FLOPs (causal /2), bf16",
+              "rows": [], "sweep": []}
+    impls = {"flashgen": flashgen_impl(), **{name: (lambda be: lambda q, k, v, c: sdpa_fn(be, q, k, v, c))(name)
+                                             for name in SDPA}}
+    ds = [int(x) for x in args.d.split(",")]
+    if args.sweep:
+        for d in ds:
+            for causal in (False, True):
+                for n in (2048, 8192):
+                    cands = {s.name: flashgen_impl(s) for s in sweep_candidates(d, causal)}
+                    row = bench_cell(n, d, causal, cands)
+                    result["sweep"].append(row)
+                    best = max((k for k in cands if "tflops" in row[k]), key=lambda k: row[k]["tflops"])
+                    print(f"sweep d={d} causal={causal} N={n}: best {best} {row[best]['tflops']:.0f} TFLOP/s; "
+                          + ", ".join(f"{k.split('_')[3:7]}={row[k].get('tflops', 0):.0f}" for k in cands),
+                          flush=True)
+    if not args.no_main:
+        for d in ds:
+            for causal in (False, True):
+                for n in (int(x) for x in args.seqlens.split(",")):
+                    result["rows"].append(bench_cell(n, d, causal, impls))
+        result["host_overhead"] = host_overhead_us()
+        result["memory"] = [peak_memory(16384), peak_memory(65536)]
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=1)
+    print_table(result)
+
+
+def print_table(result):
+    rows = result["rows"]
+    if not rows:
+        return
+    print(f"\n{'d':>4} {'causal':>6} {'N':>6} | {'flashgen':>8} {'flash':>7} {'cudnn':>7} {'effic':>7} | "
+          f"{'x flash':>7} {'x cudnn':>7}   (TFLOP/s)")
+    for r in rows:
+        t = lambda k: r[k].get("tflops", float("nan"))  # noqa: E731
+        print(f"{r['head_dim']:>4} {str(r['causal']):>6} {r['seqlen']:>6} | {t('flashgen'):8.1f} "
+              f"{t('sdpa_flash'):7.1f} {t('sdpa_cudnn'):7.1f} {t('sdpa_efficient'):7.1f} | "
+              f"{t('flashgen') / t('sdpa_flash'):7.2f} {t('flashgen') / t('sdpa_cudnn'):7.2f}")
+    if "host_overhead" in result:
+        print("host overhead per call (us):", {k: round(v, 1) for k, v in result["host_overhead"].items()})
+    for m in result.get("memory", []):
+        print(f"memory N={m['seqlen']}: beyond output+lse {m['beyond_output_bytes']} B "
+              f"(standard attention's S alone: {m['standard_attention_S_bytes'] / 2**30:.1f} GiB)")
+
+
+if __name__ == "__main__":
+    main()

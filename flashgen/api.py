@@ -1,0 +1,177 @@
+"""The torch layer: ``flashgen.attention``.
+
+Checks the inputs and raises before any launch, builds the problem key, asks
+dispatch for a spec, and launches the compiled kernel on torch's current
+stream with raw pointers and strides (no copies, CUDA-graph safe).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from . import dispatch, gpus
+from .errors import UnsupportedError
+
+_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+_LAYOUTS = ("bhsd", "bshd")
+_MAX_GRID_YZ = 65535
+
+
+class _Device:
+    """What dispatch needs to know of one CUDA device, looked up once."""
+
+    _cache: dict = {}
+
+    def __init__(self, index: int):
+        major, minor = torch.cuda.get_device_capability(index)
+        self.index = index
+        self.arch = gpus.arch_of_capability(major, minor)
+        profile = gpus.detect(index)
+        self.gpu = profile.name if profile else None
+        props = torch.cuda.get_device_properties(index)
+        optin = getattr(props, "shared_memory_per_block_optin", 0)
+        self.smem_budget = int(optin or (profile.smem_per_block if profile else
+                                          gpus.ARCH_SMEM_PER_BLOCK.get(self.arch, 101376)))
+
+    @classmethod
+    def of(cls, index: int) -> "_Device":
+        dev = cls._cache.get(index)
+        if dev is None:
+            dev = cls._cache[index] = cls(index)
+        return dev
+
+
+def _dims(t: torch.Tensor, layout: str):
+    """(batch, heads, seqlen, d) and the matching element strides (batch, head, seq)."""
+    s = t.stride()
+    if layout == "bhsd":
+        b, h, n, d = t.shape
+        return (b, h, n, d), (s[0], s[1], s[2])
+    b, n, h, d = t.shape
+    return (b, h, n, d), (s[0], s[2], s[1])
+
+
+def _check_inputs(q, k, v, causal, softmax_scale, layout):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout must be one of {_LAYOUTS}, got {layout!r}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D ({layout}), got shape {tuple(t.shape)}")
+        if t.device.type != "cuda":
+            raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    (bq, hq, nq, d), sq = _dims(q, layout)
+    (bk, hk, nk, dk), sk = _dims(k, layout)
+    (bv, hv, nv, dv), sv = _dims(v, layout)
+    if (bk, hk, nk, dk) != (bv, hv, nv, dv):
+        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if bq != bk:
+        raise ValueError(f"q and k must have one batch size, got {bq} and {bk} ({layout})")
+    if d != dk:
+        raise ValueError(f"q and k must have one head dim, got {d} and {dk}")
+    if hk == 0 or hq % hk:
+        raise ValueError(f"heads of q ({hq}) must be a multiple of heads of k/v ({hk})")
+    if d % 8 or not 8 <= d <= 256:
+        raise UnsupportedError(f"head dim {d} is not supported: flashgen takes multiples of 8 from 8 to 256")
+    if hq > _MAX_GRID_YZ or bq > _MAX_GRID_YZ:
+        raise UnsupportedError(f"batch ({bq}) and heads ({hq}) must each be at most {_MAX_GRID_YZ}")
+    for name, t, strides in (("q", q, sq), ("k", k, sk), ("v", v, sv)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
+        if t.data_ptr() % 16 or any(x % 8 for x in strides):
+            raise ValueError(f"{name} must be 16-byte aligned with strides that are multiples of 8 elements "
+                             f"(16-byte loads), got strides {t.stride()} at address {t.data_ptr():#x}")
+    if softmax_scale is None:
+        scale = 1.0 / math.sqrt(d)
+    else:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+            raise TypeError(f"softmax_scale must be a real number, got {softmax_scale!r}")
+        scale = float(softmax_scale)
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"softmax_scale must be finite and positive, got {softmax_scale!r}")
+    return (bq, hq, nq, d), sq, (hk, nk), sk, sv, scale
+
+
+def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, layout: str = "bhsd",
+              return_lse: bool = False, spec=None):
+    """Scaled dot-product attention, softmax(scale * q k^T) v, by a generated kernel.
+
+    q: (batch, heads, seqlen_q, d) for ``layout="bhsd"`` (torch's order) or
+    (batch, seqlen_q, heads, d) for ``"bshd"``; k, v likewise with heads_kv
+    dividing heads (GQA/MQA, no copies). fp16 or bf16 on one CUDA device; any
+    strides with a contiguous last dimension (16-byte aligned). ``d`` any
+    multiple of 8 up to 256. ``causal`` masks bottom-right aligned: query i sees
+    keys j <= i + seqlen_k - seqlen_q; a row that sees no key gives 0 (LSE -inf).
+
+    ``spec`` forces one KernelSpec instead of dispatch's pick (for the tuner
+    and for study); it must match the problem (kind, dtype, causal, arch, and a
+    head-dim tile that covers d).
+
+    Returns the output in q's layout and dtype, and with ``return_lse`` also the
+    log-sum-exp of the scaled scores, fp32 (batch, heads, seqlen_q).
+    Raises TypeError/ValueError on bad inputs and UnsupportedError for requests
+    outside what the kernels serve, always before launching anything.
+    """
+    (b, h, nq, d), sq, (hk, nk), sk, sv, scale = _check_inputs(q, k, v, causal, softmax_scale, layout)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device) if return_lse else None
+    if nq and b and h:
+        dev = _Device.of(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        key = dispatch.ProblemKey("fwd_v2", dev.arch, _DTYPES[q.dtype], dispatch.head_dim_tile(d), causal,
+                                  dispatch.bucket_of(nq))
+        if spec is None:
+            spec = dispatch.select(key, dev.gpu, dev.smem_budget)
+        else:
+            _check_forced_spec(spec, key, d, dev)
+        _launch_fwd(spec, dev.index, q, k, v, out, lse, (b, h, nq, d), sq, (hk, nk), sk, sv, scale, layout)
+    return (out, lse) if return_lse else out
+
+
+def _check_forced_spec(spec, key, d, dev) -> None:
+    from .spec import KernelSpec
+
+    if not isinstance(spec, KernelSpec):
+        raise TypeError(f"spec must be a KernelSpec, got {type(spec).__name__}")
+    spec.validate()
+    want = {"kind": key.kind, "dtype": key.dtype, "causal": key.causal, "arch": key.arch}
+    wrong = {f: getattr(spec, f) for f, value in want.items() if getattr(spec, f) != value}
+    if wrong or spec.head_dim < d:
+        raise ValueError(f"spec {spec.name} does not fit this problem ({want}, d={d})")
+    if spec.smem_bytes() > dev.smem_budget:
+        raise UnsupportedError(f"spec {spec.name} needs {spec.smem_bytes()} B of shared memory, over the "
+                               f"device's {dev.smem_budget} B")
+
+
+def _launch_fwd(spec, device_index, q, k, v, out, lse, dims, sq, kdims, sk, sv, scale, layout):
+    from .codegen import load
+
+    b, h, nq, d = dims
+    hk, nk = kdims
+    kern = load(spec, device_index)
+    _, so = _dims(out, layout)
+    params = kern.params(
+        q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), o=out.data_ptr(),
+        lse=lse.data_ptr() if lse is not None else 0,
+        q_sb=sq[0], q_sh=sq[1], q_ss=sq[2], k_sb=sk[0], k_sh=sk[1], k_ss=sk[2],
+        v_sb=sv[0], v_sh=sv[1], v_ss=sv[2], o_sb=so[0], o_sh=so[1], o_ss=so[2],
+        nq=nq, nk=nk, heads=h, group=h // hk, d=d, scale=scale, scale_log2=scale * math.log2(math.e),
+    )
+    grid = ((nq + spec.block_m - 1) // spec.block_m, h, b)
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    if device_index == torch.cuda.current_device():
+        kern.launch(grid, params, stream)
+    else:
+        with torch.cuda.device(device_index):
+            kern.launch(grid, params, stream)

@@ -1,0 +1,93 @@
+"""The ``flashgen`` command line.
+
+  flashgen emit --d 128 --causal --dtype bf16 [--arch sm_90a] [--block-m ...]
+  flashgen compile --d 128 --arch sm_80      (offline, no GPU: prints the ptxas report)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import __version__, dispatch, gpus
+from .errors import FlashgenError
+from .spec import ARCHS, DTYPES
+
+
+def _spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--d", type=int, required=True, help="head dim of the inputs (multiple of 8, <= 256)")
+    p.add_argument("--causal", action="store_true", help="causal (bottom-right aligned) masking")
+    p.add_argument("--dtype", choices=DTYPES, default="bf16")
+    p.add_argument("--arch", choices=ARCHS, help="compile target (default: the --gpu profile's, else sm_90a)")
+    p.add_argument("--gpu", choices=sorted(gpus.PROFILES), help="GPU profile whose shared memory bounds the tile")
+    p.add_argument("--kind", default="fwd_v2", help="kernel family (default fwd_v2)")
+    p.add_argument("--seqlen", type=int, default=4096, help="query length, for the tuned table's bucket")
+    for name in ("block-m", "block-n", "warps", "stages"):
+        p.add_argument(f"--{name}", type=int, help=f"override the {name.replace('-', '_')} the rule picks")
+
+
+def spec_from_args(args):
+    """The spec dispatch would pick for these arguments, with any overrides applied and validated."""
+    arch = args.arch or (gpus.get(args.gpu).arch if args.gpu else "sm_90a")
+    budget = gpus.get(args.gpu).smem_per_block if args.gpu else gpus.ARCH_SMEM_PER_BLOCK[arch]
+    if args.d % 8 or not 8 <= args.d <= 256:
+        raise FlashgenError(f"--d {args.d}: head dims are multiples of 8 from 8 to 256")
+    key = dispatch.ProblemKey(args.kind, arch, args.dtype, dispatch.head_dim_tile(args.d), args.causal,
+                              dispatch.bucket_of(args.seqlen))
+    spec = dispatch.select(key, args.gpu, budget)
+    overrides = {f: getattr(args, f) for f in ("block_m", "block_n", "warps", "stages") if getattr(args, f)}
+    spec = spec.replace(**overrides)
+    try:
+        spec.validate()
+    except (TypeError, ValueError) as exc:
+        raise FlashgenError(str(exc)) from None
+    if spec.smem_bytes() > budget:
+        raise FlashgenError(f"{spec.name} needs {spec.smem_bytes()} B of shared memory, over {budget} B")
+    return spec
+
+
+def cmd_emit(args) -> int:
+    from .codegen import render
+
+    sys.stdout.write(render(spec_from_args(args)))
+    return 0
+
+
+def cmd_compile(args) -> int:
+    from .codegen import build
+
+    spec = spec_from_args(args)
+    binary = build(spec)
+    r = binary.report
+    info = {"spec": spec.name, "arch": spec.arch, "registers": r.registers, "spill_stores": r.spill_stores,
+            "spill_loads": r.spill_loads, "stack_frame": r.stack_frame, "static_smem": r.static_smem,
+            "dynamic_smem": spec.smem_bytes(), "cubin_bytes": len(binary.cubin), "problems": r.problems()}
+    if args.json:
+        print(json.dumps(info, indent=1))
+    else:
+        for k, v in info.items():
+            print(f"{k:14s} {v}")
+    return 1 if r.problems() else 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="flashgen", description="FlashAttention kernel generator and autotuner")
+    parser.add_argument("--version", action="version", version=f"flashgen {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("emit", help="print the exact CUDA source that would run")
+    _spec_args(p)
+    p.set_defaults(func=cmd_emit)
+    p = sub.add_parser("compile", help="compile offline with NVRTC (no GPU) and print the resource report")
+    _spec_args(p)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_compile)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except FlashgenError as exc:
+        print(f"flashgen: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""NVRTC compilation and the on-disk binary cache.
+
+This module alone talks to NVRTC. ``compile_source`` turns source into a cubin
+for any target without a GPU; ``get_binary`` adds the cache under
+``$FLASHGEN_HOME/kernels/<spec name>-<key>/``, where the key hashes everything
+that can change the binary (source, options, arch, NVRTC version, flashgen
+version). Cache writes are atomic (temp file + ``os.replace``) and serialized
+by a file lock with a second look after the lock is taken.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .. import __version__, settings
+from ..errors import CompileError
+
+BASE_OPTIONS = ("--std=c++17", "-Xptxas=-v")
+
+
+@dataclass(frozen=True)
+class Report:
+    """What ptxas said about one kernel."""
+
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack_frame: int
+    static_smem: int
+    warnings: tuple = ()
+
+    def problems(self, max_registers: int = 255) -> list[str]:
+        """Reasons to refuse this binary (spills, local memory, serialized wgmma...)."""
+        out = []
+        if self.spill_stores or self.spill_loads:
+            out.append(f"spills: {self.spill_stores} B stored, {self.spill_loads} B loaded")
+        if self.stack_frame:
+            out.append(f"stack frame of {self.stack_frame} B (local memory)")
+        if self.registers > max_registers:
+            out.append(f"{self.registers} registers > {max_registers}")
+        out += [f"ptxas warning: {w}" for w in self.warnings]
+        return out
+
+
+@dataclass(frozen=True)
+class Binary:
+    name: str
+    arch: str
+    key: str
+    cubin: bytes
+    log: str
+    report: Report
+
+
+_NUM = r"(\d+)"
+
+
+def parse_ptxas_log(log: str, name: str | None = None) -> Report:
+    """Registers, spills, stack and static shared memory of ``name`` (or the only entry)."""
+    section = log
+    if name:
+        start = log.find(f"Function properties for {name}")
+        if start < 0:
+            start = log.find(f"'{name}'")
+        if start >= 0:
+            section = log[start:]
+    def grab(pattern: str) -> int:
+        m = re.search(pattern, section)
+        return int(m.group(1)) if m else 0
+    warnings = tuple(sorted(set(re.findall(r"ptxas warning\s*:\s*(.+)", log))))
+    return Report(
+        registers=grab(r"Used " + _NUM + r" registers"),
+        spill_stores=grab(_NUM + r" bytes spill stores"),
+        spill_loads=grab(_NUM + r" bytes spill loads"),
+        stack_frame=grab(_NUM + r" bytes stack frame"),
+        static_smem=grab(_NUM + r" bytes smem"),
+        warnings=warnings,
+    )
+
+
+def nvrtc_version() -> tuple[int, int]:
+    from cupy_backends.cuda.libs import nvrtc
+
+    return tuple(nvrtc.getVersion())
+
+
+def compile_options(arch: str) -> list[str]:
+    return [f"--gpu-architecture={arch}", *BASE_OPTIONS]
+
+
+def compile_source(source: str, arch: str, name: str, source_path: str | None = None) -> Binary:
+    """Compile ``source`` to a cubin for ``arch`` with NVRTC (no GPU needed).
+
+    Raises ``CompileError`` with the NVRTC log when compilation fails, or when
+    ``FLASHGEN_NO_COMPILE`` is set (for tests that must hit the cache).
+    """
+    if os.environ.get("FLASHGEN_NO_COMPILE"):
+        raise CompileError(f"{name}: compiling is disabled (FLASHGEN_NO_COMPILE is set)", source_path=source_path)
+    from cupy_backends.cuda.libs import nvrtc
+
+    options = compile_options(arch)
+    prog = nvrtc.createProgram(source, f"{name}.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError as exc:
+            raise CompileError(f"NVRTC failed on {name} for {arch}: {exc}",
+                               log=nvrtc.getProgramLog(prog), source_path=source_path) from None
+        log = nvrtc.getProgramLog(prog)
+        cubin = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    return Binary(name=name, arch=arch, key=cache_key(source, arch), cubin=bytes(cubin), log=log,
+                  report=parse_ptxas_log(log, name))
+
+
+def cache_key(source: str, arch: str) -> str:
+    blob = json.dumps({"source": source, "options": compile_options(arch), "arch": arch,
+                       "nvrtc": list(nvrtc_version()), "flashgen": __version__}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _read_cached(folder: Path, key: str) -> Binary | None:
+    """The cached binary in ``folder`` if its recorded key and checksum match, else None."""
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+        cubin = (folder / "kernel.cubin").read_bytes()
+    except (OSError, ValueError):
+        return None
+    if meta.get("key") != key or meta.get("cubin_sha256") != hashlib.sha256(cubin).hexdigest():
+        return None
+    try:
+        report = Report(**{**meta["report"], "warnings": tuple(meta["report"].get("warnings", ()))})
+        return Binary(name=meta["name"], arch=meta["arch"], key=key, cubin=cubin, log=meta.get("log", ""),
+                      report=report)
+    except (KeyError, TypeError):
+        return None
+
+
+def cache_dir(name: str, key: str) -> Path:
+    return settings.home() / "kernels" / f"{name}-{key[:16]}"
+
+
+def get_binary(source: str, arch: str, name: str) -> tuple[Binary, bool]:
+    """(binary, hit): the cached binary for this exact source and arch, compiling on a miss."""
+    key = cache_key(source, arch)
+    folder = cache_dir(name, key)
+    hit = _read_cached(folder, key)
+    if hit is not None:
+        return hit, True
+    with _locked(folder.with_name(folder.name + ".lock")):
+        hit = _read_cached(folder, key)  # another process may have finished meanwhile
+        if hit is not None:
+            return hit, True
+        folder.mkdir(parents=True, exist_ok=True)
+        _atomic_write(folder / "kernel.cu", source.encode())
+        binary = compile_source(source, arch, name, source_path=str(folder / "kernel.cu"))
+        _atomic_write(folder / "kernel.cubin", binary.cubin)
+        meta = {"key": key, "name": name, "arch": arch, "cubin_sha256": hashlib.sha256(binary.cubin).hexdigest(),
+                "report": asdict(binary.report), "log": binary.log, "flashgen": __version__,
+                "nvrtc": list(nvrtc_version())}
+        _atomic_write(folder / "meta.json", json.dumps(meta, indent=1).encode())  # written last: marks complete
+    return binary, False

@@ -1,0 +1,68 @@
+"""Load compiled kernels on the GPU and launch them on torch's current stream."""
+from __future__ import annotations
+
+import ctypes
+import threading
+
+from ..errors import CompileError
+from . import build
+
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+_loaded: dict = {}
+_lock = threading.Lock()
+
+
+class Kernel:
+    """One loaded kernel: its spec, binary and CUDA function handle."""
+
+    def __init__(self, spec, binary, module, function, device_index: int):
+        self.spec = spec
+        self.binary = binary
+        self.smem = spec.smem_bytes()
+        self.threads = spec.warps * 32
+        self._module = module  # keeps the module (and so the function) alive
+        self._function = function
+        self._fptr = function.ptr
+        self._struct = spec.family.param_struct()
+        self.device_index = device_index
+
+    def params(self, **values):
+        return self._struct(**values)
+
+    def launch(self, grid: tuple[int, int, int], params, stream: int) -> None:
+        """Enqueue on ``stream`` (a raw CUstream handle); params is the family's ctypes struct."""
+        from cupy_backends.cuda.api import driver
+
+        argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        driver.launchKernel(self._fptr, grid[0], grid[1], grid[2], self.threads, 1, 1, self.smem, stream,
+                            ctypes.addressof(argv), 0)
+
+
+def load_kernel(spec, device_index: int) -> Kernel:
+    """The kernel of ``spec`` on CUDA device ``device_index``, compiled or loaded once per process."""
+    key = (spec, device_index)
+    kern = _loaded.get(key)
+    if kern is not None:
+        return kern
+    with _lock:
+        kern = _loaded.get(key)
+        if kern is not None:
+            return kern
+        binary = build(spec)
+        problems = binary.report.problems()
+        if problems:
+            raise CompileError(f"{spec.name}: refused by its resource report: {'; '.join(problems)}", log=binary.log)
+        import cupy
+        from cupy_backends.cuda.api import driver
+
+        with cupy.cuda.Device(device_index):
+            module = cupy.cuda.function.Module()
+            module.load(binary.cubin)
+            function = module.get_function(spec.name)
+            smem = spec.smem_bytes()
+            if smem > 48 * 1024:
+                driver.funcSetAttribute(function.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+        kern = Kernel(spec, binary, module, function, device_index)
+        _loaded[key] = kern
+        return kern

@@ -1,0 +1,123 @@
+"""KernelSpec: the one description of a kernel variant.
+
+Everything else derives from it, once: the name (kernel symbol, file name,
+filter key), the template context, the YAML record, the shared-memory need
+and the feasibility check. The field list lives in this dataclass alone;
+``to_dict``/``from_dict`` and ``name`` walk it with ``dataclasses.fields``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+DTYPES = ("fp16", "bf16")
+ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a")
+DTYPE_BYTES = {"fp16": 2, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One kernel variant. Construct it and call ``validate()`` (``from_dict`` does)."""
+
+    kind: str = "fwd_v2"      # kernel family, see flashgen.families.FAMILIES
+    arch: str = "sm_90a"      # compile target
+    dtype: str = "bf16"       # element type of q, k, v, o
+    head_dim: int = 128       # the kernel's head-dim tile (inputs with d <= head_dim are masked)
+    block_m: int = 128        # query rows per CTA
+    block_n: int = 64         # key/value rows per step
+    warps: int = 4            # warps per CTA (split-Q: each owns block_m/warps query rows)
+    stages: int = 2           # K/V shared-memory pipeline depth
+    causal: bool = False
+
+    # -- identity ---------------------------------------------------------
+    @property
+    def name(self) -> str:
+        """Readable, unique: ``fwd_v2_d128_m128_n64_w4_s2_causal_bf16_sm90a``."""
+        return (
+            f"{self.kind}_d{self.head_dim}_m{self.block_m}_n{self.block_n}_w{self.warps}_s{self.stages}"
+            f"_{'causal' if self.causal else 'full'}_{self.dtype}_{self.arch.replace('_', '')}"
+        )
+
+    @property
+    def family(self):
+        from .families import family
+
+        return family(self.kind)
+
+    # -- records ----------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, record, where=None) -> "KernelSpec":
+        """Build and validate a spec from a YAML record; ``ConfigError`` on any bad value."""
+        if not isinstance(record, dict):
+            raise ConfigError(where, f"a kernel spec must be a mapping, got {type(record).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(record) - names
+        if unknown:
+            raise ConfigError(where, f"unknown spec field(s): {', '.join(sorted(map(str, unknown)))}")
+        try:
+            spec = cls(**record)
+            spec.validate()
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(where, f"invalid kernel spec {record!r}: {exc}") from None
+        return spec
+
+    def replace(self, **changes) -> "KernelSpec":
+        return dataclasses.replace(self, **changes)
+
+    # -- checks -----------------------------------------------------------
+    def validate(self) -> "KernelSpec":
+        """Check types, enums and ranges of every field, so that nothing but
+        known-good values can reach a template. Raises ``ValueError``/``TypeError``."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            want = bool if f.type in ("bool", bool) else int if f.type in ("int", int) else str
+            # bool is a subclass of int: refuse it where an int is meant, and vice versa.
+            if type(value) is not want:
+                raise TypeError(f"spec field {f.name} must be {want.__name__}, got {value!r}")
+        from .families import FAMILIES
+
+        if self.kind not in FAMILIES:
+            raise ValueError(f"kind {self.kind!r} not in {sorted(FAMILIES)}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch {self.arch!r} not in {ARCHS}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} not in {DTYPES}")
+        self.family.validate(self)
+        return self
+
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory one CTA needs, in bytes."""
+        return self.family.smem_bytes(self)
+
+    def check(self, profile) -> list[str]:
+        """Reasons this spec cannot run on ``profile`` (empty list: feasible).
+
+        The same rule the enumerator, the tuner, dispatch and the emitted
+        ``static_assert`` use.
+        """
+        try:
+            self.validate()
+        except (TypeError, ValueError) as exc:
+            return [str(exc)]
+        reasons = []
+        smem = self.smem_bytes()
+        if smem > profile.smem_per_block:
+            reasons.append(f"shared memory {smem} B > {profile.name}'s {profile.smem_per_block} B per block")
+        reasons += self.family.extra_checks(self, profile)
+        return reasons
+
+    def feasible(self, profile) -> bool:
+        return not self.check(profile)
+
+    def context(self) -> dict:
+        """Template variables (validated values only)."""
+        self.validate()
+        ctx = self.to_dict()
+        ctx.update(name=self.name, smem_bytes=self.smem_bytes(), elem_bytes=DTYPE_BYTES[self.dtype])
+        ctx.update(self.family.context(self))
+        return ctx
