@@ -11,6 +11,7 @@ import sys
 
 from . import __version__, dispatch, gpus
 from .errors import FlashgenError
+from .families import FAMILIES
 from .spec import ARCHS, DTYPES
 
 
@@ -20,7 +21,7 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--arch", choices=ARCHS, help="compile target (default: the --gpu profile's, else sm_90a)")
     p.add_argument("--gpu", choices=sorted(gpus.PROFILES), help="GPU profile whose shared memory bounds the tile")
-    p.add_argument("--kind", default="fwd_v2", help="kernel family (default fwd_v2)")
+    p.add_argument("--kind", choices=sorted(FAMILIES), default="fwd_v2", help="kernel family (default fwd_v2)")
     p.add_argument("--seqlen", type=int, default=4096, help="query length, for the tuned table's bucket")
     for name in ("block-m", "block-n", "warps", "stages"):
         p.add_argument(f"--{name}", type=int, help=f"override the {name.replace('-', '_')} the rule picks")
@@ -35,7 +36,9 @@ def spec_from_args(args):
     key = dispatch.ProblemKey(args.kind, arch, args.dtype, dispatch.head_dim_tile(args.d), args.causal,
                               dispatch.bucket_of(args.seqlen))
     spec = dispatch.select(key, args.gpu, budget)
-    overrides = {f: getattr(args, f) for f in ("block_m", "block_n", "warps", "stages") if getattr(args, f)}
+    # "is not None": an explicit 0 must reach validate() and be refused, not be dropped as falsy.
+    overrides = {f: getattr(args, f) for f in ("block_m", "block_n", "warps", "stages")
+                 if getattr(args, f) is not None}
     spec = spec.replace(**overrides)
     try:
         spec.validate()

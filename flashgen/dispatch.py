@@ -26,7 +26,13 @@ def bucket_of(seqlen: int) -> int:
 
 
 def head_dim_tile(d: int) -> int:
-    """The kernel head-dim tile for an input head dim (multiple of 8, at most 256)."""
+    """The kernel head-dim tile for an input head dim (multiple of 8, at most 256).
+
+    ``UnsupportedError`` for any other head dim: the kernels load rows in
+    8-element (16-byte) chunks, so a d of 12 must not map to the 32 tile.
+    """
+    if d < 8 or d % 8:
+        raise UnsupportedError(f"head dim {d} is not supported (supported: multiples of 8 up to 256)")
     for tile in MMA_HEAD_DIMS:
         if d <= tile:
             return tile

@@ -128,20 +128,26 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
     const bool crosses_end = n0 + BN > p.nk;
     const bool crosses_diag = CAUSAL && (n0 + BN - 1 > m0 + diag);
     if (crosses_end || crosses_diag) {
+      // Columns at or past `limit` are hidden for this thread's row; compare
+      // against one per-row bound instead of building row and column indices.
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-        for (int nj = 0; nj < NJ; ++nj)
+        for (int h = 0; h < 2; ++h) {
+          int limit = p.nk;
+          if constexpr (CAUSAL) limit = min(limit, m0 + warp * RW + mi * 16 + g + 8 * h + diag + 1);
+          limit -= n0 + 2 * t;
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int col = n0 + nj * 8 + 2 * t + (e & 1);
-            const int row = m0 + warp * RW + mi * 16 + g + 8 * (e >> 1);
-            const bool hidden = col >= p.nk || (CAUSAL && col > row + diag);
-            if (hidden) acc_s[mi][nj][e] = -INFINITY;
-          }
+          for (int nj = 0; nj < NJ; ++nj)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              if (nj * 8 + e >= limit) acc_s[mi][nj][2 * h + e] = -INFINITY;
+        }
     }
 
-    // ---- online softmax: new row max, rescale O and the row sum, P = exp2 ----
+    // ---- online softmax: new row max, P = exp2, rescale the row sum and O ----
+    float alpha[MI][2];
+    bool grew = false;  // did any row max of this thread change?
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
@@ -153,7 +159,8 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
         // A row that has seen only masked keys keeps max -inf: use 0 so that
         // exp2(-inf - 0) = 0 instead of NaN.
         const float m_scaled = (mx == -INFINITY ? 0.f : mx) * p.scale_log2;
-        const float alpha = fast_exp2(row_max[mi][h] * p.scale_log2 - m_scaled);
+        alpha[mi][h] = mx == row_max[mi][h] ? 1.f : fast_exp2(row_max[mi][h] * p.scale_log2 - m_scaled);
+        grew |= mx != row_max[mi][h];
         row_max[mi][h] = mx;
         float sum = 0.f;
 #pragma unroll
@@ -164,13 +171,18 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
             acc_s[mi][nj][e] = pe;
             sum += pe;
           }
-        row_sum[mi][h] = row_sum[mi][h] * alpha + sum;  // per-thread partial; quad-summed at the end
-#pragma unroll
-        for (int dj = 0; dj < DJ; ++dj) {
-          acc_o[mi][dj][2 * h] *= alpha;
-          acc_o[mi][dj][2 * h + 1] *= alpha;
-        }
+        row_sum[mi][h] = row_sum[mi][h] * alpha[mi][h] + sum;  // per-thread partial; quad-summed at the end
       }
+    // Once the row maxima settle (most blocks of a long row) no row changes and
+    // the warp skips the O rescale: MI*DJ*4 multiplies per thread per block.
+    if (__any_sync(0xffffffffu, grew)) {
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int dj = 0; dj < DJ; ++dj)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_o[mi][dj][e] *= alpha[mi][e >> 1];
+    }
 
     // ---- O += P V, P taken from the S accumulators as A fragments ------------
 #pragma unroll
@@ -196,6 +208,10 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
     }
   }
   cp_async_wait<0>();
+  // Q chunks were copied by all threads; when no K/V block ran (fully masked
+  // or empty key range) nothing has synchronised since, and the O staging
+  // below reuses the Q rows.
+  __syncthreads();
 
   // ---- epilogue: normalise, stage O through this warp's own Q rows, store ----
   const fg_i64 lse_base = static_cast<fg_i64>(bh) * p.nq;
