@@ -145,9 +145,9 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
         }
     }
 
-    // ---- online softmax: new row max, P = exp2, rescale the row sum and O ----
-    float alpha[MI][2];
-    bool grew = false;  // did any row max of this thread change?
+    // ---- online softmax: new row max, rescale O and the row sum, P = exp2 ----
+    // (Skipping the O rescale when no row max grew was tried: a warp vote and
+    // branch per block cost more than the multiplies; see bench/NOTES.md.)
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
@@ -159,8 +159,7 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
         // A row that has seen only masked keys keeps max -inf: use 0 so that
         // exp2(-inf - 0) = 0 instead of NaN.
         const float m_scaled = (mx == -INFINITY ? 0.f : mx) * p.scale_log2;
-        alpha[mi][h] = mx == row_max[mi][h] ? 1.f : fast_exp2(row_max[mi][h] * p.scale_log2 - m_scaled);
-        grew |= mx != row_max[mi][h];
+        const float alpha = fast_exp2(row_max[mi][h] * p.scale_log2 - m_scaled);
         row_max[mi][h] = mx;
         float sum = 0.f;
 #pragma unroll
@@ -171,18 +170,13 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
             acc_s[mi][nj][e] = pe;
             sum += pe;
           }
-        row_sum[mi][h] = row_sum[mi][h] * alpha[mi][h] + sum;  // per-thread partial; quad-summed at the end
+        row_sum[mi][h] = row_sum[mi][h] * alpha + sum;  // per-thread partial; quad-summed at the end
+#pragma unroll
+        for (int dj = 0; dj < DJ; ++dj) {
+          acc_o[mi][dj][2 * h] *= alpha;
+          acc_o[mi][dj][2 * h + 1] *= alpha;
+        }
       }
-    // Once the row maxima settle (most blocks of a long row) no row changes and
-    // the warp skips the O rescale: MI*DJ*4 multiplies per thread per block.
-    if (__any_sync(0xffffffffu, grew)) {
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int dj = 0; dj < DJ; ++dj)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc_o[mi][dj][e] *= alpha[mi][e >> 1];
-    }
 
     // ---- O += P V, P taken from the S accumulators as A fragments ------------
 #pragma unroll
