@@ -124,19 +124,96 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     Raises TypeError/ValueError on bad inputs and UnsupportedError for requests
     outside what the kernels serve, always before launching anything.
     """
-    (b, h, nq, d), sq, (hk, nk), sk, sv, scale = _check_inputs(q, k, v, causal, softmax_scale, layout)
+    try:
+        sig = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+               q.device, k.device, v.device, causal, softmax_scale, layout, return_lse, spec)
+        plan = _plans.get(sig)
+    except (AttributeError, TypeError):  # not tensors, or an unhashable argument: the full check says why
+        sig = plan = None
+    if plan is None:
+        plan = _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec)
+        if sig is not None:
+            if len(_plans) > 4096:
+                _plans.clear()
+            _plans[sig] = plan
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+        raise ValueError("q, k, v must be 16-byte aligned (16-byte loads), got addresses "
+                         f"{q.data_ptr():#x}, {k.data_ptr():#x}, {v.data_ptr():#x}")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device) if return_lse else None
-    if nq and b and h:
-        dev = _Device.of(q.device.index if q.device.index is not None else torch.cuda.current_device())
-        key = dispatch.ProblemKey("fwd_v2", dev.arch, _DTYPES[q.dtype], dispatch.head_dim_tile(d), causal,
-                                  dispatch.bucket_of(nq))
-        if spec is None:
-            spec = dispatch.select(key, dev.gpu, dev.smem_budget)
-        else:
-            _check_forced_spec(spec, key, d, dev)
-        _launch_fwd(spec, dev.index, q, k, v, out, lse, (b, h, nq, d), sq, (hk, nk), sk, sv, scale, layout)
+    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
+    if plan.kernel is not None:
+        params = plan.params()
+        params.q, params.k, params.v, params.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+        params.lse = lse.data_ptr() if lse is not None else 0
+        plan.launch(params)
     return (out, lse) if return_lse else out
+
+
+class _Plan:
+    """Everything about a call that depends only on shapes, strides, dtypes and
+    flags: checked once, then reused while those stay the same (the per-call
+    path is a dict lookup, two allocations, five pointers and the launch)."""
+
+    __slots__ = ("kernel", "grid", "device_index", "lse_shape", "_template", "_struct")
+
+    def __init__(self, kernel, grid, device_index, lse_shape, template):
+        self.kernel, self.grid, self.device_index, self.lse_shape = kernel, grid, device_index, lse_shape
+        self._template = bytes(template) if template is not None else None
+        self._struct = type(template) if template is not None else None
+
+    def params(self):
+        return self._struct.from_buffer_copy(self._template)
+
+    def launch(self, params) -> None:
+        idx = self.device_index
+        if idx == _current_device():
+            self.kernel.launch(self.grid, params, _current_stream(idx))
+        else:
+            with torch.cuda.device(idx):
+                self.kernel.launch(self.grid, params, _current_stream(idx))
+
+
+# torch's private fast paths for the two per-call queries (the public ones cost
+# microseconds each: they build Python Stream objects); public fallbacks.
+if hasattr(torch._C, "_cuda_getCurrentRawStream") and hasattr(torch._C, "_cuda_getDevice"):
+    _current_stream = torch._C._cuda_getCurrentRawStream
+    _current_device = torch._C._cuda_getDevice
+else:  # pragma: no cover
+    def _current_stream(idx):
+        return torch.cuda.current_stream(idx).cuda_stream
+
+    _current_device = torch.cuda.current_device
+
+
+_plans: dict = {}
+
+
+def _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec) -> _Plan:
+    from .codegen import load
+
+    (b, h, nq, d), sq, (hk, nk), sk, sv, scale = _check_inputs(q, k, v, causal, softmax_scale, layout)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if not (nq and b and h):
+        return _Plan(None, None, index, (b, h, nq), None)
+    dev = _Device.of(index)
+    key = dispatch.ProblemKey("fwd_v2", dev.arch, _DTYPES[q.dtype], dispatch.head_dim_tile(d), causal,
+                              dispatch.bucket_of(nq))
+    if spec is None:
+        spec = dispatch.select(key, dev.gpu, dev.smem_budget)
+    else:
+        _check_forced_spec(spec, key, d, dev)
+    kern = load(spec, dev.index)
+    # The output is allocated like q (same shape, contiguous): its strides in q's layout.
+    o_strides = _dims(torch.empty(q.shape, device="meta"), layout)[1]
+    template = kern.params(
+        q_sb=sq[0], q_sh=sq[1], q_ss=sq[2], k_sb=sk[0], k_sh=sk[1], k_ss=sk[2],
+        v_sb=sv[0], v_sh=sv[1], v_ss=sv[2], o_sb=o_strides[0], o_sh=o_strides[1], o_ss=o_strides[2],
+        nq=nq, nk=nk, heads=h, group=h // hk, d=d, scale=scale, scale_log2=scale * math.log2(math.e),
+    )
+    grid = ((nq + spec.block_m - 1) // spec.block_m, h, b)
+    return _Plan(kern, grid, dev.index, (b, h, nq), template)
 
 
 def _check_forced_spec(spec, key, d, dev) -> None:
@@ -152,26 +229,3 @@ def _check_forced_spec(spec, key, d, dev) -> None:
     if spec.smem_bytes() > dev.smem_budget:
         raise UnsupportedError(f"spec {spec.name} needs {spec.smem_bytes()} B of shared memory, over the "
                                f"device's {dev.smem_budget} B")
-
-
-def _launch_fwd(spec, device_index, q, k, v, out, lse, dims, sq, kdims, sk, sv, scale, layout):
-    from .codegen import load
-
-    b, h, nq, d = dims
-    hk, nk = kdims
-    kern = load(spec, device_index)
-    _, so = _dims(out, layout)
-    params = kern.params(
-        q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), o=out.data_ptr(),
-        lse=lse.data_ptr() if lse is not None else 0,
-        q_sb=sq[0], q_sh=sq[1], q_ss=sq[2], k_sb=sk[0], k_sh=sk[1], k_ss=sk[2],
-        v_sb=sv[0], v_sh=sv[1], v_ss=sv[2], o_sb=so[0], o_sh=so[1], o_ss=so[2],
-        nq=nq, nk=nk, heads=h, group=h // hk, d=d, scale=scale, scale_log2=scale * math.log2(math.e),
-    )
-    grid = ((nq + spec.block_m - 1) // spec.block_m, h, b)
-    stream = torch.cuda.current_stream(q.device).cuda_stream
-    if device_index == torch.cuda.current_device():
-        kern.launch(grid, params, stream)
-    else:
-        with torch.cuda.device(device_index):
-            kern.launch(grid, params, stream)
