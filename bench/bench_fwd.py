@@ -159,11 +159,13 @@ def peak_memory(n, h=16, d=128):
 
 
 def meta():
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                         cwd=os.path.dirname(__file__)).strip()
-    except Exception:
-        commit = "unknown"
+    commit = os.environ.get("FLASHGEN_COMMIT")  # the device copy has no .git: the caller passes it
+    if not commit:
+        try:
+            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL,
+                                             cwd=os.path.dirname(__file__)).strip()
+        except Exception:
+            commit = "unknown"
     import cupy
     from flashgen.codegen.compiler import nvrtc_version
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
