@@ -87,11 +87,11 @@ def flashgen_impl(spec=None):
 
 
 def sweep_candidates(d, causal, arch="sm_90a"):
-    tiles = [(128, 64, 4, 2), (128, 32, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 2), (64, 128, 4, 2),
-             (128, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 4, 2), (192, 64, 4, 2)]
-    for bm, bn, w, st in tiles:
+    tiles = [(128, 64, 4, st, r) for st in (2, 3) for r in (0, 1, 2)] + [(128, 32, 4, 3, 0), (64, 64, 4, 2, 0),
+                                                                         (128, 128, 8, 2, 0)]
+    for bm, bn, w, st, r in tiles:
         spec = KernelSpec(kind="fwd_v2", arch=arch, dtype="bf16", head_dim=d, block_m=bm, block_n=bn, warps=w,
-                          stages=st, causal=causal)
+                          stages=st, refill=r, causal=causal)
         try:
             spec.validate()
         except ValueError:
@@ -197,7 +197,7 @@ def main(argv=None):
                     result["sweep"].append(row)
                     best = max((k for k in cands if "tflops" in row[k]), key=lambda k: row[k]["tflops"])
                     print(f"sweep d={d} causal={causal} N={n}: best {best} {row[best]['tflops']:.0f} TFLOP/s; "
-                          + ", ".join(f"{k.split('_')[3:7]}={row[k].get('tflops', 0):.0f}" for k in cands),
+                          + ", ".join(f"{'_'.join(k.split('_')[3:8])}={row[k].get('tflops', 0):.0f}" for k in cands),
                           flush=True)
     if not args.no_main:
         for d in ds:

@@ -49,27 +49,31 @@ class ProblemKey:
     bucket: int        # seqlen bucket of the query length
 
 
-# The default rule: per head-dim tile, (block_m, block_n, warps, stages) in order
-# of preference; the first that fits the GPU's shared memory and compiles
-# without spills is used. Chosen from FA2's tiles, then trimmed to what our
-# template compiles without spilling (tests/test_compile.py checks every one).
+# The default rule: per head-dim tile, (block_m, block_n, warps, stages, refill,
+# causal, arch) in order of preference, None meaning any; the first that fits
+# the GPU's shared memory is used. Chosen from FA2's tiles and our H200
+# sweeps (bench/NOTES.md), kept to tiles that compile without spills
+# (tests/test_compile.py checks every one).
 DEFAULT_TILES = {
-    32: ((128, 64, 4, 2), (64, 64, 4, 2)),
-    64: ((128, 64, 4, 2), (64, 64, 4, 2)),
-    96: ((128, 64, 8, 2), (64, 64, 4, 2)),
-    128: ((128, 32, 4, 3), (128, 64, 8, 2), (64, 64, 4, 2)),
-    160: ((128, 64, 8, 2), (64, 32, 4, 2)),
-    192: ((128, 64, 8, 2), (64, 32, 4, 2)),
-    224: ((128, 64, 8, 2), (64, 32, 4, 2)),
-    256: ((128, 64, 8, 2), (64, 32, 4, 2)),
+    32: ((128, 64, 4, 2, 0, None, None), (64, 64, 4, 2, 0, None, None)),
+    64: ((128, 64, 4, 2, 0, None, None), (64, 64, 4, 2, 0, None, None)),
+    96: ((128, 64, 8, 2, 0, None, None), (64, 64, 4, 2, 0, None, None)),
+    128: ((128, 64, 4, 3, 2, False, "sm_90a"), (128, 64, 4, 2, 1, True, "sm_90a"),
+          (128, 32, 4, 3, 0, None, None), (64, 64, 4, 2, 0, None, None)),
+    160: ((128, 64, 8, 2, 0, None, None), (64, 32, 4, 2, 0, None, None)),
+    192: ((128, 64, 8, 2, 0, None, None), (64, 32, 4, 2, 0, None, None)),
+    224: ((128, 64, 8, 2, 0, None, None), (64, 32, 4, 2, 0, None, None)),
+    256: ((128, 64, 8, 2, 0, None, None), (64, 32, 4, 2, 0, None, None)),
 }
 
 
 def default_spec(key: ProblemKey, smem_budget: int) -> KernelSpec:
     """The default rule's spec for ``key`` under ``smem_budget`` bytes per block."""
-    for bm, bn, w, st in DEFAULT_TILES[key.head_dim]:
+    for bm, bn, w, st, refill, causal, arch in DEFAULT_TILES[key.head_dim]:
+        if (causal is not None and causal != key.causal) or (arch is not None and arch != key.arch):
+            continue
         spec = KernelSpec(kind=key.kind, arch=key.arch, dtype=key.dtype, head_dim=key.head_dim, block_m=bm,
-                          block_n=bn, warps=w, stages=st, causal=key.causal)
+                          block_n=bn, warps=w, stages=st, refill=refill, causal=key.causal)
         if spec.validate().smem_bytes() <= smem_budget:
             return spec
     raise UnsupportedError(f"no default {key.kind} tile fits {smem_budget} B of shared memory for d={key.head_dim}")

@@ -32,13 +32,15 @@ class Family:
     block_ns: tuple = (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256)
     warps: tuple = (1, 2, 4, 8)
     stages: tuple = (2, 3, 4)
+    refills: tuple = (0, 1, 2)
     max_acc_floats: int = 200           # fp32 accumulators per thread before spilling is likely
     _struct: list = field(default_factory=list, compare=False, repr=False)
 
     # -- spec rules ---------------------------------------------------------
     def validate(self, spec) -> None:
         for fname, allowed in (("head_dim", self.head_dims), ("block_m", self.block_ms),
-                               ("block_n", self.block_ns), ("warps", self.warps), ("stages", self.stages)):
+                               ("block_n", self.block_ns), ("warps", self.warps), ("stages", self.stages),
+                               ("refill", self.refills)):
             if getattr(spec, fname) not in allowed:
                 raise ValueError(f"{self.kind}: {fname}={getattr(spec, fname)} not in {allowed}")
         if spec.block_m % (16 * spec.warps):

@@ -29,14 +29,16 @@ class KernelSpec:
     block_n: int = 64         # key/value rows per step
     warps: int = 4            # warps per CTA (split-Q: each owns block_m/warps query rows)
     stages: int = 2           # K/V shared-memory pipeline depth
+    refill: int = 0           # where the next K/V copy is issued: 0 before S=QK^T, 1 before softmax, 2 before PV
     causal: bool = False
 
     # -- identity ---------------------------------------------------------
     @property
     def name(self) -> str:
-        """Readable, unique: ``fwd_v2_d128_m128_n64_w4_s2_causal_bf16_sm90a``."""
+        """Readable, unique: ``fwd_v2_d128_m128_n64_w4_s2_r0_causal_bf16_sm90a``."""
         return (
             f"{self.kind}_d{self.head_dim}_m{self.block_m}_n{self.block_n}_w{self.warps}_s{self.stages}"
+            f"_r{self.refill}"
             f"_{'causal' if self.causal else 'full'}_{self.dtype}_{self.arch.replace('_', '')}"
         )
 
