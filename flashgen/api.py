@@ -126,7 +126,8 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     """
     try:
         sig = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-               q.device, k.device, v.device, causal, softmax_scale, layout, return_lse, spec)
+               q.device, k.device, v.device, causal, softmax_scale, layout, return_lse, spec,
+               type(causal), type(softmax_scale), type(return_lse))  # 1 == True: the types keep checks honest
         plan = _plans.get(sig)
     except (AttributeError, TypeError):  # not tensors, or an unhashable argument: the full check says why
         sig = plan = None

@@ -1,0 +1,105 @@
+"""Tier 2: every spec the default rule can pick compiles with NVRTC, without spills, within limits.
+
+No GPU is needed: NVRTC compiles cubins offline. The specs are compiled once
+per module, two at a time (NVRTC releases the GIL), into a private
+FLASHGEN_HOME; each spec is then its own test item so a failure names it.
+
+There is no shipped tuning table yet (flashgen/generated/ is empty), so the
+default rule's specs are all that dispatch can pick; when tables ship, their
+specs belong in SPECS too.
+"""
+from __future__ import annotations
+
+from multiprocessing.pool import ThreadPool
+
+import pytest
+
+from flashgen import dispatch, gpus
+from flashgen.codegen import build, parse_ptxas_log
+
+ARCHES = ("sm_80", "sm_90a")
+SPECS = [s for arch in ARCHES for s in dispatch.default_specs(arch, gpus.ARCH_SMEM_PER_BLOCK[arch])]
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """{spec: Binary or the exception its build raised}, all compiled in parallel on 2 threads."""
+    def one(spec):
+        try:
+            return spec, build(spec)
+        except Exception as exc:  # noqa: BLE001 -- reported per spec by the test below
+            return spec, exc
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FLASHGEN_HOME", str(tmp_path_factory.mktemp("compile_home")))
+        mp.delenv("FLASHGEN_NO_COMPILE", raising=False)
+        with ThreadPool(2) as pool:
+            return dict(pool.map(one, SPECS))
+
+
+def test_default_specs_cover_every_key():
+    """The default rule yields one spec per (head dim tile, dtype, causal) for each arch, all distinct."""
+    assert len(SPECS) == len(set(SPECS)) == len(ARCHES) * len(dispatch.DEFAULT_TILES) * 2 * 2
+    for arch in ARCHES:
+        keys = {(s.head_dim, s.dtype, s.causal) for s in SPECS if s.arch == arch}
+        assert len(keys) == len(dispatch.DEFAULT_TILES) * 4
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_default_spec_compiles_clean(spec, compiled):
+    """NVRTC compiles the spec for its arch into an ELF cubin; ptxas reports no spill, no stack frame,
+    at most 255 registers, and static plus dynamic shared memory within the arch's per-block budget."""
+    binary = compiled[spec]
+    if isinstance(binary, Exception):
+        raise binary
+    report = binary.report
+    assert binary.name == spec.name and binary.arch == spec.arch
+    assert binary.cubin[:4] == b"\x7fELF"
+    assert f"Function properties for {spec.name}" in binary.log
+    assert report.spill_stores == 0 and report.spill_loads == 0, binary.log
+    assert report.stack_frame == 0, binary.log
+    assert 0 < report.registers <= 255, binary.log
+    assert report.static_smem + spec.smem_bytes() <= gpus.ARCH_SMEM_PER_BLOCK[spec.arch]
+    assert report.problems() == []
+
+
+CANNED_LOG = """\
+ptxas info    : 8 bytes gmem
+ptxas info    : Compiling entry function 'small_kernel' for 'sm_80'
+ptxas info    : Function properties for small_kernel
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 38 registers, 1024 bytes smem, 400 bytes cmem[0]
+ptxas info    : Compiling entry function 'fwd_v2_d256_m128_n128_w4_s3_full_bf16_sm80' for 'sm_80'
+ptxas info    : Function properties for fwd_v2_d256_m128_n128_w4_s3_full_bf16_sm80
+ptxas         .     1176 bytes stack frame, 1312 bytes spill stores, 1288 bytes spill loads
+ptxas info    : Used 255 registers, 2048 bytes smem, 400 bytes cmem[0]
+ptxas warning : Registers are spilled to local memory in function 'fwd_v2_d256_m128_n128_w4_s3_full_bf16_sm80', 1312 bytes spill stores, 1288 bytes spill loads
+"""
+
+
+def test_parse_ptxas_log_with_spills():
+    """The report of a named kernel is read from its own section of a multi-kernel log, spills and
+    stack included, and problems() refuses it for each reason."""
+    r = parse_ptxas_log(CANNED_LOG, "fwd_v2_d256_m128_n128_w4_s3_full_bf16_sm80")
+    assert (r.registers, r.spill_stores, r.spill_loads, r.stack_frame, r.static_smem) == (255, 1312, 1288, 1176, 2048)
+    assert len(r.warnings) == 1 and "spilled" in r.warnings[0]
+    problems = r.problems()
+    assert any("1312 B stored" in p and "1288 B loaded" in p for p in problems)
+    assert any("stack frame of 1176 B" in p for p in problems)
+    assert any(p.startswith("ptxas warning") for p in problems)
+    assert not any("registers >" in p for p in problems)  # 255 is allowed
+    assert any("255 registers > 128" in p for p in r.problems(max_registers=128))
+
+
+def test_parse_ptxas_log_clean_kernel():
+    """The first kernel of the same log is clean: its own numbers, not the spilling kernel's."""
+    r = parse_ptxas_log(CANNED_LOG, "small_kernel")
+    assert (r.registers, r.spill_stores, r.spill_loads, r.stack_frame, r.static_smem) == (38, 0, 0, 0, 1024)
+
+
+def test_parse_ptxas_log_of_an_empty_log():
+    """A log without a report parses to zeros rather than raising; the compile test's
+    ``registers > 0`` is what catches a kernel whose report is missing."""
+    r = parse_ptxas_log("", "anything")
+    assert (r.registers, r.spill_stores, r.spill_loads, r.stack_frame, r.static_smem) == (0, 0, 0, 0, 0)
+    assert r.warnings == ()

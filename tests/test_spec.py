@@ -1,0 +1,335 @@
+"""KernelSpec, kernel families, GPU profiles and dispatch: pure Python, no GPU, no compiler."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+
+import pytest
+
+from flashgen import ConfigError, KernelSpec, UnsupportedError, dispatch, gpus
+from flashgen.families import FAMILIES, MMA_HEAD_DIMS
+from flashgen.spec import ARCHS, DTYPES
+
+FWD = FAMILIES["fwd_v2"]
+
+NAME_RE = re.compile(r"^fwd_v2_d\d+_m\d+_n\d+_w\d+_s\d+_r\d+_(causal|full)_(fp16|bf16)_sm\d+a?$")
+
+
+def _allowed(field: str) -> tuple:
+    """The values of one KernelSpec field that the fwd_v2 family supports (read from the code)."""
+    fixed = {"kind": tuple(FAMILIES), "arch": ARCHS, "dtype": DTYPES, "causal": (False, True)}
+    if field in fixed:
+        return fixed[field]
+    for attr in (field + "s", field):  # head_dim -> head_dims, warps -> warps
+        values = getattr(FWD, attr, None)
+        if isinstance(values, tuple):
+            return values
+    raise KeyError(f"the tests do not know where the allowed values of KernelSpec.{field} live")
+
+
+FIELDS = [f.name for f in dataclasses.fields(KernelSpec)]
+
+
+def _valid_specs():
+    """Every spec that passes validate(), over the product of every field's supported values."""
+    for values in itertools.product(*(_allowed(f) for f in FIELDS)):
+        spec = KernelSpec(**dict(zip(FIELDS, values)))
+        if spec.block_m % (16 * spec.warps) == 0:
+            yield spec
+
+
+# ---------------------------------------------------------------- names
+
+
+def test_name_format_of_a_known_spec():
+    """The name spells every field in the documented order, arch without its underscore."""
+    spec = KernelSpec(kind="fwd_v2", arch="sm_90a", dtype="bf16", head_dim=128, block_m=128, block_n=64,
+                      warps=4, stages=2, causal=True)
+    assert spec.name == "fwd_v2_d128_m128_n64_w4_s2_r0_causal_bf16_sm90a"
+    assert (spec.replace(causal=False, arch="sm_80", dtype="fp16", refill=2).name
+            == "fwd_v2_d128_m128_n64_w4_s2_r2_full_fp16_sm80")
+
+
+def test_names_are_unique_identifiers_over_the_whole_grid():
+    """Over every valid fwd_v2 spec, names are distinct, match the format and are C identifiers
+    (the name is the kernel symbol, the file name and the cache key)."""
+    specs = list(_valid_specs())
+    names = [s.name for s in specs]
+    assert len(specs) > 10_000
+    assert len(set(names)) == len(names) == len(set(specs))
+    for n in names[:: max(1, len(names) // 997)]:
+        assert NAME_RE.match(n), n
+        assert n.isidentifier(), n
+
+
+@pytest.mark.parametrize("field", [f for f in FIELDS if f != "kind" or len(FAMILIES) > 1])
+def test_every_field_changes_the_name(field):
+    """Changing any one field to another valid value changes the name: the name covers the field list
+    (a field added to KernelSpec is covered here without touching this test)."""
+    base = KernelSpec(kind="fwd_v2", arch="sm_80", dtype="fp16", head_dim=96, block_m=64, block_n=48, warps=2,
+                      stages=3, causal=False).validate()
+    others = []
+    for value in _allowed(field):
+        if value != getattr(base, field):
+            try:
+                others.append(base.replace(**{field: value}).validate())
+            except ValueError:
+                pass
+    assert others, f"no other valid value for {field}"
+    for changed in others:
+        assert changed.name != base.name, (field, changed)
+
+
+# ---------------------------------------------------------------- records
+
+
+@pytest.mark.parametrize("spec", [
+    KernelSpec(),
+    KernelSpec(arch="sm_80", dtype="fp16", head_dim=32, block_m=16, block_n=16, warps=1, stages=2, causal=True),
+    KernelSpec(arch="sm_89", dtype="bf16", head_dim=224, block_m=48, block_n=112, warps=1, stages=4),
+    KernelSpec(arch="sm_86", dtype="fp16", head_dim=96, block_m=192, block_n=80, warps=4, stages=3, causal=True),
+], ids=lambda s: s.name)
+def test_to_dict_from_dict_round_trip(spec):
+    """to_dict -> from_dict gives an equal spec with the same name, and the record is plain data."""
+    record = spec.to_dict()
+    assert set(record) == {f.name for f in dataclasses.fields(KernelSpec)}
+    assert all(type(v) in (str, int, bool) for v in record.values())
+    again = KernelSpec.from_dict(dict(record))
+    assert again == spec
+    assert again.name == spec.name
+    assert again.to_dict() == record
+
+
+def test_from_dict_refuses_unknown_fields_and_names_them():
+    """An unknown key is a ConfigError naming the key and the file."""
+    record = {**KernelSpec().to_dict(), "num_splits": 3}
+    with pytest.raises(ConfigError, match="num_splits") as info:
+        KernelSpec.from_dict(record, where="configs/h200.yaml")
+    assert info.value.path == "configs/h200.yaml"
+    assert "configs/h200.yaml" in str(info.value)
+
+
+@pytest.mark.parametrize("record", [None, [1, 2], "fwd_v2_d128", 7])
+def test_from_dict_refuses_non_mappings(record):
+    """A record that is not a mapping is a ConfigError, not an AttributeError."""
+    with pytest.raises(ConfigError, match="mapping"):
+        KernelSpec.from_dict(record)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("head_dim", True),          # bool where an int is meant
+    ("block_m", False),
+    ("head_dim", "128"),         # number as a string
+    ("stages", "2"),
+    ("block_n", 64.0),           # float, even an integral one
+    ("warps", 4.5),
+    ("refill", True),
+    ("causal", 1),               # int where a bool is meant
+    ("causal", "true"),
+    ("dtype", 16),
+    ("arch", None),
+    ("kind", ["fwd_v2"]),
+])
+def test_from_dict_refuses_wrong_types(field, value):
+    """Field types are exact: no bool-for-int, int-for-bool, str numbers or floats slip through."""
+    record = {**KernelSpec().to_dict(), field: value}
+    with pytest.raises(ConfigError, match=f"spec field {field} must be (int|bool|str), got"):
+        KernelSpec.from_dict(record)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("head_dim", 264), ("head_dim", 0), ("head_dim", -128), ("head_dim", 72), ("head_dim", 12),
+    ("block_m", 7), ("block_m", 0), ("block_m", 512),
+    ("block_n", 24), ("block_n", -64),
+    ("warps", 3), ("warps", 16), ("stages", 1), ("stages", 5), ("refill", 3), ("refill", -1),
+    ("dtype", "fp32"), ("dtype", "BF16"), ("arch", "sm_75"), ("arch", "sm_90"), ("kind", "fwd_v3"),
+])
+def test_from_dict_refuses_out_of_range_and_unknown_enum_values(field, value):
+    """Values outside what the templates support are refused with the offending value in the message."""
+    record = {**KernelSpec().to_dict(), field: value}
+    shown = str(value) if isinstance(value, int) else repr(value)
+    with pytest.raises(ConfigError, match=rf"{field}(=| ){re.escape(shown)}(?!\d)"):
+        KernelSpec.from_dict(record)
+
+
+def test_from_dict_refuses_warps_that_do_not_split_block_m():
+    """block_m must split into 16-row slices over the warps (48 rows over 2 warps does not)."""
+    record = {**KernelSpec().to_dict(), "block_m": 48, "warps": 2}
+    with pytest.raises(ConfigError, match="16-row slices"):
+        KernelSpec.from_dict(record)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("dtype", "bf16; system(\"rm -rf /\")"),
+    ("dtype", "bf16\n#include </etc/passwd>"),
+    ("kind", "../../x"),
+    ("kind", "fwd_v2/../../etc"),
+    ("arch", "sm_90a --extra-device-vectorization"),
+    ("arch", "sm_80}} {{ 7*7"),
+])
+def test_from_dict_refuses_injection_attempts(field, value):
+    """Strings that would reach a template, a path or a compiler flag are refused by enum checks."""
+    record = {**KernelSpec().to_dict(), field: value}
+    with pytest.raises(ConfigError, match=f"{field} {re.escape(repr(value))} not in"):
+        KernelSpec.from_dict(record)
+
+
+# ---------------------------------------------------------------- shared memory and feasibility
+
+
+def test_smem_bytes_hand_checked():
+    """smem = 2 bytes * d * (block_m + 2 * stages * block_n): Q tile plus K and V pipelines.
+
+    d=96, block_m=64, block_n=48, stages=3: 2 * 96 * (64 + 2*3*48) = 2 * 96 * 352 = 67584.
+    """
+    spec = KernelSpec(arch="sm_80", dtype="fp16", head_dim=96, block_m=64, block_n=48, warps=4, stages=3)
+    assert spec.smem_bytes() == 67584
+    assert spec.replace(dtype="bf16").smem_bytes() == 67584
+    # causal and arch do not change the tiles
+    assert spec.replace(causal=True, arch="sm_90a").smem_bytes() == 67584
+
+
+def test_check_reports_over_budget_shared_memory_on_l4():
+    """A d=256 tile that needs 196608 B is refused on the L4 (101376 B per block) with both numbers."""
+    spec = KernelSpec(arch="sm_89", dtype="bf16", head_dim=256, block_m=128, block_n=64, warps=8, stages=2)
+    l4 = gpus.get("l4")
+    assert spec.smem_bytes() == 196608
+    reasons = spec.check(l4)
+    assert any("196608" in r and "101376" in r and "l4" in r for r in reasons), reasons
+    assert not spec.feasible(l4)
+    assert spec.check(gpus.get("h200")) == []
+
+
+def test_check_accepts_a_feasible_spec():
+    """A small d=64 tile (40960 B) is feasible on every known GPU."""
+    spec = KernelSpec(arch="sm_89", dtype="fp16", head_dim=64, block_m=64, block_n=64, warps=4, stages=2)
+    assert spec.smem_bytes() == 40960
+    for prof in gpus.PROFILES.values():
+        assert spec.check(prof) == [], prof.name
+        assert spec.feasible(prof)
+
+
+def test_check_reports_too_many_accumulators():
+    """A tile whose fp32 accumulators per thread exceed the family's limit is reported as likely to spill."""
+    spec = KernelSpec(arch="sm_90a", head_dim=256, block_m=128, block_n=128, warps=4, stages=2)
+    # 2 slices of 16 rows per warp, (256/8 + 128/8) * 4 floats each = 384 > 200
+    assert FWD.acc_floats(spec) == 384
+    reasons = spec.check(gpus.get("h200"))
+    assert any("384" in r and "spill" in r for r in reasons), reasons
+
+
+def test_check_returns_reasons_for_an_invalid_spec_instead_of_raising():
+    """check() is the enumerator's filter: an invalid spec gives a reason, not an exception."""
+    reasons = KernelSpec(head_dim=264).check(gpus.get("h200"))
+    assert len(reasons) == 1 and "264" in reasons[0]
+
+
+@pytest.mark.parametrize("profile", sorted(gpus.PROFILES))
+def test_default_rule_only_picks_feasible_specs(profile):
+    """Every spec the default rule picks for a profile's arch and budget passes check(profile)."""
+    prof = gpus.get(profile)
+    specs = dispatch.default_specs(prof.arch, prof.smem_per_block)
+    assert len(specs) == len(MMA_HEAD_DIMS) * 2 * 2
+    for spec in specs:
+        assert spec.arch == prof.arch
+        assert spec.check(prof) == [], spec.name
+
+
+def test_default_rule_raises_when_nothing_fits():
+    """No tile fits 1000 B: UnsupportedError naming the head dim, not an empty or oversized spec."""
+    key = dispatch.ProblemKey("fwd_v2", "sm_80", "fp16", 96, False, 512)
+    with pytest.raises(UnsupportedError, match="d=96"):
+        dispatch.default_spec(key, 1000)
+
+
+def test_context_carries_name_and_smem():
+    """The template context has every field plus the derived name, smem size and param rows."""
+    spec = KernelSpec(arch="sm_80", dtype="fp16", head_dim=160, block_m=64, block_n=32, warps=4, stages=2)
+    ctx = spec.context()
+    for f in dataclasses.fields(KernelSpec):
+        assert ctx[f.name] == getattr(spec, f.name)
+    assert ctx["name"] == spec.name
+    assert ctx["smem_bytes"] == spec.smem_bytes() == 2 * 160 * (64 + 2 * 2 * 32)
+    assert ctx["elem_bytes"] == 2
+    assert [n for n, _ in ctx["params"]] == [n for n, _, _ in FWD.params]
+
+
+def test_context_refuses_an_invalid_spec():
+    """No template variables for a spec that fails validation (nothing unchecked reaches Jinja)."""
+    with pytest.raises(ValueError, match="dtype"):
+        KernelSpec(dtype="bf16; system(1)").context()
+
+
+# ---------------------------------------------------------------- GPU profiles
+
+
+def test_gpu_profiles_known_and_case_insensitive():
+    """The documented profiles exist; lookup ignores case and surrounding space."""
+    for name in ("a100", "h100", "h200", "l4", "rtx4090"):
+        assert gpus.get(name).name == name
+    assert gpus.get(" H200 ") is gpus.get("h200")
+    assert gpus.get("h200").arch == "sm_90a"
+    assert gpus.get("a100").smem_per_block == gpus.ARCH_SMEM_PER_BLOCK["sm_80"]
+
+
+@pytest.mark.parametrize("name", ["b200", "", "h2000", "../h200", None])
+def test_gpu_get_refuses_unknown_names(name):
+    """An unknown profile is an UnsupportedError that lists the known ones."""
+    with pytest.raises(UnsupportedError, match="h200"):
+        gpus.get(name)
+
+
+def test_arch_of_capability():
+    """Compute capability maps to the compile target; 9.0 gets the 'a' features; pre-Ampere is refused."""
+    assert gpus.arch_of_capability(8, 0) == "sm_80"
+    assert gpus.arch_of_capability(8, 9) == "sm_89"
+    assert gpus.arch_of_capability(9, 0) == "sm_90a"
+    with pytest.raises(UnsupportedError, match="7.5"):
+        gpus.arch_of_capability(7, 5)
+
+
+def test_forced_gpu_profile_from_environment(monkeypatch):
+    """FLASHGEN_GPU picks the profile without looking at the hardware."""
+    monkeypatch.setenv("FLASHGEN_GPU", "L4")
+    assert gpus.detect().name == "l4"
+    monkeypatch.setenv("FLASHGEN_GPU", "nonesuch")
+    with pytest.raises(UnsupportedError):
+        gpus.detect()
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+@pytest.mark.parametrize("seqlen,bucket", [
+    (1, 512), (37, 512), (512, 512), (513, 1024), (1023, 1024), (2047, 2048), (4097, 8192),
+    (16383, 16384), (16384, 16384), (16385, 16384), (1_000_003, 16384),
+])
+def test_bucket_of(seqlen, bucket):
+    """A length maps to the smallest bucket at or above it, and past the last bucket to the last."""
+    assert dispatch.bucket_of(seqlen) == bucket
+
+
+@pytest.mark.parametrize("d,tile", [
+    (8, 32), (24, 32), (32, 32), (40, 64), (64, 64), (72, 96), (104, 128), (136, 160), (168, 192),
+    (200, 224), (248, 256), (256, 256),
+])
+def test_head_dim_tile(d, tile):
+    """A head dim maps to the smallest supported tile at or above it."""
+    assert dispatch.head_dim_tile(d) == tile
+
+
+@pytest.mark.parametrize("d", [264, 512, 12, 7, 0, -8])
+def test_head_dim_tile_refuses_unsupported(d):
+    """Head dims above 256 or not a positive multiple of 8 are UnsupportedError, naming the value."""
+    with pytest.raises(UnsupportedError, match=f"head dim {d}"):
+        dispatch.head_dim_tile(d)
+
+
+def test_select_without_a_gpu_profile_uses_the_default_rule():
+    """With no known GPU, dispatch gives exactly the default rule's spec for the key."""
+    key = dispatch.ProblemKey("fwd_v2", "sm_89", "fp16", dispatch.head_dim_tile(72), True, dispatch.bucket_of(999))
+    spec = dispatch.select(key, None, gpus.ARCH_SMEM_PER_BLOCK["sm_89"])
+    assert spec == dispatch.default_spec(key, gpus.ARCH_SMEM_PER_BLOCK["sm_89"])
+    assert (spec.arch, spec.dtype, spec.head_dim, spec.causal) == ("sm_89", "fp16", 96, True)
+    assert spec.smem_bytes() <= gpus.ARCH_SMEM_PER_BLOCK["sm_89"]
