@@ -2,6 +2,8 @@
 
   flashgen emit --d 128 --causal --dtype bf16 [--arch sm_90a] [--block-m ...]
   flashgen compile --d 128 --arch sm_80      (offline, no GPU: prints the ptxas report)
+  flashgen tune --gpu h200 --d 64,128        (Optuna search; --model without a GPU)
+  flashgen show [--gpu h200] [--config PATH] (the tuned tables in use, or one file checked)
 """
 from __future__ import annotations
 
@@ -73,6 +75,45 @@ def cmd_compile(args) -> int:
     return 1 if r.problems() else 0
 
 
+def cmd_tune(args) -> int:
+    from .tuner.run import tune
+
+    return tune(args, args.argv)
+
+
+def cmd_show(args) -> int:
+    from . import tables
+    from .tuner import space, store
+
+    if args.config:
+        sources = [("file", store.load(args.config, gpu=args.gpu))]
+    else:
+        gpu = args.gpu or (gpus.detect().name if gpus.detect() else None)
+        if gpu is None:
+            raise FlashgenError("no known GPU here: name one with --gpu, or a file with --config")
+        sources = tables.tables(gpus.get(gpu).name)
+        if not sources:
+            print(f"no tuned tables for {gpu}: dispatch uses the default rule "
+                  f"(looked in {store.default_path(gpu)} and {store.shipped_path(gpu)})")
+            return 0
+    seen = set()
+    for origin, table in sources:
+        m = table.meta
+        print(f"# {origin}: {table.path}\n#   gpu {m['gpu']} ({m.get('device_name', '')}), {m['arch']}, "
+              f"{m['smem_per_block']} B smem/block, source {m['source']}, {m['date']}, "
+              + ", ".join(f"{k} {v}" for k, v in m["versions"].items()))
+        print(f"{'key':42s} {'spec':44s} {'ms':>8s} {'TFLOP/s':>8s} {'gain':>6s} {'from':>8s}")
+        for key in sorted(table.entries, key=lambda k: (k.kind, k.dtype, k.head_dim, k.causal, k.bucket)):
+            e = table.entries[key]
+            used = "shadowed" if key in seen else origin
+            seen.add(key)
+            gain = f"{e['speedup']:.2f}x" if e.get("speedup") else "-"
+            tf = f"{e['tflops']:.0f}" if e.get("tflops") else "-"
+            print(f"{space.key_name(key):42s} {e['spec'].name:44s} {e['time_ms']:8.3f} {tf:>8s} {gain:>6s} "
+                  f"{used:>8s}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="flashgen", description="FlashAttention kernel generator and autotuner")
     parser.add_argument("--version", action="version", version=f"flashgen {__version__}")
@@ -84,7 +125,18 @@ def main(argv=None) -> int:
     _spec_args(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_compile)
+    p = sub.add_parser("tune", help="search tile shapes on this GPU (or by the cost model) and write YAML")
+    from .tuner.run import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=cmd_tune)
+    p = sub.add_parser("show", help="print the tuned tables in use, or check one YAML file")
+    p.add_argument("--gpu", choices=sorted(gpus.PROFILES), help="GPU profile (default: the GPU here)")
+    p.add_argument("--config", help="a YAML table to validate and print")
+    p.set_defaults(func=cmd_show)
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv[1:] if argv and argv[0] == "tune" else argv
     try:
         return args.func(args)
     except FlashgenError as exc:

@@ -45,6 +45,17 @@ PROFILES: dict[str, GPUProfile] = {
 ARCH_SMEM_PER_BLOCK = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90a": 232448}
 
 
+def with_smem(profile: GPUProfile, smem: int | None) -> GPUProfile:
+    """``profile`` with another shared-memory budget per block (``--smem``: simulate a smaller GPU)."""
+    if smem is None:
+        return profile
+    if type(smem) is not int or smem <= 0:
+        raise ValueError(f"shared-memory budget must be a positive number of bytes, got {smem!r}")
+    import dataclasses
+
+    return dataclasses.replace(profile, smem_per_block=smem)
+
+
 def get(name: str) -> GPUProfile:
     """The profile called ``name`` (case-insensitive); ``UnsupportedError`` if unknown."""
     key = str(name).strip().lower()

@@ -23,27 +23,7 @@ SEQLENS = [(113, 203), (128, 217), (108, 256), (256, 512), (512, 256), (1023, 10
 HEAD_DIMS = [32, 64, 96, 128, 160, 192, 256]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
-
-def reference(q, k, v, causal, scale, dtype=torch.float32):
-    """softmax(scale q k^T) v in ``dtype`` (bhsd), with bottom-right causal alignment.
-
-    Rows that see no key give 0 and LSE -inf. Returns (out, lse) in fp32.
-    """
-    group = q.shape[1] // k.shape[1]
-    qq, kk, vv = (t.to(dtype) for t in (q, k, v))
-    kk = kk.repeat_interleave(group, dim=1)
-    vv = vv.repeat_interleave(group, dim=1)
-    s = torch.matmul(qq, kk.transpose(-1, -2)) * scale
-    nq, nk = q.shape[2], k.shape[2]
-    if causal:
-        i = torch.arange(nq, device=q.device)[:, None]
-        j = torch.arange(nk, device=q.device)[None, :]
-        s = s.masked_fill(j > i + (nk - nq), float("-inf"))
-    lse = torch.logsumexp(s.float(), dim=-1)
-    p = torch.softmax(s, dim=-1)
-    p = torch.nan_to_num(p, nan=0.0)  # fully masked rows
-    out = torch.matmul(p.to(dtype), vv)
-    return out.float(), lse
+from flashgen.reference import reference  # noqa: E402  (also imported by other GPU tests from here)
 
 
 def make_inputs(b, hq, hk, nq, nk, d, dtype, layout="bhsd", scale=1.0):

@@ -1,0 +1,39 @@
+"""The attention reference the tests and the tuner check kernels against.
+
+``reference`` computes softmax(scale q kᵀ) v in a chosen dtype on upcast
+inputs, with flashgen's conventions (bhsd, GQA by head groups, bottom-right
+causal alignment, a row that sees no key gives 0 and LSE -inf). The rule for a
+kernel's output (the FlashAttention repository's): its max error against the
+fp32 reference is at most twice that of the same reference computed in the
+input dtype, plus 1e-5 (``tolerance``).
+"""
+from __future__ import annotations
+
+
+def reference(q, k, v, causal, scale, dtype=None):
+    """(out, lse) in fp32 for bhsd q, k, v, computed in ``dtype`` (default fp32)."""
+    import torch
+
+    dtype = dtype or torch.float32
+    group = q.shape[1] // k.shape[1]
+    qq, kk, vv = (t.to(dtype) for t in (q, k, v))
+    kk = kk.repeat_interleave(group, dim=1)
+    vv = vv.repeat_interleave(group, dim=1)
+    s = torch.matmul(qq, kk.transpose(-1, -2)) * scale
+    nq, nk = q.shape[2], k.shape[2]
+    if causal:
+        i = torch.arange(nq, device=q.device)[:, None]
+        j = torch.arange(nk, device=q.device)[None, :]
+        s = s.masked_fill(j > i + (nk - nq), float("-inf"))
+    lse = torch.logsumexp(s.float(), dim=-1)
+    p = torch.softmax(s, dim=-1)
+    p = torch.nan_to_num(p, nan=0.0)  # fully masked rows
+    out = torch.matmul(p.to(dtype), vv)
+    return out.float(), lse
+
+
+def tolerance(q, k, v, causal, scale):
+    """(fp32 reference output, allowed max error) for bhsd inputs in their own dtype."""
+    ref, _ = reference(q, k, v, causal, scale)
+    low, _ = reference(q, k, v, causal, scale, q.dtype)
+    return ref, 2 * (low - ref).abs().max().item() + 1e-5

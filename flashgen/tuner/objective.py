@@ -1,0 +1,173 @@
+"""What one trial does to a spec: compile, check, time (or model).
+
+A trial's ``Outcome`` has a status:
+
+- ``ok``: a time (ms), measured or modelled;
+- ``constraint``: refused before any launch (the ptxas report shows spills, a
+  stack frame or too many registers; or the spec is statically infeasible);
+- ``compile_error``, ``launch_error``: the reason is the exception's message;
+- ``wrong``: it ran but broke the correctness rule (never a winner).
+
+``MeasuredObjective`` runs on the GPU; its build, check and timer are
+parameters so the logic is tested on a CPU with fakes. ``ModelObjective``
+needs no GPU: it compiles for the target arch and asks the cost model.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+
+from ..errors import CompileError
+from . import cost, space
+
+STATUSES = ("ok", "constraint", "compile_error", "launch_error", "wrong")
+
+
+@dataclass
+class Outcome:
+    status: str
+    time_ms: float | None = None
+    reason: str = ""
+    info: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.status not in STATUSES:
+            raise ValueError(f"unknown trial status {self.status!r}")
+        if self.status == "ok" and not (isinstance(self.time_ms, float) and math.isfinite(self.time_ms)
+                                        and self.time_ms > 0):
+            raise ValueError(f"an ok trial needs a positive finite time, got {self.time_ms!r}")
+
+
+def _default_build(spec):
+    from ..codegen import build
+
+    return build(spec)
+
+
+def compile_outcome(spec, build=_default_build):
+    """(binary, None) when ``spec`` compiles to a usable binary, else (None, failed Outcome)."""
+    try:
+        binary = build(spec)
+    except CompileError as exc:
+        return None, Outcome("compile_error", reason=str(exc).splitlines()[0][:300])
+    problems = binary.report.problems()
+    if problems:
+        return None, Outcome("constraint", reason="; ".join(problems),
+                             info={"registers": binary.report.registers})
+    return binary, None
+
+
+class ModelObjective:
+    """Rank by the cost model: compile for the target arch, estimate from the ptxas report."""
+
+    source = "model"
+
+    def __init__(self, profile, build=_default_build):
+        self.profile = profile
+        self.build = build
+
+    def __call__(self, key, spec) -> Outcome:
+        binary, failed = compile_outcome(spec, self.build)
+        if failed:
+            return failed
+        regs = binary.report.registers
+        est = cost.estimate(spec, space.problem_shape(key), self.profile, regs)
+        if not math.isfinite(est):
+            return Outcome("constraint", reason="no CTA fits on an SM", info={"registers": regs})
+        return Outcome("ok", est * 1e3, info={"registers": regs, "model_ms": est * 1e3})
+
+
+def median_ms(fn, *, min_reps=5, max_reps=30, target_s=0.05, warmup=2):
+    """Median time of ``fn`` in ms from CUDA events (warm-up, then repeats within ``target_s``)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    once = max(start.elapsed_time(end), 1e-3)
+    reps = int(min(max_reps, max(min_reps, target_s * 1e3 / once)))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for s, e in events:
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+class MeasuredObjective:
+    """Compile, check against the fp32 reference (once per spec), time at the key's shape."""
+
+    source = "measured"
+
+    def __init__(self, profile, device_index: int = 0, build=_default_build, check=None, timer=None):
+        self.profile = profile
+        self.device_index = device_index
+        self.build = build
+        self.check = check or self._check_on_gpu
+        self.timer = timer or self._time_on_gpu
+        self._checked: dict = {}
+        self._inputs: dict = {}
+
+    def __call__(self, key, spec) -> Outcome:
+        binary, failed = compile_outcome(spec, self.build)
+        if failed:
+            return failed
+        regs = binary.report.registers
+        info = {"registers": regs,
+                "model_ms": cost.estimate(spec, space.problem_shape(key), self.profile, regs) * 1e3}
+        try:
+            verdict = self._checked.get(spec)
+            if verdict is None:
+                verdict = self._checked[spec] = self.check(spec)
+            if verdict:
+                return Outcome("wrong", reason=verdict, info=info)
+            ms = float(self.timer(key, spec))
+        except CompileError as exc:
+            return Outcome("compile_error", reason=str(exc)[:300], info=info)
+        except Exception as exc:  # a launch failure is a failed trial, not the end of the run
+            return Outcome("launch_error", reason=f"{type(exc).__name__}: {str(exc)[:300]}", info=info)
+        if not (math.isfinite(ms) and ms > 0):
+            return Outcome("launch_error", reason=f"timer returned {ms!r}", info=info)
+        return Outcome("ok", ms, info=info)
+
+    # -- the GPU side -------------------------------------------------------
+    def _check_on_gpu(self, spec) -> str:
+        """'' when ``spec`` meets the 2x rule on fresh random odd-sized inputs, else why not."""
+        import torch
+
+        import flashgen
+        from ..reference import tolerance
+
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[spec.dtype]
+        dev = f"cuda:{self.device_index}"
+        d = spec.head_dim - 8 if spec.head_dim > 32 else spec.head_dim  # a masked head-dim tail too
+        for nq, nk in ((203, 317), (317, 203), (1, 77)):
+            q = torch.randn(2, 4, nq, d, device=dev, dtype=dtype)
+            k, v = (torch.randn(2, 2, nk, d, device=dev, dtype=dtype) for _ in range(2))
+            out = flashgen.attention(q, k, v, causal=spec.causal, spec=spec)
+            ref, tol = tolerance(q, k, v, spec.causal, d ** -0.5)
+            err = (out.float() - ref).abs().max().item()
+            if not err <= tol:  # NaN fails too
+                return f"max error {err:.3e} > {tol:.3e} at nq={nq}, nk={nk}, d={d}"
+        return ""
+
+    def _time_on_gpu(self, key, spec) -> float:
+        import torch
+
+        import flashgen
+
+        b, h, n, d = space.problem_shape(key)
+        sig = (key.dtype, b, h, n, d)
+        if sig not in self._inputs:
+            self._inputs.clear()  # one shape at a time: 3 x 64 MB, larger than L2
+            dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[key.dtype]
+            self._inputs[sig] = tuple(torch.randn(b, h, n, d, device=f"cuda:{self.device_index}", dtype=dtype)
+                                      for _ in range(3))
+        q, k, v = self._inputs[sig]
+        return median_ms(lambda: flashgen.attention(q, k, v, causal=key.causal, spec=spec))

@@ -1,0 +1,322 @@
+"""``flashgen tune``: from the command line to a YAML table.
+
+1. the GPU: ``--gpu`` names a profile; measured tuning needs that very GPU in
+   the machine (another one would measure the wrong chip). Without a GPU, or
+   with ``--model``, candidates are ranked by the cost model instead;
+2. the keys (kind x dtype x head-dim tile x causal x seqlen bucket) and each
+   key's feasible candidates (``space``), all compiled up front in parallel
+   (the disk cache serves the trials);
+3. one study per key (``study``), in this process or in ``--workers N``
+   processes sharing one storage, one per visible GPU;
+4. the winners to YAML (``store``), merged into the existing file, and with
+   ``--report`` a JSON of every trial.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+from .. import gpus
+from ..dispatch import BUCKETS
+from ..errors import FlashgenError
+from . import space, store, study
+
+DEFAULT_TRIALS = 100
+
+
+def _build_one(record):
+    """Worker-process side of the parallel precompile: (name, problems or error)."""
+    from ..codegen import build
+    from ..errors import CompileError
+    from ..spec import KernelSpec
+
+    spec = KernelSpec.from_dict(record)
+    try:
+        return spec.name, build(spec).report.problems()
+    except CompileError as exc:
+        return spec.name, [f"compile error: {str(exc).splitlines()[0]}"]
+
+
+def precompile(specs, jobs: int, log=None) -> dict:
+    """Compile every spec into the disk cache, ``jobs`` processes at a time; name -> problems."""
+    import multiprocessing
+
+    unique = list(dict.fromkeys(specs))
+    t0 = time.monotonic()
+    if jobs <= 1 or len(unique) < 2:
+        out = dict(_build_one(s.to_dict()) for s in unique)
+    else:
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            out = dict(pool.map(_build_one, [s.to_dict() for s in unique], chunksize=2))
+    if log:
+        bad = sum(1 for p in out.values() if p)
+        log(f"compiled {len(unique)} kernels in {time.monotonic() - t0:.1f} s ({jobs} jobs); "
+            f"{bad} refused by their ptxas report")
+    return out
+
+
+def gpu_mode(profile, want_model: bool) -> tuple[str, str]:
+    """('measured' | 'model', why). Refuses measuring a GPU that is not ``profile``."""
+    if want_model:
+        return "model", "--model"
+    try:
+        import torch
+
+        have_gpu = torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        have_gpu = False
+    if not have_gpu:
+        return "model", "no CUDA GPU here"
+    name = torch.cuda.get_device_name(0)
+    if not name.startswith(profile.device_name):
+        raise FlashgenError(f"the GPU here is {name!r}, not {profile.name} ({profile.device_name}): measured "
+                            f"tuning would time the wrong chip. Run on a {profile.name}, or add --model to rank "
+                            "candidates by the cost model without measuring")
+    return "measured", name
+
+
+def _csv(text, conv, what):
+    try:
+        values = [conv(x.strip()) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise FlashgenError(f"--{what}: expected a comma-separated list, got {text!r}") from None
+    if not values:
+        raise FlashgenError(f"--{what}: empty list")
+    return values
+
+
+def parse_scope(args):
+    """(profile, keys) from the command line, every value checked."""
+    from ..families import FAMILIES
+    from ..spec import DTYPES
+
+    profile = gpus.get(args.gpu)
+    try:
+        profile = gpus.with_smem(profile, args.smem)
+    except ValueError as exc:
+        raise FlashgenError(f"--smem: {exc}") from None
+    if args.kind not in FAMILIES:
+        raise FlashgenError(f"--kind {args.kind!r}: known kinds {sorted(FAMILIES)}")
+    ds = _csv(args.d, int, "d")
+    for d in ds:
+        if d % 8 or not 8 <= d <= 256:
+            raise FlashgenError(f"--d {d}: head dims are multiples of 8 from 8 to 256")
+    dtypes = _csv(args.dtype, str, "dtype")
+    for dt in dtypes:
+        if dt not in DTYPES:
+            raise FlashgenError(f"--dtype {dt!r}: one of {DTYPES}")
+    causals = {"both": [False, True], "true": [True], "false": [False]}.get(str(args.causal).lower())
+    if causals is None:
+        raise FlashgenError(f"--causal {args.causal!r}: both, true or false")
+    buckets = _csv(args.seqlens, int, "seqlens") if args.seqlens else list(BUCKETS)
+    for n in buckets:
+        if n not in BUCKETS:
+            raise FlashgenError(f"--seqlens {n}: tuned lengths are the buckets {BUCKETS}")
+    if args.trials < 1:
+        raise FlashgenError("--trials must be at least 1")
+    return profile, space.problem_keys(args.kind, profile.arch, dtypes, ds, causals, buckets)
+
+
+def _say(msg, quiet=False):
+    if not quiet:
+        print(msg, file=sys.stderr, flush=True)
+
+
+class Progress:
+    """One status line per key (rewritten in place on a terminal)."""
+
+    def __init__(self, total_keys: int, n_specs: dict, quiet: bool = False):
+        self.total, self.n_specs, self.quiet = total_keys, n_specs, quiet
+        self.index, self.tty = 0, sys.stderr.isatty()
+
+    def __call__(self, key, st):
+        if self.quiet or not self.tty:
+            return
+        trials = st.get_trials(deepcopy=False)
+        ok = [t for t in trials if t.value is not None]
+        best = min(ok, key=lambda t: t.value) if ok else None
+        line = (f"[{self.index}/{self.total}] {space.key_name(key)} trial {len(trials)}/{self.n_specs[key]}"
+                + (f" best {best.value:.3f} ms" if best else ""))
+        print("\r" + line[:150].ljust(150), end="", file=sys.stderr, flush=True)
+
+
+def run_keys(keys, cands, objective, args, storage, worker_index=0, progress=None):
+    for i, key in enumerate(keys, 1):
+        if progress:
+            progress.index = i
+        study.run_study(key, objective, cands[key], n_trials=args.trials, time_budget=args.time_budget,
+                        storage=storage, seed=args.seed, worker_index=worker_index, progress=progress)
+
+
+def _spawn_workers(argv, n, mode, storage_url, log):
+    """Start ``n`` copies of this command as workers on one shared storage; wait for all."""
+    procs = []
+    for i in range(n):
+        env = dict(os.environ)
+        if mode == "measured":
+            env["CUDA_VISIBLE_DEVICES"] = str(i)
+        cmd = [sys.executable, "-m", "flashgen.cli", "tune", *argv, "--worker-index", str(i),
+               "--storage", storage_url, "--workers", "1", "--worker-only", "--jobs", "1"]
+        procs.append(subprocess.Popen(cmd, env=env))
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise FlashgenError(f"tuning workers exited with {codes}")
+    log(f"{n} workers finished")
+
+
+def summarize(results, mode) -> list[dict]:
+    rows = []
+    for r in results:
+        best, base = r.best, r.baseline_trial
+        row = {"key": space.key_name(r.key), "mode": r.mode, "candidates": r.candidates, "trials": len(r.trials),
+               "failures": r.failures(), "workers": r.workers(),
+               "best": best.spec.name if best else None, "best_ms": best.time_ms if best else None,
+               "baseline": r.baseline.name, "baseline_ms": base.time_ms if base and base.status == "ok" else None,
+               "baseline_status": base.status if base else "not run",
+               "baseline_reason": base.reason if base else ""}
+        row["speedup"] = row["baseline_ms"] / row["best_ms"] if row["baseline_ms"] and row["best_ms"] else None
+        if mode == "measured":
+            row["rank_agreement"] = study.rank_agreement(r)
+        row["trial_log"] = [{"n": t.number, "spec": t.spec.name, "status": t.status, "ms": t.time_ms,
+                             "reason": t.reason, "worker": t.worker, **t.info} for t in r.trials]
+        rows.append(row)
+    return rows
+
+
+def print_summary(rows, out=sys.stdout):
+    print(f"{'key':42s} {'best':44s} {'ms':>8s} {'base ms':>8s} {'gain':>6s} {'ok/run':>7s}", file=out)
+    for r in rows:
+        ok = r["trials"] - sum(r["failures"].values())
+        gain = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
+        best_ms = f"{r['best_ms']:.3f}" if r["best_ms"] else "-"
+        base_ms = f"{r['baseline_ms']:.3f}" if r["baseline_ms"] else r["baseline_status"]
+        print(f"{r['key']:42s} {str(r['best']):44s} {best_ms:>8s} {base_ms:>8s} {gain:>6s} "
+              f"{ok:>3d}/{r['trials']:<3d}", file=out)
+    gains = [r["speedup"] for r in rows if r["speedup"]]
+    if gains:
+        print(f"median gain over the paper-rule baseline: {statistics.median(gains):.2f}x "
+              f"(min {min(gains):.2f}x, max {max(gains):.2f}x, {len(gains)} keys)", file=out)
+    agree = [r["rank_agreement"] for r in rows if r.get("rank_agreement")]
+    if agree:
+        print(f"cost model vs measured: median Spearman {statistics.median(a['spearman'] for a in agree):.2f}; "
+              f"model's pick runs at median {statistics.median(a['model_pick_slowdown'] for a in agree):.2f}x "
+              "the measured best", file=out)
+
+
+def tune(args, argv) -> int:
+    t_start = time.monotonic()
+    quiet = args.quiet
+    log = lambda msg: _say(msg, quiet)  # noqa: E731
+    profile, keys = parse_scope(args)
+    mode, why = gpu_mode(profile, args.model)
+    if not args.worker_only:
+        log(f"tuning {len(keys)} keys for {profile.name} ({profile.arch}, {profile.smem_per_block} B shared memory "
+            f"per block), {'measured on ' + why if mode == 'measured' else 'cost model (' + why + ')'}")
+    cands = {key: space.candidates(key, profile) for key in keys}
+    if args.workers < 1:
+        raise FlashgenError("--workers must be at least 1")
+    if args.workers > 1 and mode == "measured":
+        import torch
+
+        if torch.cuda.device_count() < args.workers:
+            raise FlashgenError(f"--workers {args.workers}: only {torch.cuda.device_count()} GPU(s) visible")
+    if not args.worker_only:
+        # Exhaustive keys: every candidate runs, so compile them all now; TPE keys compile on demand.
+        specs = [s for key in keys for s in (cands[key] if len(cands[key]) <= args.trials else cands[key][:1])]
+        precompile(specs, args.jobs, log)
+    from .objective import MeasuredObjective, ModelObjective
+
+    objective = MeasuredObjective(profile) if mode == "measured" else ModelObjective(profile)
+    storage_url = args.storage
+    tmpdir = None
+    if args.workers > 1 and storage_url is None:
+        tmpdir = tempfile.mkdtemp(prefix="flashgen-tune-")
+        storage_url = f"journal:{os.path.join(tmpdir, 'studies.journal')}"
+    storage = study.open_storage(storage_url)
+    progress = Progress(len(keys), {k: len(v) for k, v in cands.items()}, quiet)
+    if args.workers > 1:
+        passthrough = [a for a in argv if a not in ("--quiet",)]
+        passthrough = _strip(passthrough, ("--workers", "--storage", "--jobs", "--out", "--report", "--worker-index"))
+        _spawn_workers(passthrough + ["--quiet"], args.workers, mode, storage_url, log)
+    else:
+        run_keys(keys, cands, objective, args, storage, args.worker_index, progress)
+    if not quiet and sys.stderr.isatty():
+        print(file=sys.stderr)
+    if args.worker_only:
+        return 0
+    results = [study.collect(key, storage, cands[key]) for key in keys]
+    rows = summarize(results, mode)
+    new = store.Table(meta=store.make_meta(profile, mode, why if mode == "measured" else None))
+    for r in results:
+        if r.best is None:
+            log(f"{space.key_name(r.key)}: no candidate passed ({r.failures()}); not written")
+            continue
+        new.entries[r.key] = store.entry_from_result(r, mode)
+    out = args.out or store.default_path(profile.name)
+    old = store.load(out, gpu=profile.name) if os.path.exists(out) else None
+    path = store.save(store.merge(old, new), out)
+    from .. import tables
+
+    tables.clear()
+    wall = time.monotonic() - t_start
+    if args.report:
+        report = {"meta": new.meta, "mode": mode, "gpu_profile": profile.name, "argv": argv, "wall_s": wall,
+                  "keys": rows}
+        os.makedirs(os.path.dirname(os.path.abspath(args.report)), exist_ok=True)
+        with open(args.report, "w") as fh:
+            json.dump(report, fh, indent=1, default=str)
+    print_summary(rows)
+    log(f"wrote {path} ({len(new.entries)} entries, source: {mode}) in {wall:.0f} s")
+    return 0
+
+
+def _strip(argv, options):
+    """``argv`` without the given options and their values (both ``--x v`` and ``--x=v``)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in options:
+            skip = "=" not in a
+            continue
+        out.append(a)
+    return out
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--gpu", required=True, help="GPU profile to tune for (a100, h100, h200, l4, rtx4090)")
+    p.add_argument("--d", required=True, help="head dims, comma-separated (e.g. 64,128)")
+    p.add_argument("--dtype", default="bf16", help="fp16, bf16 or both comma-separated (default bf16)")
+    p.add_argument("--causal", default="both", help="both (default), true or false")
+    p.add_argument("--seqlens", default=None, help=f"seqlen buckets to tune (default all: {BUCKETS})")
+    p.add_argument("--kind", default="fwd_v2", help="kernel family (default fwd_v2)")
+    p.add_argument("--trials", type=int, default=DEFAULT_TRIALS,
+                   help=f"evaluated trials per key (default {DEFAULT_TRIALS}; all candidates when fewer)")
+    p.add_argument("--time-budget", type=float, default=None, help="seconds per key (default: no limit)")
+    p.add_argument("--smem", type=int, default=None, help="shared-memory budget M per block in bytes "
+                                                          "(default: the profile's; smaller simulates a smaller GPU)")
+    p.add_argument("--model", action="store_true", help="rank by the cost model, no measuring (also without a GPU)")
+    p.add_argument("--storage", default=None, help="Optuna storage shared by workers: journal:PATH, *.log or an "
+                                                   "RDB URL (default: in memory)")
+    p.add_argument("--workers", type=int, default=1, help="worker processes, one per visible GPU (default 1)")
+    p.add_argument("--out", default=None, help="YAML to write/merge (default $FLASHGEN_HOME/configs/<gpu>.yaml)")
+    p.add_argument("--report", default=None, help="also write every trial as JSON here")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles (default: CPUs)")
+    p.add_argument("--seed", type=int, default=0, help="TPE seed (default 0)")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.add_argument("--worker-index", type=int, default=0, help=argparse_suppress())
+    p.add_argument("--worker-only", action="store_true", help=argparse_suppress())
+
+
+def argparse_suppress():
+    import argparse
+
+    return argparse.SUPPRESS

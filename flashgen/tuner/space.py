@@ -1,0 +1,115 @@
+"""The search space: problem keys, the feasible specs of a key, and the paper-rule baseline.
+
+A problem key is (kind, arch, dtype, head-dim tile, causal, seqlen bucket),
+``flashgen.dispatch.ProblemKey``. Its candidates are every combination of the
+family's tunable knobs (``Family.tune_space``) that the family accepts
+(``validate``: sizes it supports, warp layout dividing the tile) and that the
+GPU can hold (``KernelSpec.check``: shared memory within the budget M, fp32
+accumulators per thread within what the register file plausibly keeps). The
+ptxas report decides the rest at compile time (a spilling tile is a recorded
+constraint violation, never launched).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+from ..dispatch import BUCKETS, ProblemKey
+from ..spec import DTYPE_BYTES, KernelSpec
+
+# The benchmark convention the tuner measures at: hidden 2048, 16k tokens per call.
+HIDDEN = 2048
+TOKENS = 16384
+
+
+def problem_keys(kind: str, arch: str, dtypes, head_dims, causals, buckets=BUCKETS) -> list[ProblemKey]:
+    from ..dispatch import head_dim_tile
+
+    tiles = sorted({head_dim_tile(d) for d in head_dims})
+    return [ProblemKey(kind, arch, dt, d, c, n)
+            for dt in dtypes for d in tiles for c in causals for n in buckets]
+
+
+def problem_shape(key: ProblemKey) -> tuple[int, int, int, int]:
+    """(batch, heads, seqlen, d) the key is measured at: hidden 2048, batch * seqlen = 16k tokens."""
+    n = key.bucket
+    return max(1, TOKENS // n), max(1, HIDDEN // key.head_dim), n, key.head_dim
+
+
+def key_name(key: ProblemKey) -> str:
+    """Readable and unique; also the Optuna study name."""
+    return (f"{key.kind}-{key.arch}-{key.dtype}-d{key.head_dim}-{'causal' if key.causal else 'full'}"
+            f"-n{key.bucket}")
+
+
+def _spec(key: ProblemKey, **knobs) -> KernelSpec:
+    return KernelSpec(kind=key.kind, arch=key.arch, dtype=key.dtype, head_dim=key.head_dim, causal=key.causal,
+                      **knobs)
+
+
+def _ok(spec: KernelSpec, profile) -> bool:
+    return not spec.check(profile)
+
+
+def paper_baseline(key: ProblemKey, profile) -> KernelSpec:
+    """The FlashAttention paper's tile rule under the GPU's budget M.
+
+    B_c = ceil(M / 4d), B_r = min(B_c, d), with M counted in elements of the
+    input dtype (the rule sizes Q, K, V, O blocks of B x d elements to fill the
+    SRAM). Each is rounded to the nearest tile the family supports (ties go to
+    the smaller), the fewest warps whose layout divides B_r and keeps the
+    accumulators in registers, 2 stages, the copy issued first; while that does
+    not fit, the larger of B_c and B_r steps down to the next supported size.
+    """
+    from ..families import family
+
+    fam = family(key.kind)
+    m_elems = profile.smem_per_block // DTYPE_BYTES[key.dtype]
+    b_c = math.ceil(m_elems / (4 * key.head_dim))
+    b_r = min(b_c, key.head_dim)
+
+    def nearest(value, allowed):
+        return min(allowed, key=lambda a: (abs(a - value), a))
+
+    bms = sorted(fam.block_ms)
+    bns = sorted(fam.block_ns)
+    bm, bn = nearest(b_r, bms), nearest(b_c, bns)
+    while True:
+        for w in sorted(fam.warps):
+            if bm % (16 * w) or w < 4 and bm >= 64:
+                continue
+            spec = _spec(key, block_m=bm, block_n=bn, warps=w, stages=2, refill=0)
+            if _ok(spec, profile):
+                return spec
+        if bn >= bm and bn > bns[0]:   # step the larger of the two down
+            bn = bns[bns.index(bn) - 1]
+        elif bm > bms[0]:
+            bm = bms[bms.index(bm) - 1]
+        elif bn > bns[0]:
+            bn = bns[bns.index(bn) - 1]
+        else:
+            raise ValueError(f"no tile of {key.kind} fits {profile.name} with {profile.smem_per_block} B")
+
+
+def candidates(key: ProblemKey, profile) -> list[KernelSpec]:
+    """The statically feasible specs of ``key`` on ``profile``, paper-rule baseline first."""
+    from ..families import family
+
+    fam = family(key.kind)
+    names = [n for n, _ in fam.tune_space]
+    out = [paper_baseline(key, profile)]
+    for values in itertools.product(*(v for _, v in fam.tune_space)):
+        try:
+            spec = _spec(key, **dict(zip(names, values))).validate()
+        except ValueError:
+            continue  # not a layout the template supports (e.g. rows not divisible over the warps)
+        if _ok(spec, profile) and spec not in out:
+            out.append(spec)
+    return out
+
+
+def knob_choices(key: ProblemKey, specs) -> dict[str, list]:
+    """Per tunable knob, the values that occur among ``specs`` (the TPE search dimensions)."""
+    from ..families import family
+
+    return {n: sorted({getattr(s, n) for s in specs}) for n, _ in family(key.kind).tune_space}

@@ -1,0 +1,266 @@
+"""One Optuna study per problem key.
+
+``run_study`` adds trials to the key's study; ``collect`` reads the finished
+study back as a ``KeyResult``. Both work on any Optuna storage, so several
+processes (on several GPUs or hosts) can share one study per key:
+
+- **exhaustive** (the feasible set is no larger than the trial budget): trial
+  number i evaluates candidate i. Optuna numbers the trials of a study
+  uniquely across every process sharing it, so each candidate is evaluated
+  exactly once, by whichever worker asks first; nothing is lost or repeated.
+- **TPE** (larger sets): a seeded ``TPESampler`` over the family's knobs
+  (each worker offsets the seed, so workers do not propose the same points);
+  the paper-rule baseline is enqueued first. A proposal that is not feasible
+  is recorded as a ``constraint`` failure without compiling; a proposal equal
+  to an earlier trial reuses that trial's result and is not evaluated again.
+
+Every trial records the spec, the status and reason of a failure, the
+objective's extra information (registers, modelled time) and the worker.
+"""
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+
+from ..spec import KernelSpec
+from . import space
+
+_MAX_PROPOSALS = 5  # TPE: stop after this many proposals per evaluated trial (a small space is exhausted)
+
+
+def open_storage(url: str | None):
+    """An Optuna storage: None -> in memory; ``journal:PATH`` or a ``*.log``/``*.journal``
+    path -> a journal file (several processes may share it); anything else -> an RDB URL."""
+    import optuna
+
+    if url is None:
+        return optuna.storages.InMemoryStorage()
+    if not isinstance(url, str):
+        return url  # already a storage object
+    path = url[len("journal:"):] if url.startswith("journal:") else url
+    if url.startswith("journal:") or url.endswith((".log", ".journal")):
+        from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+        return JournalStorage(JournalFileBackend(path))
+    return optuna.storages.RDBStorage(url)
+
+
+def worker_name() -> str:
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return f"{socket.gethostname()}:{os.getpid()}" + (f":gpu{gpu}" if gpu else "")
+
+
+@dataclass
+class TrialRecord:
+    number: int
+    spec: KernelSpec
+    status: str
+    time_ms: float | None
+    reason: str = ""
+    info: dict = field(default_factory=dict)
+    worker: str = ""
+
+
+@dataclass
+class KeyResult:
+    key: object
+    candidates: int
+    baseline: KernelSpec
+    trials: list  # TrialRecord, one per evaluated spec (duplicates dropped), in trial order
+    mode: str = "exhaustive"
+
+    def ok(self) -> list:
+        return sorted((t for t in self.trials if t.status == "ok"), key=lambda t: (t.time_ms, t.number))
+
+    @property
+    def best(self) -> TrialRecord | None:
+        ok = self.ok()
+        return ok[0] if ok else None
+
+    def runners_up(self, n: int = 3) -> list:
+        return self.ok()[1:1 + n]
+
+    @property
+    def baseline_trial(self) -> TrialRecord | None:
+        return next((t for t in self.trials if t.spec == self.baseline), None)
+
+    def failures(self) -> dict:
+        counts: dict = {}
+        for t in self.trials:
+            if t.status != "ok":
+                counts[t.status] = counts.get(t.status, 0) + 1
+        return counts
+
+    def workers(self) -> dict:
+        counts: dict = {}
+        for t in self.trials:
+            counts[t.worker] = counts.get(t.worker, 0) + 1
+        return counts
+
+
+def _study(key, storage, sampler=None):
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna.create_study(study_name=space.key_name(key), storage=storage, direction="minimize",
+                               sampler=sampler, load_if_exists=True)
+
+
+def _record(trial, spec, outcome, worker):
+    trial.set_user_attr("spec", spec.to_dict())
+    trial.set_user_attr("status", outcome.status)
+    trial.set_user_attr("reason", outcome.reason)
+    trial.set_user_attr("info", outcome.info)
+    trial.set_user_attr("worker", worker)
+
+
+def _tell(study, trial, spec, outcome, worker):
+    import optuna
+
+    _record(trial, spec, outcome, worker)
+    if outcome.status == "ok":
+        study.tell(trial, outcome.time_ms)
+    else:
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+
+
+def run_study(key, objective, specs, *, n_trials: int, time_budget: float | None = None, storage=None,
+              seed: int = 0, worker: str | None = None, worker_index: int = 0, progress=None):
+    """Evaluate specs of ``key`` until the study holds ``n_trials`` evaluated trials, every
+    candidate is done, or ``time_budget`` seconds pass. ``specs[0]`` is the baseline.
+
+    ``objective(key, spec) -> Outcome`` never raises for a bad spec (its failures are
+    outcomes); an exception escaping it is recorded as a ``launch_error`` and the run goes on.
+    Returns the storage (pass it to ``collect``).
+    """
+    import optuna
+
+    from .objective import Outcome
+
+    storage = open_storage(storage)
+    worker = worker or worker_name()
+    exhaustive = len(specs) <= n_trials
+    sampler = None if exhaustive else optuna.samplers.TPESampler(seed=seed + 7919 * worker_index)
+    study = _study(key, storage, sampler)
+    study.set_user_attr("mode", "exhaustive" if exhaustive else "tpe")
+    deadline = None if time_budget is None else time.monotonic() + time_budget
+    choices = space.knob_choices(key, specs)
+    feasible = set(specs)
+    if not exhaustive and not study.get_trials(deepcopy=False):
+        study.enqueue_trial({n: getattr(specs[0], n) for n in choices})  # the baseline is the first trial
+    proposals = 0
+
+    def evaluate(spec):
+        try:
+            return objective(key, spec)
+        except Exception as exc:  # noqa: BLE001 — a broken trial must not stop the run
+            return Outcome("launch_error", reason=f"{type(exc).__name__}: {str(exc)[:300]}")
+
+    while deadline is None or time.monotonic() < deadline:
+        trials = study.get_trials(deepcopy=False)
+        done = {KernelSpec(**t.user_attrs["spec"]) for t in trials
+                if "spec" in t.user_attrs and t.user_attrs.get("duplicate_of") is None}
+        if exhaustive:
+            if len(trials) >= len(specs):
+                break
+            trial = study.ask()
+            if trial.number >= len(specs):  # another worker took the last one meanwhile
+                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                break
+            spec = specs[trial.number]
+            _tell(study, trial, spec, evaluate(spec), worker)
+        else:
+            evaluated = sum(1 for t in trials if "spec" in t.user_attrs and t.user_attrs.get("duplicate_of") is None
+                            and not t.user_attrs.get("static"))
+            if evaluated >= min(n_trials, len(specs)) or proposals >= _MAX_PROPOSALS * n_trials:
+                break
+            proposals += 1
+            dists = {n: optuna.distributions.CategoricalDistribution(v) for n, v in choices.items()}
+            trial = study.ask(fixed_distributions=dists)
+            spec = specs[0].replace(**trial.params)
+            if spec in done:  # the sampler proposed a spec already evaluated: reuse its result
+                prior = next(t for t in trials if t.user_attrs.get("spec") == spec.to_dict()
+                             and t.user_attrs.get("duplicate_of") is None)
+                trial.set_user_attr("duplicate_of", prior.number)
+                if prior.state == optuna.trial.TrialState.COMPLETE:
+                    study.tell(trial, prior.value)
+                else:
+                    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                continue
+            if spec not in feasible:
+                reasons = "; ".join(spec.check(_profile_of(objective))) or "outside the feasible set"
+                trial.set_user_attr("static", True)  # refused without compiling; not an evaluated trial
+                _tell(study, trial, spec, Outcome("constraint", reason=f"statically infeasible: {reasons}"),
+                      worker)
+                continue
+            _tell(study, trial, spec, evaluate(spec), worker)
+        if progress is not None:
+            progress(key, study)
+    return storage
+
+
+def _profile_of(objective):
+    return getattr(objective, "profile", None) or _NoProfile()
+
+
+class _NoProfile:
+    name = "?"
+    smem_per_block = math.inf
+    regs_per_sm = 65536
+
+
+def collect(key, storage, specs) -> KeyResult:
+    """The finished study of ``key`` as a KeyResult (one record per evaluated spec)."""
+    import optuna
+
+    storage = open_storage(storage)
+    study = optuna.load_study(study_name=space.key_name(key), storage=storage)
+    records, seen = [], set()
+    for t in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number):
+        attrs = t.user_attrs
+        if "spec" not in attrs or attrs.get("duplicate_of") is not None:
+            continue
+        spec = KernelSpec(**attrs["spec"])  # not validated: infeasible proposals are recorded too
+        if spec in seen:  # two workers raced on one TPE proposal: keep the first
+            continue
+        seen.add(spec)
+        ok = t.state == optuna.trial.TrialState.COMPLETE
+        records.append(TrialRecord(t.number, spec, attrs.get("status", "ok" if ok else "launch_error"),
+                                   t.value if ok else None, attrs.get("reason", ""), attrs.get("info", {}),
+                                   attrs.get("worker", "")))
+    return KeyResult(key, len(specs), specs[0], records, study.user_attrs.get("mode", "exhaustive"))
+
+
+def rank_agreement(result: KeyResult) -> dict | None:
+    """How well the modelled times rank the measured ones among a key's ok trials:
+    Spearman's rho, and the measured time of the model's pick against the measured best."""
+    ok = [t for t in result.ok() if "model_ms" in t.info]
+    if len(ok) < 3:
+        return None
+
+    def ranks(values):
+        order = sorted(range(len(values)), key=lambda i: values[i])
+        r = [0.0] * len(values)
+        i = 0
+        while i < len(order):  # average ranks over ties
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for m in range(i, j + 1):
+                r[order[m]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    measured = ranks([t.time_ms for t in ok])
+    modelled = ranks([t.info["model_ms"] for t in ok])
+    n = len(ok)
+    mean = (n - 1) / 2
+    cov = sum((a - mean) * (b - mean) for a, b in zip(measured, modelled))
+    var = math.sqrt(sum((a - mean) ** 2 for a in measured) * sum((b - mean) ** 2 for b in modelled))
+    pick = min(ok, key=lambda t: t.info["model_ms"])
+    return {"n": n, "spearman": cov / var if var else 0.0, "model_pick": pick.spec.name,
+            "model_pick_ms": pick.time_ms, "best_ms": ok[0].time_ms,
+            "model_pick_slowdown": pick.time_ms / ok[0].time_ms}
