@@ -189,7 +189,8 @@ def summarize(results, mode) -> list[dict]:
     return rows
 
 
-def print_summary(rows, out=sys.stdout):
+def print_summary(rows, out=None):
+    out = out or sys.stdout
     print(f"{'key':42s} {'best':44s} {'ms':>8s} {'base ms':>8s} {'gain':>6s} {'ok/run':>7s}", file=out)
     for r in rows:
         ok = r["trials"] - sum(r["failures"].values())

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import socket
 import time
 from dataclasses import dataclass, field
@@ -152,6 +153,7 @@ def run_study(key, objective, specs, *, n_trials: int, time_budget: float | None
     if not exhaustive and not study.get_trials(deepcopy=False):
         study.enqueue_trial({n: getattr(specs[0], n) for n in choices})  # the baseline is the first trial
     proposals = 0
+    rng = random.Random(seed + 7919 * worker_index)
 
     def evaluate(spec):
         try:
@@ -181,6 +183,13 @@ def run_study(key, objective, specs, *, n_trials: int, time_budget: float | None
             dists = {n: optuna.distributions.CategoricalDistribution(v) for n, v in choices.items()}
             trial = study.ask(fixed_distributions=dists)
             spec = specs[0].replace(**trial.params)
+            if spec in done or spec not in feasible:
+                # A wasted proposal: queue an untried candidate (seeded choice) for the next ask,
+                # so a small or oddly shaped space is still covered within the budget.
+                untried = [s for s in specs if s not in done and s != spec]
+                if untried:
+                    pick = untried[rng.randrange(len(untried))]
+                    study.enqueue_trial({n: getattr(pick, n) for n in choices})
             if spec in done:  # the sampler proposed a spec already evaluated: reuse its result
                 prior = next(t for t in trials if t.user_attrs.get("spec") == spec.to_dict()
                              and t.user_attrs.get("duplicate_of") is None)

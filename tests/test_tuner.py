@@ -1,0 +1,492 @@
+"""The tuner on a CPU: search space, studies with a fake kernel and a fake timer, the
+cost model, buckets, the YAML store (round trip, merge, refusals) and dispatch order."""
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+
+import pytest
+import yaml
+
+from flashgen import dispatch, gpus, tables
+from flashgen.dispatch import BUCKETS, ProblemKey, bucket_of
+from flashgen.errors import ConfigError
+from flashgen.spec import KernelSpec
+from flashgen.tuner import cost, space, store, study
+from flashgen.tuner.objective import MeasuredObjective, ModelObjective, Outcome
+
+pytest.importorskip("optuna")
+
+H200 = gpus.get("h200")
+KEY = ProblemKey("fwd_v2", "sm_90a", "bf16", 128, True, 4096)
+
+
+# -- search space -----------------------------------------------------------
+@pytest.mark.parametrize("gpu", ["a100", "h200", "l4"])
+@pytest.mark.parametrize("d", [32, 64, 128, 256])
+def test_candidates_are_feasible_and_unique(gpu, d):
+    """Every candidate validates, fits the budget and the accumulator limit; none repeats."""
+    prof = gpus.get(gpu)
+    key = ProblemKey("fwd_v2", prof.arch, "bf16", d, False, 2048)
+    cands = space.candidates(key, prof)
+    assert len(cands) == len(set(cands)) >= 1
+    for s in cands:
+        assert s.check(prof) == []
+        assert s.smem_bytes() <= prof.smem_per_block
+        assert s.block_m % (16 * s.warps) == 0
+        assert (s.kind, s.arch, s.dtype, s.head_dim, s.causal) == ("fwd_v2", prof.arch, "bf16", d, False)
+
+
+def test_smaller_budget_shrinks_the_space():
+    """--smem simulates a smaller GPU: fewer candidates, all within the smaller budget."""
+    full = space.candidates(KEY, H200)
+    small_prof = gpus.with_smem(H200, 64 * 1024)
+    small = space.candidates(KEY, small_prof)
+    assert 0 < len(small) < len(full)
+    assert all(s.smem_bytes() <= 64 * 1024 for s in small)
+    with pytest.raises(ValueError):
+        gpus.with_smem(H200, -1)
+
+
+@pytest.mark.parametrize("gpu,d,expect", [
+    # M = smem // 2 elements; B_c = ceil(M / 4d), B_r = min(B_c, d), rounded, then shrunk to fit.
+    ("h200", 64, (64, 256)),     # M=116224: B_c=454 -> 256 (largest tile), B_r=64; fits with 4 warps
+    ("h200", 128, (128, 192)),   # B_c=227 -> 256 does not fit (smem), 192 does; 8 warps keep the accumulators
+    ("a100", 128, (128, 128)),   # M=83456: B_c=163 -> 160 over budget -> 128
+])
+def test_paper_baseline(gpu, d, expect):
+    prof = gpus.get(gpu)
+    key = ProblemKey("fwd_v2", prof.arch, "bf16", d, False, 4096)
+    base = space.paper_baseline(key, prof)
+    assert (base.block_m, base.block_n) == expect
+    assert base.check(prof) == []
+    assert space.candidates(key, prof)[0] == base  # the baseline is the first trial
+
+
+def test_problem_shape_follows_the_convention():
+    assert space.problem_shape(KEY) == (4, 16, 4096, 128)
+    assert space.problem_shape(ProblemKey("fwd_v2", "sm_90a", "bf16", 64, False, 16384)) == (1, 32, 16384, 64)
+
+
+@pytest.mark.parametrize("n,bucket", [(1, 512), (512, 512), (513, 1024), (3000, 4096), (16384, 16384),
+                                      (100000, 16384)])
+def test_bucket_mapping(n, bucket):
+    assert bucket_of(n) == bucket
+    assert bucket in BUCKETS
+
+
+# -- studies with a fake kernel and a fake timer -------------------------------
+def fake_time(key, spec):
+    """A deterministic 'kernel time' with one best point (128x64, 3 stages, refill 1)."""
+    return 1.0 + abs(spec.block_n - 64) / 100 + abs(spec.stages - 3) / 10 + abs(spec.refill - 1) * 0.01 \
+        + (spec.block_m != 128) * 0.2 + (spec.warps != 4) * 0.05
+
+
+class FakeBuild:
+    """Stands in for NVRTC: a report with spills for 96-wide tiles, a compile error for 192-wide ones."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, spec):
+        from flashgen.codegen import Report
+        from flashgen.errors import CompileError
+
+        self.calls += 1
+        if spec.block_n == 192:
+            raise CompileError("NVRTC failed (fake)")
+        spills = 8 if spec.block_n == 96 else 0
+
+        class B:
+            report = Report(registers=200, spill_stores=spills, spill_loads=spills, stack_frame=0, static_smem=0)
+        return B()
+
+
+def fake_objective(wrong=lambda s: False, launch_fails=lambda s: False):
+    def check(spec):
+        return "max error 1e+00 > 1e-02 (fake)" if wrong(spec) else ""
+
+    def timer(key, spec):
+        if launch_fails(spec):
+            raise RuntimeError("CUDA_ERROR_LAUNCH_FAILED (fake)")
+        return fake_time(key, spec)
+
+    return MeasuredObjective(H200, build=FakeBuild(), check=check, timer=timer)
+
+
+def test_exhaustive_study_records_every_failure_kind_and_finds_the_best():
+    cands = space.candidates(KEY, H200)
+    obj = fake_objective(wrong=lambda s: s.block_n == 32 and s.stages == 2,
+                         launch_fails=lambda s: s.block_m == 64 and s.block_n == 128)
+    st = study.run_study(KEY, obj, cands, n_trials=len(cands))
+    res = study.collect(KEY, st, cands)
+    assert res.mode == "exhaustive"
+    assert [t.spec for t in res.trials] == cands  # each candidate exactly once, in order, baseline first
+    fails = res.failures()
+    assert fails["constraint"] > 0 and fails["compile_error"] > 0 and fails["wrong"] > 0
+    assert fails["launch_error"] > 0
+    for t in res.trials:
+        if t.status != "ok":
+            assert t.time_ms is None and t.reason
+        if t.spec.block_n == 96:
+            assert t.status == "constraint" and "spills" in t.reason
+    best = res.best
+    assert best.status == "ok"
+    assert best.time_ms == min(fake_time(KEY, s) for s in cands
+                               if s.block_n not in (96, 192) and not (s.block_n == 32 and s.stages == 2)
+                               and not (s.block_m == 64 and s.block_n == 128))
+    assert (best.spec.block_m, best.spec.block_n, best.spec.stages, best.spec.refill) == (128, 64, 3, 1)
+    assert all(t.status == "ok" for t in res.runners_up())
+    # a wrong kernel is never a winner, even when it would be fastest
+    assert all(t.status != "wrong" for t in res.ok())
+
+
+def test_wrong_fast_kernel_never_wins():
+    cands = space.candidates(KEY, H200)
+    obj = fake_objective(wrong=lambda s: (s.block_m, s.block_n, s.stages, s.refill, s.warps) == (128, 64, 3, 1, 4))
+    res = study.collect(KEY, study.run_study(KEY, obj, cands, n_trials=1000), cands)
+    assert res.best.spec != KernelSpec(kind="fwd_v2", arch="sm_90a", dtype="bf16", head_dim=128, block_m=128,
+                                       block_n=64, warps=4, stages=3, refill=1, causal=True)
+    assert res.failures()["wrong"] == 1
+
+
+def test_objective_exceptions_do_not_stop_the_run():
+    cands = space.candidates(KEY, H200)[:6]
+
+    def explode(key, spec):
+        if spec == cands[2]:
+            raise ZeroDivisionError("boom")
+        return Outcome("ok", 1.0 + cands.index(spec))
+
+    res = study.collect(KEY, study.run_study(KEY, explode, cands, n_trials=10), cands)
+    assert len(res.trials) == 6
+    assert res.trials[2].status == "launch_error" and "boom" in res.trials[2].reason
+    assert res.best.spec == cands[0]
+
+
+def test_tpe_study_is_seeded_and_bounded():
+    """More candidates than trials: TPE; the baseline runs first; the count of evaluated
+    trials is the budget; the same seed gives the same trials."""
+    cands = space.candidates(KEY, H200)
+    runs = []
+    for _ in range(2):
+        obj = fake_objective()
+        res = study.collect(KEY, study.run_study(KEY, obj, cands, n_trials=15, seed=3), cands)
+        runs.append([(t.spec, t.status) for t in res.trials])
+        assert res.mode == "tpe"
+        assert res.trials[0].spec == cands[0]
+        evaluated = [t for t in res.trials if not (t.status == "constraint" and "statically" in t.reason)]
+        assert len(evaluated) == 15
+        assert len({t.spec for t in res.trials}) == len(res.trials)  # duplicates are not re-evaluated
+    assert runs[0] == runs[1]
+
+
+def test_time_budget_stops_a_key():
+    cands = space.candidates(KEY, H200)
+    clock = {"n": 0}
+
+    def slow(key, spec):
+        import time
+        time.sleep(0.05)
+        clock["n"] += 1
+        return Outcome("ok", 1.0)
+
+    study.run_study(KEY, slow, cands, n_trials=1000, time_budget=0.2)
+    assert 1 <= clock["n"] < len(cands)
+
+
+def test_outcome_validation():
+    with pytest.raises(ValueError):
+        Outcome("fine", 1.0)
+    with pytest.raises(ValueError):
+        Outcome("ok", float("nan"))
+    with pytest.raises(ValueError):
+        Outcome("ok", None)
+
+
+def test_rank_agreement():
+    from flashgen.tuner.study import KeyResult, TrialRecord
+
+    cands = space.candidates(KEY, H200)[:5]
+    recs = [TrialRecord(i, s, "ok", float(i + 1), info={"model_ms": float(i + 1)}) for i, s in enumerate(cands)]
+    agree = study.rank_agreement(KeyResult(KEY, 5, cands[0], recs))
+    assert agree["spearman"] == pytest.approx(1.0) and agree["model_pick_slowdown"] == 1.0
+    recs = [TrialRecord(i, s, "ok", float(i + 1), info={"model_ms": float(10 - i)}) for i, s in enumerate(cands)]
+    agree = study.rank_agreement(KeyResult(KEY, 5, cands[0], recs))
+    assert agree["spearman"] == pytest.approx(-1.0) and agree["model_pick_slowdown"] == 5.0
+
+
+# -- cost model ----------------------------------------------------------------
+def test_cost_model_basics():
+    spec = KernelSpec(kind="fwd_v2", arch="sm_90a", dtype="bf16", head_dim=128, block_m=128, block_n=64, warps=4,
+                      stages=2, refill=0, causal=False)
+    shape = (4, 16, 4096, 128)
+    t = cost.estimate(spec, shape, H200, registers=255)
+    flops = cost.flops(*shape[:3], shape[2], 128, False)
+    assert 0 < flops / t < H200.peak_flops  # never faster than the datasheet
+    causal = cost.estimate(spec.replace(causal=True), shape, H200, registers=255)
+    assert 0.4 * t < causal < 0.75 * t  # about half the work, plus imbalance
+    assert cost.estimate(spec, (8, 16, 4096, 128), H200, 255) == pytest.approx(2 * t, rel=0.1)
+    # I/O: Q and O once, K and V once per query block: 2*N*d*(1 + N/B_r) elements per head
+    assert cost.hbm_bytes(spec, 1, 1, 256, 256, 128) == 2 * 128 * (2 * 256 + 2 * 256 * 2)
+    assert cost.residency(spec, 255, H200) == 2  # 2 x 32k registers, 2 x 97 KB shared memory
+    assert cost.residency(spec.replace(block_n=32, stages=2), 128, H200) == 3
+    assert math.isinf(cost.estimate(spec, shape, H200, registers=10_000))
+
+
+# -- store -----------------------------------------------------------------------
+def _table(gpu="h200", entries=None, source="measured"):
+    prof = gpus.get(gpu)
+    t = store.Table(meta=store.make_meta(prof, source))
+    for key, spec, ms in entries or []:
+        t.entries[key] = {"spec": spec, "time_ms": ms, "tflops": 100.0, "source": source,
+                          "baseline": {"spec": space.paper_baseline(key, prof), "time_ms": ms * 1.5},
+                          "speedup": 1.5, "runners_up": [], "trials": 3, "candidates": 9,
+                          "failures": {"constraint": 1}}
+    return t
+
+
+def _spec_for(key, **kw):
+    base = dict(kind=key.kind, arch=key.arch, dtype=key.dtype, head_dim=key.head_dim, causal=key.causal,
+                block_m=128, block_n=32, warps=4, stages=3, refill=0)
+    base.update(kw)
+    return KernelSpec(**base)
+
+
+def test_yaml_round_trip(tmp_path):
+    key2 = ProblemKey("fwd_v2", "sm_90a", "fp16", 64, False, 512)
+    t = _table(entries=[(KEY, _spec_for(KEY), 1.25), (key2, _spec_for(key2, block_n=64), 0.5)])
+    path = store.save(t, tmp_path / "h200.yaml")
+    back = store.load(path, gpu="h200")
+    assert back.meta == t.meta
+    assert back.entries.keys() == t.entries.keys()
+    for k in t.entries:
+        assert back.entries[k]["spec"] == t.entries[k]["spec"]
+        assert back.entries[k]["time_ms"] == t.entries[k]["time_ms"]
+        assert back.entries[k]["baseline"]["spec"] == t.entries[k]["baseline"]["spec"]
+    assert yaml.safe_load(path.read_text())["meta"]["source"] == "measured"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp files left
+
+
+def test_merge_keeps_untouched_keys(tmp_path):
+    key2 = ProblemKey("fwd_v2", "sm_90a", "bf16", 64, False, 512)
+    old = _table(entries=[(KEY, _spec_for(KEY), 2.0), (key2, _spec_for(key2), 1.0)])
+    new = _table(entries=[(KEY, _spec_for(KEY, block_n=64, stages=2), 1.0)])
+    merged = store.merge(old, new)
+    assert merged.entries[KEY]["spec"].block_n == 64
+    assert merged.entries[key2]["spec"] == _spec_for(key2)
+    with pytest.raises(ConfigError):
+        store.merge(_table(gpu="a100"), new)
+
+
+def _write(tmp_path, doc, name="h200.yaml"):
+    p = tmp_path / name
+    p.write_text(doc if isinstance(doc, str) else yaml.safe_dump(doc))
+    return p
+
+
+def _good_doc():
+    return yaml.safe_load(store.dump(_table(entries=[(KEY, _spec_for(KEY), 1.0)])))
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda d: d.update(meta="x"), "meta must be a mapping"),
+    (lambda d: d["meta"].pop("gpu"), "meta is missing gpu"),
+    (lambda d: d["meta"].update(gpu="tpu9"), "not a known GPU"),
+    (lambda d: d["meta"].update(format=99), "format"),
+    (lambda d: d["meta"].update(source="guess"), "source"),
+    (lambda d: d.update(entries={}), "entries must be a list"),
+    (lambda d: d["entries"][0].pop("spec"), "missing spec"),
+    (lambda d: d["entries"][0]["spec"].pop("stages"), "missing field"),
+    (lambda d: d["entries"][0]["spec"].update(block_m=100), "block_m"),
+    (lambda d: d["entries"][0]["spec"].update(head_dim="128; system()"), "head_dim"),
+    (lambda d: d["entries"][0]["spec"].update(causal=1), "causal"),
+    (lambda d: d["entries"][0]["spec"].update(evil="x"), "unknown spec field"),
+    (lambda d: d["entries"][0]["spec"].update(dtype="fp16"), "does not match its key"),
+    (lambda d: d["entries"][0]["spec"].update(block_n=256, stages=4), "not feasible"),
+    (lambda d: d["entries"][0]["key"].update(bucket=3000), "bucket"),
+    (lambda d: d["entries"][0]["key"].update(causal="yes"), "key.causal"),
+    (lambda d: d["entries"][0].update(time_ms=-1), "time_ms"),
+    (lambda d: d["entries"][0].update(time_ms=float("nan")), "time_ms"),
+    (lambda d: d["entries"].append(d["entries"][0]), "repeats the key"),
+    (lambda d: d["entries"][0].update(failures={"wrong": -2}), "failures"),
+])
+def test_hand_broken_files_are_refused_with_path_and_reason(tmp_path, mutate, message):
+    doc = _good_doc()
+    mutate(doc)
+    path = _write(tmp_path, doc)
+    with pytest.raises(ConfigError) as err:
+        store.load(path, gpu="h200")
+    assert str(path) in str(err.value) and message in str(err.value)
+
+
+@pytest.mark.parametrize("text", ["", "meta: [1, 2\n", "!!python/object/apply:os.system ['true']\n", "[1, 2]\n",
+                                  "\x00\x01binary"])
+def test_corrupt_files_are_refused(tmp_path, text):
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        store.load(path)
+    assert str(path) in str(err.value)
+
+
+def test_foreign_gpu_file_is_refused(tmp_path):
+    path = store.save(_table(gpu="a100"), tmp_path / "h200.yaml")
+    with pytest.raises(ConfigError, match="tuned for a100, not h200") as err:
+        store.load(path, gpu="h200")
+    assert str(path) in str(err.value)
+    store.load(path, gpu="a100")  # the right GPU reads it
+
+
+def test_version_difference_is_a_warning(tmp_path):
+    doc = _good_doc()
+    doc["meta"]["versions"]["flashgen"] = "0.0.1"
+    with pytest.warns(UserWarning, match="re-tune"):
+        store.load(_write(tmp_path, doc), gpu="h200")
+
+
+# -- dispatch order: user -> shipped -> default ------------------------------------
+@pytest.fixture
+def shipped_dir(tmp_path, monkeypatch):
+    folder = tmp_path / "shipped"
+    folder.mkdir()
+    monkeypatch.setattr(store, "shipped_path", lambda gpu: folder / f"{gpu}.yaml")
+    tables.clear()
+    yield folder
+    tables.clear()
+
+
+def test_dispatch_order(shipped_dir):
+    key_a = KEY
+    key_b = ProblemKey("fwd_v2", "sm_90a", "bf16", 64, False, 1024)
+    key_c = ProblemKey("fwd_v2", "sm_90a", "fp16", 64, True, 2048)
+    default_c = dispatch.default_spec(key_c, H200.smem_per_block)
+    shipped_a, shipped_b = _spec_for(key_a, block_n=64, stages=2, refill=1), _spec_for(key_b, stages=2)
+    user_a = _spec_for(key_a, block_m=64, block_n=64, stages=2)
+    store.save(_table(entries=[(key_a, shipped_a, 1.0), (key_b, shipped_b, 1.0)]), shipped_dir / "h200.yaml")
+    tables.clear()
+    assert dispatch.select(key_a, "h200", H200.smem_per_block) == shipped_a
+    assert dispatch.select(key_c, "h200", H200.smem_per_block) == default_c
+    store.save(_table(entries=[(key_a, user_a, 0.9)]), store.default_path("h200"))
+    tables.clear()
+    assert dispatch.select(key_a, "h200", H200.smem_per_block) == user_a          # user first
+    assert dispatch.select(key_b, "h200", H200.smem_per_block) == shipped_b       # then shipped
+    assert dispatch.select(key_c, "h200", H200.smem_per_block) == default_c       # then the default rule
+    assert tables.lookup_entry("h200", key_b)[0] == "shipped"
+    assert dispatch.select(key_a, None, H200.smem_per_block) == dispatch.default_spec(key_a, H200.smem_per_block)
+
+
+def test_dispatch_never_silently_skips_a_broken_user_table(shipped_dir):
+    store.save(_table(entries=[(KEY, _spec_for(KEY), 1.0)]), shipped_dir / "h200.yaml")
+    path = store.default_path("h200")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("meta: {gpu: h200\n")
+    tables.clear()
+    with pytest.raises(ConfigError, match=str(path)):
+        dispatch.select(KEY, "h200", H200.smem_per_block)
+
+
+def test_dispatch_import_does_not_need_optuna():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['optuna'] = None\n"
+            "import flashgen, flashgen.dispatch, flashgen.tables, flashgen.tuner.store\n"
+            "print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "ok"
+
+
+# -- two processes, one journal-file study ----------------------------------------------
+SMALL_KEY = ProblemKey("fwd_v2", "sm_80", "bf16", 64, True, 1024)
+
+
+def _worker(args):
+    storage_url, index, n_trials = args
+    prof = gpus.get("a100")
+    cands = space.candidates(SMALL_KEY, prof)[:n_trials]
+    obj = ModelObjective(prof)
+    study.run_study(SMALL_KEY, obj, cands, n_trials=n_trials, storage=storage_url, worker=f"w{index}",
+                    worker_index=index)
+    return index
+
+
+def test_two_processes_share_one_study(tmp_path):
+    """Two processes on one journal file, model objective: both contribute, no trial lost or
+    repeated, and the winner equals a single-process run's."""
+    n = 16
+    prof = gpus.get("a100")
+    cands = space.candidates(SMALL_KEY, prof)[:n]
+    from flashgen.tuner.run import precompile
+
+    precompile(cands, jobs=2)  # warm the kernel cache so the two workers race on trials, not on NVRTC
+    url = f"journal:{tmp_path / 'studies.journal'}"
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(2) as pool:
+        assert sorted(pool.map(_worker, [(url, 0, n), (url, 1, n)])) == [0, 1]
+    shared = study.collect(SMALL_KEY, url, cands)
+    assert sorted(t.spec.name for t in shared.trials) == sorted(s.name for s in cands)  # each exactly once
+    assert set(shared.workers()) == {"w0", "w1"} and min(shared.workers().values()) >= 1
+    single = study.collect(SMALL_KEY, study.run_study(SMALL_KEY, ModelObjective(prof), cands, n_trials=n), cands)
+    assert shared.best.spec == single.best.spec and shared.best.time_ms == single.best.time_ms
+
+
+# -- the command line, model mode (what CI runs for the a100) ---------------------------
+def test_tune_a100_model_mode_writes_a_valid_yaml(tmp_path, capsys):
+    from flashgen.cli import main
+
+    out = tmp_path / "a100.yaml"
+    report = tmp_path / "report.json"
+    code = main(["tune", "--gpu", "a100", "--d", "64,128", "--seqlens", "2048", "--trials", "4", "--model",
+                 "--out", str(out), "--report", str(report), "--quiet"])
+    assert code == 0
+    table = store.load(out, gpu="a100")
+    assert table.meta["source"] == "model" and table.meta["gpu"] == "a100"
+    assert len(table.entries) == 4  # d 64, 128 x causal both, one bucket
+    for key, entry in table.entries.items():
+        assert entry["spec"].arch == "sm_80" and entry["spec"].check(gpus.get("a100")) == []
+        assert entry["time_ms"] <= entry["baseline"]["time_ms"]  # the baseline is a trial
+    printed = capsys.readouterr().out
+    assert "median gain over the paper-rule baseline" in printed
+    code = main(["show", "--config", str(out)])
+    assert code == 0 and "fwd_v2-sm_80-bf16-d128-causal-n2048" in capsys.readouterr().out
+
+
+def test_tune_refuses_bad_arguments(capsys):
+    from flashgen.cli import main
+
+    for argv, msg in ((["--d", "12"], "multiples of 8"), (["--dtype", "fp32"], "--dtype"),
+                      (["--seqlens", "3000"], "buckets"), (["--causal", "maybe"], "--causal"),
+                      (["--smem", "0"], "--smem"), (["--trials", "0"], "--trials")):
+        base = ["tune", "--gpu", "a100", "--d", "64", "--model", "--quiet"]
+        for i in range(0, len(argv), 2):
+            if argv[i] in base:
+                base[base.index(argv[i]) + 1] = argv[i + 1]
+            else:
+                base += argv[i:i + 2]
+        assert main(base) == 2
+        assert msg in capsys.readouterr().err
+
+
+def test_measured_tuning_refuses_another_gpu(monkeypatch):
+    import torch
+
+    from flashgen.errors import FlashgenError
+    from flashgen.tuner.run import gpu_mode
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(FlashgenError, match="--model"):
+        gpu_mode(H200, want_model=False)
+    assert gpu_mode(gpus.get("a100"), want_model=False)[0] == "measured"
+    assert gpu_mode(H200, want_model=True)[0] == "model"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_mode(H200, want_model=False) == ("model", "no CUDA GPU here")
+
+
+def test_show_without_tables(capsys, shipped_dir):
+    from flashgen.cli import main
+
+    assert main(["show", "--gpu", "l4"]) == 0
+    assert "default rule" in capsys.readouterr().out
+    os.environ.pop("FLASHGEN_GPU", None)
