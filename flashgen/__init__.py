@@ -14,8 +14,12 @@ def __getattr__(name):
         from .api import attention
 
         return attention
+    if name == "decode":
+        from .decode_api import decode
+
+        return decode
     raise AttributeError(name)
 
 
-__all__ = ["attention", "KernelSpec", "FlashgenError", "UnsupportedError", "CompileError", "ConfigError",
+__all__ = ["attention", "decode", "KernelSpec", "FlashgenError", "UnsupportedError", "CompileError", "ConfigError",
            "__version__"]

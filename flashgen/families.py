@@ -91,8 +91,96 @@ FWD_PARAMS = (
     ("d", "int", I32), ("scale", "float", F32), ("scale_log2", "float", F32),
 )
 
+# Head-dim tiles of the decode families: inputs with a smaller d are rounded up
+# to the next (chunks past d are zero-filled without reading memory).
+DECODE_HEAD_DIMS = (32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class DecodeSplitFamily(Family):
+    """Flash-Decoding, one split of the keys (templates/decode_split.cuh).
+
+    One CTA owns 16 packed query rows (the query heads of one KV head times the
+    new tokens) and one split of one sequence's keys; its warps share those rows
+    and each takes block_n / warps keys of every block_n-key block. Fixed
+    fields: block_m = 16, refill = 0, causal = True (bottom-right aligned).
+    """
+
+    def validate(self, spec) -> None:
+        for fname, allowed in (("head_dim", self.head_dims), ("block_m", self.block_ms),
+                               ("block_n", self.block_ns), ("warps", self.warps), ("stages", self.stages),
+                               ("refill", self.refills), ("causal", (True,))):
+            if getattr(spec, fname) not in allowed:
+                raise ValueError(f"{self.kind}: {fname}={getattr(spec, fname)} not in {allowed}")
+        if spec.block_n % (16 * spec.warps):
+            raise ValueError(f"{self.kind}: block_n={spec.block_n} must split into 16-key slices over "
+                             f"{spec.warps} warps")
+        # The K/V loader covers 32*warps / (head_dim/8) rows per pass; a pass must
+        # stay inside one 16-row group (one page of a paged cache).
+        step = 32 * spec.warps * 8 // spec.head_dim
+        if (32 * spec.warps * 8) % spec.head_dim or step == 0 or 16 % step:
+            raise ValueError(f"{self.kind}: {spec.warps} warps do not tile head_dim={spec.head_dim} rows "
+                             "(rows per load pass must divide 16)")
+
+    def smem_bytes(self, spec) -> int:
+        # Q tile (16 rows) + K and V rings; the cross-warp reduction reuses both.
+        return 2 * spec.head_dim * (16 + 2 * spec.stages * spec.block_n)
+
+    def acc_floats(self, spec) -> int:
+        return (spec.head_dim // 8 + spec.block_n // spec.warps // 8) * 4
+
+
+@dataclass(frozen=True)
+class DecodeCombineFamily(Family):
+    """Merges the splits' partial outputs by their log-sum-exps (templates/decode_combine.cuh).
+
+    Tunable: warps only. The tile fields it does not use are fixed (block_m =
+    block_n = 16, stages = 2, refill = 0, causal = False) so one kernel has one name.
+    """
+
+    def validate(self, spec) -> None:
+        for fname, allowed in (("head_dim", self.head_dims), ("warps", self.warps), ("block_m", (16,)),
+                               ("block_n", (16,)), ("stages", (2,)), ("refill", (0,)), ("causal", (False,))):
+            if getattr(spec, fname) not in allowed:
+                raise ValueError(f"{self.kind}: {fname}={getattr(spec, fname)} not in {allowed}")
+        if spec.head_dim // 4 > 32 * spec.warps:
+            raise ValueError(f"{self.kind}: a row of head_dim={spec.head_dim} needs {spec.head_dim // 4} threads, "
+                             f"more than {spec.warps} warps")
+
+    def smem_bytes(self, spec) -> int:
+        return 0
+
+    def acc_floats(self, spec) -> int:
+        return 4
+
+
+DECODE_PARAMS = (
+    ("q", "const elem_t*", PTR), ("k", "const elem_t*", PTR), ("v", "const elem_t*", PTR),
+    ("knew", "const elem_t*", PTR), ("vnew", "const elem_t*", PTR),
+    ("o", "elem_t*", PTR), ("lse", "float*", PTR), ("o_ws", "float*", PTR), ("lse_ws", "float*", PTR),
+    ("seqlens", "const int*", PTR), ("block_table", "const int*", PTR),
+    # (batch or page, seq, head) strides; for a paged cache "_sb" is the page stride.
+    *_strides("q", "k", "v", "knew", "vnew", "o"),
+    ("bt_sb", "long long", I64), ("total_rows", "long long", I64),
+    ("nq", "int", I32), ("heads_q", "int", I32), ("group", "int", I32), ("rows", "int", I32),
+    ("d", "int", I32), ("seqlen_k", "int", I32), ("page_shift", "int", I32), ("num_splits", "int", I32),
+    ("scale", "float", F32), ("scale_log2", "float", F32),
+)
+
+COMBINE_PARAMS = (
+    ("o_ws", "const float*", PTR), ("lse_ws", "const float*", PTR), ("o", "elem_t*", PTR), ("lse", "float*", PTR),
+    ("total_rows", "long long", I64), ("nq", "int", I32), ("heads_q", "int", I32), ("d", "int", I32),
+    ("num_splits", "int", I32),
+)
+
 FAMILIES: dict[str, Family] = {
     "fwd_v2": Family("fwd_v2", "fwd_v2.cu.j2", FWD_PARAMS),
+    "decode_split": DecodeSplitFamily("decode_split", "decode_split.cu.j2", DECODE_PARAMS,
+                                      head_dims=DECODE_HEAD_DIMS, block_ms=(16,),
+                                      block_ns=(16, 32, 48, 64, 96, 128), stages=(2, 3, 4, 5, 6, 8),
+                                      refills=(0,)),
+    "decode_combine": DecodeCombineFamily("decode_combine", "decode_combine.cu.j2", COMBINE_PARAMS,
+                                          head_dims=DECODE_HEAD_DIMS),
 }
 
 

@@ -14,11 +14,13 @@ from multiprocessing.pool import ThreadPool
 
 import pytest
 
-from flashgen import dispatch, gpus
+from flashgen import decoding, dispatch, gpus
 from flashgen.codegen import build, parse_ptxas_log
 
 ARCHES = ("sm_80", "sm_90a")
 SPECS = [s for arch in ARCHES for s in dispatch.default_specs(arch, gpus.ARCH_SMEM_PER_BLOCK[arch])]
+# Flash-Decoding's default rule (split and combine kernels), flashgen/decoding.py.
+DECODE_SPECS = [s for arch in ARCHES for s in decoding.default_specs(arch, gpus.ARCH_SMEM_PER_BLOCK[arch])]
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +36,7 @@ def compiled(tmp_path_factory):
         mp.setenv("FLASHGEN_HOME", str(tmp_path_factory.mktemp("compile_home")))
         mp.delenv("FLASHGEN_NO_COMPILE", raising=False)
         with ThreadPool(2) as pool:
-            return dict(pool.map(one, SPECS))
+            return dict(pool.map(one, SPECS + DECODE_SPECS))
 
 
 def test_default_specs_cover_every_key():
@@ -45,7 +47,7 @@ def test_default_specs_cover_every_key():
         assert len(keys) == len(dispatch.DEFAULT_TILES) * 4
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", SPECS + DECODE_SPECS, ids=lambda s: s.name)
 def test_default_spec_compiles_clean(spec, compiled):
     """NVRTC compiles the spec for its arch into an ELF cubin; ptxas reports no spill, no stack frame,
     at most 255 registers, and static plus dynamic shared memory within the arch's per-block budget."""

@@ -32,8 +32,9 @@ FIELDS = [f.name for f in dataclasses.fields(KernelSpec)]
 
 
 def _valid_specs():
-    """Every spec that passes validate(), over the product of every field's supported values."""
-    for values in itertools.product(*(_allowed(f) for f in FIELDS)):
+    """Every fwd_v2 spec that passes validate(), over the product of every field's supported values
+    (the decode families have their own rules: tests/test_decode.py)."""
+    for values in itertools.product(*(_allowed(f) if f != "kind" else ("fwd_v2",) for f in FIELDS)):
         spec = KernelSpec(**dict(zip(FIELDS, values)))
         if spec.block_m % (16 * spec.warps) == 0:
             yield spec
@@ -63,7 +64,8 @@ def test_names_are_unique_identifiers_over_the_whole_grid():
         assert n.isidentifier(), n
 
 
-@pytest.mark.parametrize("field", [f for f in FIELDS if f != "kind" or len(FAMILIES) > 1])
+# kind is the name's first word; the other families refuse fwd_v2's tile values, so it is not varied here.
+@pytest.mark.parametrize("field", [f for f in FIELDS if f != "kind"])
 def test_every_field_changes_the_name(field):
     """Changing any one field to another valid value changes the name: the name covers the field list
     (a field added to KernelSpec is covered here without touching this test)."""

@@ -1,0 +1,346 @@
+// Flash-Decoding on mma.sync (sm_80+): one split of one sequence's keys.
+//
+// grid = (num_splits * m_blocks, heads_kv, batch). A CTA owns 16 packed query
+// rows -- row r is new token r / group of query head hk*group + r % group, so
+// the query heads that share a KV head read each K/V block once -- and the key
+// blocks [s*bps, (s+1)*bps) of its sequence (bps = blocks per split, from the
+// sequence's own length). Decode is memory-bound: the K/V blocks stream
+// through an ST-stage cp.async ring (16-byte copies) and every warp works on
+// its own block_n/NW-key slice of each block, with its own online softmax; the
+// warps merge through shared memory at the end.
+//
+// Keys come from a contiguous cache (batch, len, heads_kv, d) or a paged one
+// (pages, page_size, heads_kv, d) through block_table; keys at or past the
+// cached length come from knew/vnew, which the CTA of m-block 0 whose split
+// covers them also writes into the cache (nobody reads those cache rows in
+// this launch: they are read from knew/vnew). Block-table entries are fetched
+// one block ahead so the page lookup never waits in front of a copy.
+//
+// Output: with one split, the normalised O in the input dtype and the LSE;
+// otherwise the normalised fp32 O and the LSE of this split into the
+// workspace (an empty split writes O = 0, LSE = -inf) for decode_combine.
+#pragma once
+
+template <int D, int BN, int NW, int ST, bool BF16, typename Params>
+FG_DEVICE void decode_split_body(const Params& p) {
+  constexpr int NT = NW * 32;
+  constexpr int KW = BN / NW;    // keys per warp per block
+  constexpr int NJ = KW / 8;     // n8 tiles of S per warp
+  constexpr int DJ = D / 8;      // n8 tiles of O
+  constexpr int C = D / 8;       // 16-byte chunks per row
+  constexpr int STEP = NT / C;   // rows one load pass covers
+  constexpr int G = BN / 16;     // 16-row groups (page lookups) per block
+  constexpr int OS = D + 4;      // fp32 row stride of the reduction scratch (bank spread)
+  using TT = Tile<D>;
+  static_assert(KW % 16 == 0 && NT % C == 0 && 16 % STEP == 0 && BN % 16 == 0 && ST >= 2, "bad tile shape");
+  static_assert(NW * 16 * OS * 4 <= 2 * ST * BN * D * 2, "reduction scratch must fit in the K/V ring");
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  const fg_u32 sQ = smem_addr(smem);
+  const fg_u32 sK = sQ + 16 * D * 2;
+  const fg_u32 sV = sK + ST * BN * D * 2;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int split = blockIdx.x % p.num_splits, mb = blockIdx.x / p.num_splits;
+  const int hk = blockIdx.y, b = blockIdx.z;
+
+  const int len_cache = p.seqlens != nullptr ? p.seqlens[b] : p.seqlen_k;
+  const bool has_new = p.knew != nullptr;
+  const int len = len_cache + (has_new ? p.nq : 0);  // keys of this sequence after the append
+  const int diag = len - p.nq;                        // new token i sees keys j <= i + diag
+  const int r0 = mb * 16;
+  const int last_row = min(r0 + 15, p.rows - 1);
+  const int kv_end = max(0, min(len, last_row / p.group + diag + 1));  // no row of the tile sees past this
+  const int blocks = ceil_div(len, BN);
+  const int bps = ceil_div(blocks, p.num_splits);
+  const int n_begin = split * bps * BN;
+  const int split_end = min(len, (split + 1) * bps * BN);
+  const int n_end = min(kv_end, split_end);
+  const int n_blocks = n_end > n_begin ? ceil_div(n_end - n_begin, BN) : 0;
+
+  const bool paged = p.block_table != nullptr;
+  const int page_mask = (1 << p.page_shift) - 1;
+  const int* bt = p.block_table + (paged ? b * p.bt_sb : 0);
+  // Element offsets of (batch or page, seq) are added per row; heads and chunk columns once.
+  const int tid = threadIdx.x;
+  const int lc = tid % C, lr = tid / C;
+  const bool col_ok = lc * 8 < p.d;
+  const elem_t* k_h = p.k + hk * p.k_sh + lc * 8;
+  const elem_t* v_h = p.v + hk * p.v_sh + lc * 8;
+  const elem_t* kn_h = p.knew + (has_new ? b * p.knew_sb + hk * p.knew_sh + lc * 8 : 0);
+  const elem_t* vn_h = p.vnew + (has_new ? b * p.vnew_sb + hk * p.vnew_sh + lc * 8 : 0);
+
+  // ---- append: m-block 0 copies the new rows its split covers into the cache ----
+  if (has_new && mb == 0) {
+    const int a0 = max(n_begin, len_cache), a1 = split_end;
+    for (int i = tid; i < (a1 - a0) * C; i += NT) {
+      const int key = a0 + i / C, c = i % C;
+      if (c * 8 >= p.d) continue;
+      fg_i64 ko, vo;
+      if (paged) {
+        const fg_i64 pg = bt[key >> p.page_shift];
+        ko = pg * p.k_sb + (key & page_mask) * p.k_ss;
+        vo = pg * p.v_sb + (key & page_mask) * p.v_ss;
+      } else {
+        ko = b * p.k_sb + static_cast<fg_i64>(key) * p.k_ss;
+        vo = b * p.v_sb + static_cast<fg_i64>(key) * p.v_ss;
+      }
+      const int rn = key - len_cache;
+      const fg_i64 co = c * 8 - lc * 8;  // the *_h pointers carry this thread's own column
+      *reinterpret_cast<fg_u32x4*>(const_cast<elem_t*>(k_h) + co + ko) =
+          *reinterpret_cast<const fg_u32x4*>(kn_h + co + rn * p.knew_ss);
+      *reinterpret_cast<fg_u32x4*>(const_cast<elem_t*>(v_h) + co + vo) =
+          *reinterpret_cast<const fg_u32x4*>(vn_h + co + rn * p.vnew_ss);
+    }
+  }
+
+  // ---- Q: 16 packed rows gathered from (token, head) ----------------------------
+  {
+    const elem_t* q_b = p.q + b * p.q_sb;
+#pragma unroll
+    for (int it = 0; it < (16 * C + NT - 1) / NT; ++it) {
+      const int i = it * NT + tid;
+      if ((16 * C) % NT != 0 && i >= 16 * C) break;
+      const int row = i / C, c = i % C;
+      const int r = r0 + row;
+      const bool ok = r < p.rows && c * 8 < p.d;
+      const int tok = r / p.group, hh = r - tok * p.group;
+      const elem_t* src = ok ? q_b + tok * p.q_ss + (hk * p.group + hh) * p.q_sh + c * 8 : p.q;
+      cp_async_16(sQ + TT::offset(row, c), src, ok ? 16 : 0);
+    }
+    cp_async_commit();
+  }
+
+  // Pages of the 16-row groups of the block starting at key n0 (0 where unused).
+  int pages[G];
+  auto fetch_pages = [&](int n0) {
+#pragma unroll
+    for (int e = 0; e < G; ++e) {
+      const int key0 = n0 + e * 16;
+      pages[e] = (paged && key0 < n_end && key0 < len_cache) ? __ldg(bt + (key0 >> p.page_shift)) : 0;
+    }
+  };
+  // Block at key n0 into ring stage `stage`; rows past n_end are zero-filled without reading.
+  auto load_kv = [&](int n0, int stage) {
+    const fg_u32 dK = sK + stage * BN * D * 2, dV = sV + stage * BN * D * 2;
+#pragma unroll
+    for (int it = 0; it < BN / STEP; ++it) {
+      const int row = lr + it * STEP;
+      const int key = n0 + row;
+      const bool ok = col_ok && key < n_end;
+      const elem_t *ks = p.k, *vs = p.v;
+      if (ok) {
+        if (key >= len_cache) {
+          ks = kn_h + static_cast<fg_i64>(key - len_cache) * p.knew_ss;
+          vs = vn_h + static_cast<fg_i64>(key - len_cache) * p.vnew_ss;
+        } else if (paged) {
+          const fg_i64 pg = pages[it * STEP / 16];
+          ks = k_h + pg * p.k_sb + (key & page_mask) * p.k_ss;
+          vs = v_h + pg * p.v_sb + (key & page_mask) * p.v_ss;
+        } else {
+          ks = k_h + b * p.k_sb + static_cast<fg_i64>(key) * p.k_ss;
+          vs = v_h + b * p.v_sb + static_cast<fg_i64>(key) * p.v_ss;
+        }
+      }
+      cp_async_16(dK + TT::offset(row, lc), ks, ok ? 16 : 0);
+      cp_async_16(dV + TT::offset(row, lc), vs, ok ? 16 : 0);
+    }
+  };
+
+  fetch_pages(n_begin);
+#pragma unroll
+  for (int s = 0; s < ST - 1; ++s) {
+    if (s < n_blocks) {
+      load_kv(n_begin + s * BN, s);
+      fetch_pages(n_begin + (s + 1) * BN);
+    }
+    cp_async_commit();
+  }
+
+  float acc_o[DJ][4];
+#pragma unroll
+  for (int dj = 0; dj < DJ; ++dj)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_o[dj][e] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+
+  // Per-row key limits (exclusive) of this thread's rows g and g+8; padded rows
+  // (r >= rows) get a limit too, their results are never stored.
+  int row_lim[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) row_lim[h] = min(n_end, (r0 + g + 8 * h) / p.group + diag + 1);
+  const int mask_from = min(n_end, r0 / p.group + diag + 1);  // the tile's smallest limit
+
+  const int q_row = lane & 15;
+  const int k_row = ((lane >> 4) << 3) + (lane & 7);
+  const typename TT::Cols q_cols(q_row, lane >> 4);
+  const typename TT::Cols k_cols(k_row, (lane >> 3) & 1);
+  const fg_u32 q_base = sQ + q_row * TT::ROW_BYTES;
+  const int w_row = warp * KW;  // this warp's first key row within a block
+
+  for (int j = 0; j < n_blocks; ++j) {
+    cp_async_wait<ST - 2>();
+    __syncthreads();
+    {
+      const int jn = j + ST - 1;
+      if (jn < n_blocks) {
+        load_kv(n_begin + jn * BN, jn % ST);
+        fetch_pages(n_begin + (jn + 1) * BN);
+      }
+      cp_async_commit();
+    }
+    const int stage = j % ST;
+    const fg_u32 sKj = sK + stage * BN * D * 2 + w_row * TT::ROW_BYTES;
+    const fg_u32 sVj = sV + stage * BN * D * 2 + w_row * TT::ROW_BYTES;
+
+    // ---- S = Q K^T over this warp's KW keys ----
+    float acc_s[NJ][4];
+#pragma unroll
+    for (int nj = 0; nj < NJ; ++nj)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_s[nj][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      fg_u32 a[4];
+      ldmatrix_x4(a, q_base + q_cols.col(kk));
+#pragma unroll
+      for (int nj2 = 0; nj2 < NJ / 2; ++nj2) {
+        fg_u32 bfrag[4];
+        ldmatrix_x4(bfrag, sKj + (nj2 * 16 + k_row) * TT::ROW_BYTES + k_cols.col(kk));
+        mma_16816<BF16>(acc_s[2 * nj2], a, bfrag[0], bfrag[1]);
+        mma_16816<BF16>(acc_s[2 * nj2 + 1], a, bfrag[2], bfrag[3]);
+      }
+    }
+
+    // ---- mask: the split end, the sequence end and the causal diagonal ----
+    const int n0 = n_begin + j * BN;
+    if (n0 + BN > mask_from) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int limit = row_lim[h] - (n0 + w_row + 2 * t);
+#pragma unroll
+        for (int nj = 0; nj < NJ; ++nj)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            if (nj * 8 + e >= limit) acc_s[nj][2 * h + e] = -INFINITY;
+      }
+    }
+
+    // ---- online softmax (per warp) ----
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = row_max[h];
+#pragma unroll
+      for (int nj = 0; nj < NJ; ++nj) mx = fmaxf(mx, fmaxf(acc_s[nj][2 * h], acc_s[nj][2 * h + 1]));
+      mx = quad_max(mx);
+      const float m_scaled = (mx == -INFINITY ? 0.f : mx) * p.scale_log2;
+      const float alpha = fast_exp2(row_max[h] * p.scale_log2 - m_scaled);
+      row_max[h] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int nj = 0; nj < NJ; ++nj)
+#pragma unroll
+        for (int e = 2 * h; e < 2 * h + 2; ++e) {
+          const float pe = fast_exp2(fmaf(acc_s[nj][e], p.scale_log2, -m_scaled));
+          acc_s[nj][e] = pe;
+          sum += pe;
+        }
+      row_sum[h] = row_sum[h] * alpha + sum;
+#pragma unroll
+      for (int dj = 0; dj < DJ; ++dj) {
+        acc_o[dj][2 * h] *= alpha;
+        acc_o[dj][2 * h + 1] *= alpha;
+      }
+    }
+
+    // ---- O += P V ----
+#pragma unroll
+    for (int kk = 0; kk < KW / 16; ++kk) {
+      fg_u32 a[4];
+      a[0] = pack2<BF16>(acc_s[2 * kk][0], acc_s[2 * kk][1]);
+      a[1] = pack2<BF16>(acc_s[2 * kk][2], acc_s[2 * kk][3]);
+      a[2] = pack2<BF16>(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
+      a[3] = pack2<BF16>(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
+#pragma unroll
+      for (int dj2 = 0; dj2 < DJ / 2; ++dj2) {
+        fg_u32 bfrag[4];
+        ldmatrix_x4_trans(bfrag, sVj + (kk * 16 + q_row) * TT::ROW_BYTES + q_cols.col(dj2));
+        mma_16816<BF16>(acc_o[2 * dj2], a, bfrag[0], bfrag[1]);
+        mma_16816<BF16>(acc_o[2 * dj2 + 1], a, bfrag[2], bfrag[3]);
+      }
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // every warp is done with the ring (and the Q copies have landed)
+
+  // ---- merge the warps: per row max, sum; each warp's O scaled into scratch ----
+  float* red = reinterpret_cast<float*>(smem);                // [NW][16] max, [NW][16] sum, [16] lse
+  float* s_o = reinterpret_cast<float*>(smem + 16 * D * 2);   // [NW][16][OS]
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float l = quad_sum(row_sum[h]);
+    if (t == 0) {
+      red[warp * 16 + g + 8 * h] = row_max[h];
+      red[NW * 16 + warp * 16 + g + 8 * h] = l;
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = g + 8 * h;
+    float m_all = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) m_all = fmaxf(m_all, red[w * 16 + row]);
+    float l_all = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      const float mw = red[w * 16 + row];
+      if (mw != -INFINITY) l_all += red[NW * 16 + w * 16 + row] * fast_exp2((mw - m_all) * p.scale_log2);
+    }
+    const float own = row_max[h] == -INFINITY ? 0.f : fast_exp2((row_max[h] - m_all) * p.scale_log2);
+    const float f = l_all > 0.f ? own / l_all : 0.f;
+    float* dst = s_o + (warp * 16 + row) * OS + 2 * t;
+#pragma unroll
+    for (int dj = 0; dj < DJ; ++dj) {
+      dst[dj * 8] = acc_o[dj][2 * h] * f;
+      dst[dj * 8 + 1] = acc_o[dj][2 * h + 1] * f;
+    }
+    if (warp == 0 && t == 0) red[2 * NW * 16 + row] = l_all > 0.f ? m_all * p.scale + logf(l_all) : -INFINITY;
+  }
+  __syncthreads();
+
+  // ---- store: 16 rows x D/4 float4 columns, summed over the warps ----
+  const bool direct = p.num_splits == 1;
+  for (int i = tid; i < 16 * (D / 4); i += NT) {
+    const int row = i / (D / 4), c4 = i % (D / 4);
+    const int r = r0 + row;
+    if (r >= p.rows || c4 * 4 >= p.d) continue;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      const float4 x = *reinterpret_cast<const float4*>(s_o + (w * 16 + row) * OS + c4 * 4);
+      acc.x += x.x; acc.y += x.y; acc.z += x.z; acc.w += x.w;
+    }
+    const int tok = r / p.group, h = hk * p.group + (r - tok * p.group);
+    if (direct) {
+      uint2 packed;
+      packed.x = pack2<BF16>(acc.x, acc.y);
+      packed.y = pack2<BF16>(acc.z, acc.w);
+      *reinterpret_cast<uint2*>(p.o + b * p.o_sb + tok * p.o_ss + h * p.o_sh + c4 * 4) = packed;
+    } else {
+      const fg_i64 fr = (static_cast<fg_i64>(b) * p.nq + tok) * p.heads_q + h;
+      *reinterpret_cast<float4*>(p.o_ws + (split * p.total_rows + fr) * p.d + c4 * 4) = acc;
+    }
+  }
+  if (tid < 16 && r0 + tid < p.rows) {
+    const int r = r0 + tid;
+    const int tok = r / p.group, h = hk * p.group + (r - tok * p.group);
+    const float lse = red[2 * NW * 16 + tid];
+    if (direct) {
+      if (p.lse != nullptr) p.lse[(static_cast<fg_i64>(b) * p.heads_q + h) * p.nq + tok] = lse;
+    } else {
+      p.lse_ws[split * p.total_rows + (static_cast<fg_i64>(b) * p.nq + tok) * p.heads_q + h] = lse;
+    }
+  }
+}

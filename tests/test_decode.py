@@ -1,0 +1,325 @@
+"""Flash-Decoding without a GPU: split heuristic, index arithmetic, the split/combine math, input and
+value validation of ``flashgen.decode``.
+
+The index helpers in flashgen/decoding.py mirror templates/decode_split.cuh line for line (split
+ranges, bottom-right causal limits, page lookup); the emulation test below runs the same arithmetic
+in fp32 torch on the CPU and compares with plain attention, so a wrong range or formula shows here
+before it reaches a GPU.
+"""
+from __future__ import annotations
+
+import math
+import re
+import warnings
+
+import pytest
+import torch
+
+import flashgen
+import flashgen.codegen
+from flashgen import UnsupportedError, decode_api, decoding
+from flashgen.families import FAMILIES
+
+F16, BF16 = torch.float16, torch.bfloat16
+
+
+# ---------------------------------------------------------------- split heuristic
+
+
+@pytest.mark.parametrize("batch,heads_kv,seqlen,want", [
+    (1, 8, 131072, 29),    # 8 CTAs: 29 splits -> 232 of 264 slots (>= 85 % of the best efficiency)
+    (1, 32, 131072, 8),    # 32 CTAs x 8 = 256 of 264 slots
+    (8, 8, 32768, 4),      # 64 CTAs x 4 = 256
+    (32, 8, 32768, 1),     # 256 CTAs already fill 80 % of the slots: no split
+    (1, 8, 4096, 32),      # 64 blocks: 33 splits would not shorten ceil(64/s) = 2, so 32
+])
+def test_heuristic_on_an_h200(batch, heads_kv, seqlen, want):
+    """H200 (132 SMs, 2 decode CTAs per SM at d=128), block_n 64, one m-block: the documented picks."""
+    assert decoding.num_splits_heuristic(batch, heads_kv, 1, seqlen, 64, 132, 2) == want
+
+
+def test_heuristic_bounds():
+    """Never more splits than key blocks, 128 or slots; 1 when the work already fills the GPU."""
+    for b in (1, 2, 3, 5, 8, 16, 64):
+        for hk in (1, 2, 8, 32):
+            for n in (1, 17, 64, 1000, 5000, 200000):
+                s = decoding.num_splits_heuristic(b, hk, 1, n, 64, 132, 2)
+                assert 1 <= s <= min(128, max(1, -(-n // 64)))
+                if b * hk >= 0.8 * 264:
+                    assert s == 1
+    assert decoding.num_splits_heuristic(1, 1, 1, 1, 64, 132, 2) == 1
+    assert decoding.num_splits_heuristic(1, 1, 8, 10**6, 64, 108, 1) <= 128
+
+
+def test_ctas_per_sm_hand_checked():
+    """d=128 default tile: 102400 B + 1 KB reserve -> 2 per H200 SM (233472 B); 148 registers x 128
+    threads -> 160 per thread-warp rounding, 65536 / (160*32*4) = 3; threads 2048/128 = 16."""
+    assert decoding.ctas_per_sm(102400, 128, 148, 233472) == 2
+    assert decoding.ctas_per_sm(0, 128, 255, 233472) == 2          # registers: 256*32*4 = 32768 per CTA
+    assert decoding.ctas_per_sm(200000, 128, 32, 233472) == 1
+
+
+# ---------------------------------------------------------------- index arithmetic
+
+
+@pytest.mark.parametrize("length", [0, 1, 63, 64, 65, 339, 4096, 20000])
+@pytest.mark.parametrize("splits", [1, 2, 3, 7, 32, 200])
+def test_split_ranges_partition_the_keys(length, splits):
+    """The splits' ranges are whole blocks, disjoint, in order, and cover [0, length) exactly."""
+    covered = []
+    for s in range(splits):
+        begin, end = decoding.split_range(length, splits, s, 64)
+        assert begin % 64 == 0
+        covered += range(begin, max(begin, end))
+    assert covered == list(range(length))
+
+
+def test_paged_lookup_matches_a_flat_copy():
+    """kv_source (the kernel's shift/mask page math) finds every key where a flat copy of the
+    sequence has it, for every page size; keys past the cached length come from k_new."""
+    gen = torch.Generator().manual_seed(0)
+    for ps in decoding.PAGE_SIZES:
+        length, n_new = 3 * ps + 5, 3
+        pages = torch.randperm(40, generator=gen)[: -(-length // ps)].tolist()
+        flat = list(range(length))  # key j's value is j
+        paged = {}
+        for j in range(length):
+            paged[(pages[j // ps], j % ps)] = j
+        for j in range(length + n_new):
+            src = decoding.kv_source(j, length, ps, pages)
+            if j >= length:
+                assert src == ("new", j - length)
+            else:
+                assert src[0] == "cache" and paged[(src[1], src[2])] == flat[j]
+        assert decoding.kv_source(5, length, None) == ("cache", None, 5)
+
+
+def _attend(q, k, v, scale, nq, length, group):
+    """Plain fp32 attention of nq tokens (rows of q are (token, head) packed) with bottom-right causal."""
+    s = q @ k.T * scale
+    tok = torch.arange(q.shape[0])[:, None] // group
+    j = torch.arange(k.shape[0])[None, :]
+    s = s.masked_fill(j > tok + length - nq, -math.inf)
+    lse = torch.logsumexp(s, -1)
+    p = torch.nan_to_num(torch.softmax(s, -1), nan=0.0)
+    return p @ v, lse
+
+
+@pytest.mark.parametrize("nq,length,splits", [(1, 339, 5), (3, 200, 7), (4, 3, 6), (2, 0, 3), (5, 130, 1)])
+def test_split_then_combine_equals_attention(nq, length, splits):
+    """Per split: softmax over its keys with the per-row limits (empty -> O 0, LSE -inf); then
+    lse = max + ln sum exp(lse_i - max), O = sum exp(lse_i - lse) O_i equals attention over all keys."""
+    torch.manual_seed(nq * 1000 + length)
+    d, group, bn = 16, 2, 64
+    rows = nq * group
+    q = torch.randn(rows, d)
+    k, v = torch.randn(length, d), torch.randn(length, d)
+    o_parts, lse_parts = [], []
+    for s in range(splits):
+        begin, end = decoding.split_range(length, splits, s, bn)
+        sc = q @ k.T / math.sqrt(d) if length else torch.zeros(rows, 0)
+        j = torch.arange(length)[None, :]
+        limit = torch.tensor([decoding.key_limit(int(r), group, length, nq) for r in range(rows)])[:, None]
+        sc = sc.masked_fill((j < begin) | (j >= end) | (j >= limit), -math.inf)
+        lse = torch.logsumexp(sc, -1) if length else torch.full((rows,), -math.inf)
+        p = torch.nan_to_num(torch.exp(sc - lse[:, None]), nan=0.0)
+        o_parts.append(p @ v if length else torch.zeros(rows, d))
+        lse_parts.append(lse)
+    lse_all = torch.stack(lse_parts)
+    m = lse_all.max(0).values
+    m0 = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    lse = m0 + torch.log(torch.exp(lse_all - m0).sum(0))
+    lse = torch.where(torch.isinf(m), m, lse)
+    w = torch.nan_to_num(torch.exp(lse_all - lse), nan=0.0)
+    out = (w[:, :, None] * torch.stack(o_parts)).sum(0)
+    if length:
+        ref, ref_lse = _attend(q, k, v, 1 / math.sqrt(d), nq, length, group)
+    else:
+        ref, ref_lse = torch.zeros(rows, d), torch.full((rows,), -math.inf)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    assert torch.allclose(out, ref, atol=1e-5)
+    fin = ~torch.isinf(ref_lse)
+    assert torch.allclose(lse[fin], ref_lse[fin], atol=1e-5)
+
+
+def test_attend_packs_tokens_like_the_kernel():
+    """key_limit's packed row -> token mapping (row // group) is the token the reference masks with."""
+    assert [decoding.key_limit(r, 4, 10, 3) for r in range(12)] == [8] * 4 + [9] * 4 + [10] * 4
+    assert decoding.key_limit(0, 1, 0, 2) == -1  # nothing visible
+
+
+# ---------------------------------------------------------------- families and default rule
+
+
+def test_default_rule_specs_are_valid_and_fit():
+    """The default rule yields a split spec and a combine spec per (head-dim tile, dtype), within the
+    per-block budget of every arch; an L4-sized budget takes the smaller fallback tiles."""
+    from flashgen import gpus
+
+    for arch, budget in gpus.ARCH_SMEM_PER_BLOCK.items():
+        specs = decoding.default_specs(arch, budget)
+        assert len(specs) == len(set(specs)) == 4 * 2 * 2
+        for s in specs:
+            assert s.smem_bytes() <= budget and s.arch == arch
+    h200 = {s.head_dim: s for s in decoding.default_specs("sm_90a", 232448) if s.kind == "decode_split"}
+    assert (h200[128].block_n, h200[128].warps, h200[128].stages) == (64, 4, 3)
+    assert h200[128].name == "decode_split_d128_m16_n64_w4_s3_r0_causal_bf16_sm90a"
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("block_m", 32, "block_m=32"), ("causal", False, "causal=False"), ("head_dim", 96, "head_dim=96"),
+    ("block_n", 32, "16-key slices"), ("refill", 1, "refill=1"),
+])
+def test_decode_split_family_refuses(field, value, message):
+    """Fixed fields and tile rules of decode_split are enforced (block_n 32 over 4 warps: 8-key slices)."""
+    base = decoding.default_split_spec("sm_90a", "bf16", 128, 232448)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        base.replace(**{field: value}).validate()
+
+
+def test_decode_split_loader_rule():
+    """A load pass must stay inside a 16-row group: d=32 with 4 warps covers 32 rows per pass."""
+    base = decoding.default_split_spec("sm_90a", "bf16", 32, 232448)
+    with pytest.raises(ValueError, match="rows per load pass"):
+        base.replace(warps=4, block_n=64).validate()
+
+
+def test_combine_family_fixes_unused_fields():
+    spec = decoding.combine_spec("sm_80", "fp16", 256)
+    assert spec.smem_bytes() == 0
+    with pytest.raises(ValueError, match="block_n"):
+        spec.replace(block_n=64).validate()
+    assert set(FAMILIES) >= {"fwd_v2", "decode_split", "decode_combine"}
+
+
+# ---------------------------------------------------------------- validation (no GPU)
+
+
+@pytest.fixture()
+def no_launch(monkeypatch):
+    """Fail the test if decode() gets past validation to spec selection or kernel loading."""
+    def reached(*args, **kwargs):
+        raise AssertionError("validation let the call through to dispatch/launch")
+
+    monkeypatch.setattr(decoding, "select_split_spec", reached)
+    monkeypatch.setattr(flashgen.codegen, "load", reached)
+    monkeypatch.setattr(decode_api, "_plans", {})
+
+
+def _fake_mode():
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+    except ImportError:  # pragma: no cover
+        pytest.skip("torch has no FakeTensorMode")
+    return FakeTensorMode()
+
+
+def fake(*shape, dtype=BF16, device="cuda"):
+    with _fake_mode():
+        return torch.empty(*shape, dtype=dtype, device=device)
+
+
+def call(*args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return flashgen.decode(*args, **kwargs)
+
+
+B, NQ, HQ, HK, D, L = 3, 2, 8, 2, 128, 100
+
+
+def good(**over):
+    """Valid contiguous-cache inputs (fake CUDA tensors), with some replaced."""
+    args = dict(q=fake(B, NQ, HQ, D), k_cache=fake(B, L, HK, D), v_cache=fake(B, L, HK, D))
+    args.update(over)
+    return args
+
+
+SEQ = dict(cache_seqlens=None)
+
+
+@pytest.mark.parametrize("over,exc,message", [
+    (dict(q=torch.zeros(B, NQ, HQ, D, dtype=BF16)), ValueError, "q must be a CUDA tensor, got device cpu"),
+    (dict(q=None), TypeError, "q must be a torch.Tensor, got NoneType"),
+    (dict(q=fake(B, NQ, HQ, D, dtype=torch.float32)), TypeError, "q must be float16 or bfloat16"),
+    (dict(k_cache=fake(B, L, HK, D, dtype=F16), v_cache=fake(B, L, HK, D, dtype=F16)), TypeError,
+     "k_cache must have q's dtype"),
+    (dict(v_cache=fake(B, L + 1, HK, D)), ValueError, "k_cache and v_cache must have one shape"),
+    (dict(q=fake(B, NQ, HQ, 64)), ValueError, "one head dim, got 64 and 128"),
+    (dict(q=fake(B, NQ, 7, D)), ValueError, r"heads of q \(7\) must be a multiple"),
+    (dict(q=fake(B, 0, HQ, D)), ValueError, "at least one token"),
+    (dict(q=fake(B, NQ, HQ)), ValueError, "q must be 4-D"),
+    (dict(k_cache=fake(B + 1, L, HK, D), v_cache=fake(B + 1, L, HK, D)), ValueError, "batch=3"),
+    (dict(q=fake(B, NQ, HQ, 12), k_cache=fake(B, L, HK, 12), v_cache=fake(B, L, HK, 12)), UnsupportedError,
+     "head dim 12"),
+    (dict(k_cache=fake(B, L, HK, D, device="cuda:1"), v_cache=fake(B, L, HK, D, device="cuda:1")), ValueError,
+     "one device"),
+    (dict(cache_seqlens=fake(B, dtype=torch.int64)), TypeError, "cache_seqlens must be int32"),
+    (dict(cache_seqlens=fake(B + 1, dtype=torch.int32)), ValueError, r"cache_seqlens must be \(batch=3,\)"),
+    (dict(cache_seqlens=torch.zeros(B, dtype=torch.int32)), ValueError, "cache_seqlens must be a CUDA tensor"),
+    (dict(k_new=fake(B, NQ, HK, D)), ValueError, "pass both or neither"),
+    (dict(k_new=fake(B, NQ, HK, D), v_new=fake(B, NQ, HK, D)), ValueError, "need cache_seqlens"),
+    (dict(k_new=fake(B, NQ + 1, HK, D), v_new=fake(B, NQ + 1, HK, D), cache_seqlens=fake(B, dtype=torch.int32)),
+     ValueError, r"k_new must be \(batch, seqlen_q, heads_kv, d\)"),
+    (dict(num_splits=0), ValueError, "num_splits must be in"),
+    (dict(num_splits=2.0), TypeError, "num_splits must be an int"),
+    (dict(num_splits=True), TypeError, "num_splits must be an int"),
+    (dict(return_lse=1), TypeError, "return_lse must be a bool"),
+    (dict(check_values="yes"), TypeError, "check_values must be a bool"),
+    (dict(softmax_scale=-1.0), ValueError, "softmax_scale"),
+    (dict(softmax_scale="0.1"), TypeError, "softmax_scale"),
+], ids=lambda x: x if isinstance(x, str) else None)
+def test_bad_arguments_raise_before_launch(no_launch, over, exc, message):
+    """Each bad argument is refused with a message naming it, before dispatch or a launch."""
+    with pytest.raises(exc, match=message):
+        call(**good(**over))
+
+
+@pytest.mark.parametrize("over,exc,message", [
+    (dict(block_table=fake(B, 4, dtype=torch.int64)), TypeError, "block_table must be int32"),
+    (dict(block_table=fake(B + 1, 4, dtype=torch.int32)), ValueError, r"block_table must be \(batch=3"),
+    (dict(k_cache=fake(50, 48, HK, D), v_cache=fake(50, 48, HK, D)), ValueError, "page size"),
+    (dict(k_cache=fake(50, 8, HK, D), v_cache=fake(50, 8, HK, D)), ValueError, "page size"),
+])
+def test_bad_paged_arguments(no_launch, over, exc, message):
+    """Paged cache: int32 (batch, max_pages) block table, page sizes 16..256 only."""
+    args = good(k_cache=fake(50, 64, HK, D), v_cache=fake(50, 64, HK, D), block_table=fake(B, 4, dtype=torch.int32))
+    args.update(over)
+    with pytest.raises(exc, match=message):
+        call(**args)
+
+
+def test_strides_are_checked(no_launch):
+    """A last dimension that is not contiguous is refused."""
+    with _fake_mode():
+        q = torch.empty_strided((B, NQ, HQ, D), (NQ * HQ * 2 * D, HQ * 2 * D, 2 * D, 2), dtype=BF16,
+                                device="cuda")
+    with pytest.raises(ValueError, match="contiguous in its last dimension"):
+        call(**good(q=q))
+
+
+# ---------------------------------------------------------------- value checks (host side)
+
+
+def test_value_check_refuses_lengths_past_the_cache():
+    limits = decode_api._Limits(capacity=100, n_new=3, page_size=None, num_pages=None)
+    decode_api.check_cache_values(limits, torch.tensor([0, 97, 50], dtype=torch.int32), None)
+    with pytest.raises(ValueError, match=re.escape("cache_seqlens[1] = 98 (+ 3 new tokens)")):
+        decode_api.check_cache_values(limits, torch.tensor([0, 98, 50], dtype=torch.int32), None)
+    with pytest.raises(ValueError, match=re.escape("cache_seqlens[2] = -1")):
+        decode_api.check_cache_values(limits, torch.tensor([0, 1, -1], dtype=torch.int32), None)
+
+
+def test_value_check_of_block_tables():
+    """Entries of pages in use must be in [0, num_pages); unused entries (here -1) are not checked."""
+    limits = decode_api._Limits(capacity=4 * 16, n_new=1, page_size=16, num_pages=10)
+    lens = torch.tensor([15, 16, 0], dtype=torch.int32)  # + 1 new: pages used 1, 2, 1
+    bt = torch.tensor([[3, -1, -1, -1], [4, 9, -1, 77], [0, -5, -5, -5]], dtype=torch.int32)
+    decode_api.check_cache_values(limits, lens, bt)
+    bad = bt.clone()
+    bad[1, 1] = 10
+    with pytest.raises(ValueError, match=re.escape("block_table[1, 1] = 10 is out of range")):
+        decode_api.check_cache_values(limits, lens, bad)
+    # without cache_seqlens every page of the table is in use
+    with pytest.raises(ValueError, match=re.escape("block_table[0, 1] = -1")):
+        decode_api.check_cache_values(decode_api._Limits(64, 0, 16, 10), None, bt)

@@ -1,0 +1,271 @@
+"""GPU tier: flashgen.decode (Flash-Decoding) against an fp32 reference on upcast inputs.
+
+Rule: max error against the fp32 reference <= 2x the max error of the same reference computed in the
+input dtype, + 1e-5. Fresh random inputs; cache rows past each sequence's length (and unused pages)
+are NaN, so a kernel that reads a key it should not shows; outputs and workspaces come from freed
+NaN-filled memory. Each case runs with the default split count and with num_splits=1 (one launch,
+direct output); both must pass the rule, and the cache must hold k_new/v_new exactly after an append.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host)"),
+]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def make_case(b, nq, L, d, hq, hk, page, with_new, dtype, lens=None, device="cuda"):
+    """Inputs for one case: ragged lengths (the longest L, one 0), a NaN-padded cache, a paged copy."""
+    n_new = nq if with_new else 0
+    if lens is None:
+        lens = [L, max(0, L // 3 - 5), 0][:b] if b <= 3 else [L] + [max(0, L - 17 * i) for i in range(1, b)]
+    cap = L + n_new
+    if page:
+        cap = -(-cap // page) * page
+    k_flat = torch.full((b, cap, hk, d), float("nan"), device=device, dtype=dtype)
+    v_flat = torch.full_like(k_flat, float("nan"))
+    for i, n in enumerate(lens):
+        k_flat[i, :n] = torch.randn(n, hk, d, device=device).to(dtype)
+        v_flat[i, :n] = torch.randn(n, hk, d, device=device).to(dtype)
+    case = dict(q=torch.randn(b, nq, hq, d, device=device).to(dtype),
+                cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=device), lens=lens, page=page,
+                k_flat=k_flat, v_flat=v_flat, k_new=None, v_new=None)
+    if with_new:
+        case["k_new"] = torch.randn(b, nq, hk, d, device=device).to(dtype)
+        case["v_new"] = torch.randn(b, nq, hk, d, device=device).to(dtype)
+    if page:
+        max_pages = cap // page
+        num_pages = b * max_pages + 3
+        perm = torch.randperm(num_pages, device=device).to(torch.int32)
+        bt = torch.full((b, max_pages), -1, dtype=torch.int32, device=device)
+        k_pages = torch.full((num_pages, page, hk, d), float("nan"), device=device, dtype=dtype)
+        v_pages = torch.full_like(k_pages, float("nan"))
+        for i, n in enumerate(lens):
+            used = -(-(n + n_new) // page)
+            ids = perm[i * max_pages: i * max_pages + used]
+            bt[i, :used] = ids
+            k_pages[ids.long()] = k_flat[i, :used * page].view(used, page, hk, d)
+            v_pages[ids.long()] = v_flat[i, :used * page].view(used, page, hk, d)
+        case.update(k_cache=k_pages, v_cache=v_pages, block_table=bt)
+    else:
+        case.update(k_cache=k_flat.clone(), v_cache=v_flat.clone(), block_table=None)
+    return case
+
+
+def reference(case, scale, dtype=torch.float32):
+    """(out (b, nq, hq, d), lse (b, hq, nq)) in fp32, computed in ``dtype``; bottom-right causal."""
+    q = case["q"]
+    b, nq, hq, d = q.shape
+    hk = case["k_flat"].shape[2]
+    outs, lses = [], []
+    for i, n in enumerate(case["lens"]):
+        k, v = case["k_flat"][i, :n], case["v_flat"][i, :n]
+        if case["k_new"] is not None:
+            k = torch.cat([k, case["k_new"][i]])
+            v = torch.cat([v, case["v_new"][i]])
+        lt = k.shape[0]
+        qq = q[i].transpose(0, 1).to(dtype)                                   # (hq, nq, d)
+        kk = k.transpose(0, 1).to(dtype).repeat_interleave(hq // hk, dim=0)   # (hq, lt, d)
+        vv = v.transpose(0, 1).to(dtype).repeat_interleave(hq // hk, dim=0)
+        s = torch.matmul(qq, kk.transpose(-1, -2)) * scale
+        ti = torch.arange(nq, device=q.device)[:, None]
+        j = torch.arange(lt, device=q.device)[None, :]
+        s = s.masked_fill(j > ti + lt - nq, float("-inf"))
+        lses.append(torch.logsumexp(s.float(), dim=-1))
+        p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
+        outs.append(torch.matmul(p.to(dtype), vv).float().transpose(0, 1))
+    return torch.stack(outs), torch.stack(lses)
+
+
+def poison(nbytes):
+    junk = torch.full((nbytes // 4 + 1024,), float("nan"), device="cuda")
+    del junk
+
+
+def bits(t):
+    return t.view(torch.int16)
+
+
+def flat_cache(case, name):
+    """The cache as (b, cap, hk, d), gathered back through the block table for a paged cache."""
+    cache = case[name]
+    if case["page"] is None:
+        return cache
+    bt, page = case["block_table"], case["page"]
+    out = torch.full_like(case["k_flat"], float("nan"))
+    n_new = case["q"].shape[1] if case["k_new"] is not None else 0
+    for i, n in enumerate(case["lens"]):
+        used = -(-(n + n_new) // page)
+        out[i, :used * page] = cache[bt[i, :used].long()].reshape(used * page, *cache.shape[2:])
+    return out
+
+
+def check_case(b, nq, L, d, hq, hk, page, with_new, dtype_name, num_splits_list=(None, 1)):
+    import flashgen
+
+    dtype = DTYPES[dtype_name]
+    case = make_case(b, nq, L, d, hq, hk, page, with_new, dtype)
+    scale = 1.0 / math.sqrt(d)
+    ref, ref_lse = reference(case, scale)
+    low, _ = reference(case, scale, dtype)
+    tol = 2 * (low - ref).abs().max().item() + 1e-5
+    before_k, before_v = flat_cache(case, "k_cache").clone(), flat_cache(case, "v_cache").clone()
+    results = []
+    for ns in num_splits_list:
+        poison(b * nq * hq * (d + 1) * 4 * 64)
+        out, lse = flashgen.decode(case["q"], case["k_cache"], case["v_cache"], case["cache_seqlens"],
+                                   case["block_table"], case["k_new"], case["v_new"], num_splits=ns,
+                                   return_lse=True)
+        torch.cuda.synchronize()
+        assert out.shape == case["q"].shape and out.dtype == dtype and lse.shape == (b, hq, nq)
+        got = out.float()
+        assert torch.isfinite(got).all(), f"non-finite output (num_splits={ns})"
+        err = (got - ref).abs().max().item()
+        assert err <= tol, f"num_splits={ns}: max err {err:.3e} > tol {tol:.3e}"
+        masked = torch.isinf(ref_lse)
+        assert torch.equal(torch.isinf(lse), masked), f"num_splits={ns}: LSE -inf pattern differs"
+        assert not torch.isnan(lse).any()
+        if (~masked).any():
+            lse_err = (lse[~masked] - ref_lse[~masked]).abs().max().item()
+            assert lse_err <= 1e-3 * max(1.0, ref_lse[~masked].abs().max().item()), f"lse err {lse_err:.3e}"
+        results.append(out)
+    # The cache after the append: new rows exactly k_new/v_new, every other element untouched.
+    after_k, after_v = flat_cache(case, "k_cache"), flat_cache(case, "v_cache")
+    if with_new:
+        for i, n in enumerate(case["lens"]):
+            before_k[i, n:n + nq] = case["k_new"][i]
+            before_v[i, n:n + nq] = case["v_new"][i]
+    assert torch.equal(bits(after_k), bits(before_k)), "K cache content differs"
+    assert torch.equal(bits(after_v), bits(before_v)), "V cache content differs"
+    return results
+
+
+# (batch, seqlen_q, cache length, d, heads_q, heads_kv, page size or None, append, dtype): a covering
+# subset of the issue's grid (every (seqlen_q, length) pair, every d and group, both caches, with and
+# without k_new, both dtypes), each run with the default split count and with num_splits=1.
+CASES = [
+    (3, 1, 128, 128, 8, 1, None, False, "bf16"),
+    (3, 1, 339, 64, 4, 4, 16, True, "fp16"),
+    (3, 3, 1024, 128, 8, 8, 32, False, "bf16"),
+    (2, 64, 800, 256, 4, 1, 64, True, "bf16"),
+    (3, 64, 256, 128, 1, 1, None, True, "bf16"),
+    (3, 3, 799, 256, 8, 4, None, True, "fp16"),
+    (2, 64, 2048, 64, 8, 8, 128, False, "bf16"),
+    (3, 16, 20000, 128, 8, 1, 256, True, "bf16"),
+    (2, 1, 131072, 128, 8, 1, None, False, "bf16"),
+    (2, 16, 131072, 64, 4, 4, 64, True, "bf16"),
+    (2, 128, 128, 128, 4, 4, 16, False, "bf16"),
+    (3, 1, 4096, 128, 32, 8, 64, True, "bf16"),
+    (2, 2, 500, 96, 4, 2, None, True, "bf16"),       # d=96: rounded up to the 128 tile and masked
+    (2, 1, 300, 32, 8, 8, 32, False, "fp16"),
+    (2, 1, 5000, 256, 1, 1, 256, False, "bf16"),
+]
+
+
+@pytest.mark.parametrize("b,nq,L,d,hq,hk,page,with_new,dtype", CASES,
+                         ids=[f"b{c[0]}_q{c[1]}_L{c[2]}_d{c[3]}_h{c[4]}-{c[5]}_{'p' + str(c[6]) if c[6] else 'contig'}"
+                              f"_{'new' if c[7] else 'nonew'}_{c[8]}" for c in CASES])
+def test_matches_reference(b, nq, L, d, hq, hk, page, with_new, dtype):
+    """Default splits and one split both meet the rule; LSE -inf exactly for rows that see no key."""
+    check_case(b, nq, L, d, hq, hk, page, with_new, dtype)
+
+
+def test_many_empty_splits():
+    """num_splits far past the key blocks: most splits are empty (LSE -inf) and the combine ignores them."""
+    check_case(2, 1, 339, 128, 8, 2, None, False, "bf16", num_splits_list=(37, 300))
+    check_case(2, 3, 100, 64, 4, 4, 16, True, "bf16", num_splits_list=(64,))
+
+
+def test_empty_cache_gives_zeros():
+    """Every length 0 and no new tokens: output 0 and LSE -inf (no NaN), split or not."""
+    import flashgen
+
+    q = torch.randn(2, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 64, 2, 128, device="cuda", dtype=torch.bfloat16)
+    lens = torch.zeros(2, dtype=torch.int32, device="cuda")
+    for ns in (None, 1, 4):
+        out, lse = flashgen.decode(q, k, k, lens, num_splits=ns, return_lse=True)
+        assert torch.all(out == 0) and torch.all(torch.isneginf(lse))
+
+
+def test_value_errors_before_launch():
+    """Out-of-range block-table entries and lengths past the cache raise ValueError; nothing is written."""
+    import flashgen
+
+    case = make_case(2, 1, 100, 64, 4, 4, 16, True, torch.bfloat16)
+    snapshot = case["k_cache"].clone()
+    bt = case["block_table"].clone()
+    bt[0, 0] = case["k_cache"].shape[0]
+    with pytest.raises(ValueError, match="block_table"):
+        flashgen.decode(case["q"], case["k_cache"], case["v_cache"], case["cache_seqlens"], bt, case["k_new"],
+                        case["v_new"])
+    lens = case["cache_seqlens"].clone()
+    lens[1] = bt.shape[1] * 16
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        flashgen.decode(case["q"], case["k_cache"], case["v_cache"], lens, case["block_table"], case["k_new"],
+                        case["v_new"])
+    torch.cuda.synchronize()
+    assert torch.equal(bits(case["k_cache"]), bits(snapshot))
+
+
+def test_cuda_graph_capture_and_replay():
+    """Capture decode (paged, split, append), change q, lengths and the block table in place, replay:
+    the output equals an eager call on the same inputs."""
+    import flashgen
+
+    case = make_case(3, 1, 3000, 128, 32, 8, 64, True, torch.bfloat16, lens=[3000, 1200, 0])
+    args = (case["q"], case["k_cache"], case["v_cache"], case["cache_seqlens"], case["block_table"],
+            case["k_new"], case["v_new"])
+    flashgen.decode(*args, return_lse=True)  # compile, load and plan outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(g):
+            static_out, static_lse = flashgen.decode(*args, return_lse=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    bt, k_cache, v_cache = case["block_table"], case["k_cache"], case["v_cache"]
+    in_use = set(bt[bt >= 0].tolist())
+    spares = [p for p in range(k_cache.shape[0]) if p not in in_use]
+    for step in range(3):
+        case["q"].copy_(torch.randn_like(case["q"]))
+        case["k_new"].copy_(torch.randn_like(case["k_new"]))
+        case["cache_seqlens"].copy_(torch.tensor([2999 - step, 1100 + step, step], dtype=torch.int32))
+        # move sequence 0's page `step` to a spare page and poison the old one: replay must follow the table
+        old, new = int(bt[0, step]), spares[step]
+        k_cache[new], v_cache[new] = k_cache[old], v_cache[old]
+        k_cache[old], v_cache[old] = float("nan"), float("nan")
+        bt[0, step] = new
+        g.replay()
+        torch.cuda.synchronize()
+        expect, expect_lse = flashgen.decode(*args, return_lse=True)
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, expect) and torch.equal(static_lse, expect_lse)
+        assert torch.isfinite(static_out.float()).all()
+
+
+def test_strided_query_and_alignment():
+    """q as a view with a padded head stride works; a misaligned cache is a ValueError."""
+    import flashgen
+
+    case = make_case(2, 2, 300, 64, 4, 2, None, False, torch.bfloat16)
+    big = torch.randn(2, 2, 4, 72, device="cuda", dtype=torch.bfloat16)
+    q = big[..., :64]
+    q.copy_(case["q"])
+    out = flashgen.decode(q, case["k_cache"], case["v_cache"], case["cache_seqlens"])
+    ref, _ = reference(case, 1 / 8)
+    low, _ = reference(case, 1 / 8, torch.bfloat16)
+    assert (out.float() - ref).abs().max().item() <= 2 * (low - ref).abs().max().item() + 1e-5
+    base = torch.zeros(2 * 300 * 2 * 64 + 4, device="cuda", dtype=torch.bfloat16)
+    mis = base[4:].view(2, 300, 2, 64)
+    with pytest.raises(ValueError, match="aligned"):
+        flashgen.decode(q, mis, mis, case["cache_seqlens"])
