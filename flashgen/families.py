@@ -91,6 +91,10 @@ FAMILIES: dict[str, Family] = {
     "fwd_v2": Family("fwd_v2", "fwd_v2.cu.j2", FWD_PARAMS),
 }
 
+from .bwd_families import BWD_FAMILIES  # noqa: E402 -- needs Family, defined above
+
+FAMILIES.update(BWD_FAMILIES)
+
 
 def family(kind: str) -> Family:
     if kind not in FAMILIES:
