@@ -106,6 +106,9 @@ def bwd_head_dim_tile(d: int) -> int:
 
 def default_spec(key: ProblemKey, smem_budget: int) -> KernelSpec:
     """The default rule's spec for ``key`` under ``smem_budget`` bytes per block."""
+    if key.kind in BWD_TILES and key.head_dim not in BWD_TILES[key.kind]:
+        raise UnsupportedError(f"{key.kind} has no head-dim tile {key.head_dim} (see bwd_head_dim_tile: "
+                               f"{sorted(BWD_TILES[key.kind])})")
     tiles = BWD_TILES[key.kind][key.head_dim] if key.kind in BWD_TILES else DEFAULT_TILES[key.head_dim]
     row_kernel = key.kind in ("bwd_preprocess", "bwd_convert")  # no causal variant
     for bm, bn, w, st, refill, causal, arch in tiles:
