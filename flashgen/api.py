@@ -105,7 +105,7 @@ def _check_inputs(q, k, v, causal, softmax_scale, layout):
 
 
 def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, layout: str = "bhsd",
-              return_lse: bool = False, spec=None):
+              return_lse: bool = False, spec=None, deterministic: bool = False):
     """Scaled dot-product attention, softmax(scale * q k^T) v, by a generated kernel.
 
     q: (batch, heads, seqlen_q, d) for ``layout="bhsd"`` (torch's order) or
@@ -123,7 +123,26 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     log-sum-exp of the scaled scores, fp32 (batch, heads, seqlen_q).
     Raises TypeError/ValueError on bad inputs and UnsupportedError for requests
     outside what the kernels serve, always before launching anything.
+
+    Differentiable: when q, k or v requires grad (or under torch.compile) the
+    call goes through the ``flashgen::attn_fwd`` custom op, whose backward runs
+    flashgen's backward kernels (``flashgen.autograd``). ``deterministic=True``
+    makes dQ independent of the order of atomic adds (a separate query-outer
+    dQ kernel, somewhat slower); dK and dV are deterministic either way.
     """
+    if type(deterministic) is not bool:
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    if _is_compiling() or (torch.is_grad_enabled() and (getattr(q, "requires_grad", False) or
+                                                         getattr(k, "requires_grad", False) or
+                                                         getattr(v, "requires_grad", False))):
+        from .autograd import attention_op
+
+        return attention_op(q, k, v, causal, softmax_scale, layout, return_lse, deterministic, spec)
+    return _forward(q, k, v, causal, softmax_scale, layout, return_lse, spec)
+
+
+def _forward(q, k, v, causal, softmax_scale, layout, return_lse, spec):
+    """The forward launch behind ``attention`` (no autograd)."""
     try:
         sig = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
                q.device, k.device, v.device, causal, softmax_scale, layout, return_lse, spec,
@@ -187,6 +206,8 @@ else:  # pragma: no cover
 
 
 _plans: dict = {}
+
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
 
 
 def _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec) -> _Plan:

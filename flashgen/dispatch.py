@@ -67,13 +67,55 @@ DEFAULT_TILES = {
 }
 
 
+# The backward kinds' default rule, same shape as DEFAULT_TILES: kind -> head-dim
+# tile -> (block_m, block_n, warps, stages, refill, causal, arch) in order of
+# preference. bwd_dkdv*: block_n keys per CTA, block_m queries per step;
+# bwd_dq: block_m queries per CTA, block_n keys per step; bwd_preprocess and
+# bwd_convert: block_m rows per CTA (one spec per head-dim tile, never causal).
+# What a tuner should vary for `--kind bwd`: block_m, block_n, warps, stages of
+# bwd_dkdv (the bulk of the time), bwd_dkdv_nodq + bwd_dq (deterministic mode);
+# the row kernels are memory-bound and need no tuning.
+# No 224 tile in the backward: with at most two warps along a 224-wide head dim
+# (14 steps of 16) every split keeps >= 112 dK/dV accumulators per thread and
+# spills; d in 193..256 runs on the 256 tile (bwd_head_dim_tile).
+_BWD_DIMS = tuple(d for d in MMA_HEAD_DIMS if d != 224)
+_BWD_ROW = {d: ((64, 64, 4, 2, 0, None, None),) for d in _BWD_DIMS}
+BWD_TILES = {
+    "bwd_preprocess": _BWD_ROW,
+    "bwd_convert": _BWD_ROW,
+    "bwd_dkdv": {
+        **{d: ((64, 128, 8, 2, 0, None, None),) for d in (32, 64)},
+        **{d: ((64, 64, 8, 2, 0, None, None),) for d in (96, 128, 160)},
+        192: ((64, 32, 8, 2, 0, None, None),),
+        256: ((64, 32, 8, 2, 0, None, None), (32, 64, 8, 2, 0, None, None)),  # the second fits sm_80
+    },
+    "bwd_dq": {
+        **{d: ((64, 64, 8, 2, 0, None, None),) for d in (32, 64, 96, 128, 160)},
+        **{d: ((64, 32, 8, 2, 0, None, None),) for d in (192, 256)},
+    },
+}
+BWD_TILES["bwd_dkdv_nodq"] = BWD_TILES["bwd_dkdv"]
+BWD_KINDS = tuple(BWD_TILES)
+
+
+def bwd_head_dim_tile(d: int) -> int:
+    """The backward kernels' head-dim tile for an input head dim (``head_dim_tile``, 224 -> 256)."""
+    tile = head_dim_tile(d)
+    return 256 if tile == 224 else tile
+
+
 def default_spec(key: ProblemKey, smem_budget: int) -> KernelSpec:
     """The default rule's spec for ``key`` under ``smem_budget`` bytes per block."""
-    for bm, bn, w, st, refill, causal, arch in DEFAULT_TILES[key.head_dim]:
+    if key.kind in BWD_TILES and key.head_dim not in BWD_TILES[key.kind]:
+        raise UnsupportedError(f"{key.kind} has no head-dim tile {key.head_dim} (see bwd_head_dim_tile: "
+                               f"{sorted(BWD_TILES[key.kind])})")
+    tiles = BWD_TILES[key.kind][key.head_dim] if key.kind in BWD_TILES else DEFAULT_TILES[key.head_dim]
+    row_kernel = key.kind in ("bwd_preprocess", "bwd_convert")  # no causal variant
+    for bm, bn, w, st, refill, causal, arch in tiles:
         if (causal is not None and causal != key.causal) or (arch is not None and arch != key.arch):
             continue
         spec = KernelSpec(kind=key.kind, arch=key.arch, dtype=key.dtype, head_dim=key.head_dim, block_m=bm,
-                          block_n=bn, warps=w, stages=st, refill=refill, causal=key.causal)
+                          block_n=bn, warps=w, stages=st, refill=refill, causal=key.causal and not row_kernel)
         if spec.validate().smem_bytes() <= smem_budget:
             return spec
     raise UnsupportedError(f"no default {key.kind} tile fits {smem_budget} B of shared memory for d={key.head_dim}")
@@ -82,10 +124,12 @@ def default_spec(key: ProblemKey, smem_budget: int) -> KernelSpec:
 def default_specs(arch: str, smem_budget: int, kind: str = "fwd_v2"):
     """Every spec the default rule can pick for ``arch`` (for the compile tests)."""
     out = []
-    for d in MMA_HEAD_DIMS:
+    for d in (BWD_TILES[kind] if kind in BWD_TILES else MMA_HEAD_DIMS):
         for dtype in ("fp16", "bf16"):
             for causal in (False, True):
-                out.append(default_spec(ProblemKey(kind, arch, dtype, d, causal, BUCKETS[0]), smem_budget))
+                spec = default_spec(ProblemKey(kind, arch, dtype, d, causal, BUCKETS[0]), smem_budget)
+                if spec not in out:  # the row kernels have one spec for both causal keys
+                    out.append(spec)
     return out
 
 

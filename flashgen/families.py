@@ -183,6 +183,10 @@ FAMILIES: dict[str, Family] = {
                                           head_dims=DECODE_HEAD_DIMS),
 }
 
+from .bwd_families import BWD_FAMILIES  # noqa: E402 -- needs Family, defined above
+
+FAMILIES.update(BWD_FAMILIES)
+
 
 def family(kind: str) -> Family:
     if kind not in FAMILIES:

@@ -16,11 +16,18 @@ import pytest
 
 from flashgen import decoding, dispatch, gpus
 from flashgen.codegen import build, parse_ptxas_log
+from flashgen.tuner import store
 
 ARCHES = ("sm_80", "sm_90a")
 SPECS = [s for arch in ARCHES for s in dispatch.default_specs(arch, gpus.ARCH_SMEM_PER_BLOCK[arch])]
 # Flash-Decoding's default rule (split and combine kernels), flashgen/decoding.py.
 DECODE_SPECS = [s for arch in ARCHES for s in decoding.default_specs(arch, gpus.ARCH_SMEM_PER_BLOCK[arch])]
+# The backward kinds' default rule (bwd_preprocess, bwd_dkdv, bwd_dkdv_nodq, bwd_dq, bwd_convert).
+BWD_SPECS = [s for arch in ARCHES for kind in dispatch.BWD_KINDS
+             for s in dispatch.default_specs(arch, gpus.ARCH_SMEM_PER_BLOCK[arch], kind)]
+# Every spec a shipped tuned table (flashgen/generated/*.yaml) can pick, for that table's arch.
+SHIPPED_SPECS = sorted({e["spec"] for path in sorted(store.shipped_path("x").parent.glob("*.yaml"))
+                        for e in store.load(path, gpu=path.stem).entries.values()}, key=lambda s: s.name)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +43,7 @@ def compiled(tmp_path_factory):
         mp.setenv("FLASHGEN_HOME", str(tmp_path_factory.mktemp("compile_home")))
         mp.delenv("FLASHGEN_NO_COMPILE", raising=False)
         with ThreadPool(2) as pool:
-            return dict(pool.map(one, SPECS + DECODE_SPECS))
+            return dict(pool.map(one, SPECS + DECODE_SPECS + BWD_SPECS + SHIPPED_SPECS))
 
 
 def test_default_specs_cover_every_key():
@@ -47,7 +54,18 @@ def test_default_specs_cover_every_key():
         assert len(keys) == len(dispatch.DEFAULT_TILES) * 4
 
 
-@pytest.mark.parametrize("spec", SPECS + DECODE_SPECS, ids=lambda s: s.name)
+def test_bwd_default_specs_cover_every_key():
+    """The backward rule has a spec per (kind, head-dim tile, dtype, causal) for each arch; the row
+    kernels (preprocess, convert) have no causal variant, so one spec serves both keys."""
+    tiles = len(dispatch.BWD_TILES["bwd_dkdv"])
+    for arch in ARCHES:
+        for kind in dispatch.BWD_KINDS:
+            specs = [s for s in BWD_SPECS if s.arch == arch and s.kind == kind]
+            causal_variants = 1 if kind in ("bwd_preprocess", "bwd_convert") else 2
+            assert len(specs) == len(set(specs)) == tiles * 2 * causal_variants, kind
+
+
+@pytest.mark.parametrize("spec", SPECS + DECODE_SPECS + BWD_SPECS + SHIPPED_SPECS, ids=lambda s: s.name)
 def test_default_spec_compiles_clean(spec, compiled):
     """NVRTC compiles the spec for its arch into an ELF cubin; ptxas reports no spill, no stack frame,
     at most 255 registers, and static plus dynamic shared memory within the arch's per-block budget."""

@@ -1,0 +1,117 @@
+"""The backward pass: dQ, dK, dV of ``flashgen.attention`` from its saved tensors.
+
+Four launches on torch's current stream (FlashAttention-2's algorithm):
+``bwd_preprocess`` (D = rowsum(dO * O) - dLSE, LSE * log2 e, zeroes the dQ
+accumulator), ``bwd_dkdv`` (K/V outer; dQ by fp32 atomics into the
+accumulator), ``bwd_convert`` (accumulator * scale -> dQ). With
+``deterministic=True`` the dK/dV kernel skips dQ (``bwd_dkdv_nodq``) and a
+query-outer ``bwd_dq`` kernel computes dQ without atomics, so the result does
+not depend on the order in which blocks run.
+
+Used by the autograd op in ``flashgen.autograd``; callable directly for study.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import dispatch
+from .api import _DTYPES, _Device, _current_device, _current_stream, _dims
+from .bwd_families import ROW_PAD
+
+
+def _ok_for_kernel(t: torch.Tensor, layout: str) -> bool:
+    """Contiguous last dim, 16-byte aligned start and row strides (the kernels' 16-byte loads)."""
+    if t.stride(-1) != 1 or t.data_ptr() % 16:
+        return False
+    return all(s % 8 == 0 for s in _dims(t, layout)[1])
+
+
+def _spec(kind: str, dev, dtype: str, d_tile: int, causal: bool, nq: int):
+    key = dispatch.ProblemKey(kind, dev.arch, dtype, d_tile, causal, dispatch.bucket_of(nq))
+    return dispatch.select(key, dev.gpu, dev.smem_budget)
+
+
+def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float, layout: str = "bhsd",
+                       deterministic: bool = False, dlse=None):
+    """(dq, dk, dv) for ``out, lse = attention(q, k, v, causal, softmax_scale, layout, return_lse=True)``.
+
+    q, k, v, out, lse are the forward's inputs and outputs (already checked by
+    it); ``dout`` is the gradient of ``out`` (any strides; copied only when its
+    last dimension is not contiguous or its rows are not 16-byte aligned),
+    ``dlse`` the optional gradient of ``lse``. The gradients come back
+    contiguous in the shapes (and layout) of q, k, v; dK and dV are summed over
+    each KV head's group of query heads (GQA).
+    """
+    if dout.shape != q.shape:
+        raise ValueError(f"dout must have the shape of q {tuple(q.shape)}, got {tuple(dout.shape)}")
+    if dout.dtype != q.dtype:
+        dout = dout.to(q.dtype)
+    if not _ok_for_kernel(dout, layout):
+        dout = dout.contiguous()
+    (b, h, nq, d), sq = _dims(q, layout)
+    (_, hk, nk, _), sk = _dims(k, layout)
+    sv = _dims(v, layout)[1]
+    so = _dims(out, layout)[1]
+    sdo = _dims(dout, layout)[1]
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if not (b and h and nq and nk):
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    sdq, sdk, sdv = (_dims(t, layout)[1] for t in (dq, dk, dv))
+
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    dev = _Device.of(index)
+    dtype = _DTYPES[q.dtype]
+    d_tile = dispatch.bwd_head_dim_tile(d)
+    nq_pad = -(-nq // ROW_PAD) * ROW_PAD
+    lse = lse.contiguous()
+    if dlse is not None:
+        dlse = dlse.to(torch.float32).contiguous()
+    dsum = torch.empty((b, h, nq_pad), dtype=torch.float32, device=q.device)
+    lse2 = torch.empty((b, h, nq_pad), dtype=torch.float32, device=q.device)
+    dq_acc = None if deterministic else torch.empty((b, h, nq, d_tile), dtype=torch.float32, device=q.device)
+    scale = float(softmax_scale)
+    common = dict(nq=nq, nk=nk, nq_pad=nq_pad, heads=h, group=h // hk, d=d, scale=scale,
+                  scale_log2=scale * math.log2(math.e))
+    strides = lambda name, s: {f"{name}_sb": s[0], f"{name}_sh": s[1], f"{name}_ss": s[2]}  # noqa: E731
+
+    from .codegen import load
+
+    launches = []
+    pre = load(_spec("bwd_preprocess", dev, dtype, d_tile, False, nq), index)
+    launches.append((pre, (nq_pad // pre.spec.block_m, h, b), pre.params(
+        o=out.data_ptr(), dout=dout.data_ptr(), lse=lse.data_ptr(), dlse=dlse.data_ptr() if dlse is not None else 0,
+        dsum=dsum.data_ptr(), lse2=lse2.data_ptr(), dq_acc=dq_acc.data_ptr() if dq_acc is not None else 0,
+        **strides("o", so), **strides("dout", sdo), nq=nq, nq_pad=nq_pad, heads=h, d=d)))
+
+    kv = load(_spec("bwd_dkdv_nodq" if deterministic else "bwd_dkdv", dev, dtype, d_tile, causal, nq), index)
+    launches.append((kv, (-(-nk // kv.spec.block_n), hk, b), kv.params(
+        q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), dout=dout.data_ptr(), lse2=lse2.data_ptr(),
+        dsum=dsum.data_ptr(), dq_acc=dq_acc.data_ptr() if dq_acc is not None else 0, dk=dk.data_ptr(),
+        dv=dv.data_ptr(), **strides("q", sq), **strides("k", sk), **strides("v", sv), **strides("dout", sdo),
+        **strides("dk", sdk), **strides("dv", sdv), **common)))
+
+    if deterministic:
+        dqk = load(_spec("bwd_dq", dev, dtype, d_tile, causal, nq), index)
+        launches.append((dqk, (-(-nq // dqk.spec.block_m), h, b), dqk.params(
+            q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), dout=dout.data_ptr(), lse2=lse2.data_ptr(),
+            dsum=dsum.data_ptr(), dq=dq.data_ptr(), **strides("q", sq), **strides("k", sk), **strides("v", sv),
+            **strides("dout", sdo), **strides("dq", sdq), **common)))
+    else:
+        cv = load(_spec("bwd_convert", dev, dtype, d_tile, False, nq), index)
+        launches.append((cv, (-(-nq // cv.spec.block_m), h, b), cv.params(
+            dq_acc=dq_acc.data_ptr(), dq=dq.data_ptr(), **strides("dq", sdq), nq=nq, heads=h, d=d, scale=scale)))
+
+    if index == _current_device():
+        stream = _current_stream(index)
+        for kern, grid, params in launches:
+            kern.launch(grid, params, stream)
+    else:
+        with torch.cuda.device(index):
+            stream = _current_stream(index)
+            for kern, grid, params in launches:
+                kern.launch(grid, params, stream)
+    return dq, dk, dv

@@ -1,0 +1,194 @@
+// Backward-pass helpers: warp-tiled GEMMs over swizzled shared-memory tiles,
+// fragment stores, fp32 atomics, row-wise preprocess and dQ conversion.
+//
+// Every operand of a backward GEMM lives in shared memory as a Tile<W> (rows of
+// W 16-bit elements, 16-byte chunks XOR-swizzled). An operand can be stored
+// either way round; ldmatrix (plain or .trans) turns it into mma fragments:
+//   A (m x k) stored [m][k]: plain,  lanes address rows m0 + (lane & 15), chunk + (lane >> 4)
+//   A (m x k) stored [k][m]: .trans, lanes address rows k0 + 8 (lane >> 4) + (lane & 7), chunk + ((lane >> 3) & 1)
+//   B (k x n) stored [n][k]: plain,  same lanes as the [k][m] A
+//   B (k x n) stored [k][n]: .trans, same lanes as the [m][k] A
+// (KERNELS.md section 2: with .trans a lane receives the transposed 8x8 pieces.)
+#pragma once
+
+template <bool BF16>
+FG_DEVICE float to_f32(unsigned short x) {
+  if constexpr (BF16) {
+    return __uint_as_float(static_cast<fg_u32>(x) << 16);
+  } else {
+    float f;
+    asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(x));
+    return f;
+  }
+}
+
+FG_DEVICE void red_add_f32(float* addr, float v) {
+  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(addr), "f"(v) : "memory");
+}
+
+template <int MT, int NT>
+FG_DEVICE void zero_acc(float (&acc)[MT][NT][4]) {
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+    for (int nj = 0; nj < NT; ++nj)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mi][nj][e] = 0.f;
+}
+
+// acc (16*MT rows from m0, 8*NT columns from n0 of the output) += A B over
+// k = 0 .. 16*KT. A_KM: A stored [k][m] in a Tile<AW>, else [m][k]. B_KN: B
+// stored [k][n] in a Tile<BW>, else [n][k].
+// Hides a value from the optimizer: addresses derived from it are computed where
+// they are used instead of being hoisted out of the main loop, where hundreds of
+// loop-invariant fragment addresses would each hold a register.
+FG_DEVICE fg_u32 opaque(fg_u32 x) {
+  asm volatile("mov.b32 %0, %0;\n" : "+r"(x));
+  return x;
+}
+
+template <int MT, int NT, int KT, bool A_KM, bool B_KN, int AW, int BW, bool BF16>
+FG_DEVICE void warp_mma(float (&acc)[MT][NT][4], fg_u32 sA, int m0, fg_u32 sB, int n0) {
+  static_assert(NT % 2 == 0, "B fragments come in pairs of n8 tiles");
+  sA = opaque(sA);
+  sB = opaque(sB);
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int r1 = lane & 15, c1 = lane >> 4;
+  const int r2 = ((lane >> 4) << 3) + (lane & 7), c2 = (lane >> 3) & 1;
+#pragma unroll
+  for (int kk = 0; kk < KT; ++kk) {
+    fg_u32 a[MT][4];
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi) {
+      if constexpr (A_KM) {
+        ldmatrix_x4_trans(a[mi], sA + Tile<AW>::offset(kk * 16 + r2, m0 / 8 + mi * 2 + c2));
+      } else {
+        ldmatrix_x4(a[mi], sA + Tile<AW>::offset(m0 + mi * 16 + r1, kk * 2 + c1));
+      }
+    }
+#pragma unroll
+    for (int nj2 = 0; nj2 < NT / 2; ++nj2) {
+      fg_u32 b[4];
+      if constexpr (B_KN) {
+        ldmatrix_x4_trans(b, sB + Tile<BW>::offset(kk * 16 + r1, n0 / 8 + nj2 * 2 + c1));
+      } else {
+        ldmatrix_x4(b, sB + Tile<BW>::offset(n0 + nj2 * 16 + r2, kk * 2 + c2));
+      }
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi) {
+        mma_16816<BF16>(acc[mi][2 * nj2], a[mi], b[0], b[1]);
+        mma_16816<BF16>(acc[mi][2 * nj2 + 1], a[mi], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// Store an accumulator tile (rows from m0, columns from n0) into a Tile<W> as
+// 16-bit values: one 4-byte store per pair of columns.
+template <int W, int MT, int NT, bool BF16>
+FG_DEVICE void store_acc_smem(fg_u32 s, const float (&acc)[MT][NT][4], int m0, int n0) {
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+    for (int nj = 0; nj < NT; ++nj)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const fg_u32 packed = pack2<BF16>(acc[mi][nj][2 * h], acc[mi][nj][2 * h + 1]);
+        const fg_u32 addr = s + Tile<W>::offset(m0 + mi * 16 + g + 8 * h, n0 / 8 + nj) + 4 * t;
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(packed));
+      }
+}
+
+// Store an accumulator tile, times `mul`, to a row-major global matrix (rows
+// from row0 + m0, columns from n0); rows >= n_rows and columns >= d are skipped.
+template <int MT, int NT, bool BF16>
+FG_DEVICE void store_acc_global(elem_t* g_base, fg_i64 stride, const float (&acc)[MT][NT][4], int row0, int m0,
+                                int n0, int n_rows, int d, float mul) {
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row0 + m0 + mi * 16 + g + 8 * h;
+      if (row >= n_rows) continue;
+      elem_t* dst = g_base + static_cast<fg_i64>(row) * stride;
+#pragma unroll
+      for (int nj = 0; nj < NT; ++nj) {
+        const int col = n0 + nj * 8 + 2 * t;
+        if (col < d)
+          *reinterpret_cast<fg_u32*>(dst + col) =
+              pack2<BF16>(acc[mi][nj][2 * h] * mul, acc[mi][nj][2 * h + 1] * mul);
+      }
+    }
+}
+
+// ---- bwd_preprocess ------------------------------------------------------------
+// One warp per row at a time; lane c holds 16-byte chunk c of the row (D <= 256).
+template <int D, int ROWS, int NW, bool BF16, typename Params>
+FG_DEVICE void bwd_preprocess_body(const Params& p) {
+  static_assert(D / 8 <= 32, "one chunk per lane");
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int b = blockIdx.z, h = blockIdx.y;
+  const fg_i64 bh = static_cast<fg_i64>(b) * p.heads + h;
+  const elem_t* o = p.o + b * p.o_sb + h * p.o_sh;
+  const elem_t* dout = p.dout + b * p.dout_sb + h * p.dout_sh;
+  const float LOG2E = 1.4426950408889634f;
+  for (int r = warp; r < ROWS; r += NW) {
+    const int row = blockIdx.x * ROWS + r;  // < nq_pad: the grid covers the padded rows exactly
+    float acc = 0.f;
+    if (row < p.nq && lane * 8 < p.d) {
+      const fg_u32x4 a = *reinterpret_cast<const fg_u32x4*>(o + static_cast<fg_i64>(row) * p.o_ss + lane * 8);
+      const fg_u32x4 c = *reinterpret_cast<const fg_u32x4*>(dout + static_cast<fg_i64>(row) * p.dout_ss + lane * 8);
+      const fg_u32 av[4] = {a.x, a.y, a.z, a.w}, cv[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        acc += to_f32<BF16>(static_cast<unsigned short>(av[i] & 0xffffu)) *
+               to_f32<BF16>(static_cast<unsigned short>(cv[i] & 0xffffu));
+        acc += to_f32<BF16>(static_cast<unsigned short>(av[i] >> 16)) *
+               to_f32<BF16>(static_cast<unsigned short>(cv[i] >> 16));
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (lane == 0) {
+      float l2 = INFINITY, dsum = 0.f;  // padding rows (and rows that see no key) weigh nothing
+      if (row < p.nq) {
+        const float lse = p.lse[bh * p.nq + row];
+        l2 = lse == -INFINITY ? INFINITY : lse * LOG2E;
+        dsum = acc - (p.dlse != nullptr ? p.dlse[bh * p.nq + row] : 0.f);
+      }
+      p.lse2[bh * p.nq_pad + row] = l2;
+      p.dsum[bh * p.nq_pad + row] = dsum;
+    }
+    if (p.dq_acc != nullptr && row < p.nq) {
+      float* z = p.dq_acc + (bh * p.nq + row) * D;
+      for (int c = lane; c < D / 4; c += 32) *reinterpret_cast<fg_u32x4*>(z + 4 * c) = fg_u32x4{0u, 0u, 0u, 0u};
+    }
+  }
+}
+
+// ---- bwd_convert: dQ accumulator (b, h, nq, D) fp32 -> dq in the input dtype, times scale ----
+template <int D, int ROWS, int NW, bool BF16, typename Params>
+FG_DEVICE void bwd_convert_body(const Params& p) {
+  constexpr int C = D / 8;
+  const int b = blockIdx.z, h = blockIdx.y;
+  const fg_i64 bh = static_cast<fg_i64>(b) * p.heads + h;
+  elem_t* dq = p.dq + b * p.dq_sb + h * p.dq_sh;
+  for (int i = threadIdx.x; i < ROWS * C; i += NW * 32) {
+    const int row = blockIdx.x * ROWS + i / C, c = i % C;
+    if (row >= p.nq || c * 8 >= p.d) continue;
+    const float* src = p.dq_acc + (bh * p.nq + row) * D + c * 8;
+    float x[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) x[j] = src[j] * p.scale;
+    fg_u32x4 out;
+    out.x = pack2<BF16>(x[0], x[1]);
+    out.y = pack2<BF16>(x[2], x[3]);
+    out.z = pack2<BF16>(x[4], x[5]);
+    out.w = pack2<BF16>(x[6], x[7]);
+    *reinterpret_cast<fg_u32x4*>(dq + static_cast<fg_i64>(row) * p.dq_ss + c * 8) = out;
+  }
+}

@@ -1,0 +1,178 @@
+// FlashAttention-2 backward, K/V outer: dK, dV (and dQ by fp32 atomics).
+//
+// One CTA owns BN key rows of one (batch, KV head). K and V stay in shared
+// memory; the CTA walks the query blocks (BM rows) of every query head of its
+// GQA group, so dK and dV sum over the group in registers (no extra memory, and
+// deterministic). Q, dO and their rows' LSE2 / D stream through an ST-stage
+// cp.async ring. Per query block:
+//   A: S^T = K Q^T and dP^T = V dO^T (BN x BM, warps WA x NW/WA);
+//      P^T = exp2(S^T * scale_log2 - LSE2), dS^T = P^T * (dP^T - D); both to shared memory
+//   B: dV += P^T dO, dK += dS^T Q    (BN x D, warps WB x NW/WB, kept in registers)
+//   C: dQ += dS K                     (BM x D, warps WC x NW/WC, red.global.add into fp32)
+// Causal: query blocks that see none of the CTA's keys are skipped; only blocks
+// that cross the diagonal or the key end are masked. The softmax scale of dK is
+// applied once at the end; dQ's by bwd_convert.
+#pragma once
+
+template <int D, int BM, int BN, int NW, int ST, int WA, int WB, int WC, bool CAUSAL, bool DQ, bool BF16,
+          typename Params>
+FG_DEVICE void bwd_dkdv_body(const Params& p) {
+  constexpr int NTH = NW * 32;
+  // phase A tiles (rows: keys, columns: queries)
+  constexpr int A_RM = BN / WA, A_RN = BM / (NW / WA);
+  constexpr int A_MT = A_RM / 16, A_NT = A_RN / 8;
+  // phase B tiles (rows: keys, columns: head dim)
+  constexpr int B_RM = BN / WB, B_RN = D / (NW / WB);
+  constexpr int B_MT = B_RM / 16, B_NT = B_RN / 8;
+  // phase C tiles (rows: queries, columns: head dim, in chunks of at most 32 columns)
+  constexpr int C_RM = BM / WC, C_RN = D / (NW / WC);
+  constexpr int C_MT = C_RM / 16, C_CH = C_RN % 32 == 0 ? 32 : 16, C_NT = C_CH / 8;
+  static_assert(A_RM % 16 == 0 && A_RN % 16 == 0 && B_RM % 16 == 0 && B_RN % 16 == 0, "bad warp split");
+  static_assert(C_RM % 16 == 0 && C_RN % C_CH == 0 && C_CH % 16 == 0, "bad warp split");
+  static_assert(BM % 32 == 0 && D % 32 == 0 && ST >= 2, "bad tile shape");
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  constexpr int TILE_Q = BM * D * 2, TILE_K = BN * D * 2, TILE_P = BN * BM * 2;
+  const fg_u32 sK = smem_addr(smem);
+  const fg_u32 sV = sK + TILE_K;
+  const fg_u32 sQ = sV + TILE_K;          // ST stages
+  const fg_u32 sdO = sQ + ST * TILE_Q;    // ST stages
+  const fg_u32 sP = sdO + ST * TILE_Q;
+  const fg_u32 sdS = sP + TILE_P;
+  const fg_u32 sL = sdS + TILE_P;         // ST stages of BM floats (LSE2), then ST of D
+  const fg_u32 sDs = sL + ST * BM * 4;
+  const float* fL = reinterpret_cast<const float*>(smem + (2 * TILE_K + 2 * ST * TILE_Q + 2 * TILE_P));
+  const float* fD = fL + ST * BM;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int b = blockIdx.z, hk = blockIdx.y;
+  const int n0 = blockIdx.x * BN;
+  const int diag = p.nk - p.nq;  // bottom-right causal alignment: query i sees keys j <= i + diag
+
+  const int m_blocks = ceil_div(p.nq, BM);
+  int m_first = 0;
+  if constexpr (CAUSAL) m_first = min(m_blocks, max(0, n0 - diag) / BM);
+  const int per_head = m_blocks - m_first;
+  const int total = per_head * p.group;
+
+  // K, V: one group of their own.
+  Tile<D>::template load<BN, NTH>(sK, p.k + b * p.k_sb + hk * p.k_sh, p.k_ss, n0, p.nk, p.d);
+  Tile<D>::template load<BN, NTH>(sV, p.v + b * p.v_sb + hk * p.v_sh, p.v_ss, n0, p.nk, p.d);
+  cp_async_commit();
+
+  // Step `it` covers query head hk*group + it / per_head, query block m_first + it % per_head.
+  auto load_q = [&](int it, int stage) {
+    const int hq = hk * p.group + it / per_head;
+    const int m0 = (m_first + it % per_head) * BM;
+    Tile<D>::template load<BM, NTH>(sQ + stage * TILE_Q, p.q + b * p.q_sb + hq * p.q_sh, p.q_ss, m0, p.nq, p.d);
+    Tile<D>::template load<BM, NTH>(sdO + stage * TILE_Q, p.dout + b * p.dout_sb + hq * p.dout_sh, p.dout_ss, m0,
+                                    p.nq, p.d);
+    // LSE2 and D rows: padded buffers, so whole 16-byte chunks are always in range.
+    const fg_i64 row = (static_cast<fg_i64>(b) * p.heads + hq) * p.nq_pad + m0;
+    if (tid < BM / 4) {
+      cp_async_16(sL + stage * BM * 4 + tid * 16, p.lse2 + row + tid * 4, 16);
+    } else if (tid < BM / 2) {
+      const int c = tid - BM / 4;
+      cp_async_16(sDs + stage * BM * 4 + c * 16, p.dsum + row + c * 4, 16);
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < ST - 1; ++s) {
+    if (s < total) load_q(s, s);
+    cp_async_commit();
+  }
+
+  const int a_m0 = (warp % WA) * A_RM, a_n0 = (warp / WA) * A_RN;
+  const int b_m0 = (warp % WB) * B_RM, b_n0 = (warp / WB) * B_RN;
+  const int c_m0 = (warp % WC) * C_RM, c_n0 = (warp / WC) * C_RN;
+
+  float acc_dv[B_MT][B_NT][4], acc_dk[B_MT][B_NT][4];
+  zero_acc(acc_dv);
+  zero_acc(acc_dk);
+
+  for (int it = 0; it < total; ++it) {
+    cp_async_wait<ST - 2>();
+    __syncthreads();  // step `it` has landed; every warp is done with step it-1
+    {
+      const int jn = it + ST - 1;
+      if (jn < total) load_q(jn, jn % ST);
+      cp_async_commit();
+    }
+    const int stage = it % ST;
+    const int hq = hk * p.group + it / per_head;
+    const int m0 = (m_first + it % per_head) * BM;
+    const fg_u32 sQs = sQ + stage * TILE_Q, sdOs = sdO + stage * TILE_Q;
+
+    // ---- A: S^T, dP^T, then P^T and dS^T into shared memory -----------------
+    {
+      float s[A_MT][A_NT][4], dp[A_MT][A_NT][4];
+      zero_acc(s);
+      zero_acc(dp);
+      warp_mma<A_MT, A_NT, D / 16, false, false, D, D, BF16>(s, sK, a_m0, sQs, a_n0);
+      warp_mma<A_MT, A_NT, D / 16, false, false, D, D, BF16>(dp, sV, a_m0, sdOs, a_n0);
+      const bool need_mask = (n0 + BN > p.nk) || (CAUSAL && n0 + BN - 1 > m0 + diag);
+      const float* Ls = fL + stage * BM;
+      const float* Ds = fD + stage * BM;
+#pragma unroll
+      for (int nj = 0; nj < A_NT; ++nj) {
+        const int ql = a_n0 + nj * 8 + 2 * t;
+        const float l2[2] = {Ls[ql], Ls[ql + 1]};
+        const float dd[2] = {Ds[ql], Ds[ql + 1]};
+#pragma unroll
+        for (int mi = 0; mi < A_MT; ++mi)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float x = s[mi][nj][e];
+            if (need_mask) {
+              const int key = n0 + a_m0 + mi * 16 + g + 8 * (e >> 1);
+              const int qrow = m0 + ql + (e & 1);
+              if (key >= p.nk || (CAUSAL && key > qrow + diag)) x = -INFINITY;
+            }
+            const float pe = fast_exp2(fmaf(x, p.scale_log2, -l2[e & 1]));
+            s[mi][nj][e] = pe;
+            dp[mi][nj][e] = pe * (dp[mi][nj][e] - dd[e & 1]);
+          }
+      }
+      store_acc_smem<BM, A_MT, A_NT, BF16>(sP, s, a_m0, a_n0);
+      store_acc_smem<BM, A_MT, A_NT, BF16>(sdS, dp, a_m0, a_n0);
+    }
+    __syncthreads();
+
+    // ---- B: dV += P^T dO, dK += dS^T Q ---------------------------------------
+    warp_mma<B_MT, B_NT, BM / 16, false, true, BM, D, BF16>(acc_dv, sP, b_m0, sdOs, b_n0);
+    warp_mma<B_MT, B_NT, BM / 16, false, true, BM, D, BF16>(acc_dk, sdS, b_m0, sQs, b_n0);
+
+    // ---- C: dQ += dS K by fp32 atomics ----------------------------------------
+    if constexpr (DQ) {
+      float* dq_rows = p.dq_acc + ((static_cast<fg_i64>(b) * p.heads + hq) * p.nq + m0) * D;
+#pragma unroll
+      for (int ch = 0; ch < C_RN / C_CH; ++ch) {
+        float acc[C_MT][C_NT][4];
+        zero_acc(acc);
+        const int n_off = c_n0 + ch * C_CH;
+        warp_mma<C_MT, C_NT, BN / 16, true, true, BM, D, BF16>(acc, sdS, c_m0, sK, n_off);
+#pragma unroll
+        for (int mi = 0; mi < C_MT; ++mi)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int r = c_m0 + mi * 16 + g + 8 * h;
+            if (m0 + r >= p.nq) continue;
+#pragma unroll
+            for (int nj = 0; nj < C_NT; ++nj) {
+              float* dst = dq_rows + static_cast<fg_i64>(r) * D + n_off + nj * 8 + 2 * t;
+              red_add_f32(dst, acc[mi][nj][2 * h]);
+              red_add_f32(dst + 1, acc[mi][nj][2 * h + 1]);
+            }
+          }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // ---- epilogue: dK (times the softmax scale) and dV -----------------------------
+  store_acc_global<B_MT, B_NT, BF16>(p.dk + b * p.dk_sb + hk * p.dk_sh, p.dk_ss, acc_dk, n0, b_m0, b_n0, p.nk,
+                                     p.d, p.scale);
+  store_acc_global<B_MT, B_NT, BF16>(p.dv + b * p.dv_sb + hk * p.dv_sh, p.dv_ss, acc_dv, n0, b_m0, b_n0, p.nk,
+                                     p.d, 1.f);
+}

@@ -1,0 +1,122 @@
+// FlashAttention-2 backward, query outer: dQ without atomics (deterministic mode).
+//
+// One CTA owns BM query rows of one (batch, query head) and walks the K/V
+// blocks (BN rows, ST-stage cp.async ring) its rows can see:
+//   A: S = Q K^T, dP = dO V^T (BM x BN, warps WA x NW/WA);
+//      P = exp2(S * scale_log2 - LSE2), dS = P * (dP - D) into shared memory
+//   C: dQ += dS K (BM x D, warps WC x NW/WC, in registers for the whole walk)
+// and writes dQ * scale in the input dtype. The summation order is fixed, so
+// the result does not depend on scheduling.
+#pragma once
+
+template <int D, int BM, int BN, int NW, int ST, int WA, int WC, bool CAUSAL, bool BF16, typename Params>
+FG_DEVICE void bwd_dq_body(const Params& p) {
+  constexpr int NTH = NW * 32;
+  constexpr int A_RM = BM / WA, A_RN = BN / (NW / WA);
+  constexpr int A_MT = A_RM / 16, A_NT = A_RN / 8;
+  constexpr int C_RM = BM / WC, C_RN = D / (NW / WC);
+  constexpr int C_MT = C_RM / 16, C_NT = C_RN / 8;
+  static_assert(A_RM % 16 == 0 && A_RN % 16 == 0 && C_RM % 16 == 0 && C_RN % 16 == 0, "bad warp split");
+  static_assert(BN % 32 == 0 && D % 32 == 0 && ST >= 2, "bad tile shape");
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  constexpr int TILE_Q = BM * D * 2, TILE_K = BN * D * 2;
+  const fg_u32 sQ = smem_addr(smem);
+  const fg_u32 sdO = sQ + TILE_Q;
+  const fg_u32 sK = sdO + TILE_Q;       // ST stages
+  const fg_u32 sV = sK + ST * TILE_K;   // ST stages
+  const fg_u32 sdS = sV + ST * TILE_K;  // BM x BN, [query][key]
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  // Causal: the longest rows (highest query blocks) launch first.
+  const int m_block = CAUSAL ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
+  const int b = blockIdx.z, hq = blockIdx.y, hk = hq / p.group;
+  const int m0 = m_block * BM;
+  const int diag = p.nk - p.nq;
+  const elem_t* k = p.k + b * p.k_sb + hk * p.k_sh;
+  const elem_t* v = p.v + b * p.v_sb + hk * p.v_sh;
+
+  int n_blocks = ceil_div(p.nk, BN);
+  if constexpr (CAUSAL) {
+    const int limit = m0 + BM + diag;
+    n_blocks = limit <= 0 ? 0 : min(n_blocks, ceil_div(limit, BN));
+  }
+
+  Tile<D>::template load<BM, NTH>(sQ, p.q + b * p.q_sb + hq * p.q_sh, p.q_ss, m0, p.nq, p.d);
+  Tile<D>::template load<BM, NTH>(sdO, p.dout + b * p.dout_sb + hq * p.dout_sh, p.dout_ss, m0, p.nq, p.d);
+  cp_async_commit();
+#pragma unroll
+  for (int s = 0; s < ST - 1; ++s) {
+    if (s < n_blocks) {
+      Tile<D>::template load<BN, NTH>(sK + s * TILE_K, k, p.k_ss, s * BN, p.nk, p.d);
+      Tile<D>::template load<BN, NTH>(sV + s * TILE_K, v, p.v_ss, s * BN, p.nk, p.d);
+    }
+    cp_async_commit();
+  }
+
+  const int a_m0 = (warp % WA) * A_RM, a_n0 = (warp / WA) * A_RN;
+  const int c_m0 = (warp % WC) * C_RM, c_n0 = (warp / WC) * C_RN;
+
+  // This thread's rows of S: LSE2 and D, from the padded buffers (no bound check needed).
+  const fg_i64 row_base = (static_cast<fg_i64>(b) * p.heads + hq) * p.nq_pad + m0 + a_m0 + g;
+  float l2[A_MT][2], dd[A_MT][2];
+#pragma unroll
+  for (int mi = 0; mi < A_MT; ++mi)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      l2[mi][h] = p.lse2[row_base + mi * 16 + 8 * h];
+      dd[mi][h] = p.dsum[row_base + mi * 16 + 8 * h];
+    }
+
+  float acc[C_MT][C_NT][4];
+  zero_acc(acc);
+
+  for (int j = 0; j < n_blocks; ++j) {
+    cp_async_wait<ST - 2>();
+    __syncthreads();
+    {
+      const int jn = j + ST - 1;
+      if (jn < n_blocks) {
+        const int sn = jn % ST;
+        Tile<D>::template load<BN, NTH>(sK + sn * TILE_K, k, p.k_ss, jn * BN, p.nk, p.d);
+        Tile<D>::template load<BN, NTH>(sV + sn * TILE_K, v, p.v_ss, jn * BN, p.nk, p.d);
+      }
+      cp_async_commit();
+    }
+    const int stage = j % ST;
+    const fg_u32 sKj = sK + stage * TILE_K, sVj = sV + stage * TILE_K;
+    const int n0 = j * BN;
+
+    {
+      float s[A_MT][A_NT][4], dp[A_MT][A_NT][4];
+      zero_acc(s);
+      zero_acc(dp);
+      warp_mma<A_MT, A_NT, D / 16, false, false, D, D, BF16>(s, sQ, a_m0, sKj, a_n0);
+      warp_mma<A_MT, A_NT, D / 16, false, false, D, D, BF16>(dp, sdO, a_m0, sVj, a_n0);
+      const bool need_mask = (n0 + BN > p.nk) || (CAUSAL && n0 + BN - 1 > m0 + diag);
+#pragma unroll
+      for (int mi = 0; mi < A_MT; ++mi)
+#pragma unroll
+        for (int nj = 0; nj < A_NT; ++nj)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int h = e >> 1;
+            float x = s[mi][nj][e];
+            if (need_mask) {
+              const int qrow = m0 + a_m0 + mi * 16 + g + 8 * h;
+              const int key = n0 + a_n0 + nj * 8 + 2 * t + (e & 1);
+              if (key >= p.nk || (CAUSAL && key > qrow + diag)) x = -INFINITY;
+            }
+            const float pe = fast_exp2(fmaf(x, p.scale_log2, -l2[mi][h]));
+            dp[mi][nj][e] = pe * (dp[mi][nj][e] - dd[mi][h]);
+          }
+      store_acc_smem<BN, A_MT, A_NT, BF16>(sdS, dp, a_m0, a_n0);
+    }
+    __syncthreads();
+    warp_mma<C_MT, C_NT, BN / 16, false, true, BN, D, BF16>(acc, sdS, c_m0, sKj, c_n0);
+  }
+  cp_async_wait<0>();
+  store_acc_global<C_MT, C_NT, BF16>(p.dq + b * p.dq_sb + hq * p.dq_sh, p.dq_ss, acc, m0, c_m0, c_n0, p.nq, p.d,
+                                     p.scale);
+}

@@ -1,0 +1,175 @@
+"""The backward pass without a GPU: custom ops' fake implementations, autograd wiring, torch.compile
+tracing, argument errors, the backward specs' rules.
+
+Meta tensors stand in for CUDA tensors: the ops' fake (meta) implementations give the shapes,
+dtypes and strides the real kernels would, so autograd and torch.compile can be checked here.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashgen
+from flashgen import KernelSpec, dispatch, gpus
+from flashgen.bwd_families import warp_split
+
+F16, BF16 = torch.float16, torch.bfloat16
+
+
+def meta(*shape, dtype=BF16, grad=False):
+    return torch.empty(*shape, dtype=dtype, device="meta", requires_grad=grad)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_fwd_op_fake_shapes(layout, dtype):
+    """attn_fwd on meta tensors: out like q (contiguous), lse fp32 (batch, heads, seqlen_q) in either layout."""
+    import flashgen.autograd  # noqa: F401 -- registers the ops
+
+    if layout == "bhsd":
+        q, k = meta(2, 6, 37, 72, dtype=dtype), meta(2, 2, 129, 72, dtype=dtype)
+    else:
+        q, k = meta(2, 37, 6, 72, dtype=dtype), meta(2, 129, 2, 72, dtype=dtype)
+    out, lse = torch.ops.flashgen.attn_fwd(q, k, k, True, 0.1, layout, False)
+    assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous()
+    assert lse.shape == (2, 6, 37) and lse.dtype == torch.float32
+
+
+def test_fwd_and_bwd_ops_on_fake_cuda_tensors():
+    """With FakeTensorMode CUDA tensors (what torch.compile traces with), the ops keep device and dtype."""
+    import flashgen.autograd  # noqa: F401
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 37, 6, 64, dtype=BF16, device="cuda")
+        k = torch.empty(2, 50, 2, 64, dtype=BF16, device="cuda")
+        out, lse = torch.ops.flashgen.attn_fwd(q, k, k, True, 0.125, "bshd", False)
+        assert out.device.type == "cuda" and out.shape == q.shape and lse.shape == (2, 6, 37)
+        dq, dk, dv = torch.ops.flashgen.attn_bwd(out, q, k, k, out, lse, None, True, 0.125, "bshd", True)
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, k.shape)
+        assert dq.dtype == dk.dtype == dv.dtype == BF16 and dk.device.type == "cuda"
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_autograd_through_meta_tensors(deterministic):
+    """attention() with inputs that require grad goes through the op: out has a grad_fn, and backward
+    gives q, k, v gradients of their own shapes (GQA: k, v keep their fewer heads)."""
+    q = meta(2, 6, 37, 64, grad=True)
+    k, v = meta(2, 2, 50, 64, grad=True), meta(2, 2, 50, 64, grad=True)
+    out = flashgen.attention(q, k, v, causal=True, deterministic=deterministic)
+    assert out.grad_fn is not None and "flashgen" in type(out.grad_fn).__name__
+    out.float().sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+    out, lse = flashgen.attention(q, k, v, return_lse=True)
+    assert lse.shape == (2, 6, 37) and lse.dtype == torch.float32
+
+
+def test_torch_compile_fullgraph_traces_forward_and_backward():
+    """torch.compile(fullgraph=True) traces a function calling flashgen.attention without graph breaks
+    (aot_eager on meta tensors: the graph, the op and its autograd formula, without a GPU)."""
+    def f(q, k, v):
+        return flashgen.attention(q, k, v, causal=True, layout="bshd").float().square().sum()
+
+    q = meta(2, 37, 6, 64, dtype=F16, grad=True)
+    k, v = meta(2, 50, 2, 64, dtype=F16, grad=True), meta(2, 50, 2, 64, dtype=F16, grad=True)
+    loss = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    loss.backward()
+    assert q.grad.shape == q.shape and v.grad.shape == v.shape
+    explained = torch._dynamo.explain(f)(q, k, v)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+
+
+@pytest.mark.parametrize("bad", [1, 0, "yes", None])
+def test_deterministic_must_be_a_bool(bad):
+    """deterministic is a real bool, checked first (even for inputs that need no gradient)."""
+    q = torch.randn(1, 2, 8, 64)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        flashgen.attention(q, q, q, deterministic=bad)
+
+
+def test_grad_path_argument_errors():
+    """On the autograd path the flags are checked before the op runs: causal and softmax_scale types,
+    layout, and spec (a forced forward kernel has no backward)."""
+    q = meta(1, 2, 8, 64, grad=True)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        flashgen.attention(q, q, q, causal=1)
+    with pytest.raises(TypeError, match="softmax_scale"):
+        flashgen.attention(q, q, q, softmax_scale="0.1")
+    with pytest.raises(ValueError, match="layout"):
+        flashgen.attention(q, q, q, layout="sbhd")
+    with pytest.raises(ValueError, match="spec="):
+        flashgen.attention(q, q, q, spec=KernelSpec())
+
+
+def test_grad_path_checks_inputs_when_it_runs():
+    """A CPU tensor that requires grad reaches the op's real implementation, which runs the forward's
+    checks: the same clear ValueError as without autograd."""
+    q = torch.randn(1, 2, 8, 64, dtype=BF16, requires_grad=True)
+    with pytest.raises(ValueError, match="q must be a CUDA tensor"):
+        flashgen.attention(q, q, q)
+
+
+def test_no_grad_inputs_skip_the_op(monkeypatch):
+    """Inputs that need no gradient take the direct forward (no custom-op overhead)."""
+    import flashgen.autograd as ag
+
+    def boom(*a, **k):
+        raise AssertionError("went through the op")
+
+    monkeypatch.setattr(ag, "attention_op", boom)
+    q = torch.randn(1, 2, 8, 64, dtype=BF16, requires_grad=True)
+    with torch.no_grad(), pytest.raises(ValueError, match="CUDA tensor"):
+        flashgen.attention(q, q, q)
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        flashgen.attention(q.detach(), q.detach(), q.detach())
+
+
+# ---------------------------------------------------------------- specs and rules
+
+
+def test_warp_split_minimises_fragment_loads():
+    """The split of an m x n tile over warps: fewest fragment loads per mma, ties to more warps on m,
+    None when 16x16 steps cannot cover it."""
+    assert warp_split(128, 64, 8) == 4      # 32 x 32 per warp
+    assert warp_split(64, 128, 8) == 2      # 32 x 32 per warp
+    assert warp_split(64, 64, 4) == 2
+    assert warp_split(32, 224, 8) is None   # 224 = 14 x 16: at most 2 warps along n
+    assert warp_split(16, 16, 2) is None
+
+
+def test_bwd_specs_validate_and_name():
+    """Backward specs validate their own rules and name their kind; a split that cannot tile is refused."""
+    s = KernelSpec(kind="bwd_dkdv", arch="sm_90a", dtype="bf16", head_dim=128, block_m=64, block_n=64,
+                   warps=8, stages=2, causal=True).validate()
+    assert s.name == "bwd_dkdv_d128_m64_n64_w8_s2_r0_causal_bf16_sm90a"
+    ctx = s.context()
+    assert ctx["dq_atomic"] is True and ctx["wa"] and ctx["wb"] and ctx["wc"]
+    assert s.replace(kind="bwd_dkdv_nodq").context()["dq_atomic"] is False
+    with pytest.raises(ValueError, match="cannot tile"):
+        s.replace(head_dim=224, block_n=32).validate()
+    with pytest.raises(ValueError, match="causal"):
+        KernelSpec(kind="bwd_convert", block_m=64, block_n=64, warps=4, causal=True).validate()
+
+
+def test_bwd_rule_picks_the_sm80_fallback_for_d256():
+    """d = 256: the preferred dK/dV tile needs more shared memory than an A100 has; the rule falls back."""
+    key = dispatch.ProblemKey("bwd_dkdv", "sm_80", "bf16", 256, True, 1024)
+    spec = dispatch.default_spec(key, gpus.ARCH_SMEM_PER_BLOCK["sm_80"])
+    assert spec.smem_bytes() <= gpus.ARCH_SMEM_PER_BLOCK["sm_80"]
+    big = dispatch.default_spec(dispatch.ProblemKey("bwd_dkdv", "sm_90a", "bf16", 256, True, 1024),
+                                gpus.ARCH_SMEM_PER_BLOCK["sm_90a"])
+    assert big.smem_bytes() > gpus.ARCH_SMEM_PER_BLOCK["sm_80"]
+
+
+@pytest.mark.parametrize("d,tile", [(8, 32), (64, 64), (200, 256), (224, 256), (256, 256)])
+def test_bwd_head_dim_tile(d, tile):
+    """The backward maps head dims to tiles like the forward, except that 224 runs on the 256 tile."""
+    assert dispatch.bwd_head_dim_tile(d) == tile
+
+
+def test_bwd_row_kernels_are_never_causal():
+    """Preprocess and convert have one spec for causal and non-causal keys."""
+    for kind in ("bwd_preprocess", "bwd_convert"):
+        a = dispatch.default_spec(dispatch.ProblemKey(kind, "sm_90a", "bf16", 128, True, 512), 232448)
+        b = dispatch.default_spec(dispatch.ProblemKey(kind, "sm_90a", "bf16", 128, False, 512), 232448)
+        assert a == b and not a.causal
