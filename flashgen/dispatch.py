@@ -69,6 +69,10 @@ DEFAULT_TILES = {
 
 def default_spec(key: ProblemKey, smem_budget: int) -> KernelSpec:
     """The default rule's spec for ``key`` under ``smem_budget`` bytes per block."""
+    if key.kind != "fwd_v2":  # the baselines (standard attention's passes, fwd_v1) have their own rules
+        from .baseline_specs import default_spec as baseline_default
+
+        return baseline_default(key, smem_budget)
     for bm, bn, w, st, refill, causal, arch in DEFAULT_TILES[key.head_dim]:
         if (causal is not None and causal != key.causal) or (arch is not None and arch != key.arch):
             continue

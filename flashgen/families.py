@@ -91,6 +91,11 @@ FAMILIES: dict[str, Family] = {
     "fwd_v2": Family("fwd_v2", "fwd_v2.cu.j2", FWD_PARAMS),
 }
 
+# Baselines for study and comparison: standard attention's three passes and FlashAttention V1.
+from .baseline_specs import BASELINE_FAMILIES  # noqa: E402  (it builds on Family, defined above)
+
+FAMILIES.update(BASELINE_FAMILIES)
+
 
 def family(kind: str) -> Family:
     if kind not in FAMILIES:
