@@ -2,6 +2,8 @@
 
   flashgen emit --d 128 --causal --dtype bf16 [--arch sm_90a] [--block-m ...]
   flashgen compile --d 128 --arch sm_80      (offline, no GPU: prints the ptxas report)
+  flashgen bench fwd --out DIR               (GPU: table, JSON, plots; --plot-from FILE: plots only)
+  flashgen explain --gpu h200 --d 128 --seqlen 4096 [--causal] [--measure]
 """
 from __future__ import annotations
 
@@ -84,6 +86,11 @@ def main(argv=None) -> int:
     _spec_args(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_compile)
+    from .bench.cli import add_parser as add_bench
+    from .explain import add_parser as add_explain
+
+    add_bench(sub)
+    add_explain(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
