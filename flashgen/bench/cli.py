@@ -48,11 +48,14 @@ def cmd_bench(args) -> int:
     if not args.suite:
         raise FlashgenError(f"name a suite to run ({', '.join(sorted(suites()))}) or give --plot-from FILE")
     suite = suites()[args.suite]
+    partial = Path(args.out) / f"{args.name or suite.name}.partial.json"
+    args.checkpoint = lambda result: report.save(result, partial)
     try:
         result = suite.run(args, _progress)
     except ValueError as exc:  # bad option values, raised before anything runs
         raise FlashgenError(str(exc)) from None
     path = report.save(result, Path(args.out) / f"{args.name or suite.name}.json")
+    partial.unlink(missing_ok=True)
     print(report.table(result))
     print(f"wrote {path}")
     return 0 if args.no_plot else _plot(result, args, required=False)

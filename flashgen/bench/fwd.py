@@ -138,6 +138,8 @@ def _quiet(fn, *args):
 
 
 def run(args, progress) -> dict:
+    """Time every (head dim, causal, seqlen) cell; ``args.checkpoint(result)``, when set, gets the
+    result so far after each row."""
     import torch
 
     from ..iomodel import flops, hidden2048
@@ -145,8 +147,13 @@ def run(args, progress) -> dict:
 
     settings = parse(args)
     if not torch.cuda.is_available():
-        raise RuntimeError("flashgen bench fwd needs a CUDA device")
+        from ..errors import FlashgenError
+
+        raise FlashgenError("flashgen bench fwd needs a CUDA device (plots of a stored result do not: "
+                            "--plot-from FILE)")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[settings["dtype"]]
+    meta_info = meta()
+    checkpoint = getattr(args, "checkpoint", None)
     if any(i.startswith("flashgen_") for i in settings["impls"]):
         prebuild(settings, progress)
     rows = []
@@ -177,9 +184,15 @@ def run(args, progress) -> dict:
                 del q, k, v
                 torch.cuda.empty_cache()
                 rows.append(row)
+                if checkpoint is not None:  # a run cut short keeps what it measured
+                    checkpoint(_result(settings, meta_info, rows))
                 progress(f"d={d} causal={causal} N={n}: " + ", ".join(
                     f"{i}={c['tflops']:.0f}" if "tflops" in c else f"{i}=-" for i, c in row["results"].items()))
-    return {"suite": "fwd", "meta": meta(), "metric": "tflops", "x": "seqlen", "panels": ["head_dim", "causal"],
+    return _result(settings, meta_info, rows)
+
+
+def _result(settings, meta_info, rows) -> dict:
+    return {"suite": "fwd", "meta": meta_info, "metric": "tflops", "x": "seqlen", "panels": ["head_dim", "causal"],
             "convention": f"hidden 2048 (heads 2048/d), batch 16384/N, FLOPs 4BHN^2d (causal /2), "
                           f"{settings['dtype']}, median of CUDA-event-timed repeats",
             "impls": settings["impls"], "rows": rows}
