@@ -13,16 +13,16 @@ python3 -c "import torch, cupy; from flashgen.codegen.compiler import nvrtc_vers
 python3 -c "import matplotlib" 2>/dev/null || echo "matplotlib missing: no PNG here; plot later from fwd.json" | tee -a "$OUT/gpu.txt"
 
 if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout 200 python3 -m pytest -q --noconftest -m gpu ${TESTS:-tests/test_gpu_baselines.py} \
+  timeout 150 python3 -m pytest -q --noconftest -m gpu ${TESTS:-tests/test_gpu_baselines.py} \
     --junitxml="$OUT/gpu_tests_issue5.xml" 2>&1 | tee "$OUT/gpu_tests_issue5.log" | tail -30
 fi
 
 if [ -z "${SKIP_BENCH:-}" ]; then
-  timeout ${BENCH_TIMEOUT:-330} python3 -m flashgen.cli bench fwd --out "$OUT" --d 64,128 \
+  timeout ${BENCH_TIMEOUT:-300} python3 -m flashgen.cli bench fwd --out "$OUT" --d 64,128 \
     --seqlens 512,1024,2048,4096,8192,16384 --causal both --budget 0.2 ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_fwd.log"
 fi
 
 for c in "" "--causal"; do
-  timeout 90 python3 -m flashgen.cli explain --gpu h200 --d 128 --seqlen 4096 $c --measure \
+  timeout 60 python3 -m flashgen.cli explain --gpu h200 --d 128 --seqlen 4096 $c --measure \
     2>&1 | tee "$OUT/explain_h200_d128_4096${c:+_causal}.txt"
 done
