@@ -16,6 +16,7 @@ from .errors import UnsupportedError
 
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _LAYOUTS = ("bhsd", "bshd")
+ALGORITHMS = ("v2", "v1", "standard")
 _MAX_GRID_YZ = 65535
 
 
@@ -105,7 +106,7 @@ def _check_inputs(q, k, v, causal, softmax_scale, layout):
 
 
 def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, layout: str = "bhsd",
-              return_lse: bool = False, spec=None, deterministic: bool = False):
+              return_lse: bool = False, spec=None, algorithm: str = "v2", deterministic: bool = False):
     """Scaled dot-product attention, softmax(scale * q k^T) v, by a generated kernel.
 
     q: (batch, heads, seqlen_q, d) for ``layout="bhsd"`` (torch's order) or
@@ -118,6 +119,13 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     ``spec`` forces one KernelSpec instead of dispatch's pick (for the tuner
     and for study); it must match the problem (kind, dtype, causal, arch, and a
     head-dim tile that covers d).
+
+    ``algorithm`` picks the kernel family: ``"v2"`` (FlashAttention-2, the
+    default and the fast one), ``"v1"`` (FlashAttention V1's loop order: K/V
+    blocks outside, O/m/l through HBM) or ``"standard"`` (three passes with S
+    and P in HBM; ``UnsupportedError`` when that N x N buffer does not fit in
+    free GPU memory). The last two are for study and comparison; with them,
+    ``spec`` is a ``fwd_v1`` spec, or a tuple of the three ``standard_*`` specs.
 
     Returns the output in q's layout and dtype, and with ``return_lse`` also the
     log-sum-exp of the scaled scores, fp32 (batch, heads, seqlen_q).
@@ -135,23 +143,28 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     if _is_compiling() or (torch.is_grad_enabled() and (getattr(q, "requires_grad", False) or
                                                          getattr(k, "requires_grad", False) or
                                                          getattr(v, "requires_grad", False))):
+        if algorithm != "v2":
+            if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
+                raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+            raise UnsupportedError(f"algorithm={algorithm!r} is forward-only (for study); gradients need "
+                                   "algorithm='v2'")
         from .autograd import attention_op
 
         return attention_op(q, k, v, causal, softmax_scale, layout, return_lse, deterministic, spec)
-    return _forward(q, k, v, causal, softmax_scale, layout, return_lse, spec)
+    return _forward(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm)
 
 
-def _forward(q, k, v, causal, softmax_scale, layout, return_lse, spec):
+def _forward(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm="v2"):
     """The forward launch behind ``attention`` (no autograd)."""
     try:
         sig = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
                q.device, k.device, v.device, causal, softmax_scale, layout, return_lse, spec,
-               type(causal), type(softmax_scale), type(return_lse))  # 1 == True: the types keep checks honest
+               type(causal), type(softmax_scale), type(return_lse), algorithm)  # 1 == True: the types keep checks honest
         plan = _plans.get(sig)
     except (AttributeError, TypeError):  # not tensors, or an unhashable argument: the full check says why
         sig = plan = None
     if plan is None:
-        plan = _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec)
+        plan = _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm)
         if sig is not None:
             if len(_plans) > 4096:
                 _plans.clear()
@@ -159,6 +172,8 @@ def _forward(q, k, v, causal, softmax_scale, layout, return_lse, spec):
     if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
         raise ValueError("q, k, v must be 16-byte aligned (16-byte loads), got addresses "
                          f"{q.data_ptr():#x}, {k.data_ptr():#x}, {v.data_ptr():#x}")
+    if type(plan) is not _Plan:  # algorithm="v1"/"standard": several kernels and buffers (baseline_run)
+        return plan.run(q, k, v, return_lse)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
     if plan.kernel is not None:
@@ -210,9 +225,11 @@ _plans: dict = {}
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
 
 
-def _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec) -> _Plan:
+def _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm="v2"):
     from .codegen import load
 
+    if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     (b, h, nq, d), sq, (hk, nk), sk, sv, scale = _check_inputs(q, k, v, causal, softmax_scale, layout)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
@@ -220,6 +237,12 @@ def _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec) -> _Plan:
     if not (nq and b and h):
         return _Plan(None, None, index, (b, h, nq), None)
     dev = _Device.of(index)
+    if algorithm != "v2":
+        from . import baseline_run
+
+        o_strides = _dims(torch.empty(q.shape, device="meta"), layout)[1]
+        return baseline_run.plan(algorithm, spec, causal, dev, _DTYPES[q.dtype], (b, h, hk, nq, nk, d),
+                                 (sq, sk, sv), o_strides, scale)
     key = dispatch.ProblemKey("fwd_v2", dev.arch, _DTYPES[q.dtype], dispatch.head_dim_tile(d), causal,
                               dispatch.bucket_of(nq))
     if spec is None:

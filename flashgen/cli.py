@@ -4,6 +4,8 @@
   flashgen compile --d 128 --arch sm_80      (offline, no GPU: prints the ptxas report)
   flashgen tune --gpu h200 --d 64,128        (Optuna search; --model without a GPU)
   flashgen show [--gpu h200] [--config PATH] (the tuned tables in use, or one file checked)
+  flashgen bench fwd --out DIR               (GPU: table, JSON, plots; --plot-from FILE: plots only)
+  flashgen explain --gpu h200 --d 128 --seqlen 4096 [--causal] [--measure]
 """
 from __future__ import annotations
 
@@ -125,6 +127,11 @@ def main(argv=None) -> int:
     _spec_args(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_compile)
+    from .bench.cli import add_parser as add_bench
+    from .explain import add_parser as add_explain
+
+    add_bench(sub)
+    add_explain(sub)
     p = sub.add_parser("tune", help="search tile shapes on this GPU (or by the cost model) and write YAML")
     from .tuner.run import add_arguments
 

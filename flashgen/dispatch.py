@@ -96,6 +96,8 @@ BWD_TILES = {
 }
 BWD_TILES["bwd_dkdv_nodq"] = BWD_TILES["bwd_dkdv"]
 BWD_KINDS = tuple(BWD_TILES)
+# Kinds whose default rule lives in flashgen/baseline_specs.py (standard attention's passes, fwd_v1).
+BASELINE_KINDS = ("standard_qk", "standard_softmax", "standard_pv", "fwd_v1")
 
 
 def bwd_head_dim_tile(d: int) -> int:
@@ -106,6 +108,10 @@ def bwd_head_dim_tile(d: int) -> int:
 
 def default_spec(key: ProblemKey, smem_budget: int) -> KernelSpec:
     """The default rule's spec for ``key`` under ``smem_budget`` bytes per block."""
+    if key.kind in BASELINE_KINDS:  # the baselines (standard attention's passes, fwd_v1) have their own rules
+        from .baseline_specs import default_spec as baseline_default
+
+        return baseline_default(key, smem_budget)
     if key.kind in BWD_TILES and key.head_dim not in BWD_TILES[key.kind]:
         raise UnsupportedError(f"{key.kind} has no head-dim tile {key.head_dim} (see bwd_head_dim_tile: "
                                f"{sorted(BWD_TILES[key.kind])})")

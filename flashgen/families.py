@@ -187,6 +187,11 @@ from .bwd_families import BWD_FAMILIES  # noqa: E402 -- needs Family, defined ab
 
 FAMILIES.update(BWD_FAMILIES)
 
+# Baselines for study and comparison: standard attention's three passes and FlashAttention V1.
+from .baseline_specs import BASELINE_FAMILIES  # noqa: E402  (it builds on Family, defined above)
+
+FAMILIES.update(BASELINE_FAMILIES)
+
 
 def family(kind: str) -> Family:
     if kind not in FAMILIES:
