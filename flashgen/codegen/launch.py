@@ -62,7 +62,8 @@ def load_kernel(spec, device_index: int) -> Kernel:
             module.load(binary.cubin)
             function = module.get_function(spec.name)
             smem = spec.smem_bytes()
-            if smem > 48 * 1024:
+            # The 48 KB default covers static and dynamic shared memory together.
+            if smem + binary.report.static_smem > 48 * 1024:
                 driver.funcSetAttribute(function.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
         kern = Kernel(spec, binary, module, function, device_index)
         _loaded[key] = kern
