@@ -36,8 +36,8 @@ class Family:
     max_acc_floats: int = 200           # fp32 accumulators per thread before spilling is likely
     # The knobs the tuner searches and the values it tries (a subset of the
     # supported values above: the sizes that can win, not every legal one).
-    tune_space: tuple = (("block_m", (64, 128, 192)), ("block_n", (32, 64, 96, 128)), ("warps", (4, 8)),
-                         ("stages", (2, 3)), ("refill", (0, 1, 2)))
+    tune_space: tuple = (("block_m", (64, 128, 192)), ("block_n", (32, 48, 64, 96, 128)), ("warps", (4, 8)),
+                         ("stages", (2, 3, 4)), ("refill", (0, 1, 2)))
     _struct: list = field(default_factory=list, compare=False, repr=False)
 
     # -- spec rules ---------------------------------------------------------

@@ -148,10 +148,18 @@ class Progress:
 
 def run_keys(keys, cands, objective, args, storage, worker_index=0, progress=None):
     for i, key in enumerate(keys, 1):
+        t0 = time.monotonic()
         if progress:
             progress.index = i
         study.run_study(key, objective, cands[key], n_trials=args.trials, time_budget=args.time_budget,
                         storage=storage, seed=args.seed, worker_index=worker_index, progress=progress)
+        if progress and not progress.quiet:  # one line per key also where stderr is not a terminal
+            r = study.collect(key, storage, cands[key])
+            best = r.best
+            print(("\r" if progress.tty else "") + f"[{i}/{len(keys)}] {space.key_name(key)}: {len(r.trials)} trials, "
+                  f"{sum(r.failures().values())} failed; best "
+                  + (f"{best.spec.name} {best.time_ms:.3f} ms" if best else "none")
+                  + f" ({time.monotonic() - t0:.1f} s)", file=sys.stderr, flush=True)
 
 
 def _spawn_workers(argv, n, mode, storage_url, log):
