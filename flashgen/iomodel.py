@@ -82,7 +82,7 @@ def paper_block_sizes(smem_bytes: int, d: int, elem_bytes: int = 2) -> tuple[int
     return min(bc, d), bc
 
 
-def _visible_blocks(nq: int, nk: int, causal: bool, block_m: int, block_n: int) -> list[int]:
+def visible_blocks(nq: int, nk: int, causal: bool, block_m: int, block_n: int) -> list[int]:
     """For each query block, how many key blocks hold at least one key some row of it sees."""
     nkb = _ceil_div(nk, block_n)
     out = []
@@ -120,7 +120,7 @@ def hbm_traffic(algorithm: str, b: int, h: int, nq: int, nk: int, d: int, causal
     if not block_m or not block_n:
         raise ValueError("block_m and block_n must be positive")
     e, a = elem_bytes, ACC_BYTES
-    vis = _visible_blocks(nq, nk, causal, block_m, block_n)
+    vis = visible_blocks(nq, nk, causal, block_m, block_n)
     t: dict[str, int] = {}
     if algorithm == "standard":
         ld = _ceil_div(nk, 8) * 8  # S/P rows are padded to 16 bytes
@@ -181,4 +181,4 @@ def hidden2048(n: int, d: int) -> tuple[int, int]:
 
 
 __all__ = ["ALGORITHMS", "flops", "intensity_qk", "ridge_point", "paper_block_sizes", "hbm_traffic", "hbm_bytes",
-           "roofline_time", "hidden2048"]
+           "roofline_time", "hidden2048", "visible_blocks"]

@@ -229,7 +229,7 @@ def test_cost_model_basics():
     assert 0.4 * t < causal < 0.75 * t  # about half the work, plus imbalance
     assert cost.estimate(spec, (8, 16, 4096, 128), H200, 255) == pytest.approx(2 * t, rel=0.1)
     # I/O: Q and O once, K and V once per query block: 2*N*d*(1 + N/B_r) elements per head
-    assert cost.hbm_bytes(spec, 1, 1, 256, 256, 128) == 2 * 128 * (2 * 256 + 2 * 256 * 2)
+    assert cost.hbm_bytes(spec, 1, 1, 256, 256, 128) == 2 * 128 * (2 * 256 + 2 * 256 * 2) + 4 * 256  # + LSE
     assert cost.residency(spec, 255, H200) == 2  # 2 x 32k registers, 2 x 97 KB shared memory
     assert cost.residency(spec.replace(block_n=32, stages=2), 128, H200) == 3
     assert math.isinf(cost.estimate(spec, shape, H200, registers=10_000))

@@ -24,6 +24,8 @@ from __future__ import annotations
 import heapq
 import math
 
+from .. import iomodel
+from ..iomodel import flops  # noqa: F401  (re-exported: the convention's FLOPs)
 from ..spec import DTYPE_BYTES
 
 # Fraction of the datasheet tensor rate mma.sync m16n8k16 sustains, per arch
@@ -37,12 +39,6 @@ LAUNCH_S = 4e-6
 CLOCK_HZ = {"sm_80": 1.41e9, "sm_86": 1.7e9, "sm_89": 2.5e9, "sm_90a": 1.98e9}
 
 
-def flops(b: int, h: int, nq: int, nk: int, d: int, causal: bool) -> float:
-    """The convention's forward FLOPs: 4·B·H·Nq·Nk·d, halved for causal."""
-    f = 4.0 * b * h * nq * nk * d
-    return f / 2 if causal else f
-
-
 def residency(spec, registers: int, profile) -> int:
     """CTAs of ``spec`` one SM holds at once (registers, shared memory, threads)."""
     threads = spec.warps * 32
@@ -53,21 +49,9 @@ def residency(spec, registers: int, profile) -> int:
     return max(0, min(by_regs, by_smem, by_threads, 32))
 
 
-def visible_blocks(m_block: int, spec, nq: int, nk: int) -> int:
-    """K/V blocks query block ``m_block`` visits (bottom-right causal alignment)."""
-    if not spec.causal:
-        return math.ceil(nk / spec.block_n)
-    last_row = min(nq, (m_block + 1) * spec.block_m) - 1
-    last_key = last_row + nk - nq
-    return 0 if last_key < 0 else math.ceil(min(nk, last_key + 1) / spec.block_n)
-
-
 def hbm_bytes(spec, b: int, h: int, nq: int, nk: int, d: int) -> float:
-    """Bytes a fwd_v2 launch moves: Q and O once, K and V once per query block."""
-    e = DTYPE_BYTES[spec.dtype]
-    m_blocks = math.ceil(nq / spec.block_m)
-    kv_rows = sum(min(nk, visible_blocks(i, spec, nq, nk) * spec.block_n) for i in range(m_blocks))
-    return b * h * e * d * (2 * nq + 2 * kv_rows)
+    """Bytes a fwd_v2 launch moves (the I/O analysis in ``flashgen.iomodel``, with the spec's tiles)."""
+    return iomodel.hbm_bytes("v2", b, h, nq, nk, d, spec.causal, spec.block_m, spec.block_n, DTYPE_BYTES[spec.dtype])
 
 
 def estimate(spec, shape, profile, registers: int) -> float:
@@ -92,7 +76,7 @@ def estimate(spec, shape, profile, registers: int) -> float:
     epilogue = 2.0 * spec.block_m * d * DTYPE_BYTES[spec.dtype] / 64 + ITER_LATENCY_CLK  # O staging + stores
 
     m_blocks = math.ceil(n / spec.block_m)
-    per_head = [visible_blocks(i, spec, n, n) for i in range(m_blocks)]
+    per_head = iomodel.visible_blocks(n, n, spec.causal, spec.block_m, spec.block_n)
     if spec.causal:
         per_head = per_head[::-1]  # launch order: the kernel runs the longest query blocks first
     # Each resident CTA gets 1/res of the SM's throughput while the SM is full; the

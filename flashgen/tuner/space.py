@@ -12,14 +12,10 @@ constraint violation, never launched).
 from __future__ import annotations
 
 import itertools
-import math
 
+from .. import iomodel
 from ..dispatch import BUCKETS, ProblemKey
 from ..spec import DTYPE_BYTES, KernelSpec
-
-# The benchmark convention the tuner measures at: hidden 2048, 16k tokens per call.
-HIDDEN = 2048
-TOKENS = 16384
 
 
 def problem_keys(kind: str, arch: str, dtypes, head_dims, causals, buckets=BUCKETS) -> list[ProblemKey]:
@@ -32,8 +28,7 @@ def problem_keys(kind: str, arch: str, dtypes, head_dims, causals, buckets=BUCKE
 
 def problem_shape(key: ProblemKey) -> tuple[int, int, int, int]:
     """(batch, heads, seqlen, d) the key is measured at: hidden 2048, batch * seqlen = 16k tokens."""
-    n = key.bucket
-    return max(1, TOKENS // n), max(1, HIDDEN // key.head_dim), n, key.head_dim
+    return (*iomodel.hidden2048(key.bucket, key.head_dim), key.bucket, key.head_dim)
 
 
 def key_name(key: ProblemKey) -> str:
@@ -64,9 +59,7 @@ def paper_baseline(key: ProblemKey, profile) -> KernelSpec:
     from ..families import family
 
     fam = family(key.kind)
-    m_elems = profile.smem_per_block // DTYPE_BYTES[key.dtype]
-    b_c = math.ceil(m_elems / (4 * key.head_dim))
-    b_r = min(b_c, key.head_dim)
+    b_r, b_c = iomodel.paper_block_sizes(profile.smem_per_block, key.head_dim, DTYPE_BYTES[key.dtype])
 
     def nearest(value, allowed):
         return min(allowed, key=lambda a: (abs(a - value), a))
