@@ -139,6 +139,19 @@ def test_grads_bshd_gqa(nq, nk, causal, dtype):
     check(2, 4, 1, nq, nk, 40, dtype, causal, layout="bshd")
 
 
+@pytest.mark.parametrize("mode", ["atomic", "separate"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("nq,nk", [(113, 203), (239, 1), (1023, 1024)])
+def test_grads_both_dq_modes(nq, nk, d, causal, mode, monkeypatch):
+    """Both ways of computing dQ in the default (non-deterministic) backward, whichever the dispatch rule
+    picks for the head dim: fp32 atomics (bwd_dkdv + bwd_convert) and the separate bwd_dq kernel."""
+    from flashgen import dispatch
+
+    monkeypatch.setitem(dispatch.BWD_DQ_MODE, d, mode)
+    check(1, 4, 2, nq, nk, d, "bf16", causal)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_deterministic_mode_is_bitwise_reproducible(d, causal):
