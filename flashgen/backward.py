@@ -6,7 +6,9 @@ accumulator), ``bwd_dkdv`` (K/V outer; dQ by fp32 atomics into the
 accumulator), ``bwd_convert`` (accumulator * scale -> dQ). With
 ``deterministic=True`` the dK/dV kernel skips dQ (``bwd_dkdv_nodq``) and a
 query-outer ``bwd_dq`` kernel computes dQ without atomics, so the result does
-not depend on the order in which blocks run.
+not depend on the order in which blocks run. The non-deterministic backward
+uses that pair too for the head dims where it is faster
+(``dispatch.BWD_DQ_MODE``).
 
 Used by the autograd op in ``flashgen.autograd``; callable directly for study.
 """
@@ -28,13 +30,15 @@ def _ok_for_kernel(t: torch.Tensor, layout: str) -> bool:
     return all(s % 8 == 0 for s in _dims(t, layout)[1])
 
 
-def _spec(kind: str, dev, dtype: str, d_tile: int, causal: bool, nq: int):
+def _spec(kind: str, dev, dtype: str, d_tile: int, causal: bool, nq: int, specs=None):
+    if specs and kind in specs:
+        return specs[kind]
     key = dispatch.ProblemKey(kind, dev.arch, dtype, d_tile, causal, dispatch.bucket_of(nq))
     return dispatch.select(key, dev.gpu, dev.smem_budget)
 
 
 def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float, layout: str = "bhsd",
-                       deterministic: bool = False, dlse=None):
+                       deterministic: bool = False, dlse=None, dq_mode: str | None = None, specs=None):
     """(dq, dk, dv) for ``out, lse = attention(q, k, v, causal, softmax_scale, layout, return_lse=True)``.
 
     q, k, v, out, lse are the forward's inputs and outputs (already checked by
@@ -43,6 +47,11 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
     ``dlse`` the optional gradient of ``lse``. The gradients come back
     contiguous in the shapes (and layout) of q, k, v; dK and dV are summed over
     each KV head's group of query heads (GQA).
+
+    For study and tuning (bench/sweep_bwd.py): ``dq_mode`` ("atomic" or
+    "separate", see ``dispatch.BWD_DQ_MODE``; default: the dispatch rule, and
+    always "separate" when deterministic) and ``specs``, a dict kind ->
+    KernelSpec that replaces dispatch's choice for those kinds.
     """
     if dout.shape != q.shape:
         raise ValueError(f"dout must have the shape of q {tuple(q.shape)}, got {tuple(dout.shape)}")
@@ -72,7 +81,14 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
         dlse = dlse.to(torch.float32).contiguous()
     dsum = torch.empty((b, h, nq_pad), dtype=torch.float32, device=q.device)
     lse2 = torch.empty((b, h, nq_pad), dtype=torch.float32, device=q.device)
-    dq_acc = None if deterministic else torch.empty((b, h, nq, d_tile), dtype=torch.float32, device=q.device)
+    if deterministic:
+        dq_mode = "separate"
+    elif dq_mode is None:
+        dq_mode = dispatch.bwd_dq_mode(d_tile)
+    elif dq_mode not in dispatch.BWD_DQ_MODES:
+        raise ValueError(f"dq_mode must be one of {dispatch.BWD_DQ_MODES}, got {dq_mode!r}")
+    separate = dq_mode == "separate"
+    dq_acc = None if separate else torch.empty((b, h, nq, d_tile), dtype=torch.float32, device=q.device)
     scale = float(softmax_scale)
     common = dict(nq=nq, nk=nk, nq_pad=nq_pad, heads=h, group=h // hk, d=d, scale=scale,
                   scale_log2=scale * math.log2(math.e))
@@ -81,27 +97,27 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
     from .codegen import load
 
     launches = []
-    pre = load(_spec("bwd_preprocess", dev, dtype, d_tile, False, nq), index)
+    pre = load(_spec("bwd_preprocess", dev, dtype, d_tile, False, nq, specs), index)
     launches.append((pre, (nq_pad // pre.spec.block_m, h, b), pre.params(
         o=out.data_ptr(), dout=dout.data_ptr(), lse=lse.data_ptr(), dlse=dlse.data_ptr() if dlse is not None else 0,
         dsum=dsum.data_ptr(), lse2=lse2.data_ptr(), dq_acc=dq_acc.data_ptr() if dq_acc is not None else 0,
         **strides("o", so), **strides("dout", sdo), nq=nq, nq_pad=nq_pad, heads=h, d=d)))
 
-    kv = load(_spec("bwd_dkdv_nodq" if deterministic else "bwd_dkdv", dev, dtype, d_tile, causal, nq), index)
+    kv = load(_spec("bwd_dkdv_nodq" if separate else "bwd_dkdv", dev, dtype, d_tile, causal, nq, specs), index)
     launches.append((kv, (-(-nk // kv.spec.block_n), hk, b), kv.params(
         q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), dout=dout.data_ptr(), lse2=lse2.data_ptr(),
         dsum=dsum.data_ptr(), dq_acc=dq_acc.data_ptr() if dq_acc is not None else 0, dk=dk.data_ptr(),
         dv=dv.data_ptr(), **strides("q", sq), **strides("k", sk), **strides("v", sv), **strides("dout", sdo),
         **strides("dk", sdk), **strides("dv", sdv), **common)))
 
-    if deterministic:
-        dqk = load(_spec("bwd_dq", dev, dtype, d_tile, causal, nq), index)
+    if separate:
+        dqk = load(_spec("bwd_dq", dev, dtype, d_tile, causal, nq, specs), index)
         launches.append((dqk, (-(-nq // dqk.spec.block_m), h, b), dqk.params(
             q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), dout=dout.data_ptr(), lse2=lse2.data_ptr(),
             dsum=dsum.data_ptr(), dq=dq.data_ptr(), **strides("q", sq), **strides("k", sk), **strides("v", sv),
             **strides("dout", sdo), **strides("dq", sdq), **common)))
     else:
-        cv = load(_spec("bwd_convert", dev, dtype, d_tile, False, nq), index)
+        cv = load(_spec("bwd_convert", dev, dtype, d_tile, False, nq, specs), index)
         launches.append((cv, (-(-nq // cv.spec.block_m), h, b), cv.params(
             dq_acc=dq_acc.data_ptr(), dq=dq.data_ptr(), **strides("dq", sdq), nq=nq, heads=h, d=d, scale=scale)))
 

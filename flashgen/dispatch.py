@@ -95,6 +95,22 @@ BWD_TILES = {
     },
 }
 BWD_TILES["bwd_dkdv_nodq"] = BWD_TILES["bwd_dkdv"]
+
+# How the non-deterministic backward computes dQ, per head-dim tile: "atomic"
+# (bwd_dkdv adds dS K into an fp32 accumulator with red.global.add, then
+# bwd_convert) or "separate" (bwd_dkdv_nodq + the query-outer bwd_dq kernel,
+# the deterministic mode's kernels: two more GEMMs, no atomics). The first H200
+# run (bench/NOTES.md) had the separate kernel 1.16-1.22x faster fwd+bwd at
+# d=128 and 0.87-0.90x at d=64 (scalar atomics then); d=96 and 160 share
+# d=128's 64x64x8 tile and follow it; the rest is unmeasured and stays atomic.
+# bench/sweep_bwd.py measures both per tile.
+BWD_DQ_MODES = ("atomic", "separate")
+BWD_DQ_MODE = {d: ("separate" if d in (96, 128, 160) else "atomic") for d in _BWD_DIMS}
+
+
+def bwd_dq_mode(head_dim_tile: int) -> str:
+    """The dQ mode of the non-deterministic backward for a head-dim tile (``BWD_DQ_MODE``)."""
+    return BWD_DQ_MODE.get(head_dim_tile, "atomic")
 BWD_KINDS = tuple(BWD_TILES)
 # Kinds whose default rule lives in flashgen/baseline_specs.py (standard attention's passes, fwd_v1).
 BASELINE_KINDS = ("standard_qk", "standard_softmax", "standard_pv", "fwd_v1")

@@ -173,3 +173,9 @@ def test_bwd_row_kernels_are_never_causal():
         a = dispatch.default_spec(dispatch.ProblemKey(kind, "sm_90a", "bf16", 128, True, 512), 232448)
         b = dispatch.default_spec(dispatch.ProblemKey(kind, "sm_90a", "bf16", 128, False, 512), 232448)
         assert a == b and not a.causal
+
+
+def test_bwd_dq_mode_rule():
+    """Every backward head-dim tile has a dQ mode, and it is one the backward knows."""
+    for d in dispatch.BWD_TILES["bwd_dkdv"]:
+        assert dispatch.bwd_dq_mode(d) in dispatch.BWD_DQ_MODES

@@ -139,6 +139,19 @@ def test_grads_bshd_gqa(nq, nk, causal, dtype):
     check(2, 4, 1, nq, nk, 40, dtype, causal, layout="bshd")
 
 
+@pytest.mark.parametrize("mode", ["atomic", "separate"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("nq,nk", [(113, 203), (239, 1), (1023, 1024)])
+def test_grads_both_dq_modes(nq, nk, d, causal, mode, monkeypatch):
+    """Both ways of computing dQ in the default (non-deterministic) backward, whichever the dispatch rule
+    picks for the head dim: fp32 atomics (bwd_dkdv + bwd_convert) and the separate bwd_dq kernel."""
+    from flashgen import dispatch
+
+    monkeypatch.setitem(dispatch.BWD_DQ_MODE, d, mode)
+    check(1, 4, 2, nq, nk, d, "bf16", causal)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_deterministic_mode_is_bitwise_reproducible(d, causal):
@@ -238,16 +251,21 @@ def _sdpa_attend(q, k, v):
 
 
 def _batch(gen, n=8, length=192, vocab=64):
-    """A learnable task: the second half of each sequence repeats the first."""
-    half = torch.randint(0, vocab, (n, length // 2), generator=gen, device="cuda")
-    return torch.cat([half, half], dim=1)
+    """A task a small model learns in a few dozen steps: each sequence counts up from a random start
+    with a stride of 1, 2 or 3 (mod vocab). The next token is one of three given the current one, so
+    the loss falls from ln(vocab) = 4.16 toward ln(3) = 1.10 as the model learns the transitions
+    (reading the stride off earlier tokens, through attention, would go lower still)."""
+    start = torch.randint(0, vocab, (n, 1), generator=gen, device="cuda")
+    stride = torch.randint(1, 4, (n, 1), generator=gen, device="cuda")
+    steps = torch.arange(length, device="cuda")[None, :]
+    return (start + stride * steps) % vocab
 
 
 def _train(attend, steps=50, compile_model=False):
     torch.manual_seed(0)
     model = TinyLM(attend).cuda()
     run = torch.compile(model, fullgraph=True) if compile_model else model
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     gen = torch.Generator(device="cuda").manual_seed(1)
     loss_fn = torch.nn.functional.cross_entropy
     for _ in range(steps):
@@ -264,13 +282,15 @@ def _train(attend, steps=50, compile_model=False):
 
 
 def test_training_matches_sdpa():
-    """50 AdamW steps of a small GQA transformer from one seed: flashgen attention and SDPA end within
-    1 % of each other on a held-out batch (and the model learned something)."""
+    """50 AdamW steps of a small GQA transformer from one seed on a counting task: flashgen attention
+    and SDPA end within 1 % of each other on a held-out batch, and the model learned (loss below half
+    of chance's)."""
     ours = _train(_flashgen_attend)
     theirs = _train(_sdpa_attend)
     assert math.isfinite(ours) and math.isfinite(theirs)
     assert abs(ours - theirs) <= 0.01 * theirs, (ours, theirs)
-    assert theirs < math.log(64) * 0.9  # below chance: the comparison is of a model that learns
+    # The comparison is of a model that learns: well below chance (ln 64 = 4.16) after 50 steps.
+    assert theirs < 0.5 * math.log(64), theirs
 
 
 def test_torch_compile_fullgraph_trains():

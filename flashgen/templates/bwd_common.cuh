@@ -26,6 +26,17 @@ FG_DEVICE void red_add_f32(float* addr, float v) {
   asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(addr), "f"(v) : "memory");
 }
 
+// Two adjacent floats (8-byte aligned): one vector reduction on sm_90 (PTX 8.1
+// `red.global.add.v2.f32`), two scalar ones before. Halves the atomics of dQ.
+FG_DEVICE void red_add_f32x2(float* addr, float v0, float v1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(v0), "f"(v1) : "memory");
+#else
+  red_add_f32(addr, v0);
+  red_add_f32(addr + 1, v1);
+#endif
+}
+
 template <int MT, int NT>
 FG_DEVICE void zero_acc(float (&acc)[MT][NT][4]) {
 #pragma unroll
@@ -126,47 +137,70 @@ FG_DEVICE void store_acc_global(elem_t* g_base, fg_i64 stride, const float (&acc
 }
 
 // ---- bwd_preprocess ------------------------------------------------------------
-// One warp per row at a time; lane c holds 16-byte chunk c of the row (D <= 256).
+// D_i = rowsum(dO_i * O_i) is computed with the same instruction sequence as the
+// dK/dV kernel's dP^T = V dO^T: m16n8k16 mma, the row of O as the A row, the row
+// of dO as the B column, the k steps of 16 in ascending order from a zero
+// accumulator. dS = P (dP - D) then has no rounding residue where a row of O
+// equals a row of V (one visible key: P = 1, O = V, so dP - D is exactly 0 and
+// dK exactly 0, as the exact gradient). Summed in another order, D and dP
+// differ in the last bits and the residue, times Q and summed over the rows,
+// is what the same-dtype reference (which gets 0) does not have.
+// One warp per 16 rows at a time: A = O rows r0..r0+15; B = dO rows r0..r0+7
+// (first mma) and r0+8..r0+15 (second); D sits on the diagonals: (g, g) of the
+// first and (g+8, g) of the second, both held by the lane with t = g / 2.
 template <int D, int ROWS, int NW, bool BF16, typename Params>
 FG_DEVICE void bwd_preprocess_body(const Params& p) {
-  static_assert(D / 8 <= 32, "one chunk per lane");
+  static_assert(ROWS % 16 == 0, "16 rows per warp step");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane >> 2, t = lane & 3;
   const int b = blockIdx.z, h = blockIdx.y;
   const fg_i64 bh = static_cast<fg_i64>(b) * p.heads + h;
   const elem_t* o = p.o + b * p.o_sb + h * p.o_sh;
   const elem_t* dout = p.dout + b * p.dout_sb + h * p.dout_sh;
   const float LOG2E = 1.4426950408889634f;
-  for (int r = warp; r < ROWS; r += NW) {
-    const int row = blockIdx.x * ROWS + r;  // < nq_pad: the grid covers the padded rows exactly
-    float acc = 0.f;
-    if (row < p.nq && lane * 8 < p.d) {
-      const fg_u32x4 a = *reinterpret_cast<const fg_u32x4*>(o + static_cast<fg_i64>(row) * p.o_ss + lane * 8);
-      const fg_u32x4 c = *reinterpret_cast<const fg_u32x4*>(dout + static_cast<fg_i64>(row) * p.dout_ss + lane * 8);
-      const fg_u32 av[4] = {a.x, a.y, a.z, a.w}, cv[4] = {c.x, c.y, c.z, c.w};
+  for (int r16 = warp * 16; r16 < ROWS; r16 += NW * 16) {
+    const int ra = blockIdx.x * ROWS + r16 + g, rb = ra + 8;  // < nq_pad: the grid covers the padded rows
+    const bool oka = ra < p.nq, okb = rb < p.nq;
+    const elem_t* oa = o + static_cast<fg_i64>(oka ? ra : 0) * p.o_ss;
+    const elem_t* ob = o + static_cast<fg_i64>(okb ? rb : 0) * p.o_ss;
+    const elem_t* da = dout + static_cast<fg_i64>(oka ? ra : 0) * p.dout_ss;
+    const elem_t* db = dout + static_cast<fg_i64>(okb ? rb : 0) * p.dout_ss;
+    float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        acc += to_f32<BF16>(static_cast<unsigned short>(av[i] & 0xffffu)) *
-               to_f32<BF16>(static_cast<unsigned short>(cv[i] & 0xffffu));
-        acc += to_f32<BF16>(static_cast<unsigned short>(av[i] >> 16)) *
-               to_f32<BF16>(static_cast<unsigned short>(cv[i] >> 16));
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const int col = kk * 16 + 2 * t;  // even, and d is a multiple of 8: col < d covers col + 1
+      const bool lo = col < p.d, hi = col + 8 < p.d;
+      auto ld = [](const elem_t* row, bool ok, int c) -> fg_u32 {
+        return ok ? *reinterpret_cast<const fg_u32*>(row + c) : 0u;
+      };
+      const fg_u32 a[4] = {ld(oa, oka && lo, col), ld(ob, okb && lo, col), ld(oa, oka && hi, col + 8),
+                           ld(ob, okb && hi, col + 8)};
+      mma_16816<BF16>(c0, a, ld(da, oka && lo, col), ld(da, oka && hi, col + 8));
+      mma_16816<BF16>(c1, a, ld(db, okb && lo, col), ld(db, okb && hi, col + 8));
+    }
+    if (t == (g >> 1)) {
+      const float dd[2] = {(g & 1) ? c0[1] : c0[0], (g & 1) ? c1[3] : c1[2]};
+      const int rows[2] = {ra, rb};
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int row = rows[i];
+        float l2 = INFINITY, dsum = 0.f;  // padding rows (and rows that see no key) weigh nothing
+        if (row < p.nq) {
+          const float lse = p.lse[bh * p.nq + row];
+          l2 = lse == -INFINITY ? INFINITY : lse * LOG2E;
+          dsum = dd[i] - (p.dlse != nullptr ? p.dlse[bh * p.nq + row] : 0.f);
+        }
+        p.lse2[bh * p.nq_pad + row] = l2;
+        p.dsum[bh * p.nq_pad + row] = dsum;
       }
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    if (lane == 0) {
-      float l2 = INFINITY, dsum = 0.f;  // padding rows (and rows that see no key) weigh nothing
-      if (row < p.nq) {
-        const float lse = p.lse[bh * p.nq + row];
-        l2 = lse == -INFINITY ? INFINITY : lse * LOG2E;
-        dsum = acc - (p.dlse != nullptr ? p.dlse[bh * p.nq + row] : 0.f);
-      }
-      p.lse2[bh * p.nq_pad + row] = l2;
-      p.dsum[bh * p.nq_pad + row] = dsum;
-    }
-    if (p.dq_acc != nullptr && row < p.nq) {
-      float* z = p.dq_acc + (bh * p.nq + row) * D;
-      for (int c = lane; c < D / 4; c += 32) *reinterpret_cast<fg_u32x4*>(z + 4 * c) = fg_u32x4{0u, 0u, 0u, 0u};
-    }
+  }
+  if (p.dq_acc != nullptr) {
+    const int row0 = blockIdx.x * ROWS;
+    const int rows = min(ROWS, p.nq - row0);
+    float* z = p.dq_acc + (bh * p.nq + row0) * D;
+    for (int i = threadIdx.x; i < rows * (D / 4); i += NW * 32)
+      *reinterpret_cast<fg_u32x4*>(z + 4 * i) = fg_u32x4{0u, 0u, 0u, 0u};
   }
 }
 

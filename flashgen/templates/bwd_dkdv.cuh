@@ -161,8 +161,7 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
 #pragma unroll
             for (int nj = 0; nj < C_NT; ++nj) {
               float* dst = dq_rows + static_cast<fg_i64>(r) * D + n_off + nj * 8 + 2 * t;
-              red_add_f32(dst, acc[mi][nj][2 * h]);
-              red_add_f32(dst + 1, acc[mi][nj][2 * h + 1]);
+              red_add_f32x2(dst, acc[mi][nj][2 * h], acc[mi][nj][2 * h + 1]);
             }
           }
       }
