@@ -18,13 +18,13 @@ echo "rc=$?" >> "$OUT/gpu_tests_bwd.log"
 tail -40 "$OUT/gpu_tests_bwd.log"
 
 echo "== (b) sweep of backward specs and dQ modes"
-timeout 200 python3 bench/sweep_bwd.py --d 128,64 --seqlens 2048,8192 --budget-s 170 \
+timeout ${SWEEP_TIMEOUT:-200} python3 bench/sweep_bwd.py --d 128,64 --seqlens 2048,8192 --budget-s ${SWEEP_BUDGET:-170} \
   --out "$OUT/sweep_bwd.json" > "$OUT/sweep_bwd.log" 2>&1
 echo "rc=$?" >> "$OUT/sweep_bwd.log"
 sed -n '/^== d=/,$p' "$OUT/sweep_bwd.log" | head -80
 
 echo "== (c) fwd+bwd benchmark"
-timeout 150 python3 bench/bench_bwd.py --seqlens 1024,2048,4096,8192,16384 --out "$OUT/bench_bwd.json" \
+timeout ${BENCH_TIMEOUT:-150} python3 bench/bench_bwd.py --seqlens 1024,2048,4096,8192,16384 --out "$OUT/bench_bwd.json" \
   > "$OUT/bench_bwd.log" 2>&1
 echo "rc=$?" >> "$OUT/bench_bwd.log"
 tail -25 "$OUT/bench_bwd.log"
