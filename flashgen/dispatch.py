@@ -84,7 +84,11 @@ BWD_TILES = {
     "bwd_preprocess": _BWD_ROW,
     "bwd_convert": _BWD_ROW,
     "bwd_dkdv": {
-        **{d: ((64, 128, 8, 2, 0, None, None),) for d in (32, 64)},
+        # From bench/sweep_bwd.py on the H200 (bench/results/bwd2/round3): causal d=64 prefers the
+        # smaller tile. At d=128 the sweep's winners (32x128x8 non-causal, 128x64x8 causal, 3-4 %
+        # faster) compile spill-free with the device's NVRTC 13.0 but spill with 13.5: they sit on
+        # the register cliff, so the default keeps 64x64x8 (spill-free on both) until they are cut.
+        **{d: ((64, 64, 4, 2, 0, True, None), (64, 128, 8, 2, 0, None, None)) for d in (32, 64)},
         **{d: ((64, 64, 8, 2, 0, None, None),) for d in (96, 128, 160)},
         192: ((64, 32, 8, 2, 0, None, None),),
         256: ((64, 32, 8, 2, 0, None, None), (32, 64, 8, 2, 0, None, None)),  # the second fits sm_80
@@ -105,7 +109,8 @@ BWD_TILES["bwd_dkdv_nodq"] = BWD_TILES["bwd_dkdv"]
 # d=128's 64x64x8 tile and follow it; the rest is unmeasured and stays atomic.
 # bench/sweep_bwd.py measures both per tile.
 BWD_DQ_MODES = ("atomic", "separate")
-BWD_DQ_MODE = {d: ("separate" if d in (96, 128, 160) else "atomic") for d in _BWD_DIMS}
+BWD_DQ_MODE = {d: ("separate" if d in (96, 160) else "atomic") for d in _BWD_DIMS}
+# (d=128 measured atomic fastest once dQ used vector atomics and the tiles above: sweep round 3.)
 
 
 def bwd_dq_mode(head_dim_tile: int) -> str:
