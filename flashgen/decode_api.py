@@ -3,9 +3,10 @@
 Checks the inputs and raises before any launch, plans once per signature
 (shapes, strides, dtypes, devices, flags -> kernels, grids, split count,
 packed parameter templates), and launches on torch's current stream with raw
-pointers: no host syncs except the optional value check, workspace from
-torch's caching allocator (so inside a CUDA graph capture it comes from the
-graph's pool), hence capture and replay work.
+pointers: no host syncs except the optional value check; one launch per call
+(the split kernel merges its splits itself, FUSED_COMBINE); the split
+workspace is reused per stream, and inside a CUDA graph capture comes from
+torch's allocator (the graph's pool), hence capture and replay work.
 """
 from __future__ import annotations
 
@@ -15,14 +16,31 @@ import numbers
 import torch
 
 from . import decoding as dk
+from threading import get_ident
+
 from .api import _DTYPES, _MAX_GRID_YZ, _current_device, _current_stream, _Device
 from .errors import UnsupportedError
 
 _plans: dict = {}
 
+# Merge the splits inside decode_split (the last CTA of each group, by a ticket) instead of launching
+# decode_combine: one launch per call. Read when a call is planned: after changing it, clear _plans.
+FUSED_COMBINE = True
+
+# Split workspaces (fp32 partials + LSEs, and the fused combine's tickets) kept per (device, stream,
+# thread) and grown as needed: launches on one stream run in order, so one buffer serves every call
+# there; the thread is in the key because two threads may interleave their launches on one stream.
+# While a CUDA graph is being captured the buffers come from torch's allocator (the graph's pool).
+_workspaces: dict = {}
+
+if hasattr(torch._C, "_cuda_isCurrentStreamCapturing"):
+    _capturing = torch._C._cuda_isCurrentStreamCapturing
+else:  # pragma: no cover
+    _capturing = torch.cuda.is_current_stream_capturing
+
 
 def _tsig(t):
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
 
 
 def decode(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None, v_new=None,
@@ -58,8 +76,13 @@ def decode(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None
     the kernels do not serve, always before anything is launched.
     """
     try:
-        sig = (_tsig(q), _tsig(k_cache), _tsig(v_cache), _tsig(cache_seqlens), _tsig(block_table), _tsig(k_new),
-               _tsig(v_new), softmax_scale, num_splits, return_lse, check_values, spec, type(softmax_scale),
+        # Flat on purpose: this tuple is built and hashed on every call (host overhead).
+        sig = (q.shape, q.stride(), q.dtype, q.get_device(), k_cache.shape, k_cache.stride(), k_cache.dtype,
+               k_cache.get_device(), v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.get_device(),
+               None if cache_seqlens is None else _tsig(cache_seqlens),
+               None if block_table is None else _tsig(block_table),
+               None if k_new is None else (_tsig(k_new), _tsig(v_new)),
+               softmax_scale, num_splits, return_lse, check_values, spec, type(softmax_scale),
                type(num_splits), type(return_lse), type(check_values))  # 1 == True: the types keep checks honest
         plan = _plans.get(sig)
     except (AttributeError, TypeError):  # not tensors, or unhashable: the full check says why
@@ -71,11 +94,12 @@ def decode(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None
             if len(_plans) > 4096:
                 _plans.clear()
             _plans[sig] = plan
+    qp, kp, vp = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
     has_new = k_new is not None
-    if (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()
-            | (k_new.data_ptr() | v_new.data_ptr() if has_new else 0)) & 15:
+    knp, vnp = (k_new.data_ptr(), v_new.data_ptr()) if has_new else (0, 0)
+    if (qp | kp | vp | knp | vnp) & 15:
         raise ValueError("q, k_cache, v_cache, k_new, v_new must be 16-byte aligned (16-byte loads)")
-    if check_values and plan.kernel is not None and not torch.cuda.is_current_stream_capturing():
+    if check_values and plan.kernel is not None and not _capturing():
         check_cache_values(plan.limits, cache_seqlens, block_table)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
@@ -84,26 +108,60 @@ def decode(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None
             lse.fill_(-math.inf)
         return (out, lse) if return_lse else out
     params = plan.params()
-    params.q, params.k, params.v, params.o = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr()
+    params.q, params.k, params.v, params.o = qp, kp, vp, out.data_ptr()
     if has_new:
-        params.knew, params.vnew = k_new.data_ptr(), v_new.data_ptr()
+        params.knew, params.vnew = knp, vnp
     if cache_seqlens is not None:
         params.seqlens = cache_seqlens.data_ptr()
     if block_table is not None:
         params.block_table = block_table.data_ptr()
     lse_ptr = lse.data_ptr() if lse is not None else 0
-    if plan.combine is None:
-        params.lse = lse_ptr
-        plan.launch(plan.kernel, plan.grid, params)
-    else:
-        ws = torch.empty(plan.ws_numel, dtype=torch.float32, device=q.device)
+    idx = plan.device_index
+    if idx != _current_device():
+        with torch.cuda.device(idx):
+            return _launch(plan, params, lse_ptr, _current_stream(idx), out, lse, return_lse)
+    return _launch(plan, params, lse_ptr, _current_stream(idx), out, lse, return_lse)
+
+
+def _launch(plan, params, lse_ptr, stream, out, lse, return_lse):
+    params.lse = lse_ptr
+    if plan.splits > 1:
+        ws, ctr = _workspace(plan, stream)
         params.o_ws = ws_ptr = ws.data_ptr()
         params.lse_ws = ws_lse = ws_ptr + plan.ws_lse_offset
-        cparams = plan.combine_params()
-        cparams.o_ws, cparams.lse_ws, cparams.o, cparams.lse = ws_ptr, ws_lse, params.o, lse_ptr
-        plan.launch(plan.kernel, plan.grid, params)
-        plan.launch(plan.combine, plan.combine_grid, cparams)
+        if plan.combine is None:
+            params.counters = ctr.data_ptr()
+            plan.kernel.launch(plan.grid, params, stream)
+        else:
+            cparams = plan.combine_params()
+            cparams.o_ws, cparams.lse_ws, cparams.o, cparams.lse = ws_ptr, ws_lse, params.o, lse_ptr
+            plan.kernel.launch(plan.grid, params, stream)
+            plan.combine.launch(plan.combine_grid, cparams, stream)
+    else:
+        plan.kernel.launch(plan.grid, params, stream)
     return (out, lse) if return_lse else out
+
+
+def _workspace(plan, stream):
+    """(fp32 workspace of at least plan.ws_numel, int32 tickets of at least plan.ctr_numel, zero)."""
+    if _capturing():
+        dev = torch.device("cuda", plan.device_index)
+        return (torch.empty(plan.ws_numel, dtype=torch.float32, device=dev),
+                torch.zeros(max(1, plan.ctr_numel), dtype=torch.int32, device=dev))
+    key = (plan.device_index, stream, get_ident())
+    entry = _workspaces.get(key)
+    if entry is None or entry[0].numel() < plan.ws_numel or entry[1].numel() < plan.ctr_numel:
+        dev = torch.device("cuda", plan.device_index)
+        if len(_workspaces) > 64:  # streams or threads come and go: start over rather than grow forever
+            _workspaces.clear()
+        old = entry or (None, None)
+        ws = old[0] if old[0] is not None and old[0].numel() >= plan.ws_numel else \
+            torch.empty(max(plan.ws_numel, 1 << 16), dtype=torch.float32, device=dev)
+        # Tickets start at zero and every launch leaves them at zero, so they are zeroed only here.
+        ctr = old[1] if old[1] is not None and old[1].numel() >= plan.ctr_numel else \
+            torch.zeros(max(plan.ctr_numel, 1024), dtype=torch.int32, device=dev)
+        entry = _workspaces[key] = (ws, ctr)
+    return entry
 
 
 class _Limits:
@@ -151,12 +209,13 @@ class _Plan:
     """Everything about a call that depends only on its signature (see ``api._Plan``)."""
 
     __slots__ = ("kernel", "grid", "combine", "combine_grid", "device_index", "lse_shape", "ws_numel",
-                 "ws_lse_offset", "splits", "limits", "spec", "_template", "_struct", "_ctemplate", "_cstruct")
+                 "ws_lse_offset", "ctr_numel", "splits", "limits", "spec", "_template", "_struct", "_ctemplate",
+                 "_cstruct")
 
     def __init__(self, device_index, lse_shape, limits):
         self.device_index, self.lse_shape, self.limits = device_index, lse_shape, limits
         self.kernel = self.grid = self.combine = self.combine_grid = self.spec = None
-        self.ws_numel = self.ws_lse_offset = 0
+        self.ws_numel = self.ws_lse_offset = self.ctr_numel = 0
         self.splits = 1
         self._template = self._struct = self._ctemplate = self._cstruct = None
 
@@ -165,14 +224,6 @@ class _Plan:
 
     def combine_params(self):
         return self._cstruct.from_buffer_copy(self._ctemplate)
-
-    def launch(self, kernel, grid, params) -> None:
-        idx = self.device_index
-        if idx == _current_device():
-            kernel.launch(grid, params, _current_stream(idx))
-        else:
-            with torch.cuda.device(idx):
-                kernel.launch(grid, params, _current_stream(idx))
 
 
 def _need_tensor(name, t, optional=False):
@@ -350,15 +401,17 @@ def _plan(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax
     )
     plan._template, plan._struct = bytes(template), type(template)
     if num_splits > 1:
-        cspec = dk.combine_spec(dev.arch, dtype, spec.head_dim)
-        ckern = load(cspec, index)
-        per_cta = cspec.warps * 32 // (cspec.head_dim // 4)
-        plan.combine = ckern
-        plan.combine_grid = (-(-total_rows // per_cta), 1, 1)
-        ctemplate = ckern.params(total_rows=total_rows, nq=nq, heads_q=hq, d=d, num_splits=num_splits)
-        plan._ctemplate, plan._cstruct = bytes(ctemplate), type(ctemplate)
         plan.ws_numel = num_splits * total_rows * (d + 1)
         plan.ws_lse_offset = num_splits * total_rows * d * 4  # bytes: the LSEs follow the partial outputs
+        plan.ctr_numel = b * hk * m_blocks                    # one ticket per (batch, KV head, m-block)
+        if not FUSED_COMBINE:
+            cspec = dk.combine_spec(dev.arch, dtype, spec.head_dim)
+            ckern = load(cspec, index)
+            per_cta = cspec.warps * 32 // (cspec.head_dim // 4)
+            plan.combine = ckern
+            plan.combine_grid = (-(-total_rows // per_cta), 1, 1)
+            ctemplate = ckern.params(total_rows=total_rows, nq=nq, heads_q=hq, d=d, num_splits=num_splits)
+            plan._ctemplate, plan._cstruct = bytes(ctemplate), type(ctemplate)
     return plan
 
 

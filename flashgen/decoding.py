@@ -28,16 +28,17 @@ ROWS = 16                 # packed query rows per CTA (one m16n8k16 tile)
 
 # ----------------------------------------------------------------- default rule
 
-# Per head-dim tile: (block_n, warps, stages) in order of preference; the first
-# whose shared memory fits the device's per-block budget is used. Chosen so that
-# two CTAs share an SM on Hopper (<= ~113 KB each) with 2-3 K/V blocks of
-# 16-32 KB in flight per CTA: 64-128 KB in flight per SM, well past the ~36 KB
-# that HBM bandwidth x latency asks for (bench/NOTES.md, "decode").
+# Per head-dim tile: (block_n, warps, stages, load hint) in order of preference; the first whose
+# shared memory fits the device's per-block budget is used. Chosen so that two CTAs share an SM on
+# Hopper (<= ~113 KB each) with 2-3 K/V blocks of 16-32 KB in flight per CTA: 64-128 KB in flight
+# per SM, well past the ~36 KB that HBM bandwidth x latency asks for (bench/NOTES.md, "decode").
+# The load hint is KernelSpec.refill for this family (families.LOAD_HINTS). bench/sweep_decode.py
+# measures the alternatives on the device; its winners replace these.
 DEFAULT_DECODE_TILES = {
-    32: ((64, 2, 4), (32, 2, 2)),
-    64: ((64, 4, 4), (32, 2, 2)),
-    128: ((64, 4, 3), (32, 2, 4), (32, 2, 2)),
-    256: ((32, 2, 3), (32, 2, 2)),
+    32: ((64, 2, 4, 0), (32, 2, 2, 0)),
+    64: ((64, 4, 4, 0), (32, 2, 2, 0)),
+    128: ((64, 4, 3, 0), (32, 2, 4, 0), (32, 2, 2, 0)),
+    256: ((32, 2, 3, 0), (32, 2, 2, 0)),
 }
 COMBINE_WARPS = 4
 
@@ -50,9 +51,9 @@ def decode_head_dim_tile(d: int) -> int:
 
 
 def default_split_spec(arch: str, dtype: str, head_dim: int, smem_budget: int) -> KernelSpec:
-    for bn, w, st in DEFAULT_DECODE_TILES[head_dim]:
+    for bn, w, st, hint in DEFAULT_DECODE_TILES[head_dim]:
         spec = KernelSpec(kind="decode_split", arch=arch, dtype=dtype, head_dim=head_dim, block_m=ROWS,
-                          block_n=bn, warps=w, stages=st, refill=0, causal=True).validate()
+                          block_n=bn, warps=w, stages=st, refill=hint, causal=True).validate()
         if spec.smem_bytes() <= smem_budget:
             return spec
     raise UnsupportedError(f"no decode_split tile fits {smem_budget} B of shared memory for d={head_dim}")
@@ -89,31 +90,29 @@ def select_split_spec(arch: str, dtype: str, head_dim: int, seqlen_k: int, gpu, 
 
 def num_splits_heuristic(batch: int, heads_kv: int, m_blocks: int, seqlen_k: int, block_n: int, sms: int,
                          ctas_per_sm: int = 1, max_splits: int = MAX_SPLITS) -> int:
-    """How many splits of the keys to launch (KERNELS.md section 4, FlashAttention-2's rule).
+    """How many splits of the keys to launch: fill one wave of SM slots.
 
     ``work`` = batch * heads_kv * m_blocks CTAs without splitting, ``slots`` =
     sms * ctas_per_sm CTAs resident at once. No split when work already fills
-    80 % of the slots. Otherwise, for s = 1 .. min(max_splits, slots, key
-    blocks), the wave efficiency is waves / ceil(waves) with waves = work * s /
-    slots; an s that leaves ceil(blocks / s) unchanged from s - 1 is skipped
-    (same critical path, more combine work); the smallest s within 85 % of the
-    best efficiency wins. ``seqlen_k`` is the longest key length the call can
-    see (the cache's capacity plus new tokens: actual lengths live on the GPU).
+    80 % of the slots (as FlashAttention-2's rule, KERNELS.md section 4).
+    Otherwise the split kernel is memory-bound and its bandwidth grows with the
+    CTAs in flight, so s goes as high as one wave allows (work * s <= slots,
+    s <= max_splits and <= the key blocks), and then down to the fewest splits
+    with the same critical path ceil(blocks / s) (fewer partials to merge).
+    FA2's rule (the smallest s within 85 % of the best wave efficiency) stops
+    short of a full wave: on the H200 it picked 7 splits where 8 ran 3 % faster
+    (b=1, 32 KV heads, 32k keys) and 29 where 32 did (b=1, 8 KV heads, 128k).
+    ``seqlen_k`` is the longest key length the call can see (the cache's
+    capacity plus new tokens: actual lengths live on the GPU).
     """
     slots = max(1, sms * ctas_per_sm)
-    work = batch * heads_kv * m_blocks
+    work = max(1, batch * heads_kv * m_blocks)
     n_blocks = max(1, -(-seqlen_k // block_n))
     if work >= 0.8 * slots:
         return 1
-    top = min(max_splits, slots, n_blocks)
-    eff = {}
-    for s in range(1, top + 1):
-        if s > 1 and -(-n_blocks // s) == -(-n_blocks // (s - 1)):
-            continue
-        waves = work * s / slots
-        eff[s] = waves / math.ceil(waves)
-    best = max(eff.values())
-    return min(s for s, e in eff.items() if e >= 0.85 * best)
+    top = max(1, min(max_splits, n_blocks, slots // work))
+    per = -(-n_blocks // top)
+    return -(-n_blocks // per)  # the fewest splits of `per` blocks that cover them
 
 
 def ctas_per_sm(smem_bytes: int, threads: int, registers: int, smem_per_sm: int, regs_per_sm: int = 65536,

@@ -91,6 +91,10 @@ FWD_PARAMS = (
     ("d", "int", I32), ("scale", "float", F32), ("scale_log2", "float", F32),
 )
 
+# decode_split's K/V load flavours, stored in KernelSpec.refill (see DecodeSplitFamily).
+LOAD_HINTS = {0: "cp.async.cg", 1: "cp.async.cg + L2::256B prefetch", 2: "cp.async.cg + L2 evict_first",
+              3: "cp.async.cg + L2 evict_first + L2::256B prefetch"}
+
 # Head-dim tiles of the decode families: inputs with a smaller d are rounded up
 # to the next (chunks past d are zero-filled without reading memory).
 DECODE_HEAD_DIMS = (32, 64, 128, 256)
@@ -103,7 +107,11 @@ class DecodeSplitFamily(Family):
     One CTA owns 16 packed query rows (the query heads of one KV head times the
     new tokens) and one split of one sequence's keys; its warps share those rows
     and each takes block_n / warps keys of every block_n-key block. Fixed
-    fields: block_m = 16, refill = 0, causal = True (bottom-right aligned).
+    fields: block_m = 16, causal = True (bottom-right aligned). ``refill`` has
+    no refill point to choose here (K and V of a block are always issued
+    together, one ring stage ahead); decode uses the field for the K/V load
+    flavour instead: 0 plain ``cp.async.cg``, 1 with the ``.L2::256B`` prefetch
+    hint, 2 with an evict_first L2 cache policy, 3 both (LOAD_HINTS).
     """
 
     def validate(self, spec) -> None:
@@ -159,6 +167,9 @@ DECODE_PARAMS = (
     ("knew", "const elem_t*", PTR), ("vnew", "const elem_t*", PTR),
     ("o", "elem_t*", PTR), ("lse", "float*", PTR), ("o_ws", "float*", PTR), ("lse_ws", "float*", PTR),
     ("seqlens", "const int*", PTR), ("block_table", "const int*", PTR),
+    # Tickets of the fused combine, one int per (batch, KV head, m-block), zero between launches
+    # (the last CTA of a group resets its own); null: the splits only write the workspace.
+    ("counters", "int*", PTR),
     # (batch or page, seq, head) strides; for a paged cache "_sb" is the page stride.
     *_strides("q", "k", "v", "knew", "vnew", "o"),
     ("bt_sb", "long long", I64), ("total_rows", "long long", I64),
@@ -177,8 +188,8 @@ FAMILIES: dict[str, Family] = {
     "fwd_v2": Family("fwd_v2", "fwd_v2.cu.j2", FWD_PARAMS),
     "decode_split": DecodeSplitFamily("decode_split", "decode_split.cu.j2", DECODE_PARAMS,
                                       head_dims=DECODE_HEAD_DIMS, block_ms=(16,),
-                                      block_ns=(16, 32, 48, 64, 96, 128), stages=(2, 3, 4, 5, 6, 8),
-                                      refills=(0,)),
+                                      block_ns=(16, 32, 48, 64, 96, 128),
+                                      stages=(2, 3, 4, 5, 6, 8, 10, 12), refills=(0, 1, 2, 3)),
     "decode_combine": DecodeCombineFamily("decode_combine", "decode_combine.cu.j2", COMBINE_PARAMS,
                                           head_dims=DECODE_HEAD_DIMS),
 }

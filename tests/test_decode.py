@@ -27,11 +27,13 @@ F16, BF16 = torch.float16, torch.bfloat16
 
 
 @pytest.mark.parametrize("batch,heads_kv,seqlen,want", [
-    (1, 8, 131072, 29),    # 8 CTAs: 29 splits -> 232 of 264 slots (>= 85 % of the best efficiency)
+    (1, 8, 131072, 33),    # 8 CTAs: 33 splits fill the 264 slots; 63 blocks per split (29 left 32 slots idle)
     (1, 32, 131072, 8),    # 32 CTAs x 8 = 256 of 264 slots
+    (1, 32, 32768, 8),     # the same wave (FA2's rule took 7, 3 % slower on the H200)
     (8, 8, 32768, 4),      # 64 CTAs x 4 = 256
     (32, 8, 32768, 1),     # 256 CTAs already fill 80 % of the slots: no split
     (1, 8, 4096, 32),      # 64 blocks: 33 splits would not shorten ceil(64/s) = 2, so 32
+    (16, 8, 4096, 2),      # 128 CTAs x 2 = 256
 ])
 def test_heuristic_on_an_h200(batch, heads_kv, seqlen, want):
     """H200 (132 SMs, 2 decode CTAs per SM at d=128), block_n 64, one m-block: the documented picks."""
@@ -39,14 +41,21 @@ def test_heuristic_on_an_h200(batch, heads_kv, seqlen, want):
 
 
 def test_heuristic_bounds():
-    """Never more splits than key blocks, 128 or slots; 1 when the work already fills the GPU."""
+    """Never more splits than key blocks, 128 or one wave of slots; 1 when the work already fills the GPU;
+    the pick has the shortest critical path (blocks per split) that one wave allows, with the fewest splits."""
     for b in (1, 2, 3, 5, 8, 16, 64):
         for hk in (1, 2, 8, 32):
             for n in (1, 17, 64, 1000, 5000, 200000):
                 s = decoding.num_splits_heuristic(b, hk, 1, n, 64, 132, 2)
-                assert 1 <= s <= min(128, max(1, -(-n // 64)))
+                blocks = max(1, -(-n // 64))
+                assert 1 <= s <= min(128, blocks)
                 if b * hk >= 0.8 * 264:
                     assert s == 1
+                else:
+                    assert b * hk * s <= 264
+                    top = min(128, blocks, 264 // (b * hk))
+                    assert -(-blocks // s) == -(-blocks // top)
+                    assert s == 1 or -(-blocks // (s - 1)) > -(-blocks // s)
     assert decoding.num_splits_heuristic(1, 1, 1, 1, 64, 132, 2) == 1
     assert decoding.num_splits_heuristic(1, 1, 8, 10**6, 64, 108, 1) <= 128
 
@@ -168,7 +177,7 @@ def test_default_rule_specs_are_valid_and_fit():
 
 @pytest.mark.parametrize("field,value,message", [
     ("block_m", 32, "block_m=32"), ("causal", False, "causal=False"), ("head_dim", 96, "head_dim=96"),
-    ("block_n", 32, "16-key slices"), ("refill", 1, "refill=1"),
+    ("block_n", 32, "16-key slices"), ("refill", 4, "refill=4"), ("stages", 7, "stages=7"),
 ])
 def test_decode_split_family_refuses(field, value, message):
     """Fixed fields and tile rules of decode_split are enforced (block_n 32 over 4 warps: 8-key slices)."""
@@ -182,6 +191,18 @@ def test_decode_split_loader_rule():
     base = decoding.default_split_spec("sm_90a", "bf16", 32, 232448)
     with pytest.raises(ValueError, match="rows per load pass"):
         base.replace(warps=4, block_n=64).validate()
+
+
+def test_load_hints_are_the_refill_field():
+    """decode_split's refill field picks the K/V load flavour (0..3); each renders its own instruction."""
+    from flashgen.codegen import render
+    from flashgen.families import LOAD_HINTS
+
+    base = decoding.default_split_spec("sm_90a", "bf16", 128, 232448)
+    assert sorted(LOAD_HINTS) == [0, 1, 2, 3]
+    for hint in LOAD_HINTS:
+        src = render(base.replace(refill=hint))
+        assert f"true, {hint}>(p);" in src
 
 
 def test_combine_family_fixes_unused_fields():

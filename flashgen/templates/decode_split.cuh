@@ -5,23 +5,76 @@
 // the query heads that share a KV head read each K/V block once -- and the key
 // blocks [s*bps, (s+1)*bps) of its sequence (bps = blocks per split, from the
 // sequence's own length). Decode is memory-bound: the K/V blocks stream
-// through an ST-stage cp.async ring (16-byte copies) and every warp works on
-// its own block_n/NW-key slice of each block, with its own online softmax; the
-// warps merge through shared memory at the end.
+// through an ST-stage cp.async ring (16-byte copies; K and V of a block are two
+// commit groups, so the wait for K_j leaves V_j and the later blocks in
+// flight) and every warp works on its own block_n/NW-key slice of each block,
+// with its own online softmax; the warps merge through shared memory at the end.
+//
+// Loads: a block that lies wholly in the cache (the common case) takes the fast
+// path -- one base pointer per 16-row group (its page for a paged cache), then a
+// running pointer, no per-row checks; the last block of a split and blocks with
+// appended keys take the checked path. HINT picks the global-load flavour:
+// 0 plain cp.async.cg, 1 with the .L2::256B prefetch hint, 2 with an
+// evict_first L2 cache policy (the stream is read once), 3 both.
 //
 // Keys come from a contiguous cache (batch, len, heads_kv, d) or a paged one
 // (pages, page_size, heads_kv, d) through block_table; keys at or past the
 // cached length come from knew/vnew, which the CTA of m-block 0 whose split
 // covers them also writes into the cache (nobody reads those cache rows in
 // this launch: they are read from knew/vnew). Block-table entries are fetched
-// one block ahead so the page lookup never waits in front of a copy.
+// one block ahead (the split's slice of the table is prefetched into L2 first)
+// so the page lookup never waits in front of a copy.
 //
-// Output: with one split, the normalised O in the input dtype and the LSE;
-// otherwise the normalised fp32 O and the LSE of this split into the
-// workspace (an empty split writes O = 0, LSE = -inf) for decode_combine.
+// Output: with one split, the normalised O in the input dtype and the LSE.
+// Otherwise the normalised fp32 O and the LSE of this split go into the
+// workspace (an empty split writes O = 0, LSE = -inf); with p.counters set,
+// the last CTA of each (batch, KV head, m-block) to finish -- a ticket on an
+// int counter that it resets to 0 -- merges the splits itself (no combine
+// launch), else decode_combine does.
 #pragma once
 
-template <int D, int BN, int NW, int ST, bool BF16, typename Params>
+typedef unsigned long long fg_u64;
+
+template <bool B>
+struct fg_bool { static constexpr bool value = B; };
+
+// 16-byte global->shared copy (src_bytes = 0: zeros, nothing read) in the
+// flavour HINT selects (see the top of this file); `policy` is used by 2 and 3.
+template <int HINT>
+FG_DEVICE void kv_copy_16(fg_u32 dst, const void* src, int src_bytes, fg_u64 policy) {
+  if constexpr (HINT == 0) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+  } else if constexpr (HINT == 1) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+  } else if constexpr (HINT == 2) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
+                 "r"(src_bytes), "l"(policy));
+  } else {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n" ::"r"(dst),
+                 "l"(src), "r"(src_bytes), "l"(policy));
+  }
+}
+
+template <int HINT>
+FG_DEVICE fg_u64 kv_policy() {
+  fg_u64 pol = 0;
+  if constexpr (HINT >= 2) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+  return pol;
+}
+
+// Loads that bypass L1: the partials of other CTAs (L1 is not coherent).
+FG_DEVICE float4 ld_cg_f4(const float* ptr) {
+  float4 v;
+  asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(ptr));
+  return v;
+}
+FG_DEVICE float ld_cg_f1(const float* ptr) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(v) : "l"(ptr));
+  return v;
+}
+
+template <int D, int BN, int NW, int ST, bool BF16, int HINT, typename Params>
 FG_DEVICE void decode_split_body(const Params& p) {
   constexpr int NT = NW * 32;
   constexpr int KW = BN / NW;    // keys per warp per block
@@ -29,11 +82,13 @@ FG_DEVICE void decode_split_body(const Params& p) {
   constexpr int DJ = D / 8;      // n8 tiles of O
   constexpr int C = D / 8;       // 16-byte chunks per row
   constexpr int STEP = NT / C;   // rows one load pass covers
+  constexpr int IPG = 16 / STEP; // load passes per 16-row group
   constexpr int G = BN / 16;     // 16-row groups (page lookups) per block
   constexpr int OS = D + 4;      // fp32 row stride of the reduction scratch (bank spread)
   using TT = Tile<D>;
   static_assert(KW % 16 == 0 && NT % C == 0 && 16 % STEP == 0 && BN % 16 == 0 && ST >= 2, "bad tile shape");
   static_assert(NW * 16 * OS * 4 <= 2 * ST * BN * D * 2, "reduction scratch must fit in the K/V ring");
+  static_assert((2 * NW * 16 + 32) * 4 <= 16 * D * 2, "reduction scalars must fit in the Q tile");
 
   extern __shared__ __align__(128) unsigned char smem[];
   const fg_u32 sQ = smem_addr(smem);
@@ -58,18 +113,21 @@ FG_DEVICE void decode_split_body(const Params& p) {
   const int split_end = min(len, (split + 1) * bps * BN);
   const int n_end = min(kv_end, split_end);
   const int n_blocks = n_end > n_begin ? ceil_div(n_end - n_begin, BN) : 0;
+  const int fast_end = min(n_end, len_cache);  // a block ending at or before this is whole and cached
 
   const bool paged = p.block_table != nullptr;
   const int page_mask = (1 << p.page_shift) - 1;
   const int* bt = p.block_table + (paged ? b * p.bt_sb : 0);
-  // Element offsets of (batch or page, seq) are added per row; heads and chunk columns once.
+  // Element offsets of (batch or page, seq) are added per row group; heads and chunk columns once.
   const int tid = threadIdx.x;
   const int lc = tid % C, lr = tid / C;
   const bool col_ok = lc * 8 < p.d;
+  const int col_bytes = col_ok ? 16 : 0;
   const elem_t* k_h = p.k + hk * p.k_sh + lc * 8;
   const elem_t* v_h = p.v + hk * p.v_sh + lc * 8;
   const elem_t* kn_h = p.knew + (has_new ? b * p.knew_sb + hk * p.knew_sh + lc * 8 : 0);
   const elem_t* vn_h = p.vnew + (has_new ? b * p.vnew_sb + hk * p.vnew_sh + lc * 8 : 0);
+  const fg_u64 policy = kv_policy<HINT>();
 
   // ---- append: m-block 0 copies the new rows its split covers into the cache ----
   if (has_new && mb == 0) {
@@ -93,6 +151,13 @@ FG_DEVICE void decode_split_body(const Params& p) {
       *reinterpret_cast<fg_u32x4*>(const_cast<elem_t*>(v_h) + co + vo) =
           *reinterpret_cast<const fg_u32x4*>(vn_h + co + rn * p.vnew_ss);
     }
+  }
+
+  // ---- the split's slice of the block table into L2 (the lookups below then hit it) ----
+  if (paged && fast_end > n_begin) {
+    const int first = n_begin >> p.page_shift, last = (fast_end - 1) >> p.page_shift;
+    for (int i = tid * 32; first + i <= last && i < 4 * NT * 32; i += NT * 32)
+      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(bt + first + i));
   }
 
   // ---- Q: 16 packed rows gathered from (token, head) ----------------------------
@@ -121,42 +186,66 @@ FG_DEVICE void decode_split_body(const Params& p) {
       pages[e] = (paged && key0 < n_end && key0 < len_cache) ? __ldg(bt + (key0 >> p.page_shift)) : 0;
     }
   };
-  // Block at key n0 into ring stage `stage`; rows past n_end are zero-filled without reading.
-  auto load_kv = [&](int n0, int stage) {
-    const fg_u32 dK = sK + stage * BN * D * 2, dV = sV + stage * BN * D * 2;
+  // K or V of the block at key n0 into ring stage `stage`.
+  auto load_kv = [&](int n0, int stage, auto is_v) {  // is_v: fg_bool<false> (K) or fg_bool<true> (V)
+    constexpr bool V = decltype(is_v)::value;
+    const elem_t* const head = V ? v_h : k_h;
+    const fg_i64 sb = V ? p.v_sb : p.k_sb, ss = V ? p.v_ss : p.k_ss;
+    const fg_u32 dst = (V ? sV : sK) + stage * BN * D * 2;
+    if (n0 + BN <= fast_end) {
+      // Fast path: whole block in the cache. 16-row groups never straddle a page.
 #pragma unroll
-    for (int it = 0; it < BN / STEP; ++it) {
-      const int row = lr + it * STEP;
-      const int key = n0 + row;
-      const bool ok = col_ok && key < n_end;
-      const elem_t *ks = p.k, *vs = p.v;
-      if (ok) {
-        if (key >= len_cache) {
-          ks = kn_h + static_cast<fg_i64>(key - len_cache) * p.knew_ss;
-          vs = vn_h + static_cast<fg_i64>(key - len_cache) * p.vnew_ss;
-        } else if (paged) {
-          const fg_i64 pg = pages[it * STEP / 16];
-          ks = k_h + pg * p.k_sb + (key & page_mask) * p.k_ss;
-          vs = v_h + pg * p.v_sb + (key & page_mask) * p.v_ss;
-        } else {
-          ks = k_h + b * p.k_sb + static_cast<fg_i64>(key) * p.k_ss;
-          vs = v_h + b * p.v_sb + static_cast<fg_i64>(key) * p.v_ss;
+      for (int e = 0; e < G; ++e) {
+        const int key0 = n0 + e * 16;
+        const fg_i64 base = paged ? static_cast<fg_i64>(pages[e]) * sb + (key0 & page_mask) * ss
+                                  : static_cast<fg_i64>(b) * sb + static_cast<fg_i64>(key0) * ss;
+        const elem_t* src = head + base + lr * ss;
+#pragma unroll
+        for (int i = 0; i < IPG; ++i) {
+          kv_copy_16<HINT>(dst + TT::offset(e * 16 + lr + i * STEP, lc), src, col_bytes, policy);
+          src += STEP * ss;
         }
       }
-      cp_async_16(dK + TT::offset(row, lc), ks, ok ? 16 : 0);
-      cp_async_16(dV + TT::offset(row, lc), vs, ok ? 16 : 0);
+    } else {
+      // Checked path: rows past n_end are zero-filled without reading; appended keys come from knew/vnew.
+      const elem_t* const nhead = V ? vn_h : kn_h;
+      const fg_i64 nss = V ? p.vnew_ss : p.knew_ss;
+#pragma unroll
+      for (int it = 0; it < BN / STEP; ++it) {
+        const int row = lr + it * STEP;
+        const int key = n0 + row;
+        const bool ok = col_ok && key < n_end;
+        const elem_t* src = V ? p.v : p.k;
+        if (ok) {
+          if (key >= len_cache) {
+            src = nhead + static_cast<fg_i64>(key - len_cache) * nss;
+          } else if (paged) {
+            src = head + static_cast<fg_i64>(pages[it * STEP / 16]) * sb + (key & page_mask) * ss;
+          } else {
+            src = head + static_cast<fg_i64>(b) * sb + static_cast<fg_i64>(key) * ss;
+          }
+        }
+        kv_copy_16<HINT>(dst + TT::offset(row, lc), src, ok ? 16 : 0, policy);
+      }
+    }
+  };
+  // Both halves of block jb into its stage: two commit groups (K, then V); past the end, two empty ones.
+  auto issue_block = [&](int jb) {
+    if (jb < n_blocks) {
+      load_kv(n_begin + jb * BN, jb % ST, fg_bool<false>{});
+      cp_async_commit();
+      load_kv(n_begin + jb * BN, jb % ST, fg_bool<true>{});
+      cp_async_commit();
+      fetch_pages(n_begin + (jb + 1) * BN);
+    } else {
+      cp_async_commit();
+      cp_async_commit();
     }
   };
 
   fetch_pages(n_begin);
 #pragma unroll
-  for (int s = 0; s < ST - 1; ++s) {
-    if (s < n_blocks) {
-      load_kv(n_begin + s * BN, s);
-      fetch_pages(n_begin + (s + 1) * BN);
-    }
-    cp_async_commit();
-  }
+  for (int s = 0; s < ST - 1; ++s) issue_block(s);
 
   float acc_o[DJ][4];
 #pragma unroll
@@ -180,16 +269,10 @@ FG_DEVICE void decode_split_body(const Params& p) {
   const int w_row = warp * KW;  // this warp's first key row within a block
 
   for (int j = 0; j < n_blocks; ++j) {
-    cp_async_wait<ST - 2>();
-    __syncthreads();
-    {
-      const int jn = j + ST - 1;
-      if (jn < n_blocks) {
-        load_kv(n_begin + jn * BN, jn % ST);
-        fetch_pages(n_begin + (jn + 1) * BN);
-      }
-      cp_async_commit();
-    }
+    // Groups newer than K_j: V_j and both halves of blocks j+1 .. j+ST-2.
+    cp_async_wait<2 * ST - 3>();
+    __syncthreads();  // K_j visible to all; every warp is done with block j-1, whose stage is refilled next
+    issue_block(j + ST - 1);
     const int stage = j % ST;
     const fg_u32 sKj = sK + stage * BN * D * 2 + w_row * TT::ROW_BYTES;
     const fg_u32 sVj = sV + stage * BN * D * 2 + w_row * TT::ROW_BYTES;
@@ -254,6 +337,10 @@ FG_DEVICE void decode_split_body(const Params& p) {
       }
     }
 
+    // Groups newer than V_j: both halves of blocks j+1 .. j+ST-1.
+    cp_async_wait<2 * ST - 2>();
+    __syncthreads();  // V_j visible to all
+
     // ---- O += P V ----
 #pragma unroll
     for (int kk = 0; kk < KW / 16; ++kk) {
@@ -275,7 +362,8 @@ FG_DEVICE void decode_split_body(const Params& p) {
   __syncthreads();  // every warp is done with the ring (and the Q copies have landed)
 
   // ---- merge the warps: per row max, sum; each warp's O scaled into scratch ----
-  float* red = reinterpret_cast<float*>(smem);                // [NW][16] max, [NW][16] sum, [16] lse
+  // red: [NW][16] max, [NW][16] sum, [16] lse of this split (later the merged lse), [1] last-CTA flag
+  float* red = reinterpret_cast<float*>(smem);
   float* s_o = reinterpret_cast<float*>(smem + 16 * D * 2);   // [NW][16][OS]
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -310,6 +398,24 @@ FG_DEVICE void decode_split_body(const Params& p) {
   }
   __syncthreads();
 
+  // Final stores of one packed row: O (4 columns from c4*4) in the input dtype, and its LSE.
+  auto store_o = [&](int r, int c4, float4 acc) {
+    const int tok = r / p.group, h = hk * p.group + (r - tok * p.group);
+    uint2 packed;
+    packed.x = pack2<BF16>(acc.x, acc.y);
+    packed.y = pack2<BF16>(acc.z, acc.w);
+    *reinterpret_cast<uint2*>(p.o + b * p.o_sb + tok * p.o_ss + h * p.o_sh + c4 * 4) = packed;
+  };
+  auto store_lse = [&](int r, float lse) {
+    const int tok = r / p.group, h = hk * p.group + (r - tok * p.group);
+    if (p.lse != nullptr) p.lse[(static_cast<fg_i64>(b) * p.heads_q + h) * p.nq + tok] = lse;
+  };
+  // Workspace row of packed row r: (batch, token, query head).
+  auto ws_row = [&](int r) -> fg_i64 {
+    const int tok = r / p.group, h = hk * p.group + (r - tok * p.group);
+    return (static_cast<fg_i64>(b) * p.nq + tok) * p.heads_q + h;
+  };
+
   // ---- store: 16 rows x D/4 float4 columns, summed over the warps ----
   const bool direct = p.num_splits == 1;
   for (int i = tid; i < 16 * (D / 4); i += NT) {
@@ -322,25 +428,73 @@ FG_DEVICE void decode_split_body(const Params& p) {
       const float4 x = *reinterpret_cast<const float4*>(s_o + (w * 16 + row) * OS + c4 * 4);
       acc.x += x.x; acc.y += x.y; acc.z += x.z; acc.w += x.w;
     }
-    const int tok = r / p.group, h = hk * p.group + (r - tok * p.group);
     if (direct) {
-      uint2 packed;
-      packed.x = pack2<BF16>(acc.x, acc.y);
-      packed.y = pack2<BF16>(acc.z, acc.w);
-      *reinterpret_cast<uint2*>(p.o + b * p.o_sb + tok * p.o_ss + h * p.o_sh + c4 * 4) = packed;
+      store_o(r, c4, acc);
     } else {
-      const fg_i64 fr = (static_cast<fg_i64>(b) * p.nq + tok) * p.heads_q + h;
-      *reinterpret_cast<float4*>(p.o_ws + (split * p.total_rows + fr) * p.d + c4 * 4) = acc;
+      *reinterpret_cast<float4*>(p.o_ws + (split * p.total_rows + ws_row(r)) * p.d + c4 * 4) = acc;
     }
   }
   if (tid < 16 && r0 + tid < p.rows) {
-    const int r = r0 + tid;
-    const int tok = r / p.group, h = hk * p.group + (r - tok * p.group);
     const float lse = red[2 * NW * 16 + tid];
     if (direct) {
-      if (p.lse != nullptr) p.lse[(static_cast<fg_i64>(b) * p.heads_q + h) * p.nq + tok] = lse;
+      store_lse(r0 + tid, lse);
     } else {
-      p.lse_ws[split * p.total_rows + (static_cast<fg_i64>(b) * p.nq + tok) * p.heads_q + h] = lse;
+      p.lse_ws[split * p.total_rows + ws_row(r0 + tid)] = lse;
     }
   }
+  if (direct || p.counters == nullptr) return;
+
+  // ---- fused combine: the last of the num_splits CTAs of this (batch, KV head, m-block) merges ----
+  int* const ctr = p.counters + (static_cast<fg_i64>(b) * gridDim.y + hk) * (gridDim.x / p.num_splits) + mb;
+  __threadfence();  // this thread's partial stores, device-wide, before the ticket
+  __syncthreads();
+  volatile int* const last_flag = reinterpret_cast<volatile int*>(red + 2 * NW * 16 + 16);
+  if (tid == 0) {
+    __threadfence();
+    *last_flag = atomicAdd(ctr, 1) == p.num_splits - 1;
+  }
+  __syncthreads();
+  if (!*last_flag) return;
+  __threadfence();  // the other CTAs' partials, seen through their tickets
+  float* const lse_all = red + 2 * NW * 16;  // [16]: each thread tid < 16 reuses the slot it read above
+  if (tid < 16) {
+    float lse = -INFINITY;
+    if (r0 + tid < p.rows) {
+      const float* l = p.lse_ws + ws_row(r0 + tid);
+      float m = -INFINITY;
+      for (int s = 0; s < p.num_splits; ++s) m = fmaxf(m, ld_cg_f1(l + s * p.total_rows));
+      if (m != -INFINITY) {
+        float sum = 0.f;
+        for (int s = 0; s < p.num_splits; ++s) sum += expf(ld_cg_f1(l + s * p.total_rows) - m);
+        lse = m + logf(sum);
+      }
+      store_lse(r0 + tid, lse);
+    }
+    lse_all[tid] = lse;
+  }
+  __syncthreads();
+  for (int i = tid; i < 16 * (D / 4); i += NT) {
+    const int row = i / (D / 4), c4 = i % (D / 4);
+    const int r = r0 + row;
+    if (r >= p.rows || c4 * 4 >= p.d) continue;
+    const float lse = lse_all[row];
+    const fg_i64 wr = ws_row(r);
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (lse != -INFINITY) {
+#pragma unroll 4
+      for (int s = 0; s < p.num_splits; ++s) {
+        const float l = ld_cg_f1(p.lse_ws + s * p.total_rows + wr);
+        const float4 x = ld_cg_f4(p.o_ws + (s * p.total_rows + wr) * p.d + c4 * 4);
+        // Select, not branch: an empty split's O never enters the sum (0 * garbage is not 0).
+        const bool used = l != -INFINITY;
+        const float w = used ? expf(l - lse) : 0.f;
+        acc.x += used ? w * x.x : 0.f;
+        acc.y += used ? w * x.y : 0.f;
+        acc.z += used ? w * x.z : 0.f;
+        acc.w += used ? w * x.w : 0.f;
+      }
+    }
+    store_o(r, c4, acc);
+  }
+  if (tid == 0) *ctr = 0;  // ready for the next launch (launches on one stream never overlap)
 }

@@ -1,0 +1,318 @@
+"""Sweep decode_split's knobs on the Done-when cases of issue 4, so one device call picks the defaults.
+
+For bf16, d = 128, seqlen_q = 1 it
+1. compiles every candidate spec (block_n, warps, stages, load hint = refill) in parallel and drops
+   the ones that spill or do not fit;
+2. checks each against an fp32 reference (ragged paged cache with appended tokens, split and not;
+   the 2x rule of tests/test_gpu_decode.py) -- a wrong spec is reported and never ranked;
+3. times each spec at its own heuristic split count on every case (cuDNN timed once per case, same
+   inputs), then the best specs at other split counts (is the heuristic right?), then the fused
+   combine against the decode_combine launch;
+4. prints a ranked table (geometric mean and minimum of flashgen / cuDNN over the cases) and the
+   DEFAULT_DECODE_TILES line for the winner, and writes everything to JSON.
+
+    python3 bench/sweep_decode.py --out bench/results/decode/sweep.json [--budget 160]
+
+A time budget (seconds) stops the later phases early; what was measured is still written.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+import flashgen  # noqa: E402
+from bench_decode import D, kv_bytes, make_inputs, sdpa_runner, time_us  # noqa: E402
+from bench_fwd import meta  # noqa: E402
+from flashgen import decode_api, decoding  # noqa: E402
+from flashgen.api import _Device  # noqa: E402
+from flashgen.spec import KernelSpec  # noqa: E402
+
+# (block_n, warps, stages, load hint). Shared memory per CTA = 2*128*(16 + 2*stages*block_n) bytes:
+# ~100 KB -> 2 CTAs per H200 SM, ~68 KB -> 3, ~52 KB -> 4, ~132-196 KB -> 1.
+CANDIDATES = [
+    (64, 4, 3, 0), (64, 4, 3, 1), (64, 4, 3, 2), (64, 4, 3, 3),   # the first default, and its load hints
+    (32, 2, 6, 0), (32, 2, 6, 1), (16, 1, 12, 0), (64, 2, 3, 0),  # ~100 KB, finer stages / fewer warps
+    (64, 4, 2, 0), (32, 2, 4, 0),                                  # ~68 KB: 3 CTAs per SM
+    (32, 2, 3, 0),                                                 # ~52 KB: 4 CTAs per SM
+    (128, 8, 3, 0), (64, 4, 6, 0), (128, 4, 2, 0),                 # 1 CTA per SM, more bytes in flight
+]
+# (batch, heads_q, heads_kv, L, layout): "bhsd" = the bench's cache (a (b, L, hk, d) view of (b, hk, L, d)
+# memory: each head's rows contiguous); "bshd" = a real (b, L, hk, d) cache; "page64"/"page256" = paged.
+CASES = [(b, 32, hk, L, "bhsd") for b, hk in ((1, 32), (1, 8), (8, 8), (32, 8)) for L in (4096, 32768, 131072)]
+CASES += [(1, 32, 8, 131072, "bshd"), (1, 32, 8, 131072, "page64"), (1, 32, 8, 131072, "page256")]
+
+
+def spec_of(bn, w, st, hint, arch):
+    return KernelSpec(kind="decode_split", arch=arch, dtype="bf16", head_dim=D, block_m=16, block_n=bn, warps=w,
+                      stages=st, refill=hint, causal=True).validate()
+
+
+def compile_all(cands, arch, budget):
+    from flashgen.codegen import build
+
+    ok, rejected = [], {}
+    specs = []
+    for c in cands:
+        try:
+            s = spec_of(*c, arch)
+        except ValueError as exc:
+            rejected[str(c)] = f"invalid: {exc}"
+            continue
+        if s.smem_bytes() > budget:
+            rejected[s.name] = f"{s.smem_bytes()} B of shared memory > {budget}"
+            continue
+        specs.append(s)
+    with ThreadPoolExecutor(8) as ex:
+        for s, rep in zip(specs, ex.map(lambda s: build(s).report, specs)):
+            if rep.problems():
+                rejected[s.name] = "; ".join(rep.problems())
+            else:
+                ok.append((s, rep.registers))
+    for s, regs in ok:
+        print(f"compiled {s.name}: {regs} registers, {s.smem_bytes()} B shared", flush=True)
+    for name, why in rejected.items():
+        print(f"rejected {name}: {why}", flush=True)
+    return ok, rejected
+
+
+def check_spec(spec):
+    """None if the spec meets the 2x rule on a ragged paged case with appends (split and not), else why."""
+    try:
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+        from test_gpu_decode import make_case, reference
+    except Exception as exc:  # noqa: BLE001
+        return None if "pytest" in str(exc) else f"cannot import the test helpers: {exc}"
+    for page, with_new in ((64, True), (None, False)):
+        case = make_case(3, 1, 3000, D, 32, 8, page, with_new, torch.bfloat16)
+        ref, _ = reference(case, 1 / math.sqrt(D))
+        low, _ = reference(case, 1 / math.sqrt(D), torch.bfloat16)
+        tol = 2 * (low - ref).abs().max().item() + 1e-5
+        for ns in (None, 1, 7):
+            kc, vc = case["k_cache"].clone(), case["v_cache"].clone()  # appends write the cache
+            out = flashgen.decode(case["q"], kc, vc, case["cache_seqlens"], case["block_table"], case["k_new"],
+                                  case["v_new"], num_splits=ns, spec=spec)
+            err = (out.float() - ref).abs().max().item()
+            if not err <= tol:
+                return f"page={page} new={with_new} num_splits={ns}: max err {err:.3e} > tol {tol:.3e}"
+    return None
+
+
+class Case:
+    """Inputs of one case (rotating copies so that L2 never serves a small case) and cuDNN's time."""
+
+    def __init__(self, b, hq, hk, L, layout):
+        self.key = f"b{b}_hq{hq}_hk{hk}_L{L}_{layout}"
+        self.b, self.hq, self.hk, self.L, self.layout = b, hq, hk, L, layout
+        self.nbytes = kv_bytes(b, hk, L)
+        self.copies, self.qs, ks, vs = make_inputs(b, hq, hk, L)
+        self.lens = torch.full((b,), L, dtype=torch.int32, device="cuda")
+        self.bts = [None] * self.copies
+        self.cudnn = None
+        if layout == "bhsd":
+            self.kc, self.vc = [k.transpose(1, 2) for k in ks], [v.transpose(1, 2) for v in vs]
+            run, mode = sdpa_runner("CUDNN_ATTENTION", self.qs, ks, vs, hq, hk)
+            if run is not None:
+                try:
+                    self.cudnn = time_us(run, self.copies, reps=30, warmup=3)
+                except Exception as exc:  # noqa: BLE001
+                    print(f"{self.key}: cuDNN failed: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+            else:
+                print(f"{self.key}: cuDNN: {mode}", flush=True)
+        elif layout == "bshd":
+            self.kc = [k.transpose(1, 2).contiguous() for k in ks]
+            self.vc = [v.transpose(1, 2).contiguous() for v in vs]
+        else:
+            ps = int(layout[4:])
+            pages = b * L // ps
+            self.kc = [k.transpose(1, 2).reshape(pages, ps, hk, D) for k in ks]  # copies (not contiguous views)
+            self.vc = [v.transpose(1, 2).reshape(pages, ps, hk, D) for v in vs]
+            self.bts = [torch.randperm(pages, device="cuda").to(torch.int32).view(b, L // ps)
+                        for _ in range(self.copies)]
+        del ks, vs
+
+    def run(self, spec, splits):
+        def fn(i):
+            return flashgen.decode(self.qs[i], self.kc[i], self.vc[i], self.lens, self.bts[i], spec=spec,
+                                   num_splits=splits, check_values=False)
+        decode_api._plans.clear()
+        fn(0)
+        plan = next(iter(decode_api._plans.values()))
+        us = time_us(fn, self.copies, reps=30, warmup=3)
+        return {"us": us, "tbps": self.nbytes / us / 1e6, "splits": plan.splits}
+
+    def free(self):
+        del self.qs, self.kc, self.vc, self.bts
+        torch.cuda.empty_cache()
+
+
+def geomean(xs):
+    xs = [x for x in xs if x and x > 0]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--budget", type=float, default=160.0, help="seconds; later phases stop when it runs out")
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    torch.manual_seed(0)
+    dev = _Device.of(torch.cuda.current_device())
+    result = {"meta": meta(), "convention": "bf16, d=128, seqlen_q=1; TB/s = K+V bytes / median time",
+              "candidates": [], "rejected": {}, "wrong": {}, "cases": {}, "splits": {}, "fused": {}}
+
+    def write():
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as fh:
+                json.dump(result, fh, indent=1)
+
+    ok, result["rejected"] = compile_all(CANDIDATES, dev.arch, dev.smem_budget)
+    print(f"compiled in {time.time() - t0:.0f} s", flush=True)
+    specs = []
+    for s, regs in ok:
+        why = check_spec(s)
+        if why:
+            result["wrong"][s.name] = why
+            print(f"WRONG {s.name}: {why}", flush=True)
+        else:
+            specs.append(s)
+            result["candidates"].append({"spec": s.name, "registers": regs, "smem": s.smem_bytes(),
+                                         "tile": [s.block_n, s.warps, s.stages, s.refill]})
+    print(f"checked in {time.time() - t0:.0f} s; {len(specs)} specs to time", flush=True)
+    write()
+
+    # Phase 1: every spec at its heuristic split count, every case (largest cases last: they cost most).
+    times = {}  # (case key, spec name) -> row
+    for c in sorted(CASES, key=lambda c: kv_bytes(c[0], c[2], c[3])):
+        if time.time() - t0 > args.budget * 0.75:
+            print(f"budget: skipping case {c}", flush=True)
+            continue
+        case = Case(*c)
+        result["cases"][case.key] = {"kv_bytes": case.nbytes, "cudnn_us": case.cudnn,
+                                     "cudnn_tbps": case.nbytes / case.cudnn / 1e6 if case.cudnn else None,
+                                     "flashgen": {}}
+        for s in specs:
+            try:
+                row = case.run(s, None)
+            except Exception as exc:  # noqa: BLE001
+                row = {"error": f"{type(exc).__name__}: {str(exc)[:160]}"}
+            if case.cudnn and "us" in row:
+                row["x_cudnn"] = case.cudnn / row["us"]
+            times[case.key, s.name] = row
+            result["cases"][case.key]["flashgen"][s.name] = row
+        best = max((r.get("tbps", 0), n) for (k, n), r in times.items() if k == case.key)
+        print(f"{case.key}: cuDNN {result['cases'][case.key]['cudnn_tbps'] or float('nan'):.2f} TB/s; best "
+              f"{best[0]:.2f} ({best[1]}); {time.time() - t0:.0f} s", flush=True)
+        case.free()
+        write()
+
+    ranking = rank(result, specs)
+    result["ranking"] = ranking
+    write()
+
+    # Phase 2: the top specs at other split counts on the cases that split.
+    top = [r["spec"] for r in ranking[:3]]
+    by_name = {s.name: s for s in specs}
+    for c in CASES:
+        if c[0] >= 32 or c[4] != "bhsd" or time.time() - t0 > args.budget * 0.9:
+            continue
+        case = Case(*c)
+        res = result["splits"][case.key] = {}
+        for name in top:
+            h = result["cases"].get(case.key, {}).get("flashgen", {}).get(name, {}).get("splits")
+            if not h:
+                continue
+            blocks = -(-c[3] // by_name[name].block_n)
+            alts = sorted({max(1, h // 2), max(1, h - 1), h, min(blocks, h + 1), min(blocks, 2 * h),
+                           min(blocks, 4 * h)})
+            res[name] = {}
+            for s in alts:
+                try:
+                    res[name][s] = case.run(by_name[name], s)["tbps"]
+                except Exception as exc:  # noqa: BLE001
+                    res[name][s] = f"{type(exc).__name__}: {str(exc)[:80]}"
+            print(f"splits {case.key} {name} (heuristic {h}): "
+                  + ", ".join(f"{s}:{v:.2f}" if isinstance(v, float) else f"{s}:{v}" for s, v in res[name].items()),
+                  flush=True)
+        case.free()
+        write()
+
+    # Phase 3: fused combine vs the decode_combine launch, best spec, cases that split.
+    if ranking:
+        best = by_name[ranking[0]["spec"]]
+        for c in CASES:
+            if c[0] >= 32 or c[4] != "bhsd" or time.time() - t0 > args.budget:
+                continue
+            case = Case(*c)
+            out = {}
+            for fused in (True, False):
+                decode_api.FUSED_COMBINE = fused
+                out["fused" if fused else "combine_kernel"] = case.run(best, None)["us"]
+            decode_api.FUSED_COMBINE = True
+            decode_api._plans.clear()
+            result["fused"][case.key] = out
+            print(f"combine {case.key}: fused {out['fused']:.1f} us, kernel {out['combine_kernel']:.1f} us", flush=True)
+            case.free()
+            write()
+
+    print_ranking(result)
+    result["elapsed_s"] = time.time() - t0
+    write()
+
+
+def rank(result, specs):
+    """Specs by geometric mean of flashgen/cuDNN over the cases with a cuDNN time (then by minimum)."""
+    rows = []
+    for s in specs:
+        xs = [c["flashgen"].get(s.name, {}).get("x_cudnn") for c in result["cases"].values() if c["cudnn_us"]]
+        xs = [x for x in xs if x]
+        big = [c["flashgen"].get(s.name, {}).get("tbps") for c in result["cases"].values()
+               if c["kv_bytes"] >= 256 * 2**20 and c["cudnn_us"]]
+        paged = {}
+        for k, c in result["cases"].items():
+            if "_page" in k or k.endswith("_bshd"):
+                paged[k.rsplit("_", 1)[1]] = c["flashgen"].get(s.name, {}).get("tbps")
+        rows.append({"spec": s.name, "tile": [s.block_n, s.warps, s.stages, s.refill], "geomean_x_cudnn": geomean(xs),
+                     "min_x_cudnn": min(xs) if xs else float("nan"), "cases": len(xs),
+                     "min_tbps_big": min((b for b in big if b), default=float("nan")), "layouts": paged})
+    rows.sort(key=lambda r: (-(r["geomean_x_cudnn"] if r["geomean_x_cudnn"] == r["geomean_x_cudnn"] else 0),
+                             -(r["min_x_cudnn"] if r["min_x_cudnn"] == r["min_x_cudnn"] else 0)))
+    return rows
+
+
+def print_ranking(result):
+    print(f"\n{'rank':>4} {'spec':<52} {'geo x cudnn':>11} {'min x':>6} {'min TB/s >=256MB':>16}  bshd/page64/page256")
+    for i, r in enumerate(result.get("ranking", []), 1):
+        lay = r["layouts"]
+        print(f"{i:>4} {r['spec']:<52} {r['geomean_x_cudnn']:11.3f} {r['min_x_cudnn']:6.3f} "
+              f"{r['min_tbps_big']:16.2f}  " + "/".join(f"{lay.get(k) or float('nan'):.2f}"
+                                                          for k in ("bshd", "page64", "page256")))
+    names = [r["spec"] for r in result.get("ranking", [])]
+    if names:
+        print("\nper case (TB/s): cuDNN | best spec | first default (n64 w4 s3 r0)")
+        base = next((n for n in names if "_n64_w4_s3_r0_" in n), None)
+        for k, c in result["cases"].items():
+            rows = c["flashgen"]
+            best = max(((r.get("tbps", 0), n) for n, r in rows.items()), default=(0, "-"))
+            cu = c["cudnn_tbps"]
+            b0 = rows.get(base, {}).get("tbps", float("nan")) if base else float("nan")
+            print(f"  {k:<28} {cu or float('nan'):5.2f} | {best[0]:5.2f} {best[1]} | {b0:5.2f}")
+        r0 = result["ranking"][0]
+        print(f"\nsuggested: DEFAULT_DECODE_TILES[128] = (({', '.join(map(str, r0['tile']))}), ...)  "
+              f"# {r0['spec']}, geomean {r0['geomean_x_cudnn']:.3f}x cuDNN, min {r0['min_x_cudnn']:.3f}x")
+    for name, why in result.get("wrong", {}).items():
+        print(f"WRONG (not ranked) {name}: {why}")
+
+
+if __name__ == "__main__":
+    main()
