@@ -49,6 +49,14 @@ def case(d, causal, flags, bm=128, nq=200, nk=333):
     return ok
 
 
+def _try_build(build, s):
+    try:
+        build(s)
+        return ""
+    except Exception as exc:  # noqa: BLE001
+        return f"{s.name}: {str(exc)[:300]}"
+
+
 def main():
     quick = "--quick" in sys.argv
     print("device:", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability(), flush=True)
@@ -73,8 +81,18 @@ def main():
         cases = [(64, False, "plain", 64), (64, True, "plain", 128), (128, True, "full", 128)]
     else:
         cases = [(d, c, "plain", 64) for d in (64, 128) for c in (False, True)] + cases
+    from multiprocessing.pool import ThreadPool
+
+    from flashgen.codegen import build
+
+    t0 = __import__("time").time()
+    with ThreadPool(12) as pool:  # compile everything first, in parallel (NVRTC releases the GIL)
+        errs = pool.map(lambda a: _try_build(build, spec(a[0], a[1], a[2], a[3])), cases)
+    print(f"compiled {len(cases)} kernels in {__import__('time').time() - t0:.1f}s; failures: "
+          f"{[e for e in errs if e] or 'none'}", flush=True)
     bad = 0
     for d, c, f, bm in cases:
+        print(f"running d={d} causal={c} flags={f} bm={bm} ...", flush=True)
         try:
             bad += not case(d, c, f, bm)
         except Exception:  # noqa: BLE001
