@@ -15,6 +15,8 @@ from .errors import ConfigError
 DTYPES = ("fp16", "bf16")
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a")
 DTYPE_BYTES = {"fp16": 2, "bf16": 2}
+# Fields added after tuned tables were first written: a record may omit them (their default is the old behaviour).
+LATER_FIELDS = ("warpspec", "pingpong", "overlap")
 
 
 @dataclass(frozen=True)
