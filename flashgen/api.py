@@ -178,7 +178,11 @@ def _forward(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
     if plan.kernel is not None:
         params = plan.params()
-        params.q, params.k, params.v, params.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+        if plan.tma is None:
+            params.q, params.k, params.v, params.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+        else:  # fwd_sm90: q, k, v reach the kernel through TMA descriptors (cached per address)
+            plan.tma(params, q.data_ptr(), k.data_ptr(), v.data_ptr())
+            params.o = out.data_ptr()
         params.lse = lse.data_ptr() if lse is not None else 0
         plan.launch(params)
     return (out, lse) if return_lse else out
@@ -189,10 +193,11 @@ class _Plan:
     flags: checked once, then reused while those stay the same (the per-call
     path is a dict lookup, two allocations, five pointers and the launch)."""
 
-    __slots__ = ("kernel", "grid", "device_index", "lse_shape", "_template", "_struct")
+    __slots__ = ("kernel", "grid", "device_index", "lse_shape", "_template", "_struct", "tma")
 
-    def __init__(self, kernel, grid, device_index, lse_shape, template):
+    def __init__(self, kernel, grid, device_index, lse_shape, template, tma=None):
         self.kernel, self.grid, self.device_index, self.lse_shape = kernel, grid, device_index, lse_shape
+        self.tma = tma  # fwd_sm90: fills the tensor maps of q, k, v into the params
         self._template = bytes(template) if template is not None else None
         self._struct = type(template) if template is not None else None
 
@@ -243,7 +248,11 @@ def _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm="v
         o_strides = _dims(torch.empty(q.shape, device="meta"), layout)[1]
         return baseline_run.plan(algorithm, spec, causal, dev, _DTYPES[q.dtype], (b, h, hk, nq, nk, d),
                                  (sq, sk, sv), o_strides, scale)
-    key = dispatch.ProblemKey("fwd_v2", dev.arch, _DTYPES[q.dtype], dispatch.head_dim_tile(d), causal,
+    kind = "fwd_sm90" if getattr(spec, "kind", None) == "fwd_sm90" else "fwd_v2"
+    if kind == "fwd_sm90" and dev.arch != "sm_90a":
+        raise UnsupportedError(f"fwd_sm90 (wgmma + TMA) runs on sm_90a GPUs only (H100/H200); this device is "
+                               f"{dev.arch}: use a fwd_v2 spec or none")
+    key = dispatch.ProblemKey(kind, dev.arch, _DTYPES[q.dtype], dispatch.tile_for(kind, d), causal,
                               dispatch.bucket_of(nq))
     if spec is None:
         spec = dispatch.select(key, dev.gpu, dev.smem_budget)
@@ -252,6 +261,8 @@ def _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm="v
     kern = load(spec, dev.index)
     # The output is allocated like q (same shape, contiguous): its strides in q's layout.
     o_strides = _dims(torch.empty(q.shape, device="meta"), layout)[1]
+    if kind == "fwd_sm90":
+        return _plan_sm90(kern, spec, dev, (b, h, hk, nq, nk, d), (sq, sk, sv), o_strides, scale)
     template = kern.params(
         q_sb=sq[0], q_sh=sq[1], q_ss=sq[2], k_sb=sk[0], k_sh=sk[1], k_ss=sk[2],
         v_sb=sv[0], v_sh=sv[1], v_ss=sv[2], o_sb=o_strides[0], o_sh=o_strides[1], o_ss=o_strides[2],
@@ -259,6 +270,40 @@ def _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm="v
     )
     grid = ((nq + spec.block_m - 1) // spec.block_m, h, b)
     return _Plan(kern, grid, dev.index, (b, h, nq), template)
+
+
+def _plan_sm90(kern, spec, dev, shape, strides, o_strides, scale):
+    """The plan of a fwd_sm90 launch: the per-call part writes the three TMA descriptors (built by the
+    driver, cached per address/shape/strides in flashgen.tma) into the parameter block."""
+    import ctypes
+
+    from . import tma
+
+    b, h, hk, nq, nk, d = shape
+    sq, sk, sv = strides
+    template = kern.params(o_sb=o_strides[0], o_sh=o_strides[1], o_ss=o_strides[2], nq=nq, nk=nk, heads=h,
+                           group=h // hk, d=d, scale=scale, scale_log2=scale * math.log2(math.e))
+    struct = type(template)
+    off_q, off_k, off_v = struct.tm_q.offset, struct.tm_k.offset, struct.tm_v.offset
+    q_dims, q_str = tma.tensor_dims(d, nq, h, b, sq)
+    if nk:
+        k_dims, k_str = tma.tensor_dims(d, nk, hk, b, sk)
+        v_dims, v_str = tma.tensor_dims(d, nk, hk, b, sv)
+    box_q, box_kv = (64, spec.block_m, 1, 1), (64, spec.block_n, 1, 1)
+    dtype, encode, memmove = spec.dtype, tma.encode, ctypes.memmove
+
+    def fill(params, q_ptr, k_ptr, v_ptr):
+        base = ctypes.addressof(params)
+        memmove(base + off_q, encode(q_ptr, dtype, q_dims, q_str, box_q), 128)
+        if nk:
+            memmove(base + off_k, encode(k_ptr, dtype, k_dims, k_str, box_kv), 128)
+            memmove(base + off_v, encode(v_ptr, dtype, v_dims, v_str, box_kv), 128)
+        else:  # no K/V block is ever loaded; a valid map keeps the prefetch harmless
+            memmove(base + off_k, base + off_q, 128)
+            memmove(base + off_v, base + off_q, 128)
+
+    grid = ((nq + spec.block_m - 1) // spec.block_m, h, b)
+    return _Plan(kern, grid, dev.index, (b, h, nq), template, tma=fill)
 
 
 def _check_forced_spec(spec, key, d, dev) -> None:

@@ -39,6 +39,20 @@ def head_dim_tile(d: int) -> int:
     raise UnsupportedError(f"head dim {d} is not supported (supported: multiples of 8 up to 256)")
 
 
+def sm90_head_dim_tile(d: int) -> int:
+    """fwd_sm90's head-dim tile (64, 128 or 256: rows are whole 128-byte swizzle panels)."""
+    head_dim_tile(d)  # same input rule (multiples of 8 up to 256)
+    for tile in (64, 128, 256):
+        if d <= tile:
+            return tile
+    raise UnsupportedError(f"head dim {d} is not supported (supported: multiples of 8 up to 256)")
+
+
+def tile_for(kind: str, d: int) -> int:
+    """The head-dim tile ``kind`` runs an input head dim ``d`` on."""
+    return sm90_head_dim_tile(d) if kind == "fwd_sm90" else head_dim_tile(d)
+
+
 @dataclass(frozen=True)
 class ProblemKey:
     kind: str
@@ -116,6 +130,17 @@ BWD_DQ_MODE = {d: ("separate" if d in (96, 160) else "atomic") for d in _BWD_DIM
 def bwd_dq_mode(head_dim_tile: int) -> str:
     """The dQ mode of the non-deterministic backward for a head-dim tile (``BWD_DQ_MODE``)."""
     return BWD_DQ_MODE.get(head_dim_tile, "atomic")
+
+
+# fwd_sm90's default rule (sm_90a only): head-dim tile -> (block_m, block_n,
+# stages, warpspec, pingpong, overlap) in order of preference. FA3's shapes
+# (arXiv 2407.08608): two consumer warpgroups of 64 rows, a producer, both
+# pipelining flags on. Unmeasured as yet: the lead's H200 runs decide.
+SM90_TILES = {
+    64: ((128, 128, 2, True, True, True),),
+    128: ((128, 128, 2, True, True, True),),
+    256: ((128, 64, 2, True, True, True),),
+}
 BWD_KINDS = tuple(BWD_TILES)
 # Kinds whose default rule lives in flashgen/baseline_specs.py (standard attention's passes, fwd_v1).
 BASELINE_KINDS = ("standard_qk", "standard_softmax", "standard_pv", "fwd_v1")
@@ -129,6 +154,18 @@ def bwd_head_dim_tile(d: int) -> int:
 
 def default_spec(key: ProblemKey, smem_budget: int) -> KernelSpec:
     """The default rule's spec for ``key`` under ``smem_budget`` bytes per block."""
+    if key.kind == "fwd_sm90":
+        if key.arch != "sm_90a":
+            raise UnsupportedError(f"fwd_sm90 (wgmma + TMA) needs an sm_90a GPU (H100/H200), not {key.arch}")
+        if key.head_dim not in SM90_TILES:
+            raise UnsupportedError(f"fwd_sm90 has no head-dim tile {key.head_dim} (see sm90_head_dim_tile)")
+        for bm, bn, st, ws, pp, ov in SM90_TILES[key.head_dim]:
+            spec = KernelSpec(kind="fwd_sm90", arch=key.arch, dtype=key.dtype, head_dim=key.head_dim, block_m=bm,
+                              block_n=bn, warps=4 * (bm // 64 + ws), stages=st, warpspec=ws, pingpong=pp,
+                              overlap=ov, causal=key.causal)
+            if spec.validate().smem_bytes() <= smem_budget:
+                return spec
+        raise UnsupportedError(f"no default fwd_sm90 tile fits {smem_budget} B of shared memory for d={key.head_dim}")
     if key.kind in BASELINE_KINDS:  # the baselines (standard attention's passes, fwd_v1) have their own rules
         from .baseline_specs import default_spec as baseline_default
 
@@ -151,7 +188,9 @@ def default_spec(key: ProblemKey, smem_budget: int) -> KernelSpec:
 def default_specs(arch: str, smem_budget: int, kind: str = "fwd_v2"):
     """Every spec the default rule can pick for ``arch`` (for the compile tests)."""
     out = []
-    for d in (BWD_TILES[kind] if kind in BWD_TILES else MMA_HEAD_DIMS):
+    if kind == "fwd_sm90" and arch != "sm_90a":
+        return out
+    for d in (BWD_TILES[kind] if kind in BWD_TILES else SM90_TILES if kind == "fwd_sm90" else MMA_HEAD_DIMS):
         for dtype in ("fp16", "bf16"):
             for causal in (False, True):
                 spec = default_spec(ProblemKey(kind, arch, dtype, d, causal, BUCKETS[0]), smem_budget)

@@ -34,6 +34,7 @@ class Family:
     stages: tuple = (2, 3, 4)
     refills: tuple = (0, 1, 2)
     max_acc_floats: int = 200           # fp32 accumulators per thread before spilling is likely
+    flags: tuple = ()                   # the boolean spec flags (warpspec, pingpong, overlap) the family takes
     # The knobs the tuner searches and the values it tries (a subset of the
     # supported values above: the sizes that can win, not every legal one).
     tune_space: tuple = (("block_m", (64, 128, 192)), ("block_n", (32, 48, 64, 96, 128)), ("warps", (4, 8)),
@@ -69,6 +70,10 @@ class Family:
 
     def context(self, spec) -> dict:
         return {"params": [(n, c) for n, c, _ in self.params]}
+
+    def threads(self, spec) -> int:
+        """Threads per CTA."""
+        return spec.warps * 32
 
     # -- launch -------------------------------------------------------------
     def param_struct(self):
@@ -184,6 +189,91 @@ COMBINE_PARAMS = (
     ("num_splits", "int", I32),
 )
 
+class TMAP(ctypes.Structure):
+    """A CUtensorMap's 128 opaque bytes (built by flashgen.tma)."""
+
+    _fields_ = [("v", ctypes.c_uint64 * 16)]
+
+
+# The Hopper forward's parameter block: the three tensor maps first (each at a
+# 64-byte-aligned offset, as the C struct's alignas(64) wants), then what the
+# epilogue and the masks need. Q/K/V addresses and strides live in the maps.
+SM90_PARAMS = (
+    ("tm_q", "fg_tmap", TMAP), ("tm_k", "fg_tmap", TMAP), ("tm_v", "fg_tmap", TMAP),
+    ("o", "elem_t*", PTR), ("lse", "float*", PTR),
+    *_strides("o"),
+    ("nq", "int", I32), ("nk", "int", I32), ("heads", "int", I32), ("group", "int", I32),
+    ("d", "int", I32), ("scale", "float", F32), ("scale_log2", "float", F32),
+)
+
+SM90_HEAD_DIMS = (64, 128, 256)
+
+
+@dataclass(frozen=True)
+class Sm90Family(Family):
+    """FlashAttention forward on Hopper: TMA, mbarriers, wgmma (templates/fwd_sm90.cuh), sm_90a only.
+
+    block_m = 64 x consumer warpgroups; warps = 4 x (consumer warpgroups +
+    a producer warpgroup when warpspec); refill is unused (0). Flags:
+    warpspec, pingpong (needs warpspec and two consumers), overlap.
+    """
+
+    def consumers(self, spec) -> int:
+        return spec.block_m // 64
+
+    def validate(self, spec) -> None:
+        for fname, allowed in (("head_dim", self.head_dims), ("block_m", self.block_ms),
+                               ("block_n", self.block_ns), ("stages", self.stages), ("refill", (0,)),
+                               ("arch", ("sm_90a",))):
+            if getattr(spec, fname) not in allowed:
+                raise ValueError(f"{self.kind}: {fname}={getattr(spec, fname)} not in {allowed}")
+        want = 4 * (self.consumers(spec) + int(spec.warpspec))
+        if spec.warps != want:
+            raise ValueError(f"{self.kind}: block_m={spec.block_m} with warpspec={spec.warpspec} means "
+                             f"warps={want}, got {spec.warps}")
+        if spec.pingpong and not (spec.warpspec and self.consumers(spec) == 2):
+            raise ValueError(f"{self.kind}: pingpong needs warpspec and two consumer warpgroups (block_m=128)")
+
+    def smem_bytes(self, spec) -> int:
+        # Q tile, K and V rings, and 1 KB to align the tiles to 1024 bytes (the
+        # 128-byte swizzle's period); the mbarriers are static shared memory.
+        return 2 * spec.head_dim * (spec.block_m + 2 * spec.stages * spec.block_n) + 1024
+
+    def regs(self, spec) -> tuple[int, int]:
+        """(producer, consumer) registers per thread after setmaxnreg (only with warpspec and >= 2 consumers)."""
+        return {2: (24, 240), 3: (24, 160)}.get(self.consumers(spec), (0, 0)) if spec.warpspec else (0, 0)
+
+    def acc_floats(self, spec) -> int:
+        """Per consumer thread: O (head_dim / 2), S (block_n / 2) and packed P (block_n / 4)."""
+        return spec.head_dim // 2 + spec.block_n // 2 + spec.block_n // 4
+
+    def extra_checks(self, spec, profile) -> list[str]:
+        reasons = []
+        if profile.arch != "sm_90a":
+            reasons.append(f"{self.kind} needs sm_90a (wgmma, TMA), {profile.name} is {profile.arch}")
+        threads = spec.warps * 32
+        budget = self.regs(spec)[1] or min(255, 65536 // threads // 8 * 8)
+        if self.acc_floats(spec) > budget - 32:
+            reasons.append(f"{self.acc_floats(spec)} fp32 values per consumer thread > {budget - 32} "
+                           f"({budget} registers less addressing and softmax state; would spill)")
+        return reasons
+
+    def context(self, spec) -> dict:
+        producer, consumer = self.regs(spec)
+        return {"params": [(n, c) for n, c, _ in self.params], "param_bytes": ctypes.sizeof(self.param_struct()),
+                "producer_regs": producer or 24, "consumer_regs": consumer or 240}
+
+    def param_struct(self):
+        """ctypes struct padded to the C struct's alignas(64) size (ctypes here has no _align_)."""
+        if not self._struct:
+            base = type(f"{self.kind}_params_base", (ctypes.Structure,),
+                        {"_fields_": [(n, t) for n, _, t in self.params]})
+            pad = -ctypes.sizeof(base) % 64
+            fields = [(n, t) for n, _, t in self.params] + ([("_pad", ctypes.c_ubyte * pad)] if pad else [])
+            self._struct.append(type(f"{self.kind}_params", (ctypes.Structure,), {"_fields_": fields}))
+        return self._struct[0]
+
+
 FAMILIES: dict[str, Family] = {
     "fwd_v2": Family("fwd_v2", "fwd_v2.cu.j2", FWD_PARAMS),
     "decode_split": DecodeSplitFamily("decode_split", "decode_split.cu.j2", DECODE_PARAMS,
@@ -192,6 +282,14 @@ FAMILIES: dict[str, Family] = {
                                       stages=(2, 3, 4, 5, 6, 8, 10, 12), refills=(0, 1, 2, 3)),
     "decode_combine": DecodeCombineFamily("decode_combine", "decode_combine.cu.j2", COMBINE_PARAMS,
                                           head_dims=DECODE_HEAD_DIMS),
+    "fwd_sm90": Sm90Family("fwd_sm90", "fwd_sm90.cu.j2", SM90_PARAMS, head_dims=SM90_HEAD_DIMS,
+                           block_ms=(64, 128, 192), block_ns=(64, 80, 96, 112, 128, 144, 160, 176, 192),
+                           warps=(4, 8, 12, 16), stages=(2, 3, 4), refills=(0,),
+                           flags=("warpspec", "pingpong", "overlap"),
+                           tune_space=(("block_m", (64, 128, 192)), ("block_n", (64, 80, 96, 112, 128, 160, 176, 192)),
+                                       ("warps", (4, 8, 12, 16)), ("stages", (2, 3)),
+                                       ("warpspec", (False, True)), ("pingpong", (False, True)),
+                                       ("overlap", (False, True)))),
 }
 
 from .bwd_families import BWD_FAMILIES  # noqa: E402 -- needs Family, defined above

@@ -15,6 +15,8 @@ from .errors import ConfigError
 DTYPES = ("fp16", "bf16")
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a")
 DTYPE_BYTES = {"fp16": 2, "bf16": 2}
+# Fields added after tuned tables were first written: a record may omit them (their default is the old behaviour).
+LATER_FIELDS = ("warpspec", "pingpong", "overlap")
 
 
 @dataclass(frozen=True)
@@ -31,11 +33,26 @@ class KernelSpec:
     stages: int = 2           # K/V shared-memory pipeline depth
     refill: int = 0           # where the next K/V copy is issued: 0 before S=QK^T, 1 before softmax, 2 before PV
     causal: bool = False
+    # Hopper family (fwd_sm90) only; every other kind keeps them False, so
+    # their names and records are unchanged.
+    warpspec: bool = False    # a producer warpgroup issues the TMA loads (setmaxnreg moves its registers)
+    pingpong: bool = False    # two consumer warpgroups alternate their GEMMs (named barriers)
+    overlap: bool = False     # softmax of block j+1 overlaps the P V GEMM of block j
 
     # -- identity ---------------------------------------------------------
     @property
     def name(self) -> str:
-        """Readable, unique: ``fwd_v2_d128_m128_n64_w4_s2_r0_causal_bf16_sm90a``."""
+        """Readable, unique: ``fwd_v2_d128_m128_n64_w4_s2_r0_causal_bf16_sm90a``.
+
+        fwd_sm90 names its flags instead of the refill slot it does not have:
+        ``fwd_sm90_d128_m128_n128_w12_s2_ws1_pp1_ov1_causal_bf16_sm90a``.
+        """
+        if self.kind == "fwd_sm90":
+            return (
+                f"{self.kind}_d{self.head_dim}_m{self.block_m}_n{self.block_n}_w{self.warps}_s{self.stages}"
+                f"_ws{int(self.warpspec)}_pp{int(self.pingpong)}_ov{int(self.overlap)}"
+                f"_{'causal' if self.causal else 'full'}_{self.dtype}_{self.arch.replace('_', '')}"
+            )
         return (
             f"{self.kind}_d{self.head_dim}_m{self.block_m}_n{self.block_n}_w{self.warps}_s{self.stages}"
             f"_r{self.refill}"
@@ -89,7 +106,11 @@ class KernelSpec:
             raise ValueError(f"arch {self.arch!r} not in {ARCHS}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} not in {DTYPES}")
-        self.family.validate(self)
+        fam = self.family
+        for flag in ("warpspec", "pingpong", "overlap"):
+            if getattr(self, flag) and flag not in fam.flags:
+                raise ValueError(f"{self.kind}: {flag}=True is not supported (only {fam.flags or 'no flags'})")
+        fam.validate(self)
         return self
 
     def smem_bytes(self) -> int:

@@ -74,7 +74,11 @@ def parse_ptxas_log(log: str, name: str | None = None) -> Report:
     def grab(pattern: str) -> int:
         m = re.search(pattern, section)
         return int(m.group(1)) if m else 0
-    warnings = tuple(sorted(set(re.findall(r"ptxas warning\s*:\s*(.+)", log))))
+    warnings = re.findall(r"ptxas warning\s*:\s*(.+)", log)
+    # Hopper performance diagnostics come as "info" lines with a code: C7508
+    # (setmaxnreg ignored), C7510-C7515 (wgmma serialized). Each is a problem.
+    warnings += re.findall(r"ptxas info\s*:\s*(\(C75(?:0[89]|1\d)\).+)", log)
+    warnings = tuple(sorted(set(warnings)))
     return Report(
         registers=grab(r"Used " + _NUM + r" registers"),
         spill_stores=grab(_NUM + r" bytes spill stores"),

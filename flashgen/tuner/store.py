@@ -130,8 +130,12 @@ def _spec(where, record, key, profile) -> KernelSpec:
 
     if not isinstance(record, dict):
         raise ConfigError(where, f"spec must be a mapping, got {record!r}")
-    missing = {f.name for f in fields(KernelSpec)} - set(record)
-    if missing:  # a table must say everything: no silent defaults
+    from ..spec import LATER_FIELDS
+
+    # A table must say everything (no silent defaults), except the fields added after tables
+    # existed, whose default is the old behaviour (fwd_sm90's flags: False).
+    missing = {f.name for f in fields(KernelSpec)} - set(record) - set(LATER_FIELDS)
+    if missing:
         raise ConfigError(where, f"spec is missing field(s): {', '.join(sorted(missing))}")
     spec = KernelSpec.from_dict(record, where)
     for name in ("kind", "arch", "dtype", "head_dim", "causal"):

@@ -1,0 +1,148 @@
+"""fwd_sm90 vs fwd_v2 vs torch SDPA (flash, cuDNN) on the hidden-2048 convention, plus the flag ablation.
+
+    python bench/bench_sm90.py --out DIR [--quick]
+
+Shapes: batch = 16384 / N, heads = 2048 / d, bf16, bhsd. TFLOP/s = 4 b h N^2 d /
+time (halved when causal). Writes DIR/sm90.json (sm90.partial.json while
+running) and prints a table; the ablation (each flag set of fwd_sm90 on the
+same cells) follows, and the per-call host time with cached descriptors.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import torch  # noqa: E402
+
+import flashgen  # noqa: E402
+from flashgen import KernelSpec, dispatch  # noqa: E402
+
+from bench_fwd import flops, sdpa_fn, time_ms  # noqa: E402  (same folder)
+
+FLAGS = {"plain": (False, False, False), "ov": (False, False, True), "ws": (True, False, False),
+         "ws_pp": (True, True, False), "ws_ov": (True, False, True), "full": (True, True, True)}
+
+
+def sm90_spec(d, causal, flags="full", bm=128, bn=None, stages=2):
+    ws, pp, ov = FLAGS[flags]
+    tile = dispatch.sm90_head_dim_tile(d)
+    return KernelSpec(kind="fwd_sm90", arch="sm_90a", dtype="bf16", head_dim=tile, block_m=bm,
+                      block_n=bn or {64: 128, 128: 128, 256: 64}[tile], warps=4 * (bm // 64 + ws), stages=stages,
+                      warpspec=ws, pingpong=pp, overlap=ov, causal=causal)
+
+
+def cell(n, d, causal, impls, reps):
+    b, h = max(1, 16384 // n), 2048 // d
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    f = flops(b, h, n, d, causal)
+    row = {"seqlen": n, "head_dim": d, "causal": causal, "batch": b, "heads": h}
+    for name, make in impls.items():
+        try:
+            ms = time_ms(make(q, k, v, causal), reps=reps, warmup=3)
+            row[name] = {"ms": ms, "tflops": f / ms / 1e9}
+        except Exception as exc:  # noqa: BLE001 -- recorded, not fatal
+            row[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    return row
+
+
+def fg(spec=None):
+    return lambda q, k, v, causal: (lambda: flashgen.attention(q, k, v, causal=causal, spec=spec))
+
+
+def host_us(spec, calls=300):
+    q, k, v = (torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    for _ in range(20):
+        flashgen.attention(q, k, v, spec=spec)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        flashgen.attention(q, k, v, spec=spec)
+    per = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    return per
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    seqlens = [2048, 8192] if args.quick else [2048, 4096, 8192, 16384]
+    reps = 10
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cells": [], "ablation": [],
+              "host_us": {}}
+    partial = os.path.join(args.out, "sm90.partial.json")
+
+    def save():
+        with open(partial, "w") as fh:
+            json.dump(result, fh, indent=1)
+
+    from multiprocessing.pool import ThreadPool
+
+    from flashgen.codegen import build
+
+    specs = {sm90_spec(d, c, f) for d in (64, 128, 256) for c in (False, True) for f in FLAGS}
+    specs |= {sm90_spec(d, c, "plain", bm=64) for d in (64, 128, 256) for c in (False, True)}
+
+    def try_build(s):
+        try:
+            build(s)
+        except Exception as exc:  # noqa: BLE001 -- the cell that uses it records the error
+            print("compile failed:", s.name, str(exc)[:300], flush=True)
+
+    t0 = time.time()
+    with ThreadPool(12) as pool:
+        pool.map(try_build, sorted(specs, key=lambda s: s.name))
+    print(f"precompiled {len(specs)} fwd_sm90 kernels in {time.time() - t0:.1f}s", flush=True)
+    try:
+        result["host_us"]["fwd_sm90"] = host_us(sm90_spec(64, False))
+        result["host_us"]["fwd_v2"] = host_us(None)
+    except Exception as exc:  # noqa: BLE001
+        result["host_us"]["error"] = f"{type(exc).__name__}: {exc}"
+    print("host time per call (us):", result["host_us"], flush=True)
+    save()
+
+    print(f"\n{'d':>4} {'causal':>6} {'N':>6} | {'sm90':>7} {'v2':>7} {'flash':>7} {'cudnn':>7} | {'x cudnn':>7}"
+          "   (TFLOP/s)", flush=True)
+    for d in (64, 128):
+        for causal in (False, True):
+            for n in seqlens:
+                impls = {"fwd_sm90": fg(sm90_spec(d, causal)), "fwd_v2": fg(None),
+                         "sdpa_flash": lambda q, k, v, c: sdpa_fn("sdpa_flash", q, k, v, c),
+                         "sdpa_cudnn": lambda q, k, v, c: sdpa_fn("sdpa_cudnn", q, k, v, c)}
+                row = cell(n, d, causal, impls, reps)
+                result["cells"].append(row)
+                save()
+                t = lambda k: row[k].get("tflops", float("nan"))  # noqa: E731
+                print(f"{d:4d} {str(causal):>6} {n:6d} | {t('fwd_sm90'):7.1f} {t('fwd_v2'):7.1f} "
+                      f"{t('sdpa_flash'):7.1f} {t('sdpa_cudnn'):7.1f} | {t('fwd_sm90') / t('sdpa_cudnn'):7.2f}"
+                      + ("" if "tflops" in row["fwd_sm90"] else f"   sm90: {row['fwd_sm90'].get('error')}"),
+                      flush=True)
+
+    print(f"\nablation (fwd_sm90 TFLOP/s; flag sets: {', '.join(FLAGS)})", flush=True)
+    abl_cells = [(128, False, 8192), (128, True, 8192), (64, False, 8192), (64, True, 8192), (256, False, 4096)]
+    if args.quick:
+        abl_cells = abl_cells[:2]
+    for d, causal, n in abl_cells:
+        impls = {f: fg(sm90_spec(d, causal, f)) for f in FLAGS}
+        impls["plain_m64"] = fg(sm90_spec(d, causal, "plain", bm=64))
+        row = cell(n, d, causal, impls, reps)
+        result["ablation"].append(row)
+        save()
+        print(f"d={d:3d} causal={str(causal):5s} N={n:5d}: " +
+              "  ".join(f"{k}={row[k].get('tflops', float('nan')):.0f}" for k in impls), flush=True)
+        for k in impls:
+            if "error" in row[k]:
+                print(f"   {k}: {row[k]['error']}", flush=True)
+    with open(os.path.join(args.out, "sm90.json"), "w") as fh:
+        json.dump(result, fh, indent=1)
+    os.remove(partial)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,339 @@
+// FlashAttention forward for Hopper (sm_90a): TMA + mbarriers + wgmma.
+//
+// One CTA owns BM = 64 * NWG query rows of one (batch, head); consumer
+// warpgroup cw owns rows [64 cw, 64 cw + 64) (split-Q, no cross-warpgroup
+// softmax state). Q arrives once by TMA; K and V blocks of BN rows stream
+// through an ST-stage ring, each stage with a full barrier for K, one for V
+// (the TMA's transaction count completes them) and an empty barrier the
+// consumer warps arrive on when they are done with the stage.
+//
+// Shared-memory tiles are rows of 64 elements (128 bytes) in the TMA's 128-byte
+// swizzle: a tile of R rows x D columns is D/64 "panels" of R x 128 bytes, and
+// element (r, c) of a panel sits in 16-byte chunk (c / 8) ^ (r % 8) of row r.
+// That is wgmma's canonical SW128 layout both ways round: K-major for Q and K
+// (S = Q K^T reads 64-column panels; stepping k by 16 adds 32 bytes), MN-major
+// for V (O += P V reads 8-key x 64-column atoms: LBO = panel stride, SBO =
+// 1024 bytes between 8-key groups).
+//
+// S = Q K^T: wgmma m64nBNk16, A and B from shared-memory descriptors. Online
+// softmax on the accumulators (scale folded into exp2). O += P V: wgmma
+// m64nDk16 with P from registers (the accumulator layout of S is the A
+// fragment layout) and V from shared memory (transposed B).
+//
+// Flags:
+//  WS        a producer warpgroup (one thread issues every TMA; setmaxnreg moves
+//            its registers to the consumers). Without it, thread 0 of
+//            consumer 0 issues the loads in line, after the stage is released.
+//  PINGPONG  two consumer warpgroups take turns issuing their GEMMs (named
+//            barriers 6 and 7), so one's softmax overlaps the other's GEMMs.
+//  OVERLAP   within a warpgroup, S(j+1) = Q K(j+1)^T and O += P(j) V(j) are
+//            issued together; the softmax of S(j+1) runs while P(j) V(j) does.
+#pragma once
+
+template <int D, int BM, int BN, int ST, bool WS, bool PINGPONG, bool OVERLAP, bool CAUSAL, bool BF16,
+          int PRODUCER_REGS, int CONSUMER_REGS, typename Params>
+FG_DEVICE void fwd_sm90_body(const Params& p) {
+  constexpr int NWG = BM / 64;                 // consumer warpgroups
+  constexpr int PANELS = D / 64;               // 128-byte panels per row
+  constexpr int Q_BYTES = BM * D * 2;
+  constexpr int KV_BYTES = BN * D * 2;         // one stage of K (or of V)
+  constexpr int NJ = BN / 8;                   // n8 chunks of S
+  constexpr int KV_STEPS = BN / 16;            // k16 steps of P V
+  static_assert(BM % 64 == 0 && D % 64 == 0 && BN % 16 == 0 && ST >= 2, "bad fwd_sm90 tile");
+  static_assert(!PINGPONG || NWG == 2, "ping-pong takes two consumer warpgroups");
+
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ __align__(8) fg_u64 bars[1 + 3 * ST];  // Q, then per stage: full K, full V, empty
+  const fg_u32 sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;  // 128B-swizzle tiles want 1024-byte alignment
+  const fg_u32 sK = sQ + Q_BYTES;
+  const fg_u32 sV = sK + ST * KV_BYTES;
+  const fg_u32 bar_q = smem_addr(bars);
+  auto bar_k = [&](int s) { return bar_q + 8u * (1 + s); };
+  auto bar_v = [&](int s) { return bar_q + 8u * (1 + ST + s); };
+  auto bar_e = [&](int s) { return bar_q + 8u * (1 + 2 * ST + s); };
+
+  const int tid = threadIdx.x;
+  // Causal: the longest rows (highest query blocks) launch first.
+  const int m_block = CAUSAL ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
+  const int b = blockIdx.z, hq = blockIdx.y, hk = hq / p.group;
+  const int m0 = m_block * BM;
+  const int diag = p.nk - p.nq;  // bottom-right alignment: query i sees keys j <= i + diag
+  int n_blocks = ceil_div(p.nk, BN);
+  if constexpr (CAUSAL) {
+    const int limit = m0 + BM + diag;
+    n_blocks = limit <= 0 ? 0 : min(n_blocks, ceil_div(limit, BN));
+  }
+
+  if (tid == 0) {
+    tma_prefetch_map(&p.tm_q);
+    tma_prefetch_map(&p.tm_k);
+    tma_prefetch_map(&p.tm_v);
+    mbar_init(bar_q, 1);
+#pragma unroll
+    for (int s = 0; s < ST; ++s) {
+      mbar_init(bar_k(s), 1);
+      mbar_init(bar_v(s), 1);
+      mbar_init(bar_e(s), 4 * NWG);  // lane 0 of every consumer warp
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  // Load K/V block j into stage j % ST once the consumers have released it.
+  auto produce = [&](int j) {
+    const int s = j % ST;
+    if (j >= ST) mbar_wait(bar_e(s), ((j / ST) + 1) & 1);
+    mbar_expect_tx(bar_k(s), KV_BYTES);
+#pragma unroll
+    for (int pn = 0; pn < PANELS; ++pn)
+      tma_load_4d(sK + s * KV_BYTES + pn * BN * 128, &p.tm_k, bar_k(s), pn * 64, j * BN, hk, b);
+    mbar_expect_tx(bar_v(s), KV_BYTES);
+#pragma unroll
+    for (int pn = 0; pn < PANELS; ++pn)
+      tma_load_4d(sV + s * KV_BYTES + pn * BN * 128, &p.tm_v, bar_v(s), pn * 64, j * BN, hk, b);
+  };
+  auto produce_q = [&]() {
+    mbar_expect_tx(bar_q, Q_BYTES);
+#pragma unroll
+    for (int pn = 0; pn < PANELS; ++pn) tma_load_4d(sQ + pn * BM * 128, &p.tm_q, bar_q, pn * 64, m0, hq, b);
+  };
+
+  int cw;  // consumer warpgroup index
+  if constexpr (WS) {
+    const int wg = tid / 128;
+    if (wg == 0) {
+      if constexpr (NWG >= 2) regs_dec<PRODUCER_REGS>();
+      if (tid == 0) {
+        produce_q();
+        for (int j = 0; j < n_blocks; ++j) produce(j);
+      }
+      return;
+    }
+    if constexpr (NWG >= 2) regs_inc<CONSUMER_REGS>();
+    cw = wg - 1;
+  } else {
+    cw = tid / 128;
+    if (tid == 0) {
+      produce_q();
+      for (int j = 0; j < ST && j < n_blocks; ++j) produce(j);
+    }
+  }
+
+  const int ltid = tid % 128, wq = ltid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int row_base = m0 + cw * 64 + wq * 16 + g;  // this thread's rows: row_base and row_base + 8
+
+  // Descriptors: K-major SW128 (LBO 16 B, unused; SBO 1024 B) for Q and K,
+  // MN-major SW128 (LBO = panel stride, SBO = 1024 B) for V.
+  const fg_u64 desc_q = sw128_desc(sQ + cw * 64 * 128, 16, 1024);
+  const fg_u64 desc_k = sw128_desc(sK, 16, 1024);
+  const fg_u64 desc_v = sw128_desc(sV, BN * 128, 1024);
+  // Offsets (in 16-byte units) for k16 step kk inside a tile of `rows` rows.
+  auto kmajor_off = [](int kk, int rows) { return static_cast<fg_u64>(((kk / 4) * rows * 128 + (kk % 4) * 32) >> 4); };
+
+  float acc_o[D / 2];
+  float acc_s[BN / 2];
+  fg_u32 pa[KV_STEPS][4];
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f}, alpha[2] = {1.f, 1.f};
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) acc_o[i] = 0.f;
+
+  // Ping-pong: each warpgroup's GEMM issues form "sections"; consumer 0 goes
+  // first, then they alternate. Both run the same number of sections, and the
+  // last arrive of consumer 1 is skipped so every barrier phase completes.
+  auto pp_begin = [&]() {
+    if constexpr (PINGPONG) named_sync(6 + cw, 256);
+  };
+  auto pp_end = [&](bool last) {
+    if constexpr (PINGPONG) {
+      if (!(last && cw == 1)) named_arrive(6 + (cw ^ 1), 256);
+    }
+  };
+  if constexpr (PINGPONG) {
+    if (cw == 1 && n_blocks > 0) named_arrive(6, 256);
+  }
+
+  auto issue_s = [&](int s) {
+    const fg_u64 dk = desc_k + static_cast<fg_u64>((s * KV_BYTES) >> 4);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) fg_wgmma_qk(acc_s, desc_q + kmajor_off(kk, BM), dk + kmajor_off(kk, BN), kk);
+  };
+  auto issue_pv = [&](int s) {
+    const fg_u64 dv = desc_v + static_cast<fg_u64>((s * KV_BYTES) >> 4);
+#pragma unroll
+    for (int kk = 0; kk < KV_STEPS; ++kk) fg_wgmma_pv(acc_o, pa[kk], dv + static_cast<fg_u64>((kk * 16 * 128) >> 4));
+  };
+  // Mask (only where block j crosses the key end or this warpgroup's diagonal),
+  // then the online-softmax update: acc_s becomes P (fp32), alpha the factor
+  // by which O must be rescaled (applied by the caller when O is not in flight).
+  auto softmax = [&](int j) {
+    const int n0 = j * BN;
+    if (n0 + BN > p.nk || (CAUSAL && n0 + BN - 1 > m0 + cw * 64 + diag)) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        int limit = p.nk;
+        if constexpr (CAUSAL) limit = min(limit, row_base + 8 * h + diag + 1);
+        limit -= n0 + 2 * t;
+#pragma unroll
+        for (int nj = 0; nj < NJ; ++nj)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            if (nj * 8 + e >= limit) acc_s[4 * nj + 2 * h + e] = -INFINITY;
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = row_max[h];
+#pragma unroll
+      for (int nj = 0; nj < NJ; ++nj) mx = fmaxf(mx, fmaxf(acc_s[4 * nj + 2 * h], acc_s[4 * nj + 2 * h + 1]));
+      mx = quad_max(mx);
+      const float m_scaled = (mx == -INFINITY ? 0.f : mx) * p.scale_log2;  // all masked so far: no NaN
+      alpha[h] = fast_exp2(row_max[h] * p.scale_log2 - m_scaled);
+      row_max[h] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int nj = 0; nj < NJ; ++nj)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float pe = fast_exp2(fmaf(acc_s[4 * nj + 2 * h + e], p.scale_log2, -m_scaled));
+          acc_s[4 * nj + 2 * h + e] = pe;
+          sum += pe;
+        }
+      row_sum[h] = row_sum[h] * alpha[h] + sum;  // per-thread partial; quad-summed at the end
+    }
+  };
+  auto rescale_o = [&]() {
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      acc_o[4 * i] *= alpha[0];
+      acc_o[4 * i + 1] *= alpha[0];
+      acc_o[4 * i + 2] *= alpha[1];
+      acc_o[4 * i + 3] *= alpha[1];
+    }
+  };
+  // P as A fragments: k16 step kk takes n8 chunks 2kk and 2kk+1 of S.
+  auto pack_p = [&]() {
+#pragma unroll
+    for (int kk = 0; kk < KV_STEPS; ++kk) {
+      pa[kk][0] = pack2<BF16>(acc_s[8 * kk + 0], acc_s[8 * kk + 1]);
+      pa[kk][1] = pack2<BF16>(acc_s[8 * kk + 2], acc_s[8 * kk + 3]);
+      pa[kk][2] = pack2<BF16>(acc_s[8 * kk + 4], acc_s[8 * kk + 5]);
+      pa[kk][3] = pack2<BF16>(acc_s[8 * kk + 6], acc_s[8 * kk + 7]);
+    }
+  };
+  auto release = [&](int j) {
+    if (lane == 0) mbar_arrive(bar_e(j % ST));
+    if constexpr (!WS) {
+      if (tid == 0 && j + ST < n_blocks) produce(j + ST);
+    }
+  };
+
+  mbar_wait(bar_q, 0);  // always: the epilogue reuses the Q rows, so the Q copy must have landed
+
+  if constexpr (!OVERLAP) {
+    for (int j = 0; j < n_blocks; ++j) {
+      const int s = j % ST, ph = (j / ST) & 1;
+      mbar_wait(bar_k(s), ph);
+      pp_begin();
+      wgmma_fence();
+      issue_s(s);
+      wgmma_commit();
+      pp_end(false);
+      wgmma_wait<0>();
+      reg_fence(acc_s);
+      softmax(j);
+      rescale_o();
+      pack_p();
+      mbar_wait(bar_v(s), ph);
+      pp_begin();
+      reg_fence(acc_o);
+      wgmma_fence();
+      issue_pv(s);
+      wgmma_commit();
+      pp_end(j == n_blocks - 1);
+      wgmma_wait<0>();
+      reg_fence(acc_o);
+      release(j);
+    }
+  } else if (n_blocks > 0) {
+    mbar_wait(bar_k(0), 0);
+    pp_begin();
+    wgmma_fence();
+    issue_s(0);
+    wgmma_commit();
+    pp_end(false);
+    wgmma_wait<0>();
+    reg_fence(acc_s);
+    softmax(0);  // O is still zero: no rescale needed
+    for (int j = 1; j < n_blocks; ++j) {
+      const int s = j % ST, sp = (j - 1) % ST;
+      pack_p();  // P(j-1)
+      mbar_wait(bar_k(s), (j / ST) & 1);
+      mbar_wait(bar_v(sp), ((j - 1) / ST) & 1);
+      pp_begin();
+      reg_fence(acc_o);
+      wgmma_fence();
+      issue_s(s);
+      wgmma_commit();
+      issue_pv(sp);
+      wgmma_commit();
+      pp_end(false);
+      wgmma_wait<1>();  // S(j) done; P(j-1) V(j-1) may still run
+      reg_fence(acc_s);
+      softmax(j);
+      wgmma_wait<0>();
+      reg_fence(acc_o);
+      release(j - 1);
+      rescale_o();
+    }
+    const int jl = n_blocks - 1, sl = jl % ST;
+    pack_p();
+    mbar_wait(bar_v(sl), (jl / ST) & 1);
+    pp_begin();
+    reg_fence(acc_o);
+    wgmma_fence();
+    issue_pv(sl);
+    wgmma_commit();
+    pp_end(true);
+    wgmma_wait<0>();
+    reg_fence(acc_o);
+    release(jl);
+  }
+
+  // ---- epilogue: normalise, stage O in this warpgroup's own Q rows, store ---
+  named_sync(2 + cw, 128);  // every warp of this warpgroup is done reading its Q rows
+  const fg_i64 lse_base = (static_cast<fg_i64>(b) * p.heads + hq) * p.nq;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float l = quad_sum(row_sum[h]);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const int r = cw * 64 + wq * 16 + g + 8 * h;  // row within the CTA's tile
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      const fg_u32 packed = pack2<BF16>(acc_o[4 * i + 2 * h] * inv, acc_o[4 * i + 2 * h + 1] * inv);
+      const fg_u32 addr = sQ + (i / 8) * BM * 128 + r * 128 + (((i % 8) ^ (r % 8)) * 16) + 4 * t;
+      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(packed) : "memory");
+    }
+    const int row = row_base + 8 * h;
+    if (p.lse != nullptr && t == 0 && row < p.nq)
+      p.lse[lse_base + row] = l > 0.f ? row_max[h] * p.scale + logf(l) : -INFINITY;
+  }
+  named_sync(2 + cw, 128);
+  elem_t* o = p.o + b * p.o_sb + hq * p.o_sh;
+  constexpr int CH = 64 * (D / 8);  // 16-byte chunks of this warpgroup's 64 rows
+#pragma unroll
+  for (int it = 0; it < CH / 128; ++it) {
+    const int i = it * 128 + ltid;
+    const int rl = i / (D / 8), c = i % (D / 8);
+    const int r = cw * 64 + rl;
+    const int row = m0 + r;
+    if (row < p.nq && c * 8 < p.d) {
+      fg_u32x4 val;
+      asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                   : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
+                   : "r"(sQ + (c / 8) * BM * 128 + r * 128 + (((c % 8) ^ (r % 8)) * 16))
+                   : "memory");
+      *reinterpret_cast<fg_u32x4*>(o + static_cast<fg_i64>(row) * p.o_ss + c * 8) = val;
+    }
+  }
+}

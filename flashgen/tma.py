@@ -1,0 +1,151 @@
+"""TMA tensor maps (``CUtensorMap``) for the Hopper family, built by the driver.
+
+``encode(ptr, dtype, dims, strides, box)`` returns the 128 opaque bytes of a
+tiled tensor map with 128-byte swizzle and zero fill out of bounds, made by the
+driver's ``cuTensorMapEncodeTiled``: through ``cuda.bindings`` (pip
+``cuda-bindings``) when it imports, else through ``ctypes`` on ``libcuda.so``
+(same function, no dependency). ``FLASHGEN_TMA=ctypes`` or ``=bindings`` forces
+one. The bytes are never composed by hand.
+
+Maps depend on the tensor's address, so they are cached per (address, dtype,
+dims, strides, box): a call that reuses its buffers (the caching allocator
+hands the same addresses back) costs one dict lookup.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+from .errors import UnsupportedError
+
+# CUtensorMapDataType, CUtensorMapSwizzle and friends (cuda.h).
+DTYPE_CODES = {"fp16": 6, "bf16": 9}
+_SWIZZLE_128B = 3
+_INTERLEAVE_NONE = 0
+_L2_PROMOTION_128B = 2
+_OOB_FILL_ZERO = 0
+
+_cache: dict = {}
+_lock = threading.Lock()
+_backend = None
+
+
+class _CtypesBackend:
+    name = "ctypes"
+
+    def __init__(self):
+        lib = None
+        for cand in ("libcuda.so.1", "libcuda.so"):
+            try:
+                lib = ctypes.CDLL(cand)
+                break
+            except OSError:
+                continue
+        if lib is None:
+            raise UnsupportedError("TMA descriptors need the CUDA driver (libcuda.so), which was not found")
+        fn = lib.cuTensorMapEncodeTiled
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+                       ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+                       ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        self._fn = fn
+
+    def encode(self, ptr, dtype_code, dims, strides, box):
+        rank = len(dims)
+        out = (ctypes.c_uint64 * 16)()
+        err = self._fn(ctypes.addressof(out), dtype_code, rank, ctypes.c_void_p(ptr),
+                       (ctypes.c_uint64 * rank)(*dims), (ctypes.c_uint64 * (rank - 1))(*strides),
+                       (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*([1] * rank)),
+                       _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_128B, _OOB_FILL_ZERO)
+        if err:
+            raise UnsupportedError(f"cuTensorMapEncodeTiled failed (CUresult {err}) for dims {dims}, byte strides "
+                                   f"{strides}, box {box} at {ptr:#x}")
+        return bytes(out)
+
+
+class _BindingsBackend:
+    name = "cuda.bindings"
+
+    def __init__(self):
+        from cuda.bindings import driver  # noqa: F401 -- ImportError: not installed
+
+        self._drv = driver
+
+    def encode(self, ptr, dtype_code, dims, strides, box):
+        drv = self._drv
+        rank = len(dims)
+        err, tmap = drv.cuTensorMapEncodeTiled(
+            drv.CUtensorMapDataType(dtype_code), rank, ptr, list(dims), list(strides), list(box), [1] * rank,
+            drv.CUtensorMapInterleave(_INTERLEAVE_NONE), drv.CUtensorMapSwizzle(_SWIZZLE_128B),
+            drv.CUtensorMapL2promotion(_L2_PROMOTION_128B), drv.CUtensorMapFloatOOBfill(_OOB_FILL_ZERO))
+        if int(err):
+            raise UnsupportedError(f"cuTensorMapEncodeTiled failed ({err}) for dims {dims}, byte strides "
+                                   f"{strides}, box {box} at {ptr:#x}")
+        return ctypes.string_at(tmap.getPtr(), 128)
+
+
+def backend():
+    """The encoder in use (``cuda.bindings`` when importable, else ``ctypes`` on libcuda)."""
+    global _backend
+    if _backend is None:
+        want = os.environ.get("FLASHGEN_TMA", "")
+        if want != "ctypes":
+            try:
+                _backend = _BindingsBackend()
+            except ImportError:
+                if want == "bindings":
+                    raise UnsupportedError("FLASHGEN_TMA=bindings but cuda.bindings does not import "
+                                           "(pip install cuda-bindings)") from None
+        if _backend is None:
+            _backend = _CtypesBackend()
+    return _backend
+
+
+def encode(ptr: int, dtype: str, dims, strides, box) -> bytes:
+    """128 bytes of a tiled tensor map: ``dims`` innermost first (elements), ``strides`` the byte
+    strides of dims 1.. (multiples of 16), ``box`` the copy box (elements). Cached."""
+    key = (ptr, dtype, tuple(dims), tuple(strides), tuple(box))
+    hit = _cache.get(key)
+    if hit is not None:
+        return hit
+    global _backend
+    enc = backend()
+    try:
+        data = enc.encode(ptr, DTYPE_CODES[dtype], tuple(dims), tuple(strides), tuple(box))
+    except (AttributeError, TypeError, ValueError):
+        if enc.name == "ctypes" or os.environ.get("FLASHGEN_TMA") == "bindings":
+            raise
+        # A cuda.bindings whose API differs from the one written against: use the driver directly.
+        _backend = _CtypesBackend()
+        data = _backend.encode(ptr, DTYPE_CODES[dtype], tuple(dims), tuple(strides), tuple(box))
+    with _lock:
+        if len(_cache) > 8192:
+            _cache.clear()
+        _cache[key] = data
+    return data
+
+
+def tensor_dims(d: int, n: int, heads: int, batch: int, strides_elems, elem_bytes: int = 2):
+    """(dims, byte strides) of a (batch, heads, seq, d) view as a 4-D map (d, seq, head, batch).
+
+    Lengths of 0 become 1 (a map cannot be empty; the kernel reads nothing
+    there). A dimension of length 1 is never stepped, so its stride is replaced
+    by a packed one (the driver wants multiples of 16 B; torch may report any
+    stride for such a dimension).
+    """
+    s_seq, s_head, s_batch = strides_elems
+    dims = [d, max(n, 1), max(heads, 1), max(batch, 1)]
+    raw = [s_seq * elem_bytes, s_head * elem_bytes, s_batch * elem_bytes]
+    out = []
+    prev_extent = d * elem_bytes
+    for size, stride in zip(dims[1:], raw):
+        if size == 1:
+            stride = -(-prev_extent // 16) * 16
+        if stride <= 0 or stride % 16 or stride >= 1 << 40:
+            raise UnsupportedError(f"fwd_sm90 needs positive byte strides that are multiples of 16 (TMA), got "
+                                   f"{raw} for dims {dims}")
+        out.append(stride)
+        prev_extent = stride * size
+    return dims, out

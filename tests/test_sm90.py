@@ -1,0 +1,159 @@
+"""fwd_sm90 (Hopper: TMA + wgmma) without a GPU: spec rules, names, the default rule, and compiles.
+
+Every spec the fwd_sm90 default rule can pick, and the ablation variants the
+benchmark times, compile with NVRTC for sm_90a with no spills, no stack frame
+and none of ptxas's Hopper diagnostics (C7508 setmaxnreg ignored, C7510-C7515
+wgmma serialized). Where a cuobjdump/nvdisasm is found, the SASS must hold
+HGMMA (pip's disassemblers may not read NVRTC 13.5 cubins: then a local nvcc,
+if any, compiles the same source for the check; otherwise it skips).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from multiprocessing.pool import ThreadPool
+from pathlib import Path
+
+import pytest
+
+from flashgen import KernelSpec, UnsupportedError, dispatch, gpus
+from flashgen.codegen import build, parse_ptxas_log, render
+
+H200 = gpus.get("h200")
+
+
+def sm90(d=128, bm=128, bn=128, st=2, ws=True, pp=True, ov=True, causal=False, dtype="bf16"):
+    return KernelSpec(kind="fwd_sm90", arch="sm_90a", dtype=dtype, head_dim=d, block_m=bm, block_n=bn,
+                      warps=4 * (bm // 64 + ws), stages=st, warpspec=ws, pingpong=pp, overlap=ov, causal=causal)
+
+
+# The ablation ladder the benchmark and the GPU tests run (flags off -> all on).
+ABLATION = [dict(ws=False, pp=False, ov=False), dict(ws=False, pp=False, ov=True), dict(ws=True, pp=False, ov=False),
+            dict(ws=True, pp=True, ov=False), dict(ws=True, pp=False, ov=True), dict(ws=True, pp=True, ov=True)]
+DEFAULTS = dispatch.default_specs("sm_90a", gpus.ARCH_SMEM_PER_BLOCK["sm_90a"], kind="fwd_sm90")
+VARIANTS = [sm90(d=d, bn=bn, causal=c, **f) for d, bn in ((64, 128), (128, 128), (256, 64)) for c in (False, True)
+            for f in ABLATION] + [sm90(d=64, bm=64, ws=False, pp=False, ov=False),
+                                  sm90(d=128, bm=64, ws=False, pp=False, ov=False, dtype="fp16")]
+ALL = list(dict.fromkeys(DEFAULTS + VARIANTS))
+
+
+def test_names_and_rules():
+    s = sm90(causal=True)
+    assert s.name == "fwd_sm90_d128_m128_n128_w12_s2_ws1_pp1_ov1_causal_bf16_sm90a"
+    assert s.validate() is s and s.feasible(H200)
+    with pytest.raises(ValueError, match="warps"):
+        s.replace(warps=8).validate()
+    with pytest.raises(ValueError, match="pingpong"):
+        sm90(ws=False, pp=True).validate()
+    with pytest.raises(ValueError, match="pingpong"):
+        sm90(bm=64, pp=True).validate()
+    with pytest.raises(ValueError, match="arch"):
+        s.replace(arch="sm_80").validate()
+    with pytest.raises(ValueError, match="not supported"):  # fwd_v2 takes no Hopper flag
+        KernelSpec(overlap=True).validate()
+    assert KernelSpec().name == "fwd_v2_d128_m128_n64_w4_s2_r0_full_bf16_sm90a"  # unchanged
+    assert KernelSpec.from_dict(s.to_dict()) == s
+    assert sm90(d=256, bn=192).check(H200)  # over the shared-memory budget
+    assert not sm90(d=128, bn=128).check(gpus.get("a100")) == []  # not an sm_90a GPU
+
+
+def test_default_rule():
+    assert len(DEFAULTS) == 3 * 2 * 2 and all(s.kind == "fwd_sm90" for s in DEFAULTS)
+    assert dispatch.default_specs("sm_80", 166912, kind="fwd_sm90") == []
+    key = dispatch.ProblemKey("fwd_sm90", "sm_80", "bf16", 128, False, 2048)
+    with pytest.raises(UnsupportedError, match="sm_90a"):
+        dispatch.default_spec(key, 166912)
+    assert [dispatch.sm90_head_dim_tile(d) for d in (8, 40, 64, 72, 128, 136, 256)] == [64, 64, 64, 128, 128, 256, 256]
+
+
+def test_tune_space_has_candidates():
+    from flashgen.tuner import space
+
+    for d in (64, 128, 256):
+        key = dispatch.ProblemKey("fwd_sm90", "sm_90a", "bf16", d, True, 4096)
+        cands = space.candidates(key, H200)
+        assert len(cands) > 5 and all(c.kind == "fwd_sm90" and not c.check(H200) for c in cands)
+        assert any(c.pingpong and c.overlap for c in cands)
+
+
+def test_hopper_diagnostics_are_problems():
+    log = ("ptxas info    : Used 128 registers\n"
+           "ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due "
+           "to insufficient register resources for the function 'k'\n"
+           "ptxas warning : (C7508) Potential Performance Loss: setmaxnreg ignored; unable to determine register "
+           "count at entry\n")
+    problems = parse_ptxas_log(log, "k").problems()
+    assert any("C7512" in p for p in problems) and any("C7508" in p for p in problems)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    def one(spec):
+        try:
+            return spec, build(spec)
+        except Exception as exc:  # noqa: BLE001 -- reported per spec
+            return spec, exc
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FLASHGEN_HOME", str(tmp_path_factory.mktemp("sm90_home")))
+        mp.delenv("FLASHGEN_NO_COMPILE", raising=False)
+        with ThreadPool(min(8, os.cpu_count() or 2)) as pool:
+            return dict(pool.map(one, ALL))
+
+
+@pytest.mark.parametrize("spec", ALL, ids=lambda s: s.name)
+def test_compiles_clean_for_sm90a(spec, compiled):
+    binary = compiled[spec]
+    if isinstance(binary, Exception):
+        raise binary
+    r = binary.report
+    assert binary.cubin[:4] == b"\x7fELF"
+    assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_frame == 0, binary.log
+    assert not any(c in binary.log for c in ("C7508", "C7510", "C7511", "C7512", "C7513", "C7514", "C7515")), binary.log
+    assert r.problems() == [], binary.log
+    assert r.static_smem + spec.smem_bytes() <= gpus.ARCH_SMEM_PER_BLOCK["sm_90a"]
+
+
+def _disassemblers():
+    found = [shutil.which("cuobjdump"), shutil.which("nvdisasm")]
+    pip_bin = Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / \
+        "site-packages" / "nvidia" / "cu13" / "bin"
+    found += [str(pip_bin / "cuobjdump"), str(pip_bin / "nvdisasm")]
+    return [f for f in found if f and os.path.exists(f)]
+
+
+def _sass(tool, cubin_path):
+    args = [tool, "--dump-sass", cubin_path] if tool.endswith("cuobjdump") else [tool, cubin_path]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    return out.stdout if out.returncode == 0 else ""
+
+
+def test_sass_has_hgmma_and_tma(tmp_path, compiled):
+    """The default d=128 kernel's SASS issues HGMMA and UTMALDG (optional tools; skips without them)."""
+    tools = _disassemblers()
+    if not tools:
+        pytest.skip("no cuobjdump/nvdisasm found")
+    spec = sm90()
+    binary = compiled[spec]
+    if isinstance(binary, Exception):
+        raise binary
+    path = tmp_path / "k.cubin"
+    path.write_bytes(binary.cubin)
+    sass = next((s for s in (_sass(t, str(path)) for t in tools) if s), "")
+    if not sass:  # this disassembler cannot read NVRTC's cubin: try a local nvcc on the same source
+        nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc")
+                                        else None)
+        if nvcc is None:
+            pytest.skip("the disassemblers here cannot read NVRTC's cubin and there is no nvcc")
+        src = tmp_path / "k.cu"
+        src.write_text(render(spec))
+        out = subprocess.run([nvcc, "-cubin", "-arch=sm_90a", "-std=c++17", "-o", str(tmp_path / "n.cubin"),
+                              str(src)], capture_output=True, text=True, timeout=300)
+        if out.returncode:
+            pytest.skip(f"nvcc could not build the check cubin: {out.stderr[-300:]}")
+        sass = next((s for s in (_sass(t, str(tmp_path / "n.cubin")) for t in tools) if s), "")
+        if not sass:
+            pytest.skip("no disassembler here reads sm_90a cubins")
+    assert "HGMMA" in sass and "UTMALDG" in sass
