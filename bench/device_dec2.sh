@@ -15,16 +15,16 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 git log -1 --format='commit %H %s' 2>/dev/null || true
 
 echo "== (a) GPU tests =="
-timeout 120 python3 -m pytest -q --noconftest -m gpu tests/test_gpu_decode.py -rf --durations=8 \
+timeout ${DEC_TESTS_TIMEOUT:-120} python3 -m pytest -q --noconftest -m gpu tests/test_gpu_decode.py -rf --durations=8 \
   --junitxml="$OUT/gpu_decode_tests.xml" 2>&1 | tee "$OUT/gpu_decode_tests.log" | tail -40
 echo "(a) rc=$? at $(( $(date +%s) - start )) s"
 
 echo "== (b) sweep =="
-timeout 180 python3 bench/sweep_decode.py --budget 150 --out "$OUT/sweep_decode.json" 2>&1 \
+timeout ${DEC_SWEEP_TIMEOUT:-180} python3 bench/sweep_decode.py --budget ${DEC_SWEEP_BUDGET:-150} --out "$OUT/sweep_decode.json" 2>&1 \
   | tee "$OUT/sweep_decode.log" | tail -60
 echo "(b) rc=$? at $(( $(date +%s) - start )) s"
 
 echo "== (c) bench =="
-timeout 180 python3 bench/bench_decode.py --out "$OUT/decode_h200.json" 2>&1 \
+timeout ${DEC_BENCH_TIMEOUT:-180} python3 bench/bench_decode.py --out "$OUT/decode_h200.json" 2>&1 \
   | tee "$OUT/bench_decode.log" | tail -45
 echo "(c) rc=$? at $(( $(date +%s) - start )) s"
