@@ -35,8 +35,6 @@
 
 typedef unsigned long long fg_u64;
 
-template <bool B>
-struct fg_bool { static constexpr bool value = B; };
 
 // 16-byte global->shared copy (src_bytes = 0: zeros, nothing read) in the
 // flavour HINT selects (see the top of this file); `policy` is used by 2 and 3.
@@ -187,8 +185,9 @@ FG_DEVICE void decode_split_body(const Params& p) {
     }
   };
   // K or V of the block at key n0 into ring stage `stage`.
-  auto load_kv = [&](int n0, int stage, auto is_v) {  // is_v: fg_bool<false> (K) or fg_bool<true> (V)
-    constexpr bool V = decltype(is_v)::value;
+  // (V is a plain bool: NVRTC 13.0 refuses generic lambdas in device code; every call passes a
+  // constant and the lambda is inlined, so the branches fold away as before.)
+  auto load_kv = [&](int n0, int stage, bool V) {  // V: false loads K, true loads V
     const elem_t* const head = V ? v_h : k_h;
     const fg_i64 sb = V ? p.v_sb : p.k_sb, ss = V ? p.v_ss : p.k_ss;
     const fg_u32 dst = (V ? sV : sK) + stage * BN * D * 2;
@@ -232,9 +231,9 @@ FG_DEVICE void decode_split_body(const Params& p) {
   // Both halves of block jb into its stage: two commit groups (K, then V); past the end, two empty ones.
   auto issue_block = [&](int jb) {
     if (jb < n_blocks) {
-      load_kv(n_begin + jb * BN, jb % ST, fg_bool<false>{});
+      load_kv(n_begin + jb * BN, jb % ST, false);
       cp_async_commit();
-      load_kv(n_begin + jb * BN, jb % ST, fg_bool<true>{});
+      load_kv(n_begin + jb * BN, jb % ST, true);
       cp_async_commit();
       fetch_pages(n_begin + (jb + 1) * BN);
     } else {
