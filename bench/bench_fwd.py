@@ -10,21 +10,17 @@ medians of CUDA-event-timed repeats after warm-up, on fresh random inputs.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import statistics
-import subprocess
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import flashgen  # noqa: E402
-from flashgen import KernelSpec  # noqa: E402
+from flashgen import KernelSpec, iomodel  # noqa: E402
+from flashgen.bench import timing  # noqa: E402
 
 SDPA = {
     "sdpa_flash": "FLASH_ATTENTION",
@@ -34,22 +30,12 @@ SDPA = {
 
 
 def flops(b, h, n, d, causal):
-    f = 4 * b * h * n * n * d
-    return f / 2 if causal else f
+    return iomodel.flops(b, h, n, n, d, causal)
 
 
-def time_ms(fn, reps=30, warmup=5):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for s, e in zip(starts, ends):
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+def time_ms(fn):
+    """Median ms by CUDA events (flashgen.bench.timing, the one timer of every benchmark)."""
+    return timing.time_ms(fn, budget_s=0.3, min_reps=10, max_reps=30, warmup=5)["ms"]
 
 
 def sdpa_fn(backend, q, k, v, causal):
@@ -111,14 +97,7 @@ def host_overhead_us(calls=100, rounds=20):
     q = torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16)
 
     def burst(fn):
-        best = float("inf")
-        for _ in range(rounds):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            best = min(best, time.perf_counter() - t0)
-        return best / calls * 1e6
+        return timing.host_us(fn, calls, rounds)
 
     def sdpa():
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -159,19 +138,7 @@ def peak_memory(n, h=16, d=128):
 
 
 def meta():
-    commit = os.environ.get("FLASHGEN_COMMIT")  # the device copy has no .git: the caller passes it
-    if not commit:
-        try:
-            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL,
-                                             cwd=os.path.dirname(__file__)).strip()
-        except Exception:
-            commit = "unknown"
-    import cupy
-    from flashgen.codegen.compiler import nvrtc_version
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "gpu": torch.cuda.get_device_name(), "commit": commit, "flashgen": flashgen.__version__,
-            "torch": torch.__version__, "cupy": cupy.__version__, "nvrtc": list(nvrtc_version()),
-            "python": platform.python_version()}
+    return timing.meta()
 
 
 def main(argv=None):

@@ -8,18 +8,10 @@ from pathlib import Path
 import pytest
 
 from flashgen.bench import SUITES, Suite, register, report, suites
-from flashgen.cli import main
+
+from cli_util import run_main
 
 SAMPLE = Path(__file__).parent / "data" / "bench_fwd_sample.json"
-
-
-def run_main(capsys, *argv):
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_plot_from_stored_json(tmp_path, capsys):

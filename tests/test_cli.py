@@ -9,18 +9,9 @@ import sys
 import pytest
 
 from flashgen import __version__, dispatch, gpus
-from flashgen.cli import main
+
+from cli_util import run_main
 from flashgen.codegen import render
-
-
-def run_main(capsys, *argv):
-    """(exit code, stdout, stderr) of flashgen.cli.main, counting argparse's SystemExit as an exit."""
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_version(capsys):

@@ -15,6 +15,7 @@ from multiprocessing.pool import ThreadPool
 import pytest
 
 from flashgen import decoding, dispatch, gpus
+from flashgen.baseline_specs import STANDARD_KINDS, V1_KIND
 from flashgen.codegen import build, parse_ptxas_log
 from flashgen.tuner import store
 
@@ -25,6 +26,11 @@ DECODE_SPECS = [s for arch in ARCHES for s in decoding.default_specs(arch, gpus.
 # The backward kinds' default rule (bwd_preprocess, bwd_dkdv, bwd_dkdv_nodq, bwd_dq, bwd_convert).
 BWD_SPECS = [s for arch in ARCHES for kind in dispatch.BWD_KINDS
              for s in dispatch.default_specs(arch, gpus.ARCH_SMEM_PER_BLOCK[arch], kind)]
+# The baselines' default rule (standard attention's three passes, fwd_v1), flashgen/baseline_specs.py.
+BASELINE_KINDS = (*STANDARD_KINDS, V1_KIND)
+BASELINE_SPECS = sorted({s for kind in BASELINE_KINDS for arch in ARCHES
+                         for s in dispatch.default_specs(arch, gpus.ARCH_SMEM_PER_BLOCK[arch], kind=kind)},
+                        key=lambda s: s.name)
 # Every spec a shipped tuned table (flashgen/generated/*.yaml) can pick, for that table's arch.
 SHIPPED_SPECS = sorted({e["spec"] for path in sorted(store.shipped_path("x").parent.glob("*.yaml"))
                         for e in store.load(path, gpu=path.stem).entries.values()}, key=lambda s: s.name)
@@ -43,7 +49,7 @@ def compiled(tmp_path_factory):
         mp.setenv("FLASHGEN_HOME", str(tmp_path_factory.mktemp("compile_home")))
         mp.delenv("FLASHGEN_NO_COMPILE", raising=False)
         with ThreadPool(2) as pool:
-            return dict(pool.map(one, SPECS + DECODE_SPECS + BWD_SPECS + SHIPPED_SPECS))
+            return dict(pool.map(one, SPECS + DECODE_SPECS + BWD_SPECS + BASELINE_SPECS + SHIPPED_SPECS))
 
 
 def test_default_specs_cover_every_key():
@@ -65,7 +71,25 @@ def test_bwd_default_specs_cover_every_key():
             assert len(specs) == len(set(specs)) == tiles * 2 * causal_variants, kind
 
 
-@pytest.mark.parametrize("spec", SPECS + DECODE_SPECS + BWD_SPECS + SHIPPED_SPECS, ids=lambda s: s.name)
+def test_every_baseline_kind_has_a_default_per_key():
+    """Each baseline kind (standard attention's passes, fwd_v1) has one default per (arch, head-dim tile, dtype, causal)."""
+    for kind in BASELINE_KINDS:
+        for arch in ARCHES:
+            specs = [s for s in BASELINE_SPECS if s.kind == kind and s.arch == arch]
+            assert len(specs) == len(dispatch.DEFAULT_TILES) * 4, (kind, arch)
+
+
+def test_v1_defaults_follow_the_paper_rule_where_it_fits():
+    """fwd_v1's default tiles never exceed the paper's B_r = min(B_c, d), B_c = ceil(M/4d) (M in elements)."""
+    from flashgen.iomodel import paper_block_sizes
+
+    for s in BASELINE_SPECS:
+        if s.kind == V1_KIND:
+            br, bc = paper_block_sizes(gpus.ARCH_SMEM_PER_BLOCK[s.arch], s.head_dim)
+            assert s.block_m <= br and s.block_n <= bc, s.name
+
+
+@pytest.mark.parametrize("spec", SPECS + DECODE_SPECS + BWD_SPECS + BASELINE_SPECS + SHIPPED_SPECS, ids=lambda s: s.name)
 def test_default_spec_compiles_clean(spec, compiled):
     """NVRTC compiles the spec for its arch into an ELF cubin; ptxas reports no spill, no stack frame,
     at most 255 registers, and static plus dynamic shared memory within the arch's per-block budget."""

@@ -37,6 +37,23 @@ def time_ms(fn, budget_s: float = 0.3, min_reps: int = 3, max_reps: int = 30, wa
     return {"ms": statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)), "reps": reps}
 
 
+def host_us(fn, calls: int = 100, rounds: int = 20) -> float:
+    """Per-call host time of ``fn`` in µs: bursts of ``calls`` launches without synchronizing
+    (well under the launch queue's depth, so the host is what is measured), best of ``rounds``."""
+    import time
+
+    import torch
+
+    best = float("inf")
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, time.perf_counter() - t0)
+    return best / calls * 1e6
+
+
 def commit() -> str:
     """The flashgen commit: ``FLASHGEN_COMMIT`` (the device copy has no .git), else git, else 'unknown'."""
     value = os.environ.get("FLASHGEN_COMMIT")

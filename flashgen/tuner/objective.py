@@ -15,7 +15,6 @@ needs no GPU: it compiles for the target arch and asks the cost model.
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass, field
 
 from ..errors import CompileError
@@ -78,26 +77,11 @@ class ModelObjective:
         return Outcome("ok", est * 1e3, info={"registers": regs, "model_ms": est * 1e3})
 
 
-def median_ms(fn, *, min_reps=5, max_reps=30, target_s=0.05, warmup=2):
-    """Median time of ``fn`` in ms from CUDA events (warm-up, then repeats within ``target_s``)."""
-    import torch
+def median_ms(fn) -> float:
+    """Median time of ``fn`` in ms from CUDA events: a short budget per trial (the shared timer)."""
+    from ..bench.timing import time_ms
 
-    for _ in range(warmup):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    once = max(start.elapsed_time(end), 1e-3)
-    reps = int(min(max_reps, max(min_reps, target_s * 1e3 / once)))
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for s, e in events:
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
+    return time_ms(fn, budget_s=0.05, min_reps=5, max_reps=30, warmup=2)["ms"]
 
 
 class MeasuredObjective:
