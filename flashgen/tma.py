@@ -130,6 +130,9 @@ def encode(ptr: int, dtype: str, dims, strides, box) -> bytes:
 def tensor_dims(d: int, n: int, heads: int, batch: int, strides_elems, elem_bytes: int = 2):
     """(dims, byte strides) of a (batch, heads, seq, d) view as a 4-D map (d, seq, head, batch).
 
+    ``strides_elems`` is (seq, head, batch) in elements -- the map's order, innermost first, and
+    the reverse of the (batch, head, seq) that ``api._dims`` returns.
+
     Lengths of 0 become 1 (a map cannot be empty; the kernel reads nothing
     there). A dimension of length 1 is never stepped, so its stride is replaced
     by a packed one (the driver wants multiples of 16 B; torch may report any

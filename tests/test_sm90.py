@@ -157,3 +157,37 @@ def test_sass_has_hgmma_and_tma(tmp_path, compiled):
         if not sass:
             pytest.skip("no disassembler here reads sm_90a cubins")
     assert "HGMMA" in sass and "UTMALDG" in sass
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_tensor_maps_step_rows_by_the_seq_stride(monkeypatch, layout):
+    """The plan hands the driver (d, seq, head, batch) dims with the matching byte strides, for both
+    layouts. (The first H200 run failed because the batch stride was passed as the seq stride.)"""
+    torch = pytest.importorskip("torch")
+    from flashgen import api, tma
+
+    calls = []
+    monkeypatch.setattr(tma, "encode", lambda ptr, dtype, dims, strides, box: calls.append(
+        (ptr, tuple(dims), tuple(strides), tuple(box))) or bytes(128))
+    b, h, hk, nq, nk, d = 2, 6, 3, 100, 77, 64
+    shape = (lambda n, hh: (b, hh, n, d)) if layout == "bhsd" else (lambda n, hh: (b, n, hh, d))
+    q, k, v = (torch.empty(shape(n, hh), device="meta") for n, hh in ((nq, h), (nk, hk), (nk, hk)))
+    sq, sk, sv = (api._dims(t, layout)[1] for t in (q, k, v))
+    spec = sm90(d=64, bm=64, ws=False, pp=False, ov=False)
+
+    class FakeKernel:
+        def params(self, **values):
+            return spec.family.param_struct()(**values)
+
+    plan = api._plan_sm90(FakeKernel(), spec, type("Dev", (), {"index": 0})(), (b, h, hk, nq, nk, d), (sq, sk, sv), sq, 0.125)
+    plan.tma(plan.params(), 16, 32, 48)
+    byptr = {c[0]: c for c in calls}
+
+    def want(t, n, hh):
+        s = t.stride()  # elements
+        seq, head = (s[2], s[1]) if layout == "bhsd" else (s[1], s[2])
+        return (d, n, hh, b), (2 * seq, 2 * head, 2 * s[0])
+
+    for ptr, t, n, hh, rows in ((16, q, nq, h, 64), (32, k, nk, hk, 128), (48, v, nk, hk, 128)):
+        dims, strides = want(t, n, hh)
+        assert byptr[ptr][1:] == (dims, strides, (64, rows, 1, 1)), (layout, ptr)
