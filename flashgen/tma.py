@@ -76,8 +76,10 @@ class _BindingsBackend:
     def encode(self, ptr, dtype_code, dims, strides, box):
         drv = self._drv
         rank = len(dims)
+        u32, u64 = drv.cuuint32_t, drv.cuuint64_t  # the lists take these wrappers, not Python ints
         err, tmap = drv.cuTensorMapEncodeTiled(
-            drv.CUtensorMapDataType(dtype_code), rank, ptr, list(dims), list(strides), list(box), [1] * rank,
+            drv.CUtensorMapDataType(dtype_code), u32(rank), ptr, [u64(x) for x in dims], [u64(x) for x in strides],
+            [u32(x) for x in box], [u32(1) for _ in range(rank)],
             drv.CUtensorMapInterleave(_INTERLEAVE_NONE), drv.CUtensorMapSwizzle(_SWIZZLE_128B),
             drv.CUtensorMapL2promotion(_L2_PROMOTION_128B), drv.CUtensorMapFloatOOBfill(_OOB_FILL_ZERO))
         if int(err):
