@@ -12,6 +12,6 @@ OUT=${OUT:-bench/results/sm90fix}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | tee "$OUT/gpu.txt"
 timeout ${SMOKE_TIMEOUT:-85} python3 bench/smoke_sm90.py --isolated --flags "${FLAGS:-plain}" \
-  --dims "${DIMS:-64,128,256}" --bms "${BMS:-64,128}" --jobs "${JOBS:-4}" --case-timeout "${CASE_TIMEOUT:-40}" \
+  --dims "${DIMS:-64,128,256}" --bms "${BMS:-64,128}" --jobs "${JOBS:-6}" --case-timeout "${CASE_TIMEOUT:-40}" \
   2>&1 | tee "$OUT/smoke_min.log"
 echo "smoke_min rc=$?" | tee -a "$OUT/smoke_min.log"
