@@ -285,10 +285,13 @@ def _plan_sm90(kern, spec, dev, shape, strides, o_strides, scale):
                            group=h // hk, d=d, scale=scale, scale_log2=scale * math.log2(math.e))
     struct = type(template)
     off_q, off_k, off_v = struct.tm_q.offset, struct.tm_k.offset, struct.tm_v.offset
-    q_dims, q_str = tma.tensor_dims(d, nq, h, b, sq)
+    # _dims gives element strides in (batch, head, seq) order; tensor_dims takes (seq, head, batch),
+    # the map's own order (innermost first). Passing them unreordered made the map step rows by the
+    # batch stride: garbage rows, NaN, and illegal addresses on the first H200 run.
+    q_dims, q_str = tma.tensor_dims(d, nq, h, b, sq[::-1])
     if nk:
-        k_dims, k_str = tma.tensor_dims(d, nk, hk, b, sk)
-        v_dims, v_str = tma.tensor_dims(d, nk, hk, b, sv)
+        k_dims, k_str = tma.tensor_dims(d, nk, hk, b, sk[::-1])
+        v_dims, v_str = tma.tensor_dims(d, nk, hk, b, sv[::-1])
     box_q, box_kv = (64, spec.block_m, 1, 1), (64, spec.block_n, 1, 1)
     dtype, encode, memmove = spec.dtype, tma.encode, ctypes.memmove
 

@@ -201,6 +201,7 @@ class TMAP(ctypes.Structure):
 SM90_PARAMS = (
     ("tm_q", "fg_tmap", TMAP), ("tm_k", "fg_tmap", TMAP), ("tm_v", "fg_tmap", TMAP),
     ("o", "elem_t*", PTR), ("lse", "float*", PTR),
+    ("dbg_s", "float*", PTR),  # debug only (null in every normal call): S of the first K block, see fwd_sm90.cuh
     *_strides("o"),
     ("nq", "int", I32), ("nk", "int", I32), ("heads", "int", I32), ("group", "int", I32),
     ("d", "int", I32), ("scale", "float", F32), ("scale_log2", "float", F32),

@@ -2,10 +2,11 @@
 
 ``encode(ptr, dtype, dims, strides, box)`` returns the 128 opaque bytes of a
 tiled tensor map with 128-byte swizzle and zero fill out of bounds, made by the
-driver's ``cuTensorMapEncodeTiled``: through ``cuda.bindings`` (pip
-``cuda-bindings``) when it imports, else through ``ctypes`` on ``libcuda.so``
-(same function, no dependency). ``FLASHGEN_TMA=ctypes`` or ``=bindings`` forces
-one. The bytes are never composed by hand.
+driver's ``cuTensorMapEncodeTiled``: through ``ctypes`` on ``libcuda.so`` (no
+dependency; the path the first H200 runs exercised), else through
+``cuda.bindings`` (pip ``cuda-bindings``) when libcuda cannot be opened by name.
+``FLASHGEN_TMA=ctypes`` or ``=bindings`` forces one; bench/smoke_sm90.py checks
+that both give the same bytes. The bytes are never composed by hand.
 
 Maps depend on the tensor's address, so they are cached per (address, dtype,
 dims, strides, box): a call that reuses its buffers (the caching allocator
@@ -76,8 +77,10 @@ class _BindingsBackend:
     def encode(self, ptr, dtype_code, dims, strides, box):
         drv = self._drv
         rank = len(dims)
+        u32, u64 = drv.cuuint32_t, drv.cuuint64_t  # the lists take these wrappers, not Python ints
         err, tmap = drv.cuTensorMapEncodeTiled(
-            drv.CUtensorMapDataType(dtype_code), rank, ptr, list(dims), list(strides), list(box), [1] * rank,
+            drv.CUtensorMapDataType(dtype_code), u32(rank), ptr, [u64(x) for x in dims], [u64(x) for x in strides],
+            [u32(x) for x in box], [u32(1) for _ in range(rank)],
             drv.CUtensorMapInterleave(_INTERLEAVE_NONE), drv.CUtensorMapSwizzle(_SWIZZLE_128B),
             drv.CUtensorMapL2promotion(_L2_PROMOTION_128B), drv.CUtensorMapFloatOOBfill(_OOB_FILL_ZERO))
         if int(err):
@@ -87,19 +90,27 @@ class _BindingsBackend:
 
 
 def backend():
-    """The encoder in use (``cuda.bindings`` when importable, else ``ctypes`` on libcuda)."""
+    """The encoder in use (``ctypes`` on libcuda, else ``cuda.bindings``; ``FLASHGEN_TMA`` forces one)."""
     global _backend
     if _backend is None:
         want = os.environ.get("FLASHGEN_TMA", "")
-        if want != "ctypes":
+        if want == "bindings":
             try:
                 _backend = _BindingsBackend()
             except ImportError:
-                if want == "bindings":
-                    raise UnsupportedError("FLASHGEN_TMA=bindings but cuda.bindings does not import "
-                                           "(pip install cuda-bindings)") from None
-        if _backend is None:
-            _backend = _CtypesBackend()
+                raise UnsupportedError("FLASHGEN_TMA=bindings but cuda.bindings does not import "
+                                       "(pip install cuda-bindings)") from None
+        else:
+            try:
+                _backend = _CtypesBackend()
+            except UnsupportedError:
+                if want == "ctypes":
+                    raise
+                try:
+                    _backend = _BindingsBackend()
+                except ImportError:
+                    raise UnsupportedError("TMA descriptors need the CUDA driver (libcuda.so), which was "
+                                           "not found") from None
     return _backend
 
 
@@ -129,6 +140,9 @@ def encode(ptr: int, dtype: str, dims, strides, box) -> bytes:
 
 def tensor_dims(d: int, n: int, heads: int, batch: int, strides_elems, elem_bytes: int = 2):
     """(dims, byte strides) of a (batch, heads, seq, d) view as a 4-D map (d, seq, head, batch).
+
+    ``strides_elems`` is (seq, head, batch) in elements -- the map's order, innermost first, and
+    the reverse of the (batch, head, seq) that ``api._dims`` returns.
 
     Lengths of 0 become 1 (a map cannot be empty; the kernel reads nothing
     there). A dimension of length 1 is never stepped, so its stride is replaced

@@ -157,3 +157,97 @@ def test_sass_has_hgmma_and_tma(tmp_path, compiled):
         if not sass:
             pytest.skip("no disassembler here reads sm_90a cubins")
     assert "HGMMA" in sass and "UTMALDG" in sass
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_tensor_maps_step_rows_by_the_seq_stride(monkeypatch, layout):
+    """The plan hands the driver (d, seq, head, batch) dims with the matching byte strides, for both
+    layouts. (The first H200 run failed because the batch stride was passed as the seq stride.)"""
+    torch = pytest.importorskip("torch")
+    from flashgen import api, tma
+
+    calls = []
+    monkeypatch.setattr(tma, "encode", lambda ptr, dtype, dims, strides, box: calls.append(
+        (ptr, tuple(dims), tuple(strides), tuple(box))) or bytes(128))
+    b, h, hk, nq, nk, d = 2, 6, 3, 100, 77, 64
+    shape = (lambda n, hh: (b, hh, n, d)) if layout == "bhsd" else (lambda n, hh: (b, n, hh, d))
+    q, k, v = (torch.empty(shape(n, hh), device="meta") for n, hh in ((nq, h), (nk, hk), (nk, hk)))
+    sq, sk, sv = (api._dims(t, layout)[1] for t in (q, k, v))
+    spec = sm90(d=64, bm=64, ws=False, pp=False, ov=False)
+
+    class FakeKernel:
+        def params(self, **values):
+            return spec.family.param_struct()(**values)
+
+    plan = api._plan_sm90(FakeKernel(), spec, type("Dev", (), {"index": 0})(), (b, h, hk, nq, nk, d), (sq, sk, sv), sq, 0.125)
+    plan.tma(plan.params(), 16, 32, 48)
+    byptr = {c[0]: c for c in calls}
+
+    def want(t, n, hh):
+        s = t.stride()  # elements
+        seq, head = (s[2], s[1]) if layout == "bhsd" else (s[1], s[2])
+        return (d, n, hh, b), (2 * seq, 2 * head, 2 * s[0])
+
+    for ptr, t, n, hh, rows in ((16, q, nq, h, 64), (32, k, nk, hk, 128), (48, v, nk, hk, 128)):
+        dims, strides = want(t, n, hh)
+        assert byptr[ptr][1:] == (dims, strides, (64, rows, 1, 1)), (layout, ptr)
+
+
+@pytest.mark.parametrize("d,bm,bn", [(64, 64, 128), (128, 128, 128), (256, 128, 64)])
+def test_smem_layout_model(d, bm, bn):
+    """CPU model of fwd_sm90's shared-memory addressing (the constants of fwd_sm90.cuh, restated):
+    where the TMA puts element (row, col) of Q/K/V (128-byte swizzle: 16-byte chunk (c/8) ^ (r%8) of a
+    128-byte row, panels of 64 columns) must be where the wgmma descriptors read it -- K-major
+    (start + k16 step, SBO = 1024) for Q and K, MN-major (LBO = panel stride, SBO = 1024) for V --
+    and where the epilogue's stores/loads put O."""
+    import numpy as np
+
+    def swz(addr):  # the 128B swizzle on a 1024-aligned base: bits 4-6 ^= bits 7-9
+        return addr ^ (((addr >> 7) & 7) << 4)
+
+    def tma_addr(base, rows, r, c):  # box of 64 columns x rows, one box per panel
+        return swz(base + (c // 64) * rows * 128 + r * 128 + (c % 64) * 2)
+
+    rng = np.random.default_rng(0)
+    base_q, kv = 0, bn * d * 2
+    base_k = base_q + bm * d * 2
+    stage = 1
+    sK = base_k + stage * kv
+    sV = base_k + 2 * kv + stage * kv
+    smem = {}
+    Q, K, V = (rng.integers(-4, 5, size=s) for s in ((bm, d), (bn, d), (bn, d)))
+    for M, base, rows in ((Q, base_q, bm), (K, sK, bn), (V, sV, bn)):
+        for r in range(rows):
+            for c in range(d):
+                smem[tma_addr(base, rows, r, c)] = M[r, c]
+
+    def kmajor(start, i, k):  # wgmma K-major SW128: rows i, k within one k16 step
+        return swz(start + (i // 8) * 1024 + (i % 8) * 128 + 2 * k)
+
+    def mnmajor(start, lbo, k, n):  # MN-major SW128: k rows (keys), n columns
+        return swz(start + (n // 64) * lbo + (k // 8) * 1024 + (k % 8) * 128 + 2 * (n % 64))
+
+    kmajor_off = lambda kk, rows: (kk // 4) * rows * 128 + (kk % 4) * 32  # noqa: E731 -- as in fwd_sm90.cuh
+    for cw in range(bm // 64):
+        S = np.zeros((64, bn), dtype=np.int64)
+        for kk in range(d // 16):
+            a0 = base_q + cw * 64 * 128 + kmajor_off(kk, bm)
+            b0 = sK + kmajor_off(kk, bn)
+            A = np.array([[smem[kmajor(a0, i, k)] for k in range(16)] for i in range(64)])
+            B = np.array([[smem[kmajor(b0, n, k)] for k in range(16)] for n in range(bn)])
+            S += A @ B.T
+        assert (S == Q[cw * 64:cw * 64 + 64] @ K.T).all()
+        P = rng.integers(-3, 4, size=(64, bn))
+        O = np.zeros((64, d), dtype=np.int64)
+        for kk in range(bn // 16):
+            b0 = sV + kk * 16 * 128
+            B = np.array([[smem[mnmajor(b0, bn * 128, k, n)] for n in range(d)] for k in range(16)])
+            O += P[:, 16 * kk:16 * kk + 16] @ B
+        assert (O == P @ V).all()
+    # Epilogue: thread stores (row r, column pair 8i + 2t) at the swizzled chunk, the 16-byte loads read
+    # chunk c of row r back: both must agree with the TMA's placement of Q (same formula).
+    for r in range(0, bm, 7):
+        for i in range(d // 8):
+            for t in range(4):
+                st = base_q + (i // 8) * bm * 128 + r * 128 + (((i % 8) ^ (r % 8)) * 16) + 4 * t
+                assert st == tma_addr(base_q, bm, r, 8 * i + 2 * t)

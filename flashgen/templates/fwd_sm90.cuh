@@ -221,6 +221,19 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
       pa[kk][3] = pack2<BF16>(acc_s[8 * kk + 6], acc_s[8 * kk + 7]);
     }
   };
+  // Debug (p.dbg_s != null, bench/smoke_sm90.py --isolated): the raw S = Q K^T of key block 0 of
+  // query block 0 (batch 0, head 0), unscaled and unmasked, as fp32 [BM][BN] rows.
+  auto dump_s = [&]() {
+    if (p.dbg_s != nullptr && m_block == 0 && hq == 0 && b == 0) {
+      const int r = cw * 64 + wq * 16 + g;
+#pragma unroll
+      for (int nj = 0; nj < NJ; ++nj)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) p.dbg_s[(r + 8 * h) * BN + nj * 8 + 2 * t + e] = acc_s[4 * nj + 2 * h + e];
+    }
+  };
   auto release = [&](int j) {
     if (lane == 0) mbar_arrive(bar_e(j % ST));
     if constexpr (!WS) {
@@ -241,6 +254,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
       pp_end(false);
       wgmma_wait<0>();
       reg_fence(acc_s);
+      if (j == 0) dump_s();
       softmax(j);
       rescale_o();
       pack_p();
@@ -264,6 +278,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
     pp_end(false);
     wgmma_wait<0>();
     reg_fence(acc_s);
+    dump_s();
     softmax(0);  // O is still zero: no rescale needed
     for (int j = 1; j < n_blocks; ++j) {
       const int s = j % ST, sp = (j - 1) % ST;
