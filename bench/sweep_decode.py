@@ -1,7 +1,7 @@
 """Sweep decode_split's knobs on the Done-when cases of issue 4, so one device call picks the defaults.
 
 For bf16, d = 128, seqlen_q = 1 it
-1. compiles every candidate spec (block_n, warps, stages, load hint = refill) in parallel and drops
+1. compiles every candidate spec (block_n, warps, stages, load hint) in parallel and drops
    the ones that spill or do not fit;
 2. checks each against an fp32 reference (ragged paged cache with appended tokens, split and not;
    the 2x rule of tests/test_gpu_decode.py) -- a wrong spec is reported and never ranked;
@@ -53,7 +53,7 @@ CASES += [(1, 32, 8, 131072, "bshd"), (1, 32, 8, 131072, "page64"), (1, 32, 8, 1
 
 def spec_of(bn, w, st, hint, arch):
     return KernelSpec(kind="decode_split", arch=arch, dtype="bf16", head_dim=D, block_m=16, block_n=bn, warps=w,
-                      stages=st, refill=hint, causal=True).validate()
+                      stages=st, hint=hint, causal=True).validate()
 
 
 def compile_all(cands, arch, budget):
@@ -187,7 +187,7 @@ def main(argv=None):
         else:
             specs.append(s)
             result["candidates"].append({"spec": s.name, "registers": regs, "smem": s.smem_bytes(),
-                                         "tile": [s.block_n, s.warps, s.stages, s.refill]})
+                                         "tile": [s.block_n, s.warps, s.stages, s.hint]})
     print(f"checked in {time.time() - t0:.0f} s; {len(specs)} specs to time", flush=True)
     write()
 
@@ -282,7 +282,7 @@ def rank(result, specs):
         for k, c in result["cases"].items():
             if "_page" in k or k.endswith("_bshd"):
                 paged[k.rsplit("_", 1)[1]] = c["flashgen"].get(s.name, {}).get("tbps")
-        rows.append({"spec": s.name, "tile": [s.block_n, s.warps, s.stages, s.refill], "geomean_x_cudnn": geomean(xs),
+        rows.append({"spec": s.name, "tile": [s.block_n, s.warps, s.stages, s.hint], "geomean_x_cudnn": geomean(xs),
                      "min_x_cudnn": min(xs) if xs else float("nan"), "cases": len(xs),
                      "min_tbps_big": min((b for b in big if b), default=float("nan")), "layouts": paged})
     rows.sort(key=lambda r: (-(r["geomean_x_cudnn"] if r["geomean_x_cudnn"] == r["geomean_x_cudnn"] else 0),
@@ -300,7 +300,7 @@ def print_ranking(result):
     names = [r["spec"] for r in result.get("ranking", [])]
     if names:
         print("\nper case (TB/s): cuDNN | best spec | first default (n64 w4 s3 r0)")
-        base = next((n for n in names if "_n64_w4_s3_r0_" in n), None)
+        base = next((n for n in names if "_n64_w4_s3_h0_" in n), None)
         for k, c in result["cases"].items():
             rows = c["flashgen"]
             best = max(((r.get("tbps", 0), n) for n, r in rows.items()), default=(0, "-"))

@@ -32,7 +32,7 @@ ROWS = 16                 # packed query rows per CTA (one m16n8k16 tile)
 # shared memory fits the device's per-block budget is used. Chosen so that two CTAs share an SM on
 # Hopper (<= ~113 KB each) with 2-3 K/V blocks of 16-32 KB in flight per CTA: 64-128 KB in flight
 # per SM, well past the ~36 KB that HBM bandwidth x latency asks for (bench/NOTES.md, "decode").
-# The load hint is KernelSpec.refill for this family (families.LOAD_HINTS). bench/sweep_decode.py
+# The load hint is KernelSpec.hint (families.LOAD_HINTS). bench/sweep_decode.py
 # measures the alternatives on the device; its winners replace these.
 DEFAULT_DECODE_TILES = {
     32: ((64, 2, 4, 0), (32, 2, 2, 0)),
@@ -53,7 +53,7 @@ def decode_head_dim_tile(d: int) -> int:
 def default_split_spec(arch: str, dtype: str, head_dim: int, smem_budget: int) -> KernelSpec:
     for bn, w, st, hint in DEFAULT_DECODE_TILES[head_dim]:
         spec = KernelSpec(kind="decode_split", arch=arch, dtype=dtype, head_dim=head_dim, block_m=ROWS,
-                          block_n=bn, warps=w, stages=st, refill=hint, causal=True).validate()
+                          block_n=bn, warps=w, stages=st, hint=hint, causal=True).validate()
         if spec.smem_bytes() <= smem_budget:
             return spec
     raise UnsupportedError(f"no decode_split tile fits {smem_budget} B of shared memory for d={head_dim}")

@@ -172,12 +172,12 @@ def test_default_rule_specs_are_valid_and_fit():
             assert s.smem_bytes() <= budget and s.arch == arch
     h200 = {s.head_dim: s for s in decoding.default_specs("sm_90a", 232448) if s.kind == "decode_split"}
     assert (h200[128].block_n, h200[128].warps, h200[128].stages) == (64, 4, 3)
-    assert h200[128].name == "decode_split_d128_m16_n64_w4_s3_r0_causal_bf16_sm90a"
+    assert h200[128].name == "decode_split_d128_m16_n64_w4_s3_h0_causal_bf16_sm90a"
 
 
 @pytest.mark.parametrize("field,value,message", [
     ("block_m", 32, "block_m=32"), ("causal", False, "causal=False"), ("head_dim", 96, "head_dim=96"),
-    ("block_n", 32, "16-key slices"), ("refill", 4, "refill=4"), ("stages", 7, "stages=7"),
+    ("block_n", 32, "16-key slices"), ("refill", 1, "refill=1"), ("hint", 4, "hint=4"), ("stages", 7, "stages=7"),
 ])
 def test_decode_split_family_refuses(field, value, message):
     """Fixed fields and tile rules of decode_split are enforced (block_n 32 over 4 warps: 8-key slices)."""
@@ -193,16 +193,25 @@ def test_decode_split_loader_rule():
         base.replace(warps=4, block_n=64).validate()
 
 
-def test_load_hints_are_the_refill_field():
-    """decode_split's refill field picks the K/V load flavour (0..3); each renders its own instruction."""
+def test_load_hints_are_the_hint_field():
+    """decode_split's hint field picks the K/V load flavour (0..3); each renders its own instantiation and
+    is named ``_h{hint}``; refill is fixed at 0 for the decode kinds, and no other kind takes a hint."""
     from flashgen.codegen import render
     from flashgen.families import LOAD_HINTS
+    from flashgen.spec import KernelSpec
 
     base = decoding.default_split_spec("sm_90a", "bf16", 128, 232448)
     assert sorted(LOAD_HINTS) == [0, 1, 2, 3]
     for hint in LOAD_HINTS:
-        src = render(base.replace(refill=hint))
-        assert f"true, {hint}>(p);" in src
+        spec = base.replace(hint=hint)
+        assert f"_h{hint}_causal_" in spec.name and "_r0_" not in spec.name
+        assert f"true, {hint}>(p);" in render(spec)
+    assert decoding.combine_spec("sm_90a", "bf16", 128).name == "decode_combine_d128_m16_n16_w4_s2_h0_full_bf16_sm90a"
+    for kind in ("fwd_v2", "bwd_dkdv"):
+        with pytest.raises(ValueError, match="hint=2"):
+            KernelSpec(kind=kind, hint=2).validate()
+    # the other kinds' names keep their refill slot and do not mention the hint
+    assert KernelSpec().name == "fwd_v2_d128_m128_n64_w4_s2_r0_full_bf16_sm90a"
 
 
 def test_combine_family_fixes_unused_fields():
