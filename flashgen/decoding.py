@@ -196,3 +196,34 @@ def kv_source(key: int, len_cache: int, page_size: int | None, block_table_row=N
         return ("cache", None, key)
     shift = page_size.bit_length() - 1
     return ("cache", int(block_table_row[key >> shift]), key & (page_size - 1))
+
+
+def window_pages(table_row, n_begin: int, n_blocks: int, n_end: int, len_cache: int, block_n: int,
+                 page_size: int) -> list:
+    """The pages decode_split's loader uses for each 16-row group of blocks 0..n_blocks of a split (one
+    past the last, as the kernel's lookahead does), through its per-warp block-table window: 64
+    entries in two 32-lane registers, stepped by 32 when a block starts past the lower half. Mirrors
+    ``fetch_pages`` in templates/decode_split.cuh; raises AssertionError where the kernel's shuffle
+    index would leave the window. Unused groups (past n_end or the cached length) get 0."""
+    shift = page_size.bit_length() - 1
+    tab_len = len(table_row)
+
+    def load(start):
+        return [table_row[start + i] if start + i < tab_len else 0 for i in range(32)]
+
+    wb = n_begin >> shift
+    lo, hi = load(wb), load(wb + 32)
+    out = []
+    for jb in range(n_blocks + 1):
+        n0 = n_begin + jb * block_n
+        if (n0 >> shift) - wb >= 32:
+            wb += 32
+            lo, hi = hi, load(wb + 32)
+        pages = []
+        for e in range(block_n // 16):
+            key0 = n0 + e * 16
+            idx = (key0 >> shift) - wb
+            assert 0 <= idx < 64, (n0, key0, wb, idx)
+            pages.append((lo if idx < 32 else hi)[idx & 31] if key0 < n_end and key0 < len_cache else 0)
+        out.append(pages)
+    return out

@@ -176,6 +176,29 @@ def test_paged_lookup_matches_a_flat_copy():
         assert decoding.kv_source(5, length, None) == ("cache", None, 5)
 
 
+@pytest.mark.parametrize("page_size", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("block_n", [32, 64, 128])
+def test_block_table_window_matches_direct_lookup(page_size, block_n):
+    """The kernel's register window over the block table (window_pages mirrors it) gives, for every
+    16-row group of every block of every split, the page a direct table lookup gives, and its shuffle
+    index stays inside the 64-entry window -- over split counts that start splits mid-window, lengths
+    that end mid-page, tables of a few to thousands of entries."""
+    gen = torch.Generator().manual_seed(page_size * 1000 + block_n)
+    for length in (1, 15, 16, 17, 1000, 5003, 40000):
+        tab = torch.randperm(-(-length // page_size) + 5, generator=gen).tolist()
+        for splits in (1, 2, 3, 7, 33):
+            for s in range(splits):
+                begin, end = decoding.split_range(length, splits, s, block_n)
+                n_blocks = -(-(end - begin) // block_n) if end > begin else 0
+                len_cache = length - 3  # the last keys are appended ones: no lookup
+                got = decoding.window_pages(tab, begin, n_blocks, end, len_cache, block_n, page_size)
+                for jb, pages in enumerate(got):
+                    for e, page in enumerate(pages):
+                        key0 = begin + jb * block_n + e * 16
+                        want = tab[key0 // page_size] if key0 < end and key0 < len_cache else 0
+                        assert page == want, (length, splits, s, jb, e)
+
+
 def _attend(q, k, v, scale, nq, length, group):
     """Plain fp32 attention of nq tokens (rows of q are (token, head) packed) with bottom-right causal."""
     s = q @ k.T * scale
