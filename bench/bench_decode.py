@@ -130,29 +130,50 @@ def bench_case(b, hq, hk, L):
     return row
 
 
-def bench_paged(b, hq, hk, L, page_sizes=(64, 256)):
-    """Contiguous vs paged (random page order) bandwidth on the same lengths."""
+def _plan_facts():
+    """(spec name, splits) of the most recently planned flashgen.decode call."""
+    from flashgen import decode_api
+
+    plan = next(p for p in reversed(list(decode_api._plans.values())) if p.kernel is not None)
+    return plan.spec.name, plan.splits
+
+
+def bench_paged(b, hq, hk, L, page_sizes=(64, 256), rounds=3):
+    """Contiguous vs paged (random page order) bandwidth on the same lengths. All layouts are resident
+    at once and timed in turn, ``rounds`` times (contiguous, page64, page256, contiguous, ...), so a
+    clock or thermal drift during the run shows as spread instead of as a layout difference; the
+    ratio is of the medians over the rounds."""
     nbytes = kv_bytes(b, hk, L)
     copies = max(1, min(8, math.ceil(ROTATE_BYTES / nbytes)))
     qs = [torch.randn(b, 1, hq, D, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
     lens = torch.full((b,), L, dtype=torch.int32, device="cuda")
-    out = {"batch": b, "heads_q": hq, "heads_kv": hk, "L": L, "kv_bytes": nbytes}
+    out = {"batch": b, "heads_q": hq, "heads_kv": hk, "L": L, "kv_bytes": nbytes, "rounds": rounds}
+    layouts = {}
     kc = [torch.randn(b, L, hk, D, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
     vc = [torch.randn_like(k) for k in kc]
-    us = time_us(lambda i: flashgen.decode(qs[i], kc[i], vc[i], lens, check_values=False), copies)
-    out["contiguous"] = {"us": us, "tbps": nbytes / us / 1e6}
-    del kc, vc
-    torch.cuda.empty_cache()
+    layouts["contiguous"] = lambda i: flashgen.decode(qs[i], kc[i], vc[i], lens, check_values=False)
     for ps in page_sizes:
         pages = b * L // ps
         kp = [torch.randn(pages, ps, hk, D, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         vp = [torch.randn_like(k) for k in kp]
         bts = [torch.randperm(pages, device="cuda").to(torch.int32).view(b, L // ps) for _ in range(copies)]
         flashgen.decode(qs[0], kp[0], vp[0], lens, bts[0])  # value-checked once
-        us = time_us(lambda i: flashgen.decode(qs[i], kp[i], vp[i], lens, bts[i], check_values=False), copies)
-        out[f"page{ps}"] = {"us": us, "tbps": nbytes / us / 1e6, "vs_contiguous": out["contiguous"]["us"] / us}
-        del kp, vp, bts
-        torch.cuda.empty_cache()
+        layouts[f"page{ps}"] = (lambda kp, vp, bts: lambda i: flashgen.decode(qs[i], kp[i], vp[i], lens, bts[i],
+                                                                            check_values=False))(kp, vp, bts)
+    times = {name: [] for name in layouts}
+    for name, fn in layouts.items():
+        fn(0)
+        out[name] = dict(zip(("spec", "splits"), _plan_facts()))
+    for _ in range(rounds):
+        for name, fn in layouts.items():
+            times[name].append(time_us(fn, copies))
+    for name, ts in times.items():
+        us = statistics.median(ts)
+        out[name].update(us=us, tbps=nbytes / us / 1e6, rounds_us=ts)
+        if name != "contiguous":
+            out[name]["vs_contiguous"] = out["contiguous"]["us"] / us
+    del layouts, kc, vc
+    torch.cuda.empty_cache()
     print(json.dumps(out), flush=True)
     return out
 
@@ -258,8 +279,13 @@ def print_table(result):
     gqa = {r[k].get("gqa") for r in result["rows"] for k in ("sdpa_flash", "sdpa_cudnn") if "gqa" in r.get(k, {})}
     print("SDPA GQA modes:", sorted(x for x in gqa if x))
     for p in result["paged"]:
-        print(f"paged b={p['batch']} hk={p['heads_kv']} L={p['L']}: contiguous {p['contiguous']['tbps']:.2f} TB/s; "
-              + "; ".join(f"{k} {v['tbps']:.2f} TB/s ({v['vs_contiguous']:.2f}x)" for k, v in p.items()
+        def spread(v):
+            r = v.get("rounds_us")
+            return f", rounds {min(r):.1f}-{max(r):.1f} us" if r else ""
+
+        print(f"paged b={p['batch']} hk={p['heads_kv']} L={p['L']}: contiguous {p['contiguous']['tbps']:.2f} TB/s "
+              f"({p['contiguous'].get('splits', '?')} splits{spread(p['contiguous'])}); "
+              + "; ".join(f"{k} {v['tbps']:.2f} TB/s ({v['vs_contiguous']:.2f}x{spread(v)})" for k, v in p.items()
                           if k.startswith("page")))
     for s in result["sweep"]:
         print(f"splits b={s['batch']} hq={s['heads_q']} hk={s['heads_kv']} L={s['L']}: "

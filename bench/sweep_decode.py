@@ -1,7 +1,7 @@
 """Sweep decode_split's knobs on the Done-when cases of issue 4, so one device call picks the defaults.
 
 For bf16, d = 128, seqlen_q = 1 it
-1. compiles every candidate spec (block_n, warps, stages, load hint = refill) in parallel and drops
+1. compiles every candidate spec (block_n, warps, stages, load hint) in parallel and drops
    the ones that spill or do not fit;
 2. checks each against an fp32 reference (ragged paged cache with appended tokens, split and not;
    the 2x rule of tests/test_gpu_decode.py) -- a wrong spec is reported and never ranked;
@@ -14,6 +14,11 @@ For bf16, d = 128, seqlen_q = 1 it
     python3 bench/sweep_decode.py --out bench/results/decode/sweep.json [--budget 160]
 
 A time budget (seconds) stops the later phases early; what was measured is still written.
+
+``--short`` (bench/device_dec3.sh): the per-case default rule (spec None: flashgen.decoding's regimes)
+next to five tiles around it, every case; phase 2 scans the split count of the default's pick on each
+case that splits (h/2, h-1, h, h+1, 2h and the one-CTA-per-SM and full-wave counts), twice for the
+b1 cases (the run-to-run spread of the small cases is part of the answer); no combine phase.
 """
 from __future__ import annotations
 
@@ -45,6 +50,9 @@ CANDIDATES = [
     (32, 2, 3, 0),                                                 # ~52 KB: 4 CTAs per SM
     (128, 8, 3, 0), (64, 4, 6, 0), (128, 4, 2, 0),                 # 1 CTA per SM, more bytes in flight
 ]
+# --short: the three per-case default tiles (few / some / full) and their nearest alternatives.
+CANDIDATES_SHORT = [(128, 4, 2, 0), (128, 4, 2, 2), (64, 4, 3, 2), (64, 4, 3, 0), (64, 4, 2, 0), (64, 4, 6, 0)]
+DEFAULT = "default"  # pseudo spec name: flashgen.decode's own choice (spec=None)
 # (batch, heads_q, heads_kv, L, layout): "bhsd" = the bench's cache (a (b, L, hk, d) view of (b, hk, L, d)
 # memory: each head's rows contiguous); "bshd" = a real (b, L, hk, d) cache; "page64"/"page256" = paged.
 CASES = [(b, 32, hk, L, "bhsd") for b, hk in ((1, 32), (1, 8), (8, 8), (32, 8)) for L in (4096, 32768, 131072)]
@@ -53,7 +61,7 @@ CASES += [(1, 32, 8, 131072, "bshd"), (1, 32, 8, 131072, "page64"), (1, 32, 8, 1
 
 def spec_of(bn, w, st, hint, arch):
     return KernelSpec(kind="decode_split", arch=arch, dtype="bf16", head_dim=D, block_m=16, block_n=bn, warps=w,
-                      stages=st, refill=hint, causal=True).validate()
+                      stages=st, hint=hint, causal=True).validate()
 
 
 def compile_all(cands, arch, budget):
@@ -147,11 +155,15 @@ class Case:
         fn(0)
         plan = next(iter(decode_api._plans.values()))
         us = time_us(fn, self.copies, reps=30, warmup=3)
-        return {"us": us, "tbps": self.nbytes / us / 1e6, "splits": plan.splits}
+        return {"us": us, "tbps": self.nbytes / us / 1e6, "splits": plan.splits, "spec": plan.spec.name}
 
     def free(self):
         del self.qs, self.kc, self.vc, self.bts
         torch.cuda.empty_cache()
+
+
+def dev_sms():
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
 def geomean(xs):
@@ -163,6 +175,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--budget", type=float, default=160.0, help="seconds; later phases stop when it runs out")
+    ap.add_argument("--short", action="store_true", help="the default rule and 6 tiles; phase 2 on the default")
     args = ap.parse_args(argv)
     t0 = time.time()
     torch.manual_seed(0)
@@ -176,7 +189,8 @@ def main(argv=None):
             with open(args.out, "w") as fh:
                 json.dump(result, fh, indent=1)
 
-    ok, result["rejected"] = compile_all(CANDIDATES, dev.arch, dev.smem_budget)
+    result["short"] = args.short
+    ok, result["rejected"] = compile_all(CANDIDATES_SHORT if args.short else CANDIDATES, dev.arch, dev.smem_budget)
     print(f"compiled in {time.time() - t0:.0f} s", flush=True)
     specs = []
     for s, regs in ok:
@@ -187,7 +201,7 @@ def main(argv=None):
         else:
             specs.append(s)
             result["candidates"].append({"spec": s.name, "registers": regs, "smem": s.smem_bytes(),
-                                         "tile": [s.block_n, s.warps, s.stages, s.refill]})
+                                         "tile": [s.block_n, s.warps, s.stages, s.hint]})
     print(f"checked in {time.time() - t0:.0f} s; {len(specs)} specs to time", flush=True)
     write()
 
@@ -201,55 +215,69 @@ def main(argv=None):
         result["cases"][case.key] = {"kv_bytes": case.nbytes, "cudnn_us": case.cudnn,
                                      "cudnn_tbps": case.nbytes / case.cudnn / 1e6 if case.cudnn else None,
                                      "flashgen": {}}
-        for s in specs:
+        for s in ([None] if args.short else []) + specs:
             try:
                 row = case.run(s, None)
             except Exception as exc:  # noqa: BLE001
                 row = {"error": f"{type(exc).__name__}: {str(exc)[:160]}"}
             if case.cudnn and "us" in row:
                 row["x_cudnn"] = case.cudnn / row["us"]
-            times[case.key, s.name] = row
-            result["cases"][case.key]["flashgen"][s.name] = row
+            name = DEFAULT if s is None else s.name
+            times[case.key, name] = row
+            result["cases"][case.key]["flashgen"][name] = row
         best = max((r.get("tbps", 0), n) for (k, n), r in times.items() if k == case.key)
         print(f"{case.key}: cuDNN {result['cases'][case.key]['cudnn_tbps'] or float('nan'):.2f} TB/s; best "
               f"{best[0]:.2f} ({best[1]}); {time.time() - t0:.0f} s", flush=True)
         case.free()
         write()
 
-    ranking = rank(result, specs)
+    ranking = rank(result, ([None] if args.short else []) + specs)
     result["ranking"] = ranking
     write()
 
     # Phase 2: the top specs at other split counts on the cases that split.
-    top = [r["spec"] for r in ranking[:3]]
     by_name = {s.name: s for s in specs}
+    if args.short:  # the default's own pick per case (what decode() runs), its spec forced
+        top = [DEFAULT]
+    else:
+        top = [r["spec"] for r in ranking[:3] if r["spec"] != DEFAULT]
     for c in CASES:
         if c[0] >= 32 or c[4] != "bhsd" or time.time() - t0 > args.budget * 0.9:
             continue
         case = Case(*c)
         res = result["splits"][case.key] = {}
         for name in top:
-            h = result["cases"].get(case.key, {}).get("flashgen", {}).get(name, {}).get("splits")
+            row = result["cases"].get(case.key, {}).get("flashgen", {}).get(name, {})
+            h, sname = row.get("splits"), row.get("spec")
             if not h:
                 continue
-            blocks = -(-c[3] // by_name[name].block_n)
-            alts = sorted({max(1, h // 2), max(1, h - 1), h, min(blocks, h + 1), min(blocks, 2 * h),
-                           min(blocks, 4 * h)})
-            res[name] = {}
-            for s in alts:
-                try:
-                    res[name][s] = case.run(by_name[name], s)["tbps"]
-                except Exception as exc:  # noqa: BLE001
-                    res[name][s] = f"{type(exc).__name__}: {str(exc)[:80]}"
-            print(f"splits {case.key} {name} (heuristic {h}): "
-                  + ", ".join(f"{s}:{v:.2f}" if isinstance(v, float) else f"{s}:{v}" for s, v in res[name].items()),
-                  flush=True)
+            spec = by_name.get(sname)
+            if spec is None:  # the default picked a tile that is not among the candidates
+                spec = decoding.default_split_spec(dev.arch, "bf16", D, dev.smem_budget,
+                                                   decoding.decode_regime(c[0] * c[2], dev_sms()))
+            blocks = -(-c[3] // spec.block_n)
+            work = c[0] * c[2]
+            one_per_sm = max(1, min(blocks, dev_sms() // work))
+            alts = sorted({max(1, h // 2), max(1, h - 1), h, min(blocks, h + 1), min(blocks, 2 * h), one_per_sm,
+                           max(1, min(blocks, 2 * dev_sms() // work))})
+            label = f"{name}={spec.name}" if name == DEFAULT else name
+            for rep in range(2 if (args.short and c[0] == 1) else 1):
+                key = label if rep == 0 else f"{label} (repeat)"
+                res[key] = {}
+                for s in alts:
+                    try:
+                        res[key][s] = case.run(spec, s)["tbps"]
+                    except Exception as exc:  # noqa: BLE001
+                        res[key][s] = f"{type(exc).__name__}: {str(exc)[:80]}"
+                print(f"splits {case.key} {key} (heuristic {h}): "
+                      + ", ".join(f"{s}:{v:.2f}" if isinstance(v, float) else f"{s}:{v}" for s, v in res[key].items()),
+                      flush=True)
         case.free()
         write()
 
     # Phase 3: fused combine vs the decode_combine launch, best spec, cases that split.
-    if ranking:
-        best = by_name[ranking[0]["spec"]]
+    if ranking and not args.short:
+        best = by_name[next(r["spec"] for r in ranking if r["spec"] != DEFAULT)]
         for c in CASES:
             if c[0] >= 32 or c[4] != "bhsd" or time.time() - t0 > args.budget:
                 continue
@@ -274,15 +302,17 @@ def rank(result, specs):
     """Specs by geometric mean of flashgen/cuDNN over the cases with a cuDNN time (then by minimum)."""
     rows = []
     for s in specs:
-        xs = [c["flashgen"].get(s.name, {}).get("x_cudnn") for c in result["cases"].values() if c["cudnn_us"]]
+        name = DEFAULT if s is None else s.name
+        xs = [c["flashgen"].get(name, {}).get("x_cudnn") for c in result["cases"].values() if c["cudnn_us"]]
         xs = [x for x in xs if x]
-        big = [c["flashgen"].get(s.name, {}).get("tbps") for c in result["cases"].values()
+        big = [c["flashgen"].get(name, {}).get("tbps") for c in result["cases"].values()
                if c["kv_bytes"] >= 256 * 2**20 and c["cudnn_us"]]
         paged = {}
         for k, c in result["cases"].items():
             if "_page" in k or k.endswith("_bshd"):
-                paged[k.rsplit("_", 1)[1]] = c["flashgen"].get(s.name, {}).get("tbps")
-        rows.append({"spec": s.name, "tile": [s.block_n, s.warps, s.stages, s.refill], "geomean_x_cudnn": geomean(xs),
+                paged[k.rsplit("_", 1)[1]] = c["flashgen"].get(name, {}).get("tbps")
+        tile = "per case" if s is None else [s.block_n, s.warps, s.stages, s.hint]
+        rows.append({"spec": name, "tile": tile, "geomean_x_cudnn": geomean(xs),
                      "min_x_cudnn": min(xs) if xs else float("nan"), "cases": len(xs),
                      "min_tbps_big": min((b for b in big if b), default=float("nan")), "layouts": paged})
     rows.sort(key=lambda r: (-(r["geomean_x_cudnn"] if r["geomean_x_cudnn"] == r["geomean_x_cudnn"] else 0),
@@ -299,17 +329,22 @@ def print_ranking(result):
                                                           for k in ("bshd", "page64", "page256")))
     names = [r["spec"] for r in result.get("ranking", [])]
     if names:
-        print("\nper case (TB/s): cuDNN | best spec | first default (n64 w4 s3 r0)")
-        base = next((n for n in names if "_n64_w4_s3_r0_" in n), None)
+        print("\nper case (TB/s): cuDNN | best spec | the default rule (or n64 w4 s3 h0)")
+        base = DEFAULT if DEFAULT in names else next((n for n in names if "_n64_w4_s3_h0_" in n), None)
         for k, c in result["cases"].items():
             rows = c["flashgen"]
             best = max(((r.get("tbps", 0), n) for n, r in rows.items()), default=(0, "-"))
             cu = c["cudnn_tbps"]
             b0 = rows.get(base, {}).get("tbps", float("nan")) if base else float("nan")
             print(f"  {k:<28} {cu or float('nan'):5.2f} | {best[0]:5.2f} {best[1]} | {b0:5.2f}")
-        r0 = result["ranking"][0]
-        print(f"\nsuggested: DEFAULT_DECODE_TILES[128] = (({', '.join(map(str, r0['tile']))}), ...)  "
-              f"# {r0['spec']}, geomean {r0['geomean_x_cudnn']:.3f}x cuDNN, min {r0['min_x_cudnn']:.3f}x")
+        for k, c in result["cases"].items():
+            d = c["flashgen"].get(DEFAULT)
+            if d and "spec" in d:
+                print(f"  default on {k:<28} {d['spec']} at {d['splits']} splits")
+        r0 = next((r for r in result["ranking"] if r["spec"] != DEFAULT), None)
+        if r0:
+            print(f"\nbest single tile: ({', '.join(map(str, r0['tile']))})  "
+                  f"# {r0['spec']}, geomean {r0['geomean_x_cudnn']:.3f}x cuDNN, min {r0['min_x_cudnn']:.3f}x")
     for name, why in result.get("wrong", {}).items():
         print(f"WRONG (not ranked) {name}: {why}")
 

@@ -372,16 +372,17 @@ def _plan(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax
     dev = _Device.of(index)
     dtype = _DTYPES[q.dtype]
     tile = dk.decode_head_dim_tile(d)
-    if spec is None:
-        spec = dk.select_split_spec(dev.arch, dtype, tile, limits.capacity, dev.gpu, dev.smem_budget)
-    else:
-        _check_forced_spec(spec, dev, dtype, d)
-    kern = load(spec, index)
     group = hq // hk
     rows = nq * group
     m_blocks = -(-rows // dk.ROWS)
+    sms, smem_sm = _sm_facts(index)
+    if spec is None:
+        spec = dk.select_split_spec(dev.arch, dtype, tile, limits.capacity, dev.gpu, dev.smem_budget,
+                                    work=b * hk * m_blocks, sms=sms)
+    else:
+        _check_forced_spec(spec, dev, dtype, d)
+    kern = load(spec, index)
     if num_splits is None:
-        sms, smem_sm = _sm_facts(index)
         occ = dk.ctas_per_sm(spec.smem_bytes(), spec.warps * 32, kern.binary.report.registers or 255, smem_sm)
         num_splits = dk.num_splits_heuristic(b, hk, m_blocks, limits.capacity, spec.block_n, sms, occ)
     total_rows = b * nq * hq

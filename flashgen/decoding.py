@@ -29,17 +29,31 @@ ROWS = 16                 # packed query rows per CTA (one m16n8k16 tile)
 # ----------------------------------------------------------------- default rule
 
 # Per head-dim tile: (block_n, warps, stages, load hint) in order of preference; the first whose
-# shared memory fits the device's per-block budget is used. Chosen so that two CTAs share an SM on
-# Hopper (<= ~113 KB each) with 2-3 K/V blocks of 16-32 KB in flight per CTA: 64-128 KB in flight
-# per SM, well past the ~36 KB that HBM bandwidth x latency asks for (bench/NOTES.md, "decode").
-# The load hint is KernelSpec.refill for this family (families.LOAD_HINTS). bench/sweep_decode.py
-# measures the alternatives on the device; its winners replace these.
+# shared memory fits the device's per-block budget is used. The load hint is KernelSpec.hint
+# (families.LOAD_HINTS). d=128 is measured (bench/results/decode/round2/, bench/NOTES.md "dec3"):
+# n64 w4 s3 with the evict_first hint (100 KB: 2 CTAs per H200 SM) is the best or within 0.5 % of
+# the best tile wherever a few to a few dozen CTAs per KV head run (b8: 3.31/4.32/4.48 TB/s at
+# L=4k/32k/128k). The other head dims keep the first rule's tiles (not measured).
 DEFAULT_DECODE_TILES = {
     32: ((64, 2, 4, 0), (32, 2, 2, 0)),
     64: ((64, 4, 4, 0), (32, 2, 2, 0)),
-    128: ((64, 4, 3, 0), (32, 2, 4, 0), (32, 2, 2, 0)),
+    128: ((64, 4, 3, 2), (64, 4, 2, 0), (32, 2, 4, 0), (32, 2, 2, 0)),
     256: ((32, 2, 3, 0), (32, 2, 2, 0)),
 }
+# Per-case tiles tried before DEFAULT_DECODE_TILES[d] (decode_regime picks the case):
+#  "few":  so few (batch x KV head x m-block) groups that a 2-CTA/SM tile would need more than
+#          MERGE_SPLITS splits to fill the GPU (b1 hk8): one 135 KB CTA per SM, block_n 128, and
+#          half the splits. H200 b1/hk8: 4.05 TB/s at L=128k (n64 w4 s3: 3.95-4.00 at 33 splits),
+#          3.18 at 32k (2.99-3.04), 0.54 at 4k (0.52-0.54).
+#  "full": the groups alone fill every SM (b32 hk8): no split, and the 68 KB tile (3 CTAs per SM)
+#          hides the most latency: 4.25/4.51/4.58 TB/s at L=4k/32k/128k, the best of 14 tiles.
+DECODE_TILES_BY_REGIME = {
+    128: {"few": ((128, 4, 2, 0),), "full": ((64, 4, 2, 0),)},
+}
+REGIMES = ("few", "some", "full")
+# More splits than this only where one CTA per SM needs them (num_splits_heuristic): each split adds
+# a partial (fp32 O + LSE) to write and merge, and the merge is the kernel's tail.
+MERGE_SPLITS = 16
 COMBINE_WARPS = 4
 
 
@@ -50,10 +64,25 @@ def decode_head_dim_tile(d: int) -> int:
     return next(t for t in DECODE_HEAD_DIMS if d <= t)
 
 
-def default_split_spec(arch: str, dtype: str, head_dim: int, smem_budget: int) -> KernelSpec:
-    for bn, w, st, hint in DEFAULT_DECODE_TILES[head_dim]:
+def decode_regime(work: int, sms: int) -> str:
+    """Which per-case tile serves ``work`` = batch * heads_kv * m_blocks CTAs (before splitting) on a
+    GPU of ``sms`` SMs: "full" when they already give every SM a CTA, "few" when a tile of two CTAs
+    per SM would need more than MERGE_SPLITS splits to fill the GPU, else "some"."""
+    work = max(1, work)
+    if work >= sms:
+        return "full"
+    if 2 * sms // work > MERGE_SPLITS:
+        return "few"
+    return "some"
+
+
+def default_split_spec(arch: str, dtype: str, head_dim: int, smem_budget: int, regime: str = "some") -> KernelSpec:
+    if regime not in REGIMES:
+        raise ValueError(f"regime {regime!r} not in {REGIMES}")
+    tiles = DECODE_TILES_BY_REGIME.get(head_dim, {}).get(regime, ()) + DEFAULT_DECODE_TILES[head_dim]
+    for bn, w, st, hint in tiles:
         spec = KernelSpec(kind="decode_split", arch=arch, dtype=dtype, head_dim=head_dim, block_m=ROWS,
-                          block_n=bn, warps=w, stages=st, refill=hint, causal=True).validate()
+                          block_n=bn, warps=w, stages=st, hint=hint, causal=True).validate()
         if spec.smem_bytes() <= smem_budget:
             return spec
     raise UnsupportedError(f"no decode_split tile fits {smem_budget} B of shared memory for d={head_dim}")
@@ -69,20 +98,26 @@ def default_specs(arch: str, smem_budget: int) -> list:
     out = []
     for d in DECODE_HEAD_DIMS:
         for dtype in ("fp16", "bf16"):
-            out.append(default_split_spec(arch, dtype, d, smem_budget))
+            for regime in REGIMES:
+                spec = default_split_spec(arch, dtype, d, smem_budget, regime)
+                if spec not in out:
+                    out.append(spec)
             out.append(combine_spec(arch, dtype, d))
     return out
 
 
-def select_split_spec(arch: str, dtype: str, head_dim: int, seqlen_k: int, gpu, smem_budget: int) -> KernelSpec:
-    """Tuned table entry for the decode key if there is one, else the default rule."""
+def select_split_spec(arch: str, dtype: str, head_dim: int, seqlen_k: int, gpu, smem_budget: int,
+                      work: int = 1, sms: int = 0) -> KernelSpec:
+    """Tuned table entry for the decode key if there is one, else the default rule for the case
+    (``work`` CTAs before splitting on ``sms`` SMs; sms=0: the "some" tiles)."""
     if gpu is not None:
         from .tables import lookup
 
         spec = lookup(gpu, ProblemKey("decode_split", arch, dtype, head_dim, True, bucket_of(seqlen_k)))
         if spec is not None:
             return spec
-    return default_split_spec(arch, dtype, head_dim, smem_budget)
+    regime = decode_regime(work, sms) if sms > 0 else "some"
+    return default_split_spec(arch, dtype, head_dim, smem_budget, regime)
 
 
 # ----------------------------------------------------------------- split heuristic
@@ -90,18 +125,25 @@ def select_split_spec(arch: str, dtype: str, head_dim: int, seqlen_k: int, gpu, 
 
 def num_splits_heuristic(batch: int, heads_kv: int, m_blocks: int, seqlen_k: int, block_n: int, sms: int,
                          ctas_per_sm: int = 1, max_splits: int = MAX_SPLITS) -> int:
-    """How many splits of the keys to launch: fill one wave of SM slots.
+    """How many splits of the keys to launch: fill one wave of SM slots, but past MERGE_SPLITS
+    splits only as far as one CTA per SM.
 
     ``work`` = batch * heads_kv * m_blocks CTAs without splitting, ``slots`` =
     sms * ctas_per_sm CTAs resident at once. No split when work already fills
     80 % of the slots (as FlashAttention-2's rule, KERNELS.md section 4).
     Otherwise the split kernel is memory-bound and its bandwidth grows with the
-    CTAs in flight, so s goes as high as one wave allows (work * s <= slots,
-    s <= max_splits and <= the key blocks), and then down to the fewest splits
-    with the same critical path ceil(blocks / s) (fewer partials to merge).
-    FA2's rule (the smallest s within 85 % of the best wave efficiency) stops
-    short of a full wave: on the H200 it picked 7 splits where 8 ran 3 % faster
-    (b=1, 32 KV heads, 32k keys) and 29 where 32 did (b=1, 8 KV heads, 128k).
+    CTAs in flight, so s goes as high as one wave of slots allows (work * s <=
+    slots, s <= max_splits and <= the key blocks) -- except that more than
+    MERGE_SPLITS splits are taken only up to one CTA per SM (work * s <= sms):
+    every split is one more partial to write and merge, and the merge is the
+    kernel's tail. Then s goes down to the fewest splits with the same critical
+    path ceil(blocks / s) (fewer partials to merge).
+
+    Measured on the H200 (bench/results/decode/round2/, bench/NOTES.md "dec3"):
+    with two CTAs per SM (n64 w4 s3) b1/hk8/L128k ran 4.04 TB/s at 16 splits
+    and 3.95 at 33 (one full wave of slots), b8/hk8 4.48-4.50 at 4 (a full
+    wave) and 4.45 at 2; with one CTA per SM (n128 w4 s2) b1/hk8 4.05 at 16,
+    b8/hk8/L4k 3.20 at 2 (2.92 at 4).
     ``seqlen_k`` is the longest key length the call can see (the cache's
     capacity plus new tokens: actual lengths live on the GPU).
     """
@@ -110,7 +152,10 @@ def num_splits_heuristic(batch: int, heads_kv: int, m_blocks: int, seqlen_k: int
     n_blocks = max(1, -(-seqlen_k // block_n))
     if work >= 0.8 * slots:
         return 1
-    top = max(1, min(max_splits, n_blocks, slots // work))
+    top = min(max_splits, n_blocks, slots // work)
+    if top > MERGE_SPLITS:
+        top = min(top, max(MERGE_SPLITS, sms // work))
+    top = max(1, top)
     per = -(-n_blocks // top)
     return -(-n_blocks // per)  # the fewest splits of `per` blocks that cover them
 
@@ -151,3 +196,34 @@ def kv_source(key: int, len_cache: int, page_size: int | None, block_table_row=N
         return ("cache", None, key)
     shift = page_size.bit_length() - 1
     return ("cache", int(block_table_row[key >> shift]), key & (page_size - 1))
+
+
+def window_pages(table_row, n_begin: int, n_blocks: int, n_end: int, len_cache: int, block_n: int,
+                 page_size: int) -> list:
+    """The pages decode_split's loader uses for each 16-row group of blocks 0..n_blocks of a split (one
+    past the last, as the kernel's lookahead does), through its per-warp block-table window: 64
+    entries in two 32-lane registers, stepped by 32 when a block starts past the lower half. Mirrors
+    ``fetch_pages`` in templates/decode_split.cuh; raises AssertionError where the kernel's shuffle
+    index would leave the window. Unused groups (past n_end or the cached length) get 0."""
+    shift = page_size.bit_length() - 1
+    tab_len = len(table_row)
+
+    def load(start):
+        return [table_row[start + i] if start + i < tab_len else 0 for i in range(32)]
+
+    wb = n_begin >> shift
+    lo, hi = load(wb), load(wb + 32)
+    out = []
+    for jb in range(n_blocks + 1):
+        n0 = n_begin + jb * block_n
+        if (n0 >> shift) - wb >= 32:
+            wb += 32
+            lo, hi = hi, load(wb + 32)
+        pages = []
+        for e in range(block_n // 16):
+            key0 = n0 + e * 16
+            idx = (key0 >> shift) - wb
+            assert 0 <= idx < 64, (n0, key0, wb, idx)
+            pages.append((lo if idx < 32 else hi)[idx & 31] if key0 < n_end and key0 < len_cache else 0)
+        out.append(pages)
+    return out

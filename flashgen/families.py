@@ -35,6 +35,7 @@ class Family:
     refills: tuple = (0, 1, 2)
     max_acc_floats: int = 200           # fp32 accumulators per thread before spilling is likely
     flags: tuple = ()                   # the boolean spec flags (warpspec, pingpong, overlap) the family takes
+    hints: tuple = (0,)                 # KernelSpec.hint values (decode_split's load flavours; 0 elsewhere)
     # The knobs the tuner searches and the values it tries (a subset of the
     # supported values above: the sizes that can win, not every legal one).
     tune_space: tuple = (("block_m", (64, 128, 192)), ("block_n", (32, 48, 64, 96, 128)), ("warps", (4, 8)),
@@ -96,7 +97,7 @@ FWD_PARAMS = (
     ("d", "int", I32), ("scale", "float", F32), ("scale_log2", "float", F32),
 )
 
-# decode_split's K/V load flavours, stored in KernelSpec.refill (see DecodeSplitFamily).
+# decode_split's K/V load flavours, KernelSpec.hint (see DecodeSplitFamily).
 LOAD_HINTS = {0: "cp.async.cg", 1: "cp.async.cg + L2::256B prefetch", 2: "cp.async.cg + L2 evict_first",
               3: "cp.async.cg + L2 evict_first + L2::256B prefetch"}
 
@@ -112,11 +113,11 @@ class DecodeSplitFamily(Family):
     One CTA owns 16 packed query rows (the query heads of one KV head times the
     new tokens) and one split of one sequence's keys; its warps share those rows
     and each takes block_n / warps keys of every block_n-key block. Fixed
-    fields: block_m = 16, causal = True (bottom-right aligned). ``refill`` has
-    no refill point to choose here (K and V of a block are always issued
-    together, one ring stage ahead); decode uses the field for the K/V load
-    flavour instead: 0 plain ``cp.async.cg``, 1 with the ``.L2::256B`` prefetch
-    hint, 2 with an evict_first L2 cache policy, 3 both (LOAD_HINTS).
+    fields: block_m = 16, causal = True (bottom-right aligned), refill = 0 (no
+    refill point to choose: K and V of a block are always issued together, one
+    ring stage ahead). ``hint`` picks the K/V load flavour: 0 plain
+    ``cp.async.cg``, 1 with the ``.L2::256B`` prefetch hint, 2 with an
+    evict_first L2 cache policy, 3 both (LOAD_HINTS).
     """
 
     def validate(self, spec) -> None:
@@ -148,7 +149,7 @@ class DecodeCombineFamily(Family):
     """Merges the splits' partial outputs by their log-sum-exps (templates/decode_combine.cuh).
 
     Tunable: warps only. The tile fields it does not use are fixed (block_m =
-    block_n = 16, stages = 2, refill = 0, causal = False) so one kernel has one name.
+    block_n = 16, stages = 2, refill = 0, hint = 0, causal = False) so one kernel has one name.
     """
 
     def validate(self, spec) -> None:
@@ -280,7 +281,7 @@ FAMILIES: dict[str, Family] = {
     "decode_split": DecodeSplitFamily("decode_split", "decode_split.cu.j2", DECODE_PARAMS,
                                       head_dims=DECODE_HEAD_DIMS, block_ms=(16,),
                                       block_ns=(16, 32, 48, 64, 96, 128),
-                                      stages=(2, 3, 4, 5, 6, 8, 10, 12), refills=(0, 1, 2, 3)),
+                                      stages=(2, 3, 4, 5, 6, 8, 10, 12), refills=(0,), hints=tuple(LOAD_HINTS)),
     "decode_combine": DecodeCombineFamily("decode_combine", "decode_combine.cu.j2", COMBINE_PARAMS,
                                           head_dims=DECODE_HEAD_DIMS),
     "fwd_sm90": Sm90Family("fwd_sm90", "fwd_sm90.cu.j2", SM90_PARAMS, head_dims=SM90_HEAD_DIMS,

@@ -16,7 +16,7 @@ DTYPES = ("fp16", "bf16")
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a")
 DTYPE_BYTES = {"fp16": 2, "bf16": 2}
 # Fields added after tuned tables were first written: a record may omit them (their default is the old behaviour).
-LATER_FIELDS = ("warpspec", "pingpong", "overlap")
+LATER_FIELDS = ("warpspec", "pingpong", "overlap", "hint")
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,10 @@ class KernelSpec:
     warpspec: bool = False    # a producer warpgroup issues the TMA loads (setmaxnreg moves its registers)
     pingpong: bool = False    # two consumer warpgroups alternate their GEMMs (named barriers)
     overlap: bool = False     # softmax of block j+1 overlaps the P V GEMM of block j
+    # Decode families only (decode_split: the K/V global-load flavour, families.LOAD_HINTS); every
+    # other kind keeps 0, and only the decode kinds name it (``_h{hint}`` where the others have
+    # ``_r{refill}``: decode has no refill point, its refill is fixed at 0).
+    hint: int = 0
 
     # -- identity ---------------------------------------------------------
     @property
@@ -45,7 +49,8 @@ class KernelSpec:
         """Readable, unique: ``fwd_v2_d128_m128_n64_w4_s2_r0_causal_bf16_sm90a``.
 
         fwd_sm90 names its flags instead of the refill slot it does not have:
-        ``fwd_sm90_d128_m128_n128_w12_s2_ws1_pp1_ov1_causal_bf16_sm90a``.
+        ``fwd_sm90_d128_m128_n128_w12_s2_ws1_pp1_ov1_causal_bf16_sm90a``; the decode kinds name
+        their load hint instead: ``decode_split_d128_m16_n128_w4_s2_h0_causal_bf16_sm90a``.
         """
         if self.kind == "fwd_sm90":
             return (
@@ -55,8 +60,8 @@ class KernelSpec:
             )
         return (
             f"{self.kind}_d{self.head_dim}_m{self.block_m}_n{self.block_n}_w{self.warps}_s{self.stages}"
-            f"_r{self.refill}"
-            f"_{'causal' if self.causal else 'full'}_{self.dtype}_{self.arch.replace('_', '')}"
+            + (f"_h{self.hint}" if self.kind.startswith("decode_") else f"_r{self.refill}")
+            + f"_{'causal' if self.causal else 'full'}_{self.dtype}_{self.arch.replace('_', '')}"
         )
 
     @property
@@ -110,6 +115,8 @@ class KernelSpec:
         for flag in ("warpspec", "pingpong", "overlap"):
             if getattr(self, flag) and flag not in fam.flags:
                 raise ValueError(f"{self.kind}: {flag}=True is not supported (only {fam.flags or 'no flags'})")
+        if self.hint not in fam.hints:
+            raise ValueError(f"{self.kind}: hint={self.hint} not in {fam.hints}")
         fam.validate(self)
         return self
 

@@ -108,7 +108,7 @@ def flat_cache(case, name):
     return out
 
 
-def check_case(b, nq, L, d, hq, hk, page, with_new, dtype_name, num_splits_list=(None, 1)):
+def check_case(b, nq, L, d, hq, hk, page, with_new, dtype_name, num_splits_list=(None, 1), spec=None):
     import flashgen
 
     dtype = DTYPES[dtype_name]
@@ -123,7 +123,7 @@ def check_case(b, nq, L, d, hq, hk, page, with_new, dtype_name, num_splits_list=
         poison(b * nq * hq * (d + 1) * 4 * 64)
         out, lse = flashgen.decode(case["q"], case["k_cache"], case["v_cache"], case["cache_seqlens"],
                                    case["block_table"], case["k_new"], case["v_new"], num_splits=ns,
-                                   return_lse=True)
+                                   return_lse=True, spec=spec)
         torch.cuda.synchronize()
         assert out.shape == case["q"].shape and out.dtype == dtype and lse.shape == (b, hq, nq)
         got = out.float()
@@ -176,6 +176,22 @@ CASES = [
 def test_matches_reference(b, nq, L, d, hq, hk, page, with_new, dtype):
     """Default splits and one split both meet the rule; LSE -inf exactly for rows that see no key."""
     check_case(b, nq, L, d, hq, hk, page, with_new, dtype)
+
+
+@pytest.mark.parametrize("regime", ["few", "some", "full"])
+def test_every_default_tile(regime):
+    """Each per-case d=128 tile of the default rule (flashgen.decoding.DECODE_TILES_BY_REGIME), forced on
+    cases it would not get by default: paged (page 16: 8 pages per 128-key block; page 64; page 256),
+    ragged with appends, split (default, 7, and past the blocks) and not; and a contiguous cache."""
+    from flashgen import decoding
+    from flashgen.api import _Device
+
+    dev = _Device.of(torch.cuda.current_device())
+    spec = decoding.default_split_spec(dev.arch, "bf16", 128, dev.smem_budget, regime)
+    check_case(3, 1, 3000, 128, 32, 8, 16, True, "bf16", num_splits_list=(None, 7, 1), spec=spec)
+    check_case(2, 3, 5000, 128, 8, 2, 64, True, "bf16", num_splits_list=(None, 50), spec=spec)
+    check_case(3, 1, 2100, 128, 4, 4, 256, False, "bf16", num_splits_list=(None, 3), spec=spec)
+    check_case(2, 2, 1500, 128, 8, 8, None, True, "bf16", num_splits_list=(None, 1), spec=spec)
 
 
 def test_many_empty_splits():

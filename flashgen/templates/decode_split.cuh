@@ -21,9 +21,9 @@
 // (pages, page_size, heads_kv, d) through block_table; keys at or past the
 // cached length come from knew/vnew, which the CTA of m-block 0 whose split
 // covers them also writes into the cache (nobody reads those cache rows in
-// this launch: they are read from knew/vnew). Block-table entries are fetched
-// one block ahead (the split's slice of the table is prefetched into L2 first)
-// so the page lookup never waits in front of a copy.
+// this launch: they are read from knew/vnew). Block-table entries live in a
+// per-warp register window (64 entries, refilled 32 pages ahead with one
+// coalesced load): a page lookup is a shuffle, never a load in front of a copy.
 //
 // Output: with one split, the normalised O in the input dtype and the LSE.
 // Otherwise the normalised fp32 O and the LSE of this split go into the
@@ -116,6 +116,17 @@ FG_DEVICE void decode_split_body(const Params& p) {
   const bool paged = p.block_table != nullptr;
   const int page_mask = (1 << p.page_shift) - 1;
   const int* bt = p.block_table + (paged ? b * p.bt_sb : 0);
+  // Block-table window: each warp holds 64 entries of its sequence's row in two registers (lane i:
+  // entries wb + i and wb + 32 + i), loaded with one coalesced 128-byte load per 32 pages, 32 pages
+  // before they are needed; a page lookup is then a shuffle, never a load in front of a copy. The
+  // first two loads go out here, before the Q gather and the append, to overlap their latency.
+  const int tab_len = paged ? (p.seqlen_k >> p.page_shift) : 0;  // entries in a row (capacity / page)
+  int wb = paged ? (n_begin >> p.page_shift) : 0;
+  int win_lo = 0, win_hi = 0;
+  if (paged) {
+    if (wb + lane < tab_len) win_lo = __ldg(bt + wb + lane);
+    if (wb + 32 + lane < tab_len) win_hi = __ldg(bt + wb + 32 + lane);
+  }
   // Element offsets of (batch or page, seq) are added per row group; heads and chunk columns once.
   const int tid = threadIdx.x;
   const int lc = tid % C, lr = tid / C;
@@ -151,13 +162,6 @@ FG_DEVICE void decode_split_body(const Params& p) {
     }
   }
 
-  // ---- the split's slice of the block table into L2 (the lookups below then hit it) ----
-  if (paged && fast_end > n_begin) {
-    const int first = n_begin >> p.page_shift, last = (fast_end - 1) >> p.page_shift;
-    for (int i = tid * 32; first + i <= last && i < 4 * NT * 32; i += NT * 32)
-      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(bt + first + i));
-  }
-
   // ---- Q: 16 packed rows gathered from (token, head) ----------------------------
   {
     const elem_t* q_b = p.q + b * p.q_sb;
@@ -175,13 +179,28 @@ FG_DEVICE void decode_split_body(const Params& p) {
     cp_async_commit();
   }
 
-  // Pages of the 16-row groups of the block starting at key n0 (0 where unused).
+  // Pages of the 16-row groups of the block starting at key n0 (0 where unused), from the window.
+  // Called for consecutive blocks (n0 = n_begin, n_begin + BN, ...) by every thread: a block spans at
+  // most BN/16 <= 8 pages, so one 32-entry step of the window per call keeps every index below 64.
   int pages[G];
   auto fetch_pages = [&](int n0) {
+    if (!paged) {
+#pragma unroll
+      for (int e = 0; e < G; ++e) pages[e] = 0;
+      return;
+    }
+    if ((n0 >> p.page_shift) - wb >= 32) {  // step the window: the upper half was loaded 32 pages ago
+      wb += 32;
+      win_lo = win_hi;
+      win_hi = wb + 32 + lane < tab_len ? __ldg(bt + wb + 32 + lane) : 0;
+    }
 #pragma unroll
     for (int e = 0; e < G; ++e) {
       const int key0 = n0 + e * 16;
-      pages[e] = (paged && key0 < n_end && key0 < len_cache) ? __ldg(bt + (key0 >> p.page_shift)) : 0;
+      const int idx = (key0 >> p.page_shift) - wb;  // 0..63, the same in every lane
+      const int lo = __shfl_sync(0xffffffffu, win_lo, idx & 31);
+      const int hi = __shfl_sync(0xffffffffu, win_hi, idx & 31);
+      pages[e] = (key0 < n_end && key0 < len_cache) ? (idx < 32 ? lo : hi) : 0;
     }
   };
   // K or V of the block at key n0 into ring stage `stage`.
