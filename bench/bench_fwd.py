@@ -33,9 +33,9 @@ def flops(b, h, n, d, causal):
     return iomodel.flops(b, h, n, n, d, causal)
 
 
-def time_ms(fn):
-    """Median ms by CUDA events (flashgen.bench.timing, the one timer of every benchmark)."""
-    return timing.time_ms(fn, budget_s=0.3, min_reps=10, max_reps=30, warmup=5)["ms"]
+def time_ms(fn, reps=30, warmup=5):
+    """Median ms by CUDA events over at most ``reps`` repeats (flashgen.bench.timing, the one timer)."""
+    return timing.time_ms(fn, budget_s=0.3, min_reps=min(10, reps), max_reps=reps, warmup=warmup)["ms"]
 
 
 def sdpa_fn(backend, q, k, v, causal):
