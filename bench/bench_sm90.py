@@ -70,6 +70,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--flags", default="full", choices=sorted(FLAGS), help="fwd_sm90 flag set of the main table")
+    ap.add_argument("--no-ablation", action="store_true")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     seqlens = [2048, 8192] if args.quick else [2048, 4096, 8192, 16384]
@@ -112,7 +114,7 @@ def main(argv=None):
     for d in (64, 128):
         for causal in (False, True):
             for n in seqlens:
-                impls = {"fwd_sm90": fg(sm90_spec(d, causal)), "fwd_v2": fg(None),
+                impls = {"fwd_sm90": fg(sm90_spec(d, causal, args.flags)), "fwd_v2": fg(None),
                          "sdpa_flash": lambda q, k, v, c: sdpa_fn("sdpa_flash", q, k, v, c),
                          "sdpa_cudnn": lambda q, k, v, c: sdpa_fn("sdpa_cudnn", q, k, v, c)}
                 row = cell(n, d, causal, impls, reps)
@@ -124,6 +126,8 @@ def main(argv=None):
                       + ("" if "tflops" in row["fwd_sm90"] else f"   sm90: {row['fwd_sm90'].get('error')}"),
                       flush=True)
 
+    if args.no_ablation:
+        return
     print(f"\nablation (fwd_sm90 TFLOP/s; flag sets: {', '.join(FLAGS)})", flush=True)
     abl_cells = [(128, False, 8192), (128, True, 8192), (64, False, 8192), (64, True, 8192), (256, False, 4096)]
     if args.quick:
