@@ -147,3 +147,14 @@ def test_parse_ptxas_log_of_an_empty_log():
     r = parse_ptxas_log("", "anything")
     assert (r.registers, r.spill_stores, r.spill_loads, r.stack_frame, r.static_smem) == (0, 0, 0, 0, 0)
     assert r.warnings == ()
+
+
+def test_an_empty_ptxas_log_is_a_problem():
+    """NVRTC 13.0 returns an empty log on a compute-cache hit; a binary without a resource report is
+    refused rather than trusted (nothing would show its spills), and the compute cache is off."""
+    import os
+
+    r = parse_ptxas_log("", "fwd_v2_d128_m128_n64_w4_s2_r1_causal_bf16_sm90a")
+    assert r.registers == 0
+    assert any("no ptxas resource usage" in p for p in r.problems())
+    assert os.environ.get("CUDA_CACHE_DISABLE") == "1"

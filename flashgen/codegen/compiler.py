@@ -39,6 +39,8 @@ class Report:
     def problems(self, max_registers: int = 255) -> list[str]:
         """Reasons to refuse this binary (spills, local memory, serialized wgmma...)."""
         out = []
+        if self.registers <= 0:  # no resource report at all: nothing vouches for the binary
+            out.append("no ptxas resource usage in the NVRTC log (cannot check registers and spills)")
         if self.spill_stores or self.spill_loads:
             out.append(f"spills: {self.spill_stores} B stored, {self.spill_loads} B loaded")
         if self.stack_frame:
@@ -97,6 +99,13 @@ def nvrtc_version() -> tuple[int, int]:
 
 def compile_options(arch: str) -> list[str]:
     return [f"--gpu-architecture={arch}", *BASE_OPTIONS]
+
+
+# NVRTC 13.0 (the H200 image's) keeps compiled code in the CUDA compute cache and, on a hit, returns
+# the cubin with an empty program log: no ptxas resource report to check for spills (seen on the H200,
+# bench/NOTES.md). flashgen keeps its own binary cache, so compile without that one. Set before NVRTC
+# is loaded; an explicit setting in the environment wins.
+os.environ.setdefault("CUDA_CACHE_DISABLE", "1")
 
 
 def compile_source(source: str, arch: str, name: str, source_path: str | None = None) -> Binary:
