@@ -94,6 +94,90 @@ FG_DEVICE void warp_mma(float (&acc)[MT][NT][4], fg_u32 sA, int m0, fg_u32 sB, i
   }
 }
 
+// ---- per-lane ldmatrix address tables (the forward's Tile::Cols idiom) ----------
+// Every lane's ldmatrix rows are r, r + 16, ... with r % 8 == lane % 8 (for all
+// four operand roles), so one lane's swizzle is the same on all its rows. An
+// operand walked along k by chunks (plain ldmatrix) needs 4 (+2 for a C % 8 == 4
+// tail) byte offsets; one walked along k by rows (.trans) needs one offset per
+// 16-column step. Built once before the main loop, these ~20 registers replace
+// the per-(k step, m step) offsets the compiler otherwise hoists out of it.
+// at(i, kk): byte offset of the i-th 16-row (KWalk) / 16-column (RowWalk) step
+// at the kk-th k step of 16; kk and i are compile-time, so the rest folds into
+// the ldmatrix immediate.
+template <int W>
+struct KWalk {  // [rows][k], plain ldmatrix
+  static constexpr bool TRANS = false;
+  static constexpr int C = Tile<W>::C, RB = Tile<W>::ROW_BYTES;
+  fg_u32 main[4], tail[2];
+  FG_DEVICE KWalk(int row, int c0) {
+    const typename Tile<W>::Cols cols(row, c0);
+    const fg_u32 rb = static_cast<fg_u32>(row * RB);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) main[i] = rb + cols.main[i];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) tail[i] = rb + cols.tail[i];
+  }
+  FG_DEVICE fg_u32 at(int i, int kk) const {
+    return static_cast<fg_u32>(i * 16 * RB) +
+           (2 * kk < (C & ~7) ? 128 * (kk >> 2) + main[kk & 3] : tail[kk - (C & ~7) / 2]);
+  }
+};
+
+template <int W, int N>
+struct RowWalk {  // [k][columns], .trans ldmatrix; N steps of 16 columns from chunk0
+  static constexpr bool TRANS = true;
+  static constexpr int RB = Tile<W>::ROW_BYTES;
+  fg_u32 col[N];
+  FG_DEVICE RowWalk(int row, int chunk0, int c0) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) col[j] = Tile<W>::offset(row, chunk0 + 2 * j + c0);
+  }
+  FG_DEVICE fg_u32 at(int i, int kk) const { return static_cast<fg_u32>(kk * 16 * RB) + col[i]; }
+};
+
+// The four roles (KERNELS.md section 2 and the header of this file).
+FG_DEVICE int lane_() { return static_cast<int>(threadIdx.x) & 31; }
+template <int W>  // A (m x k) stored [m][k], rows from m0
+FG_DEVICE KWalk<W> a_kwalk(int m0) { return KWalk<W>(m0 + (lane_() & 15), lane_() >> 4); }
+template <int W>  // B (k x n) stored [n][k], rows from n0
+FG_DEVICE KWalk<W> b_kwalk(int n0) { return KWalk<W>(n0 + ((lane_() >> 4) << 3) + (lane_() & 7), (lane_() >> 3) & 1); }
+template <int W, int N>  // A (m x k) stored [k][m], columns from m0
+FG_DEVICE RowWalk<W, N> a_rowwalk(int m0) {
+  return RowWalk<W, N>(((lane_() >> 4) << 3) + (lane_() & 7), m0 / 8, (lane_() >> 3) & 1);
+}
+template <int W, int N>  // B (k x n) stored [k][n], columns from n0
+FG_DEVICE RowWalk<W, N> b_rowwalk(int n0) { return RowWalk<W, N>(lane_() & 15, n0 / 8, lane_() >> 4); }
+
+// acc (16*MT x 8*NT) += A B over k = 0 .. 16*KT with tabled addresses: A at
+// shared address sA walked by `ao` (its first MT steps), B at sB by `bo` (its
+// steps b0 .. b0 + NT/2 - 1; b0 a constant after unrolling).
+template <int MT, int NT, int KT, bool BF16, typename AO, typename BO>
+FG_DEVICE void warp_mma_t(float (&acc)[MT][NT][4], fg_u32 sA, const AO& ao, fg_u32 sB, const BO& bo, int b0 = 0) {
+  static_assert(NT % 2 == 0, "B fragments come in pairs of n8 tiles");
+  sA = opaque(sA);
+  sB = opaque(sB);
+#pragma unroll
+  for (int kk = 0; kk < KT; ++kk) {
+    fg_u32 a[MT][4];
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi) {
+      if constexpr (AO::TRANS) ldmatrix_x4_trans(a[mi], sA + ao.at(mi, kk));
+      else ldmatrix_x4(a[mi], sA + ao.at(mi, kk));
+    }
+#pragma unroll
+    for (int nj2 = 0; nj2 < NT / 2; ++nj2) {
+      fg_u32 b[4];
+      if constexpr (BO::TRANS) ldmatrix_x4_trans(b, sB + bo.at(b0 + nj2, kk));
+      else ldmatrix_x4(b, sB + bo.at(b0 + nj2, kk));
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi) {
+        mma_16816<BF16>(acc[mi][2 * nj2], a[mi], b[0], b[1]);
+        mma_16816<BF16>(acc[mi][2 * nj2 + 1], a[mi], b[2], b[3]);
+      }
+    }
+  }
+}
+
 // Store an accumulator tile (rows from m0, columns from n0) into a Tile<W> as
 // 16-bit values: one 4-byte store per pair of columns.
 template <int W, int MT, int NT, bool BF16>

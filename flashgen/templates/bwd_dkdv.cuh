@@ -87,6 +87,14 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
   const int b_m0 = (warp % WB) * B_RM, b_n0 = (warp / WB) * B_RN;
   const int c_m0 = (warp % WC) * C_RM, c_n0 = (warp / WC) * C_RN;
 
+  // Per-lane ldmatrix address tables, built once (see KWalk / RowWalk in bwd_common.cuh).
+  const KWalk<D> ka = a_kwalk<D>(a_m0);                            // K, V as A of S^T, dP^T
+  const KWalk<D> qb = b_kwalk<D>(a_n0);                            // Q, dO as B of S^T, dP^T
+  const KWalk<BM> pa = a_kwalk<BM>(b_m0);                          // P^T, dS^T as A of dV, dK
+  const RowWalk<D, B_NT / 2> ob = b_rowwalk<D, B_NT / 2>(b_n0);    // dO, Q as B of dV, dK
+  const RowWalk<BM, C_MT> sa = a_rowwalk<BM, C_MT>(c_m0);          // dS as A of dQ
+  const RowWalk<D, C_RN / 16> kb = b_rowwalk<D, C_RN / 16>(c_n0);  // K as B of dQ (all chunks)
+
   float acc_dv[B_MT][B_NT][4], acc_dk[B_MT][B_NT][4];
   zero_acc(acc_dv);
   zero_acc(acc_dk);
@@ -109,8 +117,8 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
       float s[A_MT][A_NT][4], dp[A_MT][A_NT][4];
       zero_acc(s);
       zero_acc(dp);
-      warp_mma<A_MT, A_NT, D / 16, false, false, D, D, BF16>(s, sK, a_m0, sQs, a_n0);
-      warp_mma<A_MT, A_NT, D / 16, false, false, D, D, BF16>(dp, sV, a_m0, sdOs, a_n0);
+      warp_mma_t<A_MT, A_NT, D / 16, BF16>(s, sK, ka, sQs, qb);
+      warp_mma_t<A_MT, A_NT, D / 16, BF16>(dp, sV, ka, sdOs, qb);
       const bool need_mask = (n0 + BN > p.nk) || (CAUSAL && n0 + BN - 1 > m0 + diag);
       const float* Ls = fL + stage * BM;
       const float* Ds = fD + stage * BM;
@@ -140,8 +148,8 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
     __syncthreads();
 
     // ---- B: dV += P^T dO, dK += dS^T Q ---------------------------------------
-    warp_mma<B_MT, B_NT, BM / 16, false, true, BM, D, BF16>(acc_dv, sP, b_m0, sdOs, b_n0);
-    warp_mma<B_MT, B_NT, BM / 16, false, true, BM, D, BF16>(acc_dk, sdS, b_m0, sQs, b_n0);
+    warp_mma_t<B_MT, B_NT, BM / 16, BF16>(acc_dv, sP, pa, sdOs, ob);
+    warp_mma_t<B_MT, B_NT, BM / 16, BF16>(acc_dk, sdS, pa, sQs, ob);
 
     // ---- C: dQ += dS K by fp32 atomics ----------------------------------------
     if constexpr (DQ) {
@@ -151,7 +159,7 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
         float acc[C_MT][C_NT][4];
         zero_acc(acc);
         const int n_off = c_n0 + ch * C_CH;
-        warp_mma<C_MT, C_NT, BN / 16, true, true, BM, D, BF16>(acc, sdS, c_m0, sK, n_off);
+        warp_mma_t<C_MT, C_NT, BN / 16, BF16>(acc, sdS, sa, sK, kb, ch * (C_NT / 2));
 #pragma unroll
         for (int mi = 0; mi < C_MT; ++mi)
 #pragma unroll
