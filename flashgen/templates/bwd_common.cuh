@@ -196,6 +196,36 @@ FG_DEVICE void store_acc_smem(fg_u32 s, const float (&acc)[MT][NT][4], int m0, i
       }
 }
 
+// Two 16-bit values of one register (low half: the lower column) back to fp32; exact.
+template <bool BF16>
+FG_DEVICE void unpack2(fg_u32 x, float& lo, float& hi) {
+  if constexpr (BF16) {
+    lo = __uint_as_float(x << 16);
+    hi = __uint_as_float(x & 0xffff0000u);
+  } else {
+    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}\n"
+        : "=f"(lo), "=f"(hi) : "r"(x));
+  }
+}
+
+// Store a tile of packed 16-bit pairs (pk[mi][nj][h]: row g + 8h of the mi-th
+// 16-row slice, columns 2t, 2t+1 of the nj-th n8 tile; rows from m0, columns
+// from n0) into a Tile<W>: the layout of store_acc_smem, already converted.
+template <int W, int MT, int NT>
+FG_DEVICE void store_pk_smem(fg_u32 s, const fg_u32 (&pk)[MT][NT][2], int m0, int n0) {
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+    for (int nj = 0; nj < NT; ++nj)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const fg_u32 addr = s + Tile<W>::offset(m0 + mi * 16 + g + 8 * h, n0 / 8 + nj) + 4 * t;
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(pk[mi][nj][h]));
+      }
+}
+
 // Store an accumulator tile, times `mul`, to a row-major global matrix (rows
 // from row0 + m0, columns from n0); rows >= n_rows and columns >= d are skipped.
 template <int MT, int NT, bool BF16>

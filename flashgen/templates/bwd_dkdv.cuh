@@ -112,38 +112,63 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
     const int m0 = (m_first + it % per_head) * BM;
     const fg_u32 sQs = sQ + stage * TILE_Q, sdOs = sdO + stage * TILE_Q;
 
-    // ---- A: S^T, dP^T, then P^T and dS^T into shared memory -----------------
+    // ---- A: S^T, then P^T (to shared memory), then dP^T and dS^T (to shared memory)
+    // S^T and dP^T are never live together: P^T is kept as packed 16-bit pairs
+    // (a quarter of the two fp32 tiles), which is also what dS = P (dP - D) reads,
+    // so dS uses P rounded to the input dtype, as dV = P^T dO does (and as the
+    // same-dtype reference does everywhere). P = 1 and P = 0 stay exact.
     {
-      float s[A_MT][A_NT][4], dp[A_MT][A_NT][4];
-      zero_acc(s);
-      zero_acc(dp);
-      warp_mma_t<A_MT, A_NT, D / 16, BF16>(s, sK, ka, sQs, qb);
-      warp_mma_t<A_MT, A_NT, D / 16, BF16>(dp, sV, ka, sdOs, qb);
       const bool need_mask = (n0 + BN > p.nk) || (CAUSAL && n0 + BN - 1 > m0 + diag);
-      const float* Ls = fL + stage * BM;
-      const float* Ds = fD + stage * BM;
+      fg_u32 pt[A_MT][A_NT][2];
+      {
+        float s[A_MT][A_NT][4];
+        zero_acc(s);
+        warp_mma_t<A_MT, A_NT, D / 16, BF16>(s, sK, ka, sQs, qb);
+        const float* Ls = fL + stage * BM;
 #pragma unroll
-      for (int nj = 0; nj < A_NT; ++nj) {
-        const int ql = a_n0 + nj * 8 + 2 * t;
-        const float l2[2] = {Ls[ql], Ls[ql + 1]};
-        const float dd[2] = {Ds[ql], Ds[ql + 1]};
+        for (int nj = 0; nj < A_NT; ++nj) {
+          const int ql = a_n0 + nj * 8 + 2 * t;
+          const float l2[2] = {Ls[ql], Ls[ql + 1]};
 #pragma unroll
-        for (int mi = 0; mi < A_MT; ++mi)
+          for (int mi = 0; mi < A_MT; ++mi)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            float x = s[mi][nj][e];
-            if (need_mask) {
-              const int key = n0 + a_m0 + mi * 16 + g + 8 * (e >> 1);
-              const int qrow = m0 + ql + (e & 1);
-              if (key >= p.nk || (CAUSAL && key > qrow + diag)) x = -INFINITY;
+            for (int h = 0; h < 2; ++h) {
+              float pe[2];
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                float x = s[mi][nj][2 * h + e];
+                if (need_mask) {
+                  const int key = n0 + a_m0 + mi * 16 + g + 8 * h;
+                  const int qrow = m0 + ql + e;
+                  if (key >= p.nk || (CAUSAL && key > qrow + diag)) x = -INFINITY;
+                }
+                pe[e] = fast_exp2(fmaf(x, p.scale_log2, -l2[e]));
+              }
+              pt[mi][nj][h] = pack2<BF16>(pe[0], pe[1]);
             }
-            const float pe = fast_exp2(fmaf(x, p.scale_log2, -l2[e & 1]));
-            s[mi][nj][e] = pe;
-            dp[mi][nj][e] = pe * (dp[mi][nj][e] - dd[e & 1]);
-          }
+        }
       }
-      store_acc_smem<BM, A_MT, A_NT, BF16>(sP, s, a_m0, a_n0);
-      store_acc_smem<BM, A_MT, A_NT, BF16>(sdS, dp, a_m0, a_n0);
+      store_pk_smem<BM, A_MT, A_NT>(sP, pt, a_m0, a_n0);
+      {
+        float dp[A_MT][A_NT][4];
+        zero_acc(dp);
+        warp_mma_t<A_MT, A_NT, D / 16, BF16>(dp, sV, ka, sdOs, qb);
+        const float* Ds = fD + stage * BM;
+#pragma unroll
+        for (int nj = 0; nj < A_NT; ++nj) {
+          const int ql = a_n0 + nj * 8 + 2 * t;
+          const float dd[2] = {Ds[ql], Ds[ql + 1]};
+#pragma unroll
+          for (int mi = 0; mi < A_MT; ++mi)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              float pe[2];
+              unpack2<BF16>(pt[mi][nj][h], pe[0], pe[1]);
+              pt[mi][nj][h] = pack2<BF16>(pe[0] * (dp[mi][nj][2 * h] - dd[0]), pe[1] * (dp[mi][nj][2 * h + 1] - dd[1]));
+            }
+        }
+      }
+      store_pk_smem<BM, A_MT, A_NT>(sdS, pt, a_m0, a_n0);
     }
     __syncthreads();
 
