@@ -99,11 +99,13 @@ BWD_TILES = {
     "bwd_convert": _BWD_ROW,
     "bwd_dkdv": {
         # From bench/sweep_bwd.py on the H200 (bench/results/bwd2/round3): causal d=64 prefers the
-        # smaller tile. At d=128 the sweep's winners (32x128x8 non-causal, 128x64x8 causal, 3-4 %
-        # faster) compile spill-free with the device's NVRTC 13.0 but spill with 13.5: they sit on
-        # the register cliff, so the default keeps 64x64x8 (spill-free on both) until they are cut.
+        # smaller tile. At d=128 the sweep's winners, 32x128x8 non-causal and 128x64x8 causal (3-4 %
+        # faster than 64x64x8 there), spilled under NVRTC 13.5 until bwd3's address tables; now
+        # spill-free under 13.5 and 13.0 (bench/NOTES.md, bwd3). 128x64 does not fit sm_80's shared
+        # memory; 64x64x8 stays as the fallback (shared memory or, with verify, spills).
         **{d: ((64, 64, 4, 2, 0, True, None), (64, 128, 8, 2, 0, None, None)) for d in (32, 64)},
-        **{d: ((64, 64, 8, 2, 0, None, None),) for d in (96, 128, 160)},
+        **{d: ((64, 64, 8, 2, 0, None, None),) for d in (96, 160)},
+        128: ((32, 128, 8, 2, 0, False, None), (128, 64, 8, 2, 0, True, None), (64, 64, 8, 2, 0, None, None)),
         192: ((64, 32, 8, 2, 0, None, None),),
         256: ((64, 32, 8, 2, 0, None, None), (32, 64, 8, 2, 0, None, None)),  # the second fits sm_80
     },
