@@ -144,7 +144,7 @@ def main(argv=None):
                 cands[(kind, d, causal)] = specs
                 dropped.update(bad)
     defaults = {(kind, d, causal): dispatch.select(dispatch.ProblemKey(kind, dev.arch, "bf16", d, causal, 2048),
-                                                   dev.gpu, dev.smem_budget)
+                                                   dev.gpu, dev.smem_budget, verify=True)
                 for d in dims for causal in causals for kind in ("bwd_dkdv", "bwd_dkdv_nodq", "bwd_dq")}
     status = compile_all([s for v in cands.values() for s in v] + list(defaults.values()), args.threads)
     for spec, why in status.items():

@@ -255,7 +255,7 @@ def _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm="v
     key = dispatch.ProblemKey(kind, dev.arch, _DTYPES[q.dtype], dispatch.tile_for(kind, d), causal,
                               dispatch.bucket_of(nq))
     if spec is None:
-        spec = dispatch.select(key, dev.gpu, dev.smem_budget)
+        spec = dispatch.select(key, dev.gpu, dev.smem_budget, verify=True)
     else:
         _check_forced_spec(spec, key, d, dev)
     kern = load(spec, dev.index)

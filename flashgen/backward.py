@@ -34,7 +34,7 @@ def _spec(kind: str, dev, dtype: str, d_tile: int, causal: bool, nq: int, specs=
     if specs and kind in specs:
         return specs[kind]
     key = dispatch.ProblemKey(kind, dev.arch, dtype, d_tile, causal, dispatch.bucket_of(nq))
-    return dispatch.select(key, dev.gpu, dev.smem_budget)
+    return dispatch.select(key, dev.gpu, dev.smem_budget, verify=True)
 
 
 def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float, layout: str = "bhsd",

@@ -25,7 +25,7 @@ from .spec import KernelSpec
 
 def _select(kind, dev, dtype, d, causal, nq):
     key = dispatch.ProblemKey(kind, dev.arch, dtype, dispatch.head_dim_tile(d), causal, dispatch.bucket_of(nq))
-    return dispatch.select(key, dev.gpu, dev.smem_budget)
+    return dispatch.select(key, dev.gpu, dev.smem_budget, verify=True)
 
 
 def _check_spec(spec, kind, dtype, causal, d, dev):

@@ -99,11 +99,13 @@ BWD_TILES = {
     "bwd_convert": _BWD_ROW,
     "bwd_dkdv": {
         # From bench/sweep_bwd.py on the H200 (bench/results/bwd2/round3): causal d=64 prefers the
-        # smaller tile. At d=128 the sweep's winners (32x128x8 non-causal, 128x64x8 causal, 3-4 %
-        # faster) compile spill-free with the device's NVRTC 13.0 but spill with 13.5: they sit on
-        # the register cliff, so the default keeps 64x64x8 (spill-free on both) until they are cut.
+        # smaller tile. At d=128 the sweep's winners, 32x128x8 non-causal and 128x64x8 causal (3-4 %
+        # faster than 64x64x8 there), spilled under NVRTC 13.5 until bwd3's address tables; now
+        # spill-free under 13.5 and 13.0 (bench/NOTES.md, bwd3). 128x64 does not fit sm_80's shared
+        # memory; 64x64x8 stays as the fallback (shared memory or, with verify, spills).
         **{d: ((64, 64, 4, 2, 0, True, None), (64, 128, 8, 2, 0, None, None)) for d in (32, 64)},
-        **{d: ((64, 64, 8, 2, 0, None, None),) for d in (96, 128, 160)},
+        **{d: ((64, 64, 8, 2, 0, None, None),) for d in (96, 160)},
+        128: ((32, 128, 8, 2, 0, False, None), (128, 64, 8, 2, 0, True, None), (64, 64, 8, 2, 0, None, None)),
         192: ((64, 32, 8, 2, 0, None, None),),
         256: ((64, 32, 8, 2, 0, None, None), (32, 64, 8, 2, 0, None, None)),  # the second fits sm_80
     },
@@ -152,19 +154,62 @@ def bwd_head_dim_tile(d: int) -> int:
     return 256 if tile == 224 else tile
 
 
-def default_spec(key: ProblemKey, smem_budget: int) -> KernelSpec:
-    """The default rule's spec for ``key`` under ``smem_budget`` bytes per block."""
+def resource_problems(spec: KernelSpec) -> list:
+    """Why the local NVRTC's binary of ``spec`` would be refused (spills, stack...); [] when it is clean.
+
+    Compiles ``spec`` (disk-cached, so once per machine and toolchain). A build
+    that fails outright is not a resource problem: it is left to ``load`` to report.
+    """
+    from .codegen import build
+    from .errors import CompileError
+
+    try:
+        return build(spec).report.problems()
+    except CompileError:
+        return []
+
+
+def _first_clean(candidates, check):
+    """The first of ``candidates`` (in the rule's order) that ``check`` finds no problem with.
+
+    A refused candidate is skipped with a debug log; the last one is returned
+    unchecked (nothing is left to fall back to: ``load`` reports its problems).
+    """
+    for i, spec in enumerate(candidates):
+        if check is None or i == len(candidates) - 1:
+            return spec
+        problems = check(spec)
+        if not problems:
+            return spec
+        from .settings import logger
+
+        logger().debug("dispatch: skipping %s (%s) for the next tile of the rule", spec.name, "; ".join(problems))
+    raise AssertionError("unreachable")
+
+
+def default_spec(key: ProblemKey, smem_budget: int, check=None) -> KernelSpec:
+    """The default rule's spec for ``key`` under ``smem_budget`` bytes per block.
+
+    The rule lists tiles in order of preference; the first that fits the shared
+    memory is taken. With ``check`` (spec -> list of problems, e.g.
+    ``resource_problems``), a fitting tile that ``check`` refuses is skipped for
+    the next fitting one: a tile the device's NVRTC compiles spill-free may spill
+    under another NVRTC version, and the rule's later tiles are the fallback.
+    """
     if key.kind == "fwd_sm90":
         if key.arch != "sm_90a":
             raise UnsupportedError(f"fwd_sm90 (wgmma + TMA) needs an sm_90a GPU (H100/H200), not {key.arch}")
         if key.head_dim not in SM90_TILES:
             raise UnsupportedError(f"fwd_sm90 has no head-dim tile {key.head_dim} (see sm90_head_dim_tile)")
+        fitting = []
         for bm, bn, st, ws, pp, ov in SM90_TILES[key.head_dim]:
             spec = KernelSpec(kind="fwd_sm90", arch=key.arch, dtype=key.dtype, head_dim=key.head_dim, block_m=bm,
                               block_n=bn, warps=4 * (bm // 64 + ws), stages=st, warpspec=ws, pingpong=pp,
                               overlap=ov, causal=key.causal)
             if spec.validate().smem_bytes() <= smem_budget:
-                return spec
+                fitting.append(spec)
+        if fitting:
+            return _first_clean(fitting, check)
         raise UnsupportedError(f"no default fwd_sm90 tile fits {smem_budget} B of shared memory for d={key.head_dim}")
     if key.kind in BASELINE_KINDS:  # the baselines (standard attention's passes, fwd_v1) have their own rules
         from .baseline_specs import default_spec as baseline_default
@@ -175,13 +220,16 @@ def default_spec(key: ProblemKey, smem_budget: int) -> KernelSpec:
                                f"{sorted(BWD_TILES[key.kind])})")
     tiles = BWD_TILES[key.kind][key.head_dim] if key.kind in BWD_TILES else DEFAULT_TILES[key.head_dim]
     row_kernel = key.kind in ("bwd_preprocess", "bwd_convert")  # no causal variant
+    fitting = []
     for bm, bn, w, st, refill, causal, arch in tiles:
         if (causal is not None and causal != key.causal) or (arch is not None and arch != key.arch):
             continue
         spec = KernelSpec(kind=key.kind, arch=key.arch, dtype=key.dtype, head_dim=key.head_dim, block_m=bm,
                           block_n=bn, warps=w, stages=st, refill=refill, causal=key.causal and not row_kernel)
-        if spec.validate().smem_bytes() <= smem_budget:
-            return spec
+        if spec.validate().smem_bytes() <= smem_budget and spec not in fitting:
+            fitting.append(spec)
+    if fitting:
+        return _first_clean(fitting, check)
     raise UnsupportedError(f"no default {key.kind} tile fits {smem_budget} B of shared memory for d={key.head_dim}")
 
 
@@ -200,12 +248,17 @@ def default_specs(arch: str, smem_budget: int, kind: str = "fwd_v2"):
 
 
 @functools.lru_cache(maxsize=4096)
-def select(key: ProblemKey, gpu: str | None, smem_budget: int) -> KernelSpec:
-    """The spec for ``key`` on GPU profile ``gpu`` (None: unknown GPU, default rule only)."""
+def select(key: ProblemKey, gpu: str | None, smem_budget: int, verify: bool = False) -> KernelSpec:
+    """The spec for ``key`` on GPU profile ``gpu`` (None: unknown GPU, default rule only).
+
+    ``verify`` (the launch paths pass True): the default rule skips a tile whose
+    binary the local NVRTC would refuse (``resource_problems``) for the rule's
+    next tile. The decision is cached with the key, so once per process.
+    """
     if gpu is not None:
         from .tables import lookup  # tuned YAML tables (user's, then shipped)
 
         spec = lookup(gpu, key)
         if spec is not None:
             return spec
-    return default_spec(key, smem_budget)
+    return default_spec(key, smem_budget, check=resource_problems if verify else None)

@@ -39,7 +39,7 @@ def warm_kernels():
                 for kind in ("fwd_v2", *dispatch.BWD_KINDS):
                     tile = dispatch.head_dim_tile(d) if kind == "fwd_v2" else dispatch.bwd_head_dim_tile(d)
                     key = dispatch.ProblemKey(kind, dev.arch, dtype, tile, causal, 512)
-                    specs.add(dispatch.select(key, dev.gpu, dev.smem_budget))
+                    specs.add(dispatch.select(key, dev.gpu, dev.smem_budget, verify=True))
     with ThreadPool(8) as pool:
         pool.map(build, sorted(specs, key=lambda s: s.name))
 
@@ -261,42 +261,70 @@ def _batch(gen, n=8, length=192, vocab=64):
     return (start + stride * steps) % vocab
 
 
-def _train(attend, steps=50, compile_model=False):
+def _train(attend, steps=50, compile_model=False, lr=1e-3, warmup=10, clip=1.0):
+    """(training losses, held-out loss) of TinyLM trained from seed 0 with ``attend``.
+
+    fp32 master weights (the attention inputs are cast to bf16 in _Block, the rest
+    runs in fp32), AdamW with a linear warmup and a cosine decay to a tenth of lr,
+    and gradient clipping: a smooth curve whose end does not amplify the rounding
+    differences between two correct attention kernels (see test_training_matches_sdpa).
+    """
     torch.manual_seed(0)
     model = TinyLM(attend).cuda()
     run = torch.compile(model, fullgraph=True) if compile_model else model
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min((s + 1) / warmup, 0.1 + 0.45 * (1 + math.cos(math.pi * s / steps))))
     gen = torch.Generator(device="cuda").manual_seed(1)
     loss_fn = torch.nn.functional.cross_entropy
+    losses = []
     for _ in range(steps):
         tokens = _batch(gen)
         logits = run(tokens[:, :-1])
         loss = loss_fn(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
+        sched.step()
+        losses.append(loss.item())
     held_out = _batch(torch.Generator(device="cuda").manual_seed(99), n=32)
     with torch.no_grad():
         logits = model(held_out[:, :-1])
-        return loss_fn(logits.reshape(-1, logits.shape[-1]), held_out[:, 1:].reshape(-1)).item()
+        held = loss_fn(logits.reshape(-1, logits.shape[-1]), held_out[:, 1:].reshape(-1)).item()
+    return losses, held
 
 
 def test_training_matches_sdpa():
     """50 AdamW steps of a small GQA transformer from one seed on a counting task: flashgen attention
-    and SDPA end within 1 % of each other on a held-out batch, and the model learned (loss below half
-    of chance's)."""
-    ours = _train(_flashgen_attend)
-    theirs = _train(_sdpa_attend)
-    assert math.isfinite(ours) and math.isfinite(theirs)
-    assert abs(ours - theirs) <= 0.01 * theirs, (ours, theirs)
+    and SDPA end within 1 % of each other, and the model learned (loss below half of chance's).
+
+    Compared: the mean of the last 10 training losses (10 batches, so one batch's noise does not
+    decide) and the held-out loss. Two correct bf16 kernels differ by rounding (~2^-9 relative per
+    element of O, dQ, dK, dV); training turns that into a loss difference that stays small only
+    where the curve is smooth. The first version (constant lr 3e-3, held-out loss after step 50)
+    was in a regime with loss spikes (the model starts reading the stride off earlier tokens; on a
+    CPU stand-in its batch losses went 0.14 -> 0.53 -> 0.30 over steps 35-45), and the two runs
+    ended 21 % apart on the H200 (0.219 vs 0.278). Hence the schedule in _train: warmup, lr 1e-3,
+    cosine decay to 1e-4, gradient clipping at 1.0. The CPU stand-in (SDPA vs SDPA with uniform
+    relative noise of +-2^-8 or +-2^-6 on q, k, v, O and their gradients) put the old design at
+    2.8 % apart on the last-10 mean (0.3-5 % held out) and this one at <= 0.13 % on both.
+    """
+    ours, ours_held = _train(_flashgen_attend)
+    theirs, theirs_held = _train(_sdpa_attend)
+    assert all(math.isfinite(x) for x in ours + theirs + [ours_held, theirs_held])
+    tail_ours, tail_theirs = sum(ours[-10:]) / 10, sum(theirs[-10:]) / 10
+    assert abs(tail_ours - tail_theirs) <= 0.01 * tail_theirs, (tail_ours, tail_theirs, ours[-10:], theirs[-10:])
+    assert abs(ours_held - theirs_held) <= 0.01 * theirs_held, (ours_held, theirs_held)
     # The comparison is of a model that learns: well below chance (ln 64 = 4.16) after 50 steps.
-    assert theirs < 0.5 * math.log(64), theirs
+    assert tail_theirs < 0.5 * math.log(64), theirs
 
 
 def test_torch_compile_fullgraph_trains():
     """torch.compile(model, fullgraph=True) with flashgen attention runs forward and backward (no graph
     breaks) and trains like the eager model."""
-    eager = _train(_flashgen_attend, steps=5)
-    compiled = _train(_flashgen_attend, steps=5, compile_model=True)
+    eager = _train(_flashgen_attend, steps=5)[1]
+    compiled = _train(_flashgen_attend, steps=5, compile_model=True)[1]
     assert math.isfinite(compiled)
     assert abs(compiled - eager) <= 0.02 * eager, (compiled, eager)

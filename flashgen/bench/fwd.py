@@ -123,7 +123,7 @@ def prebuild(settings, progress) -> None:
                     for n in settings["seqlens"]:
                         key = dispatch.ProblemKey(kind, dev.arch, settings["dtype"], dispatch.head_dim_tile(d),
                                                   causal, dispatch.bucket_of(n))
-                        specs.add(dispatch.select(key, dev.gpu, dev.smem_budget))
+                        specs.add(dispatch.select(key, dev.gpu, dev.smem_budget, verify=True))
     t0 = time.time()
     with ThreadPool(8) as pool:
         pool.map(lambda s: _quiet(build, s), sorted(specs, key=lambda s: s.name))

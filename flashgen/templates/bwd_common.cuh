@@ -94,6 +94,90 @@ FG_DEVICE void warp_mma(float (&acc)[MT][NT][4], fg_u32 sA, int m0, fg_u32 sB, i
   }
 }
 
+// ---- per-lane ldmatrix address tables (the forward's Tile::Cols idiom) ----------
+// Every lane's ldmatrix rows are r, r + 16, ... with r % 8 == lane % 8 (for all
+// four operand roles), so one lane's swizzle is the same on all its rows. An
+// operand walked along k by chunks (plain ldmatrix) needs 4 (+2 for a C % 8 == 4
+// tail) byte offsets; one walked along k by rows (.trans) needs one offset per
+// 16-column step. Built once before the main loop, these ~20 registers replace
+// the per-(k step, m step) offsets the compiler otherwise hoists out of it.
+// at(i, kk): byte offset of the i-th 16-row (KWalk) / 16-column (RowWalk) step
+// at the kk-th k step of 16; kk and i are compile-time, so the rest folds into
+// the ldmatrix immediate.
+template <int W>
+struct KWalk {  // [rows][k], plain ldmatrix
+  static constexpr bool TRANS = false;
+  static constexpr int C = Tile<W>::C, RB = Tile<W>::ROW_BYTES;
+  fg_u32 main[4], tail[2];
+  FG_DEVICE KWalk(int row, int c0) {
+    const typename Tile<W>::Cols cols(row, c0);
+    const fg_u32 rb = static_cast<fg_u32>(row * RB);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) main[i] = rb + cols.main[i];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) tail[i] = rb + cols.tail[i];
+  }
+  FG_DEVICE fg_u32 at(int i, int kk) const {
+    return static_cast<fg_u32>(i * 16 * RB) +
+           (2 * kk < (C & ~7) ? 128 * (kk >> 2) + main[kk & 3] : tail[kk - (C & ~7) / 2]);
+  }
+};
+
+template <int W, int N>
+struct RowWalk {  // [k][columns], .trans ldmatrix; N steps of 16 columns from chunk0
+  static constexpr bool TRANS = true;
+  static constexpr int RB = Tile<W>::ROW_BYTES;
+  fg_u32 col[N];
+  FG_DEVICE RowWalk(int row, int chunk0, int c0) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) col[j] = Tile<W>::offset(row, chunk0 + 2 * j + c0);
+  }
+  FG_DEVICE fg_u32 at(int i, int kk) const { return static_cast<fg_u32>(kk * 16 * RB) + col[i]; }
+};
+
+// The four roles (KERNELS.md section 2 and the header of this file).
+FG_DEVICE int lane_() { return static_cast<int>(threadIdx.x) & 31; }
+template <int W>  // A (m x k) stored [m][k], rows from m0
+FG_DEVICE KWalk<W> a_kwalk(int m0) { return KWalk<W>(m0 + (lane_() & 15), lane_() >> 4); }
+template <int W>  // B (k x n) stored [n][k], rows from n0
+FG_DEVICE KWalk<W> b_kwalk(int n0) { return KWalk<W>(n0 + ((lane_() >> 4) << 3) + (lane_() & 7), (lane_() >> 3) & 1); }
+template <int W, int N>  // A (m x k) stored [k][m], columns from m0
+FG_DEVICE RowWalk<W, N> a_rowwalk(int m0) {
+  return RowWalk<W, N>(((lane_() >> 4) << 3) + (lane_() & 7), m0 / 8, (lane_() >> 3) & 1);
+}
+template <int W, int N>  // B (k x n) stored [k][n], columns from n0
+FG_DEVICE RowWalk<W, N> b_rowwalk(int n0) { return RowWalk<W, N>(lane_() & 15, n0 / 8, lane_() >> 4); }
+
+// acc (16*MT x 8*NT) += A B over k = 0 .. 16*KT with tabled addresses: A at
+// shared address sA walked by `ao` (its first MT steps), B at sB by `bo` (its
+// steps b0 .. b0 + NT/2 - 1; b0 a constant after unrolling).
+template <int MT, int NT, int KT, bool BF16, typename AO, typename BO>
+FG_DEVICE void warp_mma_t(float (&acc)[MT][NT][4], fg_u32 sA, const AO& ao, fg_u32 sB, const BO& bo, int b0 = 0) {
+  static_assert(NT % 2 == 0, "B fragments come in pairs of n8 tiles");
+  sA = opaque(sA);
+  sB = opaque(sB);
+#pragma unroll
+  for (int kk = 0; kk < KT; ++kk) {
+    fg_u32 a[MT][4];
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi) {
+      if constexpr (AO::TRANS) ldmatrix_x4_trans(a[mi], sA + ao.at(mi, kk));
+      else ldmatrix_x4(a[mi], sA + ao.at(mi, kk));
+    }
+#pragma unroll
+    for (int nj2 = 0; nj2 < NT / 2; ++nj2) {
+      fg_u32 b[4];
+      if constexpr (BO::TRANS) ldmatrix_x4_trans(b, sB + bo.at(b0 + nj2, kk));
+      else ldmatrix_x4(b, sB + bo.at(b0 + nj2, kk));
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi) {
+        mma_16816<BF16>(acc[mi][2 * nj2], a[mi], b[0], b[1]);
+        mma_16816<BF16>(acc[mi][2 * nj2 + 1], a[mi], b[2], b[3]);
+      }
+    }
+  }
+}
+
 // Store an accumulator tile (rows from m0, columns from n0) into a Tile<W> as
 // 16-bit values: one 4-byte store per pair of columns.
 template <int W, int MT, int NT, bool BF16>
@@ -109,6 +193,36 @@ FG_DEVICE void store_acc_smem(fg_u32 s, const float (&acc)[MT][NT][4], int m0, i
         const fg_u32 packed = pack2<BF16>(acc[mi][nj][2 * h], acc[mi][nj][2 * h + 1]);
         const fg_u32 addr = s + Tile<W>::offset(m0 + mi * 16 + g + 8 * h, n0 / 8 + nj) + 4 * t;
         asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(packed));
+      }
+}
+
+// Two 16-bit values of one register (low half: the lower column) back to fp32; exact.
+template <bool BF16>
+FG_DEVICE void unpack2(fg_u32 x, float& lo, float& hi) {
+  if constexpr (BF16) {
+    lo = __uint_as_float(x << 16);
+    hi = __uint_as_float(x & 0xffff0000u);
+  } else {
+    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}\n"
+        : "=f"(lo), "=f"(hi) : "r"(x));
+  }
+}
+
+// Store a tile of packed 16-bit pairs (pk[mi][nj][h]: row g + 8h of the mi-th
+// 16-row slice, columns 2t, 2t+1 of the nj-th n8 tile; rows from m0, columns
+// from n0) into a Tile<W>: the layout of store_acc_smem, already converted.
+template <int W, int MT, int NT>
+FG_DEVICE void store_pk_smem(fg_u32 s, const fg_u32 (&pk)[MT][NT][2], int m0, int n0) {
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+    for (int nj = 0; nj < NT; ++nj)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const fg_u32 addr = s + Tile<W>::offset(m0 + mi * 16 + g + 8 * h, n0 / 8 + nj) + 4 * t;
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(pk[mi][nj][h]));
       }
 }
 

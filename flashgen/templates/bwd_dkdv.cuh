@@ -87,6 +87,14 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
   const int b_m0 = (warp % WB) * B_RM, b_n0 = (warp / WB) * B_RN;
   const int c_m0 = (warp % WC) * C_RM, c_n0 = (warp / WC) * C_RN;
 
+  // Per-lane ldmatrix address tables, built once (see KWalk / RowWalk in bwd_common.cuh).
+  const KWalk<D> ka = a_kwalk<D>(a_m0);                            // K, V as A of S^T, dP^T
+  const KWalk<D> qb = b_kwalk<D>(a_n0);                            // Q, dO as B of S^T, dP^T
+  const KWalk<BM> pa = a_kwalk<BM>(b_m0);                          // P^T, dS^T as A of dV, dK
+  const RowWalk<D, B_NT / 2> ob = b_rowwalk<D, B_NT / 2>(b_n0);    // dO, Q as B of dV, dK
+  const RowWalk<BM, C_MT> sa = a_rowwalk<BM, C_MT>(c_m0);          // dS as A of dQ
+  const RowWalk<D, C_RN / 16> kb = b_rowwalk<D, C_RN / 16>(c_n0);  // K as B of dQ (all chunks)
+
   float acc_dv[B_MT][B_NT][4], acc_dk[B_MT][B_NT][4];
   zero_acc(acc_dv);
   zero_acc(acc_dk);
@@ -104,44 +112,69 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
     const int m0 = (m_first + it % per_head) * BM;
     const fg_u32 sQs = sQ + stage * TILE_Q, sdOs = sdO + stage * TILE_Q;
 
-    // ---- A: S^T, dP^T, then P^T and dS^T into shared memory -----------------
+    // ---- A: S^T, then P^T (to shared memory), then dP^T and dS^T (to shared memory)
+    // S^T and dP^T are never live together: P^T is kept as packed 16-bit pairs
+    // (a quarter of the two fp32 tiles), which is also what dS = P (dP - D) reads,
+    // so dS uses P rounded to the input dtype, as dV = P^T dO does (and as the
+    // same-dtype reference does everywhere). P = 1 and P = 0 stay exact.
     {
-      float s[A_MT][A_NT][4], dp[A_MT][A_NT][4];
-      zero_acc(s);
-      zero_acc(dp);
-      warp_mma<A_MT, A_NT, D / 16, false, false, D, D, BF16>(s, sK, a_m0, sQs, a_n0);
-      warp_mma<A_MT, A_NT, D / 16, false, false, D, D, BF16>(dp, sV, a_m0, sdOs, a_n0);
       const bool need_mask = (n0 + BN > p.nk) || (CAUSAL && n0 + BN - 1 > m0 + diag);
-      const float* Ls = fL + stage * BM;
-      const float* Ds = fD + stage * BM;
+      fg_u32 pt[A_MT][A_NT][2];
+      {
+        float s[A_MT][A_NT][4];
+        zero_acc(s);
+        warp_mma_t<A_MT, A_NT, D / 16, BF16>(s, sK, ka, sQs, qb);
+        const float* Ls = fL + stage * BM;
 #pragma unroll
-      for (int nj = 0; nj < A_NT; ++nj) {
-        const int ql = a_n0 + nj * 8 + 2 * t;
-        const float l2[2] = {Ls[ql], Ls[ql + 1]};
-        const float dd[2] = {Ds[ql], Ds[ql + 1]};
+        for (int nj = 0; nj < A_NT; ++nj) {
+          const int ql = a_n0 + nj * 8 + 2 * t;
+          const float l2[2] = {Ls[ql], Ls[ql + 1]};
 #pragma unroll
-        for (int mi = 0; mi < A_MT; ++mi)
+          for (int mi = 0; mi < A_MT; ++mi)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            float x = s[mi][nj][e];
-            if (need_mask) {
-              const int key = n0 + a_m0 + mi * 16 + g + 8 * (e >> 1);
-              const int qrow = m0 + ql + (e & 1);
-              if (key >= p.nk || (CAUSAL && key > qrow + diag)) x = -INFINITY;
+            for (int h = 0; h < 2; ++h) {
+              float pe[2];
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                float x = s[mi][nj][2 * h + e];
+                if (need_mask) {
+                  const int key = n0 + a_m0 + mi * 16 + g + 8 * h;
+                  const int qrow = m0 + ql + e;
+                  if (key >= p.nk || (CAUSAL && key > qrow + diag)) x = -INFINITY;
+                }
+                pe[e] = fast_exp2(fmaf(x, p.scale_log2, -l2[e]));
+              }
+              pt[mi][nj][h] = pack2<BF16>(pe[0], pe[1]);
             }
-            const float pe = fast_exp2(fmaf(x, p.scale_log2, -l2[e & 1]));
-            s[mi][nj][e] = pe;
-            dp[mi][nj][e] = pe * (dp[mi][nj][e] - dd[e & 1]);
-          }
+        }
       }
-      store_acc_smem<BM, A_MT, A_NT, BF16>(sP, s, a_m0, a_n0);
-      store_acc_smem<BM, A_MT, A_NT, BF16>(sdS, dp, a_m0, a_n0);
+      store_pk_smem<BM, A_MT, A_NT>(sP, pt, a_m0, a_n0);
+      {
+        float dp[A_MT][A_NT][4];
+        zero_acc(dp);
+        warp_mma_t<A_MT, A_NT, D / 16, BF16>(dp, sV, ka, sdOs, qb);
+        const float* Ds = fD + stage * BM;
+#pragma unroll
+        for (int nj = 0; nj < A_NT; ++nj) {
+          const int ql = a_n0 + nj * 8 + 2 * t;
+          const float dd[2] = {Ds[ql], Ds[ql + 1]};
+#pragma unroll
+          for (int mi = 0; mi < A_MT; ++mi)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              float pe[2];
+              unpack2<BF16>(pt[mi][nj][h], pe[0], pe[1]);
+              pt[mi][nj][h] = pack2<BF16>(pe[0] * (dp[mi][nj][2 * h] - dd[0]), pe[1] * (dp[mi][nj][2 * h + 1] - dd[1]));
+            }
+        }
+      }
+      store_pk_smem<BM, A_MT, A_NT>(sdS, pt, a_m0, a_n0);
     }
     __syncthreads();
 
     // ---- B: dV += P^T dO, dK += dS^T Q ---------------------------------------
-    warp_mma<B_MT, B_NT, BM / 16, false, true, BM, D, BF16>(acc_dv, sP, b_m0, sdOs, b_n0);
-    warp_mma<B_MT, B_NT, BM / 16, false, true, BM, D, BF16>(acc_dk, sdS, b_m0, sQs, b_n0);
+    warp_mma_t<B_MT, B_NT, BM / 16, BF16>(acc_dv, sP, pa, sdOs, ob);
+    warp_mma_t<B_MT, B_NT, BM / 16, BF16>(acc_dk, sdS, pa, sQs, ob);
 
     // ---- C: dQ += dS K by fp32 atomics ----------------------------------------
     if constexpr (DQ) {
@@ -151,7 +184,7 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
         float acc[C_MT][C_NT][4];
         zero_acc(acc);
         const int n_off = c_n0 + ch * C_CH;
-        warp_mma<C_MT, C_NT, BN / 16, true, true, BM, D, BF16>(acc, sdS, c_m0, sK, n_off);
+        warp_mma_t<C_MT, C_NT, BN / 16, BF16>(acc, sdS, sa, sK, kb, ch * (C_NT / 2));
 #pragma unroll
         for (int mi = 0; mi < C_MT; ++mi)
 #pragma unroll

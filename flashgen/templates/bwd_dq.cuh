@@ -69,6 +69,12 @@ FG_DEVICE void bwd_dq_body(const Params& p) {
       dd[mi][h] = p.dsum[row_base + mi * 16 + 8 * h];
     }
 
+  // Per-lane ldmatrix address tables, built once (KWalk / RowWalk in bwd_common.cuh).
+  const KWalk<D> qa = a_kwalk<D>(a_m0);                        // Q, dO as A of S, dP
+  const KWalk<D> kb = b_kwalk<D>(a_n0);                        // K, V as B of S, dP
+  const KWalk<BN> sa = a_kwalk<BN>(c_m0);                      // dS as A of dQ
+  const RowWalk<D, C_NT / 2> kc = b_rowwalk<D, C_NT / 2>(c_n0);  // K as B of dQ
+
   float acc[C_MT][C_NT][4];
   zero_acc(acc);
 
@@ -92,8 +98,8 @@ FG_DEVICE void bwd_dq_body(const Params& p) {
       float s[A_MT][A_NT][4], dp[A_MT][A_NT][4];
       zero_acc(s);
       zero_acc(dp);
-      warp_mma<A_MT, A_NT, D / 16, false, false, D, D, BF16>(s, sQ, a_m0, sKj, a_n0);
-      warp_mma<A_MT, A_NT, D / 16, false, false, D, D, BF16>(dp, sdO, a_m0, sVj, a_n0);
+      warp_mma_t<A_MT, A_NT, D / 16, BF16>(s, sQ, qa, sKj, kb);
+      warp_mma_t<A_MT, A_NT, D / 16, BF16>(dp, sdO, qa, sVj, kb);
       const bool need_mask = (n0 + BN > p.nk) || (CAUSAL && n0 + BN - 1 > m0 + diag);
 #pragma unroll
       for (int mi = 0; mi < A_MT; ++mi)
@@ -114,7 +120,7 @@ FG_DEVICE void bwd_dq_body(const Params& p) {
       store_acc_smem<BN, A_MT, A_NT, BF16>(sdS, dp, a_m0, a_n0);
     }
     __syncthreads();
-    warp_mma<C_MT, C_NT, BN / 16, false, true, BN, D, BF16>(acc, sdS, c_m0, sKj, c_n0);
+    warp_mma_t<C_MT, C_NT, BN / 16, BF16>(acc, sdS, sa, sKj, kc);
   }
   cp_async_wait<0>();
   store_acc_global<C_MT, C_NT, BF16>(p.dq + b * p.dq_sb + hq * p.dq_sh, p.dq_ss, acc, m0, c_m0, c_n0, p.nq, p.d,

@@ -1,0 +1,113 @@
+"""The default rule's spill fallback (dispatch.default_spec / select with verify=True), on CPU.
+
+A tile the device's NVRTC compiles spill-free may spill under another NVRTC
+(bench/NOTES.md, bwd3): dispatch then takes the rule's next tile. These tests
+replace the compiler with a fake, so nothing is compiled.
+"""
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from flashgen import dispatch, gpus
+from flashgen.codegen.compiler import Report
+from flashgen.errors import CompileError
+
+H200_SMEM = gpus.ARCH_SMEM_PER_BLOCK["sm_90a"]
+KEY = dispatch.ProblemKey("fwd_v2", "sm_90a", "bf16", 128, False, 2048)  # a rule of several tiles
+
+
+@pytest.fixture(autouse=True)
+def fresh_select():
+    dispatch.select.cache_clear()
+    yield
+    dispatch.select.cache_clear()
+
+
+def _candidates(key):
+    """The rule's fitting tiles for ``key``, in order (what the fallback walks)."""
+    seen = []
+    refuse_all = lambda spec: seen.append(spec) or ["refused"]  # noqa: E731
+    last = dispatch.default_spec(key, H200_SMEM, check=refuse_all)
+    return seen + [last]
+
+
+def test_without_check_the_first_fitting_tile_wins():
+    cands = _candidates(KEY)
+    assert len(cands) >= 2
+    assert dispatch.default_spec(KEY, H200_SMEM) == cands[0]
+    assert dispatch.default_spec(KEY, H200_SMEM, check=lambda s: []) == cands[0]
+
+
+def test_a_refused_tile_is_skipped_with_a_debug_log(caplog):
+    cands = _candidates(KEY)
+    first = cands[0]
+    with caplog.at_level(logging.DEBUG, logger="flashgen"):
+        got = dispatch.default_spec(KEY, H200_SMEM, check=lambda s: ["spills: 8 B stored, 8 B loaded"] if s == first else [])
+    assert got == cands[1]
+    assert first.name in caplog.text and "spills" in caplog.text
+
+
+def test_the_last_tile_is_returned_unchecked():
+    cands = _candidates(KEY)
+    checked = []
+    got = dispatch.default_spec(KEY, H200_SMEM, check=lambda s: checked.append(s) or ["refused"])
+    assert got == cands[-1]
+    assert checked == cands[:-1]  # the last is never checked: load() reports its problems
+
+
+def test_single_tile_rules_are_never_compiled():
+    key = dispatch.ProblemKey("bwd_preprocess", "sm_90a", "bf16", 128, False, 2048)
+    calls = []
+    dispatch.default_spec(key, H200_SMEM, check=lambda s: calls.append(s) or ["x"])
+    assert calls == []
+
+
+def test_select_verify_falls_back_once_per_process(monkeypatch):
+    cands = _candidates(KEY)
+    calls = []
+
+    def fake(spec):
+        calls.append(spec)
+        return ["spills: 4 B stored, 4 B loaded"] if spec == cands[0] else []
+
+    monkeypatch.setattr(dispatch, "resource_problems", fake)
+    assert dispatch.select(KEY, None, H200_SMEM, verify=True) == cands[1]
+    assert dispatch.select(KEY, None, H200_SMEM, verify=True) == cands[1]
+    assert calls == cands[:2]  # cached: the second select compiles nothing
+    assert dispatch.select(KEY, None, H200_SMEM) == cands[0]  # without verify: the rule as written
+
+
+def test_select_verify_applies_to_the_backward_rule(monkeypatch):
+    key = dispatch.ProblemKey("bwd_dkdv", "sm_90a", "bf16", 128, True, 2048)
+    cands = _candidates(key)
+    if len(cands) < 2:
+        pytest.skip("this rule has a single tile")
+    monkeypatch.setattr(dispatch, "resource_problems", lambda s: ["stack frame of 8 B"] if s == cands[0] else [])
+    assert dispatch.select(key, None, H200_SMEM, verify=True) == cands[1]
+
+
+def _fake_build(report=None, exc=None):
+    def build(spec):
+        if exc is not None:
+            raise exc
+        return SimpleNamespace(report=report)
+    return build
+
+
+def test_resource_problems_reads_the_ptxas_report(monkeypatch):
+    import flashgen.codegen as codegen
+
+    spec = dispatch.default_spec(KEY, H200_SMEM)
+    spilling = Report(registers=255, spill_stores=20, spill_loads=20, stack_frame=24, static_smem=0)
+    monkeypatch.setattr(codegen, "build", _fake_build(spilling))
+    problems = dispatch.resource_problems(spec)
+    assert any("spills" in p for p in problems) and any("stack" in p for p in problems)
+    clean = Report(registers=240, spill_stores=0, spill_loads=0, stack_frame=0, static_smem=0)
+    monkeypatch.setattr(codegen, "build", _fake_build(clean))
+    assert dispatch.resource_problems(spec) == []
+    # A build that fails outright is not a reason to fall back (load() reports it).
+    monkeypatch.setattr(codegen, "build", _fake_build(exc=CompileError("nvrtc failed")))
+    assert dispatch.resource_problems(spec) == []
