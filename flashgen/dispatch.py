@@ -136,12 +136,14 @@ def bwd_dq_mode(head_dim_tile: int) -> str:
 
 # fwd_sm90's default rule (sm_90a only): head-dim tile -> (block_m, block_n,
 # stages, warpspec, pingpong, overlap) in order of preference. FA3's shapes
-# (arXiv 2407.08608): two consumer warpgroups of 64 rows, a producer, both
-# pipelining flags on. Unmeasured as yet: the lead's H200 runs decide.
+# (arXiv 2407.08608): two consumer warpgroups of 64 rows and a producer. The
+# first H200 ablation (bench/results/sm90/final, d=128, N=8k) measured warp
+# specialization alone fastest: plain 559/521, ws 611/573, ws+pingpong 558/542,
+# all flags 517/463 TFLOP/s (non-causal/causal); overlap as written costs ~20 %.
 SM90_TILES = {
-    64: ((128, 128, 2, True, True, True),),
-    128: ((128, 128, 2, True, True, True),),
-    256: ((128, 64, 2, True, True, True),),
+    64: ((128, 128, 2, True, False, False),),
+    128: ((128, 128, 2, True, False, False),),
+    256: ((128, 64, 2, True, False, False),),
 }
 BWD_KINDS = tuple(BWD_TILES)
 # Kinds whose default rule lives in flashgen/baseline_specs.py (standard attention's passes, fwd_v1).
