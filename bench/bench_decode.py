@@ -19,7 +19,6 @@ import math
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import flashgen  # noqa: E402
+from flashgen.bench import timing  # noqa: E402
 from bench_fwd import meta  # noqa: E402
 
 D = 128
@@ -206,14 +206,7 @@ def host_overhead(calls=200, rounds=20):
     qh, kh = q.transpose(1, 2), k.transpose(1, 2).contiguous()
 
     def burst(fn):
-        best = float("inf")
-        for _ in range(rounds):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            best = min(best, time.perf_counter() - t0)
-        return best / calls * 1e6
+        return timing.host_us(fn, calls, rounds)
 
     def sdpa():
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):

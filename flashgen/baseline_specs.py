@@ -58,10 +58,7 @@ class StandardSoftmax(Family):
     """Pass 2: one warp per row; block_m rows (= warps) per CTA, 256-column (32 lanes x 8) sweeps."""
 
     def validate(self, spec) -> None:
-        for fname in ("head_dim", "block_m", "block_n", "warps", "stages", "refill"):
-            allowed = getattr(self, fname if fname in ("warps", "stages") else fname + "s")
-            if getattr(spec, fname) not in allowed:
-                raise ValueError(f"{self.kind}: {fname}={getattr(spec, fname)} not in {allowed}")
+        self.require(spec, self.value_rules())
         if spec.block_m != spec.warps:
             raise ValueError(f"{self.kind}: block_m={spec.block_m} must equal warps={spec.warps} "
                              "(one warp per row)")

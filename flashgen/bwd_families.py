@@ -123,11 +123,7 @@ class BwdTileFamily(Family):
         return {"wa": warp_split(bn, bm, w), "wb": warp_split(bn, d, w), "wc": warp_split(bm, d, w)}
 
     def validate(self, spec) -> None:
-        for fname, allowed in (("head_dim", self.head_dims), ("block_m", self.block_ms),
-                               ("block_n", self.block_ns), ("warps", self.warps), ("stages", self.stages),
-                               ("refill", self.refills)):
-            if getattr(spec, fname) not in allowed:
-                raise ValueError(f"{self.kind}: {fname}={getattr(spec, fname)} not in {allowed}")
+        self.require(spec, self.value_rules())
         bad = [k for k, v in self.splits(spec).items() if v is None]
         if bad:
             raise ValueError(f"{self.kind}: {spec.warps} warps cannot tile the {'/'.join(bad)} GEMM(s) of "

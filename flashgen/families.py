@@ -43,12 +43,19 @@ class Family:
     _struct: list = field(default_factory=list, compare=False, repr=False)
 
     # -- spec rules ---------------------------------------------------------
-    def validate(self, spec) -> None:
-        for fname, allowed in (("head_dim", self.head_dims), ("block_m", self.block_ms),
-                               ("block_n", self.block_ns), ("warps", self.warps), ("stages", self.stages),
-                               ("refill", self.refills)):
+    def require(self, spec, rules) -> None:
+        """``ValueError`` unless every (field, allowed values) rule holds for ``spec``."""
+        for fname, allowed in rules:
             if getattr(spec, fname) not in allowed:
                 raise ValueError(f"{self.kind}: {fname}={getattr(spec, fname)} not in {allowed}")
+
+    def value_rules(self) -> tuple:
+        """The (field, allowed values) rules every spec of this family meets."""
+        return (("head_dim", self.head_dims), ("block_m", self.block_ms), ("block_n", self.block_ns),
+                ("warps", self.warps), ("stages", self.stages), ("refill", self.refills))
+
+    def validate(self, spec) -> None:
+        self.require(spec, self.value_rules())
         if spec.block_m % (16 * spec.warps):
             raise ValueError(f"{self.kind}: block_m={spec.block_m} must split into 16-row slices "
                              f"over {spec.warps} warps")
@@ -121,11 +128,7 @@ class DecodeSplitFamily(Family):
     """
 
     def validate(self, spec) -> None:
-        for fname, allowed in (("head_dim", self.head_dims), ("block_m", self.block_ms),
-                               ("block_n", self.block_ns), ("warps", self.warps), ("stages", self.stages),
-                               ("refill", self.refills), ("causal", (True,))):
-            if getattr(spec, fname) not in allowed:
-                raise ValueError(f"{self.kind}: {fname}={getattr(spec, fname)} not in {allowed}")
+        self.require(spec, (*self.value_rules(), ("causal", (True,))))
         if spec.block_n % (16 * spec.warps):
             raise ValueError(f"{self.kind}: block_n={spec.block_n} must split into 16-key slices over "
                              f"{spec.warps} warps")
@@ -153,10 +156,8 @@ class DecodeCombineFamily(Family):
     """
 
     def validate(self, spec) -> None:
-        for fname, allowed in (("head_dim", self.head_dims), ("warps", self.warps), ("block_m", (16,)),
-                               ("block_n", (16,)), ("stages", (2,)), ("refill", (0,)), ("causal", (False,))):
-            if getattr(spec, fname) not in allowed:
-                raise ValueError(f"{self.kind}: {fname}={getattr(spec, fname)} not in {allowed}")
+        self.require(spec, (("head_dim", self.head_dims), ("warps", self.warps), ("block_m", (16,)),
+                            ("block_n", (16,)), ("stages", (2,)), ("refill", (0,)), ("causal", (False,))))
         if spec.head_dim // 4 > 32 * spec.warps:
             raise ValueError(f"{self.kind}: a row of head_dim={spec.head_dim} needs {spec.head_dim // 4} threads, "
                              f"more than {spec.warps} warps")
@@ -224,11 +225,9 @@ class Sm90Family(Family):
         return spec.block_m // 64
 
     def validate(self, spec) -> None:
-        for fname, allowed in (("head_dim", self.head_dims), ("block_m", self.block_ms),
-                               ("block_n", self.block_ns), ("stages", self.stages), ("refill", (0,)),
-                               ("arch", ("sm_90a",))):
-            if getattr(spec, fname) not in allowed:
-                raise ValueError(f"{self.kind}: {fname}={getattr(spec, fname)} not in {allowed}")
+        self.require(spec, (("head_dim", self.head_dims), ("block_m", self.block_ms),
+                            ("block_n", self.block_ns), ("stages", self.stages), ("refill", (0,)),
+                            ("arch", ("sm_90a",))))
         want = 4 * (self.consumers(spec) + int(spec.warpspec))
         if spec.warps != want:
             raise ValueError(f"{self.kind}: block_m={spec.block_m} with warpspec={spec.warpspec} means "

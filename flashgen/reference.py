@@ -24,10 +24,14 @@ def reference(q, k, v, causal, scale, dtype=None):
     if causal:
         i = torch.arange(nq, device=q.device)[:, None]
         j = torch.arange(nk, device=q.device)[None, :]
-        s = s.masked_fill(j > i + (nk - nq), float("-inf"))
-    lse = torch.logsumexp(s.float(), dim=-1)
-    p = torch.softmax(s, dim=-1)
-    p = torch.nan_to_num(p, nan=0.0)  # fully masked rows
+        hidden = j > i + (nk - nq)
+        sees = ~hidden.all(dim=-1, keepdim=True)  # rows with at least one key
+        lse = torch.logsumexp(s.masked_fill(hidden, float("-inf")).float(), dim=-1)
+        # Rows that see nothing give 0 without a NaN anywhere, so autograd can run through it too.
+        p = torch.softmax(s.masked_fill(hidden & sees, float("-inf")), dim=-1) * sees.to(s.dtype)
+    else:
+        lse = torch.logsumexp(s.float(), dim=-1)
+        p = torch.softmax(s, dim=-1)
     out = torch.matmul(p.to(dtype), vv)
     return out.float(), lse
 

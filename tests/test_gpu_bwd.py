@@ -21,6 +21,8 @@ pytestmark = [
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SEQLENS = [(113, 203), (1023, 1024), (1, 239), (239, 1)]
 
+from flashgen.reference import reference as _reference  # noqa: E402
+
 
 @pytest.fixture(scope="module", autouse=True)
 def warm_kernels():
@@ -45,26 +47,10 @@ def warm_kernels():
 
 
 def reference(q, k, v, causal, scale, dtype):
-    """softmax(scale q k^T) v with every op in ``dtype`` (bhsd, GQA by repeating k/v heads).
-
-    Causal is bottom-right aligned; rows that see no key give 0 (and pass no gradient), written
-    so that autograd never meets a NaN.
-    """
-    group = q.shape[1] // k.shape[1]
-    qq, kk, vv = (t.to(dtype) for t in (q, k, v))
-    kk = kk.repeat_interleave(group, dim=1)
-    vv = vv.repeat_interleave(group, dim=1)
-    s = torch.matmul(qq, kk.transpose(-1, -2)) * scale
-    nq, nk = q.shape[2], k.shape[2]
-    if causal:
-        i = torch.arange(nq, device=q.device)[:, None]
-        j = torch.arange(nk, device=q.device)[None, :]
-        hidden = j > i + (nk - nq)
-        sees = ~hidden.all(dim=-1, keepdim=True)          # rows with at least one key
-        p = torch.softmax(s.masked_fill(hidden & sees, float("-inf")), dim=-1) * sees.to(s.dtype)
-    else:
-        p = torch.softmax(s, dim=-1)
-    return torch.matmul(p.to(dtype), vv)
+    """softmax(scale q k^T) v with every op in ``dtype``, output in ``dtype`` (``flashgen.reference``:
+    bhsd, GQA by head groups, bottom-right causal, rows that see no key give 0 without a NaN, so
+    autograd runs through it)."""
+    return _reference(q, k, v, causal, scale, dtype)[0].to(dtype)
 
 
 def to_bhsd(t, layout):
