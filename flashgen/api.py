@@ -54,6 +54,18 @@ def _dims(t: torch.Tensor, layout: str):
     return (b, h, n, d), (s[0], s[2], s[1])
 
 
+def check_heads_and_dim(hq: int, hk: int, d: int, batch: int, grid_heads: int, kv_name: str,
+                        heads_name: str) -> None:
+    """GQA grouping, a supported head dim, and a grid that fits (shared with ``flashgen.decode``)."""
+    if hk == 0 or hq % hk:
+        raise ValueError(f"heads of q ({hq}) must be a multiple of heads of {kv_name} ({hk})")
+    if d % 8 or not 8 <= d <= 256:
+        raise UnsupportedError(f"head dim {d} is not supported: flashgen takes multiples of 8 from 8 to 256")
+    if grid_heads > _MAX_GRID_YZ or batch > _MAX_GRID_YZ:
+        raise UnsupportedError(f"batch ({batch}) and {heads_name} ({grid_heads}) must each be at most "
+                               f"{_MAX_GRID_YZ}")
+
+
 def _check_inputs(q, k, v, causal, softmax_scale, layout):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -82,12 +94,7 @@ def _check_inputs(q, k, v, causal, softmax_scale, layout):
         raise ValueError(f"q and k must have one batch size, got {bq} and {bk} ({layout})")
     if d != dk:
         raise ValueError(f"q and k must have one head dim, got {d} and {dk}")
-    if hk == 0 or hq % hk:
-        raise ValueError(f"heads of q ({hq}) must be a multiple of heads of k/v ({hk})")
-    if d % 8 or not 8 <= d <= 256:
-        raise UnsupportedError(f"head dim {d} is not supported: flashgen takes multiples of 8 from 8 to 256")
-    if hq > _MAX_GRID_YZ or bq > _MAX_GRID_YZ:
-        raise UnsupportedError(f"batch ({bq}) and heads ({hq}) must each be at most {_MAX_GRID_YZ}")
+    check_heads_and_dim(hq, hk, d, bq, hq, "k/v", "heads")
     for name, t, strides in (("q", q, sq), ("k", k, sk), ("v", v, sv)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")

@@ -18,7 +18,7 @@ import torch
 from . import decoding as dk
 from threading import get_ident
 
-from .api import _DTYPES, _MAX_GRID_YZ, _current_device, _current_stream, _Device
+from .api import _DTYPES, _current_device, _current_stream, _Device, check_heads_and_dim
 from .errors import UnsupportedError
 
 _plans: dict = {}
@@ -296,12 +296,7 @@ def _check(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softma
                              f"cache), got shape {tuple(k_cache.shape)}")
     if dkk != d:
         raise ValueError(f"q and k_cache must have one head dim, got {d} and {dkk}")
-    if hk == 0 or hq % hk:
-        raise ValueError(f"heads of q ({hq}) must be a multiple of heads of k_cache/v_cache ({hk})")
-    if d % 8 or not 8 <= d <= 256:
-        raise UnsupportedError(f"head dim {d} is not supported: flashgen takes multiples of 8 from 8 to 256")
-    if b > _MAX_GRID_YZ or hk > _MAX_GRID_YZ:
-        raise UnsupportedError(f"batch ({b}) and heads_kv ({hk}) must each be at most {_MAX_GRID_YZ}")
+    check_heads_and_dim(hq, hk, d, b, hk, "k_cache/v_cache", "heads_kv")
     if cache_seqlens is not None:
         if cache_seqlens.dtype != torch.int32:
             raise TypeError(f"cache_seqlens must be int32, got {cache_seqlens.dtype}")
