@@ -124,8 +124,10 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     keys j <= i + seqlen_k - seqlen_q; a row that sees no key gives 0 (LSE -inf).
 
     ``spec`` forces one KernelSpec instead of dispatch's pick (for the tuner
-    and for study); it must match the problem (kind, dtype, causal, arch, and a
-    head-dim tile that covers d).
+    and for study); it must match the problem (a forward family the GPU runs:
+    ``fwd_v2``, or ``fwd_sm90`` on sm_90a; dtype, causal, arch, and a head-dim
+    tile that covers d). Dispatch's pick, too, may be of either family (a tuned
+    table's entry for the "fwd" key); the spec's family decides the launch.
 
     ``algorithm`` picks the kernel family: ``"v2"`` (FlashAttention-2, the
     default and the fast one), ``"v1"`` (FlashAttention V1's loop order: K/V
@@ -255,11 +257,9 @@ def _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm="v
         o_strides = _dims(torch.empty(q.shape, device="meta"), layout)[1]
         return baseline_run.plan(algorithm, spec, causal, dev, _DTYPES[q.dtype], (b, h, hk, nq, nk, d),
                                  (sq, sk, sv), o_strides, scale)
-    kind = "fwd_sm90" if getattr(spec, "kind", None) == "fwd_sm90" else "fwd_v2"
-    if kind == "fwd_sm90" and dev.arch != "sm_90a":
-        raise UnsupportedError(f"fwd_sm90 (wgmma + TMA) runs on sm_90a GPUs only (H100/H200); this device is "
-                               f"{dev.arch}: use a fwd_v2 spec or none")
-    key = dispatch.ProblemKey(kind, dev.arch, _DTYPES[q.dtype], dispatch.tile_for(kind, d), causal,
+    # One problem key for the forward; the spec (tuned table, default rule or spec=) may be of any
+    # forward family the arch runs (dispatch.FORWARD_FAMILIES), and its family decides the launch.
+    key = dispatch.ProblemKey("fwd", dev.arch, _DTYPES[q.dtype], dispatch.head_dim_tile(d), causal,
                               dispatch.bucket_of(nq))
     if spec is None:
         spec = dispatch.select(key, dev.gpu, dev.smem_budget, verify=True)
@@ -268,7 +268,7 @@ def _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm="v
     kern = load(spec, dev.index)
     # The output is allocated like q (same shape, contiguous): its strides in q's layout.
     o_strides = _dims(torch.empty(q.shape, device="meta"), layout)[1]
-    if kind == "fwd_sm90":
+    if spec.kind == "fwd_sm90":
         return _plan_sm90(kern, spec, dev, (b, h, hk, nq, nk, d), (sq, sk, sv), o_strides, scale)
     template = kern.params(
         q_sb=sq[0], q_sh=sq[1], q_ss=sq[2], k_sb=sk[0], k_sh=sk[1], k_ss=sk[2],
@@ -321,10 +321,14 @@ def _check_forced_spec(spec, key, d, dev) -> None:
 
     if not isinstance(spec, KernelSpec):
         raise TypeError(f"spec must be a KernelSpec, got {type(spec).__name__}")
+    serving = dispatch.families_for(key.kind, key.arch)
+    if spec.kind in dispatch.FORWARD_FAMILIES[key.kind] and spec.kind not in serving:
+        raise UnsupportedError(f"{spec.kind} does not run on {key.arch} (this device); the forward here runs "
+                               f"{', '.join(serving)}: use such a spec or none")
     spec.validate()
-    want = {"kind": key.kind, "dtype": key.dtype, "causal": key.causal, "arch": key.arch}
-    wrong = {f: getattr(spec, f) for f, value in want.items() if getattr(spec, f) != value}
-    if wrong or spec.head_dim < d:
+    want = {"kind": serving, "dtype": key.dtype, "causal": key.causal, "arch": key.arch}
+    wrong = {f: getattr(spec, f) for f in ("dtype", "causal", "arch") if getattr(spec, f) != want[f]}
+    if spec.kind not in serving or wrong or spec.head_dim < d:
         raise ValueError(f"spec {spec.name} does not fit this problem ({want}, d={d})")
     if spec.smem_bytes() > dev.smem_budget:
         raise UnsupportedError(f"spec {spec.name} needs {spec.smem_bytes()} B of shared memory, over the "

@@ -25,7 +25,9 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--arch", choices=ARCHS, help="compile target (default: the --gpu profile's, else sm_90a)")
     p.add_argument("--gpu", choices=sorted(gpus.PROFILES), help="GPU profile whose shared memory bounds the tile")
-    p.add_argument("--kind", choices=sorted(FAMILIES), default="fwd_v2", help="kernel family (default fwd_v2)")
+    p.add_argument("--kind", choices=sorted({"fwd", *FAMILIES}), default="fwd",
+                   help="problem kind or kernel family (default fwd: the forward dispatch picks, any family; "
+                        "fwd_v2 / fwd_sm90: the forward restricted to that family)")
     p.add_argument("--seqlen", type=int, default=4096, help="query length, for the tuned table's bucket")
     for name in ("block-m", "block-n", "warps", "stages"):
         p.add_argument(f"--{name}", type=int, help=f"override the {name.replace('-', '_')} the rule picks")

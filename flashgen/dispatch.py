@@ -55,12 +55,64 @@ def tile_for(kind: str, d: int) -> int:
 
 @dataclass(frozen=True)
 class ProblemKey:
+    """What dispatch and the tuned tables key on.
+
+    ``kind`` names the problem: ``"fwd"`` for the forward (any family in
+    ``FORWARD_FAMILIES["fwd"]`` may serve it; ``head_dim`` is then the finest
+    tile, ``head_dim_tile(d)``, and each family's spec has its own tile for it,
+    ``spec_tile``), or the one family that serves every other problem
+    (decode_*, bwd_*, standard_*, fwd_v1: kind = family name, as before).
+    A key whose kind is a forward family's name (``fwd_v2``, ``fwd_sm90``) is
+    the forward restricted to that family: dispatch gives its default rule, or
+    the tuned "fwd" entry when that entry is of this family. Tables store
+    "fwd" keys only.
+    """
+
     kind: str
     arch: str
     dtype: str
     head_dim: int      # the kernel's head-dim tile
     causal: bool
     bucket: int        # seqlen bucket of the query length
+
+
+# Problem kinds served by several kernel families, in order of preference: the
+# first is the default rule's family. fwd_sm90 stays opt-in (a tuned entry or
+# spec=) until the tuner has measured both families per key on a Hopper GPU.
+# Each family's arch limit is its Family.archs (fwd_sm90: sm_90a only).
+FORWARD_FAMILIES = {"fwd": ("fwd_v2", "fwd_sm90")}
+_FAMILY_PROBLEM = {f: kind for kind, fams in FORWARD_FAMILIES.items() for f in fams}
+
+
+def problem_kind(kind: str) -> str:
+    """The problem a key kind asks for: "fwd" for a forward family's name, else the kind itself."""
+    return _FAMILY_PROBLEM.get(kind, kind)
+
+
+def problem_kinds() -> tuple:
+    """Every kind a tuned table's key may have: the multi-family problems and every other family."""
+    from .families import FAMILIES
+
+    return tuple(FORWARD_FAMILIES) + tuple(k for k in FAMILIES if k not in _FAMILY_PROBLEM)
+
+
+def families_for(kind: str, arch: str) -> tuple:
+    """The families that serve key kind ``kind`` on ``arch``, default first (() when none does).
+
+    "fwd": every family of FORWARD_FAMILIES["fwd"] that runs on ``arch``; a forward
+    family's own name: that family alone (when it runs on ``arch``); any other kind: itself.
+    """
+    from .families import family
+
+    fams = FORWARD_FAMILIES.get(kind, (kind,))
+    return tuple(f for f in fams if arch in family(f).archs)
+
+
+def spec_tile(family_kind: str, key: "ProblemKey") -> int:
+    """The head-dim tile a ``family_kind`` spec for ``key`` has (fwd_sm90 rounds up to 64/128/256)."""
+    if family_kind == key.kind:
+        return tile_for(family_kind, key.head_dim) if family_kind == "fwd_sm90" else key.head_dim
+    return tile_for(family_kind, key.head_dim)
 
 
 # The default rule: per head-dim tile, (block_m, block_n, warps, stages, refill,
@@ -198,21 +250,24 @@ def default_spec(key: ProblemKey, smem_budget: int, check=None) -> KernelSpec:
     the next fitting one: a tile the device's NVRTC compiles spill-free may spill
     under another NVRTC version, and the rule's later tiles are the fallback.
     """
+    if key.kind in FORWARD_FAMILIES:  # the problem's default family (fwd: fwd_v2 on every arch)
+        key = ProblemKey(FORWARD_FAMILIES[key.kind][0], key.arch, key.dtype, key.head_dim, key.causal, key.bucket)
     if key.kind == "fwd_sm90":
         if key.arch != "sm_90a":
             raise UnsupportedError(f"fwd_sm90 (wgmma + TMA) needs an sm_90a GPU (H100/H200), not {key.arch}")
-        if key.head_dim not in SM90_TILES:
+        d = spec_tile("fwd_sm90", key)
+        if d not in SM90_TILES:
             raise UnsupportedError(f"fwd_sm90 has no head-dim tile {key.head_dim} (see sm90_head_dim_tile)")
         fitting = []
-        for bm, bn, st, ws, pp, ov in SM90_TILES[key.head_dim]:
-            spec = KernelSpec(kind="fwd_sm90", arch=key.arch, dtype=key.dtype, head_dim=key.head_dim, block_m=bm,
+        for bm, bn, st, ws, pp, ov in SM90_TILES[d]:
+            spec = KernelSpec(kind="fwd_sm90", arch=key.arch, dtype=key.dtype, head_dim=d, block_m=bm,
                               block_n=bn, warps=4 * (bm // 64 + ws), stages=st, warpspec=ws, pingpong=pp,
                               overlap=ov, causal=key.causal)
             if spec.validate().smem_bytes() <= smem_budget:
                 fitting.append(spec)
         if fitting:
             return _first_clean(fitting, check)
-        raise UnsupportedError(f"no default fwd_sm90 tile fits {smem_budget} B of shared memory for d={key.head_dim}")
+        raise UnsupportedError(f"no default fwd_sm90 tile fits {smem_budget} B of shared memory for d={d}")
     if key.kind in BASELINE_KINDS:  # the baselines (standard attention's passes, fwd_v1) have their own rules
         from .baseline_specs import default_spec as baseline_default
 
@@ -235,10 +290,10 @@ def default_spec(key: ProblemKey, smem_budget: int, check=None) -> KernelSpec:
     raise UnsupportedError(f"no default {key.kind} tile fits {smem_budget} B of shared memory for d={key.head_dim}")
 
 
-def default_specs(arch: str, smem_budget: int, kind: str = "fwd_v2"):
+def default_specs(arch: str, smem_budget: int, kind: str = "fwd"):
     """Every spec the default rule can pick for ``arch`` (for the compile tests)."""
     out = []
-    if kind == "fwd_sm90" and arch != "sm_90a":
+    if not families_for(kind, arch):
         return out
     for d in (BWD_TILES[kind] if kind in BWD_TILES else SM90_TILES if kind == "fwd_sm90" else MMA_HEAD_DIMS):
         for dtype in ("fp16", "bf16"):
@@ -260,7 +315,15 @@ def select(key: ProblemKey, gpu: str | None, smem_budget: int, verify: bool = Fa
     if gpu is not None:
         from .tables import lookup  # tuned YAML tables (user's, then shipped)
 
-        spec = lookup(gpu, key)
+        problem = key if problem_kind(key.kind) == key.kind else ProblemKey(
+            problem_kind(key.kind), key.arch, key.dtype, key.head_dim, key.causal, key.bucket)
+        spec = lookup(gpu, problem)
         if spec is not None:
-            return spec
+            serving = families_for(key.kind, key.arch)
+            if spec.kind in serving:
+                return spec
+            if problem is key:  # the store refuses such entries; never launch one
+                raise UnsupportedError(f"the tuned {gpu} table's entry for {key} is a {spec.kind} kernel, which "
+                                       f"does not serve {key.kind} on {key.arch} (families here: {serving})")
+            # a family-restricted key (fwd_v2, fwd_sm90) and an entry of another family: that family's rule
     return default_spec(key, smem_budget, check=resource_problems if verify else None)

@@ -36,6 +36,7 @@ class Family:
     max_acc_floats: int = 200           # fp32 accumulators per thread before spilling is likely
     flags: tuple = ()                   # the boolean spec flags (warpspec, pingpong, overlap) the family takes
     hints: tuple = (0,)                 # KernelSpec.hint values (decode_split's load flavours; 0 elsewhere)
+    archs: tuple = ("sm_80", "sm_86", "sm_89", "sm_90a")  # compile targets the family runs on (spec.ARCHS)
     # The knobs the tuner searches and the values it tries (a subset of the
     # supported values above: the sizes that can win, not every legal one).
     tune_space: tuple = (("block_m", (64, 128, 192)), ("block_n", (32, 48, 64, 96, 128)), ("warps", (4, 8)),
@@ -59,6 +60,10 @@ class Family:
         if spec.block_m % (16 * spec.warps):
             raise ValueError(f"{self.kind}: block_m={spec.block_m} must split into 16-row slices "
                              f"over {spec.warps} warps")
+
+    def complete(self, knobs: dict) -> dict:
+        """A point of ``tune_space`` as KernelSpec fields: the knobs plus any field they imply (none here)."""
+        return dict(knobs)
 
     def smem_bytes(self, spec) -> int:
         elem = 2
@@ -227,13 +232,20 @@ class Sm90Family(Family):
     def validate(self, spec) -> None:
         self.require(spec, (("head_dim", self.head_dims), ("block_m", self.block_ms),
                             ("block_n", self.block_ns), ("stages", self.stages), ("refill", (0,)),
-                            ("arch", ("sm_90a",))))
+                            ("arch", self.archs)))
         want = 4 * (self.consumers(spec) + int(spec.warpspec))
         if spec.warps != want:
             raise ValueError(f"{self.kind}: block_m={spec.block_m} with warpspec={spec.warpspec} means "
                              f"warps={want}, got {spec.warps}")
         if spec.pingpong and not (spec.warpspec and self.consumers(spec) == 2):
             raise ValueError(f"{self.kind}: pingpong needs warpspec and two consumer warpgroups (block_m=128)")
+
+    def complete(self, knobs: dict) -> dict:
+        """warps follows from block_m and warpspec (4 per consumer warpgroup, 4 for the producer): not a knob."""
+        out = dict(knobs)
+        if "warps" not in out and "block_m" in out:
+            out["warps"] = 4 * (out["block_m"] // 64 + int(out.get("warpspec", False)))
+        return out
 
     def smem_bytes(self, spec) -> int:
         # Q tile, K and V rings, and 1 KB to align the tiles to 1024 bytes (the
@@ -286,10 +298,10 @@ FAMILIES: dict[str, Family] = {
     "fwd_sm90": Sm90Family("fwd_sm90", "fwd_sm90.cu.j2", SM90_PARAMS, head_dims=SM90_HEAD_DIMS,
                            block_ms=(64, 128, 192), block_ns=(64, 80, 96, 112, 128, 144, 160, 176, 192),
                            warps=(4, 8, 12, 16), stages=(2, 3, 4), refills=(0,),
-                           flags=("warpspec", "pingpong", "overlap"),
+                           flags=("warpspec", "pingpong", "overlap"), archs=("sm_90a",),
+                           # warps is implied by block_m and warpspec (Sm90Family.complete), not searched.
                            tune_space=(("block_m", (64, 128, 192)), ("block_n", (64, 80, 96, 112, 128, 160, 176, 192)),
-                                       ("warps", (4, 8, 12, 16)), ("stages", (2, 3)),
-                                       ("warpspec", (False, True)), ("pingpong", (False, True)),
+                                       ("stages", (2, 3)), ("warpspec", (False, True)), ("pingpong", (False, True)),
                                        ("overlap", (False, True)))),
 }
 

@@ -72,10 +72,15 @@ def test_tune_space_has_candidates():
     from flashgen.tuner import space
 
     for d in (64, 128, 256):
-        key = dispatch.ProblemKey("fwd_sm90", "sm_90a", "bf16", d, True, 4096)
-        cands = space.candidates(key, H200)
-        assert len(cands) > 5 and all(c.kind == "fwd_sm90" and not c.check(H200) for c in cands)
+        key = dispatch.ProblemKey("fwd", "sm_90a", "bf16", d, True, 4096)
+        cands = space.candidates(key, H200, only=("fwd_sm90",))
+        # the paper-rule baseline (fwd_v2) first, then fwd_sm90's own space
+        assert cands[0] == space.paper_baseline(key, H200) and cands[0].kind == "fwd_v2"
+        assert len(cands) > 5 and all(c.kind == "fwd_sm90" and not c.check(H200) for c in cands[1:])
         assert any(c.pingpong and c.overlap for c in cands)
+        assert {c.warpspec for c in cands[1:]} == {False, True} and {c.stages for c in cands[1:]} == {2, 3}
+        assert all(c.warps == 4 * (c.block_m // 64 + c.warpspec) for c in cands[1:])  # implied, not searched
+        assert space.candidates(dispatch.ProblemKey("fwd_sm90", "sm_90a", "bf16", d, True, 4096), H200) == cands
 
 
 def test_hopper_diagnostics_are_problems():

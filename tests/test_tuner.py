@@ -19,7 +19,7 @@ from flashgen.tuner.objective import MeasuredObjective, ModelObjective, Outcome
 pytest.importorskip("optuna")
 
 H200 = gpus.get("h200")
-KEY = ProblemKey("fwd_v2", "sm_90a", "bf16", 128, True, 4096)
+KEY = ProblemKey("fwd", "sm_90a", "bf16", 128, True, 4096)
 
 
 # -- search space -----------------------------------------------------------
@@ -28,14 +28,18 @@ KEY = ProblemKey("fwd_v2", "sm_90a", "bf16", 128, True, 4096)
 def test_candidates_are_feasible_and_unique(gpu, d):
     """Every candidate validates, fits the budget and the accumulator limit; none repeats."""
     prof = gpus.get(gpu)
-    key = ProblemKey("fwd_v2", prof.arch, "bf16", d, False, 2048)
+    key = ProblemKey("fwd", prof.arch, "bf16", d, False, 2048)
     cands = space.candidates(key, prof)
     assert len(cands) == len(set(cands)) >= 1
     for s in cands:
         assert s.check(prof) == []
         assert s.smem_bytes() <= prof.smem_per_block
-        assert s.block_m % (16 * s.warps) == 0
-        assert (s.kind, s.arch, s.dtype, s.head_dim, s.causal) == ("fwd_v2", prof.arch, "bf16", d, False)
+        assert (s.arch, s.dtype, s.causal) == (prof.arch, "bf16", False)
+        if s.kind == "fwd_v2":
+            assert s.block_m % (16 * s.warps) == 0 and s.head_dim == d
+        else:  # fwd_sm90, on sm_90a only, at its own head-dim tile
+            assert (s.kind, prof.arch, s.head_dim) == ("fwd_sm90", "sm_90a", dispatch.sm90_head_dim_tile(d))
+    assert {s.kind for s in cands} == ({"fwd_v2", "fwd_sm90"} if prof.arch == "sm_90a" else {"fwd_v2"})
 
 
 def test_smaller_budget_shrinks_the_space():
@@ -57,7 +61,7 @@ def test_smaller_budget_shrinks_the_space():
 ])
 def test_paper_baseline(gpu, d, expect):
     prof = gpus.get(gpu)
-    key = ProblemKey("fwd_v2", prof.arch, "bf16", d, False, 4096)
+    key = ProblemKey("fwd", prof.arch, "bf16", d, False, 4096)
     base = space.paper_baseline(key, prof)
     assert (base.block_m, base.block_n) == expect
     assert base.check(prof) == []
@@ -66,7 +70,7 @@ def test_paper_baseline(gpu, d, expect):
 
 def test_problem_shape_follows_the_convention():
     assert space.problem_shape(KEY) == (4, 16, 4096, 128)
-    assert space.problem_shape(ProblemKey("fwd_v2", "sm_90a", "bf16", 64, False, 16384)) == (1, 32, 16384, 64)
+    assert space.problem_shape(ProblemKey("fwd", "sm_90a", "bf16", 64, False, 16384)) == (1, 32, 16384, 64)
 
 
 @pytest.mark.parametrize("n,bucket", [(1, 512), (512, 512), (513, 1024), (3000, 4096), (16384, 16384),
@@ -248,14 +252,15 @@ def _table(gpu="h200", entries=None, source="measured"):
 
 
 def _spec_for(key, **kw):
-    base = dict(kind=key.kind, arch=key.arch, dtype=key.dtype, head_dim=key.head_dim, causal=key.causal,
+    base = dict(kind="fwd_v2" if key.kind == "fwd" else key.kind, arch=key.arch, dtype=key.dtype,
+                head_dim=key.head_dim, causal=key.causal,
                 block_m=128, block_n=32, warps=4, stages=3, refill=0)
     base.update(kw)
     return KernelSpec(**base)
 
 
 def test_yaml_round_trip(tmp_path):
-    key2 = ProblemKey("fwd_v2", "sm_90a", "fp16", 64, False, 512)
+    key2 = ProblemKey("fwd", "sm_90a", "fp16", 64, False, 512)
     t = _table(entries=[(KEY, _spec_for(KEY), 1.25), (key2, _spec_for(key2, block_n=64), 0.5)])
     path = store.save(t, tmp_path / "h200.yaml")
     back = store.load(path, gpu="h200")
@@ -270,7 +275,7 @@ def test_yaml_round_trip(tmp_path):
 
 
 def test_merge_keeps_untouched_keys(tmp_path):
-    key2 = ProblemKey("fwd_v2", "sm_90a", "bf16", 64, False, 512)
+    key2 = ProblemKey("fwd", "sm_90a", "bf16", 64, False, 512)
     old = _table(entries=[(KEY, _spec_for(KEY), 2.0), (key2, _spec_for(key2), 1.0)])
     new = _table(entries=[(KEY, _spec_for(KEY, block_n=64, stages=2), 1.0)])
     merged = store.merge(old, new)
@@ -358,8 +363,8 @@ def shipped_dir(tmp_path, monkeypatch):
 
 def test_dispatch_order(shipped_dir):
     key_a = KEY
-    key_b = ProblemKey("fwd_v2", "sm_90a", "bf16", 64, False, 1024)
-    key_c = ProblemKey("fwd_v2", "sm_90a", "fp16", 64, True, 2048)
+    key_b = ProblemKey("fwd", "sm_90a", "bf16", 64, False, 1024)
+    key_c = ProblemKey("fwd", "sm_90a", "fp16", 64, True, 2048)
     default_c = dispatch.default_spec(key_c, H200.smem_per_block)
     shipped_a, shipped_b = _spec_for(key_a, block_n=64, stages=2, refill=1), _spec_for(key_b, stages=2)
     user_a = _spec_for(key_a, block_m=64, block_n=64, stages=2)
@@ -398,7 +403,7 @@ def test_dispatch_import_does_not_need_optuna():
 
 
 # -- two processes, one journal-file study ----------------------------------------------
-SMALL_KEY = ProblemKey("fwd_v2", "sm_80", "bf16", 64, True, 1024)
+SMALL_KEY = ProblemKey("fwd", "sm_80", "bf16", 64, True, 1024)
 
 
 def _worker(args):
@@ -450,7 +455,7 @@ def test_tune_a100_model_mode_writes_a_valid_yaml(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "median gain over the paper-rule baseline" in printed
     code = main(["show", "--config", str(out)])
-    assert code == 0 and "fwd_v2-sm_80-bf16-d128-causal-n16384" in capsys.readouterr().out
+    assert code == 0 and "fwd-sm_80-bf16-d128-causal-n16384" in capsys.readouterr().out
 
 
 def test_tune_refuses_bad_arguments(capsys):
@@ -491,3 +496,177 @@ def test_show_without_tables(capsys, shipped_dir):
     assert main(["show", "--gpu", "l4"]) == 0
     assert "default rule" in capsys.readouterr().out
     os.environ.pop("FLASHGEN_GPU", None)
+
+
+# -- one forward key, two families (fwd_v2 everywhere, fwd_sm90 on sm_90a) ---------------
+def _sm90(key, bm=128, bn=128, st=2, ws=True, pp=False, ov=False):
+    return space.make_spec(key, "fwd_sm90", block_m=bm, block_n=bn, stages=st, warpspec=ws, pingpong=pp,
+                           overlap=ov).validate()
+
+
+def fake_time_two(key, spec):
+    """fwd_sm90 with warp specialization alone is fastest; fwd_v2 as in fake_time."""
+    if spec.kind == "fwd_sm90":
+        return 0.5 + abs(spec.block_n - 128) / 1000 + 0.1 * (spec.pingpong + spec.overlap + (not spec.warpspec))
+    return fake_time(key, spec)
+
+
+def test_forward_key_families_and_default():
+    assert dispatch.FORWARD_FAMILIES["fwd"] == ("fwd_v2", "fwd_sm90")
+    assert dispatch.families_for("fwd", "sm_90a") == ("fwd_v2", "fwd_sm90")
+    assert dispatch.families_for("fwd", "sm_80") == ("fwd_v2",)
+    assert dispatch.families_for("fwd_sm90", "sm_80") == ()
+    assert dispatch.families_for("bwd_dkdv", "sm_80") == ("bwd_dkdv",)  # other kinds: their own family
+    assert "fwd" in dispatch.problem_kinds() and "fwd_v2" not in dispatch.problem_kinds()
+    # the default rule stays fwd_v2's (fwd_sm90 is opt-in until measured)
+    for arch, budget in (("sm_90a", H200.smem_per_block), ("sm_80", gpus.get("a100").smem_per_block)):
+        key = ProblemKey("fwd", arch, "bf16", 128, True, 4096)
+        assert dispatch.default_spec(key, budget) == dispatch.default_spec(
+            ProblemKey("fwd_v2", arch, "bf16", 128, True, 4096), budget)
+        assert dispatch.default_spec(key, budget).kind == "fwd_v2"
+    # a fwd_sm90-restricted key of a d=96 problem runs fwd_sm90's 128 tile
+    assert dispatch.default_spec(ProblemKey("fwd_sm90", "sm_90a", "bf16", 96, False, 512),
+                                 H200.smem_per_block).head_dim == 128
+
+
+def test_table_serves_a_fwd_sm90_entry_on_sm90a(shipped_dir):
+    key = ProblemKey("fwd", "sm_90a", "bf16", 96, True, 4096)   # d = 96: fwd_sm90 runs its 128 tile
+    sm90 = _sm90(key)
+    assert sm90.head_dim == 128
+    other = ProblemKey("fwd", "sm_90a", "bf16", 64, False, 1024)
+    v2 = _spec_for(other, block_n=64, stages=2)
+    path = store.save(_table(entries=[(key, sm90, 0.5), (other, v2, 1.0)]), shipped_dir / "h200.yaml")
+    back = store.load(path, gpu="h200")
+    assert back.entries[key]["spec"] == sm90 and back.entries[other]["spec"] == v2
+    assert "kind: fwd," in path.read_text() and "key: {kind: fwd_v2" not in path.read_text()
+    tables.clear()
+    assert dispatch.select(key, "h200", H200.smem_per_block) == sm90
+    assert dispatch.select(other, "h200", H200.smem_per_block) == v2
+    # family-restricted keys: the entry when it is of that family, else that family's default rule
+    as_v2 = ProblemKey("fwd_v2", *list(vars(key).values())[1:])
+    assert dispatch.select(as_v2, "h200", H200.smem_per_block) == dispatch.default_spec(as_v2, H200.smem_per_block)
+    as_sm90 = ProblemKey("fwd_sm90", *list(vars(key).values())[1:])
+    assert dispatch.select(as_sm90, "h200", H200.smem_per_block) == sm90
+    assert dispatch.select(ProblemKey("fwd_v2", *list(vars(other).values())[1:]), "h200",
+                           H200.smem_per_block) == v2
+
+
+def test_fwd_sm90_entry_is_refused_on_sm80(tmp_path):
+    """A table for an sm_80 GPU cannot hold a fwd_sm90 spec: a ConfigError saying why."""
+    a100 = gpus.get("a100")
+    key = ProblemKey("fwd", "sm_80", "bf16", 128, False, 2048)
+    doc = yaml.safe_load(store.dump(_table(gpu="a100", entries=[(key, _spec_for(key, block_n=64, stages=2), 1.0)])))
+    sm90 = _sm90(ProblemKey("fwd", "sm_90a", "bf16", 128, False, 2048))
+    for record, message in ((sm90.to_dict(), "fwd_sm90 kernel, which does not serve fwd on sm_80"),
+                            (sm90.replace(arch="sm_80").to_dict(), r"fwd_sm90: arch=sm_80 not in \('sm_90a',\)")):
+        doc["entries"][0]["spec"] = record
+        path = _write(tmp_path, doc, "a100.yaml")
+        with pytest.raises(ConfigError, match=message) as err:
+            store.load(path, gpu="a100")
+        assert str(path) in str(err.value)
+    with pytest.raises(dispatch.UnsupportedError, match="sm_90a"):
+        dispatch.default_spec(ProblemKey("fwd_sm90", "sm_80", "bf16", 128, False, 2048), a100.smem_per_block)
+
+
+def test_format1_table_is_migrated_on_read_with_a_warning(tmp_path):
+    key = ProblemKey("fwd", "sm_90a", "bf16", 128, True, 4096)
+    other = ProblemKey("fwd", "sm_90a", "bf16", 64, False, 512)
+    doc = yaml.safe_load(store.dump(_table(entries=[(key, _spec_for(key), 1.0), (other, _spec_for(other), 2.0)])))
+    doc["meta"]["format"] = 1
+    for e in doc["entries"]:
+        e["key"]["kind"] = "fwd_v2"
+    # a format-1 user table could also hold a --kind fwd_sm90 entry of the same problem: the faster one stays
+    sm90 = _sm90(key)
+    first = next(e for e in doc["entries"] if e["key"]["head_dim"] == 128)
+    doc["entries"].append({**first, "key": {**first["key"], "kind": "fwd_sm90"},
+                           "spec": sm90.to_dict(), "time_ms": 0.5, "runners_up": [], "baseline": None})
+    path = _write(tmp_path, doc)
+    with pytest.warns(UserWarning, match="format 1 read as format 2"):
+        table = store.load(path, gpu="h200")
+    assert set(table.entries) == {key, other} and table.meta["format"] == store.FORMAT
+    assert table.entries[key]["spec"] == sm90 and table.entries[other]["time_ms"] == 2.0
+    store.migrate(path)
+    text = path.read_text()
+    assert "format: 2" in text and "kind: fwd_v2, arch" not in text.split("spec:")[0]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = store.load(path, gpu="h200")
+    assert again.entries.keys() == table.entries.keys()
+    assert all(again.entries[k]["spec"] == table.entries[k]["spec"] for k in again.entries)
+
+
+def test_format2_table_with_a_family_key_is_refused(tmp_path):
+    doc = _good_doc()
+    doc["entries"][0]["key"]["kind"] = "fwd_v2"
+    path = _write(tmp_path, doc)
+    with pytest.raises(ConfigError, match="is a kernel family; since table format 2"):
+        store.load(path, gpu="h200")
+
+
+def test_shipped_tables_are_format_2_with_fwd_keys():
+    for gpu in ("h200", "a100"):
+        table = store.load(store.shipped_path(gpu), gpu=gpu)
+        assert table.meta["format"] == 2 and {k.kind for k in table.entries} == {"fwd"}
+        assert all(e["spec"].kind == "fwd_v2" for e in table.entries.values())  # measured before fwd_sm90 was tuned
+
+
+def test_exhaustive_study_over_two_families_picks_fwd_sm90():
+    key = ProblemKey("fwd", "sm_90a", "bf16", 128, False, 4096)
+    cands = space.candidates(key, H200)
+    small = [cands[0]] + [s for s in cands if s.kind == "fwd_v2"][1:6] + [s for s in cands if s.kind == "fwd_sm90"][:6]
+    small.append(_sm90(key))
+    obj = MeasuredObjective(H200, build=FakeBuild(), check=lambda s: "", timer=fake_time_two)
+    res = study.collect(key, study.run_study(key, obj, small, n_trials=len(small)), small)
+    assert res.mode == "exhaustive" and [t.spec for t in res.trials] == small
+    assert res.best.spec == _sm90(key)
+    entry = store.entry_from_result(res, "measured")
+    assert entry["spec"].kind == "fwd_sm90" and entry["baseline"]["spec"].kind == "fwd_v2"
+
+
+def test_tpe_study_over_two_families():
+    """TPE over a family choice plus each family's knobs: seeded, bounded, both families tried,
+    and the fake objective's fwd_sm90 optimum region is found."""
+    key = ProblemKey("fwd", "sm_90a", "bf16", 128, False, 4096)
+    cands = space.candidates(key, H200)
+    choices = space.knob_choices(key, cands)
+    assert list(choices) == ["fwd_v2", "fwd_sm90"] and "warps" not in choices["fwd_sm90"]
+    runs = []
+    for _ in range(2):
+        obj = MeasuredObjective(H200, build=FakeBuild(), check=lambda s: "", timer=fake_time_two)
+        res = study.collect(key, study.run_study(key, obj, cands, n_trials=30, seed=5), cands)
+        assert res.mode == "tpe" and res.trials[0].spec == cands[0]
+        evaluated = [t for t in res.trials if not (t.status == "constraint" and "statically" in t.reason)]
+        assert len(evaluated) == 30
+        assert {t.spec.kind for t in evaluated} == {"fwd_v2", "fwd_sm90"}
+        assert all(t.spec in set(cands) for t in evaluated)
+        assert res.best.spec.kind == "fwd_sm90"
+        runs.append([(t.spec, t.status) for t in res.trials])
+    assert runs[0] == runs[1]
+
+
+def test_tune_kind_scope():
+    from types import SimpleNamespace
+
+    from flashgen.errors import FlashgenError
+    from flashgen.tuner.run import parse_scope
+
+    def args(**kw):
+        base = dict(gpu="h200", smem=None, kind="fwd", d="128", dtype="bf16", causal="both", seqlens="2048",
+                    trials=10)
+        base.update(kw)
+        return SimpleNamespace(**base)
+
+    prof, keys, only = parse_scope(args())
+    assert only is None and {k.kind for k in keys} == {"fwd"}
+    assert space.families(keys[0], only) == ("fwd_v2", "fwd_sm90")
+    prof, keys, only = parse_scope(args(kind="fwd_v2"))
+    assert only == ("fwd_v2",) and {k.kind for k in keys} == {"fwd"}
+    assert {s.kind for s in space.candidates(keys[0], prof, only)} == {"fwd_v2"}
+    prof, keys, only = parse_scope(args(gpu="a100"))
+    assert space.families(keys[0], only) == ("fwd_v2",)
+    with pytest.raises(FlashgenError, match="no kernel family serves it on a100"):
+        parse_scope(args(gpu="a100", kind="fwd_sm90"))
+    with pytest.raises(FlashgenError, match="known kinds"):
+        parse_scope(args(kind="fwd_v3"))

@@ -114,7 +114,8 @@ def prebuild(settings, progress) -> None:
     from ..codegen import build
 
     dev = _Device.of(0)
-    kinds = {"flashgen_v2": ("fwd_v2",), "flashgen_v1": (V1_KIND,), "flashgen_standard": STANDARD_KINDS}
+    # flashgen_v2 is what flashgen.attention runs: the "fwd" key's pick, of any forward family.
+    kinds = {"flashgen_v2": ("fwd",), "flashgen_v1": (V1_KIND,), "flashgen_standard": STANDARD_KINDS}
     specs = set()
     for impl in settings["impls"]:
         for kind in kinds.get(impl, ()):

@@ -17,7 +17,8 @@ The estimate is built from what the spec and the ptxas report say, nothing fitte
   floor the compute time cannot go under.
 
 mma.sync reaches only part of the tensor peak on Hopper (wgmma is the full rate),
-so the tensor rate is scaled per arch.
+so the tensor rate is scaled per arch, and for the wgmma family (fwd_sm90) by
+FlashAttention-3's published fraction.
 """
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ from ..spec import DTYPE_BYTES
 # Fraction of the datasheet tensor rate mma.sync m16n8k16 sustains, per arch
 # (Hopper's datasheet rate is wgmma's; FA2 measures ~45 % of it on an H100/H200).
 MMA_FRACTION = {"sm_80": 0.75, "sm_86": 0.7, "sm_89": 0.7, "sm_90a": 0.5}
+# Families that issue wgmma instead (sm_90a): the fraction of the datasheet rate FlashAttention-3
+# reports with warp specialization (661 of 989 TFLOP/s at d = 128; arXiv 2407.08608), not fitted.
+FAMILY_TENSOR_FRACTION = {"fwd_sm90": 0.67}
 SFU_PER_CLK_PER_SM = 16        # MUFU.EX2 per clock per SM
 FP32_PER_CLK_PER_SM = 128
 SOFTMAX_FP32_OPS = 6           # scale/subtract, max, sum, convert ... per score
@@ -62,7 +66,8 @@ def estimate(spec, shape, profile, registers: int) -> float:
         return math.inf
     d = spec.head_dim
     clock = CLOCK_HZ.get(spec.arch, 1.5e9)
-    tensor_per_clk = profile.peak_flops / profile.sms / clock * MMA_FRACTION.get(spec.arch, 0.6)
+    fraction = FAMILY_TENSOR_FRACTION.get(spec.kind) or MMA_FRACTION.get(spec.arch, 0.6)
+    tensor_per_clk = profile.peak_flops / profile.sms / clock * fraction
     # One K/V step of one CTA, in SM clocks if it had the SM alone.
     step_tensor = 4.0 * spec.block_m * spec.block_n * d / tensor_per_clk
     scores = spec.block_m * spec.block_n

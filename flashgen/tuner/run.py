@@ -92,8 +92,13 @@ def _csv(text, conv, what):
 
 
 def parse_scope(args):
-    """(profile, keys) from the command line, every value checked."""
-    from ..families import FAMILIES
+    """(profile, keys, families) from the command line, every value checked.
+
+    ``--kind fwd`` (the default) searches every forward family the GPU runs
+    (fwd_v2; and fwd_sm90 on sm_90a); ``--kind fwd_v2`` or ``fwd_sm90`` is the
+    same "fwd" problem restricted to that family (``families``; None: no restriction).
+    """
+    from ..dispatch import families_for, problem_kind, problem_kinds
     from ..spec import DTYPES
 
     profile = gpus.get(args.gpu)
@@ -101,8 +106,12 @@ def parse_scope(args):
         profile = gpus.with_smem(profile, args.smem)
     except ValueError as exc:
         raise FlashgenError(f"--smem: {exc}") from None
-    if args.kind not in FAMILIES:
-        raise FlashgenError(f"--kind {args.kind!r}: known kinds {sorted(FAMILIES)}")
+    known = sorted(set(problem_kinds()) | {k for k in families_for("fwd", "sm_90a")})
+    if args.kind not in known:
+        raise FlashgenError(f"--kind {args.kind!r}: known kinds {known}")
+    only = None if problem_kind(args.kind) == args.kind else (args.kind,)
+    if not families_for(args.kind, profile.arch):
+        raise FlashgenError(f"--kind {args.kind}: no kernel family serves it on {profile.name} ({profile.arch})")
     ds = _csv(args.d, int, "d")
     for d in ds:
         if d % 8 or not 8 <= d <= 256:
@@ -120,7 +129,7 @@ def parse_scope(args):
             raise FlashgenError(f"--seqlens {n}: tuned lengths are the buckets {BUCKETS}")
     if args.trials < 1:
         raise FlashgenError("--trials must be at least 1")
-    return profile, space.problem_keys(args.kind, profile.arch, dtypes, ds, causals, buckets)
+    return profile, space.problem_keys(args.kind, profile.arch, dtypes, ds, causals, buckets), only
 
 
 def _say(msg, quiet=False):
@@ -222,12 +231,13 @@ def tune(args, argv) -> int:
     t_start = time.monotonic()
     quiet = args.quiet
     log = lambda msg: _say(msg, quiet)  # noqa: E731
-    profile, keys = parse_scope(args)
+    profile, keys, only = parse_scope(args)
     mode, why = gpu_mode(profile, args.model)
     if not args.worker_only:
         log(f"tuning {len(keys)} keys for {profile.name} ({profile.arch}, {profile.smem_per_block} B shared memory "
-            f"per block), {'measured on ' + why if mode == 'measured' else 'cost model (' + why + ')'}")
-    cands = {key: space.candidates(key, profile) for key in keys}
+            f"per block), {'measured on ' + why if mode == 'measured' else 'cost model (' + why + ')'}; "
+            f"families {', '.join(space.families(keys[0], only)) if keys else '-'}")
+    cands = {key: space.candidates(key, profile, only) for key in keys}
     if args.workers < 1:
         raise FlashgenError("--workers must be at least 1")
     if args.workers > 1 and mode == "measured":
@@ -306,7 +316,9 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default="bf16", help="fp16, bf16 or both comma-separated (default bf16)")
     p.add_argument("--causal", default="both", help="both (default), true or false")
     p.add_argument("--seqlens", default=None, help=f"seqlen buckets to tune (default all: {BUCKETS})")
-    p.add_argument("--kind", default="fwd_v2", help="kernel family (default fwd_v2)")
+    p.add_argument("--kind", default="fwd", help="problem kind (default fwd: every forward family the GPU runs, "
+                                                  "fwd_v2 and on sm_90a fwd_sm90); fwd_v2 or fwd_sm90 restricts "
+                                                  "the forward to that family")
     p.add_argument("--trials", type=int, default=DEFAULT_TRIALS,
                    help=f"evaluated trials per key (default {DEFAULT_TRIALS}; all candidates when fewer)")
     p.add_argument("--time-budget", type=float, default=None, help="seconds per key (default: no limit)")

@@ -1,8 +1,11 @@
 """The search space: problem keys, the feasible specs of a key, and the paper-rule baseline.
 
 A problem key is (kind, arch, dtype, head-dim tile, causal, seqlen bucket),
-``flashgen.dispatch.ProblemKey``. Its candidates are every combination of the
-family's tunable knobs (``Family.tune_space``) that the family accepts
+``flashgen.dispatch.ProblemKey``. The families searched for a key are those
+that serve its kind on its arch (``dispatch.families_for``: for "fwd" on
+sm_90a both fwd_v2 and fwd_sm90, elsewhere fwd_v2), optionally restricted
+(``--kind fwd_v2`` / ``fwd_sm90``). Its candidates are every combination of
+each family's tunable knobs (``Family.tune_space``) that the family accepts
 (``validate``: sizes it supports, warp layout dividing the tile) and that the
 GPU can hold (``KernelSpec.check``: shared memory within the budget M, fp32
 accumulators per thread within what the register file plausibly keeps). The
@@ -19,8 +22,10 @@ from ..spec import DTYPE_BYTES, KernelSpec
 
 
 def problem_keys(kind: str, arch: str, dtypes, head_dims, causals, buckets=BUCKETS) -> list[ProblemKey]:
-    from ..dispatch import head_dim_tile
+    """The keys of ``kind`` (a forward family's name gives "fwd" keys: restrict with ``families``)."""
+    from ..dispatch import head_dim_tile, problem_kind
 
+    kind = problem_kind(kind)
     tiles = sorted({head_dim_tile(d) for d in head_dims})
     return [ProblemKey(kind, arch, dt, d, c, n)
             for dt in dtypes for d in tiles for c in causals for n in buckets]
@@ -37,9 +42,32 @@ def key_name(key: ProblemKey) -> str:
             f"-n{key.bucket}")
 
 
+def families(key: ProblemKey, only=None) -> tuple:
+    """The families searched for ``key``, default first; ``only``: keep just these (``--kind fwd_v2``)."""
+    from ..dispatch import families_for
+
+    fams = families_for(key.kind, key.arch)
+    if only is not None:
+        fams = tuple(f for f in fams if f in only)
+    if not fams:
+        raise ValueError(f"no kernel family {'among ' + str(tuple(only)) + ' ' if only else ''}serves "
+                         f"{key.kind} on {key.arch}")
+    return fams
+
+
+def make_spec(key: ProblemKey, kind: str, **knobs) -> KernelSpec:
+    """The ``kind`` spec of ``key`` at one point of that family's ``tune_space`` (not validated)."""
+    from ..dispatch import spec_tile
+    from ..families import family
+
+    return KernelSpec(kind=kind, arch=key.arch, dtype=key.dtype, head_dim=spec_tile(kind, key), causal=key.causal,
+                      **family(kind).complete(knobs))
+
+
 def _spec(key: ProblemKey, **knobs) -> KernelSpec:
-    return KernelSpec(kind=key.kind, arch=key.arch, dtype=key.dtype, head_dim=key.head_dim, causal=key.causal,
-                      **knobs)
+    from ..dispatch import FORWARD_FAMILIES, problem_kind
+
+    return make_spec(key, FORWARD_FAMILIES.get(problem_kind(key.kind), (key.kind,))[0], **knobs)
 
 
 def _ok(spec: KernelSpec, profile) -> bool:
@@ -55,10 +83,14 @@ def paper_baseline(key: ProblemKey, profile) -> KernelSpec:
     the smaller), the fewest warps whose layout divides B_r and keeps the
     accumulators in registers, 2 stages, the copy issued first; while that does
     not fit, the larger of B_c and B_r steps down to the next supported size.
+
+    A forward key's baseline is always fwd_v2's (the paper's algorithm), also
+    when fwd_sm90 is searched beside it or alone: the gain is reported against it.
     """
+    from ..dispatch import FORWARD_FAMILIES, problem_kind
     from ..families import family
 
-    fam = family(key.kind)
+    fam = family(FORWARD_FAMILIES.get(problem_kind(key.kind), (key.kind,))[0])
     b_r, b_c = iomodel.paper_block_sizes(profile.smem_per_block, key.head_dim, DTYPE_BYTES[key.dtype])
 
     def nearest(value, allowed):
@@ -84,25 +116,33 @@ def paper_baseline(key: ProblemKey, profile) -> KernelSpec:
             raise ValueError(f"no tile of {key.kind} fits {profile.name} with {profile.smem_per_block} B")
 
 
-def candidates(key: ProblemKey, profile) -> list[KernelSpec]:
-    """The statically feasible specs of ``key`` on ``profile``, paper-rule baseline first."""
+def candidates(key: ProblemKey, profile, only=None) -> list[KernelSpec]:
+    """The statically feasible specs of ``key`` on ``profile``: the paper-rule baseline first, then
+    each family's (``families(key, only)``, default family first)."""
     from ..families import family
 
-    fam = family(key.kind)
-    names = [n for n, _ in fam.tune_space]
     out = [paper_baseline(key, profile)]
-    for values in itertools.product(*(v for _, v in fam.tune_space)):
-        try:
-            spec = _spec(key, **dict(zip(names, values))).validate()
-        except ValueError:
-            continue  # not a layout the template supports (e.g. rows not divisible over the warps)
-        if _ok(spec, profile) and spec not in out:
-            out.append(spec)
+    for kind in families(key, only):
+        fam = family(kind)
+        names = [n for n, _ in fam.tune_space]
+        for values in itertools.product(*(v for _, v in fam.tune_space)):
+            try:
+                spec = make_spec(key, kind, **dict(zip(names, values))).validate()
+            except ValueError:
+                continue  # not a layout the template supports (e.g. rows not divisible over the warps)
+            if _ok(spec, profile) and spec not in out:
+                out.append(spec)
     return out
 
 
-def knob_choices(key: ProblemKey, specs) -> dict[str, list]:
-    """Per tunable knob, the values that occur among ``specs`` (the TPE search dimensions)."""
+def knob_choices(key: ProblemKey, specs) -> dict[str, dict[str, list]]:
+    """Per family among ``specs`` (in order of first appearance), per tunable knob of that family,
+    the values that occur among its specs: the TPE search dimensions (a ``family`` choice first
+    when there are several, then that family's knobs)."""
     from ..families import family
 
-    return {n: sorted({getattr(s, n) for s in specs}) for n, _ in family(key.kind).tune_space}
+    out: dict = {}
+    for s in specs:
+        out.setdefault(s.kind, []).append(s)
+    return {kind: {n: sorted({getattr(s, n) for s in group}) for n, _ in family(kind).tune_space}
+            for kind, group in out.items()}

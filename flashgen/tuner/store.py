@@ -3,7 +3,8 @@
     meta:     format, gpu, device_name, arch, sms, smem_per_block, source,
               date, versions {flashgen, nvrtc, cuda, cupy, torch}
     entries:  - key:        {kind, arch, dtype, head_dim, causal, bucket}
-                spec:       every KernelSpec field
+                            (kind is the problem: "fwd" for the forward, whatever family serves it)
+                spec:       every KernelSpec field (for "fwd": a fwd_v2 spec, or fwd_sm90 on sm_90a)
                 time_ms, tflops, source (measured | model)
                 baseline:   {spec, time_ms} (the paper rule; time null if it failed)
                 speedup:    baseline time / winner time (null if the baseline failed)
@@ -13,7 +14,14 @@
 Reading uses ``yaml.safe_load`` only and validates every value (types, enums,
 ranges, the spec against its key and the GPU's shared memory) before anything
 is used, raising ``ConfigError(path, reason)``. A file written for another GPU
-is refused. Writing is atomic (temp file + ``os.replace``); ``merge`` keeps the
+is refused.
+
+Format 2 (this one) keys the forward as kind "fwd"; format 1 keyed it by the
+family (``fwd_v2``, or ``fwd_sm90`` from ``--kind fwd_sm90``). A format-1 file
+is migrated on read with a warning (those keys read as "fwd"; where one key
+then has two entries, the faster is kept), so a user's own tuning results stay
+in use; ``migrate(path)`` rewrites a file in the new format. In a format-2
+file a family name as key kind is a ``ConfigError``. Writing is atomic (temp file + ``os.replace``); ``merge`` keeps the
 entries of keys a new run did not touch.
 
 This module has no Optuna import: dispatch reads tables through it.
@@ -33,7 +41,8 @@ from ..dispatch import BUCKETS, ProblemKey
 from ..errors import ConfigError
 from ..spec import ARCHS, DTYPES, KernelSpec
 
-FORMAT = 1
+FORMAT = 2
+_MIGRATED_KINDS = {"fwd_v2": "fwd", "fwd_sm90": "fwd"}  # format 1 -> 2: forward keys name the problem
 SOURCES = ("measured", "model")
 _KEY_FIELDS = {"kind": str, "arch": str, "dtype": str, "head_dim": int, "causal": bool, "bucket": int}
 _META_FIELDS = {"format": int, "gpu": str, "arch": str, "sms": int, "smem_per_block": int, "source": str,
@@ -116,9 +125,12 @@ def _key(where, record) -> ProblemKey:
         raise ConfigError(where, f"entry key needs exactly the fields {sorted(_KEY_FIELDS)}, got {sorted(record)}")
     for name, want in _KEY_FIELDS.items():
         _typed(where, f"key.{name}", record[name], want)
-    from ..families import FAMILIES
+    from ..dispatch import problem_kind, problem_kinds
 
-    if record["kind"] not in FAMILIES or record["arch"] not in ARCHS or record["dtype"] not in DTYPES:
+    if record["kind"] in _MIGRATED_KINDS and problem_kind(record["kind"]) != record["kind"]:
+        raise ConfigError(where, f"key.kind {record['kind']!r} is a kernel family; since table format 2 the "
+                                 f"forward's key kind is {problem_kind(record['kind'])!r} (its spec names the family)")
+    if record["kind"] not in problem_kinds() or record["arch"] not in ARCHS or record["dtype"] not in DTYPES:
         raise ConfigError(where, f"unknown kind, arch or dtype in key {record!r}")
     if record["bucket"] not in BUCKETS:
         raise ConfigError(where, f"key.bucket {record['bucket']} is not one of {BUCKETS}")
@@ -138,9 +150,18 @@ def _spec(where, record, key, profile) -> KernelSpec:
     if missing:
         raise ConfigError(where, f"spec is missing field(s): {', '.join(sorted(missing))}")
     spec = KernelSpec.from_dict(record, where)
-    for name in ("kind", "arch", "dtype", "head_dim", "causal"):
+    from ..dispatch import families_for, spec_tile
+
+    serving = families_for(key.kind, key.arch)
+    if spec.kind not in serving:
+        raise ConfigError(where, f"spec {spec.name} is a {spec.kind} kernel, which does not serve {key.kind} on "
+                                 f"{key.arch} (families there: {', '.join(serving) or 'none'})")
+    for name in ("arch", "dtype", "causal"):
         if getattr(spec, name) != getattr(key, name):
             raise ConfigError(where, f"spec {spec.name} does not match its key ({name}: {getattr(key, name)!r})")
+    if spec.head_dim != spec_tile(spec.kind, key):
+        raise ConfigError(where, f"spec {spec.name} does not match its key (head_dim: {spec_tile(spec.kind, key)!r} "
+                                 f"for a {spec.kind} spec of key head_dim {key.head_dim})")
     reasons = spec.check(profile)
     if reasons:
         raise ConfigError(where, f"spec {spec.name} is not feasible on {profile.name}: {'; '.join(reasons)}")
@@ -203,8 +224,14 @@ def load(path, gpu: str | None = None) -> Table:
         if name not in meta:
             raise ConfigError(where, f"meta is missing {name}")
         _typed(where, f"meta.{name}", meta[name], want)
-    if meta["format"] != FORMAT:
-        raise ConfigError(where, f"table format {meta['format']} is not the supported {FORMAT}")
+    entries = doc["entries"]
+    if meta["format"] == 1:
+        entries = _migrate_entries(where, entries)
+        warnings.warn(f"{where}: table format 1 read as format {FORMAT} (forward keys of kind fwd_v2/fwd_sm90 are "
+                      f"now kind 'fwd'); rewrite it with flashgen.tuner.store.migrate or re-tune", stacklevel=2)
+        meta = doc["meta"] = {**meta, "format": FORMAT}
+    elif meta["format"] != FORMAT:
+        raise ConfigError(where, f"table format {meta['format']} is not the supported {FORMAT} (or 1, migrated)")
     if meta["source"] not in SOURCES:
         raise ConfigError(where, f"meta.source must be one of {SOURCES}, got {meta['source']!r}")
     try:
@@ -220,15 +247,57 @@ def load(path, gpu: str | None = None) -> Table:
     if meta["versions"].get("flashgen") != __version__:
         warnings.warn(f"{where}: tuned with flashgen {meta['versions'].get('flashgen')}, this is {__version__}; "
                       "re-tune for the best kernels", stacklevel=2)
-    if not isinstance(doc["entries"], list):
+    if not isinstance(entries, list):
         raise ConfigError(where, "entries must be a list")
     table = Table(meta=meta, path=where)
-    for i, record in enumerate(doc["entries"]):
+    for i, record in enumerate(entries):
         key, entry = _entry(f"{where}: entries[{i}]", record, profile)
         if key in table.entries:
             raise ConfigError(where, f"entries[{i}] repeats the key {record['key']}")
         table.entries[key] = entry
     return table
+
+
+def _migrate_entries(where, entries):
+    """Format-1 entries as format 2: forward keys (kind fwd_v2 / fwd_sm90) become kind "fwd".
+
+    Where two old keys become one (a fwd_v2 and a fwd_sm90 entry of one problem), the
+    entry with the smaller time_ms is kept: both were timed at the key's problem shape.
+    Anything malformed is left as it is for the validation that follows to report.
+    """
+    if not isinstance(entries, list):
+        return entries
+    out, index = [], {}
+    for record in entries:
+        key = record.get("key") if isinstance(record, dict) else None
+        if isinstance(key, dict) and key.get("kind") in _MIGRATED_KINDS:
+            record = {**record, "key": {**key, "kind": _MIGRATED_KINDS[key["kind"]]}}
+            try:
+                ident = tuple(sorted(record["key"].items()))
+                hash(ident)
+            except TypeError:
+                ident = None
+            if ident is not None and ident in index:
+                prior = out[index[ident]]
+                try:
+                    faster = float(record["time_ms"]) < float(prior["time_ms"])
+                except (KeyError, TypeError, ValueError):
+                    faster = False
+                if faster:
+                    out[index[ident]] = record
+                continue
+            if ident is not None:
+                index[ident] = len(out)
+        out.append(record)
+    return out
+
+
+def migrate(path) -> Path:
+    """Rewrite a format-1 table at ``path`` in the current format (every entry and number kept)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        table = load(path)
+    return save(table, path)
 
 
 # -- writing ------------------------------------------------------------------

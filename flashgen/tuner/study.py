@@ -9,7 +9,10 @@ processes (on several GPUs or hosts) can share one study per key:
   uniquely across every process sharing it, so each candidate is evaluated
   exactly once, by whichever worker asks first; nothing is lost or repeated.
 - **TPE** (larger sets): a seeded ``TPESampler`` over the family's knobs
-  (each worker offsets the seed, so workers do not propose the same points);
+  (each worker offsets the seed, so workers do not propose the same points).
+  When the candidates hold several families (``fwd`` on sm_90a: fwd_v2 and
+  fwd_sm90) the space is conditional: a categorical ``family`` parameter,
+  then that family's knobs named ``<family>.<knob>`` (``space.knob_choices``);
   the paper-rule baseline is enqueued first. A proposal that is not feasible
   is recorded as a ``constraint`` failure without compiling; a proposal equal
   to an earlier trial reuses that trial's result and is not evaluated again.
@@ -118,6 +121,25 @@ def _record(trial, spec, outcome, worker):
     trial.set_user_attr("worker", worker)
 
 
+def _param_name(kind, knob, choices):
+    return f"{kind}.{knob}" if len(choices) > 1 else knob
+
+
+def _params(spec, choices) -> dict:
+    """The TPE parameters of ``spec`` (for ``enqueue_trial``)."""
+    out = {"family": spec.kind} if len(choices) > 1 else {}
+    out.update({_param_name(spec.kind, n, choices): getattr(spec, n) for n in choices[spec.kind]})
+    return out
+
+
+def _suggest(key, trial, choices):
+    """The spec a TPE trial proposes: a family (when there are several), then that family's knobs."""
+    kinds = list(choices)
+    kind = trial.suggest_categorical("family", kinds) if len(kinds) > 1 else kinds[0]
+    knobs = {n: trial.suggest_categorical(_param_name(kind, n, choices), v) for n, v in choices[kind].items()}
+    return space.make_spec(key, kind, **knobs)
+
+
 def _tell(study, trial, spec, outcome, worker):
     import optuna
 
@@ -151,7 +173,7 @@ def run_study(key, objective, specs, *, n_trials: int, time_budget: float | None
     choices = space.knob_choices(key, specs)
     feasible = set(specs)
     if not exhaustive and not study.get_trials(deepcopy=False):
-        study.enqueue_trial({n: getattr(specs[0], n) for n in choices})  # the baseline is the first trial
+        study.enqueue_trial(_params(specs[0], choices))  # the baseline is the first trial
     proposals = 0
     rng = random.Random(seed + 7919 * worker_index)
 
@@ -180,16 +202,15 @@ def run_study(key, objective, specs, *, n_trials: int, time_budget: float | None
             if evaluated >= min(n_trials, len(specs)) or proposals >= _MAX_PROPOSALS * n_trials:
                 break
             proposals += 1
-            dists = {n: optuna.distributions.CategoricalDistribution(v) for n, v in choices.items()}
-            trial = study.ask(fixed_distributions=dists)
-            spec = specs[0].replace(**trial.params)
+            trial = study.ask()
+            spec = _suggest(key, trial, choices)
             if spec in done or spec not in feasible:
                 # A wasted proposal: queue an untried candidate (seeded choice) for the next ask,
                 # so a small or oddly shaped space is still covered within the budget.
                 untried = [s for s in specs if s not in done and s != spec]
                 if untried:
                     pick = untried[rng.randrange(len(untried))]
-                    study.enqueue_trial({n: getattr(pick, n) for n in choices})
+                    study.enqueue_trial(_params(pick, choices))
             if spec in done:  # the sampler proposed a spec already evaluated: reuse its result
                 prior = next(t for t in trials if t.user_attrs.get("spec") == spec.to_dict()
                              and t.user_attrs.get("duplicate_of") is None)
