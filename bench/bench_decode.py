@@ -248,10 +248,7 @@ def main(argv=None):
         for b, hq, hk, L in ((1, 32, 8, 131072), (1, 32, 32, 32768), (8, 32, 8, 131072)):
             result["sweep"].append(split_sweep(b, hq, hk, L))
     result["host_overhead"] = host_overhead()
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=1)
+    timing.write_json(args.out, result)
     print_table(result)
 
 

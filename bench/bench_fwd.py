@@ -10,7 +10,6 @@ medians of CUDA-event-timed repeats after warm-up, on fresh random inputs.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -173,10 +172,7 @@ def main(argv=None):
                     result["rows"].append(bench_cell(n, d, causal, impls))
         result["host_overhead"] = host_overhead_us()
         result["memory"] = [peak_memory(16384), peak_memory(65536)]
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=1)
+    timing.write_json(args.out, result)
     print_table(result)
 
 

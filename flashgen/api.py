@@ -54,6 +54,18 @@ def _dims(t: torch.Tensor, layout: str):
     return (b, h, n, d), (s[0], s[2], s[1])
 
 
+def checked_scale(softmax_scale, d: int) -> float:
+    """The softmax scale: ``1/sqrt(d)`` by default, else a finite positive real (shared with decode)."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a real number, got {softmax_scale!r}")
+    scale = float(softmax_scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"softmax_scale must be finite and positive, got {softmax_scale!r}")
+    return scale
+
+
 def check_heads_and_dim(hq: int, hk: int, d: int, batch: int, grid_heads: int, kv_name: str,
                         heads_name: str) -> None:
     """GQA grouping, a supported head dim, and a grid that fits (shared with ``flashgen.decode``)."""
@@ -101,15 +113,7 @@ def _check_inputs(q, k, v, causal, softmax_scale, layout):
         if t.data_ptr() % 16 or any(x % 8 for x in strides):
             raise ValueError(f"{name} must be 16-byte aligned with strides that are multiples of 8 elements "
                              f"(16-byte loads), got strides {t.stride()} at address {t.data_ptr():#x}")
-    if softmax_scale is None:
-        scale = 1.0 / math.sqrt(d)
-    else:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-            raise TypeError(f"softmax_scale must be a real number, got {softmax_scale!r}")
-        scale = float(softmax_scale)
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"softmax_scale must be finite and positive, got {softmax_scale!r}")
-    return (bq, hq, nq, d), sq, (hk, nk), sk, sv, scale
+    return (bq, hq, nq, d), sq, (hk, nk), sk, sv, checked_scale(softmax_scale, d)
 
 
 def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, layout: str = "bhsd",

@@ -18,7 +18,7 @@ import torch
 from . import decoding as dk
 from threading import get_ident
 
-from .api import _DTYPES, _current_device, _current_stream, _Device, check_heads_and_dim
+from .api import _DTYPES, _current_device, _current_stream, _Device, check_heads_and_dim, checked_scale
 from .errors import UnsupportedError
 
 _plans: dict = {}
@@ -320,14 +320,7 @@ def _check(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softma
             _check_strides(name, t)
     if capacity + nq >= 2 ** 31:
         raise UnsupportedError(f"a cache of {capacity} keys is past the kernels' 32-bit key index")
-    if softmax_scale is None:
-        scale = 1.0 / math.sqrt(d)
-    else:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-            raise TypeError(f"softmax_scale must be a real number, got {softmax_scale!r}")
-        scale = float(softmax_scale)
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"softmax_scale must be finite and positive, got {softmax_scale!r}")
+    scale = checked_scale(softmax_scale, d)
     if num_splits is not None:
         if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
             raise TypeError(f"num_splits must be an int or None, got {num_splits!r}")

@@ -54,6 +54,17 @@ def host_us(fn, calls: int = 100, rounds: int = 20) -> float:
     return best / calls * 1e6
 
 
+def write_json(path, result) -> None:
+    """Write a benchmark's result as indented JSON, making the folder first (no-op without a path)."""
+    if not path:
+        return
+    import json
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(result, fh, indent=1)
+
+
 def commit() -> str:
     """The flashgen commit: ``FLASHGEN_COMMIT`` (the device copy has no .git), else git, else 'unknown'."""
     value = os.environ.get("FLASHGEN_COMMIT")
