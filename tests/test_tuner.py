@@ -670,3 +670,33 @@ def test_tune_kind_scope():
         parse_scope(args(gpu="a100", kind="fwd_sm90"))
     with pytest.raises(FlashgenError, match="known kinds"):
         parse_scope(args(kind="fwd_v3"))
+
+
+def test_confirm_step_undoes_a_lucky_screening_time():
+    """Screening times once; a candidate that was lucky then (fast first call) loses the interleaved
+    re-timing of the finalists, and the truly fastest wins. The screening time is kept in info."""
+    cands = space.candidates(KEY, H200)
+    true_best = next(s for s in cands if (s.block_m, s.block_n, s.stages, s.refill, s.warps) == (128, 64, 3, 1, 4))
+    lucky = next(s for s in cands if (s.block_m, s.block_n, s.stages, s.refill, s.warps) == (128, 32, 2, 0, 4))
+    calls: dict = {}
+
+    def timer(key, spec):
+        calls[spec] = calls.get(spec, 0) + 1
+        if spec == lucky and calls[spec] == 1:
+            return 0.5  # one fast outlier at screening
+        return fake_time(key, spec)
+
+    from flashgen.codegen import Report
+
+    class Clean:  # every candidate compiles clean, the baseline (a 192-wide tile) too
+        report = Report(registers=200, spill_stores=0, spill_loads=0, stack_frame=0, static_smem=0)
+
+    obj = MeasuredObjective(H200, build=lambda spec: Clean(), check=lambda s: "", timer=timer)
+    res = study.collect(KEY, study.run_study(KEY, obj, cands, n_trials=len(cands)), cands)
+    assert res.baseline_trial.status == "ok"
+    assert res.best.spec == lucky  # screening alone picks the outlier
+    res = study.confirm_finalists(res, obj)
+    assert res.best.spec == true_best
+    lucky_rec = next(t for t in res.trials if t.spec == lucky)
+    assert lucky_rec.info["screen_ms"] == 0.5 and lucky_rec.time_ms == fake_time(KEY, lucky)
+    assert res.baseline_trial.info.get("screen_ms") is not None  # the baseline is re-timed too

@@ -15,6 +15,7 @@ needs no GPU: it compiles for the target arch and asks the cost model.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 
 from ..errors import CompileError
@@ -119,6 +120,19 @@ class MeasuredObjective:
         if not (math.isfinite(ms) and ms > 0):
             return Outcome("launch_error", reason=f"timer returned {ms!r}", info=info)
         return Outcome("ok", ms, info=info)
+
+    def confirm(self, key, specs, rounds: int = 3) -> dict:
+        """Re-time ``specs`` (already passed) in interleaved rounds; spec -> median of the rounds, ms.
+
+        Screening times each candidate once with a short budget, so the top few can
+        swap places by noise (1-2 % on the H200); timing the finalists against each
+        other, interleaved so drift hits all alike, decides between them.
+        """
+        times: dict = {s: [] for s in specs}
+        for _ in range(rounds):
+            for s in specs:
+                times[s].append(float(self.timer(key, s)))
+        return {s: statistics.median(v) for s, v in times.items()}
 
     # -- the GPU side -------------------------------------------------------
     def _check_on_gpu(self, spec) -> str:

@@ -270,6 +270,8 @@ def tune(args, argv) -> int:
     if args.worker_only:
         return 0
     results = [study.collect(key, storage, cands[key]) for key in keys]
+    if mode == "measured" and not args.no_confirm:
+        results = [study.confirm_finalists(r, objective) for r in results]
     rows = summarize(results, mode)
     new = store.Table(meta=store.make_meta(profile, mode, why if mode == "measured" else None))
     for r in results:
@@ -332,6 +334,9 @@ def add_arguments(p) -> None:
     p.add_argument("--report", default=None, help="also write every trial as JSON here")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles (default: CPUs)")
     p.add_argument("--seed", type=int, default=0, help="TPE seed (default 0)")
+    p.add_argument("--no-confirm", action="store_true",
+                   help="measured mode: keep the screening times (default: re-time the 3 fastest and the "
+                        "baseline, interleaved, before picking the winner)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.add_argument("--worker-index", type=int, default=0, help=argparse_suppress())
     p.add_argument("--worker-only", action="store_true", help=argparse_suppress())

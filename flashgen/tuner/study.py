@@ -264,6 +264,24 @@ def collect(key, storage, specs) -> KeyResult:
     return KeyResult(key, len(specs), specs[0], records, study.user_attrs.get("mode", "exhaustive"))
 
 
+def confirm_finalists(result: KeyResult, objective, top: int = 3) -> KeyResult:
+    """Re-time the ``top`` fastest ok trials and the baseline with ``objective.confirm``; their
+    times become the confirmed ones (the screening time stays in ``info['screen_ms']``)."""
+    confirm = getattr(objective, "confirm", None)
+    ok = result.ok()
+    if confirm is None or len(ok) < 2:
+        return result
+    finalists = ok[:top]
+    base = result.baseline_trial
+    if base is not None and base.status == "ok" and base not in finalists:
+        finalists.append(base)
+    confirmed = confirm(result.key, [t.spec for t in finalists])
+    for t in finalists:
+        t.info = {**t.info, "screen_ms": t.time_ms}
+        t.time_ms = confirmed[t.spec]
+    return result
+
+
 def rank_agreement(result: KeyResult) -> dict | None:
     """How well the modelled times rank the measured ones among a key's ok trials:
     Spearman's rho, and the measured time of the model's pick against the measured best."""
