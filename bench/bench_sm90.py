@@ -27,6 +27,9 @@ FLAGS = {"plain": (False, False, False), "ov": (False, False, True), "ws": (True
          "ws_pp": (True, True, False), "ws_ov": (True, False, True), "full": (True, True, True)}
 
 
+STAGE3_FLAGS = ("ws", "ws_pp", "ws_ov", "full")
+
+
 def sm90_spec(d, causal, flags="full", bm=128, bn=None, stages=2):
     ws, pp, ov = FLAGS[flags]
     tile = dispatch.sm90_head_dim_tile(d)
@@ -90,6 +93,7 @@ def main(argv=None):
 
     specs = {sm90_spec(d, c, f) for d in (64, 128, 256) for c in (False, True) for f in FLAGS}
     specs |= {sm90_spec(d, c, "plain", bm=64) for d in (64, 128, 256) for c in (False, True)}
+    specs |= {sm90_spec(128, c, f, stages=3) for c in (False, True) for f in STAGE3_FLAGS}
 
     def try_build(s):
         try:
@@ -135,6 +139,8 @@ def main(argv=None):
     for d, causal, n in abl_cells:
         impls = {f: fg(sm90_spec(d, causal, f)) for f in FLAGS}
         impls["plain_m64"] = fg(sm90_spec(d, causal, "plain", bm=64))
+        if d == 128:  # the 3-stage ring (fits at 128x128: 225 KB of 227 KB)
+            impls.update({f"{f}_s3": fg(sm90_spec(d, causal, f, stages=3)) for f in STAGE3_FLAGS})
         row = cell(n, d, causal, impls, reps)
         result["ablation"].append(row)
         save()

@@ -35,7 +35,9 @@ ABLATION = [dict(ws=False, pp=False, ov=False), dict(ws=False, pp=False, ov=True
 DEFAULTS = dispatch.default_specs("sm_90a", gpus.ARCH_SMEM_PER_BLOCK["sm_90a"], kind="fwd_sm90")
 VARIANTS = [sm90(d=d, bn=bn, causal=c, **f) for d, bn in ((64, 128), (128, 128), (256, 64)) for c in (False, True)
             for f in ABLATION] + [sm90(d=64, bm=64, ws=False, pp=False, ov=False),
-                                  sm90(d=128, bm=64, ws=False, pp=False, ov=False, dtype="fp16")]
+                                  sm90(d=128, bm=64, ws=False, pp=False, ov=False, dtype="fp16")] + [
+    # 3-stage K/V ring at d=128, 128x128 (229 KB of the 227 KB + 1 KB opt-in: fits), causal both.
+    sm90(d=128, st=3, causal=c, **f) for c in (False, True) for f in ABLATION[2:]]
 ALL = list(dict.fromkeys(DEFAULTS + VARIANTS))
 
 

@@ -26,6 +26,9 @@
 //            consumer 0 issues the loads in line, after the stage is released.
 //  PINGPONG  two consumer warpgroups take turns issuing their GEMMs (named
 //            barriers 6 and 7), so one's softmax overlaps the other's GEMMs.
+//            One turn per iteration: S(j+1) and P(j)V(j) are issued in the
+//            same section (the loop shape of OVERLAP, waiting on both GEMMs
+//            before the softmax when OVERLAP is off).
 //  OVERLAP   within a warpgroup, S(j+1) = Q K(j+1)^T and O += P(j) V(j) are
 //            issued together; the softmax of S(j+1) runs while P(j) V(j) does.
 #pragma once
@@ -43,7 +46,8 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   static_assert(!PINGPONG || NWG == 2, "ping-pong takes two consumer warpgroups");
 
   extern __shared__ unsigned char smem_raw[];
-  __shared__ __align__(8) fg_u64 bars[1 + 3 * ST];  // Q, then per stage: full K, full V, empty
+  // Q, then per stage: full K, full V, empty; the last word is the never-written target of sched_pin.
+  __shared__ __align__(8) fg_u64 bars[1 + 3 * ST + 1];
   const fg_u32 sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;  // 128B-swizzle tiles want 1024-byte alignment
   const fg_u32 sK = sQ + Q_BYTES;
   const fg_u32 sV = sK + ST * KV_BYTES;
@@ -51,6 +55,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   auto bar_k = [&](int s) { return bar_q + 8u * (1 + s); };
   auto bar_v = [&](int s) { return bar_q + 8u * (1 + ST + s); };
   auto bar_e = [&](int s) { return bar_q + 8u * (1 + 2 * ST + s); };
+  const fg_u32 pin_slot = bar_q + 8u * (1 + 3 * ST);
 
   const int tid = threadIdx.x;
   // Causal: the longest rows (highest query blocks) launch first.
@@ -243,7 +248,12 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
 
   mbar_wait(bar_q, 0);  // always: the epilogue reuses the Q rows, so the Q copy must have landed
 
-  if constexpr (!OVERLAP) {
+  // Two loop shapes. Without overlap or ping-pong: S(j), softmax, P(j)V(j), each GEMM waited on.
+  // With either: one GEMM section per iteration, S(j) and P(j-1)V(j-1) issued together (one named-
+  // barrier turn per iteration under ping-pong, so the other warpgroup's section runs during this
+  // one's softmax). OVERLAP then runs softmax(j) between the two waits (P(j-1)V(j-1) in flight);
+  // without it both GEMMs are waited on first.
+  if constexpr (!OVERLAP && !PINGPONG) {
     for (int j = 0; j < n_blocks; ++j) {
       const int s = j % ST, ph = (j / ST) & 1;
       mbar_wait(bar_k(s), ph);
@@ -293,12 +303,23 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
       issue_pv(sp);
       wgmma_commit();
       pp_end(false);
-      wgmma_wait<1>();  // S(j) done; P(j-1) V(j-1) may still run
-      reg_fence(acc_s);
-      softmax(j);
-      wgmma_wait<0>();
-      reg_fence(acc_o);
-      release(j - 1);
+      if constexpr (OVERLAP) {
+        wgmma_wait<1>();  // S(j) done; P(j-1) V(j-1) may still run
+        reg_fence(acc_s);
+        softmax(j);
+        // ptxas schedules WARPGROUP.DEPBAR as early as it may: without this pin the wait below
+        // lands before the softmax's exp2s (SASS), and P(j-1)V(j-1) never overlaps them.
+        sched_pin(row_sum[0] + row_sum[1], pin_slot);
+        wgmma_wait<0>();
+        reg_fence(acc_o);
+        release(j - 1);
+      } else {
+        wgmma_wait<0>();
+        reg_fence(acc_o);
+        release(j - 1);  // stage j-1 is free before the softmax, not after it
+        reg_fence(acc_s);
+        softmax(j);
+      }
       rescale_o();
     }
     const int jl = n_blocks - 1, sl = jl % ST;

@@ -78,6 +78,13 @@ FG_DEVICE void named_sync(int id, int threads) {
 FG_DEVICE void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// Scheduling pin: a shared-memory store predicated on `x < 0` (x is a sum of exp2s, never negative, and
+// NaN compares false, so it never executes). ptxas keeps a following WARPGROUP.DEPBAR (wgmma.wait_group)
+// after this store, and the store after everything x depends on: the wait cannot be hoisted above the
+// code that computes x. `slot` is a word nothing reads.
+FG_DEVICE void sched_pin(float x, fg_u32 slot) {
+  if (x < 0.f) asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(slot), "f"(x) : "memory");
+}
 template <int R>
 FG_DEVICE void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R)); }
 template <int R>
