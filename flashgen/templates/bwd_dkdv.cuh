@@ -195,7 +195,9 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
 
     // ---- C: dQ += dS K by fp32 atomics ----------------------------------------
     if constexpr (DQ) {
-      float* dq_rows = p.dq_acc + ((static_cast<fg_i64>(b) * p.heads + hq) * p.nq + m0) * D;
+      // 32-bit element offsets from the one base pointer (the host keeps the accumulator under
+      // 2^32 elements): no 64-bit row pointers live across the loop.
+      const fg_u32 dq_rows = ((static_cast<fg_u32>(b) * p.heads + hq) * p.nq + m0) * D;
 #pragma unroll
       for (int ch = 0; ch < C_RN / C_CH; ++ch) {
         float acc[C_MT][C_NT][4];
@@ -210,8 +212,8 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
             if (m0 + r >= p.nq) continue;
 #pragma unroll
             for (int nj = 0; nj < C_NT; ++nj) {
-              float* dst = dq_rows + static_cast<fg_i64>(r) * D + n_off + nj * 8 + 2 * t;
-              red_add_f32x2(dst, acc[mi][nj][2 * h], acc[mi][nj][2 * h + 1]);
+              const fg_u32 off = dq_rows + static_cast<fg_u32>(r * D + n_off + nj * 8 + 2 * t);
+              red_add_f32x2(p.dq_acc + off, acc[mi][nj][2 * h], acc[mi][nj][2 * h + 1]);
             }
           }
       }
