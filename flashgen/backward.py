@@ -87,6 +87,9 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
         dq_mode = dispatch.bwd_dq_mode(d_tile)
     elif dq_mode not in dispatch.BWD_DQ_MODES:
         raise ValueError(f"dq_mode must be one of {dispatch.BWD_DQ_MODES}, got {dq_mode!r}")
+    if dq_mode == "atomic" and b * h * nq * d_tile >= 2**32:
+        # bwd_dkdv addresses the fp32 dQ accumulator by 32-bit element offsets.
+        dq_mode = "separate"
     separate = dq_mode == "separate"
     dq_acc = None if separate else torch.empty((b, h, nq, d_tile), dtype=torch.float32, device=q.device)
     scale = float(softmax_scale)

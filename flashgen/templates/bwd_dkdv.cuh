@@ -62,9 +62,11 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
   cp_async_commit();
 
   // Step `it` covers query head hk*group + it / per_head, query block m_first + it % per_head.
-  auto load_q = [&](int it, int stage) {
-    const int hq = hk * p.group + it / per_head;
-    const int m0 = (m_first + it % per_head) * BM;
+  // Both are walked by counters (no division in the loop): (qh, qm) for the step being loaded,
+  // (hc, mc) for the step being computed; each advances by one block, wrapping to the next head.
+  auto load_q = [&](int qh, int qm, int stage) {
+    const int hq = hk * p.group + qh;
+    const int m0 = qm * BM;
     Tile<D>::template load<BM, NTH>(sQ + stage * TILE_Q, p.q + b * p.q_sb + hq * p.q_sh, p.q_ss, m0, p.nq, p.d);
     Tile<D>::template load<BM, NTH>(sdO + stage * TILE_Q, p.dout + b * p.dout_sb + hq * p.dout_sh, p.dout_ss, m0,
                                     p.nq, p.d);
@@ -77,11 +79,22 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
       cp_async_16(sDs + stage * BM * 4 + c * 16, p.dsum + row + c * 4, 16);
     }
   };
+  auto next_block = [&](int& h, int& m) {
+    if (++m == m_blocks) {
+      m = m_first;
+      ++h;
+    }
+  };
+  int qh = 0, qm = m_first;  // the next step to load
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) {
-    if (s < total) load_q(s, s);
+    if (s < total) {
+      load_q(qh, qm, s);
+      next_block(qh, qm);
+    }
     cp_async_commit();
   }
+  int hc = 0, mc = m_first;  // the step computed now
 
   const int a_m0 = (warp % WA) * A_RM, a_n0 = (warp / WA) * A_RN;
   const int b_m0 = (warp % WB) * B_RM, b_n0 = (warp / WB) * B_RN;
@@ -104,12 +117,16 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
     __syncthreads();  // step `it` has landed; every warp is done with step it-1
     {
       const int jn = it + ST - 1;
-      if (jn < total) load_q(jn, jn % ST);
+      if (jn < total) {
+        load_q(qh, qm, jn % ST);
+        next_block(qh, qm);
+      }
       cp_async_commit();
     }
     const int stage = it % ST;
-    const int hq = hk * p.group + it / per_head;
-    const int m0 = (m_first + it % per_head) * BM;
+    const int hq = hk * p.group + hc;
+    const int m0 = mc * BM;
+    next_block(hc, mc);
     const fg_u32 sQs = sQ + stage * TILE_Q, sdOs = sdO + stage * TILE_Q;
 
     // ---- A: S^T, then P^T (to shared memory), then dP^T and dS^T (to shared memory)
@@ -178,7 +195,9 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
 
     // ---- C: dQ += dS K by fp32 atomics ----------------------------------------
     if constexpr (DQ) {
-      float* dq_rows = p.dq_acc + ((static_cast<fg_i64>(b) * p.heads + hq) * p.nq + m0) * D;
+      // 32-bit element offsets from the one base pointer (the host keeps the accumulator under
+      // 2^32 elements): no 64-bit row pointers live across the loop.
+      const fg_u32 dq_rows = ((static_cast<fg_u32>(b) * p.heads + hq) * p.nq + m0) * D;
 #pragma unroll
       for (int ch = 0; ch < C_RN / C_CH; ++ch) {
         float acc[C_MT][C_NT][4];
@@ -193,8 +212,8 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
             if (m0 + r >= p.nq) continue;
 #pragma unroll
             for (int nj = 0; nj < C_NT; ++nj) {
-              float* dst = dq_rows + static_cast<fg_i64>(r) * D + n_off + nj * 8 + 2 * t;
-              red_add_f32x2(dst, acc[mi][nj][2 * h], acc[mi][nj][2 * h + 1]);
+              const fg_u32 off = dq_rows + static_cast<fg_u32>(r * D + n_off + nj * 8 + 2 * t);
+              red_add_f32x2(p.dq_acc + off, acc[mi][nj][2 * h], acc[mi][nj][2 * h + 1]);
             }
           }
       }
