@@ -67,9 +67,11 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
   auto load_q = [&](int qh, int qm, int stage) {
     const int hq = hk * p.group + qh;
     const int m0 = qm * BM;
-    Tile<D>::template load<BM, NTH>(sQ + stage * TILE_Q, p.q + b * p.q_sb + hq * p.q_sh, p.q_ss, m0, p.nq, p.d);
+    // An opaque thread index: the per-thread load offsets are rebuilt per step, not held across the loop.
+    const int tix = static_cast<int>(opaque(static_cast<fg_u32>(tid)));
+    Tile<D>::template load<BM, NTH>(sQ + stage * TILE_Q, p.q + b * p.q_sb + hq * p.q_sh, p.q_ss, m0, p.nq, p.d, tix);
     Tile<D>::template load<BM, NTH>(sdO + stage * TILE_Q, p.dout + b * p.dout_sb + hq * p.dout_sh, p.dout_ss, m0,
-                                    p.nq, p.d);
+                                    p.nq, p.d, tix);
     // LSE2 and D rows: padded buffers, so whole 16-byte chunks are always in range.
     const fg_i64 row = (static_cast<fg_i64>(b) * p.heads + hq) * p.nq_pad + m0;
     if (tid < BM / 4) {
