@@ -117,22 +117,52 @@ struct KWalk {  // [rows][k], plain ldmatrix
 #pragma unroll
     for (int i = 0; i < 2; ++i) tail[i] = rb + cols.tail[i];
   }
+  // (A one-register XOR form like RowWalk's below was tried here too: the d=128 64x128x8
+  // bwd_dkdv spilled 8-48 B more with it; bench/NOTES.md, bwd5.)
+  FG_DEVICE const KWalk& fresh() const { return *this; }
   FG_DEVICE fg_u32 at(int i, int kk) const {
     return static_cast<fg_u32>(i * 16 * RB) +
            (2 * kk < (C & ~7) ? 128 * (kk >> 2) + main[kk & 3] : tail[kk - (C & ~7) / 2]);
   }
 };
 
+// With C % 8 == 0 (every chunk swizzled as c ^ (r % 8)) RowWalk's table shrinks to one
+// register: the lane's offset lb of its first chunk; the chunk 2j further on is at
+// lb ^ 16 (2j % 8) + 128 (2j / 8), one LOP3 per ldmatrix. warp_mma_t takes a fresh()
+// copy per call (lb through opaque()), so the XORed offsets are rebuilt per GEMM
+// instead of being hoisted out of the main loop, where they would be the table again.
+// The chunks are chunk0 + 2j + c0 (j < N) with chunk0 a multiple of 2N (callers pass
+// a warp's own 16N columns, m0 = warp index * 16N): for 2N <= 8 a power of two,
+// chunk0 % 8 + 2j + c0 has disjoint bits (no carry), and for 2N % 8 == 0 chunk0 % 8
+// == 0; either way the XOR form holds. Other N keep the table.
 template <int W, int N>
 struct RowWalk {  // [k][columns], .trans ldmatrix; N steps of 16 columns from chunk0
   static constexpr bool TRANS = true;
   static constexpr int RB = Tile<W>::ROW_BYTES;
-  fg_u32 col[N];
+  static constexpr bool XOR = Tile<W>::C % 8 == 0 && ((2 * N) % 8 == 0 || 8 % (2 * N) == 0);
+  fg_u32 col[XOR ? 1 : N];
+  FG_DEVICE RowWalk() {}
   FG_DEVICE RowWalk(int row, int chunk0, int c0) {
+    if constexpr (XOR) {
+      col[0] = Tile<W>::offset(row, chunk0 + c0);
+    } else {
 #pragma unroll
-    for (int j = 0; j < N; ++j) col[j] = Tile<W>::offset(row, chunk0 + 2 * j + c0);
+      for (int j = 0; j < N; ++j) col[j] = Tile<W>::offset(row, chunk0 + 2 * j + c0);
+    }
   }
-  FG_DEVICE fg_u32 at(int i, int kk) const { return static_cast<fg_u32>(kk * 16 * RB) + col[i]; }
+  FG_DEVICE RowWalk fresh() const {
+    RowWalk r;
+    if constexpr (XOR) r.col[0] = opaque(col[0]);
+    else r = *this;
+    return r;
+  }
+  FG_DEVICE fg_u32 at(int i, int kk) const {
+    if constexpr (XOR) {
+      return static_cast<fg_u32>(kk * 16 * RB + 128 * ((2 * i) >> 3)) + (col[0] ^ static_cast<fg_u32>(16 * ((2 * i) & 7)));
+    } else {
+      return static_cast<fg_u32>(kk * 16 * RB) + col[i];
+    }
+  }
 };
 
 // The four roles (KERNELS.md section 2 and the header of this file).
@@ -152,10 +182,13 @@ FG_DEVICE RowWalk<W, N> b_rowwalk(int n0) { return RowWalk<W, N>(lane_() & 15, n
 // shared address sA walked by `ao` (its first MT steps), B at sB by `bo` (its
 // steps b0 .. b0 + NT/2 - 1; b0 a constant after unrolling).
 template <int MT, int NT, int KT, bool BF16, typename AO, typename BO>
-FG_DEVICE void warp_mma_t(float (&acc)[MT][NT][4], fg_u32 sA, const AO& ao, fg_u32 sB, const BO& bo, int b0 = 0) {
+FG_DEVICE void warp_mma_t(float (&acc)[MT][NT][4], fg_u32 sA, const AO& ao_in, fg_u32 sB, const BO& bo_in,
+                          int b0 = 0) {
   static_assert(NT % 2 == 0, "B fragments come in pairs of n8 tiles");
   sA = opaque(sA);
   sB = opaque(sB);
+  const AO& ao = ao_in.fresh();
+  const BO bo = bo_in.fresh();
 #pragma unroll
   for (int kk = 0; kk < KT; ++kk) {
     fg_u32 a[MT][4];

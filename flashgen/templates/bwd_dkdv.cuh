@@ -24,9 +24,13 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
   // phase B tiles (rows: keys, columns: head dim)
   constexpr int B_RM = BN / WB, B_RN = D / (NW / WB);
   constexpr int B_MT = B_RM / 16, B_NT = B_RN / 8;
-  // phase C tiles (rows: queries, columns: head dim, in chunks of at most 32 columns)
+  // phase C tiles (rows: queries, columns: head dim, in chunks of at most 32 columns). Chunks of
+  // 16 when the dK/dV accumulators take >= 128 registers and BM >= 64 (FA2's d=128 64x128x8:
+  // 16 fewer fp32 live in phase C, and ptxas then fits the tile; it costs reloading the dS
+  // fragments once per chunk). bench/NOTES.md, bwd5.
   constexpr int C_RM = BM / WC, C_RN = D / (NW / WC);
-  constexpr int C_MT = C_RM / 16, C_CH = C_RN % 32 == 0 ? 32 : 16, C_NT = C_CH / 8;
+  constexpr bool C_NARROW = 2 * BN * D >= 128 * NTH && BM >= 64;
+  constexpr int C_MT = C_RM / 16, C_CH = C_RN % 32 == 0 && !C_NARROW ? 32 : 16, C_NT = C_CH / 8;
   static_assert(A_RM % 16 == 0 && A_RN % 16 == 0 && B_RM % 16 == 0 && B_RN % 16 == 0, "bad warp split");
   static_assert(C_RM % 16 == 0 && C_RN % C_CH == 0 && C_CH % 16 == 0, "bad warp split");
   static_assert(BM % 32 == 0 && D % 32 == 0 && ST >= 2, "bad tile shape");
@@ -67,9 +71,11 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
   auto load_q = [&](int qh, int qm, int stage) {
     const int hq = hk * p.group + qh;
     const int m0 = qm * BM;
-    Tile<D>::template load<BM, NTH>(sQ + stage * TILE_Q, p.q + b * p.q_sb + hq * p.q_sh, p.q_ss, m0, p.nq, p.d);
+    // An opaque thread index: the per-thread load offsets are rebuilt per step, not held across the loop.
+    const int tix = static_cast<int>(opaque(static_cast<fg_u32>(tid)));
+    Tile<D>::template load<BM, NTH>(sQ + stage * TILE_Q, p.q + b * p.q_sb + hq * p.q_sh, p.q_ss, m0, p.nq, p.d, tix);
     Tile<D>::template load<BM, NTH>(sdO + stage * TILE_Q, p.dout + b * p.dout_sb + hq * p.dout_sh, p.dout_ss, m0,
-                                    p.nq, p.d);
+                                    p.nq, p.d, tix);
     // LSE2 and D rows: padded buffers, so whole 16-byte chunks are always in range.
     const fg_i64 row = (static_cast<fg_i64>(b) * p.heads + hq) * p.nq_pad + m0;
     if (tid < BM / 4) {
