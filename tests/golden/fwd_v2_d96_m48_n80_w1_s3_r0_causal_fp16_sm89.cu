@@ -141,12 +141,15 @@ struct Tile {
   // elements) into the tile at shared address `base`. Rows >= n_rows and
   // chunks at or past column d are zero-filled, so padding never reads memory.
   template <int ROWS, int THREADS>
-  static FG_DEVICE void load(fg_u32 base, const elem_t* g, fg_i64 stride, int row0, int n_rows, int d) {
+  // `tix`: the thread's index (a caller in a loop may pass an opaque copy so the
+  // per-thread offsets are recomputed per call instead of held across the loop).
+  static FG_DEVICE void load(fg_u32 base, const elem_t* g, fg_i64 stride, int row0, int n_rows, int d,
+                             int tix = static_cast<int>(threadIdx.x)) {
     if constexpr (THREADS % C == 0 && ROWS % (THREADS / C) == 0) {
       // Each thread keeps one chunk column and walks rows THREADS/C apart with
       // a running pointer, so no per-iteration address stays live in registers.
       constexpr int STEP = THREADS / C;
-      const int c = static_cast<int>(threadIdx.x) % C, r = static_cast<int>(threadIdx.x) / C;
+      const int c = tix % C, r = tix / C;
       const bool col_ok = c * 8 < d;
       const elem_t* src = g + static_cast<fg_i64>(row0 + r) * stride + c * 8;
       const fg_i64 src_step = static_cast<fg_i64>(STEP) * stride;
@@ -162,7 +165,7 @@ struct Tile {
       constexpr int CHUNKS = ROWS * C;
 #pragma unroll
       for (int it = 0; it < (CHUNKS + THREADS - 1) / THREADS; ++it) {
-        const int i = it * THREADS + static_cast<int>(threadIdx.x);
+        const int i = it * THREADS + tix;
         if (CHUNKS % THREADS != 0 && i >= CHUNKS) break;
         const int r = i / C, c = i % C;
         const bool ok = (row0 + r < n_rows) && (c * 8 < d);
