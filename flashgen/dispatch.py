@@ -308,9 +308,11 @@ def default_specs(arch: str, smem_budget: int, kind: str = "fwd"):
 def select(key: ProblemKey, gpu: str | None, smem_budget: int, verify: bool = False) -> KernelSpec:
     """The spec for ``key`` on GPU profile ``gpu`` (None: unknown GPU, default rule only).
 
-    ``verify`` (the launch paths pass True): the default rule skips a tile whose
-    binary the local NVRTC would refuse (``resource_problems``) for the rule's
-    next tile. The decision is cached with the key, so once per process.
+    ``verify`` (the launch paths pass True): a tuned table's spec, and each tile
+    of the default rule, whose binary the local NVRTC would refuse
+    (``resource_problems``) is skipped — the table's for the default rule, a
+    rule's tile for its next one. The decision is cached with the key, so once
+    per process.
     """
     if gpu is not None:
         from .tables import lookup  # tuned YAML tables (user's, then shipped)
@@ -321,8 +323,16 @@ def select(key: ProblemKey, gpu: str | None, smem_budget: int, verify: bool = Fa
         if spec is not None:
             serving = families_for(key.kind, key.arch)
             if spec.kind in serving:
-                return spec
-            if problem is key:  # the store refuses such entries; never launch one
+                problems = resource_problems(spec) if verify else []
+                if not problems:
+                    return spec
+                # Tuned with another NVRTC, this tile spills here (the 255-register cliff):
+                # the default rule, checked the same way, serves instead of a refused load.
+                from .settings import logger
+
+                logger().warning("dispatch: the tuned %s entry %s is refused by this NVRTC (%s); using the "
+                                 "default rule", gpu, spec.name, "; ".join(problems))
+            elif problem is key:  # the store refuses such entries; never launch one
                 raise UnsupportedError(f"the tuned {gpu} table's entry for {key} is a {spec.kind} kernel, which "
                                        f"does not serve {key.kind} on {key.arch} (families here: {serving})")
             # a family-restricted key (fwd_v2, fwd_sm90) and an entry of another family: that family's rule

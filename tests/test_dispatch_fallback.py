@@ -111,3 +111,25 @@ def test_resource_problems_reads_the_ptxas_report(monkeypatch):
     # A build that fails outright is not a reason to fall back (load() reports it).
     monkeypatch.setattr(codegen, "build", _fake_build(exc=CompileError("nvrtc failed")))
     assert dispatch.resource_problems(spec) == []
+
+
+def test_a_tuned_entry_that_spills_here_falls_back_to_the_rule(monkeypatch, caplog):
+    """A table tuned under another NVRTC may hold a tile this toolchain spills (seen on the H200 with
+    the shipped d=128 causal entry): with verify, the default rule serves instead of a refused load;
+    without verify, the table's entry is returned as written."""
+    from flashgen import tables
+
+    key = dispatch.ProblemKey("fwd", "sm_90a", "bf16", 128, True, 4096)
+    tuned = dispatch.KernelSpec(kind="fwd_v2", arch="sm_90a", dtype="bf16", head_dim=128, block_m=128,
+                                block_n=64, warps=4, stages=2, refill=2, causal=True)
+    rule = dispatch.default_spec(key, H200_SMEM)
+    assert rule != tuned
+    monkeypatch.setattr(tables, "lookup", lambda gpu, k: tuned if k == key else None)
+    monkeypatch.setattr(dispatch, "resource_problems", lambda s: ["spills: 32 B stored"] if s == tuned else [])
+    with caplog.at_level(logging.WARNING, logger="flashgen"):
+        assert dispatch.select(key, "h200", H200_SMEM, verify=True) == rule
+    assert tuned.name in caplog.text and "spills" in caplog.text
+    assert dispatch.select(key, "h200", H200_SMEM) == tuned
+    monkeypatch.setattr(dispatch, "resource_problems", lambda s: [])
+    dispatch.select.cache_clear()
+    assert dispatch.select(key, "h200", H200_SMEM, verify=True) == tuned  # a clean entry is used as tuned
