@@ -187,16 +187,31 @@ def bwd_dq_mode(head_dim_tile: int) -> str:
 
 
 # fwd_sm90's default rule (sm_90a only): head-dim tile -> (block_m, block_n,
-# stages, warpspec, pingpong, overlap) in order of preference. FA3's shapes
-# (arXiv 2407.08608): two consumer warpgroups of 64 rows and a producer. The
-# first H200 ablation (bench/results/sm90/final, d=128, N=8k) measured warp
-# specialization alone fastest: plain 559/521, ws 611/573, ws+pingpong 558/542,
-# all flags 517/463 TFLOP/s (non-causal/causal); overlap as written costs ~20 %.
+# stages, warpspec, pingpong, overlap) in order of preference. From the first
+# tuning over both forward families on the H200 (bench/results/s3tune, session 3):
+# fwd_sm90 won all 24 bf16 keys; at N >= 2k the winners are 192x128 with warp
+# specialization (d=64; 2 or 3 stages) and 128x128, 3 stages, warp specialization
+# and softmax overlap (d=128, 7 of 12 keys; the rest within a few per cent).
+# The second tile of each is the pre-tuning default (fits every sm_90a budget).
 SM90_TILES = {
-    64: ((128, 128, 2, True, False, False),),
-    128: ((128, 128, 2, True, False, False),),
+    64: ((192, 128, 3, True, False, False), (128, 128, 2, True, False, False)),
+    128: ((128, 128, 3, True, False, True), (128, 128, 2, True, False, False)),
     256: ((128, 64, 2, True, False, False),),
 }
+# The forward's default family: fwd_sm90 on sm_90a when its head-dim tile pads
+# the head dim by at most a third (64, 96-128, 192-256: it ran ~1.4-2x fwd_v2's
+# speed at d=64/128, so a third more work still wins); fwd_v2 elsewhere (d=32,
+# d=160 on the 256 tile, every other arch).
+SM90_MAX_PAD = 4 / 3
+
+
+def default_forward_family(arch: str, head_dim: int) -> str:
+    """The family the "fwd" default rule uses on ``arch`` for an input head dim."""
+    if arch == "sm_90a" and head_dim >= 64 and sm90_head_dim_tile(head_dim) <= SM90_MAX_PAD * head_dim:
+        return "fwd_sm90"
+    return "fwd_v2"
+
+
 BWD_KINDS = tuple(BWD_TILES)
 # Kinds whose default rule lives in flashgen/baseline_specs.py (standard attention's passes, fwd_v1).
 BASELINE_KINDS = ("standard_qk", "standard_softmax", "standard_pv", "fwd_v1")
@@ -250,8 +265,9 @@ def default_spec(key: ProblemKey, smem_budget: int, check=None) -> KernelSpec:
     the next fitting one: a tile the device's NVRTC compiles spill-free may spill
     under another NVRTC version, and the rule's later tiles are the fallback.
     """
-    if key.kind in FORWARD_FAMILIES:  # the problem's default family (fwd: fwd_v2 on every arch)
-        key = ProblemKey(FORWARD_FAMILIES[key.kind][0], key.arch, key.dtype, key.head_dim, key.causal, key.bucket)
+    if key.kind in FORWARD_FAMILIES:  # the problem's default family (fwd: default_forward_family)
+        key = ProblemKey(default_forward_family(key.arch, key.head_dim), key.arch, key.dtype, key.head_dim,
+                         key.causal, key.bucket)
     if key.kind == "fwd_sm90":
         if key.arch != "sm_90a":
             raise UnsupportedError(f"fwd_sm90 (wgmma + TMA) needs an sm_90a GPU (H100/H200), not {key.arch}")

@@ -4,9 +4,8 @@ No GPU is needed: NVRTC compiles cubins offline. The specs are compiled once
 per module, two at a time (NVRTC releases the GIL), into a private
 FLASHGEN_HOME; each spec is then its own test item so a failure names it.
 
-There is no shipped tuning table yet (flashgen/generated/ is empty), so the
-default rule's specs are all that dispatch can pick; when tables ship, their
-specs belong in SPECS too.
+Dispatch can pick the default rule's specs and every spec of a shipped tuning
+table (flashgen/generated/*.yaml): both are compiled here.
 """
 from __future__ import annotations
 
@@ -53,11 +52,15 @@ def compiled(tmp_path_factory):
 
 
 def test_default_specs_cover_every_key():
-    """The default rule yields one spec per (head dim tile, dtype, causal) for each arch, all distinct."""
-    assert len(SPECS) == len(set(SPECS)) == len(ARCHES) * len(dispatch.DEFAULT_TILES) * 2 * 2
+    """SPECS holds the default rule's spec for every (head dim, dtype, causal) forward key of each arch:
+    one per key on sm_80 (fwd_v2's tiles), shared between head dims on the same fwd_sm90 tile on sm_90a."""
+    assert len(SPECS) == len(set(SPECS))
+    assert len([s for s in SPECS if s.arch == "sm_80"]) == len(dispatch.DEFAULT_TILES) * 2 * 2
     for arch in ARCHES:
-        keys = {(s.head_dim, s.dtype, s.causal) for s in SPECS if s.arch == arch}
-        assert len(keys) == len(dispatch.DEFAULT_TILES) * 4
+        keys = [dispatch.ProblemKey("fwd", arch, dt, d, c, 512)
+                for d in dispatch.DEFAULT_TILES for dt in ("fp16", "bf16") for c in (False, True)]
+        budget = gpus.ARCH_SMEM_PER_BLOCK[arch]
+        assert {dispatch.default_spec(k, budget) for k in keys} == {s for s in SPECS if s.arch == arch}
 
 
 def test_bwd_default_specs_cover_every_key():

@@ -238,10 +238,23 @@ def test_default_rule_only_picks_feasible_specs(profile):
     """Every spec the default rule picks for a profile's arch and budget passes check(profile)."""
     prof = gpus.get(profile)
     specs = dispatch.default_specs(prof.arch, prof.smem_per_block)
-    assert len(specs) == len(MMA_HEAD_DIMS) * 2 * 2
+    keys = [dispatch.ProblemKey("fwd", prof.arch, dt, d, c, 512)
+            for d in MMA_HEAD_DIMS for dt in ("fp16", "bf16") for c in (False, True)]
+    assert {dispatch.default_spec(k, prof.smem_per_block) for k in keys} == set(specs)
     for spec in specs:
         assert spec.arch == prof.arch
         assert spec.check(prof) == [], spec.name
+
+
+def test_forward_default_family_per_arch():
+    """sm_90a takes fwd_sm90 where its tile pads at most a third (64, 96-128, 192-256); fwd_v2 elsewhere."""
+    sm90 = [d for d in MMA_HEAD_DIMS if dispatch.default_forward_family("sm_90a", d) == "fwd_sm90"]
+    assert sm90 == [d for d in MMA_HEAD_DIMS if d in (64, 96, 128, 192, 224, 256)]
+    assert {dispatch.default_forward_family(a, d) for a in ("sm_80", "sm_86", "sm_89") for d in MMA_HEAD_DIMS} \
+        == {"fwd_v2"}
+    key = dispatch.ProblemKey("fwd", "sm_90a", "bf16", 128, True, 4096)
+    spec = dispatch.default_spec(key, gpus.get("h200").smem_per_block)
+    assert (spec.kind, spec.block_m, spec.block_n, spec.stages, spec.overlap) == ("fwd_sm90", 128, 128, 3, True)
 
 
 def test_default_rule_raises_when_nothing_fits():
