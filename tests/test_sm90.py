@@ -187,7 +187,11 @@ def test_tensor_maps_step_rows_by_the_seq_stride(monkeypatch, layout):
             return spec.family.param_struct()(**values)
 
     plan = api._plan_sm90(FakeKernel(), spec, type("Dev", (), {"index": 0})(), (b, h, hk, nq, nk, d), (sq, sk, sv), sq, 0.125)
-    plan.tma(plan.params(), 16, 32, 48)
+    params = plan.tma(16, 32, 48)
+    assert bytes(params.tm_q) == bytes(128) and params.nq == nq and params.group == h // hk
+    assert len(calls) == 3 and plan.tma(16, 32, 48) is not params and len(calls) == 3  # cached per address
+    plan.tma(16, 32, 64)
+    assert len(calls) == 6  # a new triple encodes again (tma.encode keeps its own per-address cache)
     byptr = {c[0]: c for c in calls}
 
     def want(t, n, hh):
