@@ -451,3 +451,45 @@ def test_value_check_of_block_tables():
     # without cache_seqlens every page of the table is in use
     with pytest.raises(ValueError, match=re.escape("block_table[0, 1] = -1")):
         decode_api.check_cache_values(decode_api._Limits(64, 0, 16, 10), None, bt)
+
+
+# ---------------------------------------------------------------- the benchmark's comparison (no GPU)
+
+
+def test_bench_decode_times_implementations_interleaved(monkeypatch):
+    """bench/bench_decode.py times flashgen and each SDPA backend once per round, the order reversed every
+    other round; a failing implementation is recorded with its error and skipped in later rounds; the
+    summary is the median over the rounds with its spread."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "bench" / "bench_decode.py"
+    spec = importlib.util.spec_from_file_location("bench_decode_under_test", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    calls, clock = [], iter(range(100, 1000))
+
+    def fake_time_us(fn, copies, reps, warmup):
+        calls.append(fn.__name__)
+        fn(0)
+        return float(next(clock))
+
+    def flashgen(i):
+        pass
+
+    def sdpa_flash(i):
+        pass
+
+    def sdpa_cudnn(i):
+        raise RuntimeError("no cuDNN here")
+
+    monkeypatch.setattr(bench, "time_us", fake_time_us)
+    times = bench.interleaved({"flashgen": flashgen, "sdpa_flash": sdpa_flash, "sdpa_cudnn": sdpa_cudnn}, 1,
+                              rounds=4)
+    assert calls == ["flashgen", "sdpa_flash", "sdpa_cudnn", "sdpa_flash", "flashgen", "flashgen", "sdpa_flash",
+                     "sdpa_flash", "flashgen"]
+    assert times["sdpa_cudnn"].startswith("RuntimeError: no cuDNN here")
+    assert times["flashgen"] == [100.0, 103.0, 104.0, 107.0] and times["sdpa_flash"] == [101.0, 102.0, 105.0, 106.0]
+    s = bench.summary(times["flashgen"], 1e6)
+    assert s["us"] == 103.5 and s["rounds_us"] == times["flashgen"]
+    assert s["spread_pct"] == pytest.approx(7 / 103.5 * 100) and s["tbps"] == pytest.approx(1 / 103.5)
