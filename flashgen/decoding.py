@@ -227,3 +227,35 @@ def window_pages(table_row, n_begin: int, n_blocks: int, n_end: int, len_cache: 
             pages.append((lo if idx < 32 else hi)[idx & 31] if key0 < n_end and key0 < len_cache else 0)
         out.append(pages)
     return out
+
+
+MERGE_CHUNK = 16  # splits the fused merge reads per round trip (CH in templates/decode_split.cuh)
+
+
+def merge_chunked(lses, outs, chunk: int = MERGE_CHUNK):
+    """Mirror of decode_split's fused merge for one (row, columns) item: ``lses`` the splits' LSEs
+    (floats, -inf for an empty split), ``outs`` their normalised partial outputs (float lists). Reads
+    ``chunk`` splits at a time (indices past the last clamped and weighted 0) with a running max,
+    exactly as the kernel orders its arithmetic; returns (out, lse) -- zeros and -inf when every split
+    is empty. Needs math only, so the CPU tests check the kernel's formula and its edge cases."""
+    n = len(lses)
+    width = len(outs[0]) if outs else 0
+    m, total, acc = -math.inf, 0.0, [0.0] * width
+    for s0 in range(0, n, chunk):
+        idx = [min(s0 + k, n - 1) for k in range(chunk)]
+        ls = [lses[i] for i in idx]
+        mc = m
+        for k in range(chunk):
+            mc = max(mc, ls[k] if s0 + k < n else -math.inf)
+        mref = 0.0 if mc == -math.inf else mc
+        a = math.exp(m - mref)
+        total *= a
+        acc = [x * a for x in acc]
+        for k in range(chunk):
+            used = s0 + k < n and ls[k] != -math.inf
+            w = math.exp(ls[k] - mref) if used else 0.0
+            total += w
+            acc = [x + (w * y if used else 0.0) for x, y in zip(acc, outs[idx[k]])]
+        m = mc
+    inv = 1.0 / total if total > 0 else 0.0
+    return [x * inv for x in acc], (m + math.log(total) if total > 0 else -math.inf)

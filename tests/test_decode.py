@@ -247,6 +247,31 @@ def test_split_then_combine_equals_attention(nq, length, splits):
     assert torch.allclose(lse[fin], ref_lse[fin], atol=1e-5)
 
 
+@pytest.mark.parametrize("splits,empty", [(1, ()), (5, (0, 3)), (16, ()), (17, (16,)), (37, tuple(range(20))),
+                                          (40, tuple(range(40))), (33, (0, 1, 2, 32))])
+def test_fused_merge_mirror_equals_the_two_pass_combine(splits, empty):
+    """decoding.merge_chunked (the kernel's fused merge: 16 splits per round trip, running max, clamped
+    indices weighted 0) equals decode_combine's two passes (lse = max + ln sum e^(lse_i - max),
+    O = sum e^(lse_i - lse) O_i), across chunk boundaries and with empty splits (LSE -inf, O garbage)
+    anywhere -- a whole chunk of them first, or all of them (output 0, LSE -inf)."""
+    gen = torch.Generator().manual_seed(splits * 100 + len(empty))
+    lses = (torch.randn(splits, generator=gen) * 4).tolist()
+    outs = torch.randn(splits, 4, generator=gen).tolist()
+    for i in empty:
+        lses[i] = -math.inf
+        outs[i] = [float("nan")] * 4  # never read into the sum
+    out, lse = decoding.merge_chunked(lses, outs)
+    used = [i for i in range(splits) if i not in empty]
+    if not used:
+        assert out == [0.0] * 4 and lse == -math.inf
+        return
+    m = max(lses[i] for i in used)
+    want_lse = m + math.log(sum(math.exp(lses[i] - m) for i in used))
+    want = [sum(math.exp(lses[i] - want_lse) * outs[i][c] for i in used) for c in range(4)]
+    assert lse == pytest.approx(want_lse, rel=1e-12, abs=1e-12)
+    assert out == pytest.approx(want, rel=1e-9, abs=1e-12)
+
+
 def test_attend_packs_tokens_like_the_kernel():
     """key_limit's packed row -> token mapping (row // group) is the token the reference masks with."""
     assert [decoding.key_limit(r, 4, 10, 3) for r in range(12)] == [8] * 4 + [9] * 4 + [10] * 4

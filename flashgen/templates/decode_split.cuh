@@ -474,45 +474,56 @@ FG_DEVICE void decode_split_body(const Params& p) {
   __syncthreads();
   if (!*last_flag) return;
   __threadfence();  // the other CTAs' partials, seen through their tickets
-  float* const lse_all = red + 2 * NW * 16;  // [16]: each thread tid < 16 reuses the slot it read above
-  if (tid < 16) {
-    float lse = -INFINITY;
-    if (r0 + tid < p.rows) {
-      const float* l = p.lse_ws + ws_row(r0 + tid);
-      float m = -INFINITY;
-      for (int s = 0; s < p.num_splits; ++s) m = fmaxf(m, ld_cg_f1(l + s * p.total_rows));
-      if (m != -INFINITY) {
-        float sum = 0.f;
-        for (int s = 0; s < p.num_splits; ++s) sum += expf(ld_cg_f1(l + s * p.total_rows) - m);
-        lse = m + logf(sum);
-      }
-      store_lse(r0 + tid, lse);
-    }
-    lse_all[tid] = lse;
-  }
-  __syncthreads();
+  // Each thread merges one (row, 4 columns) item over every split, CH = 16 splits at a time: the
+  // chunk's LSE and partial-O loads are independent of each other (one L2 round trip per chunk), and a
+  // running max rescales what is summed so far (as the online softmax), so the row's LSE needs no
+  // pass of its own: O = sum_s e^(lse_s - m) O_s / sum_s e^(lse_s - m), LSE = m + ln(sum_s e^(lse_s - m)).
+  // Split indices past the last are clamped (a valid address) and weighted 0.
+  constexpr int CH = 16;
+  const fg_i64 l_step = p.total_rows, o_step = static_cast<fg_i64>(p.total_rows) * p.d;
   for (int i = tid; i < 16 * (D / 4); i += NT) {
     const int row = i / (D / 4), c4 = i % (D / 4);
     const int r = r0 + row;
     if (r >= p.rows || c4 * 4 >= p.d) continue;
-    const float lse = lse_all[row];
     const fg_i64 wr = ws_row(r);
+    const float* const l_r = p.lse_ws + wr;
+    const float* const o_r = p.o_ws + wr * p.d + c4 * 4;
+    float m = -INFINITY, sum = 0.f;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (lse != -INFINITY) {
-#pragma unroll 4
-      for (int s = 0; s < p.num_splits; ++s) {
-        const float l = ld_cg_f1(p.lse_ws + s * p.total_rows + wr);
-        const float4 x = ld_cg_f4(p.o_ws + (s * p.total_rows + wr) * p.d + c4 * 4);
-        // Select, not branch: an empty split's O never enters the sum (0 * garbage is not 0).
-        const bool used = l != -INFINITY;
-        const float w = used ? expf(l - lse) : 0.f;
-        acc.x += used ? w * x.x : 0.f;
-        acc.y += used ? w * x.y : 0.f;
-        acc.z += used ? w * x.z : 0.f;
-        acc.w += used ? w * x.w : 0.f;
+    for (int s0 = 0; s0 < p.num_splits; s0 += CH) {
+      float ls[CH];
+      float4 xs[CH];
+#pragma unroll
+      for (int k = 0; k < CH; ++k) {
+        const int s = min(s0 + k, p.num_splits - 1);
+        xs[k] = ld_cg_f4(o_r + s * o_step);
+        ls[k] = ld_cg_f1(l_r + s * l_step);
       }
+      float mc = m;
+#pragma unroll
+      for (int k = 0; k < CH; ++k) mc = fmaxf(mc, s0 + k < p.num_splits ? ls[k] : -INFINITY);
+      // No branch on an all-empty chunk (it would let ptxas sink the O loads behind the max): with
+      // mc = -inf every weight is 0 through `used`, and the reference 0 keeps the exponents finite.
+      const float mref = mc == -INFINITY ? 0.f : mc;
+      const float a = expf(m - mref);  // 0 while m is -inf
+      sum *= a;
+      acc.x *= a; acc.y *= a; acc.z *= a; acc.w *= a;
+#pragma unroll
+      for (int k = 0; k < CH; ++k) {
+        // Select, not branch: an empty split's O never enters the sum (0 * garbage is not 0).
+        const bool used = s0 + k < p.num_splits && ls[k] != -INFINITY;
+        const float w = used ? expf(ls[k] - mref) : 0.f;
+        sum += w;
+        acc.x += used ? w * xs[k].x : 0.f;
+        acc.y += used ? w * xs[k].y : 0.f;
+        acc.z += used ? w * xs[k].z : 0.f;
+        acc.w += used ? w * xs[k].w : 0.f;
+      }
+      m = mc;
     }
-    store_o(r, c4, acc);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    store_o(r, c4, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
+    if (c4 == 0) store_lse(r, sum > 0.f ? m + logf(sum) : -INFINITY);
   }
   if (tid == 0) *ctr = 0;  // ready for the next launch (launches on one stream never overlap)
 }
