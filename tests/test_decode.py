@@ -300,7 +300,7 @@ def test_default_rule_specs_are_valid_and_fit():
 
 @pytest.mark.parametrize("field,value,message", [
     ("block_m", 32, "block_m=32"), ("causal", False, "causal=False"), ("head_dim", 96, "head_dim=96"),
-    ("block_n", 32, "16-key slices"), ("refill", 1, "refill=1"), ("hint", 4, "hint=4"), ("stages", 7, "stages=7"),
+    ("block_n", 32, "16-key slices"), ("refill", 1, "refill=1"), ("hint", 6, "hint=6"), ("stages", 7, "stages=7"),
 ])
 def test_decode_split_family_refuses(field, value, message):
     """Fixed fields and tile rules of decode_split are enforced (block_n 32 over 4 warps: 8-key slices)."""
@@ -324,7 +324,7 @@ def test_load_hints_are_the_hint_field():
     from flashgen.spec import KernelSpec
 
     base = decoding.default_split_spec("sm_90a", "bf16", 128, 232448)
-    assert sorted(LOAD_HINTS) == [0, 1, 2, 3]
+    assert sorted(LOAD_HINTS) == [0, 1, 2, 3, 4, 5]
     for hint in LOAD_HINTS:
         spec = base.replace(hint=hint)
         assert f"_h{hint}_causal_" in spec.name and "_r0_" not in spec.name
@@ -335,6 +335,43 @@ def test_load_hints_are_the_hint_field():
             KernelSpec(kind=kind, hint=2).validate()
     # the other kinds' names keep their refill slot and do not mention the hint
     assert KernelSpec().name == "fwd_v2_d128_m128_n64_w4_s2_r0_full_bf16_sm90a"
+
+
+def test_bulk_loader_hints():
+    """Hints 4 and 5 (cp.async.bulk rows, per-warp mbarriers) are sm_90a only: the family refuses them
+    elsewhere and the default rule runs their cp.async stand-ins there (4 -> 0, 5 -> 2). Their ring rows
+    are padded by 16 bytes and 2 * stages * warps mbarriers follow, and the kernel's own
+    decode_smem_bytes<>() must agree (static_assert in the source); their __launch_bounds__ name the
+    CTAs an sm_90a SM holds by shared memory (else ptxas caps them at 128 registers)."""
+    from flashgen.codegen import render
+    from flashgen.families import BULK_HINTS, load_hint_for
+
+    assert BULK_HINTS == {4: 0, 5: 2}
+    base = decoding.default_split_spec("sm_90a", "bf16", 128, 232448)
+    for arch in ("sm_80", "sm_86", "sm_89"):
+        with pytest.raises(ValueError, match=f"hint=4 .*needs sm_90a, not {arch}"):
+            base.replace(arch=arch, hint=4).validate()
+        assert [load_hint_for(arch, h) for h in range(6)] == [0, 1, 2, 3, 0, 2]
+    assert [load_hint_for("sm_90a", h) for h in range(6)] == list(range(6))
+    # (block_n, warps, stages) -> (bytes, CTAs per sm_90a SM by shared memory)
+    for (bn, w, st), (smem, ctas) in {(64, 4, 3): (4096 + 2 * 3 * 64 * 272 + 2 * 3 * 4 * 8, 2),
+                                      (64, 4, 2): (4096 + 2 * 2 * 64 * 272 + 2 * 2 * 4 * 8, 3),
+                                      (128, 4, 2): (4096 + 2 * 2 * 128 * 272 + 2 * 2 * 4 * 8, 1)}.items():
+        for hint in (4, 5):
+            spec = base.replace(block_n=bn, warps=w, stages=st, hint=hint).validate()
+            assert spec.smem_bytes() == smem
+            src = render(spec)
+            assert f"__launch_bounds__({w * 32}, {ctas})" in src
+            assert f"decode_smem_bytes<128, {bn}, {w}, {st}, {hint}>() == {smem}" in src
+        plain = base.replace(block_n=bn, warps=w, stages=st, hint=0)
+        assert plain.smem_bytes() == 2 * 128 * (16 + 2 * st * bn)
+        assert f"__launch_bounds__({w * 32})\n" in render(plain)
+    # the default rule with a bulk tile: its stand-in off sm_90a
+    tiles = {128: {"few": ((128, 4, 2, 4),)}}
+    import unittest.mock as mock
+    with mock.patch.dict(decoding.DECODE_TILES_BY_REGIME, tiles):
+        assert decoding.default_split_spec("sm_90a", "bf16", 128, 232448, "few").hint == 4
+        assert decoding.default_split_spec("sm_80", "bf16", 128, 166912, "few").hint == 0
 
 
 def test_combine_family_fixes_unused_fields():
