@@ -19,6 +19,13 @@ A time budget (seconds) stops the later phases early; what was measured is still
 next to five tiles around it, every case; phase 2 scans the split count of the default's pick on each
 case that splits (h/2, h-1, h, h+1, 2h and the one-CTA-per-SM and full-wave counts), twice for the
 b1 cases (the run-to-run spread of the small cases is part of the answer); no combine phase.
+
+``--loader`` (bench/device_dec4.sh): the default rule's pick on each case against the same tile with the
+sm_90a bulk loader (KernelSpec.hint 4, and 5 = 4 + L2 evict_first), cuDNN in the same interleaved rounds
+(bench_decode.interleaved: all resident, order reversed every other round, medians of the rounds);
+12 Done-when cases plus paged ones. Prints per regime (few / some / full) whether a bulk hint beats the
+default by more than the rounds' spread, and the one line of flashgen/decoding.py that would make it
+the default.
 """
 from __future__ import annotations
 
@@ -35,7 +42,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import flashgen  # noqa: E402
-from bench_decode import D, kv_bytes, make_inputs, sdpa_runner, time_us  # noqa: E402
+from bench_decode import D, interleaved, kv_bytes, make_inputs, sdpa_runner, summary, time_us  # noqa: E402
 from bench_fwd import meta  # noqa: E402
 from flashgen import decode_api, decoding  # noqa: E402
 from flashgen.api import _Device  # noqa: E402
@@ -115,20 +122,23 @@ def check_spec(spec):
 
 
 class Case:
-    """Inputs of one case (rotating copies so that L2 never serves a small case) and cuDNN's time."""
+    """Inputs of one case (rotating copies so that L2 never serves a small case) and cuDNN's time
+    (``time_cudnn=False``: only its runner, ``cudnn_run``, for the caller to time)."""
 
-    def __init__(self, b, hq, hk, L, layout):
+    def __init__(self, b, hq, hk, L, layout, time_cudnn=True):
         self.key = f"b{b}_hq{hq}_hk{hk}_L{L}_{layout}"
         self.b, self.hq, self.hk, self.L, self.layout = b, hq, hk, L, layout
         self.nbytes = kv_bytes(b, hk, L)
         self.copies, self.qs, ks, vs = make_inputs(b, hq, hk, L)
         self.lens = torch.full((b,), L, dtype=torch.int32, device="cuda")
         self.bts = [None] * self.copies
-        self.cudnn = None
+        self.cudnn = self.cudnn_run = None
         if layout == "bhsd":
             self.kc, self.vc = [k.transpose(1, 2) for k in ks], [v.transpose(1, 2) for v in vs]
             run, mode = sdpa_runner("CUDNN_ATTENTION", self.qs, ks, vs, hq, hk)
-            if run is not None:
+            if run is not None and not time_cudnn:
+                self.cudnn_run = run
+            elif run is not None:
                 try:
                     self.cudnn = time_us(run, self.copies, reps=30, warmup=3)
                 except Exception as exc:  # noqa: BLE001
@@ -147,18 +157,24 @@ class Case:
                         for _ in range(self.copies)]
         del ks, vs
 
-    def run(self, spec, splits):
+    def fn(self, spec, splits):
+        """(callable(i), plan facts {"splits", "spec"}) of flashgen.decode on this case, planned once."""
         def fn(i):
             return flashgen.decode(self.qs[i], self.kc[i], self.vc[i], self.lens, self.bts[i], spec=spec,
                                    num_splits=splits, check_values=False)
         decode_api._plans.clear()
         fn(0)
         plan = next(iter(decode_api._plans.values()))
+        return fn, {"splits": plan.splits, "spec": plan.spec.name}
+
+    def run(self, spec, splits):
+        fn, facts = self.fn(spec, splits)
         us = time_us(fn, self.copies, reps=30, warmup=3)
-        return {"us": us, "tbps": self.nbytes / us / 1e6, "splits": plan.splits, "spec": plan.spec.name}
+        return {"us": us, "tbps": self.nbytes / us / 1e6, **facts}
 
     def free(self):
         del self.qs, self.kc, self.vc, self.bts
+        self.cudnn_run = None
         torch.cuda.empty_cache()
 
 
@@ -176,10 +192,14 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--budget", type=float, default=160.0, help="seconds; later phases stop when it runs out")
     ap.add_argument("--short", action="store_true", help="the default rule and 6 tiles; phase 2 on the default")
+    ap.add_argument("--loader", action="store_true", help="the default rule vs its tiles with the bulk loader")
+    ap.add_argument("--rounds", type=int, default=3, help="--loader: interleaved rounds per case")
     args = ap.parse_args(argv)
     t0 = time.time()
     torch.manual_seed(0)
     dev = _Device.of(torch.cuda.current_device())
+    if args.loader:
+        return loader_sweep(args, dev, t0)
     result = {"meta": meta(), "convention": "bf16, d=128, seqlen_q=1; TB/s = K+V bytes / median time",
               "candidates": [], "rejected": {}, "wrong": {}, "cases": {}, "splits": {}, "fused": {}}
 
@@ -296,6 +316,113 @@ def main(argv=None):
     print_ranking(result)
     result["elapsed_s"] = time.time() - t0
     write()
+
+
+# --loader: the Done-when cases plus paged ones (b1 "few", b8 "some", b32 "full"), smallest first.
+LOADER_CASES = [c for c in CASES if c[4] == "bhsd"] + [
+    (1, 32, 8, 131072, "page64"), (1, 32, 8, 131072, "page256"), (8, 32, 8, 32768, "page64"),
+    (32, 32, 8, 32768, "page64")]
+BULK_OF = {"h4": 4, "h5": 5}  # the bulk variants timed next to the default, by name
+
+
+def loader_sweep(args, dev, t0):
+    """The default rule's pick on each case vs the same tile with the bulk loader (hints 4 and 5), cuDNN
+    interleaved; a per-regime verdict and the line of flashgen/decoding.py to change."""
+    result = {"meta": meta(), "convention": "bf16, d=128, seqlen_q=1; TB/s = K+V bytes / median of the "
+              f"medians of {args.rounds} interleaved rounds", "loader": True, "checked": {}, "cases": {}}
+
+    def write():
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as fh:
+                json.dump(result, fh, indent=1)
+
+    if dev.arch != "sm_90a":
+        print(f"--loader needs sm_90a (the bulk loader), this device is {dev.arch}", flush=True)
+        return
+    sms = dev_sms()
+    bulk_ok = {}  # spec name -> None (correct) or why not
+    for c in sorted(LOADER_CASES, key=lambda c: kv_bytes(c[0], c[2], c[3])):
+        if time.time() - t0 > args.budget:
+            print(f"budget: skipping case {c}", flush=True)
+            continue
+        b, hq, hk, L, layout = c
+        case = Case(*c, time_cudnn=False)
+        regime = decoding.decode_regime(b * hk * -(-(hq // hk) // decoding.ROWS), sms)
+        fns, facts = {}, {}
+        fns["default"], facts["default"] = case.fn(None, None)
+        base = next(iter(decode_api._plans.values())).spec  # what the default rule picked here
+        for name, hint in BULK_OF.items():
+            spec = base.replace(hint=hint)
+            if spec.name not in bulk_ok:
+                bulk_ok[spec.name] = check_spec(spec)
+                result["checked"][spec.name] = bulk_ok[spec.name] or "ok"
+                print(f"checked {spec.name}: {bulk_ok[spec.name] or 'ok'}", flush=True)
+            if bulk_ok[spec.name] is None:
+                try:
+                    fns[name], facts[name] = case.fn(spec, None)
+                except Exception as exc:  # noqa: BLE001 -- recorded with the case
+                    facts[name] = {"error": f"{type(exc).__name__}: {str(exc)[:160]}"}
+        if case.cudnn_run is not None:
+            fns["cudnn"], facts["cudnn"] = case.cudnn_run, {}
+        row = result["cases"][case.key] = {"kv_bytes": case.nbytes, "regime": regime}
+        row.update({n: f for n, f in facts.items() if n not in fns})
+        for name, ts in interleaved(fns, case.copies, rounds=args.rounds).items():
+            row[name] = {"error": ts} if isinstance(ts, str) else {**summary(ts, case.nbytes), **facts[name]}
+        for name in ("default", *BULK_OF):
+            r = row.get(name, {})
+            if "us" in r and "us" in row.get("cudnn", {}):
+                r["x_cudnn"] = row["cudnn"]["us"] / r["us"]
+            if "us" in r and "us" in row["default"]:
+                r["vs_default"] = row["default"]["us"] / r["us"]
+        print(f"{case.key:<28} [{regime}] " + "  ".join(
+            f"{n} {row[n].get('tbps', float('nan')):.3f} TB/s +-{row[n].get('spread_pct', float('nan')):.1f}%"
+            + (f" ({row[n]['vs_default']:.3f}x)" if "vs_default" in row[n] else "")
+            for n in ("cudnn", "default", *BULK_OF) if n in row) + f"; {time.time() - t0:.0f} s", flush=True)
+        case.free()
+        write()
+    result["verdict"] = loader_verdict(result)
+    result["elapsed_s"] = time.time() - t0
+    write()
+
+
+def loader_verdict(result):
+    """Per regime: geomean of (default time / variant time) over its cases, the worst case, and the
+    largest spread seen; a variant is 'better' when its geomean gain exceeds that spread and no case
+    of the regime lost more than it. Prints the table, the x cuDNN summary and the decoding.py line."""
+    regimes = {}
+    for key, row in result["cases"].items():
+        regimes.setdefault(row["regime"], []).append((key, row))
+    lines = {"few": 'DECODE_TILES_BY_REGIME[128]["few"]: ((128, 4, 2, 0),)  ->  ((128, 4, 2, {h}),)',
+             "full": 'DECODE_TILES_BY_REGIME[128]["full"]: ((64, 4, 2, 0),)  ->  ((64, 4, 2, {h}),)',
+             "some": "DEFAULT_DECODE_TILES[128][0]: (64, 4, 3, 2)  ->  (64, 4, 3, {h})"}
+    verdict = {}
+    print("\nper regime: geomean default time / bulk time (>1: bulk faster), worst case, max spread %")
+    for regime, rows in sorted(regimes.items()):
+        out = verdict[regime] = {"cases": [k for k, _ in rows]}
+        spread = max((r[n].get("spread_pct", 0) for _, r in rows for n in ("default", *BULK_OF) if n in r),
+                     default=0)
+        for name, hint in BULK_OF.items():
+            gains = [r[name]["vs_default"] for _, r in rows if "vs_default" in r.get(name, {})]
+            if not gains:
+                continue
+            g = geomean(gains)
+            better = (g - 1) * 100 > spread and (1 - min(gains)) * 100 <= spread
+            out[name] = {"geomean_gain": g, "min_gain": min(gains), "max_spread_pct": spread, "better": better}
+            print(f"  {regime:<5} {name}: {g:.4f} (worst {min(gains):.4f}, spread {spread:.2f} %) "
+                  + ("-> better" if better else "-> keep the default"))
+        best = max((n for n in BULK_OF if out.get(n, {}).get("better")),
+                   key=lambda n: out[n]["geomean_gain"], default=None)
+        out["change"] = lines[regime].format(h=BULK_OF[best]) if best else None
+    xs = {n: [r[n]["x_cudnn"] for r in result["cases"].values() if "x_cudnn" in r.get(n, {})]
+          for n in ("default", *BULK_OF)}
+    for n, v in xs.items():
+        if v:
+            print(f"x cuDNN {n}: geomean {geomean(v):.3f}, min {min(v):.3f} over {len(v)} cases")
+    for regime, out in sorted(verdict.items()):
+        print(f"{regime}: " + (f"change flashgen/decoding.py {out['change']}" if out.get("change")
+                               else "keep the cp.async default"))
+    return verdict
 
 
 def rank(result, specs):

@@ -18,7 +18,7 @@ import math
 
 from .dispatch import ProblemKey, bucket_of
 from .errors import UnsupportedError
-from .families import DECODE_HEAD_DIMS
+from .families import DECODE_HEAD_DIMS, load_hint_for
 from .spec import KernelSpec
 
 PAGE_SIZES = (16, 32, 64, 128, 256)
@@ -30,7 +30,8 @@ ROWS = 16                 # packed query rows per CTA (one m16n8k16 tile)
 
 # Per head-dim tile: (block_n, warps, stages, load hint) in order of preference; the first whose
 # shared memory fits the device's per-block budget is used. The load hint is KernelSpec.hint
-# (families.LOAD_HINTS). d=128 is measured (bench/results/decode/round2/, bench/NOTES.md "dec3"):
+# (families.LOAD_HINTS; a bulk hint, 4 or 5, runs as its cp.async stand-in off sm_90a:
+# families.load_hint_for). d=128 is measured (bench/results/decode/round2/, bench/NOTES.md "dec3"):
 # n64 w4 s3 with the evict_first hint (100 KB: 2 CTAs per H200 SM) is the best or within 0.5 % of
 # the best tile wherever a few to a few dozen CTAs per KV head run (b8: 3.31/4.32/4.48 TB/s at
 # L=4k/32k/128k). The other head dims keep the first rule's tiles (not measured).
@@ -82,7 +83,7 @@ def default_split_spec(arch: str, dtype: str, head_dim: int, smem_budget: int, r
     tiles = DECODE_TILES_BY_REGIME.get(head_dim, {}).get(regime, ()) + DEFAULT_DECODE_TILES[head_dim]
     for bn, w, st, hint in tiles:
         spec = KernelSpec(kind="decode_split", arch=arch, dtype=dtype, head_dim=head_dim, block_m=ROWS,
-                          block_n=bn, warps=w, stages=st, hint=hint, causal=True).validate()
+                          block_n=bn, warps=w, stages=st, hint=load_hint_for(arch, hint), causal=True).validate()
         if spec.smem_bytes() <= smem_budget:
             return spec
     raise UnsupportedError(f"no decode_split tile fits {smem_budget} B of shared memory for d={head_dim}")
@@ -227,3 +228,35 @@ def window_pages(table_row, n_begin: int, n_blocks: int, n_end: int, len_cache: 
             pages.append((lo if idx < 32 else hi)[idx & 31] if key0 < n_end and key0 < len_cache else 0)
         out.append(pages)
     return out
+
+
+MERGE_CHUNK = 16  # splits the fused merge reads per round trip (CH in templates/decode_split.cuh)
+
+
+def merge_chunked(lses, outs, chunk: int = MERGE_CHUNK):
+    """Mirror of decode_split's fused merge for one (row, columns) item: ``lses`` the splits' LSEs
+    (floats, -inf for an empty split), ``outs`` their normalised partial outputs (float lists). Reads
+    ``chunk`` splits at a time (indices past the last clamped and weighted 0) with a running max,
+    exactly as the kernel orders its arithmetic; returns (out, lse) -- zeros and -inf when every split
+    is empty. Needs math only, so the CPU tests check the kernel's formula and its edge cases."""
+    n = len(lses)
+    width = len(outs[0]) if outs else 0
+    m, total, acc = -math.inf, 0.0, [0.0] * width
+    for s0 in range(0, n, chunk):
+        idx = [min(s0 + k, n - 1) for k in range(chunk)]
+        ls = [lses[i] for i in idx]
+        mc = m
+        for k in range(chunk):
+            mc = max(mc, ls[k] if s0 + k < n else -math.inf)
+        mref = 0.0 if mc == -math.inf else mc
+        a = math.exp(m - mref)
+        total *= a
+        acc = [x * a for x in acc]
+        for k in range(chunk):
+            used = s0 + k < n and ls[k] != -math.inf
+            w = math.exp(ls[k] - mref) if used else 0.0
+            total += w
+            acc = [x + (w * y if used else 0.0) for x, y in zip(acc, outs[idx[k]])]
+        m = mc
+    inv = 1.0 / total if total > 0 else 0.0
+    return [x * inv for x in acc], (m + math.log(total) if total > 0 else -math.inf)

@@ -111,7 +111,16 @@ FWD_PARAMS = (
 
 # decode_split's K/V load flavours, KernelSpec.hint (see DecodeSplitFamily).
 LOAD_HINTS = {0: "cp.async.cg", 1: "cp.async.cg + L2::256B prefetch", 2: "cp.async.cg + L2 evict_first",
-              3: "cp.async.cg + L2 evict_first + L2::256B prefetch"}
+              3: "cp.async.cg + L2 evict_first + L2::256B prefetch",
+              4: "cp.async.bulk rows + per-warp mbarriers (sm_90a)",
+              5: "cp.async.bulk rows + per-warp mbarriers + L2 evict_first (sm_90a)"}
+# The bulk loader's hints (sm_90a only), each with the cp.async hint that stands in for it elsewhere.
+BULK_HINTS = {4: 0, 5: 2}
+
+
+def load_hint_for(arch: str, hint: int) -> int:
+    """``hint`` where ``arch`` runs it, else its cp.async stand-in (a bulk hint off sm_90a)."""
+    return BULK_HINTS[hint] if hint in BULK_HINTS and arch != "sm_90a" else hint
 
 # Head-dim tiles of the decode families: inputs with a smaller d are rounded up
 # to the next (chunks past d are zero-filled without reading memory).
@@ -129,7 +138,9 @@ class DecodeSplitFamily(Family):
     refill point to choose: K and V of a block are always issued together, one
     ring stage ahead). ``hint`` picks the K/V load flavour: 0 plain
     ``cp.async.cg``, 1 with the ``.L2::256B`` prefetch hint, 2 with an
-    evict_first L2 cache policy, 3 both (LOAD_HINTS).
+    evict_first L2 cache policy, 3 both (LOAD_HINTS); 4 and 5 (sm_90a only) the
+    bulk loader: one ``cp.async.bulk`` per K/V row into rows padded by 16 bytes,
+    per-warp mbarriers (5 with evict_first).
     """
 
     def validate(self, spec) -> None:
@@ -143,13 +154,31 @@ class DecodeSplitFamily(Family):
         if (32 * spec.warps * 8) % spec.head_dim or step == 0 or 16 % step:
             raise ValueError(f"{self.kind}: {spec.warps} warps do not tile head_dim={spec.head_dim} rows "
                              "(rows per load pass must divide 16)")
+        if spec.hint in BULK_HINTS and spec.arch != "sm_90a":
+            raise ValueError(f"{self.kind}: hint={spec.hint} (cp.async.bulk) needs sm_90a, not {spec.arch}")
 
     def smem_bytes(self, spec) -> int:
-        # Q tile (16 rows) + K and V rings; the cross-warp reduction reuses both.
-        return 2 * spec.head_dim * (16 + 2 * spec.stages * spec.block_n)
+        # Q tile (16 rows) + K and V rings; the cross-warp reduction reuses both. The bulk loader pads
+        # each ring row by 16 bytes (its copies cannot swizzle) and adds 2 * stages * warps mbarriers.
+        # templates/decode_split.cuh's decode_smem_bytes() is the same formula (static_assert).
+        bulk = spec.hint in BULK_HINTS
+        row = 2 * spec.head_dim + (16 if bulk else 0)
+        return 2 * spec.head_dim * 16 + 2 * spec.stages * spec.block_n * row + (16 * spec.stages * spec.warps if bulk else 0)
 
     def acc_floats(self, spec) -> int:
         return (spec.head_dim // 8 + spec.block_n // spec.warps // 8) * 4
+
+    def context(self, spec) -> dict:
+        """Adds ``min_ctas``, the bulk loader's __launch_bounds__ minimum: the CTAs an sm_90a SM holds by
+        shared memory (plus the driver's 1 KB each). Without it ptxas caps those kernels at 128 registers
+        and the n128 tile spills; with it ptxas may use what that residency leaves. 0: no minimum given
+        (the cp.async kernels keep their plain bounds)."""
+        from .gpus import ARCH_SMEM_PER_BLOCK
+
+        ctx = super().context(spec)
+        per_sm = ARCH_SMEM_PER_BLOCK["sm_90a"] + 1024
+        ctx["min_ctas"] = max(1, per_sm // (self.smem_bytes(spec) + 1024)) if spec.hint in BULK_HINTS else 0
+        return ctx
 
 
 @dataclass(frozen=True)

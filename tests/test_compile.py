@@ -22,6 +22,11 @@ ARCHES = ("sm_80", "sm_90a")
 SPECS = [s for arch in ARCHES for s in dispatch.default_specs(arch, gpus.ARCH_SMEM_PER_BLOCK[arch])]
 # Flash-Decoding's default rule (split and combine kernels), flashgen/decoding.py.
 DECODE_SPECS = [s for arch in ARCHES for s in decoding.default_specs(arch, gpus.ARCH_SMEM_PER_BLOCK[arch])]
+# The sm_90a bulk loader (hints 4, 5) on each d=128 default tile: not a default yet, measured by
+# bench/sweep_decode.py --loader, so it must stay spill-free too.
+DECODE_SPECS += sorted({s.replace(hint=h).validate() for s in DECODE_SPECS
+                        if s.kind == "decode_split" and s.arch == "sm_90a" and s.head_dim == 128 for h in (4, 5)},
+                       key=lambda s: s.name)
 # The backward kinds' default rule (bwd_preprocess, bwd_dkdv, bwd_dkdv_nodq, bwd_dq, bwd_convert).
 BWD_SPECS = [s for arch in ARCHES for kind in dispatch.BWD_KINDS
              for s in dispatch.default_specs(arch, gpus.ARCH_SMEM_PER_BLOCK[arch], kind)]

@@ -247,6 +247,31 @@ def test_split_then_combine_equals_attention(nq, length, splits):
     assert torch.allclose(lse[fin], ref_lse[fin], atol=1e-5)
 
 
+@pytest.mark.parametrize("splits,empty", [(1, ()), (5, (0, 3)), (16, ()), (17, (16,)), (37, tuple(range(20))),
+                                          (40, tuple(range(40))), (33, (0, 1, 2, 32))])
+def test_fused_merge_mirror_equals_the_two_pass_combine(splits, empty):
+    """decoding.merge_chunked (the kernel's fused merge: 16 splits per round trip, running max, clamped
+    indices weighted 0) equals decode_combine's two passes (lse = max + ln sum e^(lse_i - max),
+    O = sum e^(lse_i - lse) O_i), across chunk boundaries and with empty splits (LSE -inf, O garbage)
+    anywhere -- a whole chunk of them first, or all of them (output 0, LSE -inf)."""
+    gen = torch.Generator().manual_seed(splits * 100 + len(empty))
+    lses = (torch.randn(splits, generator=gen) * 4).tolist()
+    outs = torch.randn(splits, 4, generator=gen).tolist()
+    for i in empty:
+        lses[i] = -math.inf
+        outs[i] = [float("nan")] * 4  # never read into the sum
+    out, lse = decoding.merge_chunked(lses, outs)
+    used = [i for i in range(splits) if i not in empty]
+    if not used:
+        assert out == [0.0] * 4 and lse == -math.inf
+        return
+    m = max(lses[i] for i in used)
+    want_lse = m + math.log(sum(math.exp(lses[i] - m) for i in used))
+    want = [sum(math.exp(lses[i] - want_lse) * outs[i][c] for i in used) for c in range(4)]
+    assert lse == pytest.approx(want_lse, rel=1e-12, abs=1e-12)
+    assert out == pytest.approx(want, rel=1e-9, abs=1e-12)
+
+
 def test_attend_packs_tokens_like_the_kernel():
     """key_limit's packed row -> token mapping (row // group) is the token the reference masks with."""
     assert [decoding.key_limit(r, 4, 10, 3) for r in range(12)] == [8] * 4 + [9] * 4 + [10] * 4
@@ -275,7 +300,7 @@ def test_default_rule_specs_are_valid_and_fit():
 
 @pytest.mark.parametrize("field,value,message", [
     ("block_m", 32, "block_m=32"), ("causal", False, "causal=False"), ("head_dim", 96, "head_dim=96"),
-    ("block_n", 32, "16-key slices"), ("refill", 1, "refill=1"), ("hint", 4, "hint=4"), ("stages", 7, "stages=7"),
+    ("block_n", 32, "16-key slices"), ("refill", 1, "refill=1"), ("hint", 6, "hint=6"), ("stages", 7, "stages=7"),
 ])
 def test_decode_split_family_refuses(field, value, message):
     """Fixed fields and tile rules of decode_split are enforced (block_n 32 over 4 warps: 8-key slices)."""
@@ -299,7 +324,7 @@ def test_load_hints_are_the_hint_field():
     from flashgen.spec import KernelSpec
 
     base = decoding.default_split_spec("sm_90a", "bf16", 128, 232448)
-    assert sorted(LOAD_HINTS) == [0, 1, 2, 3]
+    assert sorted(LOAD_HINTS) == [0, 1, 2, 3, 4, 5]
     for hint in LOAD_HINTS:
         spec = base.replace(hint=hint)
         assert f"_h{hint}_causal_" in spec.name and "_r0_" not in spec.name
@@ -310,6 +335,43 @@ def test_load_hints_are_the_hint_field():
             KernelSpec(kind=kind, hint=2).validate()
     # the other kinds' names keep their refill slot and do not mention the hint
     assert KernelSpec().name == "fwd_v2_d128_m128_n64_w4_s2_r0_full_bf16_sm90a"
+
+
+def test_bulk_loader_hints():
+    """Hints 4 and 5 (cp.async.bulk rows, per-warp mbarriers) are sm_90a only: the family refuses them
+    elsewhere and the default rule runs their cp.async stand-ins there (4 -> 0, 5 -> 2). Their ring rows
+    are padded by 16 bytes and 2 * stages * warps mbarriers follow, and the kernel's own
+    decode_smem_bytes<>() must agree (static_assert in the source); their __launch_bounds__ name the
+    CTAs an sm_90a SM holds by shared memory (else ptxas caps them at 128 registers)."""
+    from flashgen.codegen import render
+    from flashgen.families import BULK_HINTS, load_hint_for
+
+    assert BULK_HINTS == {4: 0, 5: 2}
+    base = decoding.default_split_spec("sm_90a", "bf16", 128, 232448)
+    for arch in ("sm_80", "sm_86", "sm_89"):
+        with pytest.raises(ValueError, match=f"hint=4 .*needs sm_90a, not {arch}"):
+            base.replace(arch=arch, hint=4).validate()
+        assert [load_hint_for(arch, h) for h in range(6)] == [0, 1, 2, 3, 0, 2]
+    assert [load_hint_for("sm_90a", h) for h in range(6)] == list(range(6))
+    # (block_n, warps, stages) -> (bytes, CTAs per sm_90a SM by shared memory)
+    for (bn, w, st), (smem, ctas) in {(64, 4, 3): (4096 + 2 * 3 * 64 * 272 + 2 * 3 * 4 * 8, 2),
+                                      (64, 4, 2): (4096 + 2 * 2 * 64 * 272 + 2 * 2 * 4 * 8, 3),
+                                      (128, 4, 2): (4096 + 2 * 2 * 128 * 272 + 2 * 2 * 4 * 8, 1)}.items():
+        for hint in (4, 5):
+            spec = base.replace(block_n=bn, warps=w, stages=st, hint=hint).validate()
+            assert spec.smem_bytes() == smem
+            src = render(spec)
+            assert f"__launch_bounds__({w * 32}, {ctas})" in src
+            assert f"decode_smem_bytes<128, {bn}, {w}, {st}, {hint}>() == {smem}" in src
+        plain = base.replace(block_n=bn, warps=w, stages=st, hint=0)
+        assert plain.smem_bytes() == 2 * 128 * (16 + 2 * st * bn)
+        assert f"__launch_bounds__({w * 32})\n" in render(plain)
+    # the default rule with a bulk tile: its stand-in off sm_90a
+    tiles = {128: {"few": ((128, 4, 2, 4),)}}
+    import unittest.mock as mock
+    with mock.patch.dict(decoding.DECODE_TILES_BY_REGIME, tiles):
+        assert decoding.default_split_spec("sm_90a", "bf16", 128, 232448, "few").hint == 4
+        assert decoding.default_split_spec("sm_80", "bf16", 128, 166912, "few").hint == 0
 
 
 def test_combine_family_fixes_unused_fields():
@@ -451,3 +513,45 @@ def test_value_check_of_block_tables():
     # without cache_seqlens every page of the table is in use
     with pytest.raises(ValueError, match=re.escape("block_table[0, 1] = -1")):
         decode_api.check_cache_values(decode_api._Limits(64, 0, 16, 10), None, bt)
+
+
+# ---------------------------------------------------------------- the benchmark's comparison (no GPU)
+
+
+def test_bench_decode_times_implementations_interleaved(monkeypatch):
+    """bench/bench_decode.py times flashgen and each SDPA backend once per round, the order reversed every
+    other round; a failing implementation is recorded with its error and skipped in later rounds; the
+    summary is the median over the rounds with its spread."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "bench" / "bench_decode.py"
+    spec = importlib.util.spec_from_file_location("bench_decode_under_test", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    calls, clock = [], iter(range(100, 1000))
+
+    def fake_time_us(fn, copies, reps, warmup):
+        calls.append(fn.__name__)
+        fn(0)
+        return float(next(clock))
+
+    def flashgen(i):
+        pass
+
+    def sdpa_flash(i):
+        pass
+
+    def sdpa_cudnn(i):
+        raise RuntimeError("no cuDNN here")
+
+    monkeypatch.setattr(bench, "time_us", fake_time_us)
+    times = bench.interleaved({"flashgen": flashgen, "sdpa_flash": sdpa_flash, "sdpa_cudnn": sdpa_cudnn}, 1,
+                              rounds=4)
+    assert calls == ["flashgen", "sdpa_flash", "sdpa_cudnn", "sdpa_flash", "flashgen", "flashgen", "sdpa_flash",
+                     "sdpa_flash", "flashgen"]
+    assert times["sdpa_cudnn"].startswith("RuntimeError: no cuDNN here")
+    assert times["flashgen"] == [100.0, 103.0, 104.0, 107.0] and times["sdpa_flash"] == [101.0, 102.0, 105.0, 106.0]
+    s = bench.summary(times["flashgen"], 1e6)
+    assert s["us"] == 103.5 and s["rounds_us"] == times["flashgen"]
+    assert s["spread_pct"] == pytest.approx(7 / 103.5 * 100) and s["tbps"] == pytest.approx(1 / 103.5)

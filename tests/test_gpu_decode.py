@@ -194,6 +194,39 @@ def test_every_default_tile(regime):
     check_case(2, 2, 1500, 128, 8, 8, None, True, "bf16", num_splits_list=(None, 1), spec=spec)
 
 
+BULK_TILES = [(128, 4, 2), (64, 4, 3), (64, 4, 2)]  # the per-case default tiles (few / some / full)
+
+
+@pytest.mark.parametrize("hint", [4, 5], ids=["h4_bulk", "h5_bulk_evict_first"])
+@pytest.mark.parametrize("tile", BULK_TILES, ids=[f"n{t[0]}_w{t[1]}_s{t[2]}" for t in BULK_TILES])
+def test_bulk_loader(tile, hint):
+    """The sm_90a bulk loader (KernelSpec.hint 4/5: cp.async.bulk rows into padded rows, per-warp
+    mbarriers, no CTA barrier in the block loop) on each default d=128 tile: the same cases as
+    test_every_default_tile (paged 16/64/256 and contiguous, ragged, appends, split and not), plus many
+    appended tokens (whole blocks of knew rows), d=96 (columns past d zeroed once), fp16, and splits
+    past the blocks (empty splits, zero-row blocks)."""
+    from flashgen.api import _Device
+    from flashgen.spec import KernelSpec
+
+    dev = _Device.of(torch.cuda.current_device())
+    if dev.arch != "sm_90a":
+        pytest.skip(f"the bulk loader is sm_90a only (this device: {dev.arch})")
+    bn, w, st = tile
+
+    def spec(dtype="bf16"):
+        return KernelSpec(kind="decode_split", arch="sm_90a", dtype=dtype, head_dim=128, block_m=16, block_n=bn,
+                          warps=w, stages=st, hint=hint, causal=True).validate()
+
+    check_case(3, 1, 3000, 128, 32, 8, 16, True, "bf16", num_splits_list=(None, 7, 1), spec=spec())
+    check_case(2, 3, 5000, 128, 8, 2, 64, True, "bf16", num_splits_list=(None, 50), spec=spec())
+    check_case(3, 1, 2100, 128, 4, 4, 256, False, "bf16", num_splits_list=(None, 3), spec=spec())
+    check_case(2, 2, 1500, 128, 8, 8, None, True, "bf16", num_splits_list=(None, 1), spec=spec())
+    check_case(2, 64, 700, 128, 4, 1, None, True, "bf16", num_splits_list=(None, 1, 5), spec=spec())
+    check_case(2, 2, 500, 96, 4, 2, 32, True, "bf16", num_splits_list=(None, 1), spec=spec())
+    check_case(3, 1, 1000, 128, 8, 2, None, False, "fp16", num_splits_list=(None, 40), spec=spec("fp16"))
+    check_case(2, 1, 339, 128, 8, 2, 16, False, "bf16", num_splits_list=(37,), spec=spec())
+
+
 def test_many_empty_splits():
     """num_splits far past the key blocks: most splits are empty (LSE -inf) and the combine ignores them."""
     check_case(2, 1, 339, 128, 8, 2, None, False, "bf16", num_splits_list=(37, 300))

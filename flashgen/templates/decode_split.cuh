@@ -17,6 +17,19 @@
 // 0 plain cp.async.cg, 1 with the .L2::256B prefetch hint, 2 with an
 // evict_first L2 cache policy (the stream is read once), 3 both.
 //
+// HINT 4 and 5 (sm_90 only): the bulk loader. Each warp loads exactly the K/V
+// rows it computes on (its block_n/NW-key slice), one cp.async.bulk per row
+// (d*2 bytes: 256 at d=128) issued by one lane, completing on the warp's own
+// mbarriers (one for K, one for V, per ring stage), 5 with the evict_first L2
+// policy. A warp never waits for another one inside the block loop: no
+// __syncthreads there at all. Bulk copies cannot swizzle, so the ring's rows
+// are padded by 16 bytes instead (row pitch 2*D + 16: eight rows at one chunk
+// column fall in eight bank groups, as the XOR swizzle does for ldmatrix);
+// the Q tile keeps the swizzled layout. Rows that are not whole cached rows
+// (keys past the split's end, appended keys) are written by the warp's lanes
+// with ordinary loads and stores before the mbarrier arrive; columns past d
+// are zeroed once at the start (the copies never touch them).
+//
 // Keys come from a contiguous cache (batch, len, heads_kv, d) or a paged one
 // (pages, page_size, heads_kv, d) through block_table; keys at or past the
 // cached length come from knew/vnew, which the CTA of m-block 0 whose split
@@ -56,8 +69,21 @@ FG_DEVICE void kv_copy_16(fg_u32 dst, const void* src, int src_bytes, fg_u64 pol
 template <int HINT>
 FG_DEVICE fg_u64 kv_policy() {
   fg_u64 pol = 0;
-  if constexpr (HINT >= 2) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+  if constexpr (HINT == 2 || HINT == 3 || HINT == 5)
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
   return pol;
+}
+
+// The bulk loader (HINT 4, 5: see the top of this file) and its padded ring rows.
+template <int HINT>
+__host__ __device__ constexpr bool kv_bulk() { return HINT >= 4; }
+template <int D, int HINT>
+__host__ __device__ constexpr int kv_row_bytes() { return kv_bulk<HINT>() ? 2 * D + 16 : 2 * D; }
+// Dynamic shared memory: Q tile, K and V rings, and (bulk loader) 2 * ST * NW mbarriers.
+// KernelSpec.smem_bytes() must agree (static_assert in the entry template).
+template <int D, int BN, int NW, int ST, int HINT>
+__host__ __device__ constexpr int decode_smem_bytes() {
+  return 16 * D * 2 + 2 * ST * BN * kv_row_bytes<D, HINT>() + (kv_bulk<HINT>() ? 2 * ST * NW * 8 : 0);
 }
 
 // Loads that bypass L1: the partials of other CTAs (L1 is not coherent).
@@ -83,20 +109,35 @@ FG_DEVICE void decode_split_body(const Params& p) {
   constexpr int IPG = 16 / STEP; // load passes per 16-row group
   constexpr int G = BN / 16;     // 16-row groups (page lookups) per block
   constexpr int OS = D + 4;      // fp32 row stride of the reduction scratch (bank spread)
+  constexpr bool BULK = kv_bulk<HINT>();
+  constexpr int KV_ROW = kv_row_bytes<D, HINT>();  // bytes per K/V ring row (padded for the bulk loader)
   using TT = Tile<D>;
   static_assert(KW % 16 == 0 && NT % C == 0 && 16 % STEP == 0 && BN % 16 == 0 && ST >= 2, "bad tile shape");
-  static_assert(NW * 16 * OS * 4 <= 2 * ST * BN * D * 2, "reduction scratch must fit in the K/V ring");
+  static_assert(NW * 16 * OS * 4 <= 2 * ST * BN * KV_ROW, "reduction scratch must fit in the K/V ring");
   static_assert((2 * NW * 16 + 32) * 4 <= 16 * D * 2, "reduction scalars must fit in the Q tile");
 
   extern __shared__ __align__(128) unsigned char smem[];
   const fg_u32 sQ = smem_addr(smem);
   const fg_u32 sK = sQ + 16 * D * 2;
-  const fg_u32 sV = sK + ST * BN * D * 2;
+  const fg_u32 sV = sK + ST * BN * KV_ROW;
+  // Bulk loader: the full barriers of (K or V, stage, warp), after the rings (never used as scratch).
+  const fg_u32 sBar = sV + ST * BN * KV_ROW;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const int split = blockIdx.x % p.num_splits, mb = blockIdx.x / p.num_splits;
   const int hk = blockIdx.y, b = blockIdx.z;
+  auto full_bar = [&](bool V, int stage) -> fg_u32 { return sBar + ((V * ST + stage) * NW + warp) * 8; };
+  if constexpr (BULK) {
+    // Each warp's own barriers, one arrival per phase (its lane 0's arrive.expect_tx).
+    if (lane == 0) {
+#pragma unroll
+      for (int i = 0; i < 2 * ST; ++i) mbar_init(full_bar(i >= ST, i % ST), 1);
+      mbar_init_fence();
+      fence_proxy_async_smem();
+    }
+    __syncwarp();
+  }
 
   const int len_cache = p.seqlens != nullptr ? p.seqlens[b] : p.seqlen_k;
   const bool has_new = p.knew != nullptr;
@@ -132,10 +173,15 @@ FG_DEVICE void decode_split_body(const Params& p) {
   const int lc = tid % C, lr = tid / C;
   const bool col_ok = lc * 8 < p.d;
   const int col_bytes = col_ok ? 16 : 0;
-  const elem_t* k_h = p.k + hk * p.k_sh + lc * 8;
-  const elem_t* v_h = p.v + hk * p.v_sh + lc * 8;
+  const elem_t* const k_head = p.k + hk * p.k_sh;
+  const elem_t* const v_head = p.v + hk * p.v_sh;
+  const elem_t* k_h = k_head + lc * 8;
+  const elem_t* v_h = v_head + lc * 8;
   const elem_t* kn_h = p.knew + (has_new ? b * p.knew_sb + hk * p.knew_sh + lc * 8 : 0);
   const elem_t* vn_h = p.vnew + (has_new ? b * p.vnew_sb + hk * p.vnew_sh + lc * 8 : 0);
+  // (batch, head) bases of knew/vnew without this thread's column (the bulk loader's appended rows).
+  const elem_t* const kn_head = p.knew + (has_new ? b * p.knew_sb + hk * p.knew_sh : 0);
+  const elem_t* const vn_head = p.vnew + (has_new ? b * p.vnew_sb + hk * p.vnew_sh : 0);
   const fg_u64 policy = kv_policy<HINT>();
 
   // ---- append: m-block 0 copies the new rows its split covers into the cache ----
@@ -183,24 +229,35 @@ FG_DEVICE void decode_split_body(const Params& p) {
   // Called for consecutive blocks (n0 = n_begin, n_begin + BN, ...) by every thread: a block spans at
   // most BN/16 <= 8 pages, so one 32-entry step of the window per call keeps every index below 64.
   int pages[G];
+  auto step_window = [&](int n0) {
+    if (paged && (n0 >> p.page_shift) - wb >= 32) {  // the upper half was loaded 32 pages ago
+      wb += 32;
+      win_lo = win_hi;
+      win_hi = wb + 32 + lane < tab_len ? __ldg(bt + wb + 32 + lane) : 0;
+    }
+  };
+  // The page of `key` (a key of the block the window was last stepped for), by every lane of the warp
+  // (a shuffle; lanes may ask for different keys).
+  auto page_of = [&](int key) -> int {
+    const int idx = (key >> p.page_shift) - wb;  // 0..63 for a key of the current block
+    const int lo = __shfl_sync(0xffffffffu, win_lo, idx & 31);
+    const int hi = __shfl_sync(0xffffffffu, win_hi, idx & 31);
+    return idx < 32 ? lo : hi;
+  };
   auto fetch_pages = [&](int n0) {
     if (!paged) {
 #pragma unroll
       for (int e = 0; e < G; ++e) pages[e] = 0;
       return;
     }
-    if ((n0 >> p.page_shift) - wb >= 32) {  // step the window: the upper half was loaded 32 pages ago
-      wb += 32;
-      win_lo = win_hi;
-      win_hi = wb + 32 + lane < tab_len ? __ldg(bt + wb + 32 + lane) : 0;
-    }
+    step_window(n0);
+    if constexpr (!BULK) {  // (the bulk loader looks its pages up per row)
 #pragma unroll
-    for (int e = 0; e < G; ++e) {
-      const int key0 = n0 + e * 16;
-      const int idx = (key0 >> p.page_shift) - wb;  // 0..63, the same in every lane
-      const int lo = __shfl_sync(0xffffffffu, win_lo, idx & 31);
-      const int hi = __shfl_sync(0xffffffffu, win_hi, idx & 31);
-      pages[e] = (key0 < n_end && key0 < len_cache) ? (idx < 32 ? lo : hi) : 0;
+      for (int e = 0; e < G; ++e) {
+        const int key0 = n0 + e * 16;
+        const int pg = page_of(key0);  // the same key in every lane
+        pages[e] = (key0 < n_end && key0 < len_cache) ? pg : 0;
+      }
     }
   };
   // K or V of the block at key n0 into ring stage `stage`.
@@ -247,23 +304,100 @@ FG_DEVICE void decode_split_body(const Params& p) {
       }
     }
   };
+  // Bulk loader: this warp's KW rows of K and of V of the block at key n0 into `stage`. Whole cached
+  // rows: one cp.async.bulk each (lane i: copy i, K rows then V rows); other rows (past n_end: zeros;
+  // appended keys: from knew/vnew) are stored by the lanes first, then lane 0 arrives on the stage's K
+  // and V barriers expecting the bulk bytes, then the copies go out.
+  const int w_row = warp * KW;  // this warp's first key row within a block
+  auto bulk_rows = [&](int n0, int stage) {
+    constexpr int COPIES = 2 * KW;
+    const int key_w = n0 + w_row;
+    const int n_bulk = max(0, min(KW, min(n_end, len_cache) - key_w));  // rows [0, n_bulk) are whole cached rows
+    const fg_u32 row_bytes = static_cast<fg_u32>(p.d) * 2;
+    const fg_u32 dst_k = sK + (stage * BN + w_row) * KV_ROW, dst_v = sV + (stage * BN + w_row) * KV_ROW;
+    if (n_bulk < KW) {
+      for (int i = lane; i < COPIES * C; i += 32) {
+        const bool V = i >= KW * C;
+        const int row = (i / C) % KW, c = i % C;
+        const int key = key_w + row;
+        if (row < n_bulk || c * 8 >= p.d) continue;  // bulk rows; columns past d are already zero
+        fg_u32x4 val = {0u, 0u, 0u, 0u};
+        if (key < n_end) {  // an appended key (the cached ones are bulk rows)
+          const elem_t* src = (V ? vn_head : kn_head) + static_cast<fg_i64>(key - len_cache) *
+                              (V ? p.vnew_ss : p.knew_ss) + c * 8;
+          val = *reinterpret_cast<const fg_u32x4*>(src);
+        }
+        const fg_u32 dst = (V ? dst_v : dst_k) + row * KV_ROW + c * 16;
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(val.x), "r"(val.y), "r"(val.z),
+                     "r"(val.w) : "memory");
+      }
+      fence_proxy_async_smem();
+      __syncwarp();
+    }
+    if (lane == 0) {  // this warp's one arrival per phase, with the bytes its copies will bring
+      mbar_expect_tx(full_bar(false, stage), n_bulk * row_bytes);
+      mbar_expect_tx(full_bar(true, stage), n_bulk * row_bytes);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int it = 0; it < (COPIES + 31) / 32; ++it) {
+      const int cp = it * 32 + lane;
+      const bool V = cp >= KW;
+      const int row = V ? cp - KW : cp;
+      const int key = key_w + row;
+      const int pg = paged ? page_of(key) : 0;  // every lane takes part in the shuffles
+      if ((COPIES % 32 == 0 || cp < COPIES) && row < n_bulk) {
+        const fg_i64 off = paged ? static_cast<fg_i64>(pg) * (V ? p.v_sb : p.k_sb) + (key & page_mask) * (V ? p.v_ss : p.k_ss)
+                                 : static_cast<fg_i64>(b) * (V ? p.v_sb : p.k_sb) + static_cast<fg_i64>(key) * (V ? p.v_ss : p.k_ss);
+        const fg_u32 dst = (V ? dst_v : dst_k) + row * KV_ROW;
+        const fg_u32 bar = full_bar(V, stage);
+        if constexpr (HINT == 5) {
+          bulk_g2s_hint(dst, (V ? v_head : k_head) + off, row_bytes, bar, policy);
+        } else {
+          bulk_g2s(dst, (V ? v_head : k_head) + off, row_bytes, bar);
+        }
+      }
+    }
+  };
   // Both halves of block jb into its stage: two commit groups (K, then V); past the end, two empty ones.
+  // Bulk loader: this warp's rows of block jb (nothing past the end).
   auto issue_block = [&](int jb) {
-    if (jb < n_blocks) {
-      load_kv(n_begin + jb * BN, jb % ST, false);
-      cp_async_commit();
-      load_kv(n_begin + jb * BN, jb % ST, true);
-      cp_async_commit();
-      fetch_pages(n_begin + (jb + 1) * BN);
+    if constexpr (BULK) {
+      if (jb < n_blocks) {
+        bulk_rows(n_begin + jb * BN, jb % ST);
+        fetch_pages(n_begin + (jb + 1) * BN);
+      }
     } else {
-      cp_async_commit();
-      cp_async_commit();
+      if (jb < n_blocks) {
+        load_kv(n_begin + jb * BN, jb % ST, false);
+        cp_async_commit();
+        load_kv(n_begin + jb * BN, jb % ST, true);
+        cp_async_commit();
+        fetch_pages(n_begin + (jb + 1) * BN);
+      } else {
+        cp_async_commit();
+        cp_async_commit();
+      }
     }
   };
 
+  if constexpr (BULK) {
+    // Columns [d, D) of every ring row: zero once (the copies bring d columns; K's must not be NaN).
+    if (p.d < D) {
+      for (int i = tid; i < 2 * ST * BN * C; i += NT) {
+        const int row = i / C, c = i % C;
+        if (c * 8 < p.d) continue;
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(sK + row * KV_ROW + c * 16), "r"(0u) : "memory");
+      }
+    }
+  }
   fetch_pages(n_begin);
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) issue_block(s);
+  if constexpr (BULK) {
+    cp_async_wait<0>();
+    __syncthreads();  // Q (and the zeroed columns) visible to every warp; no CTA barrier in the block loop
+  }
 
   float acc_o[DJ][4];
 #pragma unroll
@@ -284,16 +418,32 @@ FG_DEVICE void decode_split_body(const Params& p) {
   const typename TT::Cols q_cols(q_row, lane >> 4);
   const typename TT::Cols k_cols(k_row, (lane >> 3) & 1);
   const fg_u32 q_base = sQ + q_row * TT::ROW_BYTES;
-  const int w_row = warp * KW;  // this warp's first key row within a block
+  // Lane offsets into a warp's K / V slice of a stage for ldmatrix: swizzled rows (TT) for cp.async,
+  // padded plain rows for the bulk loader (logical chunk c at byte 16 c).
+  const fg_u32 k_lane = k_row * KV_ROW + (BULK ? 16 * ((lane >> 3) & 1) : 0);
+  const fg_u32 v_lane = q_row * KV_ROW + (BULK ? 16 * (lane >> 4) : 0);
+  auto k_addr = [&](fg_u32 base, int nj2, int kk) -> fg_u32 {
+    if constexpr (BULK) return base + k_lane + nj2 * 16 * KV_ROW + kk * 32;
+    return base + (nj2 * 16 + k_row) * TT::ROW_BYTES + k_cols.col(kk);
+  };
+  auto v_addr = [&](fg_u32 base, int kk, int dj2) -> fg_u32 {
+    if constexpr (BULK) return base + v_lane + kk * 16 * KV_ROW + dj2 * 32;
+    return base + (kk * 16 + q_row) * TT::ROW_BYTES + q_cols.col(dj2);
+  };
 
   for (int j = 0; j < n_blocks; ++j) {
-    // Groups newer than K_j: V_j and both halves of blocks j+1 .. j+ST-2.
-    cp_async_wait<2 * ST - 3>();
-    __syncthreads();  // K_j visible to all; every warp is done with block j-1, whose stage is refilled next
-    issue_block(j + ST - 1);
     const int stage = j % ST;
-    const fg_u32 sKj = sK + stage * BN * D * 2 + w_row * TT::ROW_BYTES;
-    const fg_u32 sVj = sV + stage * BN * D * 2 + w_row * TT::ROW_BYTES;
+    if constexpr (BULK) {
+      issue_block(j + ST - 1);  // into stage (j-1) % ST: this warp finished its rows of block j-1 there
+      mbar_wait(full_bar(false, stage), (j / ST) & 1);
+    } else {
+      // Groups newer than K_j: V_j and both halves of blocks j+1 .. j+ST-2.
+      cp_async_wait<2 * ST - 3>();
+      __syncthreads();  // K_j visible to all; every warp is done with block j-1, whose stage is refilled next
+      issue_block(j + ST - 1);
+    }
+    const fg_u32 sKj = sK + stage * BN * KV_ROW + w_row * KV_ROW;
+    const fg_u32 sVj = sV + stage * BN * KV_ROW + w_row * KV_ROW;
 
     // ---- S = Q K^T over this warp's KW keys ----
     float acc_s[NJ][4];
@@ -308,7 +458,7 @@ FG_DEVICE void decode_split_body(const Params& p) {
 #pragma unroll
       for (int nj2 = 0; nj2 < NJ / 2; ++nj2) {
         fg_u32 bfrag[4];
-        ldmatrix_x4(bfrag, sKj + (nj2 * 16 + k_row) * TT::ROW_BYTES + k_cols.col(kk));
+        ldmatrix_x4(bfrag, k_addr(sKj, nj2, kk));
         mma_16816<BF16>(acc_s[2 * nj2], a, bfrag[0], bfrag[1]);
         mma_16816<BF16>(acc_s[2 * nj2 + 1], a, bfrag[2], bfrag[3]);
       }
@@ -355,9 +505,13 @@ FG_DEVICE void decode_split_body(const Params& p) {
       }
     }
 
-    // Groups newer than V_j: both halves of blocks j+1 .. j+ST-1.
-    cp_async_wait<2 * ST - 2>();
-    __syncthreads();  // V_j visible to all
+    if constexpr (BULK) {
+      mbar_wait(full_bar(true, stage), (j / ST) & 1);
+    } else {
+      // Groups newer than V_j: both halves of blocks j+1 .. j+ST-1.
+      cp_async_wait<2 * ST - 2>();
+      __syncthreads();  // V_j visible to all
+    }
 
     // ---- O += P V ----
 #pragma unroll
@@ -370,7 +524,7 @@ FG_DEVICE void decode_split_body(const Params& p) {
 #pragma unroll
       for (int dj2 = 0; dj2 < DJ / 2; ++dj2) {
         fg_u32 bfrag[4];
-        ldmatrix_x4_trans(bfrag, sVj + (kk * 16 + q_row) * TT::ROW_BYTES + q_cols.col(dj2));
+        ldmatrix_x4_trans(bfrag, v_addr(sVj, kk, dj2));
         mma_16816<BF16>(acc_o[2 * dj2], a, bfrag[0], bfrag[1]);
         mma_16816<BF16>(acc_o[2 * dj2 + 1], a, bfrag[2], bfrag[3]);
       }
@@ -474,45 +628,56 @@ FG_DEVICE void decode_split_body(const Params& p) {
   __syncthreads();
   if (!*last_flag) return;
   __threadfence();  // the other CTAs' partials, seen through their tickets
-  float* const lse_all = red + 2 * NW * 16;  // [16]: each thread tid < 16 reuses the slot it read above
-  if (tid < 16) {
-    float lse = -INFINITY;
-    if (r0 + tid < p.rows) {
-      const float* l = p.lse_ws + ws_row(r0 + tid);
-      float m = -INFINITY;
-      for (int s = 0; s < p.num_splits; ++s) m = fmaxf(m, ld_cg_f1(l + s * p.total_rows));
-      if (m != -INFINITY) {
-        float sum = 0.f;
-        for (int s = 0; s < p.num_splits; ++s) sum += expf(ld_cg_f1(l + s * p.total_rows) - m);
-        lse = m + logf(sum);
-      }
-      store_lse(r0 + tid, lse);
-    }
-    lse_all[tid] = lse;
-  }
-  __syncthreads();
+  // Each thread merges one (row, 4 columns) item over every split, CH = 16 splits at a time: the
+  // chunk's LSE and partial-O loads are independent of each other (one L2 round trip per chunk), and a
+  // running max rescales what is summed so far (as the online softmax), so the row's LSE needs no
+  // pass of its own: O = sum_s e^(lse_s - m) O_s / sum_s e^(lse_s - m), LSE = m + ln(sum_s e^(lse_s - m)).
+  // Split indices past the last are clamped (a valid address) and weighted 0.
+  constexpr int CH = 16;
+  const fg_i64 l_step = p.total_rows, o_step = static_cast<fg_i64>(p.total_rows) * p.d;
   for (int i = tid; i < 16 * (D / 4); i += NT) {
     const int row = i / (D / 4), c4 = i % (D / 4);
     const int r = r0 + row;
     if (r >= p.rows || c4 * 4 >= p.d) continue;
-    const float lse = lse_all[row];
     const fg_i64 wr = ws_row(r);
+    const float* const l_r = p.lse_ws + wr;
+    const float* const o_r = p.o_ws + wr * p.d + c4 * 4;
+    float m = -INFINITY, sum = 0.f;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (lse != -INFINITY) {
-#pragma unroll 4
-      for (int s = 0; s < p.num_splits; ++s) {
-        const float l = ld_cg_f1(p.lse_ws + s * p.total_rows + wr);
-        const float4 x = ld_cg_f4(p.o_ws + (s * p.total_rows + wr) * p.d + c4 * 4);
-        // Select, not branch: an empty split's O never enters the sum (0 * garbage is not 0).
-        const bool used = l != -INFINITY;
-        const float w = used ? expf(l - lse) : 0.f;
-        acc.x += used ? w * x.x : 0.f;
-        acc.y += used ? w * x.y : 0.f;
-        acc.z += used ? w * x.z : 0.f;
-        acc.w += used ? w * x.w : 0.f;
+    for (int s0 = 0; s0 < p.num_splits; s0 += CH) {
+      float ls[CH];
+      float4 xs[CH];
+#pragma unroll
+      for (int k = 0; k < CH; ++k) {
+        const int s = min(s0 + k, p.num_splits - 1);
+        xs[k] = ld_cg_f4(o_r + s * o_step);
+        ls[k] = ld_cg_f1(l_r + s * l_step);
       }
+      float mc = m;
+#pragma unroll
+      for (int k = 0; k < CH; ++k) mc = fmaxf(mc, s0 + k < p.num_splits ? ls[k] : -INFINITY);
+      // No branch on an all-empty chunk (it would let ptxas sink the O loads behind the max): with
+      // mc = -inf every weight is 0 through `used`, and the reference 0 keeps the exponents finite.
+      const float mref = mc == -INFINITY ? 0.f : mc;
+      const float a = expf(m - mref);  // 0 while m is -inf
+      sum *= a;
+      acc.x *= a; acc.y *= a; acc.z *= a; acc.w *= a;
+#pragma unroll
+      for (int k = 0; k < CH; ++k) {
+        // Select, not branch: an empty split's O never enters the sum (0 * garbage is not 0).
+        const bool used = s0 + k < p.num_splits && ls[k] != -INFINITY;
+        const float w = used ? expf(ls[k] - mref) : 0.f;
+        sum += w;
+        acc.x += used ? w * xs[k].x : 0.f;
+        acc.y += used ? w * xs[k].y : 0.f;
+        acc.z += used ? w * xs[k].z : 0.f;
+        acc.w += used ? w * xs[k].w : 0.f;
+      }
+      m = mc;
     }
-    store_o(r, c4, acc);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    store_o(r, c4, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
+    if (c4 == 0) store_lse(r, sum > 0.f ? m + logf(sum) : -INFINITY);
   }
   if (tid == 0) *ctr = 0;  // ready for the next launch (launches on one stream never overlap)
 }

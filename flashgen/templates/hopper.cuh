@@ -43,6 +43,24 @@ FG_DEVICE void tma_prefetch_map(const fg_tmap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<fg_u64>(map)) : "memory");
 }
 
+// ---- 1-D bulk copies (cp.async.bulk, no tensor map) ---------------------------
+// `bytes` contiguous bytes global -> shared (a multiple of 16; both addresses 16-byte aligned),
+// counted against mbarrier `bar` (complete_tx). A CTA's own shared::cta address is a valid
+// shared::cluster address without a cluster launch. The _hint form takes an L2 cache policy
+// (createpolicy).
+FG_DEVICE void bulk_g2s(fg_u32 dst, const void* src, fg_u32 bytes, fg_u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+FG_DEVICE void bulk_g2s_hint(fg_u32 dst, const void* src, fg_u32 bytes, fg_u32 bar, fg_u64 policy) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n"
+      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(policy) : "memory");
+}
+// Orders this thread's earlier generic-proxy shared-memory accesses before later async-proxy ones
+// (bulk copies, TMA, wgmma operand reads) of the CTA.
+FG_DEVICE void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
 // ---- wgmma ordering ---------------------------------------------------------
 FG_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 FG_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
