@@ -361,3 +361,63 @@ def test_sass_has_hgmma_tma_and_reduce(tmp_path, compiled):
     assert sass.count("HGMMA") >= 32
     for op in ("UTMALDG", "UBLKCP", "UTMAREDG", "USETMAXREG"):
         assert op in sass, op
+
+
+@pytest.mark.parametrize("how", ["env", "specs"])
+def test_host_launch_sequence(monkeypatch, how):
+    """attention_backward with bwd_sm90 (meta tensors, a fake device and loader): preprocess (which
+    zeroes the dQ accumulator), bwd_sm90 over (key blocks, KV heads, batch) with its maps and
+    parameters, then bwd_convert; deterministic=True keeps the mma.sync pair."""
+    torch = pytest.importorskip("torch")
+    from flashgen import backward, codegen, tma
+
+    class Dev:
+        index, arch, gpu, smem_budget = 0, "sm_90a", "h200", BUDGET
+
+    launched, maps = [], []
+
+    class FakeKernel:
+        def __init__(self, spec):
+            self.spec = spec
+
+        def params(self, **values):
+            return self.spec.family.param_struct()(**values)
+
+        def launch(self, grid, params, stream):
+            launched.append((self.spec, grid, params))
+
+    monkeypatch.setattr(backward._Device, "of", classmethod(lambda cls, i: Dev()))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(backward, "_current_device", lambda: 0)
+    monkeypatch.setattr(backward, "_current_stream", lambda i: 0)
+    monkeypatch.setattr(codegen, "load", lambda spec, index: FakeKernel(spec))
+    monkeypatch.setattr(tma, "encode", lambda ptr, dtype, dims, strides, box: maps.append((dtype, tuple(dims), tuple(box)))
+                        or bytes(range(128)))
+    b, h, hk, nq, nk, d = 2, 8, 2, 300, 333, 128
+    q, do = (torch.empty(b, h, nq, d, dtype=torch.bfloat16, device="meta") for _ in range(2))
+    k, v = (torch.empty(b, hk, nk, d, dtype=torch.bfloat16, device="meta") for _ in range(2))
+    out, lse = torch.empty_like(q), torch.empty(b, h, nq, device="meta")
+    specs = None
+    if how == "env":
+        monkeypatch.setenv("FLASHGEN_BWD_FAMILY", "bwd_sm90")
+    else:
+        specs = {"bwd_dkdv": bwd90(causal=True, hint=1)}
+    dq, dk, dv = backward.attention_backward(do, q, k, v, out, lse, True, 0.1, specs=specs)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, k.shape)
+    kinds = [s.kind for s, _, _ in launched]
+    assert kinds == ["bwd_preprocess", "bwd_sm90", "bwd_convert"], kinds
+    spec, grid, p = launched[1]
+    assert spec == (bwd90(causal=True) if how == "env" else specs["bwd_dkdv"])
+    assert grid == (3, hk, b) and backward.last_specs[0] == spec
+    assert (p.nq, p.nk, p.nq_pad, p.heads, p.group, p.d) == (nq, nk, 384, h, h // hk, d)
+    assert p.scale == pytest.approx(0.1) and p.scale_log2 == pytest.approx(0.1 * 1.4426950408889634)
+    assert bytes(p.tm_q.v)[:8] == bytes(range(8)) and bytes(p.tm_dq.v)[120:] == bytes(range(120, 128))
+    assert sorted(maps) == sorted([("bf16", (d, nq, h, b), (64, 64, 1, 1))] * 2 + [("bf16", (d, nk, hk, b), (64, 128, 1, 1))] * 2
+                                  + [("fp32", (d, nq, h, b), (32, 64, 1, 1))])
+    launched.clear()
+    if how == "env":
+        backward.attention_backward(do, q, k, v, out, lse, True, 0.1, deterministic=True)
+        assert [s.kind for s, _, _ in launched] == ["bwd_preprocess", "bwd_dkdv_nodq", "bwd_dq"]
+    else:
+        with pytest.raises(ValueError, match="atomic"):
+            backward.attention_backward(do, q, k, v, out, lse, True, 0.1, deterministic=True, specs=specs)
