@@ -6,7 +6,8 @@
 #     new family (tests/test_gpu_bwd.py -k bwd_sm90); (3) bench/bench_bwd.py at d 64/128, N 2k-16k,
 #     causal both: flashgen (default backward), flashgen_bwd90, SDPA flash/cuDNN, fg90 (fwd_sm90 +
 #     bwd_sm90) and the backward alone (default family, bwd_sm90, variants s3 and h1).
-# Each step has its own timeout and runs even when an earlier one failed; worst case ~5 minutes.
+# Each step has its own timeout (45 + 70 + 90 + 80 s) and runs even when an earlier one failed: worst
+# case under 5 minutes with start-up, expected ~3.
 # ONE tarball: $OUT/bwd90.tgz with gpu.txt, smoke.log, tests.log, tests.xml, bench.log, bench.json
 # (re-packed after every step, so a run cut short still brings back what it has).
 set -o pipefail
@@ -21,7 +22,7 @@ pack() { tar -czf "$OUT/bwd90.tgz.tmp" -C "$W" . && mv "$OUT/bwd90.tgz.tmp" "$OU
 } 2>&1 | tee "$W/gpu.txt"
 
 echo "== (0) precompile + ptxas reports (device NVRTC)" | tee -a "$W/gpu.txt"
-timeout ${PRE_TIMEOUT:-50} python3 - 2>&1 <<'PY' | tee -a "$W/gpu.txt"
+timeout ${PRE_TIMEOUT:-45} python3 - 2>&1 <<'PY' | tee -a "$W/gpu.txt"
 import sys, time
 from multiprocessing.pool import ThreadPool
 sys.path.insert(0, "tests"); sys.path.insert(0, "bench")
@@ -56,18 +57,18 @@ PY
 pack
 
 echo "== (1) smoke"
-timeout ${SMOKE_TIMEOUT:-80} python3 bench/smoke_bwd90.py --jobs 4 --case-timeout 40 > "$W/smoke.log" 2>&1
+timeout ${SMOKE_TIMEOUT:-70} python3 bench/smoke_bwd90.py --jobs 4 --case-timeout 40 > "$W/smoke.log" 2>&1
 echo "rc=$?" >> "$W/smoke.log"; grep -E "^(OK|FAIL)|smoke_bwd90|TIMEOUT|rc=" "$W/smoke.log" | tail -25
 pack
 
 echo "== (2) GPU tests, bwd_sm90"
-timeout ${TESTS_TIMEOUT:-100} python3 -m pytest -q --noconftest -m gpu tests/test_gpu_bwd.py -k bwd_sm90 \
+timeout ${TESTS_TIMEOUT:-90} python3 -m pytest -q --noconftest -m gpu tests/test_gpu_bwd.py -k bwd_sm90 \
   --durations=5 --junitxml="$W/tests.xml" > "$W/tests.log" 2>&1
 echo "rc=$?" >> "$W/tests.log"; tail -8 "$W/tests.log"
 pack
 
 echo "== (3) bench"
-timeout ${BENCH_TIMEOUT:-85} python3 bench/bench_bwd.py --impls flashgen,flashgen_bwd90,sdpa_flash,sdpa_cudnn \
+timeout ${BENCH_TIMEOUT:-80} python3 bench/bench_bwd.py --impls flashgen,flashgen_bwd90,sdpa_flash,sdpa_cudnn \
   --fwd90 --direct --variants s3,h1 --d 64,128 --seqlens 2048,4096,8192,16384 --reps 8 --warmup 2 \
   --out "$W/bench.json" > "$W/bench.log" 2>&1
 echo "rc=$?" >> "$W/bench.log"; tail -24 "$W/bench.log"
