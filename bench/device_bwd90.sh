@@ -69,7 +69,7 @@ pack
 
 echo "== (3) bench"
 timeout ${BENCH_TIMEOUT:-80} python3 bench/bench_bwd.py --impls flashgen,flashgen_bwd90,sdpa_flash,sdpa_cudnn \
-  --fwd90 --direct --variants s3,h1 --d 64,128 --seqlens 2048,4096,8192,16384 --reps 8 --warmup 2 \
+  --fwd90 --direct --variants s2,s3,h1 --d 64,128 --seqlens 2048,4096,8192,16384 --reps 8 --warmup 2 \
   --out "$W/bench.json" > "$W/bench.log" 2>&1
 echo "rc=$?" >> "$W/bench.log"; tail -24 "$W/bench.log"
 pack
