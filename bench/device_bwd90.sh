@@ -5,7 +5,7 @@
 #     CUDA_LAUNCH_BLOCKING=1, max error per gradient, diagnostics on failure; (2) the GPU tests of the
 #     new family (tests/test_gpu_bwd.py -k bwd_sm90); (3) bench/bench_bwd.py at d 64/128, N 2k-16k,
 #     causal both: flashgen (default backward), flashgen_bwd90, SDPA flash/cuDNN, fg90 (fwd_sm90 +
-#     bwd_sm90) and the backward alone (default family, bwd_sm90, variants s3 and h1).
+#     bwd_sm90) and the backward alone (default family, bwd_sm90, variants s2, s3, h1).
 # Each step has its own timeout (45 + 70 + 90 + 80 s) and runs even when an earlier one failed: worst
 # case under 5 minutes with start-up, expected ~3.
 # ONE tarball: $OUT/bwd90.tgz with gpu.txt, smoke.log, tests.log, tests.xml, bench.log, bench.json
