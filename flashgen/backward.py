@@ -10,11 +10,18 @@ not depend on the order in which blocks run. The non-deterministic backward
 uses that pair too for the head dims where it is faster
 (``dispatch.BWD_DQ_MODE``).
 
+On sm_90a the dK/dV launch may be ``bwd_sm90`` instead (TMA + wgmma, dQ by the
+TMA's reduce-add into the same accumulator; ``dispatch.BACKWARD_FAMILIES``). It
+is opt-in until measured: ``FLASHGEN_BWD_FAMILY=bwd_sm90`` (used where it serves
+the call: sm_90a, head-dim tile 64 or 128, dQ by atomics; elsewhere the default
+family runs) or ``specs={"bwd_dkdv": <a bwd_sm90 KernelSpec>}``.
+
 Used by the autograd op in ``flashgen.autograd``; callable directly for study.
 """
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -30,11 +37,65 @@ def _ok_for_kernel(t: torch.Tensor, layout: str) -> bool:
     return all(s % 8 == 0 for s in _dims(t, layout)[1])
 
 
+def _tma_ok(t: torch.Tensor) -> bool:
+    """The TMA's rules for a tensor map: 16-byte aligned start, byte strides multiples of 16
+    (stricter than _ok_for_kernel only for strides of size-1 dims, which tma.tensor_dims repacks)."""
+    return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 or n == 1
+                                          for s, n in zip(t.stride()[:-1], t.shape[:-1]))
+
+
+# The dK/dV kernel spec of the last backward launched per device (study and tests: which family ran).
+last_specs: dict = {}
+
+
 def _spec(kind: str, dev, dtype: str, d_tile: int, causal: bool, nq: int, specs=None):
     if specs and kind in specs:
         return specs[kind]
     key = dispatch.ProblemKey(kind, dev.arch, dtype, d_tile, causal, dispatch.bucket_of(nq))
     return dispatch.select(key, dev.gpu, dev.smem_budget, verify=True)
+
+
+BWD_FAMILY_ENV = "FLASHGEN_BWD_FAMILY"
+
+
+def dkdv_family(arch: str, d_tile: int, separate: bool) -> str:
+    """The family of the dK/dV launch: ``bwd_dkdv`` unless ``FLASHGEN_BWD_FAMILY=bwd_sm90`` asks for
+    the Hopper kernel and it serves the call (sm_90a, a head-dim tile it has, dQ by atomics)."""
+    want = os.environ.get(BWD_FAMILY_ENV, "").strip() or dispatch.BACKWARD_FAMILIES["bwd_dkdv"][0]
+    if want not in dispatch.BACKWARD_FAMILIES["bwd_dkdv"]:
+        raise ValueError(f"{BWD_FAMILY_ENV} must be one of {dispatch.BACKWARD_FAMILIES['bwd_dkdv']}, got {want!r}")
+    if want == "bwd_sm90" and (separate or arch != "sm_90a" or d_tile not in dispatch.BWD_SM90_TILES):
+        from .settings import logger
+
+        logger().debug("backward: %s=bwd_sm90 does not serve arch=%s d_tile=%d separate=%s; using bwd_dkdv",
+                       BWD_FAMILY_ENV, arch, d_tile, separate)
+        return "bwd_dkdv"
+    return want
+
+
+def _sm90_maps(kern, params, shapes, tensors):
+    """Write bwd_sm90's five tensor maps into its parameter block (built by the driver, cached per
+    address/shape/strides in flashgen.tma). ``shapes``: (b, h, hk, nq, nk, d, D); ``tensors``:
+    name -> (data_ptr, element strides (batch, head, seq)) for q, k, v, dout and the fp32 dq_acc."""
+    import ctypes
+
+    from . import tma
+
+    b, h, hk, nq, nk, d, D = shapes
+    spec = kern.spec
+    struct = type(params)
+    base = ctypes.addressof(params)
+    rows = {"q": (nq, h, spec.block_m), "dout": (nq, h, spec.block_m), "k": (nk, hk, spec.block_n),
+            "v": (nk, hk, spec.block_n)}
+    for name, field in (("q", "tm_q"), ("k", "tm_k"), ("v", "tm_v"), ("dout", "tm_do")):
+        ptr, st = tensors[name]
+        n, heads, box = rows[name]
+        dims, strides = tma.tensor_dims(d, n, heads, b, st[::-1])
+        ctypes.memmove(base + getattr(struct, field).offset, tma.encode(ptr, spec.dtype, dims, strides, (64, box, 1, 1)),
+                       128)
+    ptr, st = tensors["dq_acc"]
+    dims, strides = tma.tensor_dims(D, nq, h, b, st[::-1], elem_bytes=4)
+    ctypes.memmove(base + struct.tm_dq.offset, tma.encode(ptr, "fp32", dims, strides, (32, spec.block_m, 1, 1)), 128)
 
 
 def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float, layout: str = "bhsd",
@@ -81,13 +142,25 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
         dlse = dlse.to(torch.float32).contiguous()
     dsum = torch.empty((b, h, nq_pad), dtype=torch.float32, device=q.device)
     lse2 = torch.empty((b, h, nq_pad), dtype=torch.float32, device=q.device)
+    forced = specs.get("bwd_dkdv") if specs else None
+    if forced is not None and forced.kind == "bwd_sm90":
+        # The Hopper kernel always adds dQ into the accumulator (no separate mode).
+        if deterministic or dq_mode == "separate":
+            raise ValueError("a bwd_sm90 spec computes dQ by atomic adds: not with deterministic=True or "
+                             "dq_mode='separate'")
+        if forced.head_dim != d_tile:
+            raise ValueError(f"spec {forced.name} has head-dim tile {forced.head_dim}, this call needs {d_tile}")
+        dq_mode = "atomic"
     if deterministic:
         dq_mode = "separate"
     elif dq_mode is None:
         dq_mode = dispatch.bwd_dq_mode(d_tile)
     elif dq_mode not in dispatch.BWD_DQ_MODES:
         raise ValueError(f"dq_mode must be one of {dispatch.BWD_DQ_MODES}, got {dq_mode!r}")
-    if dq_mode == "atomic" and b * h * nq * d_tile >= 2**32:
+    kv_kind = forced.kind if forced is not None else dkdv_family(dev.arch, d_tile, dq_mode == "separate")
+    if kv_kind == "bwd_sm90" and forced is None and not all(_tma_ok(t) for t in (q, k, v, dout)):
+        kv_kind = "bwd_dkdv"  # strides the TMA cannot step (a forced spec: the map encoder says why)
+    if kv_kind == "bwd_dkdv" and dq_mode == "atomic" and b * h * nq * d_tile >= 2**32:
         # bwd_dkdv addresses the fp32 dQ accumulator by 32-bit element offsets.
         dq_mode = "separate"
     separate = dq_mode == "separate"
@@ -106,12 +179,22 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
         dsum=dsum.data_ptr(), lse2=lse2.data_ptr(), dq_acc=dq_acc.data_ptr() if dq_acc is not None else 0,
         **strides("o", so), **strides("dout", sdo), nq=nq, nq_pad=nq_pad, heads=h, d=d)))
 
-    kv = load(_spec("bwd_dkdv_nodq" if separate else "bwd_dkdv", dev, dtype, d_tile, causal, nq, specs), index)
-    launches.append((kv, (-(-nk // kv.spec.block_n), hk, b), kv.params(
-        q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), dout=dout.data_ptr(), lse2=lse2.data_ptr(),
-        dsum=dsum.data_ptr(), dq_acc=dq_acc.data_ptr() if dq_acc is not None else 0, dk=dk.data_ptr(),
-        dv=dv.data_ptr(), **strides("q", sq), **strides("k", sk), **strides("v", sv), **strides("dout", sdo),
-        **strides("dk", sdk), **strides("dv", sdv), **common)))
+    if kv_kind == "bwd_sm90":
+        kv = load(forced if forced is not None else _spec("bwd_sm90", dev, dtype, d_tile, causal, nq), index)
+        params = kv.params(lse2=lse2.data_ptr(), dsum=dsum.data_ptr(), dq_acc=dq_acc.data_ptr(), dk=dk.data_ptr(),
+                           dv=dv.data_ptr(), **strides("dk", sdk), **strides("dv", sdv), **common)
+        _sm90_maps(kv, params, (b, h, hk, nq, nk, d, d_tile), {
+            "q": (q.data_ptr(), sq), "k": (k.data_ptr(), sk), "v": (v.data_ptr(), sv), "dout": (dout.data_ptr(), sdo),
+            "dq_acc": (dq_acc.data_ptr(), (h * nq * d_tile, nq * d_tile, d_tile))})
+        launches.append((kv, (-(-nk // kv.spec.block_n), hk, b), params))
+    else:
+        kv = load(_spec("bwd_dkdv_nodq" if separate else "bwd_dkdv", dev, dtype, d_tile, causal, nq, specs), index)
+        launches.append((kv, (-(-nk // kv.spec.block_n), hk, b), kv.params(
+            q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), dout=dout.data_ptr(), lse2=lse2.data_ptr(),
+            dsum=dsum.data_ptr(), dq_acc=dq_acc.data_ptr() if dq_acc is not None else 0, dk=dk.data_ptr(),
+            dv=dv.data_ptr(), **strides("q", sq), **strides("k", sk), **strides("v", sv), **strides("dout", sdo),
+            **strides("dk", sdk), **strides("dv", sdv), **common)))
+    last_specs[index] = kv.spec
 
     if separate:
         dqk = load(_spec("bwd_dq", dev, dtype, d_tile, causal, nq, specs), index)

@@ -11,6 +11,9 @@
 - ``bwd_dq``: one CTA per (query block, query head, batch) walking K/V blocks:
   dQ = scale * sum dS K with no atomics (deterministic mode).
 - ``bwd_convert``: dQ accumulator (fp32) * scale -> dQ in the input dtype.
+- ``bwd_sm90``: the dK/dV kernel (dQ into the fp32 accumulator) for Hopper:
+  TMA, mbarriers, wgmma, a producer warpgroup (templates/bwd_sm90.cuh); sm_90a
+  only. It serves the ``bwd_dkdv`` problem beside ``bwd_dkdv`` (dispatch.PROBLEM_FAMILIES).
 
 Each kernel does its GEMMs as warp tiles over shared memory; how the warps
 split each GEMM's output follows from the spec by ``warp_split`` (so it is not a
@@ -18,9 +21,10 @@ spec field: block_m, block_n and warps decide it).
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
-from .families import F32, I32, I64, MMA_HEAD_DIMS, PTR, Family
+from .families import F32, I32, I64, MMA_HEAD_DIMS, PTR, TMAP, Family, Sm90Family
 
 ROW_PAD = 128  # the LSE2 / D buffers hold a multiple of this many rows per (batch, head)
 
@@ -152,10 +156,106 @@ class BwdTileFamily(Family):
         return ctx
 
 
+# bwd_sm90's parameter block: tensor maps first (64-byte aligned, as the C struct's alignas(64)
+# wants), Q/K/V/dO in the input dtype with 64-column boxes, and the fp32 dQ accumulator
+# (b, h, nq, head_dim tile) with 32-column boxes (the TMA's reduce-add target).
+SM90_BWD_PARAMS = (
+    ("tm_q", "fg_tmap", TMAP), ("tm_k", "fg_tmap", TMAP), ("tm_v", "fg_tmap", TMAP), ("tm_do", "fg_tmap", TMAP),
+    ("tm_dq", "fg_tmap", TMAP),
+    ("lse2", "const float*", PTR), ("dsum", "const float*", PTR), ("dq_acc", "float*", PTR),
+    ("dk", "elem_t*", PTR), ("dv", "elem_t*", PTR),
+    *_strides("dk", "dv"),
+    ("nq", "int", I32), ("nk", "int", I32), ("nq_pad", "int", I32), ("heads", "int", I32), ("group", "int", I32),
+    ("d", "int", I32), ("scale", "float", F32), ("scale_log2", "float", F32),
+)
+
+# How bwd_sm90 adds its dQ parts to the fp32 accumulator (KernelSpec.hint).
+DQ_WRITES = {0: "TMA reduce-add from a shared-memory staging tile", 1: "red.global.add.v2.f32 from registers"}
+
+
+@dataclass(frozen=True)
+class Bwd90Family(Family):
+    """dK, dV (and dQ into the fp32 accumulator) on Hopper: templates/bwd_sm90.cuh, sm_90a only.
+
+    block_n = 64 x consumer warpgroups (each owns 64 keys); block_m = 64 queries per step;
+    warps = 4 x (consumer warpgroups + the producer warpgroup); stages: the Q/dO ring;
+    hint: how dQ reaches the accumulator (DQ_WRITES); refill unused (0). Always
+    warp-specialized (the producer is not a flag here).
+    """
+
+    def consumers(self, spec) -> int:
+        return spec.block_n // 64
+
+    def dq_cols(self, spec) -> int:
+        """dQ columns each consumer warpgroup computes (its share of the head dim)."""
+        return spec.head_dim // self.consumers(spec)
+
+    def validate(self, spec) -> None:
+        self.require(spec, (("head_dim", self.head_dims), ("block_m", self.block_ms), ("block_n", self.block_ns),
+                            ("stages", self.stages), ("refill", (0,)), ("arch", self.archs)))
+        want = 4 * (self.consumers(spec) + 1)
+        if spec.warps != want:
+            raise ValueError(f"{self.kind}: block_n={spec.block_n} means {self.consumers(spec)} consumer "
+                             f"warpgroup(s) and a producer: warps={want}, got {spec.warps}")
+        if self.dq_cols(spec) % 32:
+            raise ValueError(f"{self.kind}: head_dim={spec.head_dim} does not split into 32-column dQ panels "
+                             f"over {self.consumers(spec)} warpgroups")
+
+    def complete(self, knobs: dict) -> dict:
+        """block_m is fixed (64) and warps follows from block_n: neither is a knob."""
+        out = dict(knobs)
+        out.setdefault("block_m", 64)
+        if "warps" not in out and "block_n" in out:
+            out["warps"] = 4 * (out["block_n"] // 64 + 1)
+        return out
+
+    def staging_bytes(self, spec) -> int:
+        return 4 * spec.block_m * spec.head_dim if spec.hint == 0 else 0
+
+    def smem_bytes(self, spec) -> int:
+        # K, V (once); Q, dO (ring); two dS^T buffers; the fp32 dQ staging tile (hint 0);
+        # LSE2 and D rows (ring, fp32); 1 KB to align the tiles to 1024 bytes. Barriers are static.
+        bm, bn, d, st = spec.block_m, spec.block_n, spec.head_dim, spec.stages
+        return 2 * d * (2 * bn + 2 * st * bm) + 4 * bn * bm + self.staging_bytes(spec) + 8 * st * bm + 1024
+
+    def regs(self, spec) -> tuple[int, int]:
+        """(producer, consumer) registers per thread after setmaxnreg (two or more consumers)."""
+        return {2: (24, 240), 3: (24, 160)}.get(self.consumers(spec), (0, 0))
+
+    def acc_floats(self, spec) -> int:
+        """fp32 values live per consumer thread at the peak: dK and dV (head_dim / 2 each) plus
+        S^T and dP^T (block_m / 2 each), or plus packed P^T, dS^T and the dQ part."""
+        d, bm = spec.head_dim, spec.block_m
+        return d + max(bm, bm // 2 + self.dq_cols(spec) // 2)
+
+    def extra_checks(self, spec, profile) -> list[str]:
+        reasons = []
+        if profile.arch != "sm_90a":
+            reasons.append(f"{self.kind} needs sm_90a (wgmma, TMA), {profile.name} is {profile.arch}")
+        budget = self.regs(spec)[1] or min(255, 65536 // (spec.warps * 32) // 8 * 8)
+        if self.acc_floats(spec) > budget - 32:
+            reasons.append(f"{self.acc_floats(spec)} fp32 values per consumer thread > {budget - 32} "
+                           f"({budget} registers less addressing; would spill)")
+        return reasons
+
+    def context(self, spec) -> dict:
+        producer, consumer = self.regs(spec)
+        return {"params": [(n, c) for n, c, _ in self.params], "param_bytes": ctypes.sizeof(self.param_struct()),
+                "producer_regs": producer or 24, "consumer_regs": consumer or 240, "dq_n": self.dq_cols(spec),
+                "staging_bytes": self.staging_bytes(spec), "dq_write": DQ_WRITES[spec.hint]}
+
+    def param_struct(self):
+        return Sm90Family.param_struct(self)  # padded to the C struct's alignas(64) size
+
+
 BWD_FAMILIES = {
     "bwd_preprocess": RowFamily("bwd_preprocess", "bwd_preprocess.cu.j2", PRE_PARAMS, head_dims=MMA_HEAD_DIMS),
     "bwd_dkdv": BwdTileFamily("bwd_dkdv", "bwd_dkdv.cu.j2", DKDV_PARAMS),
     "bwd_dkdv_nodq": BwdTileFamily("bwd_dkdv_nodq", "bwd_dkdv.cu.j2", DKDV_PARAMS),
     "bwd_dq": BwdTileFamily("bwd_dq", "bwd_dq.cu.j2", DQ_PARAMS),
     "bwd_convert": RowFamily("bwd_convert", "bwd_convert.cu.j2", CONVERT_PARAMS),
+    "bwd_sm90": Bwd90Family("bwd_sm90", "bwd_sm90.cu.j2", SM90_BWD_PARAMS, head_dims=(64, 128), block_ms=(64,),
+                            block_ns=(64, 128), warps=(8, 12), stages=(2, 3), refills=(0,), hints=tuple(DQ_WRITES),
+                            archs=("sm_90a",),
+                            tune_space=(("block_n", (64, 128)), ("stages", (2, 3)), ("hint", (0, 1)))),
 }

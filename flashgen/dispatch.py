@@ -65,7 +65,9 @@ class ProblemKey:
     A key whose kind is a forward family's name (``fwd_v2``, ``fwd_sm90``) is
     the forward restricted to that family: dispatch gives its default rule, or
     the tuned "fwd" entry when that entry is of this family. Tables store
-    "fwd" keys only.
+    "fwd" keys only. The backward's dK/dV problem works the same way
+    (``BACKWARD_FAMILIES``): key kind "bwd_dkdv" (default family bwd_dkdv,
+    bwd_sm90 beside it on sm_90a) or "bwd_sm90" (that family alone).
     """
 
     kind: str
@@ -81,11 +83,17 @@ class ProblemKey:
 # spec=) until the tuner has measured both families per key on a Hopper GPU.
 # Each family's arch limit is its Family.archs (fwd_sm90: sm_90a only).
 FORWARD_FAMILIES = {"fwd": ("fwd_v2", "fwd_sm90")}
-_FAMILY_PROBLEM = {f: kind for kind, fams in FORWARD_FAMILIES.items() for f in fams}
+# The backward's dK/dV problem (with dQ into the fp32 accumulator): bwd_dkdv (mma.sync, every
+# arch) or, on sm_90a, bwd_sm90 (TMA + wgmma). bwd_sm90 is opt-in until measured on the H200:
+# a spec= / specs= override, or FLASHGEN_BWD_FAMILY=bwd_sm90 (flashgen.backward).
+BACKWARD_FAMILIES = {"bwd_dkdv": ("bwd_dkdv", "bwd_sm90")}
+PROBLEM_FAMILIES = {**FORWARD_FAMILIES, **BACKWARD_FAMILIES}
+_FAMILY_PROBLEM = {f: kind for kind, fams in PROBLEM_FAMILIES.items() for f in fams}
 
 
 def problem_kind(kind: str) -> str:
-    """The problem a key kind asks for: "fwd" for a forward family's name, else the kind itself."""
+    """The problem a key kind asks for: "fwd" for a forward family's name, "bwd_dkdv" for bwd_sm90,
+    else the kind itself."""
     return _FAMILY_PROBLEM.get(kind, kind)
 
 
@@ -93,7 +101,7 @@ def problem_kinds() -> tuple:
     """Every kind a tuned table's key may have: the multi-family problems and every other family."""
     from .families import FAMILIES
 
-    return tuple(FORWARD_FAMILIES) + tuple(k for k in FAMILIES if k not in _FAMILY_PROBLEM)
+    return tuple(PROBLEM_FAMILIES) + tuple(k for k in FAMILIES if k not in _FAMILY_PROBLEM)
 
 
 def families_for(kind: str, arch: str) -> tuple:
@@ -104,7 +112,7 @@ def families_for(kind: str, arch: str) -> tuple:
     """
     from .families import family
 
-    fams = FORWARD_FAMILIES.get(kind, (kind,))
+    fams = PROBLEM_FAMILIES.get(kind, (kind,))
     return tuple(f for f in fams if arch in family(f).archs)
 
 
@@ -213,6 +221,16 @@ def default_forward_family(arch: str, head_dim: int) -> str:
 
 
 BWD_KINDS = tuple(BWD_TILES)
+
+# bwd_sm90's default rule (sm_90a only): head-dim tile -> (block_n, stages, hint) in order of
+# preference; block_m is 64 and warps = 4 (block_n / 64 + 1). FA3's shape: two consumer
+# warpgroups of 64 keys and a producer. hint 0: dQ added by the TMA's reduce-add from a staging
+# tile (bwd_families.DQ_WRITES). d=64 takes a 3-stage Q/dO ring (shared memory to spare, one CTA
+# per SM either way); d=128 two (three fit: 231936 + 64 B of 232448, measured as a variant).
+BWD_SM90_TILES = {
+    64: ((128, 3, 0), (128, 2, 0)),
+    128: ((128, 2, 0),),
+}
 # Kinds whose default rule lives in flashgen/baseline_specs.py (standard attention's passes, fwd_v1).
 BASELINE_KINDS = ("standard_qk", "standard_softmax", "standard_pv", "fwd_v1")
 
@@ -265,9 +283,24 @@ def default_spec(key: ProblemKey, smem_budget: int, check=None) -> KernelSpec:
     the next fitting one: a tile the device's NVRTC compiles spill-free may spill
     under another NVRTC version, and the rule's later tiles are the fallback.
     """
-    if key.kind in FORWARD_FAMILIES:  # the problem's default family (fwd: default_forward_family)
-        key = ProblemKey(default_forward_family(key.arch, key.head_dim), key.arch, key.dtype, key.head_dim,
-                         key.causal, key.bucket)
+    if key.kind in PROBLEM_FAMILIES:  # the problem's default family (fwd: default_forward_family; bwd_dkdv: itself)
+        fam = default_forward_family(key.arch, key.head_dim) if key.kind == "fwd" else PROBLEM_FAMILIES[key.kind][0]
+        key = ProblemKey(fam, key.arch, key.dtype, key.head_dim, key.causal, key.bucket)
+    if key.kind == "bwd_sm90":
+        if key.arch != "sm_90a":
+            raise UnsupportedError(f"bwd_sm90 (wgmma + TMA) needs an sm_90a GPU (H100/H200), not {key.arch}")
+        if key.head_dim not in BWD_SM90_TILES:
+            raise UnsupportedError(f"bwd_sm90 has no head-dim tile {key.head_dim} (it serves "
+                                   f"{sorted(BWD_SM90_TILES)})")
+        fitting = []
+        for bn, st, hint in BWD_SM90_TILES[key.head_dim]:
+            spec = KernelSpec(kind="bwd_sm90", arch=key.arch, dtype=key.dtype, head_dim=key.head_dim, block_m=64,
+                              block_n=bn, warps=4 * (bn // 64 + 1), stages=st, hint=hint, causal=key.causal)
+            if spec.validate().smem_bytes() <= smem_budget:
+                fitting.append(spec)
+        if fitting:
+            return _first_clean(fitting, check)
+        raise UnsupportedError(f"no default bwd_sm90 tile fits {smem_budget} B of shared memory for d={key.head_dim}")
     if key.kind == "fwd_sm90":
         if key.arch != "sm_90a":
             raise UnsupportedError(f"fwd_sm90 (wgmma + TMA) needs an sm_90a GPU (H100/H200), not {key.arch}")
@@ -311,7 +344,9 @@ def default_specs(arch: str, smem_budget: int, kind: str = "fwd"):
     out = []
     if not families_for(kind, arch):
         return out
-    for d in (BWD_TILES[kind] if kind in BWD_TILES else SM90_TILES if kind == "fwd_sm90" else MMA_HEAD_DIMS):
+    dims = (BWD_TILES[kind] if kind in BWD_TILES else SM90_TILES if kind == "fwd_sm90" else
+            BWD_SM90_TILES if kind == "bwd_sm90" else MMA_HEAD_DIMS)
+    for d in dims:
         for dtype in ("fp16", "bf16"):
             for causal in (False, True):
                 spec = default_spec(ProblemKey(kind, arch, dtype, d, causal, BUCKETS[0]), smem_budget)

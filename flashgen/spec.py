@@ -38,9 +38,10 @@ class KernelSpec:
     warpspec: bool = False    # a producer warpgroup issues the TMA loads (setmaxnreg moves its registers)
     pingpong: bool = False    # two consumer warpgroups alternate their GEMMs (named barriers)
     overlap: bool = False     # softmax of block j+1 overlaps the P V GEMM of block j
-    # Decode families only (decode_split: the K/V global-load flavour, families.LOAD_HINTS); every
-    # other kind keeps 0, and only the decode kinds name it (``_h{hint}`` where the others have
-    # ``_r{refill}``: decode has no refill point, its refill is fixed at 0).
+    # Decode families (decode_split: the K/V global-load flavour, families.LOAD_HINTS) and bwd_sm90
+    # (how dQ reaches its accumulator, bwd_families.DQ_WRITES); every other kind keeps 0, and only
+    # these kinds name it (``_h{hint}`` where the others have ``_r{refill}``: they have no refill
+    # point, their refill is fixed at 0).
     hint: int = 0
 
     # -- identity ---------------------------------------------------------
@@ -60,7 +61,7 @@ class KernelSpec:
             )
         return (
             f"{self.kind}_d{self.head_dim}_m{self.block_m}_n{self.block_n}_w{self.warps}_s{self.stages}"
-            + (f"_h{self.hint}" if self.kind.startswith("decode_") else f"_r{self.refill}")
+            + (f"_h{self.hint}" if self.kind.startswith("decode_") or self.kind == "bwd_sm90" else f"_r{self.refill}")
             + f"_{'causal' if self.causal else 'full'}_{self.dtype}_{self.arch.replace('_', '')}"
         )
 

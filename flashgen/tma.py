@@ -21,7 +21,7 @@ import threading
 from .errors import UnsupportedError
 
 # CUtensorMapDataType, CUtensorMapSwizzle and friends (cuda.h).
-DTYPE_CODES = {"fp16": 6, "bf16": 9}
+DTYPE_CODES = {"fp16": 6, "fp32": 7, "bf16": 9}
 _SWIZZLE_128B = 3
 _INTERLEAVE_NONE = 0
 _L2_PROMOTION_128B = 2
@@ -158,7 +158,7 @@ def tensor_dims(d: int, n: int, heads: int, batch: int, strides_elems, elem_byte
         if size == 1:
             stride = -(-prev_extent // 16) * 16
         if stride <= 0 or stride % 16 or stride >= 1 << 40:
-            raise UnsupportedError(f"fwd_sm90 needs positive byte strides that are multiples of 16 (TMA), got "
+            raise UnsupportedError(f"the TMA needs positive byte strides that are multiples of 16, got "
                                    f"{raw} for dims {dims}")
         out.append(stride)
         prev_extent = stride * size

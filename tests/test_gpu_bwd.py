@@ -4,6 +4,10 @@ Rule: flashgen's max gradient error against autograd through the fp32 reference 
 inputs) must be at most 3x the max error of the same reference computed in the input dtype,
 + 1e-5. Inputs and output gradients are fresh random normals; sizes are odd; GQA 4:1 sums dK/dV
 over the query-head group.
+
+The Hopper dK/dV kernel (bwd_sm90, opt-in through FLASHGEN_BWD_FAMILY=bwd_sm90) runs the same
+checks where it serves (sm_90a, d 64/128): the tests parametrized by ``family`` (select them with
+``-k bwd_sm90``), and its variants (stages, dQ write mode, 64-key tiles) through ``specs=``.
 """
 from __future__ import annotations
 
@@ -42,6 +46,9 @@ def warm_kernels():
                     tile = dispatch.head_dim_tile(d) if kind == "fwd_v2" else dispatch.bwd_head_dim_tile(d)
                     key = dispatch.ProblemKey(kind, dev.arch, dtype, tile, causal, 512)
                     specs.add(dispatch.select(key, dev.gpu, dev.smem_budget, verify=True))
+    if dev.arch == "sm_90a":
+        specs.update(dispatch.default_specs("sm_90a", dev.smem_budget, kind="bwd_sm90"))
+        specs.update(SM90_VARIANTS)
     with ThreadPool(8) as pool:
         pool.map(build, sorted(specs, key=lambda s: s.name))
 
@@ -83,11 +90,20 @@ def make(b, hq, hk, nq, nk, d, dtype, layout):
     return q, k, v, rnd(hq, nq)
 
 
-def check(b, hq, hk, nq, nk, d, dtype_name, causal, layout="bhsd", deterministic=False):
+def check(b, hq, hk, nq, nk, d, dtype_name, causal, layout="bhsd", deterministic=False, spec=None):
+    """flashgen's (dq, dk, dv) against the rule; ``spec``: a dK/dV KernelSpec forced through
+    attention_backward's ``specs=`` (the forward still runs through flashgen.attention)."""
     dtype = DTYPES[dtype_name]
     q, k, v, dout = make(b, hq, hk, nq, nk, d, dtype, layout)
     scale = 1.0 / math.sqrt(d)
-    out, grads = run_flashgen(q, k, v, dout, causal, layout, deterministic)
+    if spec is None:
+        out, grads = run_flashgen(q, k, v, dout, causal, layout, deterministic)
+    else:
+        import flashgen
+        from flashgen.backward import attention_backward
+
+        out, lse = flashgen.attention(q, k, v, causal=causal, layout=layout, return_lse=True)
+        grads = attention_backward(dout, q, k, v, out, lse, causal, scale, layout, specs={"bwd_dkdv": spec})
     torch.cuda.synchronize()
     ref = ref_grads(q, k, v, dout, causal, scale, torch.float32, layout)
     low = ref_grads(q, k, v, dout, causal, scale, dtype, layout)
@@ -101,28 +117,102 @@ def check(b, hq, hk, nq, nk, d, dtype_name, causal, layout="bhsd", deterministic
     return grads
 
 
+def _is_sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def use_family(family, d, monkeypatch):
+    """Run the backward with dK/dV family ``family`` ("bwd_dkdv": the default path; "bwd_sm90": opt in
+    through FLASHGEN_BWD_FAMILY, skipping where it does not serve)."""
+    if family == "bwd_sm90":
+        if not _is_sm90():
+            pytest.skip("bwd_sm90 needs an sm_90a GPU")
+        from flashgen import dispatch
+
+        if dispatch.bwd_head_dim_tile(d) not in dispatch.BWD_SM90_TILES:
+            pytest.skip(f"bwd_sm90 has no head-dim tile for d={d}")
+        monkeypatch.setenv("FLASHGEN_BWD_FAMILY", "bwd_sm90")
+    from flashgen import backward
+
+    backward.last_specs.clear()
+
+
+def ran_family(family):
+    """The dK/dV family the last backward launched is ``family``."""
+    from flashgen import backward
+
+    ran = backward.last_specs[torch.cuda.current_device()]
+    assert ran.kind == family, ran.name
+
+
+def _sm90(d, bn=128, st=2, hint=0, causal=False, dtype="bf16"):
+    from flashgen import KernelSpec
+
+    return KernelSpec(kind="bwd_sm90", arch="sm_90a", dtype=dtype, head_dim=d, block_m=64, block_n=bn,
+                      warps=4 * (bn // 64 + 1), stages=st, hint=hint, causal=causal)
+
+
+# bwd_sm90 variants beside its default rule: the other ring depth, the red.global dQ write, 64-key tiles.
+SM90_VARIANTS = [_sm90(d, 128, st, hint, c, dt) for d in (64, 128) for st, hint in ((2, 1), (3, 0))
+                 for c in (False, True) for dt in ("bf16", "fp16")] + [
+    _sm90(64, 64, 2, hint, c) for hint in (0, 1) for c in (False, True)]
+
+
+FAMILIES = ["bwd_dkdv", "bwd_sm90"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [32, 64, 128, 256])
 @pytest.mark.parametrize("nq,nk", SEQLENS)
-def test_grads_bf16(nq, nk, d, causal):
+def test_grads_bf16(nq, nk, d, causal, family, monkeypatch):
     """Every seqlen pair x head dim x causal, bf16, MHA."""
+    use_family(family, d, monkeypatch)
     check(2, 3, 3, nq, nk, d, "bf16", causal)
+    ran_family(family)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [32, 64, 128, 256])
-@pytest.mark.parametrize("nq,nk", [(113, 203), (1023, 1024), (239, 1)])
-def test_grads_fp16_gqa(nq, nk, d, causal):
+@pytest.mark.parametrize("nq,nk", [(113, 203), (1023, 1024), (1, 239), (239, 1)])
+def test_grads_fp16_gqa(nq, nk, d, causal, family, monkeypatch):
     """fp16 with GQA 4:1: dK, dV summed over the four query heads of each KV head."""
+    if (nq, nk) == (1, 239) and family == "bwd_dkdv":
+        pytest.skip("(1, 239) is in this list for bwd_sm90 (the default family runs it in test_grads_bf16)")
+    use_family(family, d, monkeypatch)
     check(1, 8, 2, nq, nk, d, "fp16", causal)
+    ran_family(family)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("nq,nk", [(113, 203), (1, 239), (512, 300)])
-def test_grads_bshd_gqa(nq, nk, causal, dtype):
+def test_grads_bshd_gqa(nq, nk, causal, dtype, family, monkeypatch):
     """The (batch, seqlen, heads, d) layout through strides, with GQA 4:1 and an odd head dim (40)."""
+    use_family(family, 40, monkeypatch)
     check(2, 4, 1, nq, nk, 40, dtype, causal, layout="bshd")
+    ran_family(family)
+
+
+@pytest.mark.parametrize("spec", SM90_VARIANTS, ids=lambda s: s.name)
+@pytest.mark.parametrize("nq,nk", [(113, 203), (1023, 1024), (1, 239)])
+def test_grads_bwd_sm90_variants(nq, nk, spec):
+    """bwd_sm90's variants through specs= (GQA 4:1): the 3-stage ring, dQ by red.global.add from
+    registers (hint 1), one consumer warpgroup (64-key tiles)."""
+    if not _is_sm90():
+        pytest.skip("bwd_sm90 needs an sm_90a GPU")
+    check(2, 4, 1, nq, nk, spec.head_dim, spec.dtype, spec.causal, spec=spec)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_bwd_sm90_multi_block_gqa(causal, monkeypatch):
+    """Several K/V blocks per head, several query blocks and heads per CTA, batch 2, GQA 4:1, d=128:
+    the ring wraps many times and the dQ of each query row sums over every K/V block."""
+    use_family("bwd_sm90", 128, monkeypatch)
+    check(2, 8, 2, 777, 1337, 128, "bf16", causal)
+    ran_family("bwd_sm90")
 
 
 @pytest.mark.parametrize("mode", ["atomic", "separate"])
@@ -173,13 +263,16 @@ def test_lse_gradient():
         assert err <= 0.05 * max(1.0, want.grad.abs().max().item()), err
 
 
-def test_rows_that_see_no_key_get_zero_gradients():
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rows_that_see_no_key_get_zero_gradients(family, monkeypatch):
     """Causal with seqlen_q > seqlen_k: the first rows see nothing, so their dQ is exactly 0."""
+    use_family(family, 64, monkeypatch)
     q, k, v, dout = make(1, 2, 2, 300, 100, 64, torch.bfloat16, "bhsd")
     grads = check(1, 2, 2, 300, 100, 64, "bf16", True)
     _, (dq, dk, dv) = run_flashgen(q, k, v, dout, True, "bhsd")
     assert torch.all(dq[:, :, :200] == 0)
     assert torch.isfinite(grads[0].float()).all()
+    ran_family(family)
 
 
 # ---------------------------------------------------------------- training

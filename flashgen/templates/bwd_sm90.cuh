@@ -1,0 +1,372 @@
+// FlashAttention backward for Hopper (sm_90a): TMA + mbarriers + wgmma, K/V outer.
+//
+// One CTA owns BN = 64 * NWG keys of one (batch, KV head); consumer warpgroup
+// cw owns keys [64 cw, 64 cw + 64) of them. A producer warpgroup (one thread)
+// loads K and V once by TMA, then streams the query blocks of every query head
+// of the KV head's GQA group through an ST-stage ring: per stage Q_i and its
+// LSE2 row (one full barrier), dO_i and its D row (another), and an empty
+// barrier the consumer warps arrive on when they are done with the stage.
+// (LSE2 = LSE * log2 e and D = rowsum(dO * O) - dLSE come from bwd_preprocess,
+// in fp32 buffers padded to a multiple of 128 rows: padding rows have LSE2 =
+// +inf and D = 0, so they weigh nothing.)
+//
+// Per query block i (BM = 64 queries), each consumer warpgroup:
+//   S^T  = K_w Q_i^T         wgmma m64n64k16, A and B K-major from shared memory
+//   P^T  = exp2(S^T scale_log2 - LSE2_i)   (LSE2 per column; masked where needed)
+//   dP^T = V_w dO_i^T        wgmma SS, as S^T
+//   dS^T = P^T (dP^T - D_i)  -> bf16/fp16 to shared memory (sdS, two buffers)
+//   dV  += P^T dO_i          wgmma m64nDk16, P^T from registers (the accumulator
+//                            layout of S^T is the A-fragment layout, as the
+//                            forward's P), dO_i MN-major (the forward's V)
+//   dK  += dS^T Q_i          wgmma RS, as dV
+//   dQ_i[:, cols of w] = dS K[:, cols of w]   wgmma m64n(D/NWG)k16 over all BN keys:
+//                            A = dS from sdS (stored [key][query]: MN-major A),
+//                            B = K MN-major. Needs every warpgroup's dS: one named
+//                            barrier over the consumers per block.
+//   the fp32 dQ part is added to the global accumulator (b, h, nq, D):
+//     DQW = 0: staged in shared memory (fp32 panels of 32 columns, 128-byte
+//              swizzle) and added by the TMA (cp.reduce.async.bulk.tensor .add,
+//              rows >= nq clipped by the tensor map);
+//     DQW = 1: red.global.add.v2.f32 straight from the accumulators.
+// dK is scaled by the softmax scale at the end (dQ's scale: bwd_convert).
+//
+// Masking: keys >= nk (zero-filled by the TMA) get P = 0; causal blocks that
+// cross the diagonal are masked per element (bottom-right alignment); query
+// rows >= nq read zero Q/dO (TMA zero fill) and LSE2 = +inf, so P = dS = 0.
+// Causal: a CTA starts at the first query block that reaches its keys.
+//
+// Shared-memory tiles are the forward's (fwd_sm90.cuh): rows of 64 16-bit
+// elements (128 bytes) with the 128-byte swizzle (16-byte chunk c of row r at
+// c ^ (r % 8)), tiles of more than 64 columns in panels of rows x 128 bytes.
+#pragma once
+
+// ---- bulk copies, bulk reductions, the async-proxy fence ----------------------
+// 1-D bulk copy global -> shared, completing on an mbarrier (16-byte aligned, size % 16 == 0).
+FG_DEVICE void bulk_load(fg_u32 dst, const void* src, fg_u32 bytes, fg_u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+// Element-wise add of a shared-memory box into a 4-D tensor (the map's type: fp32), bulk-group completion.
+FG_DEVICE void tma_reduce_add_4d(const fg_tmap* map, fg_u32 src, int c0, int c1, int c2, int c3) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
+      ::"l"(reinterpret_cast<fg_u64>(map)), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+}
+FG_DEVICE void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Wait until at most N bulk groups of this thread are still reading their shared-memory source.
+template <int N>
+FG_DEVICE void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory"); }
+// Wait until at most N bulk groups of this thread are incomplete (writes done).
+template <int N>
+FG_DEVICE void bulk_wait() { asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory"); }
+// Generic-proxy shared-memory writes (st.shared) become visible to the async proxy (wgmma, TMA).
+FG_DEVICE void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+FG_DEVICE void lds_f32x2(fg_u32 addr, float& a, float& b) {
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(a), "=f"(b) : "r"(addr));
+}
+// Hides a descriptor from the optimizer: the per-k-step descriptors derived from it are computed
+// where they are used instead of being hoisted out of the main loop (dozens of 64-bit values).
+FG_DEVICE fg_u64 opaque_desc(fg_u64 x) {
+  asm volatile("mov.b64 %0, %0;\n" : "+l"(x));
+  return x;
+}
+FG_DEVICE void sts_u32(fg_u32 addr, fg_u32 v) { asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v)); }
+FG_DEVICE void sts_f32x2(fg_u32 addr, float a, float b) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b));
+}
+
+template <int D, int BM, int BN, int ST, int DQW, bool CAUSAL, bool BF16, int PRODUCER_REGS, int CONSUMER_REGS,
+          typename Params>
+FG_DEVICE void bwd_sm90_body(const Params& p) {
+  constexpr int NWG = BN / 64;            // consumer warpgroups, 64 keys each
+  constexpr int PANELS = D / 64;          // 128-byte panels per row of Q, K, V, dO
+  constexpr int KV_BYTES = BN * D * 2;    // the K (or V) tile
+  constexpr int QT_BYTES = BM * D * 2;    // one stage of Q (or dO)
+  constexpr int DS_BYTES = BN * BM * 2;   // one dS^T buffer: BN rows of BM = 64 elements
+  constexpr int DQ_N = D / NWG;           // dQ columns per consumer warpgroup
+  constexpr int STG_BYTES = DQW == 0 ? BM * D * 4 : 0;  // fp32 dQ staging: D/32 panels of BM x 128 bytes
+  constexpr int NJ = BM / 8;              // n8 chunks of S^T / dP^T
+  constexpr int KS = BM / 16;             // k16 steps of dV / dK
+  static_assert(BM == 64, "a dS^T row is one 128-byte swizzle row (64 queries)");
+  static_assert(BN % 64 == 0 && D % 64 == 0 && ST >= 2, "bad bwd_sm90 tile");
+  static_assert(DQ_N % 32 == 0 && DQ_N <= 256, "dQ columns per warpgroup: whole 32-column fp32 panels");
+
+  extern __shared__ unsigned char smem_raw[];
+  // K/V, then per stage: full Q (+LSE2), full dO (+D), empty.
+  __shared__ __align__(8) fg_u64 bars[1 + 3 * ST];
+  const fg_u32 sK = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const fg_u32 sV = sK + KV_BYTES;
+  const fg_u32 sQ = sV + KV_BYTES;
+  const fg_u32 sdO = sQ + ST * QT_BYTES;
+  const fg_u32 sdS = sdO + ST * QT_BYTES;
+  const fg_u32 sStg = sdS + 2 * DS_BYTES;
+  const fg_u32 sL = sStg + STG_BYTES;      // ST x BM floats of LSE2
+  const fg_u32 sDd = sL + ST * BM * 4;     // ST x BM floats of D
+  const fg_u32 bar_kv = smem_addr(bars);
+  auto bar_q = [&](int s) { return bar_kv + 8u * (1 + s); };
+  auto bar_do = [&](int s) { return bar_kv + 8u * (1 + ST + s); };
+  auto bar_e = [&](int s) { return bar_kv + 8u * (1 + 2 * ST + s); };
+
+  const int tid = threadIdx.x;
+  const int b = blockIdx.z, hk = blockIdx.y;
+  const int n0 = blockIdx.x * BN;
+  const int diag = p.nk - p.nq;  // bottom-right alignment: query i sees keys j <= i + diag
+  const int m_blocks = ceil_div(p.nq, BM);
+  int m_first = 0;
+  if constexpr (CAUSAL) m_first = min(m_blocks, max(0, n0 - diag) / BM);
+  const int total = (m_blocks - m_first) * p.group;  // steps: (query head of the group, query block)
+
+  if (tid == 0) {
+    tma_prefetch_map(&p.tm_q);
+    tma_prefetch_map(&p.tm_k);
+    tma_prefetch_map(&p.tm_v);
+    tma_prefetch_map(&p.tm_do);
+    if constexpr (DQW == 0) tma_prefetch_map(&p.tm_dq);
+    mbar_init(bar_kv, 1);
+#pragma unroll
+    for (int s = 0; s < ST; ++s) {
+      mbar_init(bar_q(s), 1);
+      mbar_init(bar_do(s), 1);
+      mbar_init(bar_e(s), 4 * NWG);  // lane 0 of every consumer warp
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  const int wg = tid / 128;
+  if (wg == 0) {  // ---- producer warpgroup: one thread issues every load
+    if constexpr (NWG >= 2) regs_dec<PRODUCER_REGS>();
+    if (tid == 0) {
+      mbar_expect_tx(bar_kv, 2 * KV_BYTES);
+#pragma unroll
+      for (int pn = 0; pn < PANELS; ++pn) {
+        tma_load_4d(sK + pn * BN * 128, &p.tm_k, bar_kv, pn * 64, n0, hk, b);
+        tma_load_4d(sV + pn * BN * 128, &p.tm_v, bar_kv, pn * 64, n0, hk, b);
+      }
+      int qh = 0, qm = m_first;
+      for (int it = 0; it < total; ++it) {
+        const int s = it % ST;
+        if (it >= ST) mbar_wait(bar_e(s), ((it / ST) + 1) & 1);
+        const int hq = hk * p.group + qh, m0 = qm * BM;
+        const fg_i64 row = (static_cast<fg_i64>(b) * p.heads + hq) * p.nq_pad + m0;
+        mbar_expect_tx(bar_q(s), QT_BYTES + BM * 4);
+#pragma unroll
+        for (int pn = 0; pn < PANELS; ++pn)
+          tma_load_4d(sQ + s * QT_BYTES + pn * BM * 128, &p.tm_q, bar_q(s), pn * 64, m0, hq, b);
+        bulk_load(sL + s * BM * 4, p.lse2 + row, BM * 4, bar_q(s));
+        mbar_expect_tx(bar_do(s), QT_BYTES + BM * 4);
+#pragma unroll
+        for (int pn = 0; pn < PANELS; ++pn)
+          tma_load_4d(sdO + s * QT_BYTES + pn * BM * 128, &p.tm_do, bar_do(s), pn * 64, m0, hq, b);
+        bulk_load(sDd + s * BM * 4, p.dsum + row, BM * 4, bar_do(s));
+        if (++qm == m_blocks) {
+          qm = m_first;
+          ++qh;
+        }
+      }
+    }
+    return;
+  }
+  if constexpr (NWG >= 2) regs_inc<CONSUMER_REGS>();
+
+  // ---- consumer warpgroups ------------------------------------------------------
+  const int cw = wg - 1;
+  const int ltid = tid % 128, wq = ltid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int key0 = n0 + cw * 64;               // this warpgroup's first key
+  const int krow = wq * 16 + g;                // this thread's key rows: krow and krow + 8 (of the 64)
+
+  // Descriptors (fwd_sm90.cuh): K-major SW128 (LBO 16 B, unused; SBO 1024 B) for the S^T / dP^T
+  // operands; MN-major SW128 (LBO = panel stride, SBO = 1024 B) for dO, Q as B of dV / dK, dS as A
+  // and K as B of dQ. K for dQ: this warpgroup's DQ_N columns start in panel cw*DQ_N/64, at byte
+  // 2 (cw*DQ_N % 64) of its rows (inside the swizzle row: the swizzle is applied to the address).
+  const fg_u64 desc_k = sw128_desc(sK + cw * 64 * 128, 16, 1024);
+  const fg_u64 desc_v = sw128_desc(sV + cw * 64 * 128, 16, 1024);
+  const fg_u64 desc_q = sw128_desc(sQ, 16, 1024);
+  const fg_u64 desc_do = sw128_desc(sdO, 16, 1024);
+  const fg_u64 desc_qmn = sw128_desc(sQ, BM * 128, 1024);
+  const fg_u64 desc_domn = sw128_desc(sdO, BM * 128, 1024);
+  const fg_u64 desc_ds = sw128_desc(sdS, DS_BYTES, 1024);
+  const fg_u64 desc_kmn = sw128_desc(sK + (cw * DQ_N / 64) * BN * 128 + (cw * DQ_N % 64) * 2, BN * 128, 1024);
+  // Offsets (16-byte units) of k16 step kk: K-major inside a tile of `rows` rows; MN-major: 16 rows.
+  auto kmajor_off = [](int kk, int rows) { return static_cast<fg_u64>(((kk / 4) * rows * 128 + (kk % 4) * 32) >> 4); };
+  auto mn_off = [](int kk) { return static_cast<fg_u64>(kk * 16 * 128 >> 4); };
+
+  float acc_dk[D / 2], acc_dv[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) {
+    acc_dk[i] = 0.f;
+    acc_dv[i] = 0.f;
+  }
+
+  float acc_s[BM / 2], acc_dp[BM / 2], acc_dq[DQ_N / 2];
+  mbar_wait(bar_kv, 0);  // always: the CTA must not exit with the K/V copy in flight
+  int hc = 0, mc = m_first;
+  for (int it = 0; it < total; ++it) {
+    const int s = it % ST, ph = (it / ST) & 1;
+    const int hq = hk * p.group + hc, m0 = mc * BM;
+    if (++mc == m_blocks) {
+      mc = m_first;
+      ++hc;
+    }
+    const fg_u64 so = static_cast<fg_u64>((s * QT_BYTES) >> 4);  // stage offset of Q / dO descriptors
+    const fg_u32 buf = static_cast<fg_u32>(it & 1) * DS_BYTES;
+
+    // ---- S^T = K_w Q_i^T and dP^T = V_w dO_i^T
+    mbar_wait(bar_q(s), ph);
+    wgmma_fence();
+    {
+      const fg_u64 da_ = opaque_desc(desc_k), db_ = opaque_desc(desc_q) + so;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) fg_wgmma_sdp(acc_s, da_ + kmajor_off(kk, BN), db_ + kmajor_off(kk, BM), kk);
+    }
+    wgmma_commit();
+    mbar_wait(bar_do(s), ph);
+    wgmma_fence();  // (else ptxas injects one: C7519)
+    {
+      const fg_u64 da_ = opaque_desc(desc_v), db_ = opaque_desc(desc_do) + so;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) fg_wgmma_sdp(acc_dp, da_ + kmajor_off(kk, BN), db_ + kmajor_off(kk, BM), kk);
+    }
+    wgmma_commit();
+
+    // ---- P^T (packed 16-bit pairs in the A-fragment order) while dP^T runs
+    wgmma_wait<1>();
+    reg_fence(acc_s);
+    fg_u32 pa[KS][4], da[KS][4];
+    {
+      const bool need_mask = key0 + 64 > p.nk || (CAUSAL && key0 + 63 > m0 + diag);
+#pragma unroll
+      for (int nj = 0; nj < NJ; ++nj) {
+        float l2[2];
+        lds_f32x2(sL + s * BM * 4 + (8 * nj + 2 * t) * 4, l2[0], l2[1]);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float pe[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float x = acc_s[4 * nj + 2 * h + e];
+            if (need_mask) {
+              const int key = key0 + krow + 8 * h;
+              const int q = m0 + 8 * nj + 2 * t + e;
+              if (key >= p.nk || (CAUSAL && key > q + diag)) x = -INFINITY;
+            }
+            pe[e] = fast_exp2(fmaf(x, p.scale_log2, -l2[e]));
+          }
+          pa[nj / 2][2 * (nj % 2) + h] = pack2<BF16>(pe[0], pe[1]);
+        }
+      }
+    }
+    // ---- dS^T = P^T (dP^T - D), with P rounded to the input dtype (as dV uses it)
+    wgmma_wait<0>();
+    reg_fence(acc_dp);
+#pragma unroll
+    for (int nj = 0; nj < NJ; ++nj) {
+      float dd[2];
+      lds_f32x2(sDd + s * BM * 4 + (8 * nj + 2 * t) * 4, dd[0], dd[1]);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float pe[2];
+        unpack2<BF16>(pa[nj / 2][2 * (nj % 2) + h], pe[0], pe[1]);
+        da[nj / 2][2 * (nj % 2) + h] =
+            pack2<BF16>(pe[0] * (acc_dp[4 * nj + 2 * h] - dd[0]), pe[1] * (acc_dp[4 * nj + 2 * h + 1] - dd[1]));
+      }
+    }
+    // dS^T rows of this warpgroup into buffer it % 2 (free: every warpgroup passed the previous
+    // block's barrier after its dQ GEMM on the buffer before it had completed).
+    // Row r's chunk nj sits at chunk nj ^ (r % 8): with r % 8 == g (16 wq + 8 h adds multiples
+    // of 8), the address is one per-row base XOR 16 nj (bits 4-6 only). The bases are rebuilt per
+    // block (opaque): held across the loop they would be 16 more registers.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const fg_u32 base = opaque(sdS + (cw * 64 + krow + 8 * h) * 128 + (g << 4) + 4 * t) + buf;
+#pragma unroll
+      for (int nj = 0; nj < NJ; ++nj) sts_u32(base ^ (nj << 4), da[nj / 2][2 * (nj % 2) + h]);
+    }
+    fence_async_smem();
+    if constexpr (DQW == 0) {
+      if (ltid == 0) bulk_wait_read<0>();  // the previous dQ reduce has read the staging tile
+    }
+    named_sync(1, 128 * NWG);  // every warpgroup's dS^T is in sdS
+
+    // ---- dV += P^T dO_i, dK += dS^T Q_i (RS), then dQ_i part = dS K (SS)
+    wgmma_fence();
+    {
+      const fg_u64 dv_ = opaque_desc(desc_domn) + so, dk_ = opaque_desc(desc_qmn) + so;
+#pragma unroll
+      for (int kk = 0; kk < KS; ++kk) fg_wgmma_dkv(acc_dv, pa[kk], dv_ + mn_off(kk));
+#pragma unroll
+      for (int kk = 0; kk < KS; ++kk) fg_wgmma_dkv(acc_dk, da[kk], dk_ + mn_off(kk));
+    }
+    wgmma_commit();
+    {
+      const fg_u64 da_ = opaque_desc(desc_ds) + static_cast<fg_u64>(buf >> 4), db_ = opaque_desc(desc_kmn);
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) fg_wgmma_dq(acc_dq, da_ + mn_off(kk), db_ + mn_off(kk), kk);
+    }
+    wgmma_commit();
+    wgmma_wait<1>();
+    reg_fence(acc_dv);
+    reg_fence(acc_dk);
+    if (lane == 0) mbar_arrive(bar_e(s));  // Q_i, dO_i, LSE2_i, D_i no longer needed
+    wgmma_wait<0>();
+    reg_fence(acc_dq);
+
+    // ---- dQ_i += the part: thread's rows krow, krow + 8; columns cw*DQ_N + 8 nj + 2t (+1)
+    if constexpr (DQW == 0) {
+      // Column cw*DQ_N + 8 nj + 2t is in panel cw*DQ_N/32 + nj/4, 16-byte chunk 2 (nj % 4) + t/2,
+      // at byte 8 (t % 2); the chunk is swizzled with the row (r % 8 == g): per-row base XOR 32 (nj % 4).
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const fg_u32 base = opaque(sStg + (cw * DQ_N / 32) * BM * 128 + (krow + 8 * h) * 128 +
+                                   (((t >> 1) ^ g) << 4) + (t & 1) * 8);
+#pragma unroll
+        for (int nj = 0; nj < DQ_N / 8; ++nj)
+          sts_f32x2((base ^ ((nj % 4) << 5)) + (nj / 4) * BM * 128, acc_dq[4 * nj + 2 * h], acc_dq[4 * nj + 2 * h + 1]);
+      }
+      fence_async_smem();
+      named_sync(2 + cw, 128);
+      if (ltid == 0) {
+#pragma unroll
+        for (int pn = 0; pn < DQ_N / 32; ++pn) {
+          const int panel = cw * DQ_N / 32 + pn;
+          tma_reduce_add_4d(&p.tm_dq, sStg + panel * BM * 128, panel * 32, m0, hq, b);
+        }
+        bulk_commit();
+      }
+    } else {
+      float* dq = p.dq_acc + ((static_cast<fg_i64>(b) * p.heads + hq) * p.nq + m0) * D + cw * DQ_N + 2 * t;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = krow + 8 * h;
+        if (m0 + r < p.nq) {
+#pragma unroll
+          for (int nj = 0; nj < DQ_N / 8; ++nj)
+            red_add_f32x2(dq + r * D + 8 * nj, acc_dq[4 * nj + 2 * h], acc_dq[4 * nj + 2 * h + 1]);
+        }
+      }
+    }
+  }
+  if constexpr (DQW == 0) {
+    if (ltid == 0) bulk_wait<0>();  // every dQ reduce has landed before the CTA exits
+  }
+
+  // ---- epilogue: dK (times the softmax scale) and dV, rows < nk and columns < d
+  elem_t* dk = p.dk + b * p.dk_sb + hk * p.dk_sh;
+  elem_t* dv = p.dv + b * p.dv_sb + hk * p.dv_sh;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int key = key0 + krow + 8 * h;
+    if (key >= p.nk) continue;
+    elem_t* rk = dk + static_cast<fg_i64>(key) * p.dk_ss;
+    elem_t* rv = dv + static_cast<fg_i64>(key) * p.dv_ss;
+#pragma unroll
+    for (int nj = 0; nj < D / 8; ++nj) {
+      const int col = 8 * nj + 2 * t;
+      if (col < p.d) {
+        *reinterpret_cast<fg_u32*>(rk + col) = pack2<BF16>(acc_dk[4 * nj + 2 * h] * p.scale, acc_dk[4 * nj + 2 * h + 1] * p.scale);
+        *reinterpret_cast<fg_u32*>(rv + col) = pack2<BF16>(acc_dv[4 * nj + 2 * h], acc_dv[4 * nj + 2 * h + 1]);
+      }
+    }
+  }
+}

@@ -1,0 +1,423 @@
+"""bwd_sm90 (Hopper backward: TMA + wgmma) without a GPU: spec rules, names, dispatch, the host's
+tensor maps and family switch, a model of the shared-memory addressing, and compiles.
+
+Every spec the bwd_sm90 default rule can pick, and the variants the benchmark and the GPU tests
+run (stages, dQ write mode, 64-key tiles), compile with NVRTC for sm_90a with no spills, no stack
+frame and none of ptxas's Hopper diagnostics (C7508 setmaxnreg ignored, C7510-C7519 wgmma
+serialized or a warpgroup.arrive injected).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from multiprocessing.pool import ThreadPool
+from pathlib import Path
+
+import pytest
+
+from flashgen import KernelSpec, UnsupportedError, dispatch, gpus
+from flashgen.codegen import build
+
+H200 = gpus.get("h200")
+BUDGET = gpus.ARCH_SMEM_PER_BLOCK["sm_90a"]
+
+
+def bwd90(d=128, bn=128, st=2, hint=0, causal=False, dtype="bf16"):
+    return KernelSpec(kind="bwd_sm90", arch="sm_90a", dtype=dtype, head_dim=d, block_m=64, block_n=bn,
+                      warps=4 * (bn // 64 + 1), stages=st, hint=hint, causal=causal)
+
+
+DEFAULTS = dispatch.default_specs("sm_90a", BUDGET, kind="bwd_sm90")
+# What the GPU tests and bench/bench_bwd.py's --bwd90-variants run beside the defaults.
+VARIANTS = [bwd90(d, 128, st, hint, c, dt) for d in (64, 128) for st in (2, 3) for hint in (0, 1)
+            for c in (False, True) for dt in ("bf16", "fp16")] + [
+    bwd90(64, 64, st, hint, c) for st in (2, 3) for hint in (0, 1) for c in (False, True)]
+ALL = list(dict.fromkeys(DEFAULTS + VARIANTS))
+
+
+def test_names_and_rules():
+    s = bwd90(causal=True)
+    assert s.name == "bwd_sm90_d128_m64_n128_w12_s2_h0_causal_bf16_sm90a"
+    assert s.validate() is s and s.feasible(H200)
+    assert KernelSpec.from_dict(s.to_dict()) == s
+    assert bwd90(hint=1).name == "bwd_sm90_d128_m64_n128_w12_s2_h1_full_bf16_sm90a"
+    with pytest.raises(ValueError, match="warps"):
+        s.replace(warps=8).validate()
+    with pytest.raises(ValueError, match="block_m"):
+        s.replace(block_m=128).validate()
+    with pytest.raises(ValueError, match="head_dim"):
+        s.replace(head_dim=96).validate()
+    with pytest.raises(ValueError, match="arch"):
+        s.replace(arch="sm_80").validate()
+    with pytest.raises(ValueError, match="hint"):
+        s.replace(hint=2).validate()
+    with pytest.raises(ValueError, match="not supported"):
+        s.replace(warpspec=True).validate()
+    assert s.check(gpus.get("a100"))  # not an sm_90a GPU
+    # d=128 with one consumer warpgroup: dK, dV and a 128-column dQ part do not fit the registers
+    assert any("would spill" in r for r in bwd90(d=128, bn=64).check(H200))
+    assert bwd90(d=64, bn=64).check(H200) == []
+    # the 3-stage d=128 ring fits the H200's 227 KB (with the 1 KB alignment slack)
+    assert bwd90(st=3).smem_bytes() <= H200.smem_per_block
+    # other kinds' names are unchanged
+    assert KernelSpec(kind="bwd_dkdv", head_dim=128, block_m=64, block_n=64, warps=8).name == \
+        "bwd_dkdv_d128_m64_n64_w8_s2_r0_full_bf16_sm90a"
+
+
+def test_family_rules_and_smem_formula():
+    fam = bwd90().family
+    for s in ALL:
+        d, bn, st = s.head_dim, s.block_n, s.stages
+        want = 2 * d * 2 * bn + 2 * st * 64 * d * 2 + 2 * bn * 64 * 2 + (64 * d * 4 if s.hint == 0 else 0) \
+            + 2 * st * 64 * 4 + 1024
+        assert s.smem_bytes() == want, s.name
+        assert fam.dq_cols(s) == d // (bn // 64)
+    ctx = bwd90().context()
+    assert ctx["dq_n"] == 64 and ctx["producer_regs"] == 24 and ctx["consumer_regs"] == 240
+    assert ctx["param_bytes"] % 64 == 0
+    struct = fam.param_struct()
+    for name in ("tm_q", "tm_k", "tm_v", "tm_do", "tm_dq"):
+        assert getattr(struct, name).offset % 64 == 0
+
+
+def test_dispatch():
+    assert dispatch.families_for("bwd_dkdv", "sm_90a") == ("bwd_dkdv", "bwd_sm90")
+    assert dispatch.families_for("bwd_dkdv", "sm_80") == ("bwd_dkdv",)
+    assert dispatch.families_for("bwd_sm90", "sm_80") == ()
+    assert dispatch.problem_kind("bwd_sm90") == "bwd_dkdv" and dispatch.problem_kind("bwd_dkdv") == "bwd_dkdv"
+    kinds = dispatch.problem_kinds()
+    assert "bwd_dkdv" in kinds and "bwd_sm90" not in kinds and len(kinds) == len(set(kinds))
+    # the default family of the bwd_dkdv problem is still bwd_dkdv (bwd_sm90 is opt-in until measured)
+    key = dispatch.ProblemKey("bwd_dkdv", "sm_90a", "bf16", 128, True, 4096)
+    assert dispatch.default_spec(key, BUDGET).kind == "bwd_dkdv"
+    assert dispatch.select(key, "h200", BUDGET).kind == "bwd_dkdv"
+    assert len(DEFAULTS) == 2 * 2 * 2 and all(s.kind == "bwd_sm90" and not s.check(H200) for s in DEFAULTS)
+    assert dispatch.default_specs("sm_80", 166912, kind="bwd_sm90") == []
+    k90 = dispatch.ProblemKey("bwd_sm90", "sm_90a", "fp16", 64, False, 2048)
+    assert dispatch.select(k90, "h200", BUDGET) == bwd90(d=64, st=3, dtype="fp16")
+    with pytest.raises(UnsupportedError, match="sm_90a"):
+        dispatch.default_spec(dispatch.ProblemKey("bwd_sm90", "sm_80", "fp16", 64, False, 2048), 166912)
+    with pytest.raises(UnsupportedError, match="head-dim tile"):
+        dispatch.default_spec(dispatch.ProblemKey("bwd_sm90", "sm_90a", "bf16", 96, False, 2048), BUDGET)
+    # a smaller shared memory: the d=64 rule falls back to 2 stages
+    small = dispatch.default_spec(k90, bwd90(d=64, st=3).smem_bytes() - 1)
+    assert small.stages == 2
+
+
+def test_tune_space_candidates():
+    from flashgen.tuner import space
+
+    key = dispatch.ProblemKey("bwd_dkdv", "sm_90a", "bf16", 128, True, 4096)
+    cands = space.candidates(key, H200, only=("bwd_sm90",))
+    sm90 = [c for c in cands if c.kind == "bwd_sm90"]
+    assert sm90 and all(not c.check(H200) for c in sm90)
+    assert {c.block_n for c in sm90} == {128} and {c.stages for c in sm90} == {2, 3} and {c.hint for c in sm90} == {0, 1}
+
+
+def test_family_switch(monkeypatch):
+    """FLASHGEN_BWD_FAMILY picks bwd_sm90 where it serves (sm_90a, d tile 64/128, dQ by atomics)."""
+    from flashgen import backward
+
+    monkeypatch.delenv("FLASHGEN_BWD_FAMILY", raising=False)
+    assert backward.dkdv_family("sm_90a", 128, False) == "bwd_dkdv"
+    monkeypatch.setenv("FLASHGEN_BWD_FAMILY", "bwd_sm90")
+    assert backward.dkdv_family("sm_90a", 128, False) == "bwd_sm90"
+    assert backward.dkdv_family("sm_90a", 64, False) == "bwd_sm90"
+    assert backward.dkdv_family("sm_90a", 96, False) == "bwd_dkdv"
+    assert backward.dkdv_family("sm_90a", 128, True) == "bwd_dkdv"  # deterministic / separate dQ
+    assert backward.dkdv_family("sm_80", 128, False) == "bwd_dkdv"
+    monkeypatch.setenv("FLASHGEN_BWD_FAMILY", "bwd_dkdv")
+    assert backward.dkdv_family("sm_90a", 128, False) == "bwd_dkdv"
+    monkeypatch.setenv("FLASHGEN_BWD_FAMILY", "fa3")
+    with pytest.raises(ValueError, match="FLASHGEN_BWD_FAMILY"):
+        backward.dkdv_family("sm_90a", 128, False)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_tensor_maps(monkeypatch, layout):
+    """The five maps: (d, seq, head, batch) with the tensors' byte strides, 64-column boxes of block_m
+    (Q, dO) or block_n (K, V) rows; dQ's fp32 accumulator (D, nq, h, b) with 32-column boxes."""
+    torch = pytest.importorskip("torch")
+    from flashgen import api, backward, tma
+
+    calls = []
+    monkeypatch.setattr(tma, "encode", lambda ptr, dtype, dims, strides, box: calls.append(
+        (ptr, dtype, tuple(dims), tuple(strides), tuple(box))) or bytes(128))
+    b, h, hk, nq, nk, d, D = 2, 8, 2, 100, 77, 40, 64
+    shape = (lambda n, hh: (b, hh, n, d)) if layout == "bhsd" else (lambda n, hh: (b, n, hh, d))
+    q, k, v, do = (torch.empty(shape(n, hh), device="meta") for n, hh in ((nq, h), (nk, hk), (nk, hk), (nq, h)))
+    spec = bwd90(d=D)
+
+    class FakeKernel:
+        def __init__(self):
+            self.spec = spec
+
+        def params(self, **values):
+            return spec.family.param_struct()(**values)
+
+    kern = FakeKernel()
+    params = kern.params()
+    tensors = {"q": (16, api._dims(q, layout)[1]), "k": (32, api._dims(k, layout)[1]),
+               "v": (48, api._dims(v, layout)[1]), "dout": (64, api._dims(do, layout)[1]),
+               "dq_acc": (80, (h * nq * D, nq * D, D))}
+    backward._sm90_maps(kern, params, (b, h, hk, nq, nk, d, D), tensors)
+    byptr = {c[0]: c for c in calls}
+
+    def want(t, n, hh):
+        s = t.stride()
+        seq, head = (s[2], s[1]) if layout == "bhsd" else (s[1], s[2])
+        return (d, n, hh, b), (2 * seq, 2 * head, 2 * s[0])
+
+    for ptr, t, n, hh, rows in ((16, q, nq, h, 64), (32, k, nk, hk, 128), (48, v, nk, hk, 128), (64, do, nq, h, 64)):
+        dims, strides = want(t, n, hh)
+        assert byptr[ptr][1:] == ("bf16", dims, strides, (64, rows, 1, 1)), (layout, ptr)
+    assert byptr[80][1:] == ("fp32", (D, nq, h, b), (4 * D, 4 * nq * D, 4 * h * nq * D), (32, 64, 1, 1))
+
+
+# ---------------------------------------------------------------- the addressing model
+
+
+@pytest.mark.parametrize("d,bn", [(64, 128), (128, 128), (64, 64)])
+def test_smem_layout_model(d, bn):
+    """CPU model of bwd_sm90's shared-memory addressing (the constants of bwd_sm90.cuh, restated).
+
+    Where the TMA puts Q, K, V, dO (128-byte swizzle: 16-byte chunk (c/8) ^ (r%8) of a 128-byte row,
+    64-column panels) must be where the wgmma descriptors read them: K-major (start + k16 step,
+    SBO 1024) for S^T = K_w Q^T and dP^T; MN-major (LBO = panel stride, SBO 1024) for dO / Q as B of
+    dV / dK. The dS^T stores (row base XOR 16 nj) must be where the MN-major A descriptor of dQ = dS K
+    reads dS, and K's MN-major B, started inside a swizzle row for a warpgroup's columns, must read
+    K[:, its columns] -- assuming, as for the K-major k steps of the forward (start + 32 B), that the
+    swizzle applies to the computed address. The fp32 staging stores (row base XOR 32 (nj % 4)) must
+    be where the TMA's reduce reads a 32-column box (128-byte swizzle on 4-byte elements).
+    """
+    import numpy as np
+
+    bm, st, nwg = 64, 2, bn // 64
+    dq_n = d // nwg
+
+    def swz(addr):  # the 128B swizzle on a 1024-aligned base: bits 4-6 ^= bits 7-9
+        return addr ^ (((addr >> 7) & 7) << 4)
+
+    def tma_addr(base, rows, r, c, elem=2):  # box of 128 bytes x rows, one box per panel
+        per = 128 // elem
+        return swz(base + (c // per) * rows * 128 + r * 128 + (c % per) * elem)
+
+    def kmajor(start, i, k):
+        return swz(start + (i // 8) * 1024 + (i % 8) * 128 + 2 * k)
+
+    def mnmajor(start, lbo, k, n):
+        return swz(start + (n // 64) * lbo + (k // 8) * 1024 + (k % 8) * 128 + 2 * (n % 64))
+
+    kmajor_off = lambda kk, rows: (kk // 4) * rows * 128 + (kk % 4) * 32  # noqa: E731
+    kv_bytes, qt_bytes, ds_bytes = bn * d * 2, bm * d * 2, bn * bm * 2
+    sK = 0
+    sV = sK + kv_bytes
+    sQ = sV + kv_bytes
+    sdO = sQ + st * qt_bytes
+    sdS = sdO + st * qt_bytes
+    sStg = sdS + 2 * ds_bytes
+    rng = np.random.default_rng(0)
+    s, buf = 1, 1  # stage 1, dS buffer 1
+    smem = {}
+    K, V = (rng.integers(-4, 5, size=(bn, d)) for _ in range(2))
+    Q, dO = (rng.integers(-4, 5, size=(bm, d)) for _ in range(2))
+    for M, base, rows in ((K, sK, bn), (V, sV, bn), (Q, sQ + s * qt_bytes, bm), (dO, sdO + s * qt_bytes, bm)):
+        for r in range(rows):
+            for c in range(d):
+                smem[tma_addr(base, rows, r, c)] = M[r, c]
+    dS = rng.integers(-3, 4, size=(bm, bn))  # queries x keys
+    # dS^T stores: thread (wq, g, t) of warpgroup cw, row h, chunk nj: (key r, queries 8 nj + 2t, +1)
+    for cw in range(nwg):
+        for wq in range(4):
+            for g in range(8):
+                for t in range(4):
+                    for h in range(2):
+                        r = cw * 64 + wq * 16 + g + 8 * h
+                        base = (sdS + r * 128 + (g << 4) + 4 * t) + buf * ds_bytes
+                        for nj in range(bm // 8):
+                            a = base ^ (nj << 4)
+                            smem[a], smem[a + 2] = dS[8 * nj + 2 * t, r], dS[8 * nj + 2 * t + 1, r]
+    for cw in range(nwg):
+        # S^T = K_w Q^T (and dP^T = V_w dO^T, same descriptors)
+        for A, B, sa, sb in ((K, Q, sK, sQ), (V, dO, sV, sdO)):
+            S = np.zeros((64, bm), dtype=np.int64)
+            for kk in range(d // 16):
+                a0 = sa + cw * 64 * 128 + kmajor_off(kk, bn)
+                b0 = sb + s * qt_bytes + kmajor_off(kk, bm)
+                Am = np.array([[smem[kmajor(a0, i, k)] for k in range(16)] for i in range(64)])
+                Bm = np.array([[smem[kmajor(b0, n, k)] for k in range(16)] for n in range(bm)])
+                S += Am @ Bm.T
+            assert (S == A[cw * 64:cw * 64 + 64] @ B.T).all()
+        # dV += P^T dO, dK += dS^T Q: B MN-major, LBO = the panel stride of a 64-row tile
+        P = rng.integers(-3, 4, size=(64, bm))
+        for B, sb in ((dO, sdO), (Q, sQ)):
+            O = np.zeros((64, d), dtype=np.int64)
+            for kk in range(bm // 16):
+                b0 = sb + s * qt_bytes + kk * 16 * 128
+                Bm = np.array([[smem[mnmajor(b0, bm * 128, k, n)] for n in range(d)] for k in range(16)])
+                O += P[:, 16 * kk:16 * kk + 16] @ Bm
+            assert (O == P @ B).all()
+        # dQ[:, cw cols] = dS K[:, cw cols]: A = dS MN-major from sdS, B = K MN-major from inside a row
+        kstart = sK + (cw * dq_n // 64) * bn * 128 + (cw * dq_n % 64) * 2
+        dQ = np.zeros((bm, dq_n), dtype=np.int64)
+        for kk in range(bn // 16):
+            a0 = sdS + buf * ds_bytes + kk * 16 * 128
+            Am = np.array([[smem[mnmajor(a0, ds_bytes, k, m)] for k in range(16)] for m in range(bm)])
+            Bm = np.array([[smem[mnmajor(kstart + kk * 16 * 128, bn * 128, k, n)] for n in range(dq_n)]
+                           for k in range(16)])
+            dQ += Am @ Bm
+        assert (dQ == dS @ K[:, cw * dq_n:(cw + 1) * dq_n]).all()
+        # staging: thread (wq, g, t), row h, chunk nj holds dQ[krow + 8h, cw dq_n + 8 nj + 2t (+1)]
+        for wq in range(4):
+            for g in range(8):
+                for t in range(4):
+                    for h in range(2):
+                        r = wq * 16 + g + 8 * h
+                        base = sStg + (cw * dq_n // 32) * bm * 128 + r * 128 + (((t >> 1) ^ g) << 4) + (t & 1) * 8
+                        for nj in range(dq_n // 8):
+                            a = (base ^ ((nj % 4) << 5)) + (nj // 4) * bm * 128
+                            col = cw * dq_n + 8 * nj + 2 * t
+                            for e in range(2):
+                                assert a + 4 * e == tma_addr(sStg + (col // 32) * bm * 128, bm, r, (col + e) % 32,
+                                                             elem=4), (cw, wq, g, t, h, nj, e)
+
+
+# ---------------------------------------------------------------- compiles
+
+
+def _disassemblers():
+    found = [shutil.which("cuobjdump"), shutil.which("nvdisasm")]
+    pip_bin = Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / \
+        "site-packages" / "nvidia" / "cu13" / "bin"
+    found += [str(pip_bin / "cuobjdump"), str(pip_bin / "nvdisasm")]
+    return [f for f in found if f and os.path.exists(f)]
+
+
+def _sass(tool, cubin_path):
+    args = [tool, "--dump-sass", cubin_path] if tool.endswith("cuobjdump") else [tool, cubin_path]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    return out.stdout if out.returncode == 0 else ""
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    def one(spec):
+        try:
+            return spec, build(spec)
+        except Exception as exc:  # noqa: BLE001 -- reported per spec
+            return spec, exc
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FLASHGEN_HOME", str(tmp_path_factory.mktemp("bwd90_home")))
+        mp.delenv("FLASHGEN_NO_COMPILE", raising=False)
+        with ThreadPool(min(8, os.cpu_count() or 2)) as pool:
+            return dict(pool.map(one, ALL))
+
+
+@pytest.mark.parametrize("spec", ALL, ids=lambda s: s.name)
+def test_compiles_clean_for_sm90a(spec, compiled):
+    binary = compiled[spec]
+    if isinstance(binary, Exception):
+        raise binary
+    r = binary.report
+    assert binary.cubin[:4] == b"\x7fELF"
+    assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_frame == 0, binary.log
+    assert "C75" not in binary.log, binary.log  # C7508 setmaxnreg ignored, C7510-C7519 wgmma diagnostics
+    assert r.problems() == [], binary.log
+    assert r.static_smem + spec.smem_bytes() <= BUDGET
+
+
+def test_sass_has_hgmma_tma_and_reduce(tmp_path, compiled):
+    """The d=128 default's SASS: HGMMA, UTMALDG (Q/K/V/dO), UBLKCP (LSE2/D rows), UTMAREDG (the dQ
+    reduce-add) -- with a disassembler that reads the cubin, or a local nvcc's build of the same
+    source (optional tools; skips without them)."""
+    from flashgen.codegen import render
+
+    tools = _disassemblers()
+    if not tools:
+        pytest.skip("no cuobjdump/nvdisasm found")
+    spec = bwd90(causal=True)
+    path = tmp_path / "k.cubin"
+    path.write_bytes(compiled[spec].cubin)
+    sass = next((s for s in (_sass(t, str(path)) for t in tools) if s), "")
+    if not sass:
+        nvcc = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc", "/usr/local/cuda-13.0/bin/nvcc")
+                                             if os.path.exists(p)), None)
+        if nvcc is None:
+            pytest.skip("the disassemblers here cannot read NVRTC's cubin and there is no nvcc")
+        src = tmp_path / "k.cu"
+        src.write_text(render(spec))
+        out = subprocess.run([nvcc, "-cubin", "-arch=sm_90a", "-std=c++17", "-Xptxas", "-v", "-o",
+                              str(tmp_path / "n.cubin"), str(src)], capture_output=True, text=True, timeout=300)
+        if out.returncode:
+            pytest.skip(f"nvcc could not build the check cubin: {out.stderr[-300:]}")
+        assert "C75" not in out.stderr and "spill stores" in out.stderr and " 0 bytes spill stores" in out.stderr, \
+            out.stderr
+        sass = next((s for s in (_sass(t, str(tmp_path / "n.cubin")) for t in tools) if s), "")
+        if not sass:
+            pytest.skip("no disassembler here reads sm_90a cubins")
+    assert sass.count("HGMMA") >= 32
+    for op in ("UTMALDG", "UBLKCP", "UTMAREDG", "USETMAXREG"):
+        assert op in sass, op
+
+
+@pytest.mark.parametrize("how", ["env", "specs"])
+def test_host_launch_sequence(monkeypatch, how):
+    """attention_backward with bwd_sm90 (meta tensors, a fake device and loader): preprocess (which
+    zeroes the dQ accumulator), bwd_sm90 over (key blocks, KV heads, batch) with its maps and
+    parameters, then bwd_convert; deterministic=True keeps the mma.sync pair."""
+    torch = pytest.importorskip("torch")
+    from flashgen import backward, codegen, tma
+
+    class Dev:
+        index, arch, gpu, smem_budget = 0, "sm_90a", "h200", BUDGET
+
+    launched, maps = [], []
+
+    class FakeKernel:
+        def __init__(self, spec):
+            self.spec = spec
+
+        def params(self, **values):
+            return self.spec.family.param_struct()(**values)
+
+        def launch(self, grid, params, stream):
+            launched.append((self.spec, grid, params))
+
+    monkeypatch.setattr(backward._Device, "of", classmethod(lambda cls, i: Dev()))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(backward, "_current_device", lambda: 0)
+    monkeypatch.setattr(backward, "_current_stream", lambda i: 0)
+    monkeypatch.setattr(codegen, "load", lambda spec, index: FakeKernel(spec))
+    monkeypatch.setattr(tma, "encode", lambda ptr, dtype, dims, strides, box: maps.append((dtype, tuple(dims), tuple(box)))
+                        or bytes(range(128)))
+    b, h, hk, nq, nk, d = 2, 8, 2, 300, 333, 128
+    q, do = (torch.empty(b, h, nq, d, dtype=torch.bfloat16, device="meta") for _ in range(2))
+    k, v = (torch.empty(b, hk, nk, d, dtype=torch.bfloat16, device="meta") for _ in range(2))
+    out, lse = torch.empty_like(q), torch.empty(b, h, nq, device="meta")
+    specs = None
+    if how == "env":
+        monkeypatch.setenv("FLASHGEN_BWD_FAMILY", "bwd_sm90")
+    else:
+        specs = {"bwd_dkdv": bwd90(causal=True, hint=1)}
+    dq, dk, dv = backward.attention_backward(do, q, k, v, out, lse, True, 0.1, specs=specs)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, k.shape)
+    kinds = [s.kind for s, _, _ in launched]
+    assert kinds == ["bwd_preprocess", "bwd_sm90", "bwd_convert"], kinds
+    spec, grid, p = launched[1]
+    assert spec == (bwd90(causal=True) if how == "env" else specs["bwd_dkdv"])
+    assert grid == (3, hk, b) and backward.last_specs[0] == spec
+    assert (p.nq, p.nk, p.nq_pad, p.heads, p.group, p.d) == (nq, nk, 384, h, h // hk, d)
+    assert p.scale == pytest.approx(0.1) and p.scale_log2 == pytest.approx(0.1 * 1.4426950408889634)
+    assert bytes(p.tm_q.v)[:8] == bytes(range(8)) and bytes(p.tm_dq.v)[120:] == bytes(range(120, 128))
+    assert sorted(maps) == sorted([("bf16", (d, nq, h, b), (64, 64, 1, 1))] * 2 + [("bf16", (d, nk, hk, b), (64, 128, 1, 1))] * 2
+                                  + [("fp32", (d, nq, h, b), (32, 64, 1, 1))])
+    launched.clear()
+    if how == "env":
+        backward.attention_backward(do, q, k, v, out, lse, True, 0.1, deterministic=True)
+        assert [s.kind for s, _, _ in launched] == ["bwd_preprocess", "bwd_dkdv_nodq", "bwd_dq"]
+    else:
+        with pytest.raises(ValueError, match="atomic"):
+            backward.attention_backward(do, q, k, v, out, lse, True, 0.1, deterministic=True, specs=specs)
