@@ -1038,3 +1038,64 @@ def test_tune_bwd_model_mode_writes_bwd_entries(tmp_path, capsys):
     assert "median gain over the default-rule baseline" in capsys.readouterr().out
     assert main(["show", "--config", str(out)]) == 0
     assert "bwd_dkdv-sm_80-bf16-d64-causal-n2048" in capsys.readouterr().out
+
+
+def test_tune_bwd_measured_flow_with_fakes(tmp_path, monkeypatch, capsys):
+    """The device command's path (measured mode) with a fake GPU: the estimate is logged before
+    measuring, every candidate of each key runs once (exhaustive), the confirm step re-times the
+    finalists, and the fastest passing spec of each key is written, the forward entries kept."""
+    from flashgen.cli import main
+    from flashgen.codegen import Report
+    from flashgen.tuner import objective, run
+
+    clean = type("B", (), {"report": Report(registers=200, spill_stores=0, spill_loads=0, stack_frame=0,
+                                            static_smem=0)})()
+    timed = []
+
+    def timer(key, spec):
+        timed.append((key, spec))
+        return fake_bwd_time(key, spec) * key.bucket / 2048
+
+    monkeypatch.setattr(run, "gpu_mode", lambda profile, want_model: ("measured", "NVIDIA H200 (fake)"))
+    monkeypatch.setattr(run, "precompile", lambda specs, jobs, log=None: {})
+    monkeypatch.setattr(objective, "MeasuredObjective", lambda profile: MeasuredObjective(
+        profile, build=lambda spec: clean, check=lambda spec: "", timer=timer))
+    out = tmp_path / "h200.yaml"
+    fwd_key = ProblemKey("fwd", "sm_90a", "bf16", 64, False, 1024)
+    store.save(_table(entries=[(fwd_key, _spec_for(fwd_key, block_n=64, stages=2), 1.0)]), out)
+    code = main(["tune", "--gpu", "h200", "--kind", "bwd", "--d", "64,128", "--seqlens", "2048,16384",
+                 "--causal", "true", "--out", str(out), "--report", str(tmp_path / "r.json")])
+    assert code == 0
+    err = capsys.readouterr().err
+    assert "tuning 4 keys (bwd_dkdv)" in err and "estimate: ~" in err
+    assert err.index("estimate: ~") < err.index("[1/4]")
+    table = store.load(out, gpu="h200")
+    keys = [ProblemKey("bwd_dkdv", "sm_90a", "bf16", d, True, n) for d in (64, 128) for n in (2048, 16384)]
+    assert set(table.entries) == {fwd_key, *keys}
+    for key in keys:
+        cands = space.candidates(key, H200)
+        assert sum(1 for k, _ in timed if k == key) == len(cands) + 3 * 4  # every candidate + confirm rounds
+        entry = table.entries[key]
+        assert entry["spec"] == min(cands, key=lambda s: fake_bwd_time(key, s)) and entry["candidates"] == len(cands)
+        assert entry["source"] == "measured" and entry["speedup"] >= 1.0
+    assert table.meta["source"] == "measured"
+
+
+def test_without_refused_swaps_in_the_fastest_clean_runner_up():
+    """Shipping a device table (bench/ship_table.py): a winner this NVRTC refuses gives way to its
+    fastest clean runner-up with that one's time; with no clean runner-up the entry is dropped."""
+    k1, k2 = BWD_KEY, ProblemKey("bwd_dkdv", "sm_90a", "bf16", 64, False, 8192)
+    w1, r1a, r1b = _bwd_spec(k1, 64, 128), _bwd_spec(k1, 32, 128), _bwd_spec(k1, 128, 64)
+    w2 = _bwd_spec(k2, 64, 128)
+    t = _bwd_table([(k1, w1, 5.0), (k2, w2, 9.0)])
+    t.entries[k1]["runners_up"] = [{"spec": r1b, "time_ms": 5.2}, {"spec": r1a, "time_ms": 5.1}]
+    t.entries[k2]["runners_up"] = [{"spec": _bwd_spec(k2, 64, 64), "time_ms": 9.5}]
+    refused = {w1, r1a, w2, _bwd_spec(k2, 64, 64)}
+    out, changes = store.without_refused(t, lambda s: ["spills: 8 B stored"] if s in refused else [])
+    assert set(out.entries) == {k1} and len(changes) == 2
+    e = out.entries[k1]
+    assert e["spec"] == r1b and e["time_ms"] == 5.2 and e["runners_up"] == []
+    assert e["speedup"] == pytest.approx(5.5 / 5.2) and e["tflops"] == pytest.approx(150.0 * 5.0 / 5.2)
+    assert "dropped" in changes[1] and w2.name in changes[1] and r1b.name in changes[0]
+    same, none = store.without_refused(t, lambda s: [])
+    assert none == [] and same.entries == t.entries

@@ -358,6 +358,37 @@ def merge(old: Table | None, new: Table) -> Table:
     return Table(meta=meta, entries=entries, path=new.path)
 
 
+def without_refused(table: Table, problems) -> tuple[Table, list[str]]:
+    """``table`` with each entry whose spec ``problems(spec)`` refuses (non-empty list; e.g.
+    ``dispatch.resource_problems``: this NVRTC spills it) replaced by its fastest runner-up that is
+    not refused (its recorded time, speedup and TFLOP/s), or dropped when none is (dispatch's default
+    rule then serves the key); and one line per change. For shipping a table tuned under another
+    toolchain: a tile spill-free under the device's NVRTC may spill under the one CI and pip users
+    have (bench/NOTES.md, the register cliff), and the compile tier checks every shipped spec."""
+    out = Table(meta=dict(table.meta), path=table.path)
+    changes = []
+    for key, entry in table.entries.items():
+        why = problems(entry["spec"])
+        if not why:
+            out.entries[key] = entry
+            continue
+        runners = sorted(entry.get("runners_up", []), key=lambda r: r["time_ms"])
+        pick = next((i for i, r in enumerate(runners) if not problems(r["spec"])), None)
+        if pick is None:
+            changes.append(f"{key}: {entry['spec'].name} refused ({'; '.join(why)}); no clean runner-up: dropped")
+            continue
+        r = runners[pick]
+        base_ms = (entry.get("baseline") or {}).get("time_ms")
+        new = {**entry, "spec": r["spec"], "time_ms": r["time_ms"], "runners_up": runners[pick + 1:],
+               "speedup": base_ms / r["time_ms"] if base_ms else None}
+        if entry.get("tflops"):
+            new["tflops"] = entry["tflops"] * entry["time_ms"] / r["time_ms"]
+        out.entries[key] = new
+        changes.append(f"{key}: {entry['spec'].name} refused ({'; '.join(why)}); runner-up {r['spec'].name} "
+                       f"({r['time_ms']:.3f} ms, {r['time_ms'] / entry['time_ms']:.3f}x the winner's time)")
+    return out, changes
+
+
 def entry_from_result(result, source: str) -> dict:
     """A table entry from a tuner ``KeyResult`` (its winner must exist)."""
     from .space import key_flops
