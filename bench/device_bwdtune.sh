@@ -31,9 +31,9 @@ cp flashgen/generated/h200.yaml "$FLASHGEN_HOME/configs/h200.yaml"
 echo "== tune (estimate first)"
 timeout ${TUNE_TIMEOUT:-330} python3 -m flashgen.cli tune --gpu h200 --kind bwd --d ${DS:-64,128} --dtype bf16 \
   --seqlens ${SEQLENS:-2048,4096,8192,16384} --trials ${TRIALS:-100} --time-budget ${KEY_BUDGET:-15} \
-  --report "$W/tune_report.json" ${TUNE_ARGS:-} > "$W/tune.log" 2>&1
-echo "tune rc=$?" >> "$W/tune.log"
-head -3 "$W/tune.log"; tail -24 "$W/tune.log"
+  --report "$W/tune_report.json" ${TUNE_ARGS:-} 2>&1 | tee "$W/tune.log" | sed -n '1,3p'
+echo "tune rc=${PIPESTATUS[0]}" >> "$W/tune.log"
+tail -24 "$W/tune.log"
 cp "$FLASHGEN_HOME/configs/h200.yaml" "$W/h200.yaml"; pack
 
 echo "== backward GPU tests with the tuned table in place"
