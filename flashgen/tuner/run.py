@@ -139,7 +139,7 @@ def parse_scope(args):
 
 # For the time estimate only: the fraction of the datasheet tensor rate the searched kernels run
 # at, on the slow side (H200 measurements: the forward's candidates 30-60 %, the backward's
-# 11-23 %, bench/NOTES.md), and the seconds of a trial besides its timed calls.
+# 11-25 %, bench/NOTES.md), and the seconds of a trial besides its timed calls.
 ESTIMATE_RATE = {"fwd": 0.3, "bwd": 0.12}
 ESTIMATE_TRIAL_S = 0.02
 ESTIMATE_CHECK_S = 0.3      # one correctness check (once per spec)
