@@ -118,6 +118,10 @@ class BwdTileFamily(Family):
     stages: tuple = (2, 3)
     refills: tuple = (0,)
     max_acc_floats: int = 192
+    # What `flashgen tune --kind bwd` searches: every supported tile size (validate drops the warp
+    # layouts that do not divide a GEMM, the budget and ptxas the rest); 2 warps never won the sweep.
+    tune_space: tuple = (("block_m", (32, 64, 128)), ("block_n", (32, 64, 128)), ("warps", (4, 8)),
+                         ("stages", (2, 3)))
 
     def splits(self, spec) -> dict:
         """Warps along m of each GEMM's output tile (None: the tile cannot be split)."""

@@ -5,7 +5,8 @@ inputs, with flashgen's conventions (bhsd, GQA by head groups, bottom-right
 causal alignment, a row that sees no key gives 0 and LSE -inf). The rule for a
 kernel's output (the FlashAttention repository's): its max error against the
 fp32 reference is at most twice that of the same reference computed in the
-input dtype, plus 1e-5 (``tolerance``).
+input dtype, plus 1e-5 (``tolerance``). The backward's gradients get three
+times (``grad_tolerance``, the rule of tests/test_gpu_bwd.py).
 """
 from __future__ import annotations
 
@@ -41,3 +42,19 @@ def tolerance(q, k, v, causal, scale):
     ref, _ = reference(q, k, v, causal, scale)
     low, _ = reference(q, k, v, causal, scale, q.dtype)
     return ref, 2 * (low - ref).abs().max().item() + 1e-5
+
+
+def grad_tolerance(q, k, v, dout, causal, scale):
+    """(fp32 reference gradients [dq, dk, dv], allowed max error of each) for bhsd inputs and the
+    output gradient ``dout``: autograd through ``reference`` on upcast inputs, the allowance 3x the
+    max error of the same gradients computed in the input dtype, + 1e-5."""
+    import torch
+
+    def grads(dtype):
+        leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+        out = reference(*leaves, causal, scale, dtype)[0].to(dtype)
+        out.backward(dout.to(dtype))
+        return [t.grad.float() for t in leaves]
+
+    ref, low = grads(torch.float32), grads(q.dtype)
+    return ref, [3 * (lo - r).abs().max().item() + 1e-5 for lo, r in zip(low, ref)]

@@ -609,8 +609,12 @@ def test_format2_table_with_a_family_key_is_refused(tmp_path):
 def test_shipped_tables_are_format_2_with_fwd_keys():
     for gpu in ("h200", "a100"):
         table = store.load(store.shipped_path(gpu), gpu=gpu)
-        assert table.meta["format"] == 2 and {k.kind for k in table.entries} == {"fwd"}
-        kinds = {(k.dtype, e["spec"].kind) for k, e in table.entries.items()}
+        # forward keys, and the backward's tuned kernels (flashgen tune --kind bwd), each served by its own kind
+        assert table.meta["format"] == 2 and "fwd" in {k.kind for k in table.entries}
+        assert {k.kind for k in table.entries} <= {"fwd", *space.BWD_KEY_MODES}
+        assert all(e["spec"].kind in dispatch.families_for(k.kind, k.arch) and e["spec"].kind.startswith("bwd_")
+                   for k, e in table.entries.items() if k.kind != "fwd")
+        kinds = {(k.dtype, e["spec"].kind) for k, e in table.entries.items() if k.kind == "fwd"}
         # a100: cost model, fwd_v2 only; h200: bf16 tuned over both families (session 3: fwd_sm90 won every
         # key), fp16 still session 2's fwd_v2-only tuning
         assert kinds == ({("fp16", "fwd_v2"), ("bf16", "fwd_v2")} if gpu == "a100"
@@ -705,3 +709,395 @@ def test_confirm_step_undoes_a_lucky_screening_time():
     lucky_rec = next(t for t in res.trials if t.spec == lucky)
     assert lucky_rec.info["screen_ms"] == 0.5 and lucky_rec.time_ms == fake_time(KEY, lucky)
     assert res.baseline_trial.info.get("screen_ms") is not None  # the baseline is re-timed too
+
+
+# -- the backward's keys (flashgen tune --kind bwd) -------------------------------------------
+BWD_KEY = ProblemKey("bwd_dkdv", "sm_90a", "bf16", 128, True, 4096)
+
+
+@pytest.mark.parametrize("gpu", ["a100", "h200", "l4"])
+@pytest.mark.parametrize("kind", ["bwd_dkdv", "bwd_dkdv_nodq", "bwd_dq"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_bwd_candidates_validate_and_fit(gpu, kind, d):
+    """Every backward candidate is a spec of the key's kind that validates, fits the shared memory and
+    the accumulator limit; the baseline (first) is dispatch's default rule; the sweep's sizes are in."""
+    prof = gpus.get(gpu)
+    key = ProblemKey(kind, prof.arch, "bf16", d, False, 2048)
+    if (gpu, d) == ("l4", 256) and kind != "bwd_dq":  # K, V, a Q/dO ring of 32 rows: 102400 B > 101376
+        with pytest.raises(ValueError, match="no spec of"):
+            space.candidates(key, prof)
+        return
+    cands = space.candidates(key, prof)
+    assert len(cands) == len(set(cands)) >= (1 if (gpu, d) == ("l4", 256) else 2)
+    try:
+        rule = dispatch.default_spec(key, prof.smem_per_block)
+    except dispatch.UnsupportedError:  # no default tile fits (bwd_dkdv d=128 on an L4): the first candidate stands in
+        rule = None
+    assert space.baseline(key, prof) == rule and cands[0] == (rule or cands[0])
+    assert {s.kind for s in cands} <= set(dispatch.families_for(kind, prof.arch))
+    for s in cands:
+        assert s.validate() is s and s.check(prof) == []
+        assert s.smem_bytes() <= prof.smem_per_block
+        assert (s.arch, s.dtype, s.causal, s.refill) == (prof.arch, "bf16", False, 0)
+        if s.kind == kind:  # the mma.sync backward family (another serving family has its own tile rules)
+            assert s.head_dim == d and s.warps in (4, 8) and s.stages in (2, 3)
+    if (gpu, d) == ("h200", 128):  # the hand sweep's (bench/sweep_bwd.py) winners and FA2's tile
+        sizes = {(s.block_m, s.block_n, s.warps) for s in cands}
+        assert {(32, 128, 8), (128, 64, 8), (64, 64, 8), (64, 128, 8)} <= sizes
+    bigger = [s for s in space.candidates(key, gpus.with_smem(prof, 10**6))]
+    assert len(bigger) >= len(cands)  # the budget is what cuts the space
+
+
+def test_bwd_problem_keys_follow_the_dq_mode():
+    """--kind bwd: per head dim the main kernel of dispatch's dQ mode, on the backward's tile
+    (224 runs on 256); a key kind by name: that kind."""
+    keys = space.problem_keys("bwd", "sm_90a", ["bf16"], [64, 96, 128, 224], [True], [2048])
+    got = {(k.kind, k.head_dim) for k in keys}
+    assert dispatch.bwd_dq_mode(96) == "separate" and dispatch.bwd_dq_mode(128) == "atomic"
+    assert got == {("bwd_dkdv", 64), ("bwd_dkdv_nodq", 96), ("bwd_dkdv", 128), ("bwd_dkdv", 256)}
+    keys = space.problem_keys("bwd_dq", "sm_80", ["fp16"], [56], [False, True], [512, 1024])
+    assert {(k.kind, k.head_dim, k.dtype) for k in keys} == {("bwd_dq", 64, "fp16")} and len(keys) == 4
+    assert all(space.is_backward(k) for k in space.BWD_KEY_MODES) and not space.is_backward("fwd")
+    assert space.problem_shape(BWD_KEY) == (4, 16, 4096, 128)  # hidden 2048, 16k tokens, as the forward
+    assert space.key_flops(BWD_KEY) == 2.5 * space.key_flops(ProblemKey("fwd", *list(vars(BWD_KEY).values())[1:]))
+
+
+def test_bwd_tune_scope_and_argument_errors(capsys):
+    from types import SimpleNamespace
+
+    from flashgen.cli import main
+    from flashgen.errors import FlashgenError
+    from flashgen.tuner.run import parse_scope
+
+    def args(**kw):
+        base = dict(gpu="h200", smem=None, kind="bwd", d="64,128", dtype="bf16", causal="both",
+                    seqlens="2048,16384", trials=10)
+        base.update(kw)
+        return SimpleNamespace(**base)
+
+    prof, keys, only = parse_scope(args())
+    assert only is None and len(keys) == 2 * 2 * 2 and {k.kind for k in keys} == {"bwd_dkdv"}
+    prof, keys, only = parse_scope(args(kind="bwd_dkdv_nodq", gpu="a100"))
+    assert {(k.kind, k.arch) for k in keys} == {("bwd_dkdv_nodq", "sm_80")}
+    for kind in ("bwd_preprocess", "bwd_convert", "decode_split", "standard_qk"):  # not tuned: their rules serve
+        with pytest.raises(FlashgenError, match="known kinds"):
+            parse_scope(args(kind=kind))
+    for argv, msg in ((["--kind", "bwd_convert"], "known kinds"), (["--kind", "bwd", "--d", "12"], "multiples of 8"),
+                      (["--kind", "bwd", "--seqlens", "3000"], "buckets"),
+                      (["--kind", "bwd_dq", "--causal", "sometimes"], "--causal"),
+                      (["--kind", "bwd", "--trials", "0"], "--trials")):
+        base = ["tune", "--gpu", "h200", "--d", "64", "--model", "--quiet"]
+        for i in range(0, len(argv), 2):
+            if argv[i] in base:
+                base[base.index(argv[i]) + 1] = argv[i + 1]
+            else:
+                base += argv[i:i + 2]
+        assert main(base) == 2
+        assert msg in capsys.readouterr().err
+
+
+def fake_bwd_time(key, spec):
+    """One best backward tile (64 x 128, 8 warps, 2 stages); fewer warps and 32-wide tiles slower."""
+    return 2.0 + abs(spec.block_n - 128) / 200 + abs(spec.block_m - 64) / 300 + (spec.warps != 8) * 0.3 \
+        + (spec.stages - 2) * 0.01
+
+
+def test_exhaustive_bwd_study_picks_the_fastest():
+    """A backward key through the forward's study, confirm and store code: every candidate once, the
+    ptxas refusals recorded, the fastest that passes wins, the entry's TFLOP/s count the backward."""
+    from flashgen.codegen import Report
+    from flashgen.errors import CompileError
+
+    def build(spec):  # 128 keys with 3 stages spill; 32 x 32 tiles fail to compile
+        if spec.block_m == spec.block_n == 32:
+            raise CompileError("NVRTC failed (fake)")
+        spills = 40 if spec.block_n == 128 and spec.stages == 3 else 0
+        return type("B", (), {"report": Report(registers=240, spill_stores=spills, spill_loads=spills,
+                                                stack_frame=spills, static_smem=0)})()
+
+    cands = space.candidates(BWD_KEY, H200)
+    obj = MeasuredObjective(H200, build=build, check=lambda s: "wrong (fake)" if s.block_m == 128 else "",
+                            timer=fake_bwd_time)
+    assert len(cands) <= 100  # exhaustive at the default --trials
+    res = study.collect(BWD_KEY, study.run_study(BWD_KEY, obj, cands, n_trials=100), cands)
+    res = study.confirm_finalists(res, obj)
+    assert res.mode == "exhaustive" and [t.spec for t in res.trials] == cands
+    status = {t.spec: t.status for t in res.trials}
+    for s in cands:
+        if s.block_m == s.block_n == 32:
+            assert status[s] == "compile_error"
+        elif s.block_n == 128 and s.stages == 3:
+            assert status[s] == "constraint"
+        elif s.block_m == 128:
+            assert status[s] == "wrong"
+        else:
+            assert status[s] == "ok"
+    assert min(res.failures().get(k, 0) for k in ("compile_error", "constraint", "wrong")) > 0
+    passing = [s for s in cands if status[s] == "ok"]
+    best = min(passing, key=lambda s: fake_bwd_time(BWD_KEY, s))
+    assert res.best.spec == best and (best.block_m, best.block_n, best.warps, best.stages) == (64, 128, 8, 2)
+    assert all(t.info["model_ms"] > 0 for t in res.trials if t.status in ("ok", "wrong"))
+    entry = store.entry_from_result(res, "measured")
+    assert entry["spec"] == best and entry["baseline"]["spec"] == dispatch.default_spec(BWD_KEY, H200.smem_per_block)
+    assert entry["tflops"] == pytest.approx(2.5 * cost.flops(4, 16, 4096, 4096, 128, True) / (res.best.time_ms * 1e9))
+
+
+class _Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, dout, q, k, v, out, lse, causal, scale, **kw):
+        import torch
+
+        self.calls.append(dict(shape=tuple(q.shape), dout=tuple(dout.shape), causal=causal, scale=scale, **kw))
+        return tuple(torch.empty_like(t) for t in (q, k, v))
+
+
+def test_bwd_objective_times_the_whole_backward_with_the_spec_forced(monkeypatch):
+    """The measured objective's backward timer: one attention_backward per call at the key's shape, in
+    the key kind's dQ mode, with the spec forced for that kind only (dispatch serves the rest)."""
+    import torch
+
+    import flashgen
+    import flashgen.backward
+    from flashgen.tuner import objective
+
+    rec = _Recorder()
+    monkeypatch.setattr(flashgen.backward, "attention_backward", rec)
+    monkeypatch.setattr(flashgen, "attention", lambda q, k, v, causal, return_lse: (
+        torch.empty_like(q), torch.empty(q.shape[:3], device=q.device)))
+    monkeypatch.setattr(objective, "median_ms", lambda fn: (fn(), 3.5)[1])
+    obj = MeasuredObjective(H200, build=FakeBuild())
+    obj.device = "meta"  # no memory, no GPU: only the calls are looked at
+    for kind, mode in (("bwd_dkdv", "atomic"), ("bwd_dkdv_nodq", "separate"), ("bwd_dq", "separate")):
+        key = ProblemKey(kind, "sm_90a", "bf16", 128, True, 4096)
+        spec = dispatch.default_spec(key, H200.smem_per_block)
+        assert obj.timer(key, spec) == 3.5
+        call = rec.calls[-1]
+        assert call["shape"] == call["dout"] == (4, 16, 4096, 128) and call["causal"] is True
+        assert call["dq_mode"] == mode and call["specs"] == {kind: spec} and call["scale"] == 128 ** -0.5
+
+
+def test_bwd_objective_check_uses_the_gradient_rule(monkeypatch):
+    """The backward check on a CPU stand-in: reference gradients pass, a wrong dK fails with its
+    error, and every call forces the spec (odd sizes, GQA, a masked head-dim tail)."""
+    import torch
+
+    import flashgen
+    import flashgen.backward
+    from flashgen.reference import reference
+
+    spec = dispatch.default_spec(ProblemKey("bwd_dkdv", "sm_80", "bf16", 64, True, 512), gpus.get("a100").smem_per_block)
+    seen = []
+
+    def exact(dout, q, k, v, out, lse, causal, scale, dq_mode, specs, bad=None):
+        seen.append((q.shape, k.shape, dq_mode, specs))
+        leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+        reference(*leaves, causal, scale)[0].backward(dout.float())
+        grads = [t.grad.to(q.dtype) for t in leaves]
+        if bad is not None:
+            grads[bad] = grads[bad] + 1.0
+        return grads
+
+    monkeypatch.setattr(flashgen, "attention", lambda q, k, v, causal, return_lse: (None, None))
+    obj = MeasuredObjective(gpus.get("a100"), build=FakeBuild())
+    obj.device = "cpu"
+    monkeypatch.setattr(flashgen.backward, "attention_backward", exact)
+    assert obj.check(spec) == ""
+    assert {s[2] for s in seen} == {"atomic"} and all(s[3] == {"bwd_dkdv": spec} for s in seen)
+    assert seen[0][0] == (2, 4, 203, 56) and seen[0][1] == (2, 2, 317, 56)
+    monkeypatch.setattr(flashgen.backward, "attention_backward", lambda *a, **kw: exact(*a, **kw, bad=1))
+    assert obj.check(spec).startswith("dk: max error")
+
+
+def test_bwd_cost_model():
+    """Crude but sane: finite, under the datasheet rate, causal cheaper, dQ atomics cost, no-fit is inf."""
+    shape = space.problem_shape(BWD_KEY)
+    spec = dispatch.default_spec(BWD_KEY, H200.smem_per_block)
+    t = cost.estimate(spec, shape, H200, registers=240)
+    assert 0 < space.key_flops(BWD_KEY) / t < H200.peak_flops
+    full = cost.estimate(spec.replace(causal=False), shape, H200, registers=240)
+    assert 0.4 * full < t < 0.8 * full
+    nodq = cost.estimate(spec.replace(kind="bwd_dkdv_nodq"), shape, H200, registers=240)
+    assert nodq < t
+    assert math.isinf(cost.estimate(spec, shape, H200, registers=10_000))
+    for kind in space.BWD_KEY_MODES:  # every candidate of every backward kind gets a finite estimate
+        key = ProblemKey(kind, "sm_90a", "bf16", 64, False, 16384)
+        for s in space.candidates(key, H200):
+            assert 0 < cost.estimate(s, space.problem_shape(key), H200, 128) < math.inf
+
+
+def _bwd_table(entries):
+    t = store.Table(meta=store.make_meta(H200, "measured"))
+    for key, spec, ms in entries:
+        t.entries[key] = {"spec": spec, "time_ms": ms, "tflops": 150.0, "source": "measured",
+                          "baseline": {"spec": space.baseline(key, H200), "time_ms": ms * 1.1}, "speedup": 1.1,
+                          "runners_up": [{"spec": space.baseline(key, H200), "time_ms": ms * 1.1}], "trials": 20,
+                          "candidates": 23, "failures": {"constraint": 3}}
+    return t
+
+
+def _bwd_spec(key, bm, bn, w=8, st=2):
+    return space.make_spec(key, key.kind, block_m=bm, block_n=bn, warps=w, stages=st).validate()
+
+
+def test_bwd_entries_round_trip_and_dispatch_reads_them(shipped_dir, capsys):
+    """bwd keys in a format-2 table: written, read back equal, listed by `flashgen show`, picked by
+    dispatch (the launch path's select too), beside a forward entry; other keys keep the default rule."""
+    from flashgen.cli import main
+
+    dkdv = BWD_KEY
+    dq = ProblemKey("bwd_dq", "sm_90a", "bf16", 64, False, 16384)
+    fwd_key = ProblemKey("fwd", "sm_90a", "bf16", 64, False, 1024)
+    s_dkdv, s_dq = _bwd_spec(dkdv, 64, 128), _bwd_spec(dq, 128, 32, w=4, st=3)
+    assert s_dkdv != dispatch.default_spec(dkdv, H200.smem_per_block)
+    table = _bwd_table([(dkdv, s_dkdv, 6.0), (dq, s_dq, 20.0)])
+    table.entries[fwd_key] = _table(entries=[(fwd_key, _spec_for(fwd_key, block_n=64, stages=2), 1.0)]).entries[fwd_key]
+    path = store.save(table, shipped_dir / "h200.yaml")
+    back = store.load(path, gpu="h200")
+    assert back.meta["format"] == 2 and set(back.entries) == {dkdv, dq, fwd_key}
+    for key in (dkdv, dq):
+        assert back.entries[key]["spec"] == table.entries[key]["spec"]
+        assert back.entries[key]["baseline"]["spec"] == space.baseline(key, H200)
+        assert back.entries[key]["runners_up"][0]["spec"] == space.baseline(key, H200)
+    assert store.dump(back) == store.dump(table)
+    assert "kind: bwd_dkdv, arch" in path.read_text()
+    tables.clear()
+    assert dispatch.select(dkdv, "h200", H200.smem_per_block) == s_dkdv
+    assert dispatch.select(dq, "h200", H200.smem_per_block) == s_dq
+    other = ProblemKey("bwd_dkdv", "sm_90a", "bf16", 128, True, 2048)  # another bucket: the default rule
+    assert dispatch.select(other, "h200", H200.smem_per_block) == dispatch.default_spec(other, H200.smem_per_block)
+    # the launch path's lookup (flashgen.backward._spec: bwd_head_dim_tile and bucket_of the query length)
+    from flashgen.backward import _spec as launch_spec
+
+    dev = type("Dev", (), {"arch": "sm_90a", "gpu": "h200", "smem_budget": H200.smem_per_block})()
+    monkey = dispatch.resource_problems
+    try:
+        dispatch.resource_problems = lambda s: []
+        dispatch.select.cache_clear()
+        assert launch_spec("bwd_dkdv", dev, "bf16", dispatch.bwd_head_dim_tile(120), True, 4000) == s_dkdv
+    finally:
+        dispatch.resource_problems = monkey
+        dispatch.select.cache_clear()
+    assert main(["show", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "bwd_dkdv-sm_90a-bf16-d128-causal-n4096" in out and s_dkdv.name in out
+    assert "bwd_dq-sm_90a-bf16-d64-full-n16384" in out and s_dq.name in out
+
+
+def test_bwd_entry_of_another_kernel_is_refused(tmp_path):
+    """A bwd_dkdv key holding a bwd_dq spec (or one for another head-dim tile) is a ConfigError."""
+    doc = yaml.safe_load(store.dump(_bwd_table([(BWD_KEY, _bwd_spec(BWD_KEY, 64, 64), 6.0)])))
+    wrong = _bwd_spec(ProblemKey("bwd_dq", *list(vars(BWD_KEY).values())[1:]), 64, 64)
+    for record, message in ((wrong.to_dict(), "bwd_dq kernel, which does not serve bwd_dkdv"),
+                            ({**doc["entries"][0]["spec"], "head_dim": 64}, "does not match its key")):
+        bad = yaml.safe_load(yaml.safe_dump(doc))
+        bad["entries"][0]["spec"] = record
+        with pytest.raises(ConfigError, match=message):
+            store.load(_write(tmp_path, bad), gpu="h200")
+
+
+def test_a_tuned_bwd_entry_that_spills_here_falls_back_to_the_rule(shipped_dir):
+    """verify=True (the launch path): a tuned bwd entry this NVRTC refuses gives way to the default
+    rule, checked the same way; a clean one is used as tuned."""
+    tuned = _bwd_spec(BWD_KEY, 64, 128)
+    store.save(_bwd_table([(BWD_KEY, tuned, 6.0)]), shipped_dir / "h200.yaml")
+    tables.clear()
+    rule = dispatch.default_spec(BWD_KEY, H200.smem_per_block)
+    original = dispatch.resource_problems
+    try:
+        dispatch.resource_problems = lambda s: ["spills: 16 B stored"] if s == tuned else []
+        dispatch.select.cache_clear()
+        assert dispatch.select(BWD_KEY, "h200", H200.smem_per_block, verify=True) == rule
+        assert dispatch.select(BWD_KEY, "h200", H200.smem_per_block) == tuned
+        dispatch.resource_problems = lambda s: []
+        dispatch.select.cache_clear()
+        assert dispatch.select(BWD_KEY, "h200", H200.smem_per_block, verify=True) == tuned
+    finally:
+        dispatch.resource_problems = original
+        dispatch.select.cache_clear()
+
+
+def test_tune_bwd_model_mode_writes_bwd_entries(tmp_path, capsys):
+    """`flashgen tune --kind bwd --model` end to end without a GPU: compiles, ranks by the cost model,
+    writes bwd_dkdv entries beside what the file had, and `show` lists them."""
+    from flashgen.cli import main
+
+    out = tmp_path / "a100.yaml"
+    fwd_key = ProblemKey("fwd", "sm_80", "bf16", 64, False, 1024)
+    store.save(_table(gpu="a100", source="model", entries=[(fwd_key, _spec_for(fwd_key, block_n=64, stages=2), 1.0)]),
+               out)
+    code = main(["tune", "--gpu", "a100", "--kind", "bwd", "--d", "64", "--seqlens", "2048", "--causal", "true",
+                 "--trials", "3", "--model", "--out", str(out), "--quiet", "--jobs", "1"])
+    assert code == 0
+    table = store.load(out, gpu="a100")
+    key = ProblemKey("bwd_dkdv", "sm_80", "bf16", 64, True, 2048)
+    assert set(table.entries) == {fwd_key, key}
+    entry = table.entries[key]
+    assert entry["source"] == "model" and entry["spec"].kind == "bwd_dkdv"
+    assert entry["baseline"]["spec"] == dispatch.default_spec(key, gpus.get("a100").smem_per_block)
+    assert entry["time_ms"] <= entry["baseline"]["time_ms"] and entry["trials"] >= 3  # (+ refusals)
+    assert "median gain over the default-rule baseline" in capsys.readouterr().out
+    assert main(["show", "--config", str(out)]) == 0
+    assert "bwd_dkdv-sm_80-bf16-d64-causal-n2048" in capsys.readouterr().out
+
+
+def test_tune_bwd_measured_flow_with_fakes(tmp_path, monkeypatch, capsys):
+    """The device command's path (measured mode) with a fake GPU: the estimate is logged before
+    measuring, every candidate of each key runs once (exhaustive), the confirm step re-times the
+    finalists, and the fastest passing spec of each key is written, the forward entries kept."""
+    from flashgen.cli import main
+    from flashgen.codegen import Report
+    from flashgen.tuner import objective, run
+
+    clean = type("B", (), {"report": Report(registers=200, spill_stores=0, spill_loads=0, stack_frame=0,
+                                            static_smem=0)})()
+    timed = []
+
+    def timer(key, spec):
+        timed.append((key, spec))
+        return fake_bwd_time(key, spec) * key.bucket / 2048
+
+    monkeypatch.setattr(run, "gpu_mode", lambda profile, want_model: ("measured", "NVIDIA H200 (fake)"))
+    monkeypatch.setattr(run, "precompile", lambda specs, jobs, log=None: {})
+    monkeypatch.setattr(objective, "MeasuredObjective", lambda profile: MeasuredObjective(
+        profile, build=lambda spec: clean, check=lambda spec: "", timer=timer))
+    out = tmp_path / "h200.yaml"
+    fwd_key = ProblemKey("fwd", "sm_90a", "bf16", 64, False, 1024)
+    store.save(_table(entries=[(fwd_key, _spec_for(fwd_key, block_n=64, stages=2), 1.0)]), out)
+    code = main(["tune", "--gpu", "h200", "--kind", "bwd", "--d", "64,128", "--seqlens", "2048,16384",
+                 "--causal", "true", "--out", str(out), "--report", str(tmp_path / "r.json")])
+    assert code == 0
+    err = capsys.readouterr().err
+    assert "tuning 4 keys (bwd_dkdv)" in err and "estimate: ~" in err
+    assert err.index("estimate: ~") < err.index("[1/4]")
+    table = store.load(out, gpu="h200")
+    keys = [ProblemKey("bwd_dkdv", "sm_90a", "bf16", d, True, n) for d in (64, 128) for n in (2048, 16384)]
+    assert set(table.entries) == {fwd_key, *keys}
+    for key in keys:
+        cands = space.candidates(key, H200)
+        assert sum(1 for k, _ in timed if k == key) == len(cands) + 3 * 4  # every candidate + confirm rounds
+        entry = table.entries[key]
+        assert entry["spec"] == min(cands, key=lambda s: fake_bwd_time(key, s)) and entry["candidates"] == len(cands)
+        assert entry["source"] == "measured" and entry["speedup"] >= 1.0
+    assert table.meta["source"] == "measured"
+
+
+def test_without_refused_swaps_in_the_fastest_clean_runner_up():
+    """Shipping a device table (bench/ship_table.py): a winner this NVRTC refuses gives way to its
+    fastest clean runner-up with that one's time; with no clean runner-up the entry is dropped."""
+    k1, k2 = BWD_KEY, ProblemKey("bwd_dkdv", "sm_90a", "bf16", 64, False, 8192)
+    w1, r1a, r1b = _bwd_spec(k1, 64, 128), _bwd_spec(k1, 32, 128), _bwd_spec(k1, 128, 64)
+    w2 = _bwd_spec(k2, 64, 128)
+    t = _bwd_table([(k1, w1, 5.0), (k2, w2, 9.0)])
+    t.entries[k1]["runners_up"] = [{"spec": r1b, "time_ms": 5.2}, {"spec": r1a, "time_ms": 5.1}]
+    t.entries[k2]["runners_up"] = [{"spec": _bwd_spec(k2, 64, 64), "time_ms": 9.5}]
+    refused = {w1, r1a, w2, _bwd_spec(k2, 64, 64)}
+    out, changes = store.without_refused(t, lambda s: ["spills: 8 B stored"] if s in refused else [])
+    assert set(out.entries) == {k1} and len(changes) == 2
+    e = out.entries[k1]
+    assert e["spec"] == r1b and e["time_ms"] == 5.2 and e["runners_up"] == []
+    assert e["speedup"] == pytest.approx(5.5 / 5.2) and e["tflops"] == pytest.approx(150.0 * 5.0 / 5.2)
+    assert "dropped" in changes[1] and w2.name in changes[1] and r1b.name in changes[0]
+    same, none = store.without_refused(t, lambda s: [])
+    assert none == [] and same.entries == t.entries

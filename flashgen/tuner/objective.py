@@ -11,6 +11,13 @@ A trial's ``Outcome`` has a status:
 ``MeasuredObjective`` runs on the GPU; its build, check and timer are
 parameters so the logic is tested on a CPU with fakes. ``ModelObjective``
 needs no GPU: it compiles for the target arch and asks the cost model.
+
+A forward key's trial checks and times ``flashgen.attention`` with the spec
+forced; a backward key's (``space.is_backward``) checks and times the whole
+``flashgen.backward.attention_backward`` (preprocess, dK/dV, dQ kernel or
+convert) in the key's dQ mode (``space.BWD_KEY_MODES``) with the spec forced for
+its kind and dispatch's picks for the other kernels, on the output and LSE of
+the default forward.
 """
 from __future__ import annotations
 
@@ -78,11 +85,21 @@ class ModelObjective:
         return Outcome("ok", est * 1e3, info={"registers": regs, "model_ms": est * 1e3})
 
 
+# The screening timer of one trial (``bench.timing.time_ms``): a short budget per trial.
+TIMING = {"budget_s": 0.05, "min_reps": 5, "max_reps": 30, "warmup": 2}
+
+
 def median_ms(fn) -> float:
     """Median time of ``fn`` in ms from CUDA events: a short budget per trial (the shared timer)."""
     from ..bench.timing import time_ms
 
-    return time_ms(fn, budget_s=0.05, min_reps=5, max_reps=30, warmup=2)["ms"]
+    return time_ms(fn, **TIMING)["ms"]
+
+
+def timing_calls(ms: float) -> int:
+    """How many calls ``median_ms`` makes of a function that takes ``ms`` (warm-up, probe, reps)."""
+    reps = int(min(TIMING["max_reps"], max(TIMING["min_reps"], TIMING["budget_s"] * 1e3 / max(ms, 1e-3))))
+    return TIMING["warmup"] + 1 + reps
 
 
 class MeasuredObjective:
@@ -93,6 +110,7 @@ class MeasuredObjective:
     def __init__(self, profile, device_index: int = 0, build=_default_build, check=None, timer=None):
         self.profile = profile
         self.device_index = device_index
+        self.device = f"cuda:{device_index}"  # where inputs are made (tests on a CPU set another)
         self.build = build
         self.check = check or self._check_on_gpu
         self.timer = timer or self._time_on_gpu
@@ -142,8 +160,10 @@ class MeasuredObjective:
         import flashgen
         from ..reference import tolerance
 
+        if space.is_backward(spec.kind):
+            return self._check_backward(spec)
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[spec.dtype]
-        dev = f"cuda:{self.device_index}"
+        dev = self.device
         d = spec.head_dim - 8 if spec.head_dim > 32 else spec.head_dim  # a masked head-dim tail too
         for nq, nk in ((203, 317), (317, 203), (1, 77)):
             q = torch.randn(2, 4, nq, d, device=dev, dtype=dtype)
@@ -155,17 +175,67 @@ class MeasuredObjective:
                 return f"max error {err:.3e} > {tol:.3e} at nq={nq}, nk={nk}, d={d}"
         return ""
 
+    def _check_backward(self, spec) -> str:
+        """'' when a backward run with ``spec`` forced meets the gradient rule (``grad_tolerance``: 3x)
+        on fresh random odd-sized GQA inputs, else why not."""
+        import torch
+
+        import flashgen
+        from ..backward import attention_backward
+        from ..dispatch import problem_kind
+        from ..reference import grad_tolerance
+
+        kind = problem_kind(spec.kind)
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[spec.dtype]
+        dev = self.device
+        d = spec.head_dim - 8 if spec.head_dim > 32 else spec.head_dim  # a masked head-dim tail too
+        for nq, nk in ((203, 317), (317, 203), (1, 77)):
+            q, dout = (torch.randn(2, 4, nq, d, device=dev, dtype=dtype) for _ in range(2))
+            k, v = (torch.randn(2, 2, nk, d, device=dev, dtype=dtype) for _ in range(2))
+            out, lse = flashgen.attention(q, k, v, causal=spec.causal, return_lse=True)
+            grads = attention_backward(dout, q, k, v, out, lse, spec.causal, d ** -0.5,
+                                       dq_mode=space.BWD_KEY_MODES[kind], specs={kind: spec})
+            refs, tols = grad_tolerance(q, k, v, dout, spec.causal, d ** -0.5)
+            for name, got, ref, tol in zip("qkv", grads, refs, tols):
+                err = (got.float() - ref).abs().max().item()
+                if not err <= tol:  # NaN fails too
+                    return f"d{name}: max error {err:.3e} > {tol:.3e} at nq={nq}, nk={nk}, d={d}"
+        return ""
+
     def _time_on_gpu(self, key, spec) -> float:
         import torch
 
         import flashgen
 
+        if space.is_backward(key.kind):
+            return self._time_backward(key, spec)
         b, h, n, d = space.problem_shape(key)
         sig = (key.dtype, b, h, n, d)
         if sig not in self._inputs:
             self._inputs.clear()  # one shape at a time: 3 x 64 MB, larger than L2
             dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[key.dtype]
-            self._inputs[sig] = tuple(torch.randn(b, h, n, d, device=f"cuda:{self.device_index}", dtype=dtype)
+            self._inputs[sig] = tuple(torch.randn(b, h, n, d, device=self.device, dtype=dtype)
                                       for _ in range(3))
         q, k, v = self._inputs[sig]
         return median_ms(lambda: flashgen.attention(q, k, v, causal=key.causal, spec=spec))
+
+    def _time_backward(self, key, spec) -> float:
+        """One whole backward at the key's shape, ``spec`` forced for the key's kind."""
+        import torch
+
+        import flashgen
+        from ..backward import attention_backward
+
+        b, h, n, d = space.problem_shape(key)
+        sig = ("bwd", key.dtype, b, h, n, d, key.causal)
+        if sig not in self._inputs:
+            self._inputs.clear()  # one shape at a time: q, k, v, dO, O of 64 MB each
+            dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[key.dtype]
+            q, k, v, dout = (torch.randn(b, h, n, d, device=self.device, dtype=dtype)
+                             for _ in range(4))
+            out, lse = flashgen.attention(q, k, v, causal=key.causal, return_lse=True)
+            self._inputs[sig] = (q, k, v, dout, out, lse)
+        q, k, v, dout, out, lse = self._inputs[sig]
+        mode, forced = space.BWD_KEY_MODES[key.kind], {key.kind: spec}
+        return median_ms(lambda: attention_backward(dout, q, k, v, out, lse, key.causal, d ** -0.5,
+                                                    dq_mode=mode, specs=forced))

@@ -3,9 +3,11 @@
 1. the GPU: ``--gpu`` names a profile; measured tuning needs that very GPU in
    the machine (another one would measure the wrong chip). Without a GPU, or
    with ``--model``, candidates are ranked by the cost model instead;
-2. the keys (kind x dtype x head-dim tile x causal x seqlen bucket) and each
-   key's feasible candidates (``space``), all compiled up front in parallel
-   (the disk cache serves the trials);
+2. the keys (kind x dtype x head-dim tile x causal x seqlen bucket: ``--kind
+   fwd`` the forward, ``--kind bwd`` the backward's main kernel, see
+   ``space``) and each key's feasible candidates, all compiled up front in
+   parallel (the disk cache serves the trials); measured runs log an estimate
+   of their time first (``estimate_seconds``);
 3. one study per key (``study``), in this process or in ``--workers N``
    processes sharing one storage, one per visible GPU;
 4. the winners to YAML (``store``), merged into the existing file, and with
@@ -97,8 +99,10 @@ def parse_scope(args):
     ``--kind fwd`` (the default) searches every forward family the GPU runs
     (fwd_v2; and fwd_sm90 on sm_90a); ``--kind fwd_v2`` or ``fwd_sm90`` is the
     same "fwd" problem restricted to that family (``families``; None: no restriction).
+    ``--kind bwd`` tunes the backward's main kernel per head dim (``space.problem_keys``);
+    ``bwd_dkdv``, ``bwd_dkdv_nodq`` or ``bwd_dq`` that key kind.
     """
-    from ..dispatch import families_for, problem_kind, problem_kinds
+    from ..dispatch import families_for, problem_kind
     from ..spec import DTYPES
 
     profile = gpus.get(args.gpu)
@@ -106,11 +110,12 @@ def parse_scope(args):
         profile = gpus.with_smem(profile, args.smem)
     except ValueError as exc:
         raise FlashgenError(f"--smem: {exc}") from None
-    known = sorted(set(problem_kinds()) | {k for k in families_for("fwd", "sm_90a")})
+    known = space.tune_kinds()
     if args.kind not in known:
-        raise FlashgenError(f"--kind {args.kind!r}: known kinds {known}")
-    only = None if problem_kind(args.kind) == args.kind else (args.kind,)
-    if not families_for(args.kind, profile.arch):
+        raise FlashgenError(f"--kind {args.kind!r}: known kinds {list(known)} (the other kernels are not "
+                            "tuned: their default rule serves)")
+    only = None if args.kind == "bwd" or problem_kind(args.kind) == args.kind else (args.kind,)
+    if args.kind != "bwd" and not families_for(args.kind, profile.arch):
         raise FlashgenError(f"--kind {args.kind}: no kernel family serves it on {profile.name} ({profile.arch})")
     ds = _csv(args.d, int, "d")
     for d in ds:
@@ -130,6 +135,41 @@ def parse_scope(args):
     if args.trials < 1:
         raise FlashgenError("--trials must be at least 1")
     return profile, space.problem_keys(args.kind, profile.arch, dtypes, ds, causals, buckets), only
+
+
+# For the time estimate only: the fraction of the datasheet tensor rate the searched kernels run
+# at, on the slow side (H200 measurements: the forward's candidates 30-60 %, the backward's
+# 11-25 %, bench/NOTES.md), and the seconds of a trial besides its timed calls.
+ESTIMATE_RATE = {"fwd": 0.3, "bwd": 0.12}
+ESTIMATE_TRIAL_S = 0.02
+ESTIMATE_CHECK_S = 0.3      # one correctness check (once per spec)
+ESTIMATE_COMPILE_S = 2.0    # one NVRTC compile, divided over --jobs
+CONFIRM_CALLS = 3 * 4       # confirm_finalists: 3 interleaved rounds of the 3 fastest and the baseline
+
+
+def estimate_seconds(keys, cands, trials: int, profile, jobs: int = 1, confirm: bool = True) -> dict:
+    """A rough measured-mode duration: {'compile', 'check', 'time', 'total'} seconds.
+
+    Each key's call takes ``space.key_flops`` at ``ESTIMATE_RATE`` of the profile's tensor rate;
+    a timed trial makes ``objective.timing_calls`` calls of it; the evaluated trials per key are
+    min(trials, candidates), plus the confirm step's re-timings; each distinct spec is checked once.
+    An overestimate when most candidates run near the best; the ptxas refusals (never launched)
+    make it one too.
+    """
+    from .objective import timing_calls
+
+    timed = 0.0
+    for key in keys:
+        rate = profile.peak_flops * ESTIMATE_RATE["bwd" if space.is_backward(key.kind) else "fwd"]
+        ms = space.key_flops(key) / rate * 1e3
+        per_trial = timing_calls(ms) * ms / 1e3 + ESTIMATE_TRIAL_S
+        n = min(trials, len(cands[key]))
+        timed += per_trial * (n + (CONFIRM_CALLS if confirm and n > 1 else 0))
+    distinct = len({s for key in keys for s in cands[key][:trials]})
+    out = {"compile": ESTIMATE_COMPILE_S * distinct / max(1, jobs), "check": ESTIMATE_CHECK_S * distinct,
+           "time": timed}
+    out["total"] = sum(out.values())
+    return out
 
 
 def _say(msg, quiet=False):
@@ -206,7 +246,7 @@ def summarize(results, mode) -> list[dict]:
     return rows
 
 
-def print_summary(rows, out=None):
+def print_summary(rows, out=None, baseline="paper-rule"):
     out = out or sys.stdout
     print(f"{'key':42s} {'best':44s} {'ms':>8s} {'base ms':>8s} {'gain':>6s} {'ok/run':>7s}", file=out)
     for r in rows:
@@ -218,7 +258,7 @@ def print_summary(rows, out=None):
               f"{ok:>3d}/{r['trials']:<3d}", file=out)
     gains = [r["speedup"] for r in rows if r["speedup"]]
     if gains:
-        print(f"median gain over the paper-rule baseline: {statistics.median(gains):.2f}x "
+        print(f"median gain over the {baseline} baseline: {statistics.median(gains):.2f}x "
               f"(min {min(gains):.2f}x, max {max(gains):.2f}x, {len(gains)} keys)", file=out)
     agree = [r["rank_agreement"] for r in rows if r.get("rank_agreement")]
     if agree:
@@ -233,11 +273,22 @@ def tune(args, argv) -> int:
     log = lambda msg: _say(msg, quiet)  # noqa: E731
     profile, keys, only = parse_scope(args)
     mode, why = gpu_mode(profile, args.model)
+    kinds = list(dict.fromkeys(k.kind for k in keys))
     if not args.worker_only:
-        log(f"tuning {len(keys)} keys for {profile.name} ({profile.arch}, {profile.smem_per_block} B shared memory "
-            f"per block), {'measured on ' + why if mode == 'measured' else 'cost model (' + why + ')'}; "
-            f"families {', '.join(space.families(keys[0], only)) if keys else '-'}")
-    cands = {key: space.candidates(key, profile, only) for key in keys}
+        fams = list(dict.fromkeys(f for k in {k.kind: k for k in keys}.values() for f in space.families(k, only)))
+        log(f"tuning {len(keys)} keys ({', '.join(kinds)}) for {profile.name} ({profile.arch}, "
+            f"{profile.smem_per_block} B shared memory per block), "
+            f"{'measured on ' + why if mode == 'measured' else 'cost model (' + why + ')'}; "
+            f"families {', '.join(fams) or '-'}")
+    try:
+        cands = {key: space.candidates(key, profile, only) for key in keys}
+    except ValueError as exc:  # no tile of the kind fits this GPU's shared memory at some head dim
+        raise FlashgenError(f"--d {args.d}: {exc}") from None
+    if not args.worker_only and mode == "measured":
+        est = estimate_seconds(keys, cands, args.trials, profile, args.jobs, not args.no_confirm)
+        log(f"estimate: ~{est['total']:.0f} s ({sum(min(args.trials, len(c)) for c in cands.values())} trials; "
+            f"compile ~{est['compile']:.0f} s, checks ~{est['check']:.0f} s, timing ~{est['time']:.0f} s"
+            + (f"; --time-budget caps each key at {args.time_budget:.0f} s" if args.time_budget else "") + ")")
     if args.workers < 1:
         raise FlashgenError("--workers must be at least 1")
     if args.workers > 1 and mode == "measured":
@@ -292,7 +343,7 @@ def tune(args, argv) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.report)), exist_ok=True)
         with open(args.report, "w") as fh:
             json.dump(report, fh, indent=1, default=str)
-    print_summary(rows)
+    print_summary(rows, baseline=" / ".join(dict.fromkeys(space.baseline_label(k) for k in keys)) or "paper-rule")
     log(f"wrote {path} ({len(new.entries)} entries, source: {mode}) in {wall:.0f} s")
     return 0
 
@@ -320,7 +371,10 @@ def add_arguments(p) -> None:
     p.add_argument("--seqlens", default=None, help=f"seqlen buckets to tune (default all: {BUCKETS})")
     p.add_argument("--kind", default="fwd", help="problem kind (default fwd: every forward family the GPU runs, "
                                                   "fwd_v2 and on sm_90a fwd_sm90); fwd_v2 or fwd_sm90 restricts "
-                                                  "the forward to that family")
+                                                  "the forward to that family; bwd: the backward's main kernel "
+                                                  "per head dim (bwd_dkdv where dQ is added by atomics), timing "
+                                                  "the whole backward; bwd_dkdv, bwd_dkdv_nodq or bwd_dq: that "
+                                                  "backward kernel")
     p.add_argument("--trials", type=int, default=DEFAULT_TRIALS,
                    help=f"evaluated trials per key (default {DEFAULT_TRIALS}; all candidates when fewer)")
     p.add_argument("--time-budget", type=float, default=None, help="seconds per key (default: no limit)")

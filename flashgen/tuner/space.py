@@ -11,6 +11,19 @@ GPU can hold (``KernelSpec.check``: shared memory within the budget M, fp32
 accumulators per thread within what the register file plausibly keeps). The
 ptxas report decides the rest at compile time (a spilling tile is a recorded
 constraint violation, never launched).
+
+The backward (``--kind bwd``) is tuned through the same keys dispatch reads for
+it: ProblemKey(bwd_dkdv | bwd_dkdv_nodq | bwd_dq, arch, dtype,
+``bwd_head_dim_tile(d)``, causal, bucket). Each such key kind runs in one dQ mode
+(``BWD_KEY_MODES``): a bwd_dkdv spec in the "atomic" backward (preprocess,
+dK/dV with dQ atomics, convert), a bwd_dkdv_nodq or bwd_dq spec in the
+"separate" one (preprocess, dK/dV, dQ kernel). ``--kind bwd`` is the main kernel
+of the mode the default backward uses for the head dim (``dispatch.BWD_DQ_MODE``:
+bwd_dkdv where it is "atomic", bwd_dkdv_nodq where "separate"); naming a key
+kind tunes that one (bwd_dkdv_nodq and bwd_dq also serve ``deterministic=True``).
+The dQ mode itself is not a knob: it is a per-head-dim rule of dispatch, and a
+table entry holds one spec for one key. The baseline of a backward key is
+dispatch's default rule (``BWD_TILES``), not the paper's forward rule.
 """
 from __future__ import annotations
 
@@ -21,19 +34,60 @@ from ..dispatch import BUCKETS, ProblemKey
 from ..spec import DTYPE_BYTES, KernelSpec
 
 
-def problem_keys(kind: str, arch: str, dtypes, head_dims, causals, buckets=BUCKETS) -> list[ProblemKey]:
-    """The keys of ``kind`` (a forward family's name gives "fwd" keys: restrict with ``families``)."""
-    from ..dispatch import head_dim_tile, problem_kind
+# The backward's key kinds the tuner times, and the dQ mode of ``attention_backward`` each one's
+# spec runs in (the other kernels of that backward come from dispatch, as in any call).
+BWD_KEY_MODES = {"bwd_dkdv": "atomic", "bwd_dkdv_nodq": "separate", "bwd_dq": "separate"}
 
-    kind = problem_kind(kind)
-    tiles = sorted({head_dim_tile(d) for d in head_dims})
-    return [ProblemKey(kind, arch, dt, d, c, n)
-            for dt in dtypes for d in tiles for c in causals for n in buckets]
+
+def is_backward(kind: str) -> bool:
+    """Whether a key kind (or a family serving one) is a backward key the tuner times."""
+    from ..dispatch import problem_kind
+
+    return problem_kind(kind) in BWD_KEY_MODES
+
+
+def tune_kinds() -> tuple:
+    """What ``flashgen tune --kind`` accepts: the problems ("fwd", "bwd" and the backward's key
+    kinds) and every family that serves one of them (which restricts the search to it)."""
+    from ..dispatch import FORWARD_FAMILIES, problem_kind
+    from ..families import FAMILIES
+
+    problems = (*FORWARD_FAMILIES, *BWD_KEY_MODES)
+    return ("bwd", *problems, *(f for f in FAMILIES if f not in problems and problem_kind(f) in problems))
+
+
+def bwd_main_kind(tile: int) -> str:
+    """The key kind of the backward's main kernel for a head-dim tile in the default dQ mode."""
+    from ..dispatch import bwd_dq_mode
+
+    return "bwd_dkdv" if bwd_dq_mode(tile) == "atomic" else "bwd_dkdv_nodq"
+
+
+def problem_keys(kind: str, arch: str, dtypes, head_dims, causals, buckets=BUCKETS) -> list[ProblemKey]:
+    """The keys of ``kind`` (a forward family's name gives "fwd" keys: restrict with ``families``;
+    "bwd" gives each head dim's ``bwd_main_kind``; a backward key kind its own keys)."""
+    from ..dispatch import bwd_head_dim_tile, head_dim_tile, problem_kind
+
+    if kind == "bwd" or is_backward(kind):
+        kinds = {t: bwd_main_kind(t) if kind == "bwd" else problem_kind(kind)
+                 for t in sorted({bwd_head_dim_tile(d) for d in head_dims})}
+    else:
+        kinds = {t: problem_kind(kind) for t in sorted({head_dim_tile(d) for d in head_dims})}
+    return [ProblemKey(k, arch, dt, d, c, n)
+            for dt in dtypes for d, k in kinds.items() for c in causals for n in buckets]
 
 
 def problem_shape(key: ProblemKey) -> tuple[int, int, int, int]:
     """(batch, heads, seqlen, d) the key is measured at: hidden 2048, batch * seqlen = 16k tokens."""
     return (*iomodel.hidden2048(key.bucket, key.head_dim), key.bucket, key.head_dim)
+
+
+def key_flops(key: ProblemKey) -> float:
+    """The work one timed call of ``key`` does: the forward's matmul FLOPs at ``problem_shape``,
+    2.5 times that for a backward key (its five GEMMs against the forward's two: the papers'
+    convention, also bench/bench_bwd.py's)."""
+    b, h, n, d = problem_shape(key)
+    return iomodel.flops(b, h, n, n, d, key.causal) * (2.5 if is_backward(key.kind) else 1.0)
 
 
 def key_name(key: ProblemKey) -> str:
@@ -116,12 +170,34 @@ def paper_baseline(key: ProblemKey, profile) -> KernelSpec:
             raise ValueError(f"no tile of {key.kind} fits {profile.name} with {profile.smem_per_block} B")
 
 
+def baseline(key: ProblemKey, profile) -> KernelSpec | None:
+    """The spec a key's gain is reported against: the paper's rule for a forward key
+    (``paper_baseline``), dispatch's default rule for a backward key (the FlashAttention paper
+    has no backward tile rule; the default is what runs without a table). None where the
+    default rule has no tile that fits the budget (e.g. bwd_dkdv at d=128 in an L4's 99 KB):
+    ``candidates`` then puts its first feasible spec in that place."""
+    if is_backward(key.kind):
+        from ..dispatch import default_spec
+        from ..errors import UnsupportedError
+
+        try:
+            return default_spec(key, profile.smem_per_block)
+        except UnsupportedError:
+            return None
+    return paper_baseline(key, profile)
+
+
+def baseline_label(key: ProblemKey) -> str:
+    return "default-rule" if is_backward(key.kind) else "paper-rule"
+
+
 def candidates(key: ProblemKey, profile, only=None) -> list[KernelSpec]:
-    """The statically feasible specs of ``key`` on ``profile``: the paper-rule baseline first, then
-    each family's (``families(key, only)``, default family first)."""
+    """The statically feasible specs of ``key`` on ``profile``: the baseline first (``baseline``),
+    then each family's (``families(key, only)``, default family first)."""
     from ..families import family
 
-    out = [paper_baseline(key, profile)]
+    base = baseline(key, profile)
+    out = [] if base is None else [base]
     for kind in families(key, only):
         fam = family(kind)
         names = [n for n, _ in fam.tune_space]
@@ -132,6 +208,8 @@ def candidates(key: ProblemKey, profile, only=None) -> list[KernelSpec]:
                 continue  # not a layout the template supports (e.g. rows not divisible over the warps)
             if _ok(spec, profile) and spec not in out:
                 out.append(spec)
+    if not out:
+        raise ValueError(f"no spec of {key.kind} fits {profile.name} with {profile.smem_per_block} B")
     return out
 
 

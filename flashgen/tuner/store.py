@@ -3,10 +3,14 @@
     meta:     format, gpu, device_name, arch, sms, smem_per_block, source,
               date, versions {flashgen, nvrtc, cuda, cupy, torch}
     entries:  - key:        {kind, arch, dtype, head_dim, causal, bucket}
-                            (kind is the problem: "fwd" for the forward, whatever family serves it)
+                            (kind is the problem: "fwd" for the forward, whatever family serves it;
+                            bwd_dkdv, bwd_dkdv_nodq or bwd_dq for the backward's tuned kernels,
+                            head_dim their tile, dispatch.bwd_head_dim_tile)
                 spec:       every KernelSpec field (for "fwd": a fwd_v2 spec, or fwd_sm90 on sm_90a)
                 time_ms, tflops, source (measured | model)
-                baseline:   {spec, time_ms} (the paper rule; time null if it failed)
+                            (a backward key: the whole backward's time, FLOPs 2.5x the forward's)
+                baseline:   {spec, time_ms} (the paper rule; for a backward key the default rule;
+                            time null if it failed)
                 speedup:    baseline time / winner time (null if the baseline failed)
                 runners_up: [{spec, time_ms}, ...]
                 trials, candidates, failures {status: count}
@@ -354,18 +358,47 @@ def merge(old: Table | None, new: Table) -> Table:
     return Table(meta=meta, entries=entries, path=new.path)
 
 
+def without_refused(table: Table, problems) -> tuple[Table, list[str]]:
+    """``table`` with each entry whose spec ``problems(spec)`` refuses (non-empty list; e.g.
+    ``dispatch.resource_problems``: this NVRTC spills it) replaced by its fastest runner-up that is
+    not refused (its recorded time, speedup and TFLOP/s), or dropped when none is (dispatch's default
+    rule then serves the key); and one line per change. For shipping a table tuned under another
+    toolchain: a tile spill-free under the device's NVRTC may spill under the one CI and pip users
+    have (bench/NOTES.md, the register cliff), and the compile tier checks every shipped spec."""
+    out = Table(meta=dict(table.meta), path=table.path)
+    changes = []
+    for key, entry in table.entries.items():
+        why = problems(entry["spec"])
+        if not why:
+            out.entries[key] = entry
+            continue
+        runners = sorted(entry.get("runners_up", []), key=lambda r: r["time_ms"])
+        pick = next((i for i, r in enumerate(runners) if not problems(r["spec"])), None)
+        if pick is None:
+            changes.append(f"{key}: {entry['spec'].name} refused ({'; '.join(why)}); no clean runner-up: dropped")
+            continue
+        r = runners[pick]
+        base_ms = (entry.get("baseline") or {}).get("time_ms")
+        new = {**entry, "spec": r["spec"], "time_ms": r["time_ms"], "runners_up": runners[pick + 1:],
+               "speedup": base_ms / r["time_ms"] if base_ms else None}
+        if entry.get("tflops"):
+            new["tflops"] = entry["tflops"] * entry["time_ms"] / r["time_ms"]
+        out.entries[key] = new
+        changes.append(f"{key}: {entry['spec'].name} refused ({'; '.join(why)}); runner-up {r['spec'].name} "
+                       f"({r['time_ms']:.3f} ms, {r['time_ms'] / entry['time_ms']:.3f}x the winner's time)")
+    return out, changes
+
+
 def entry_from_result(result, source: str) -> dict:
     """A table entry from a tuner ``KeyResult`` (its winner must exist)."""
-    from .space import problem_shape
-    from .cost import flops
+    from .space import key_flops
 
     best = result.best
-    b, h, n, d = problem_shape(result.key)
     base = result.baseline_trial
     base_ms = base.time_ms if base is not None and base.status == "ok" else None
     return {
         "spec": best.spec, "time_ms": best.time_ms,
-        "tflops": flops(b, h, n, n, d, result.key.causal) / (best.time_ms * 1e-3) / 1e12,
+        "tflops": key_flops(result.key) / (best.time_ms * 1e-3) / 1e12,
         "source": source,
         "baseline": {"spec": result.baseline, "time_ms": base_ms},
         "speedup": base_ms / best.time_ms if base_ms else None,
