@@ -10,11 +10,12 @@ not depend on the order in which blocks run. The non-deterministic backward
 uses that pair too for the head dims where it is faster
 (``dispatch.BWD_DQ_MODE``).
 
-On sm_90a the dK/dV launch may be ``bwd_sm90`` instead (TMA + wgmma, dQ by the
-TMA's reduce-add into the same accumulator; ``dispatch.BACKWARD_FAMILIES``). It
-is opt-in until measured: ``FLASHGEN_BWD_FAMILY=bwd_sm90`` (used where it serves
-the call: sm_90a, head-dim tile 64 or 128, dQ by atomics; elsewhere the default
-family runs) or ``specs={"bwd_dkdv": <a bwd_sm90 KernelSpec>}``.
+On sm_90a the dK/dV launch is ``bwd_sm90`` where it serves the call (TMA +
+wgmma, dQ by the TMA's reduce-add into the same accumulator; head-dim tiles 64
+and 128, dQ by atomics, strides the TMA can step; ``dispatch.BACKWARD_FAMILIES``,
+``dispatch.default_backward_family``): measured 1.6-1.9x the mma.sync kernel's
+backward on the H200. ``FLASHGEN_BWD_FAMILY=bwd_dkdv`` (or ``=bwd_sm90``) forces
+one family for study; ``specs={"bwd_dkdv": <KernelSpec>}`` forces one kernel.
 
 Used by the autograd op in ``flashgen.autograd``; callable directly for study.
 """
@@ -58,19 +59,17 @@ def _spec(kind: str, dev, dtype: str, d_tile: int, causal: bool, nq: int, specs=
 BWD_FAMILY_ENV = "FLASHGEN_BWD_FAMILY"
 
 
-def dkdv_family(arch: str, d_tile: int, separate: bool) -> str:
-    """The family of the dK/dV launch: ``bwd_dkdv`` unless ``FLASHGEN_BWD_FAMILY=bwd_sm90`` asks for
-    the Hopper kernel and it serves the call (sm_90a, a head-dim tile it has, dQ by atomics)."""
-    want = os.environ.get(BWD_FAMILY_ENV, "").strip() or dispatch.BACKWARD_FAMILIES["bwd_dkdv"][0]
-    if want not in dispatch.BACKWARD_FAMILIES["bwd_dkdv"]:
+def dkdv_family(arch: str, d_tile: int, separate: bool) -> str | None:
+    """The family the dK/dV launch must be of: "bwd_dkdv" where bwd_sm90 cannot serve the call
+    (not sm_90a, a head-dim tile it lacks, dQ in the separate kernel) or ``FLASHGEN_BWD_FAMILY=bwd_dkdv``
+    asks for it; "bwd_sm90" when ``FLASHGEN_BWD_FAMILY=bwd_sm90`` asks and it serves; None: dispatch's
+    pick (tuned table, else the default rule: bwd_sm90 where it serves)."""
+    want = os.environ.get(BWD_FAMILY_ENV, "").strip()
+    if want and want not in dispatch.BACKWARD_FAMILIES["bwd_dkdv"]:
         raise ValueError(f"{BWD_FAMILY_ENV} must be one of {dispatch.BACKWARD_FAMILIES['bwd_dkdv']}, got {want!r}")
-    if want == "bwd_sm90" and (separate or arch != "sm_90a" or d_tile not in dispatch.BWD_SM90_TILES):
-        from .settings import logger
-
-        logger().debug("backward: %s=bwd_sm90 does not serve arch=%s d_tile=%d separate=%s; using bwd_dkdv",
-                       BWD_FAMILY_ENV, arch, d_tile, separate)
+    if separate or dispatch.default_backward_family(arch, d_tile) != "bwd_sm90":
         return "bwd_dkdv"
-    return want
+    return want or None
 
 
 def _sm90_maps(kern, params, shapes, tensors):
@@ -157,9 +156,18 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
         dq_mode = dispatch.bwd_dq_mode(d_tile)
     elif dq_mode not in dispatch.BWD_DQ_MODES:
         raise ValueError(f"dq_mode must be one of {dispatch.BWD_DQ_MODES}, got {dq_mode!r}")
-    kv_kind = forced.kind if forced is not None else dkdv_family(dev.arch, d_tile, dq_mode == "separate")
-    if kv_kind == "bwd_sm90" and forced is None and not all(_tma_ok(t) for t in (q, k, v, dout)):
-        kv_kind = "bwd_dkdv"  # strides the TMA cannot step (a forced spec: the map encoder says why)
+    if forced is not None:
+        kv_spec = forced
+    elif dq_mode == "separate":
+        kv_spec = None  # bwd_dkdv_nodq, below
+    else:
+        family = dkdv_family(dev.arch, d_tile, False)
+        if family != "bwd_dkdv" and not all(_tma_ok(t) for t in (q, k, v, dout)):
+            family = "bwd_dkdv"  # strides the TMA cannot step (a forced spec: the map encoder says why)
+        key = dispatch.ProblemKey("bwd_dkdv", dev.arch, dtype, d_tile, causal, dispatch.bucket_of(nq))
+        kv_spec = (dispatch.select(key, dev.gpu, dev.smem_budget, verify=True) if family is None else
+                   dispatch.select_family(key, family, dev.gpu, dev.smem_budget, verify=True))
+    kv_kind = kv_spec.kind if kv_spec is not None else "bwd_dkdv"
     if kv_kind == "bwd_dkdv" and dq_mode == "atomic" and b * h * nq * d_tile >= 2**32:
         # bwd_dkdv addresses the fp32 dQ accumulator by 32-bit element offsets.
         dq_mode = "separate"
@@ -180,7 +188,7 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
         **strides("o", so), **strides("dout", sdo), nq=nq, nq_pad=nq_pad, heads=h, d=d)))
 
     if kv_kind == "bwd_sm90":
-        kv = load(forced if forced is not None else _spec("bwd_sm90", dev, dtype, d_tile, causal, nq), index)
+        kv = load(kv_spec, index)
         params = kv.params(lse2=lse2.data_ptr(), dsum=dsum.data_ptr(), dq_acc=dq_acc.data_ptr(), dk=dk.data_ptr(),
                            dv=dv.data_ptr(), **strides("dk", sdk), **strides("dv", sdv), **common)
         _sm90_maps(kv, params, (b, h, hk, nq, nk, d, d_tile), {
@@ -188,7 +196,7 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
             "dq_acc": (dq_acc.data_ptr(), (h * nq * d_tile, nq * d_tile, d_tile))})
         launches.append((kv, (-(-nk // kv.spec.block_n), hk, b), params))
     else:
-        kv = load(_spec("bwd_dkdv_nodq" if separate else "bwd_dkdv", dev, dtype, d_tile, causal, nq, specs), index)
+        kv = load(_spec("bwd_dkdv_nodq", dev, dtype, d_tile, causal, nq, specs) if separate else kv_spec, index)
         launches.append((kv, (-(-nk // kv.spec.block_n), hk, b), kv.params(
             q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), dout=dout.data_ptr(), lse2=lse2.data_ptr(),
             dsum=dsum.data_ptr(), dq_acc=dq_acc.data_ptr() if dq_acc is not None else 0, dk=dk.data_ptr(),

@@ -274,7 +274,13 @@ def _first_clean(candidates, check):
     raise AssertionError("unreachable")
 
 
-def default_spec(key: ProblemKey, smem_budget: int, check=None) -> KernelSpec:
+def default_backward_family(arch: str, d_tile: int) -> str:
+    """The family the "bwd_dkdv" default rule uses: bwd_sm90 on sm_90a for the head-dim tiles it has
+    (measured 1.6-1.9x bwd_dkdv's backward at d=64/128 on the H200, bench/results/bwd90), else bwd_dkdv."""
+    return "bwd_sm90" if arch == "sm_90a" and d_tile in BWD_SM90_TILES else "bwd_dkdv"
+
+
+def default_spec(key: ProblemKey, smem_budget: int, check=None, family: str | None = None) -> KernelSpec:
     """The default rule's spec for ``key`` under ``smem_budget`` bytes per block.
 
     The rule lists tiles in order of preference; the first that fits the shared
@@ -282,10 +288,17 @@ def default_spec(key: ProblemKey, smem_budget: int, check=None) -> KernelSpec:
     ``resource_problems``), a fitting tile that ``check`` refuses is skipped for
     the next fitting one: a tile the device's NVRTC compiles spill-free may spill
     under another NVRTC version, and the rule's later tiles are the fallback.
+    ``family`` (a problem key only) takes that family's rule instead of the
+    problem's default family -- "bwd_dkdv" names both a problem and a family.
     """
-    if key.kind in PROBLEM_FAMILIES:  # the problem's default family (fwd: default_forward_family; bwd_dkdv: itself)
-        fam = default_forward_family(key.arch, key.head_dim) if key.kind == "fwd" else PROBLEM_FAMILIES[key.kind][0]
-        key = ProblemKey(fam, key.arch, key.dtype, key.head_dim, key.causal, key.bucket)
+    if key.kind in PROBLEM_FAMILIES:  # the problem's default family
+        if family is None:
+            family = (default_forward_family(key.arch, key.head_dim) if key.kind == "fwd" else
+                      default_backward_family(key.arch, key.head_dim))
+        elif family not in PROBLEM_FAMILIES[key.kind]:
+            raise ValueError(f"{family} does not serve {key.kind} (families: {PROBLEM_FAMILIES[key.kind]})")
+        if family != key.kind:  # (family == kind: bwd_dkdv's own BWD_TILES rule below)
+            key = ProblemKey(family, key.arch, key.dtype, key.head_dim, key.causal, key.bucket)
     if key.kind == "bwd_sm90":
         if key.arch != "sm_90a":
             raise UnsupportedError(f"bwd_sm90 (wgmma + TMA) needs an sm_90a GPU (H100/H200), not {key.arch}")
@@ -388,3 +401,12 @@ def select(key: ProblemKey, gpu: str | None, smem_budget: int, verify: bool = Fa
                                        f"does not serve {key.kind} on {key.arch} (families here: {serving})")
             # a family-restricted key (fwd_v2, fwd_sm90) and an entry of another family: that family's rule
     return default_spec(key, smem_budget, check=resource_problems if verify else None)
+
+
+def select_family(key: ProblemKey, family: str, gpu: str | None, smem_budget: int, verify: bool = False):
+    """``select(key)`` restricted to one family of a problem key: the tuned or default pick when it is
+    of ``family``, else ``family``'s default rule (e.g. the mma.sync backward where bwd_sm90 cannot run)."""
+    spec = select(key, gpu, smem_budget, verify)
+    if spec.kind == family:
+        return spec
+    return default_spec(key, smem_budget, check=resource_problems if verify else None, family=family)

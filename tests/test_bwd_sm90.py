@@ -89,10 +89,10 @@ def test_dispatch():
     assert dispatch.problem_kind("bwd_sm90") == "bwd_dkdv" and dispatch.problem_kind("bwd_dkdv") == "bwd_dkdv"
     kinds = dispatch.problem_kinds()
     assert "bwd_dkdv" in kinds and "bwd_sm90" not in kinds and len(kinds) == len(set(kinds))
-    # the default family of the bwd_dkdv problem is still bwd_dkdv (bwd_sm90 is opt-in until measured)
+    # the default family of the bwd_dkdv problem on sm_90a is bwd_sm90 (measured: bench/results/bwd90)
     key = dispatch.ProblemKey("bwd_dkdv", "sm_90a", "bf16", 128, True, 4096)
-    assert dispatch.default_spec(key, BUDGET).kind == "bwd_dkdv"
-    assert dispatch.select(key, "h200", BUDGET).kind == "bwd_dkdv"
+    assert dispatch.default_spec(key, BUDGET).kind == "bwd_sm90"
+    assert dispatch.select(key, "h200", BUDGET).kind == "bwd_sm90"
     assert len(DEFAULTS) == 2 * 2 * 2 and all(s.kind == "bwd_sm90" and not s.check(H200) for s in DEFAULTS)
     assert dispatch.default_specs("sm_80", 166912, kind="bwd_sm90") == []
     k90 = dispatch.ProblemKey("bwd_sm90", "sm_90a", "fp16", 64, False, 2048)
@@ -117,11 +117,15 @@ def test_tune_space_candidates():
 
 
 def test_family_switch(monkeypatch):
-    """FLASHGEN_BWD_FAMILY picks bwd_sm90 where it serves (sm_90a, d tile 64/128, dQ by atomics)."""
+    """Unset, dispatch picks (None) where bwd_sm90 serves (sm_90a, d tile 64/128, dQ by atomics) and the
+    mma.sync family elsewhere; FLASHGEN_BWD_FAMILY forces one family where it serves."""
     from flashgen import backward
 
     monkeypatch.delenv("FLASHGEN_BWD_FAMILY", raising=False)
-    assert backward.dkdv_family("sm_90a", 128, False) == "bwd_dkdv"
+    assert backward.dkdv_family("sm_90a", 128, False) is None
+    assert backward.dkdv_family("sm_90a", 96, False) == "bwd_dkdv"
+    assert backward.dkdv_family("sm_90a", 64, True) == "bwd_dkdv"
+    assert backward.dkdv_family("sm_80", 64, False) == "bwd_dkdv"
     monkeypatch.setenv("FLASHGEN_BWD_FAMILY", "bwd_sm90")
     assert backward.dkdv_family("sm_90a", 128, False) == "bwd_sm90"
     assert backward.dkdv_family("sm_90a", 64, False) == "bwd_sm90"
@@ -133,6 +137,23 @@ def test_family_switch(monkeypatch):
     monkeypatch.setenv("FLASHGEN_BWD_FAMILY", "fa3")
     with pytest.raises(ValueError, match="FLASHGEN_BWD_FAMILY"):
         backward.dkdv_family("sm_90a", 128, False)
+
+
+def test_backward_default_rule_is_bwd_sm90_on_sm90a():
+    """The bwd_dkdv problem's default rule: bwd_sm90 on sm_90a at d tiles 64/128 (measured 1.6-1.9x),
+    the mma.sync family elsewhere; select_family gives the mma.sync rule where bwd_sm90 cannot run."""
+    budget = H200.smem_per_block
+    for d in (64, 128):
+        key = dispatch.ProblemKey("bwd_dkdv", "sm_90a", "bf16", d, False, 4096)
+        assert dispatch.default_spec(key, budget).kind == "bwd_sm90"
+        mma = dispatch.select_family(key, "bwd_dkdv", None, budget)
+        assert mma.kind == "bwd_dkdv" and mma == dispatch.default_spec(key, budget, family="bwd_dkdv")
+    for arch, d in (("sm_90a", 96), ("sm_80", 128)):
+        key = dispatch.ProblemKey("bwd_dkdv", arch, "bf16", d, True, 4096)
+        assert dispatch.default_spec(key, 163840).kind == "bwd_dkdv"
+    with pytest.raises(ValueError, match="does not serve"):
+        dispatch.default_spec(dispatch.ProblemKey("bwd_dkdv", "sm_90a", "bf16", 64, False, 512), budget,
+                              family="fwd_v2")
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])

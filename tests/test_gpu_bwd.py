@@ -5,9 +5,11 @@ inputs) must be at most 3x the max error of the same reference computed in the i
 + 1e-5. Inputs and output gradients are fresh random normals; sizes are odd; GQA 4:1 sums dK/dV
 over the query-head group.
 
-The Hopper dK/dV kernel (bwd_sm90, opt-in through FLASHGEN_BWD_FAMILY=bwd_sm90) runs the same
-checks where it serves (sm_90a, d 64/128): the tests parametrized by ``family`` (select them with
-``-k bwd_sm90``), and its variants (stages, dQ write mode, 64-key tiles) through ``specs=``.
+Both dK/dV families run the checks parametrized by ``family``: the mma.sync kernel (bwd_dkdv,
+forced through FLASHGEN_BWD_FAMILY=bwd_dkdv) and the Hopper kernel (bwd_sm90, the default where it
+serves: sm_90a, d 64/128; forced the same way); ``-k bwd_sm90`` selects the latter. Its variants
+(stages, dQ write mode, 64-key tiles) run through ``specs=``; the unparametrized tests (training,
+torch.compile, determinism) take the default path.
 """
 from __future__ import annotations
 
@@ -122,8 +124,9 @@ def _is_sm90():
 
 
 def use_family(family, d, monkeypatch):
-    """Run the backward with dK/dV family ``family`` ("bwd_dkdv": the default path; "bwd_sm90": opt in
-    through FLASHGEN_BWD_FAMILY, skipping where it does not serve)."""
+    """Run the backward with dK/dV family ``family``, forced through FLASHGEN_BWD_FAMILY (bwd_sm90:
+    skipped where it does not serve)."""
+    monkeypatch.setenv("FLASHGEN_BWD_FAMILY", family)
     if family == "bwd_sm90":
         if not _is_sm90():
             pytest.skip("bwd_sm90 needs an sm_90a GPU")

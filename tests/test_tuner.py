@@ -913,7 +913,7 @@ def test_bwd_objective_check_uses_the_gradient_rule(monkeypatch):
 def test_bwd_cost_model():
     """Crude but sane: finite, under the datasheet rate, causal cheaper, dQ atomics cost, no-fit is inf."""
     shape = space.problem_shape(BWD_KEY)
-    spec = dispatch.default_spec(BWD_KEY, H200.smem_per_block)
+    spec = dispatch.default_spec(BWD_KEY, H200.smem_per_block, family="bwd_dkdv")  # the mma.sync kernel
     t = cost.estimate(spec, shape, H200, registers=240)
     assert 0 < space.key_flops(BWD_KEY) / t < H200.peak_flops
     full = cost.estimate(spec.replace(causal=False), shape, H200, registers=240)
