@@ -41,5 +41,11 @@ timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q --noconftest -m gpu tests/test
   --durations=5 --junitxml="$W/gpu_tests_bwd.xml" > "$W/gpu_tests_bwd.log" 2>&1
 echo "rc=$?" >> "$W/gpu_tests_bwd.log"; tail -12 "$W/gpu_tests_bwd.log"; pack
 python3 -m flashgen.cli show --config "$W/h200.yaml" 2>&1 | grep -E "^(bwd_|key)" | head -20
+if [ -z "${SKIP_BENCH:-}" ]; then
+  echo "== fwd+bwd benchmark with the tuned table (default path)"
+  timeout ${BENCH_TIMEOUT:-110} python3 bench/bench_bwd.py --seqlens ${BENCH_SEQLENS:-2048,4096,8192,16384} \
+    --out "$W/bench_bwd.json" > "$W/bench_bwd.log" 2>&1
+  echo "rc=$?" >> "$W/bench_bwd.log"; tail -12 "$W/bench_bwd.log"; pack
+fi
 ls -la "$OUT"
 exit 0
