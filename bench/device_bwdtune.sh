@@ -44,7 +44,7 @@ python3 -m flashgen.cli show --config "$W/h200.yaml" 2>&1 | grep -E "^(bwd_|key)
 if [ -z "${SKIP_BENCH:-}" ]; then
   echo "== fwd+bwd benchmark with the tuned table (default path)"
   timeout ${BENCH_TIMEOUT:-110} python3 bench/bench_bwd.py --seqlens ${BENCH_SEQLENS:-2048,4096,8192,16384} \
-    --out "$W/bench_bwd.json" > "$W/bench_bwd.log" 2>&1
+    --impls ${BENCH_IMPLS:-flashgen,flashgen_det,sdpa_flash,sdpa_cudnn} --out "$W/bench_bwd.json" > "$W/bench_bwd.log" 2>&1
   echo "rc=$?" >> "$W/bench_bwd.log"; tail -12 "$W/bench_bwd.log"; pack
 fi
 ls -la "$OUT"
