@@ -70,13 +70,17 @@ def test_default_specs_cover_every_key():
 
 def test_bwd_default_specs_cover_every_key():
     """The backward rule has a spec per (kind, head-dim tile, dtype, causal) for each arch; the row
-    kernels (preprocess, convert) have no causal variant, so one spec serves both keys."""
+    kernels (preprocess, convert) have no causal variant, so one spec serves both keys. On sm_90a the
+    bwd_dkdv problem's d=64/128 keys take bwd_sm90 specs (dispatch.default_backward_family)."""
     tiles = len(dispatch.BWD_TILES["bwd_dkdv"])
     for arch in ARCHES:
         for kind in dispatch.BWD_KINDS:
-            specs = [s for s in BWD_SPECS if s.arch == arch and s.kind == kind]
+            specs = dispatch.default_specs(arch, gpus.ARCH_SMEM_PER_BLOCK[arch], kind)
+            assert set(specs) <= set(BWD_SPECS)
             causal_variants = 1 if kind in ("bwd_preprocess", "bwd_convert") else 2
             assert len(specs) == len(set(specs)) == tiles * 2 * causal_variants, kind
+            sm90 = {s.head_dim for s in specs if s.kind == "bwd_sm90"}
+            assert sm90 == (set(dispatch.BWD_SM90_TILES) if arch == "sm_90a" and kind == "bwd_dkdv" else set())
 
 
 def test_every_baseline_kind_has_a_default_per_key():
