@@ -34,7 +34,7 @@ class Family:
     stages: tuple = (2, 3, 4)
     refills: tuple = (0, 1, 2)
     max_acc_floats: int = 200           # fp32 accumulators per thread before spilling is likely
-    flags: tuple = ()                   # the boolean spec flags (warpspec, pingpong, overlap) the family takes
+    flags: tuple = ()                   # the spec flags (spec.FLAG_FIELDS) the family takes
     hints: tuple = (0,)                 # KernelSpec.hint values (decode_split's load flavours; 0 elsewhere)
     archs: tuple = ("sm_80", "sm_86", "sm_89", "sm_90a")  # compile targets the family runs on (spec.ARCHS)
     # The knobs the tuner searches and the values it tries (a subset of the
@@ -216,6 +216,51 @@ SM90_PARAMS = (
 
 SM90_HEAD_DIMS = (64, 128, 256)
 
+# fwd_sm90's named flag sets (the benchmark's ablation, the smoke and the GPU tests share these names):
+# a base for (warpspec, pingpong, overlap), then optional tokens, e.g. "ws_pp_kv_lz_e1_s3_m192".
+SM90_FLAG_BASES = {"plain": (False, False, False), "ov": (False, False, True), "ws": (True, False, False),
+                   "ws_pp": (True, True, False), "ws_ov": (True, False, True), "full": (True, True, True)}
+SM90_FLAG_TOKENS = {"kv": ("sepkv", True), "lz": ("lazy", True), "e": ("emu", int), "s": ("stages", int),
+                    "m": ("block_m", int), "n": ("block_n", int)}
+
+
+def sm90_flag_set(name: str) -> dict:
+    """The KernelSpec fields a named fwd_sm90 flag set sets: warpspec, pingpong, overlap from the base
+    (SM90_FLAG_BASES), then per token: ``kv`` sepkv, ``lz`` lazy, ``e<k>`` emu=k, ``s<k>`` stages,
+    ``m<k>`` block_m, ``n<k>`` block_n. ``ValueError`` for a name it cannot read."""
+    parts = name.split("_")
+    for cut in (2, 1):
+        base = "_".join(parts[:cut])
+        if base in SM90_FLAG_BASES:
+            break
+    else:
+        raise ValueError(f"fwd_sm90 flag set {name!r}: no base among {sorted(SM90_FLAG_BASES)}")
+    out = dict(zip(("warpspec", "pingpong", "overlap"), SM90_FLAG_BASES[base]))
+    for token in parts[cut:]:
+        head = token if token in SM90_FLAG_TOKENS else token[:1]
+        if head not in SM90_FLAG_TOKENS or (head == token) == (SM90_FLAG_TOKENS[head][1] is int):
+            raise ValueError(f"fwd_sm90 flag set {name!r}: unknown token {token!r}")
+        field_name, value = SM90_FLAG_TOKENS[head]
+        if value is int:
+            if not token[1:].isdigit():
+                raise ValueError(f"fwd_sm90 flag set {name!r}: {token!r} wants a number")
+            value = int(token[1:])
+        out[field_name] = value
+    return out
+
+
+def sm90_named_spec(head_dim: int, causal: bool, name: str = "ws", dtype: str = "bf16", **fields):
+    """The fwd_sm90 spec of flag set ``name`` (``sm90_flag_set``) at head-dim tile ``head_dim``: block_m 128,
+    block_n 128 (64 at d = 256) and 2 stages unless the name says otherwise, ``fields`` last; warps follow
+    from block_m and warpspec. Validated."""
+    from .spec import KernelSpec
+
+    f = dict(block_m=128, block_n=64 if head_dim == 256 else 128, stages=2)
+    f.update(sm90_flag_set(name))
+    f.update(fields)
+    f["warps"] = 4 * (f["block_m"] // 64 + int(f["warpspec"]))
+    return KernelSpec(kind="fwd_sm90", arch="sm_90a", dtype=dtype, head_dim=head_dim, causal=causal, **f).validate()
+
 
 @dataclass(frozen=True)
 class Sm90Family(Family):
@@ -223,8 +268,12 @@ class Sm90Family(Family):
 
     block_m = 64 x consumer warpgroups; warps = 4 x (consumer warpgroups +
     a producer warpgroup when warpspec); refill is unused (0). Flags:
-    warpspec, pingpong (needs warpspec and two consumers), overlap.
+    warpspec, pingpong (needs warpspec and two or three consumers: they take turns), overlap,
+    emu (EMUS: eighths of S's columns whose exp2 runs on the FMA pipe), sepkv (needs warpspec:
+    separate K and V empty barriers), lazy (lean softmax).
     """
+
+    EMUS = (0, 1, 2, 4)
 
     def consumers(self, spec) -> int:
         return spec.block_m // 64
@@ -237,8 +286,14 @@ class Sm90Family(Family):
         if spec.warps != want:
             raise ValueError(f"{self.kind}: block_m={spec.block_m} with warpspec={spec.warpspec} means "
                              f"warps={want}, got {spec.warps}")
-        if spec.pingpong and not (spec.warpspec and self.consumers(spec) == 2):
-            raise ValueError(f"{self.kind}: pingpong needs warpspec and two consumer warpgroups (block_m=128)")
+        if spec.pingpong and not (spec.warpspec and self.consumers(spec) >= 2):
+            raise ValueError(f"{self.kind}: pingpong needs warpspec and two or three consumer warpgroups "
+                             "(block_m=128 or 192)")
+        if spec.emu not in self.EMUS:
+            raise ValueError(f"{self.kind}: emu={spec.emu} not in {self.EMUS}")
+        if spec.sepkv and not spec.warpspec:
+            raise ValueError(f"{self.kind}: sepkv needs warpspec (the producer warpgroup waits on the K and V "
+                             "barriers)")
 
     def complete(self, knobs: dict) -> dict:
         """warps follows from block_m and warpspec (4 per consumer warpgroup, 4 for the producer): not a knob."""
@@ -298,7 +353,7 @@ FAMILIES: dict[str, Family] = {
     "fwd_sm90": Sm90Family("fwd_sm90", "fwd_sm90.cu.j2", SM90_PARAMS, head_dims=SM90_HEAD_DIMS,
                            block_ms=(64, 128, 192), block_ns=(64, 80, 96, 112, 128, 144, 160, 176, 192),
                            warps=(4, 8, 12, 16), stages=(2, 3, 4), refills=(0,),
-                           flags=("warpspec", "pingpong", "overlap"), archs=("sm_90a",),
+                           flags=("warpspec", "pingpong", "overlap", "emu", "sepkv", "lazy"), archs=("sm_90a",),
                            # warps is implied by block_m and warpspec (Sm90Family.complete), not searched.
                            tune_space=(("block_m", (64, 128, 192)), ("block_n", (64, 80, 96, 112, 128, 160, 176, 192)),
                                        ("stages", (2, 3)), ("warpspec", (False, True)), ("pingpong", (False, True)),
