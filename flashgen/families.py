@@ -65,6 +65,10 @@ class Family:
         """A point of ``tune_space`` as KernelSpec fields: the knobs plus any field they imply (none here)."""
         return dict(knobs)
 
+    def searched(self, spec) -> bool:
+        """Whether the tuner tries this valid point of ``tune_space`` (all of them here)."""
+        return True
+
     def smem_bytes(self, spec) -> int:
         elem = 2
         return elem * spec.head_dim * (spec.block_m + 2 * spec.stages * spec.block_n)
@@ -222,6 +226,21 @@ SM90_FLAG_BASES = {"plain": (False, False, False), "ov": (False, False, True), "
                    "ws_pp": (True, True, False), "ws_ov": (True, False, True), "full": (True, True, True)}
 SM90_FLAG_TOKENS = {"kv": ("sepkv", True), "lz": ("lazy", True), "e": ("emu", int), "s": ("stages", int),
                     "m": ("block_m", int), "n": ("block_n", int)}
+# The flag sets bench/bench_sm90.py's ablation times per head dim (hidden 2048, N = 8k, causal both) and
+# tests/test_sm90.py compiles: the ladder measured so far, then each new flag alone and together
+# (sepkv, lazy, emu 1/2/4), deeper rings, and at d = 64 the 192-row (three consumers) and 192-key tiles.
+SM90_ABLATION = {
+    64: ("plain", "ws", "ws_pp", "full", "ws_s3", "ws_pp_s3", "full_s3",
+         "ws_kv", "ws_pp_kv", "full_kv", "ws_pp_kv_s3", "full_kv_s3", "ws_pp_kv_lz_s3",
+         "ws_pp_kv_e1_s3", "ws_pp_kv_e2_s3", "ws_pp_kv_e4_s3", "ws_pp_kv_lz_e1_s3", "ws_pp_kv_lz_e2_s3",
+         "full_kv_lz_e1_s3", "ws_kv_lz_e1_s3", "ws_pp_kv_lz_e1_s4",
+         "ws_s3_m192", "ws_pp_kv_s3_m192", "ws_pp_kv_lz_e1_s3_m192", "full_kv_lz_e1_s3_m192",
+         "ws_pp_kv_lz_e1_s3_n192"),
+    128: ("plain", "ws", "ws_pp", "full", "ws_s3", "ws_pp_s3", "ws_ov_s3", "full_s3",
+          "ws_kv", "ws_pp_kv", "full_kv", "ws_pp_kv_s3", "full_kv_s3", "ws_pp_kv_lz_s3",
+          "ws_pp_kv_e1_s3", "ws_pp_kv_e2_s3", "ws_pp_kv_e4_s3", "ws_pp_kv_lz_e1_s3", "full_kv_lz_s3",
+          "ws_kv_lz_s3"),
+}
 
 
 def sm90_flag_set(name: str) -> dict:
@@ -302,6 +321,11 @@ class Sm90Family(Family):
             out["warps"] = 4 * (out["block_m"] // 64 + int(out.get("warpspec", False)))
         return out
 
+    def searched(self, spec) -> bool:
+        """The softmax flags (emu, lazy) only with warpspec: without a producer warpgroup the kernel is the
+        plain baseline, slower at every measured point (bench/NOTES.md), and the space stays smaller."""
+        return spec.warpspec or not (spec.emu or spec.lazy)
+
     def smem_bytes(self, spec) -> int:
         # Q tile, K and V rings, and 1 KB to align the tiles to 1024 bytes (the
         # 128-byte swizzle's period); the mbarriers are static shared memory.
@@ -355,9 +379,11 @@ FAMILIES: dict[str, Family] = {
                            warps=(4, 8, 12, 16), stages=(2, 3, 4), refills=(0,),
                            flags=("warpspec", "pingpong", "overlap", "emu", "sepkv", "lazy"), archs=("sm_90a",),
                            # warps is implied by block_m and warpspec (Sm90Family.complete), not searched.
+                           # emu 4 (half the exp2s on the FMA pipe) is left out: issue-bound (bench/NOTES.md, sm90x).
                            tune_space=(("block_m", (64, 128, 192)), ("block_n", (64, 80, 96, 112, 128, 160, 176, 192)),
-                                       ("stages", (2, 3)), ("warpspec", (False, True)), ("pingpong", (False, True)),
-                                       ("overlap", (False, True)))),
+                                       ("stages", (2, 3, 4)), ("warpspec", (False, True)), ("pingpong", (False, True)),
+                                       ("overlap", (False, True)), ("sepkv", (False, True)), ("lazy", (False, True)),
+                                       ("emu", (0, 1, 2)))),
 }
 
 from .bwd_families import BWD_FAMILIES  # noqa: E402 -- needs Family, defined above
