@@ -41,9 +41,12 @@ VARIANTS = [sm90(d=d, bn=bn, causal=c, **f) for d, bn in ((64, 128), (128, 128),
     sm90(d=128, st=3, causal=c, **f) for c in (False, True) for f in ABLATION[2:]]
 # The benchmark's ablation (emu, sepkv, lazy, deeper rings, 192-row/192-key tiles at d=64), causal both, and
 # the new flags at d=256 (2 stages: a third does not fit) and in fp16 and without warpspec.
-NEW_VARIANTS = [sm90_named_spec(d, c, n) for d, names in SM90_ABLATION.items() for n in names for c in (False, True)] + [
-    sm90_named_spec(256, c, n) for n in ("ws_kv", "ws_pp_kv_lz_e1", "full_kv_lz_e2", "ws_e4") for c in (False, True)] + [
-    sm90_named_spec(64, True, "ws_pp_kv_lz_e2_s3", dtype="fp16"), sm90_named_spec(128, False, "full_kv_lz_e1", dtype="fp16"),
+NEW_VARIANTS = [sm90_named_spec(d, c, n) for d, names in SM90_ABLATION.items() for n in names
+                for c in (False, True)] + [
+    sm90_named_spec(256, c, n) for n in ("ws_kv", "ws_pp_kv_lz_e1", "full_kv_lz_e2", "ws_e4")
+    for c in (False, True)] + [
+    sm90_named_spec(64, True, "ws_pp_kv_lz_e2_s3", dtype="fp16"),
+    sm90_named_spec(128, False, "full_kv_lz_e1", dtype="fp16"),
     sm90_named_spec(64, False, "plain_lz_e2"), sm90_named_spec(128, True, "ov_lz_e1")]
 ALL = list(dict.fromkeys(DEFAULTS + VARIANTS + NEW_VARIANTS))
 
