@@ -243,7 +243,7 @@ def test_named_flag_sets():
                 assert not sm90_named_spec(d, c, n).check(H200), (d, n)
 
 
-@pytest.mark.parametrize("d,bm,bn", [(64, 64, 128), (128, 128, 128), (256, 128, 64)])
+@pytest.mark.parametrize("d,bm,bn", [(64, 64, 128), (128, 128, 128), (256, 128, 64), (64, 192, 128), (64, 128, 192)])
 def test_smem_layout_model(d, bm, bn):
     """CPU model of fwd_sm90's shared-memory addressing (the constants of fwd_sm90.cuh, restated):
     where the TMA puts element (row, col) of Q/K/V (128-byte swizzle: 16-byte chunk (c/8) ^ (r%8) of a

@@ -40,12 +40,13 @@
 //            producer refills K while the softmax and P V still run.
 //            Without it one empty barrier per stage, released after P(j)V(j).
 //  LAZY      lean softmax: the row max by a tree (depth log2 of the columns,
-//            not a chain), and the running max moves only when a row's max
-//            grows by more than 2^8 in P units (FA4's conditional rescale):
-//            else P = 2^(s - m_old) <= 256 and O, l keep their scale, and a
-//            warp where no row moved skips O's rescale. O / l and the LSE
-//            (m_used + ln l) use the same m, so the result is exact up to
-//            rounding (P's relative rounding does not depend on its size).
+//            not a chain), the row sum in two chains, and the running max
+//            moves only when a row's max grows by more than 2^8 in P units
+//            (FA4's conditional rescale): else P = 2^(s - m_old) <= 256 and
+//            O, l keep their scale, and a warp where no row moved skips O's
+//            rescale. O / l and the LSE (m_used + ln l) use the same m, so the
+//            result is exact up to rounding (P's relative rounding does not
+//            depend on its size).
 #pragma once
 
 template <int D, int BM, int BN, int ST, bool WS, bool PINGPONG, bool OVERLAP, bool CAUSAL, bool BF16,
@@ -237,7 +238,8 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
       else
         alpha[h] = fast_exp2(row_max[h] * p.scale_log2 - m_scaled);
       row_max[h] = mx;
-      float sum = 0.f;
+      // LAZY: two partial sums (even / odd column of each pair), half the dependent FADD chain.
+      float sum[2] = {0.f, 0.f};
 #pragma unroll
       for (int nj = 0; nj < NJ; ++nj)
 #pragma unroll
@@ -246,9 +248,10 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
           // EMU of every 8 n8 chunks (nj = 7; 3, 7; odd) on the FMA pipe; nj is a constant once unrolled.
           const float pe = (nj * EMU) % 8 >= 8 - EMU ? exp2_fma(x) : fast_exp2(x);
           acc_s[4 * nj + 2 * h + e] = pe;
-          sum += pe;
+          sum[LAZY ? e : 0] += pe;
         }
-      row_sum[h] = row_sum[h] * alpha[h] + sum;  // per-thread partial; quad-summed at the end
+      // per-thread partial; quad-summed at the end
+      row_sum[h] = row_sum[h] * alpha[h] + (LAZY ? sum[0] + sum[1] : sum[0]);
     }
   };
   auto rescale_o = [&]() {
