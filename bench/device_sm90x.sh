@@ -17,7 +17,10 @@ pack() { tar -czf "$OUT/sm90x.tgz" -C "$W" .; }
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
   echo "commit ${FLASHGEN_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"; date -u; } 2>&1 | tee "$W/gpu.txt"
 
-export 
+SMOKE_DEFAULT=ws_kv,ws_pp_kv,full_kv,ws_lz,ws_e1,ws_e2,ws_e4,plain_lz_e2,ws_pp_kv_lz_e1_s3,full_kv_lz_e2
+SMOKE_DEFAULT=$SMOKE_DEFAULT,ws_pp_kv_lz_e1_s4,ws_pp_kv_lz_e1_s3_m192,full_kv_lz_e1_s3_m192,ws_pp_kv_lz_e1_s3_n192
+export SMOKE_FLAGS=${SMOKE_FLAGS:-$SMOKE_DEFAULT}
+
 echo "== (1) compile (device NVRTC)" | tee "$W/run.log"
 timeout 50 python3 - 2>&1 <<'PY' | tee "$W/compile.txt" | tail -8
 import os, sys, time
@@ -27,7 +30,8 @@ from flashgen.codegen import build
 from flashgen.codegen.compiler import nvrtc_version
 import bench_sm90, smoke_sm90, test_gpu_sm90
 specs = set(test_gpu_sm90.ALL_SPECS)
-specs |= {bench_sm90.sm90_spec(d, c, f) for d, c, _ in bench_sm90.ABLATION_CELLS[:4] for f in bench_sm90.ablation_sets(d)}
+specs |= {bench_sm90.sm90_spec(d, c, f) for d, c, _ in bench_sm90.ABLATION_CELLS[:4]
+          for f in bench_sm90.ablation_sets(d)}
 specs |= {bench_sm90.sm90_spec(d, c, f) for d, f in ((128, "ws_pp_kv_lz_s3"), (64, "ws_pp_kv_lz_e1_s3_m192"))
           for c in (False, True)}
 specs |= {smoke_sm90.spec(d, c, f) for f in os.environ["SMOKE_FLAGS"].split(",") for d in (64, 128, 256)
@@ -37,7 +41,8 @@ def one(s):
         b = build(s)
         r = b.report
         warn = [c for c in ("C7508", "C7510", "C7511", "C7512", "C7513", "C7514", "C7515") if c in b.log]
-        return f"{s.name:82s} regs {r.registers:3d} spill {r.spill_stores}/{r.spill_loads} {warn or ''} {r.problems() or ''}"
+        return (f"{s.name:82s} regs {r.registers:3d} spill {r.spill_stores}/{r.spill_loads} {warn or ''} "
+                f"{r.problems() or ''}")
     except Exception as exc:  # noqa: BLE001
         return f"{s.name:82s} FAILED {type(exc).__name__}: {str(exc)[:400]}"
 t0 = time.time()

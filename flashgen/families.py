@@ -323,8 +323,9 @@ class Sm90Family(Family):
 
     def searched(self, spec) -> bool:
         """The softmax flags (emu, lazy) only with warpspec: without a producer warpgroup the kernel is the
-        plain baseline, slower at every measured point (bench/NOTES.md), and the space stays smaller."""
-        return spec.warpspec or not (spec.emu or spec.lazy)
+        plain baseline, slower at every measured point (bench/NOTES.md); emu only at d = 64, the one head dim
+        where the exp2s take as long as the GEMMs (at 128 and 256 they take half or less)."""
+        return (spec.warpspec or not (spec.emu or spec.lazy)) and (spec.head_dim == 64 or not spec.emu)
 
     def smem_bytes(self, spec) -> int:
         # Q tile, K and V rings, and 1 KB to align the tiles to 1024 bytes (the

@@ -229,8 +229,9 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
         for (int nj = 0; nj < NJ; ++nj) mx = fmaxf(mx, fmaxf(acc_s[4 * nj + 2 * h], acc_s[4 * nj + 2 * h + 1]));
       }
       mx = quad_max(mx);
-      // LAZY: keep the old max unless this one is more than 2^8 above it (in P = 2^(scaled s - m)); both
-      // -inf (nothing seen yet) gives NaN here and keeps -inf, a first finite max moves.
+      // LAZY: keep the old max unless this one is more than 2^8 above it (in P = 2^(scaled s - m)). The
+      // scale is positive (api.checked_scale): a first finite max over -inf reads +inf and moves; both -inf
+      // reads NaN and stays.
       if constexpr (LAZY) mx = (mx - row_max[h]) * p.scale_log2 > 8.f ? mx : row_max[h];
       const float m_scaled = (mx == -INFINITY ? 0.f : mx) * p.scale_log2;  // all masked so far: no NaN
       if constexpr (LAZY)  // exactly 1 where the max stayed (O, l are 0 while it is -inf: any factor does)

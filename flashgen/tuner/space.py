@@ -7,9 +7,10 @@ sm_90a both fwd_v2 and fwd_sm90, elsewhere fwd_v2), optionally restricted
 (``--kind fwd_v2`` / ``fwd_sm90``). Its candidates are every combination of
 each family's tunable knobs (``Family.tune_space``) that the family accepts
 (``validate``: sizes it supports, warp layout dividing the tile) and searches
-(``Family.searched``: fwd_sm90 tries its softmax flags only with warpspec) and that the
-GPU can hold (``KernelSpec.check``: shared memory within the budget M, fp32
-accumulators per thread within what the register file plausibly keeps). The
+(``Family.searched``: fwd_sm90 tries its softmax flags only with warpspec, emu
+only at d = 64) and that the GPU can hold (``KernelSpec.check``: shared memory
+within the budget M, fp32 accumulators per thread within what the register file
+plausibly keeps). The
 ptxas report decides the rest at compile time (a spilling tile is a recorded
 constraint violation, never launched).
 """
