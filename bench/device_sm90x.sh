@@ -60,7 +60,7 @@ echo "== (2) smoke, new flag sets" | tee -a "$W/run.log"
 CUDA_LAUNCH_BLOCKING=1 timeout 70 python3 bench/smoke_sm90.py --isolated --flags "$SMOKE_FLAGS" --dims 64,128,256 \
   --bms 128 --jobs 12 --case-timeout 40 > "$W/smoke.log" 2>&1
 echo "smoke rc=$?" >> "$W/smoke.log"
-grep -E "^(FAIL|OK  )|smoke|rc=" "$W/smoke.log" | awk '/FAIL|smoke|rc=/' | tail -30 | tee -a "$W/run.log"
+grep -E "^FAIL|^smoke|^compiled|^== .*\(rc=[1-9]" "$W/smoke.log" | tail -30 | tee -a "$W/run.log"
 pack
 
 echo "== (3) tests/test_gpu_sm90.py" | tee -a "$W/run.log"
