@@ -224,8 +224,8 @@ SM90_HEAD_DIMS = (64, 128, 256)
 # a base for (warpspec, pingpong, overlap), then optional tokens, e.g. "ws_pp_kv_lz_e1_s3_m192".
 SM90_FLAG_BASES = {"plain": (False, False, False), "ov": (False, False, True), "ws": (True, False, False),
                    "ws_pp": (True, True, False), "ws_ov": (True, False, True), "full": (True, True, True)}
-SM90_FLAG_TOKENS = {"kv": ("sepkv", True), "lz": ("lazy", True), "e": ("emu", int), "s": ("stages", int),
-                    "m": ("block_m", int), "n": ("block_n", int)}
+SM90_FLAG_SWITCHES = {"kv": "sepkv", "lz": "lazy"}
+SM90_FLAG_NUMBERS = {"e": "emu", "s": "stages", "m": "block_m", "n": "block_n"}
 # The flag sets bench/bench_sm90.py's ablation times per head dim (hidden 2048, N = 8k, causal both) and
 # tests/test_sm90.py compiles: the ladder measured so far, then each new flag alone and together
 # (sepkv, lazy, emu 1/2/4), deeper rings, and at d = 64 the 192-row (three consumers) and 192-key tiles.
@@ -248,23 +248,17 @@ def sm90_flag_set(name: str) -> dict:
     (SM90_FLAG_BASES), then per token: ``kv`` sepkv, ``lz`` lazy, ``e<k>`` emu=k, ``s<k>`` stages,
     ``m<k>`` block_m, ``n<k>`` block_n. ``ValueError`` for a name it cannot read."""
     parts = name.split("_")
-    for cut in (2, 1):
-        base = "_".join(parts[:cut])
-        if base in SM90_FLAG_BASES:
-            break
-    else:
+    cut = 2 if "_".join(parts[:2]) in SM90_FLAG_BASES else 1
+    if "_".join(parts[:cut]) not in SM90_FLAG_BASES:
         raise ValueError(f"fwd_sm90 flag set {name!r}: no base among {sorted(SM90_FLAG_BASES)}")
-    out = dict(zip(("warpspec", "pingpong", "overlap"), SM90_FLAG_BASES[base]))
+    out = dict(zip(("warpspec", "pingpong", "overlap"), SM90_FLAG_BASES["_".join(parts[:cut])]))
     for token in parts[cut:]:
-        head = token if token in SM90_FLAG_TOKENS else token[:1]
-        if head not in SM90_FLAG_TOKENS or (head == token) == (SM90_FLAG_TOKENS[head][1] is int):
+        if token in SM90_FLAG_SWITCHES:
+            out[SM90_FLAG_SWITCHES[token]] = True
+        elif token[:1] in SM90_FLAG_NUMBERS and token[1:].isdigit():
+            out[SM90_FLAG_NUMBERS[token[0]]] = int(token[1:])
+        else:
             raise ValueError(f"fwd_sm90 flag set {name!r}: unknown token {token!r}")
-        field_name, value = SM90_FLAG_TOKENS[head]
-        if value is int:
-            if not token[1:].isdigit():
-                raise ValueError(f"fwd_sm90 flag set {name!r}: {token!r} wants a number")
-            value = int(token[1:])
-        out[field_name] = value
     return out
 
 

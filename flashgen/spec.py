@@ -38,7 +38,7 @@ class KernelSpec:
     # Hopper family (fwd_sm90) only; every other kind keeps them False, so
     # their names and records are unchanged.
     warpspec: bool = False    # a producer warpgroup issues the TMA loads (setmaxnreg moves its registers)
-    pingpong: bool = False    # two consumer warpgroups alternate their GEMMs (named barriers)
+    pingpong: bool = False    # the consumer warpgroups (2 or 3) take turns issuing their GEMMs (named barriers)
     overlap: bool = False     # softmax of block j+1 overlaps the P V GEMM of block j
     emu: int = 0              # exp2 of emu/8 of each thread's S columns on the FMA pipe, not MUFU (0, 1, 2, 4)
     sepkv: bool = False       # separate K and V empty barriers: K(j) is released once S(j) is done
