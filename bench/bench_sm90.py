@@ -1,11 +1,14 @@
 """fwd_sm90 vs fwd_v2 vs torch SDPA (flash, cuDNN) on the hidden-2048 convention, plus the flag ablation.
 
-    python bench/bench_sm90.py --out DIR [--quick]
+    python bench/bench_sm90.py --out DIR [--quick] [--flags NAME] [--flags-d64 NAME]
 
 Shapes: batch = 16384 / N, heads = 2048 / d, bf16, bhsd. TFLOP/s = 4 b h N^2 d /
 time (halved when causal). Writes DIR/sm90.json (sm90.partial.json while
 running) and prints a table; the ablation (each flag set of fwd_sm90 on the
-same cells) follows, and the per-call host time with cached descriptors.
+same cells, families.SM90_ABLATION, beside cuDNN) follows, and the per-call host
+time with cached descriptors. Flag sets are named as in families.sm90_flag_set
+(``ws_pp_kv_lz_e1_s3_m192``: warpspec + ping-pong, sepkv, lazy, emu 1, 3 stages,
+block_m 192).
 """
 from __future__ import annotations
 
@@ -19,23 +22,24 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 import flashgen  # noqa: E402
-from flashgen import KernelSpec, dispatch  # noqa: E402
+from flashgen import dispatch  # noqa: E402
+from flashgen.families import SM90_ABLATION, SM90_FLAG_BASES, sm90_named_spec  # noqa: E402
 
 from bench_fwd import flops, sdpa_fn, time_ms  # noqa: E402  (same folder)
 
-FLAGS = {"plain": (False, False, False), "ov": (False, False, True), "ws": (True, False, False),
-         "ws_pp": (True, True, False), "ws_ov": (True, False, True), "full": (True, True, True)}
+FLAGS = SM90_FLAG_BASES  # the base names; any families.sm90_flag_set name is accepted
+# Ablation cells: (d, causal, N); --quick keeps the first four (d = 128 and 64 at 8k, causal both).
+ABLATION_CELLS = [(128, False, 8192), (128, True, 8192), (64, False, 8192), (64, True, 8192), (256, False, 4096)]
+ABLATION_256 = ("plain", "ws", "ws_pp", "full", "ws_kv", "ws_pp_kv", "ws_pp_kv_lz", "ws_pp_kv_lz_e1")
 
 
-STAGE3_FLAGS = ("ws", "ws_pp", "ws_ov", "full")
+def sm90_spec(d, causal, flags="full", bm=None, bn=None, stages=None):
+    fields = {k: v for k, v in (("block_m", bm), ("block_n", bn), ("stages", stages)) if v is not None}
+    return sm90_named_spec(dispatch.sm90_head_dim_tile(d), causal, flags, **fields)
 
 
-def sm90_spec(d, causal, flags="full", bm=128, bn=None, stages=2):
-    ws, pp, ov = FLAGS[flags]
-    tile = dispatch.sm90_head_dim_tile(d)
-    return KernelSpec(kind="fwd_sm90", arch="sm_90a", dtype="bf16", head_dim=tile, block_m=bm,
-                      block_n=bn or {64: 128, 128: 128, 256: 64}[tile], warps=4 * (bm // 64 + ws), stages=stages,
-                      warpspec=ws, pingpong=pp, overlap=ov, causal=causal)
+def ablation_sets(d):
+    return (*SM90_ABLATION.get(d, ABLATION_256), "plain_m64")
 
 
 def cell(n, d, causal, impls, reps):
@@ -73,7 +77,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--flags", default="full", choices=sorted(FLAGS), help="fwd_sm90 flag set of the main table")
+    ap.add_argument("--flags", default="full", help="fwd_sm90 flag set of the main table (families.sm90_flag_set)")
+    ap.add_argument("--flags-d64", default=None, help="the main table's flag set at d=64 (default: --flags)")
     ap.add_argument("--no-ablation", action="store_true")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -91,9 +96,12 @@ def main(argv=None):
 
     from flashgen.codegen import build
 
-    specs = {sm90_spec(d, c, f) for d in (64, 128, 256) for c in (False, True) for f in FLAGS}
-    specs |= {sm90_spec(d, c, "plain", bm=64) for d in (64, 128, 256) for c in (False, True)}
-    specs |= {sm90_spec(128, c, f, stages=3) for c in (False, True) for f in STAGE3_FLAGS}
+    main_flags = {64: args.flags_d64 or args.flags, 128: args.flags}
+    abl_cells = ABLATION_CELLS[:4] if args.quick else ABLATION_CELLS
+    specs = {sm90_spec(d, c, main_flags[d]) for d in (64, 128) for c in (False, True)}
+    if not args.no_ablation:
+        specs |= {sm90_spec(d, c, f) for d, c, _ in abl_cells for f in ablation_sets(d)}
+    print("main table:", {d: sm90_spec(d, False, f).name for d, f in main_flags.items()}, flush=True)
 
     def try_build(s):
         try:
@@ -118,7 +126,7 @@ def main(argv=None):
     for d in (64, 128):
         for causal in (False, True):
             for n in seqlens:
-                impls = {"fwd_sm90": fg(sm90_spec(d, causal, args.flags)), "fwd_v2": fg(None),
+                impls = {"fwd_sm90": fg(sm90_spec(d, causal, main_flags[d])), "fwd_v2": fg(None),
                          "sdpa_flash": lambda q, k, v, c: sdpa_fn("sdpa_flash", q, k, v, c),
                          "sdpa_cudnn": lambda q, k, v, c: sdpa_fn("sdpa_cudnn", q, k, v, c)}
                 row = cell(n, d, causal, impls, reps)
@@ -132,20 +140,21 @@ def main(argv=None):
 
     if args.no_ablation:
         return
-    print(f"\nablation (fwd_sm90 TFLOP/s; flag sets: {', '.join(FLAGS)})", flush=True)
-    abl_cells = [(128, False, 8192), (128, True, 8192), (64, False, 8192), (64, True, 8192), (256, False, 4096)]
-    if args.quick:
-        abl_cells = abl_cells[:2]
+    print("\nablation (fwd_sm90 TFLOP/s per flag set, families.sm90_flag_set names; cuDNN in the same cell)",
+          flush=True)
     for d, causal, n in abl_cells:
-        impls = {f: fg(sm90_spec(d, causal, f)) for f in FLAGS}
-        impls["plain_m64"] = fg(sm90_spec(d, causal, "plain", bm=64))
-        if d == 128:  # the 3-stage ring (fits at 128x128: 225 KB of 227 KB)
-            impls.update({f"{f}_s3": fg(sm90_spec(d, causal, f, stages=3)) for f in STAGE3_FLAGS})
+        impls = {f: fg(sm90_spec(d, causal, f)) for f in ablation_sets(d)}
+        impls["sdpa_cudnn"] = lambda q, k, v, c: sdpa_fn("sdpa_cudnn", q, k, v, c)
         row = cell(n, d, causal, impls, reps)
         result["ablation"].append(row)
         save()
-        print(f"d={d:3d} causal={str(causal):5s} N={n:5d}: " +
-              "  ".join(f"{k}={row[k].get('tflops', float('nan')):.0f}" for k in impls), flush=True)
+        t = {k: row[k].get("tflops", float("nan")) for k in impls}
+        best = max((k for k in impls if k != "sdpa_cudnn" and t[k] == t[k]), key=t.get, default=None)
+        print(f"d={d:3d} causal={str(causal):5s} N={n:5d}: cudnn={t['sdpa_cudnn']:.0f}"
+              + (f"  best {best}={t[best]:.0f} ({t[best] / t['sdpa_cudnn']:.2f}x cudnn)" if best else ""), flush=True)
+        names = [k for k in impls if k != "sdpa_cudnn"]
+        for i in range(0, len(names), 6):
+            print("    " + "  ".join(f"{k}={t[k]:.0f}" for k in names[i:i + 6]), flush=True)
         for k in impls:
             if "error" in row[k]:
                 print(f"   {k}: {row[k]['error']}", flush=True)

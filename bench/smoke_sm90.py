@@ -11,7 +11,9 @@ Two modes:
   and S come to references whose Q, K or V rows have the 128-byte swizzle's
   16-byte chunks permuted (a TMA / wgmma-descriptor layout mismatch shows up as
   one of those matching). ``--flags plain,ov`` ``--dims 64,128`` ``--bms 64``
-  ``--jobs 3`` pick the cases.
+  ``--jobs 3`` pick the cases; a flag set is any families.sm90_flag_set name
+  (``ws_pp_kv_lz_e1_s3``; a name with ``m<k>`` sets its own block_m), and cases
+  that are not valid or do not fit an H200 are left out.
 * default (bench/device_sm90.sh): every case in this process, in order; a
   sticky CUDA error ends it (the line before names the culprit).
 """
@@ -26,20 +28,26 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 import flashgen  # noqa: E402
-from flashgen import KernelSpec, dispatch, tma  # noqa: E402
+from flashgen import dispatch, gpus, tma  # noqa: E402
+from flashgen.families import SM90_FLAG_BASES, sm90_flag_set, sm90_named_spec  # noqa: E402
 from flashgen.reference import reference  # noqa: E402
 
 DEV = "cuda"  # the diagnostics' CPU check swaps it
-FLAGS = {"plain": (False, False, False), "ov": (False, False, True), "ws": (True, False, False),
-         "ws_pp": (True, True, False), "ws_ov": (True, False, True), "full": (True, True, True)}
+FLAGS = SM90_FLAG_BASES  # the base names (any families.sm90_flag_set name works)
 
 
 def spec(d, causal, flags, bm=128, dtype="bf16"):
-    ws, pp, ov = FLAGS[flags]
-    tile = dispatch.sm90_head_dim_tile(d)
-    return KernelSpec(kind="fwd_sm90", arch="sm_90a", dtype=dtype, head_dim=tile, block_m=bm,
-                      block_n={64: 128, 128: 128, 256: 64}[tile], warps=4 * (bm // 64 + ws), stages=2,
-                      warpspec=ws, pingpong=pp, overlap=ov, causal=causal)
+    """The case's spec: flag set ``flags`` at d's tile; ``bm`` unless the name sets block_m."""
+    own_bm = "block_m" in sm90_flag_set(flags)
+    return sm90_named_spec(dispatch.sm90_head_dim_tile(d), causal, flags, dtype, **({} if own_bm else {"block_m": bm}))
+
+
+def runnable(d, causal, flags, bm=128):
+    """A valid spec that fits an H200 (ping-pong needs 2-3 consumers, 3 stages do not fit d=256, ...)."""
+    try:
+        return not spec(d, causal, flags, bm).check(gpus.get("h200"))
+    except ValueError:
+        return False
 
 
 def case(d, causal, flags, bm=128, nq=200, nk=333):
@@ -178,8 +186,8 @@ def isolated():
     bms = [int(x) for x in _arg("--bms", "64,128").split(",")]
     jobs = int(_arg("--jobs", "3"))
     per_case = int(_arg("--case-timeout", "40"))
-    cases = [(d, c, f, bm) for f in flags for bm in bms for d in dims for c in (False, True)
-             if not (FLAGS[f][1] and bm != 128)]  # ping-pong takes two consumer warpgroups
+    cases = list({spec(d, c, f, bm).name: (d, c, f, bm) for f in flags for bm in bms for d in dims
+                  for c in (False, True) if runnable(d, c, f, bm)}.values())  # one case per kernel
     t0 = time.time()
     with ThreadPool(12) as pool:  # compile first, in parallel (NVRTC releases the GIL); children hit the disk cache
         errs = pool.map(lambda a: _try_build(build, spec(*a)), cases)

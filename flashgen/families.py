@@ -34,7 +34,7 @@ class Family:
     stages: tuple = (2, 3, 4)
     refills: tuple = (0, 1, 2)
     max_acc_floats: int = 200           # fp32 accumulators per thread before spilling is likely
-    flags: tuple = ()                   # the boolean spec flags (warpspec, pingpong, overlap) the family takes
+    flags: tuple = ()                   # the spec flags (spec.FLAG_FIELDS) the family takes
     hints: tuple = (0,)                 # KernelSpec.hint values (decode_split's load flavours; 0 elsewhere)
     archs: tuple = ("sm_80", "sm_86", "sm_89", "sm_90a")  # compile targets the family runs on (spec.ARCHS)
     # The knobs the tuner searches and the values it tries (a subset of the
@@ -64,6 +64,10 @@ class Family:
     def complete(self, knobs: dict) -> dict:
         """A point of ``tune_space`` as KernelSpec fields: the knobs plus any field they imply (none here)."""
         return dict(knobs)
+
+    def searched(self, spec) -> bool:
+        """Whether the tuner tries this valid point of ``tune_space`` (all of them here)."""
+        return True
 
     def smem_bytes(self, spec) -> int:
         elem = 2
@@ -245,6 +249,60 @@ SM90_PARAMS = (
 
 SM90_HEAD_DIMS = (64, 128, 256)
 
+# fwd_sm90's named flag sets (the benchmark's ablation, the smoke and the GPU tests share these names):
+# a base for (warpspec, pingpong, overlap), then optional tokens, e.g. "ws_pp_kv_lz_e1_s3_m192".
+SM90_FLAG_BASES = {"plain": (False, False, False), "ov": (False, False, True), "ws": (True, False, False),
+                   "ws_pp": (True, True, False), "ws_ov": (True, False, True), "full": (True, True, True)}
+SM90_FLAG_SWITCHES = {"kv": "sepkv", "lz": "lazy"}
+SM90_FLAG_NUMBERS = {"e": "emu", "s": "stages", "m": "block_m", "n": "block_n"}
+# The flag sets bench/bench_sm90.py's ablation times per head dim (hidden 2048, N = 8k, causal both) and
+# tests/test_sm90.py compiles: the ladder measured so far, then each new flag alone and together
+# (sepkv, lazy, emu 1/2/4), deeper rings, and at d = 64 the 192-row (three consumers) and 192-key tiles.
+SM90_ABLATION = {
+    64: ("plain", "ws", "ws_pp", "full", "ws_s3", "ws_pp_s3", "full_s3",
+         "ws_kv", "ws_pp_kv", "full_kv", "ws_pp_kv_s3", "full_kv_s3", "ws_pp_kv_lz_s3",
+         "ws_pp_kv_e1_s3", "ws_pp_kv_e2_s3", "ws_pp_kv_e4_s3", "ws_pp_kv_lz_e1_s3", "ws_pp_kv_lz_e2_s3",
+         "full_kv_lz_e1_s3", "ws_kv_lz_e1_s3", "ws_pp_kv_lz_e1_s4",
+         "ws_s3_m192", "ws_pp_kv_s3_m192", "ws_pp_kv_lz_e1_s3_m192", "full_kv_lz_e1_s3_m192",
+         "ws_pp_kv_lz_e1_s3_n192"),
+    128: ("plain", "ws", "ws_pp", "full", "ws_s3", "ws_pp_s3", "ws_ov_s3", "full_s3",
+          "ws_kv", "ws_pp_kv", "full_kv", "ws_pp_kv_s3", "full_kv_s3", "ws_pp_kv_lz_s3",
+          "ws_pp_kv_e1_s3", "ws_pp_kv_e2_s3", "ws_pp_kv_e4_s3", "ws_pp_kv_lz_e1_s3", "full_kv_lz_s3",
+          "ws_kv_lz_s3"),
+}
+
+
+def sm90_flag_set(name: str) -> dict:
+    """The KernelSpec fields a named fwd_sm90 flag set sets: warpspec, pingpong, overlap from the base
+    (SM90_FLAG_BASES), then per token: ``kv`` sepkv, ``lz`` lazy, ``e<k>`` emu=k, ``s<k>`` stages,
+    ``m<k>`` block_m, ``n<k>`` block_n. ``ValueError`` for a name it cannot read."""
+    parts = name.split("_")
+    cut = 2 if "_".join(parts[:2]) in SM90_FLAG_BASES else 1
+    if "_".join(parts[:cut]) not in SM90_FLAG_BASES:
+        raise ValueError(f"fwd_sm90 flag set {name!r}: no base among {sorted(SM90_FLAG_BASES)}")
+    out = dict(zip(("warpspec", "pingpong", "overlap"), SM90_FLAG_BASES["_".join(parts[:cut])]))
+    for token in parts[cut:]:
+        if token in SM90_FLAG_SWITCHES:
+            out[SM90_FLAG_SWITCHES[token]] = True
+        elif token[:1] in SM90_FLAG_NUMBERS and token[1:].isdigit():
+            out[SM90_FLAG_NUMBERS[token[0]]] = int(token[1:])
+        else:
+            raise ValueError(f"fwd_sm90 flag set {name!r}: unknown token {token!r}")
+    return out
+
+
+def sm90_named_spec(head_dim: int, causal: bool, name: str = "ws", dtype: str = "bf16", **fields):
+    """The fwd_sm90 spec of flag set ``name`` (``sm90_flag_set``) at head-dim tile ``head_dim``: block_m 128,
+    block_n 128 (64 at d = 256) and 2 stages unless the name says otherwise, ``fields`` last; warps follow
+    from block_m and warpspec. Validated."""
+    from .spec import KernelSpec
+
+    f = dict(block_m=128, block_n=64 if head_dim == 256 else 128, stages=2)
+    f.update(sm90_flag_set(name))
+    f.update(fields)
+    f["warps"] = 4 * (f["block_m"] // 64 + int(f["warpspec"]))
+    return KernelSpec(kind="fwd_sm90", arch="sm_90a", dtype=dtype, head_dim=head_dim, causal=causal, **f).validate()
+
 
 @dataclass(frozen=True)
 class Sm90Family(Family):
@@ -252,8 +310,12 @@ class Sm90Family(Family):
 
     block_m = 64 x consumer warpgroups; warps = 4 x (consumer warpgroups +
     a producer warpgroup when warpspec); refill is unused (0). Flags:
-    warpspec, pingpong (needs warpspec and two consumers), overlap.
+    warpspec, pingpong (needs warpspec and two or three consumers: they take turns), overlap,
+    emu (EMUS: eighths of S's columns whose exp2 runs on the FMA pipe), sepkv (needs warpspec:
+    separate K and V empty barriers), lazy (lean softmax).
     """
+
+    EMUS = (0, 1, 2, 4)
 
     def consumers(self, spec) -> int:
         return spec.block_m // 64
@@ -266,8 +328,14 @@ class Sm90Family(Family):
         if spec.warps != want:
             raise ValueError(f"{self.kind}: block_m={spec.block_m} with warpspec={spec.warpspec} means "
                              f"warps={want}, got {spec.warps}")
-        if spec.pingpong and not (spec.warpspec and self.consumers(spec) == 2):
-            raise ValueError(f"{self.kind}: pingpong needs warpspec and two consumer warpgroups (block_m=128)")
+        if spec.pingpong and not (spec.warpspec and self.consumers(spec) >= 2):
+            raise ValueError(f"{self.kind}: pingpong needs warpspec and two or three consumer warpgroups "
+                             "(block_m=128 or 192)")
+        if spec.emu not in self.EMUS:
+            raise ValueError(f"{self.kind}: emu={spec.emu} not in {self.EMUS}")
+        if spec.sepkv and not spec.warpspec:
+            raise ValueError(f"{self.kind}: sepkv needs warpspec (the producer warpgroup waits on the K and V "
+                             "barriers)")
 
     def complete(self, knobs: dict) -> dict:
         """warps follows from block_m and warpspec (4 per consumer warpgroup, 4 for the producer): not a knob."""
@@ -275,6 +343,12 @@ class Sm90Family(Family):
         if "warps" not in out and "block_m" in out:
             out["warps"] = 4 * (out["block_m"] // 64 + int(out.get("warpspec", False)))
         return out
+
+    def searched(self, spec) -> bool:
+        """The softmax flags (emu, lazy) only with warpspec: without a producer warpgroup the kernel is the
+        plain baseline, slower at every measured point (bench/NOTES.md); emu only at d = 64, the one head dim
+        where the exp2s take as long as the GEMMs (at 128 and 256 they take half or less)."""
+        return (spec.warpspec or not (spec.emu or spec.lazy)) and (spec.head_dim == 64 or not spec.emu)
 
     def smem_bytes(self, spec) -> int:
         # Q tile, K and V rings, and 1 KB to align the tiles to 1024 bytes (the
@@ -327,11 +401,13 @@ FAMILIES: dict[str, Family] = {
     "fwd_sm90": Sm90Family("fwd_sm90", "fwd_sm90.cu.j2", SM90_PARAMS, head_dims=SM90_HEAD_DIMS,
                            block_ms=(64, 128, 192), block_ns=(64, 80, 96, 112, 128, 144, 160, 176, 192),
                            warps=(4, 8, 12, 16), stages=(2, 3, 4), refills=(0,),
-                           flags=("warpspec", "pingpong", "overlap"), archs=("sm_90a",),
+                           flags=("warpspec", "pingpong", "overlap", "emu", "sepkv", "lazy"), archs=("sm_90a",),
                            # warps is implied by block_m and warpspec (Sm90Family.complete), not searched.
+                           # emu 4 (half the exp2s on the FMA pipe) is left out: issue-bound (bench/NOTES.md, sm90x).
                            tune_space=(("block_m", (64, 128, 192)), ("block_n", (64, 80, 96, 112, 128, 160, 176, 192)),
-                                       ("stages", (2, 3)), ("warpspec", (False, True)), ("pingpong", (False, True)),
-                                       ("overlap", (False, True)))),
+                                       ("stages", (2, 3, 4)), ("warpspec", (False, True)), ("pingpong", (False, True)),
+                                       ("overlap", (False, True)), ("sepkv", (False, True)), ("lazy", (False, True)),
+                                       ("emu", (0, 1, 2)))),
 }
 
 from .bwd_families import BWD_FAMILIES  # noqa: E402 -- needs Family, defined above

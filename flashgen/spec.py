@@ -16,7 +16,9 @@ DTYPES = ("fp16", "bf16")
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a")
 DTYPE_BYTES = {"fp16": 2, "bf16": 2}
 # Fields added after tuned tables were first written: a record may omit them (their default is the old behaviour).
-LATER_FIELDS = ("warpspec", "pingpong", "overlap", "hint")
+LATER_FIELDS = ("warpspec", "pingpong", "overlap", "hint", "emu", "sepkv", "lazy")
+# Fields a family must list in ``Family.flags`` before a spec of it may set them (to True, or nonzero).
+FLAG_FIELDS = ("warpspec", "pingpong", "overlap", "emu", "sepkv", "lazy")
 
 
 @dataclass(frozen=True)
@@ -36,8 +38,11 @@ class KernelSpec:
     # Hopper family (fwd_sm90) only; every other kind keeps them False, so
     # their names and records are unchanged.
     warpspec: bool = False    # a producer warpgroup issues the TMA loads (setmaxnreg moves its registers)
-    pingpong: bool = False    # two consumer warpgroups alternate their GEMMs (named barriers)
+    pingpong: bool = False    # the consumer warpgroups (2 or 3) take turns issuing their GEMMs (named barriers)
     overlap: bool = False     # softmax of block j+1 overlaps the P V GEMM of block j
+    emu: int = 0              # exp2 of emu/8 of each thread's S columns on the FMA pipe, not MUFU (0, 1, 2, 4)
+    sepkv: bool = False       # separate K and V empty barriers: K(j) is released once S(j) is done
+    lazy: bool = False        # lean softmax: tree row max; O rescaled only when the max grows by > 2^8 (FA4)
     # Decode families (decode_split: the K/V global-load flavour, families.LOAD_HINTS) and bwd_sm90
     # (how dQ reaches its accumulator, bwd_families.DQ_WRITES); every other kind keeps 0, and only
     # these kinds name it (``_h{hint}`` where the others have ``_r{refill}``: they have no refill
@@ -50,14 +55,17 @@ class KernelSpec:
         """Readable, unique: ``fwd_v2_d128_m128_n64_w4_s2_r0_causal_bf16_sm90a``.
 
         fwd_sm90 names its flags instead of the refill slot it does not have:
-        ``fwd_sm90_d128_m128_n128_w12_s2_ws1_pp1_ov1_causal_bf16_sm90a``; the decode kinds name
+        ``fwd_sm90_d128_m128_n128_w12_s2_ws1_pp1_ov1_causal_bf16_sm90a``, and the later ones only when
+        set (``..._ov1_e2_kv1_lz1_causal...``: emu=2, sepkv, lazy); the decode kinds name
         their load hint instead: ``decode_split_d128_m16_n128_w4_s2_h0_causal_bf16_sm90a``.
         """
         if self.kind == "fwd_sm90":
             return (
                 f"{self.kind}_d{self.head_dim}_m{self.block_m}_n{self.block_n}_w{self.warps}_s{self.stages}"
                 f"_ws{int(self.warpspec)}_pp{int(self.pingpong)}_ov{int(self.overlap)}"
-                f"_{'causal' if self.causal else 'full'}_{self.dtype}_{self.arch.replace('_', '')}"
+                + (f"_e{self.emu}" if self.emu else "") + ("_kv1" if self.sepkv else "")
+                + ("_lz1" if self.lazy else "")
+                + f"_{'causal' if self.causal else 'full'}_{self.dtype}_{self.arch.replace('_', '')}"
             )
         return (
             f"{self.kind}_d{self.head_dim}_m{self.block_m}_n{self.block_n}_w{self.warps}_s{self.stages}"
@@ -113,9 +121,10 @@ class KernelSpec:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} not in {DTYPES}")
         fam = self.family
-        for flag in ("warpspec", "pingpong", "overlap"):
+        for flag in FLAG_FIELDS:
             if getattr(self, flag) and flag not in fam.flags:
-                raise ValueError(f"{self.kind}: {flag}=True is not supported (only {fam.flags or 'no flags'})")
+                raise ValueError(f"{self.kind}: {flag}={getattr(self, flag)} is not supported "
+                                 f"(only {fam.flags or 'no flags'})")
         if self.hint not in fam.hints:
             raise ValueError(f"{self.kind}: hint={self.hint} not in {fam.hints}")
         fam.validate(self)

@@ -3,7 +3,8 @@
 Same rule and helper as tests/test_gpu_fwd.py (``check(..., spec=)``): max error at
 most 2x the input-dtype reference's + 1e-5, LSE -inf exactly on rows that see no
 key. Ordered so the plain wgmma kernel (no warp specialization, Step 1) is tried
-first, then each flag. Skips on GPUs that are not sm_90.
+first, then each flag, then the later flags (emu, sepkv, lazy; deeper rings; 192-row and 192-key
+tiles at d = 64). Flag sets are families.sm90_flag_set names. Skips on GPUs that are not sm_90.
 """
 from __future__ import annotations
 
@@ -18,26 +19,23 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host)"),
 ]
 
-from flashgen import KernelSpec, dispatch  # noqa: E402
+from flashgen import dispatch  # noqa: E402
+from flashgen.families import SM90_FLAG_BASES, sm90_named_spec  # noqa: E402
 from test_gpu_fwd import SEQLENS, check, make_inputs  # noqa: E402  (same folder: pytest puts it on sys.path)
 
-FLAGS = {  # name -> (warpspec, pingpong, overlap)
-    "plain": (False, False, False),
-    "ov": (False, False, True),
-    "ws": (True, False, False),
-    "ws_pp": (True, True, False),
-    "ws_ov": (True, False, True),
-    "full": (True, True, True),
-}
-BN = {64: 128, 128: 128, 256: 64}
+FLAGS = SM90_FLAG_BASES  # name -> (warpspec, pingpong, overlap)
+# The later flags, each alone and together, at d = 64 and 128 (the d=64-only tiles are skipped at 128).
+NEW_FLAGS = ["ws_kv", "ws_pp_kv", "full_kv", "ws_lz", "ws_e1", "ws_e2", "ws_e4", "plain_lz_e2", "ov_lz_e1",
+             "ws_pp_kv_lz_e1_s3", "full_kv_lz_e2_s3", "ws_pp_kv_lz_e4_s3"]
+NEW_FLAGS_D64 = ["ws_pp_kv_lz_e1_s4", "ws_pp_kv_s3_m192", "ws_pp_kv_lz_e1_s3_m192", "full_kv_lz_e1_s3_m192",
+                 "ws_kv_lz_e2_m192", "ws_pp_kv_lz_e1_s3_n192"]
+NEW_FLAGS_D256 = ["ws_kv", "ws_pp_kv_lz_e1", "full_kv_lz_e2", "ws_e4"]
+ALL_NEW = "ws_pp_kv_lz_e2"  # every later flag, valid at every head dim (2 stages)
 
 
-def sp(d, dtype, causal, flags="full", bm=128, bn=None, stages=2):
-    ws, pp, ov = FLAGS[flags]
-    tile = dispatch.sm90_head_dim_tile(d)
-    return KernelSpec(kind="fwd_sm90", arch="sm_90a", dtype=dtype, head_dim=tile, block_m=bm,
-                      block_n=bn or BN[tile], warps=4 * (bm // 64 + ws), stages=stages, warpspec=ws, pingpong=pp,
-                      overlap=ov, causal=causal)
+def sp(d, dtype, causal, flags="full", bm=None):
+    return sm90_named_spec(dispatch.sm90_head_dim_tile(d), causal, flags, dtype,
+                           **({"block_m": bm} if bm is not None else {}))
 
 
 def _is_sm90():
@@ -47,9 +45,16 @@ def _is_sm90():
 needs_sm90 = pytest.mark.skipif(not _is_sm90(), reason="fwd_sm90 needs an sm_90 GPU")
 
 HEAD_DIMS = [32, 64, 96, 128, 160, 256]
+NEW_CASES = ([(d, f) for d in (64, 128) for f in NEW_FLAGS] + [(64, f) for f in NEW_FLAGS_D64]
+             + [(256, f) for f in NEW_FLAGS_D256])
 ALL_SPECS = sorted({sp(d, "bf16", c, "plain", 64) for d in (64, 128, 256) for c in (False, True)}
                    | {sp(d, "bf16", c, f) for d in (64, 128, 256) for c in (False, True) for f in FLAGS}
-                   | {sp(d, "fp16", c) for d in (64, 128, 256) for c in (False, True)}, key=lambda s: s.name)
+                   | {sp(d, dt, c, f) for d in (64, 128, 256) for c in (False, True) for f in ("full", ALL_NEW)
+                      for dt in ("fp16", "bf16")}
+                   | {sp(d, "bf16", c, f) for d, f in NEW_CASES for c in (False, True)}
+                   | {sp(64, "bf16", True, f) for f in ("ws_lz_e4", "plain_lz_e4")}
+                   | {sp(128, "bf16", True, "full_kv_lz_e2_s3")},
+                   key=lambda s: s.name)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -97,7 +102,17 @@ def test_flags_small(d, causal, flags):
 
 
 @needs_sm90
-@pytest.mark.parametrize("flags", ["plain", "full"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d,flags", NEW_CASES)
+def test_new_flags_small(d, flags, causal):
+    """emu / sepkv / lazy alone and together, deeper rings, three consumers: odd sizes, several K/V
+    blocks (ring wrap-around, K released before V), rows whose max grows late (lazy)."""
+    check(1, 2, 2, 300, 1023, d, "bf16", causal, spec=sp(d, "bf16", causal, flags))
+    check(2, 3, 3, 113, 203, d, "bf16", causal, spec=sp(d, "bf16", causal, flags))
+
+
+@needs_sm90
+@pytest.mark.parametrize("flags", ["plain", "full", ALL_NEW])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", HEAD_DIMS)
 @pytest.mark.parametrize("nq,nk", SEQLENS)
@@ -106,12 +121,13 @@ def test_matches_reference_bf16(nq, nk, d, causal, flags):
 
 
 @needs_sm90
+@pytest.mark.parametrize("flags", ["full", ALL_NEW])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [40, 64, 128, 256])
 @pytest.mark.parametrize("nq,nk", [(113, 203), (1023, 1024), (239, 1), (1, 239)])
-def test_fp16_and_odd_head_dim(nq, nk, d, causal, dtype):
-    check(1, 2, 2, nq, nk, d, dtype, causal, spec=sp(d, dtype, causal))
+def test_fp16_and_odd_head_dim(nq, nk, d, causal, dtype, flags):
+    check(1, 2, 2, nq, nk, d, dtype, causal, spec=sp(d, dtype, causal, flags))
 
 
 @needs_sm90
@@ -140,7 +156,7 @@ def test_strided_views_no_copy():
 
 
 @needs_sm90
-@pytest.mark.parametrize("flags", list(FLAGS))
+@pytest.mark.parametrize("flags", list(FLAGS) + [ALL_NEW, "full_kv_lz_e2_s3"])
 def test_bitwise_determinism(flags):
     import flashgen
 
@@ -156,14 +172,16 @@ def test_bitwise_determinism(flags):
 
 
 @needs_sm90
+@pytest.mark.parametrize("flags", ["full", ALL_NEW])
 @pytest.mark.parametrize("causal", [False, True])
-def test_large_magnitudes_stay_finite(causal):
-    check(1, 2, 2, 1023, 1024, 128, "bf16", causal, magnitude=30.0, spec=sp(128, "bf16", causal))
-    check(1, 2, 2, 203, 113, 64, "fp16", causal, magnitude=30.0, spec=sp(64, "fp16", causal))
+def test_large_magnitudes_stay_finite(causal, flags):
+    """x30 inputs: scores spread over hundreds in log2 units (lazy moves its max often, exp2_fma clamps)."""
+    check(1, 2, 2, 1023, 1024, 128, "bf16", causal, magnitude=30.0, spec=sp(128, "bf16", causal, flags))
+    check(1, 2, 2, 203, 113, 64, "fp16", causal, magnitude=30.0, spec=sp(64, "fp16", causal, flags))
 
 
 @needs_sm90
-@pytest.mark.parametrize("flags", ["plain", "full"])
+@pytest.mark.parametrize("flags", ["plain", "full", ALL_NEW, "ws_lz_e4", "plain_lz_e4"])
 def test_fully_masked_rows(flags):
     out, lse = check(1, 2, 2, 300, 100, 64, "bf16", True, spec=sp(64, "bf16", True, flags))
     assert torch.all(out[:, :, :200] == 0)
@@ -172,7 +190,7 @@ def test_fully_masked_rows(flags):
 
 
 @needs_sm90
-@pytest.mark.parametrize("flags", ["plain", "full"])
+@pytest.mark.parametrize("flags", ["plain", "full", ALL_NEW])
 def test_empty_key_sequence(flags):
     import flashgen
 

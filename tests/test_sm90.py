@@ -20,6 +20,7 @@ import pytest
 
 from flashgen import KernelSpec, UnsupportedError, dispatch, gpus
 from flashgen.codegen import build, parse_ptxas_log, render
+from flashgen.families import SM90_ABLATION, sm90_flag_set, sm90_named_spec
 
 H200 = gpus.get("h200")
 
@@ -38,7 +39,16 @@ VARIANTS = [sm90(d=d, bn=bn, causal=c, **f) for d, bn in ((64, 128), (128, 128),
                                   sm90(d=128, bm=64, ws=False, pp=False, ov=False, dtype="fp16")] + [
     # 3-stage K/V ring at d=128, 128x128 (229 KB of the 227 KB + 1 KB opt-in: fits), causal both.
     sm90(d=128, st=3, causal=c, **f) for c in (False, True) for f in ABLATION[2:]]
-ALL = list(dict.fromkeys(DEFAULTS + VARIANTS))
+# The benchmark's ablation (emu, sepkv, lazy, deeper rings, 192-row/192-key tiles at d=64), causal both, and
+# the new flags at d=256 (2 stages: a third does not fit) and in fp16 and without warpspec.
+NEW_VARIANTS = [sm90_named_spec(d, c, n) for d, names in SM90_ABLATION.items() for n in names
+                for c in (False, True)] + [
+    sm90_named_spec(256, c, n) for n in ("ws_kv", "ws_pp_kv_lz_e1", "full_kv_lz_e2", "ws_e4")
+    for c in (False, True)] + [
+    sm90_named_spec(64, True, "ws_pp_kv_lz_e2_s3", dtype="fp16"),
+    sm90_named_spec(128, False, "full_kv_lz_e1", dtype="fp16"),
+    sm90_named_spec(64, False, "plain_lz_e2"), sm90_named_spec(128, True, "ov_lz_e1")]
+ALL = list(dict.fromkeys(DEFAULTS + VARIANTS + NEW_VARIANTS))
 
 
 def test_names_and_rules():
@@ -58,6 +68,17 @@ def test_names_and_rules():
     assert KernelSpec().name == "fwd_v2_d128_m128_n64_w4_s2_r0_full_bf16_sm90a"  # unchanged
     assert KernelSpec.from_dict(s.to_dict()) == s
     assert sm90(d=256, bn=192).check(H200)  # over the shared-memory budget
+    # the later flags: named only when set, validated, round-tripped
+    t = s.replace(emu=2, sepkv=True, lazy=True)
+    assert t.validate().name == "fwd_sm90_d128_m128_n128_w12_s2_ws1_pp1_ov1_e2_kv1_lz1_causal_bf16_sm90a"
+    assert KernelSpec.from_dict(t.to_dict()) == t and not t.check(H200)
+    for bad, match in ((dict(emu=3), "emu"), (dict(warpspec=False, pingpong=False, warps=8, sepkv=True), "sepkv")):
+        with pytest.raises(ValueError, match=match):
+            s.replace(**bad).validate()
+    for flag in (dict(emu=1), dict(sepkv=True), dict(lazy=True)):  # fwd_v2 takes none of them
+        with pytest.raises(ValueError, match="not supported"):
+            KernelSpec(**flag).validate()
+    assert sm90(d=64, bm=192, pp=True).validate().warps == 16  # ping-pong over three consumer warpgroups
     assert not sm90(d=128, bn=128).check(gpus.get("a100")) == []  # not an sm_90a GPU
 
 
@@ -80,8 +101,15 @@ def test_tune_space_has_candidates():
         assert cands[0] == space.paper_baseline(key, H200) and cands[0].kind == "fwd_v2"
         assert len(cands) > 5 and all(c.kind == "fwd_sm90" and not c.check(H200) for c in cands[1:])
         assert any(c.pingpong and c.overlap for c in cands)
-        assert {c.warpspec for c in cands[1:]} == {False, True} and {c.stages for c in cands[1:]} == {2, 3}
+        assert {c.warpspec for c in cands[1:]} == {False, True} and {c.stages for c in cands[1:]} >= {2, 3}
         assert all(c.warps == 4 * (c.block_m // 64 + c.warpspec) for c in cands[1:])  # implied, not searched
+        assert {c.emu for c in cands[1:]} == ({0, 1, 2} if d == 64 else {0})  # Sm90Family.searched
+        assert any(c.sepkv for c in cands) and any(c.lazy for c in cands)
+        assert not any((c.emu or c.lazy) and not c.warpspec for c in cands[1:])
+        if d == 64:  # the d=64 shapes: 128/192 rows x 128/192 keys, 2-4 stages
+            got = {(c.block_m, c.block_n, c.stages) for c in cands[1:] if c.warpspec}
+            assert {(128, 128, 4), (192, 128, 4), (128, 192, 4), (192, 128, 2), (128, 192, 2)} <= got
+            assert not any(c.block_m == 192 and c.block_n == 192 for c in cands)  # 176 fp32 values > 128
         assert space.candidates(dispatch.ProblemKey("fwd_sm90", "sm_90a", "bf16", d, True, 4096), H200) == cands
 
 
@@ -204,7 +232,23 @@ def test_tensor_maps_step_rows_by_the_seq_stride(monkeypatch, layout):
         assert byptr[ptr][1:] == (dims, strides, (64, rows, 1, 1)), (layout, ptr)
 
 
-@pytest.mark.parametrize("d,bm,bn", [(64, 64, 128), (128, 128, 128), (256, 128, 64)])
+def test_named_flag_sets():
+    """The flag-set names the benchmark, the smoke and the GPU tests use (families.sm90_flag_set)."""
+    assert sm90_flag_set("ws") == dict(warpspec=True, pingpong=False, overlap=False)
+    assert sm90_flag_set("ws_pp_kv_lz_e2_s3_m192_n64") == dict(
+        warpspec=True, pingpong=True, overlap=False, sepkv=True, lazy=True, emu=2, stages=3, block_m=192, block_n=64)
+    for bad in ("x", "ws_q", "ws_e", "ws_kv1", "pp_ws"):
+        with pytest.raises(ValueError):
+            sm90_flag_set(bad)
+    assert sm90_named_spec(128, True, "full") == sm90(causal=True)
+    assert sm90_named_spec(256, False, "plain", block_m=64).block_n == 64
+    for d, names in SM90_ABLATION.items():
+        for n in names:
+            for c in (False, True):
+                assert not sm90_named_spec(d, c, n).check(H200), (d, n)
+
+
+@pytest.mark.parametrize("d,bm,bn", [(64, 64, 128), (128, 128, 128), (256, 128, 64), (64, 192, 128), (64, 128, 192)])
 def test_smem_layout_model(d, bm, bn):
     """CPU model of fwd_sm90's shared-memory addressing (the constants of fwd_sm90.cuh, restated):
     where the TMA puts element (row, col) of Q/K/V (128-byte swizzle: 16-byte chunk (c/8) ^ (r%8) of a

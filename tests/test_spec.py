@@ -9,7 +9,7 @@ import pytest
 
 from flashgen import ConfigError, KernelSpec, UnsupportedError, dispatch, gpus
 from flashgen.families import FAMILIES, MMA_HEAD_DIMS
-from flashgen.spec import ARCHS, DTYPES
+from flashgen.spec import ARCHS, DTYPES, FLAG_FIELDS
 
 FWD = FAMILIES["fwd_v2"]
 
@@ -21,8 +21,8 @@ def _allowed(field: str) -> tuple:
     fixed = {"kind": tuple(FAMILIES), "arch": ARCHS, "dtype": DTYPES, "causal": (False, True)}
     if field in fixed:
         return fixed[field]
-    if field in ("warpspec", "pingpong", "overlap"):  # fwd_sm90's flags: False unless the family takes them
-        return (False, True) if field in FWD.flags else (False,)
+    if field in FLAG_FIELDS:  # fwd_sm90's flags: False (or 0) unless the family takes them
+        return ((False, True) if field in FWD.flags else (False,)) if field != "emu" else (0,)
     for attr in (field + "s", field):  # head_dim -> head_dims, warps -> warps
         values = getattr(FWD, attr, None)
         if isinstance(values, tuple):
@@ -67,7 +67,7 @@ def test_names_are_unique_identifiers_over_the_whole_grid():
 
 
 # kind is the name's first word; the other families refuse fwd_v2's tile values, so it is not varied here.
-# The Hopper flags (warpspec, pingpong, overlap) are fixed False for fwd_v2; tests/test_sm90.py covers them.
+# The Hopper flags (spec.FLAG_FIELDS) are fixed False/0 for fwd_v2; tests/test_sm90.py covers them.
 @pytest.mark.parametrize("field", [f for f in FIELDS if f != "kind" and len(_allowed(f)) > 1])
 def test_every_field_changes_the_name(field):
     """Changing any one field to another valid value changes the name: the name covers the field list

@@ -24,17 +24,33 @@
 //  WS        a producer warpgroup (one thread issues every TMA; setmaxnreg moves
 //            its registers to the consumers). Without it, thread 0 of
 //            consumer 0 issues the loads in line, after the stage is released.
-//  PINGPONG  two consumer warpgroups take turns issuing their GEMMs (named
-//            barriers 6 and 7), so one's softmax overlaps the other's GEMMs.
-//            One turn per iteration: S(j+1) and P(j)V(j) are issued in the
-//            same section (the loop shape of OVERLAP, waiting on both GEMMs
+//  PINGPONG  the consumer warpgroups (two or three) take turns issuing their
+//            GEMMs (named barriers 6, 7, 8: each waits on its own, then
+//            arrives on the next one's), so one's softmax overlaps the others'
+//            GEMMs. One turn per iteration: S(j+1) and P(j)V(j) are issued in
+//            the same section (the loop shape of OVERLAP, waiting on both GEMMs
 //            before the softmax when OVERLAP is off).
 //  OVERLAP   within a warpgroup, S(j+1) = Q K(j+1)^T and O += P(j) V(j) are
 //            issued together; the softmax of S(j+1) runs while P(j) V(j) does.
+//  EMU       exp2 of EMU/8 of each thread's S columns (n8 chunks spread over
+//            the tile) by exp2_fma (FMA pipe) instead of MUFU.EX2, the rest
+//            on MUFU: both pipes work on the softmax.
+//  SEPKV     (with WS) a K and a V empty barrier per stage: K(j) is released
+//            as soon as S(j) has completed, V(j) after P(j)V(j), so the
+//            producer refills K while the softmax and P V still run.
+//            Without it one empty barrier per stage, released after P(j)V(j).
+//  LAZY      lean softmax: the row max by a tree (depth log2 of the columns,
+//            not a chain), the row sum in two chains, and the running max
+//            moves only when a row's max grows by more than 2^8 in P units
+//            (FA4's conditional rescale): else P = 2^(s - m_old) <= 256 and
+//            O, l keep their scale, and a warp where no row moved skips O's
+//            rescale. O / l and the LSE (m_used + ln l) use the same m, so the
+//            result is exact up to rounding (P's relative rounding does not
+//            depend on its size).
 #pragma once
 
 template <int D, int BM, int BN, int ST, bool WS, bool PINGPONG, bool OVERLAP, bool CAUSAL, bool BF16,
-          int PRODUCER_REGS, int CONSUMER_REGS, typename Params>
+          int PRODUCER_REGS, int CONSUMER_REGS, int EMU, bool SEPKV, bool LAZY, typename Params>
 FG_DEVICE void fwd_sm90_body(const Params& p) {
   constexpr int NWG = BM / 64;                 // consumer warpgroups
   constexpr int PANELS = D / 64;               // 128-byte panels per row
@@ -43,11 +59,15 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   constexpr int NJ = BN / 8;                   // n8 chunks of S
   constexpr int KV_STEPS = BN / 16;            // k16 steps of P V
   static_assert(BM % 64 == 0 && D % 64 == 0 && BN % 16 == 0 && ST >= 2, "bad fwd_sm90 tile");
-  static_assert(!PINGPONG || NWG == 2, "ping-pong takes two consumer warpgroups");
+  static_assert(!PINGPONG || NWG == 2 || NWG == 3, "ping-pong takes two or three consumer warpgroups");
+  static_assert(!SEPKV || WS, "separate K/V empty barriers need the producer warpgroup");
+  static_assert(EMU == 0 || EMU == 1 || EMU == 2 || EMU == 4, "emu: eighths of the columns (0, 1, 2, 4)");
+  constexpr int NBAR = SEPKV ? 4 : 3;  // barriers per stage
 
   extern __shared__ unsigned char smem_raw[];
-  // Q, then per stage: full K, full V, empty; the last word is the never-written target of sched_pin.
-  __shared__ __align__(8) fg_u64 bars[1 + 3 * ST + 1];
+  // Q, then per stage: full K, full V, empty (K's with SEPKV), [empty V]; the last word is the
+  // never-written target of sched_pin.
+  __shared__ __align__(8) fg_u64 bars[1 + NBAR * ST + 1];
   const fg_u32 sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;  // 128B-swizzle tiles want 1024-byte alignment
   const fg_u32 sK = sQ + Q_BYTES;
   const fg_u32 sV = sK + ST * KV_BYTES;
@@ -55,7 +75,8 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   auto bar_k = [&](int s) { return bar_q + 8u * (1 + s); };
   auto bar_v = [&](int s) { return bar_q + 8u * (1 + ST + s); };
   auto bar_e = [&](int s) { return bar_q + 8u * (1 + 2 * ST + s); };
-  const fg_u32 pin_slot = bar_q + 8u * (1 + 3 * ST);
+  auto bar_ev = [&](int s) { return SEPKV ? bar_q + 8u * (1 + 3 * ST + s) : bar_e(s); };  // V's empty barrier
+  const fg_u32 pin_slot = bar_q + 8u * (1 + NBAR * ST);
 
   const int tid = threadIdx.x;
   // Causal: the longest rows (highest query blocks) launch first.
@@ -79,6 +100,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
       mbar_init(bar_k(s), 1);
       mbar_init(bar_v(s), 1);
       mbar_init(bar_e(s), 4 * NWG);  // lane 0 of every consumer warp
+      if constexpr (SEPKV) mbar_init(bar_ev(s), 4 * NWG);
     }
     mbar_init_fence();
   }
@@ -92,6 +114,9 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
 #pragma unroll
     for (int pn = 0; pn < PANELS; ++pn)
       tma_load_4d(sK + s * KV_BYTES + pn * BN * 128, &p.tm_k, bar_k(s), pn * 64, j * BN, hk, b);
+    if constexpr (SEPKV) {
+      if (j >= ST) mbar_wait(bar_ev(s), ((j / ST) + 1) & 1);
+    }
     mbar_expect_tx(bar_v(s), KV_BYTES);
 #pragma unroll
     for (int pn = 0; pn < PANELS; ++pn)
@@ -144,18 +169,19 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   for (int i = 0; i < D / 2; ++i) acc_o[i] = 0.f;
 
   // Ping-pong: each warpgroup's GEMM issues form "sections"; consumer 0 goes
-  // first, then they alternate. Both run the same number of sections, and the
-  // last arrive of consumer 1 is skipped so every barrier phase completes.
+  // first, then they take turns (0, 1[, 2], 0, ...). All run the same number of
+  // sections, and the last arrive of the last consumer is skipped so every
+  // barrier phase completes.
   auto pp_begin = [&]() {
     if constexpr (PINGPONG) named_sync(6 + cw, 256);
   };
   auto pp_end = [&](bool last) {
     if constexpr (PINGPONG) {
-      if (!(last && cw == 1)) named_arrive(6 + (cw ^ 1), 256);
+      if (!(last && cw == NWG - 1)) named_arrive(6 + (NWG == 2 ? (cw ^ 1) : (cw + 1) % NWG), 256);
     }
   };
   if constexpr (PINGPONG) {
-    if (cw == 1 && n_blocks > 0) named_arrive(6, 256);
+    if (cw == NWG - 1 && n_blocks > 0) named_arrive(6, 256);
   }
 
   auto issue_s = [&](int s) {
@@ -189,25 +215,51 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float mx = row_max[h];
+      if constexpr (LAZY) {  // a tree: depth ~log2(NJ) + 1 instead of a chain of NJ
+        float v[NJ];
 #pragma unroll
-      for (int nj = 0; nj < NJ; ++nj) mx = fmaxf(mx, fmaxf(acc_s[4 * nj + 2 * h], acc_s[4 * nj + 2 * h + 1]));
+        for (int nj = 0; nj < NJ; ++nj) v[nj] = fmaxf(acc_s[4 * nj + 2 * h], acc_s[4 * nj + 2 * h + 1]);
+#pragma unroll
+        for (int w = 1; w < NJ; w *= 2)
+#pragma unroll
+          for (int i = 0; i + w < NJ; i += 2 * w) v[i] = fmaxf(v[i], v[i + w]);
+        mx = fmaxf(mx, v[0]);
+      } else {
+#pragma unroll
+        for (int nj = 0; nj < NJ; ++nj) mx = fmaxf(mx, fmaxf(acc_s[4 * nj + 2 * h], acc_s[4 * nj + 2 * h + 1]));
+      }
       mx = quad_max(mx);
+      // LAZY: keep the old max unless this one is more than 2^8 above it (in P = 2^(scaled s - m)). The
+      // scale is positive (api.checked_scale): a first finite max over -inf reads +inf and moves; both -inf
+      // reads NaN and stays.
+      if constexpr (LAZY) mx = (mx - row_max[h]) * p.scale_log2 > 8.f ? mx : row_max[h];
       const float m_scaled = (mx == -INFINITY ? 0.f : mx) * p.scale_log2;  // all masked so far: no NaN
-      alpha[h] = fast_exp2(row_max[h] * p.scale_log2 - m_scaled);
+      if constexpr (LAZY)  // exactly 1 where the max stayed (O, l are 0 while it is -inf: any factor does)
+        alpha[h] = mx == row_max[h] ? 1.f : fast_exp2(row_max[h] * p.scale_log2 - m_scaled);
+      else
+        alpha[h] = fast_exp2(row_max[h] * p.scale_log2 - m_scaled);
       row_max[h] = mx;
-      float sum = 0.f;
+      // LAZY: two partial sums (even / odd column of each pair), half the dependent FADD chain.
+      float sum[2] = {0.f, 0.f};
 #pragma unroll
       for (int nj = 0; nj < NJ; ++nj)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float pe = fast_exp2(fmaf(acc_s[4 * nj + 2 * h + e], p.scale_log2, -m_scaled));
+          const float x = fmaf(acc_s[4 * nj + 2 * h + e], p.scale_log2, -m_scaled);
+          // EMU of every 8 n8 chunks (nj = 7; 3, 7; odd) on the FMA pipe; nj is a constant once unrolled.
+          const float pe = (nj * EMU) % 8 >= 8 - EMU ? exp2_fma(x) : fast_exp2(x);
           acc_s[4 * nj + 2 * h + e] = pe;
-          sum += pe;
+          sum[LAZY ? e : 0] += pe;
         }
-      row_sum[h] = row_sum[h] * alpha[h] + sum;  // per-thread partial; quad-summed at the end
+      // per-thread partial; quad-summed at the end
+      row_sum[h] = row_sum[h] * alpha[h] + (LAZY ? sum[0] + sum[1] : sum[0]);
     }
   };
   auto rescale_o = [&]() {
+    // LAZY: alpha is exactly 1 for a row whose max did not move; skip when that holds for the warp.
+    if constexpr (LAZY) {
+      if (!__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) return;
+    }
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) {
       acc_o[4 * i] *= alpha[0];
@@ -239,8 +291,15 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
           for (int e = 0; e < 2; ++e) p.dbg_s[(r + 8 * h) * BN + nj * 8 + 2 * t + e] = acc_s[4 * nj + 2 * h + e];
     }
   };
+  // K of block j once S(j) has completed (SEPKV only; else K goes with V in release).
+  auto release_k = [&](int j) {
+    if constexpr (SEPKV) {
+      if (lane == 0) mbar_arrive(bar_e(j % ST));
+    }
+  };
+  // V (and, without SEPKV, K) of block j once P(j) V(j) has completed.
   auto release = [&](int j) {
-    if (lane == 0) mbar_arrive(bar_e(j % ST));
+    if (lane == 0) mbar_arrive(bar_ev(j % ST));
     if constexpr (!WS) {
       if (tid == 0 && j + ST < n_blocks) produce(j + ST);
     }
@@ -264,6 +323,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
       pp_end(false);
       wgmma_wait<0>();
       reg_fence(acc_s);
+      release_k(j);
       if (j == 0) dump_s();
       softmax(j);
       rescale_o();
@@ -288,6 +348,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
     pp_end(false);
     wgmma_wait<0>();
     reg_fence(acc_s);
+    release_k(0);
     dump_s();
     softmax(0);  // O is still zero: no rescale needed
     for (int j = 1; j < n_blocks; ++j) {
@@ -306,6 +367,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
       if constexpr (OVERLAP) {
         wgmma_wait<1>();  // S(j) done; P(j-1) V(j-1) may still run
         reg_fence(acc_s);
+        release_k(j);
         softmax(j);
         // ptxas schedules WARPGROUP.DEPBAR as early as it may: without this pin the wait below
         // lands before the softmax's exp2s (SASS), and P(j-1)V(j-1) never overlaps them.
@@ -316,6 +378,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
       } else {
         wgmma_wait<0>();
         reg_fence(acc_o);
+        release_k(j);
         release(j - 1);  // stage j-1 is free before the softmax, not after it
         reg_fence(acc_s);
         softmax(j);

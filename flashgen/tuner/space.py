@@ -6,9 +6,11 @@ that serve its kind on its arch (``dispatch.families_for``: for "fwd" on
 sm_90a both fwd_v2 and fwd_sm90, elsewhere fwd_v2), optionally restricted
 (``--kind fwd_v2`` / ``fwd_sm90``). Its candidates are every combination of
 each family's tunable knobs (``Family.tune_space``) that the family accepts
-(``validate``: sizes it supports, warp layout dividing the tile) and that the
-GPU can hold (``KernelSpec.check``: shared memory within the budget M, fp32
-accumulators per thread within what the register file plausibly keeps). The
+(``validate``: sizes it supports, warp layout dividing the tile) and searches
+(``Family.searched``: fwd_sm90 tries its softmax flags only with warpspec, emu
+only at d = 64) and that the GPU can hold (``KernelSpec.check``: shared memory
+within the budget M, fp32 accumulators per thread within what the register file
+plausibly keeps). The
 ptxas report decides the rest at compile time (a spilling tile is a recorded
 constraint violation, never launched).
 
@@ -206,7 +208,7 @@ def candidates(key: ProblemKey, profile, only=None) -> list[KernelSpec]:
                 spec = make_spec(key, kind, **dict(zip(names, values))).validate()
             except ValueError:
                 continue  # not a layout the template supports (e.g. rows not divisible over the warps)
-            if _ok(spec, profile) and spec not in out:
+            if _ok(spec, profile) and fam.searched(spec) and spec not in out:
                 out.append(spec)
     if not out:
         raise ValueError(f"no spec of {key.kind} fits {profile.name} with {profile.smem_per_block} B")
