@@ -98,8 +98,7 @@ def _launch_debug(q, k, v, causal, s):
     out = torch.empty_like(q)
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
     dbg = torch.full((s.block_m, s.block_n), float("nan"), dtype=torch.float32, device=q.device)
-    params = plan.params()
-    plan.tma(params, q.data_ptr(), k.data_ptr(), v.data_ptr())
+    params = plan.tma(q.data_ptr(), k.data_ptr(), v.data_ptr())  # a fresh block with the maps filled in
     params.o, params.lse, params.dbg_s = out.data_ptr(), lse.data_ptr(), dbg.data_ptr()
     plan.launch(params)
     torch.cuda.synchronize()
