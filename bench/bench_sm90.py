@@ -60,17 +60,14 @@ def fg(spec=None):
     return lambda q, k, v, causal: (lambda: flashgen.attention(q, k, v, causal=causal, spec=spec))
 
 
-def host_us(spec, calls=300):
+def host_us(spec, calls=100):
+    """Per-call host time of a cached ``spec`` (flashgen.bench.timing.host_us, the one host timer)."""
+    from flashgen.bench import timing
+
     q, k, v = (torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    for _ in range(20):
-        flashgen.attention(q, k, v, spec=spec)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        flashgen.attention(q, k, v, spec=spec)
-    per = (time.perf_counter() - t0) / calls * 1e6
-    torch.cuda.synchronize()
-    return per
+    fn = lambda: flashgen.attention(q, k, v, spec=spec)  # noqa: E731
+    fn()
+    return timing.host_us(fn, calls)
 
 
 def main(argv=None):
