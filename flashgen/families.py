@@ -36,6 +36,10 @@ class Family:
     max_acc_floats: int = 200           # fp32 accumulators per thread before spilling is likely
     flags: tuple = ()                   # the spec flags (spec.FLAG_FIELDS) the family takes
     hints: tuple = (0,)                 # KernelSpec.hint values (decode_split's load flavours; 0 elsewhere)
+    # Parameters only some specs of the family declare (fwd_sm90's persist: SM90_PERSIST_PARAMS): the
+    # ctypes struct always holds them, after ``params`` and inside the alignas(64) padding, so the C
+    # struct of a spec without them -- and its cubin -- is unchanged.
+    late_params: tuple = ()
     archs: tuple = ("sm_80", "sm_86", "sm_89", "sm_90a")  # compile targets the family runs on (spec.ARCHS)
     # The knobs the tuner searches and the values it tries (a subset of the
     # supported values above: the sizes that can win, not every legal one).
@@ -247,13 +251,16 @@ SM90_PARAMS = (
     ("d", "int", I32), ("scale", "float", F32), ("scale_log2", "float", F32),
 )
 
+# persist only: the tile count (m-blocks x heads x batch) the CTAs walk, and the m-blocks per (batch, head).
+SM90_PERSIST_PARAMS = (("tiles", "int", I32), ("m_blocks", "int", I32))
+
 SM90_HEAD_DIMS = (64, 128, 256)
 
 # fwd_sm90's named flag sets (the benchmark's ablation, the smoke and the GPU tests share these names):
 # a base for (warpspec, pingpong, overlap), then optional tokens, e.g. "ws_pp_kv_lz_e1_s3_m192".
 SM90_FLAG_BASES = {"plain": (False, False, False), "ov": (False, False, True), "ws": (True, False, False),
                    "ws_pp": (True, True, False), "ws_ov": (True, False, True), "full": (True, True, True)}
-SM90_FLAG_SWITCHES = {"kv": "sepkv", "lz": "lazy"}
+SM90_FLAG_SWITCHES = {"kv": "sepkv", "lz": "lazy", "ps": "persist"}
 SM90_FLAG_NUMBERS = {"e": "emu", "s": "stages", "m": "block_m", "n": "block_n"}
 # The flag sets bench/bench_sm90.py's ablation times per head dim (hidden 2048, N = 8k, causal both) and
 # tests/test_sm90.py compiles: the ladder measured so far, then each new flag alone and together
@@ -274,7 +281,7 @@ SM90_ABLATION = {
 
 def sm90_flag_set(name: str) -> dict:
     """The KernelSpec fields a named fwd_sm90 flag set sets: warpspec, pingpong, overlap from the base
-    (SM90_FLAG_BASES), then per token: ``kv`` sepkv, ``lz`` lazy, ``e<k>`` emu=k, ``s<k>`` stages,
+    (SM90_FLAG_BASES), then per token: ``kv`` sepkv, ``lz`` lazy, ``ps`` persist, ``e<k>`` emu=k, ``s<k>`` stages,
     ``m<k>`` block_m, ``n<k>`` block_n. ``ValueError`` for a name it cannot read."""
     parts = name.split("_")
     cut = 2 if "_".join(parts[:2]) in SM90_FLAG_BASES else 1
@@ -312,7 +319,8 @@ class Sm90Family(Family):
     a producer warpgroup when warpspec); refill is unused (0). Flags:
     warpspec, pingpong (needs warpspec and two or three consumers: they take turns), overlap,
     emu (EMUS: eighths of S's columns whose exp2 runs on the FMA pipe), sepkv (needs warpspec:
-    separate K and V empty barriers), lazy (lean softmax).
+    separate K and V empty barriers), lazy (lean softmax), persist (needs warpspec: a persistent
+    kernel, the grid sized to the SMs; the host passes tiles and m_blocks, SM90_PERSIST_PARAMS).
     """
 
     EMUS = (0, 1, 2, 4)
@@ -336,6 +344,9 @@ class Sm90Family(Family):
         if spec.sepkv and not spec.warpspec:
             raise ValueError(f"{self.kind}: sepkv needs warpspec (the producer warpgroup waits on the K and V "
                              "barriers)")
+        if spec.persist and not spec.warpspec:
+            raise ValueError(f"{self.kind}: persist needs warpspec (the producer warpgroup runs ahead into the "
+                             "next tile; without it the loads are issued in line by a consumer)")
 
     def complete(self, knobs: dict) -> dict:
         """warps follows from block_m and warpspec (4 per consumer warpgroup, 4 for the producer): not a knob."""
@@ -350,10 +361,22 @@ class Sm90Family(Family):
         where the exp2s take as long as the GEMMs (at 128 and 256 they take half or less)."""
         return (spec.warpspec or not (spec.emu or spec.lazy)) and (spec.head_dim == 64 or not spec.emu)
 
+    # Dynamic + static shared memory one sm_90a block may use (gpus.ARCH_SMEM_PER_BLOCK), and what the
+    # mbarriers (static) may take of it.
+    SMEM_LIMIT, STATIC_RESERVE = 232448, 256
+
+    def q_buffers(self, spec) -> int:
+        """Q tiles in shared memory: 2 for a persistent kernel where they fit (the next tile's Q loads
+        during this tile's epilogue), else 1."""
+        if not spec.persist:
+            return 1
+        two = 2 * spec.head_dim * (2 * spec.block_m + 2 * spec.stages * spec.block_n) + 1024
+        return 2 if two + self.STATIC_RESERVE <= self.SMEM_LIMIT else 1
+
     def smem_bytes(self, spec) -> int:
         # Q tile, K and V rings, and 1 KB to align the tiles to 1024 bytes (the
         # 128-byte swizzle's period); the mbarriers are static shared memory.
-        return 2 * spec.head_dim * (spec.block_m + 2 * spec.stages * spec.block_n) + 1024
+        return 2 * spec.head_dim * (self.q_buffers(spec) * spec.block_m + 2 * spec.stages * spec.block_n) + 1024
 
     def regs(self, spec) -> tuple[int, int]:
         """(producer, consumer) registers per thread after setmaxnreg (only with warpspec and >= 2 consumers)."""
@@ -376,16 +399,18 @@ class Sm90Family(Family):
 
     def context(self, spec) -> dict:
         producer, consumer = self.regs(spec)
-        return {"params": [(n, c) for n, c, _ in self.params], "param_bytes": ctypes.sizeof(self.param_struct()),
-                "producer_regs": producer or 24, "consumer_regs": consumer or 240}
+        params = self.params + (self.late_params if spec.persist else ())
+        return {"params": [(n, c) for n, c, _ in params], "param_bytes": ctypes.sizeof(self.param_struct()),
+                "producer_regs": producer or 24, "consumer_regs": consumer or 240,
+                "q_buffers": self.q_buffers(spec)}
 
     def param_struct(self):
         """ctypes struct padded to the C struct's alignas(64) size (ctypes here has no _align_)."""
         if not self._struct:
-            base = type(f"{self.kind}_params_base", (ctypes.Structure,),
-                        {"_fields_": [(n, t) for n, _, t in self.params]})
+            rows = self.params + self.late_params
+            base = type(f"{self.kind}_params_base", (ctypes.Structure,), {"_fields_": [(n, t) for n, _, t in rows]})
             pad = -ctypes.sizeof(base) % 64
-            fields = [(n, t) for n, _, t in self.params] + ([("_pad", ctypes.c_ubyte * pad)] if pad else [])
+            fields = [(n, t) for n, _, t in rows] + ([("_pad", ctypes.c_ubyte * pad)] if pad else [])
             self._struct.append(type(f"{self.kind}_params", (ctypes.Structure,), {"_fields_": fields}))
         return self._struct[0]
 
@@ -398,10 +423,12 @@ FAMILIES: dict[str, Family] = {
                                       stages=(2, 3, 4, 5, 6, 8, 10, 12), refills=(0,), hints=tuple(LOAD_HINTS)),
     "decode_combine": DecodeCombineFamily("decode_combine", "decode_combine.cu.j2", COMBINE_PARAMS,
                                           head_dims=DECODE_HEAD_DIMS),
-    "fwd_sm90": Sm90Family("fwd_sm90", "fwd_sm90.cu.j2", SM90_PARAMS, head_dims=SM90_HEAD_DIMS,
+    "fwd_sm90": Sm90Family("fwd_sm90", "fwd_sm90.cu.j2", SM90_PARAMS, late_params=SM90_PERSIST_PARAMS,
+                           head_dims=SM90_HEAD_DIMS,
                            block_ms=(64, 128, 192), block_ns=(64, 80, 96, 112, 128, 144, 160, 176, 192),
                            warps=(4, 8, 12, 16), stages=(2, 3, 4), refills=(0,),
-                           flags=("warpspec", "pingpong", "overlap", "emu", "sepkv", "lazy"), archs=("sm_90a",),
+                           flags=("warpspec", "pingpong", "overlap", "emu", "sepkv", "lazy", "persist"),
+                           archs=("sm_90a",),
                            # warps is implied by block_m and warpspec (Sm90Family.complete), not searched.
                            # emu 2 and 4 (a quarter / half of the exp2s on the FMA pipe) are not searched: both
                            # lost at every H200 ablation cell; emu 1 (-1/+2 % at d=64) and lazy (-7..+3 %) are
@@ -409,7 +436,7 @@ FAMILIES: dict[str, Family] = {
                            tune_space=(("block_m", (64, 128, 192)), ("block_n", (64, 80, 96, 112, 128, 160, 176, 192)),
                                        ("stages", (2, 3, 4)), ("warpspec", (False, True)), ("pingpong", (False, True)),
                                        ("overlap", (False, True)), ("sepkv", (False, True)), ("lazy", (False, True)),
-                                       ("emu", (0, 1)))),
+                                       ("emu", (0, 1)), ("persist", (False, True)))),
 }
 
 from .bwd_families import BWD_FAMILIES  # noqa: E402 -- needs Family, defined above

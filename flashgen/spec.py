@@ -16,9 +16,9 @@ DTYPES = ("fp16", "bf16")
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a")
 DTYPE_BYTES = {"fp16": 2, "bf16": 2}
 # Fields added after tuned tables were first written: a record may omit them (their default is the old behaviour).
-LATER_FIELDS = ("warpspec", "pingpong", "overlap", "hint", "emu", "sepkv", "lazy")
+LATER_FIELDS = ("warpspec", "pingpong", "overlap", "hint", "emu", "sepkv", "lazy", "persist")
 # Fields a family must list in ``Family.flags`` before a spec of it may set them (to True, or nonzero).
-FLAG_FIELDS = ("warpspec", "pingpong", "overlap", "emu", "sepkv", "lazy")
+FLAG_FIELDS = ("warpspec", "pingpong", "overlap", "emu", "sepkv", "lazy", "persist")
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,7 @@ class KernelSpec:
     emu: int = 0              # exp2 of emu/8 of each thread's S columns on the FMA pipe, not MUFU (0, 1, 2, 4)
     sepkv: bool = False       # separate K and V empty barriers: K(j) is released once S(j) is done
     lazy: bool = False        # lean softmax: tree row max; O rescaled only when the max grows by > 2^8 (FA4)
+    persist: bool = False     # persistent kernel: one CTA per SM walks the tiles; loads run ahead across tiles
     # Decode families (decode_split: the K/V global-load flavour, families.LOAD_HINTS) and bwd_sm90
     # (how dQ reaches its accumulator, bwd_families.DQ_WRITES); every other kind keeps 0, and only
     # these kinds name it (``_h{hint}`` where the others have ``_r{refill}``: they have no refill
@@ -56,7 +57,7 @@ class KernelSpec:
 
         fwd_sm90 names its flags instead of the refill slot it does not have:
         ``fwd_sm90_d128_m128_n128_w12_s2_ws1_pp1_ov1_causal_bf16_sm90a``, and the later ones only when
-        set (``..._ov1_e2_kv1_lz1_causal...``: emu=2, sepkv, lazy); the decode kinds name
+        set (``..._ov1_e2_kv1_lz1_ps1_causal...``: emu=2, sepkv, lazy, persist); the decode kinds name
         their load hint instead: ``decode_split_d128_m16_n128_w4_s2_h0_causal_bf16_sm90a``.
         """
         if self.kind == "fwd_sm90":
@@ -64,7 +65,7 @@ class KernelSpec:
                 f"{self.kind}_d{self.head_dim}_m{self.block_m}_n{self.block_n}_w{self.warps}_s{self.stages}"
                 f"_ws{int(self.warpspec)}_pp{int(self.pingpong)}_ov{int(self.overlap)}"
                 + (f"_e{self.emu}" if self.emu else "") + ("_kv1" if self.sepkv else "")
-                + ("_lz1" if self.lazy else "")
+                + ("_lz1" if self.lazy else "") + ("_ps1" if self.persist else "")
                 + f"_{'causal' if self.causal else 'full'}_{self.dtype}_{self.arch.replace('_', '')}"
             )
         return (

@@ -47,10 +47,22 @@
 //            rescale. O / l and the LSE (m_used + ln l) use the same m, so the
 //            result is exact up to rounding (P's relative rounding does not
 //            depend on its size).
+//  PERSIST   (with WS) a persistent kernel: gridDim.x CTAs (the host sizes it to the SMs)
+//            walk the p.tiles tiles t = blockIdx.x, + gridDim.x, ... Causal: the
+//            tile order puts the highest query blocks (the longest rows) first
+//            across every (batch, head); non-causal: m-block fastest, then head,
+//            then batch (one head's K/V stays hot in L2). The producer runs on
+//            into the next tile: the K/V ring position and its phases count on
+//            across tiles, and Q has a ring of QB buffers (2 where shared memory
+//            allows) with a 'Q empty' barrier per buffer that every consumer
+//            warp arrives on once its epilogue has read its O rows back out of
+//            it (the epilogue stages O in the Q rows). With QB = 1 the producer
+//            issues the next tile's first K/V stages before waiting for Q empty.
 #pragma once
 
 template <int D, int BM, int BN, int ST, bool WS, bool PINGPONG, bool OVERLAP, bool CAUSAL, bool BF16,
-          int PRODUCER_REGS, int CONSUMER_REGS, int EMU, bool SEPKV, bool LAZY, typename Params>
+          int PRODUCER_REGS, int CONSUMER_REGS, int EMU, bool SEPKV, bool LAZY, bool PERSIST, int QB,
+          typename Params>
 FG_DEVICE void fwd_sm90_body(const Params& p) {
   constexpr int NWG = BM / 64;                 // consumer warpgroups
   constexpr int PANELS = D / 64;               // 128-byte panels per row
@@ -62,14 +74,16 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   static_assert(!PINGPONG || NWG == 2 || NWG == 3, "ping-pong takes two or three consumer warpgroups");
   static_assert(!SEPKV || WS, "separate K/V empty barriers need the producer warpgroup");
   static_assert(EMU == 0 || EMU == 1 || EMU == 2 || EMU == 4, "emu: eighths of the columns (0, 1, 2, 4)");
+  static_assert(!PERSIST || WS, "the persistent kernel needs the producer warpgroup");
+  static_assert(QB == 1 || (PERSIST && QB == 2), "Q buffers: 1, or 2 when persistent");
   constexpr int NBAR = SEPKV ? 4 : 3;  // barriers per stage
 
   extern __shared__ unsigned char smem_raw[];
   // Q, then per stage: full K, full V, empty (K's with SEPKV), [empty V]; the last word is the
-  // never-written target of sched_pin.
-  __shared__ __align__(8) fg_u64 bars[1 + NBAR * ST + 1];
+  // never-written target of sched_pin; PERSIST: then full Q barriers 1..QB-1, QB empty Q barriers.
+  __shared__ __align__(8) fg_u64 bars[1 + NBAR * ST + 1 + (PERSIST ? 2 * QB - 1 : 0)];
   const fg_u32 sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;  // 128B-swizzle tiles want 1024-byte alignment
-  const fg_u32 sK = sQ + Q_BYTES;
+  const fg_u32 sK = sQ + QB * Q_BYTES;
   const fg_u32 sV = sK + ST * KV_BYTES;
   const fg_u32 bar_q = smem_addr(bars);
   auto bar_k = [&](int s) { return bar_q + 8u * (1 + s); };
@@ -77,18 +91,46 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   auto bar_e = [&](int s) { return bar_q + 8u * (1 + 2 * ST + s); };
   auto bar_ev = [&](int s) { return SEPKV ? bar_q + 8u * (1 + 3 * ST + s) : bar_e(s); };  // V's empty barrier
   const fg_u32 pin_slot = bar_q + 8u * (1 + NBAR * ST);
+  auto bar_qf = [&](int i) { return i == 0 ? bar_q : bar_q + 8u * (1 + NBAR * ST + i); };  // Q buffer i full
+  auto bar_qe = [&](int i) { return bar_q + 8u * (1 + NBAR * ST + QB + i); };              // Q buffer i empty
 
   const int tid = threadIdx.x;
-  // Causal: the longest rows (highest query blocks) launch first.
-  const int m_block = CAUSAL ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
-  const int b = blockIdx.z, hq = blockIdx.y, hk = hq / p.group;
-  const int m0 = m_block * BM;
+  // Tile t -> (m_block, head, batch). Not persistent: the grid's coordinates, causal with the longest
+  // rows (highest query blocks) launched first. Persistent: see PERSIST above.
+  auto tile_coords = [&](int t, int& mb, int& h, int& bb) {
+    if constexpr (!PERSIST) {
+      mb = CAUSAL ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
+      bb = blockIdx.z;
+      h = blockIdx.y;
+    } else if constexpr (CAUSAL) {
+      const int hb = p.tiles / p.m_blocks, rest = t % hb;  // (batch, head) pairs
+      mb = p.m_blocks - 1 - t / hb;
+      h = rest % p.heads;
+      bb = rest / p.heads;
+    } else {
+      const int rest = t / p.m_blocks;
+      mb = t % p.m_blocks;
+      h = rest % p.heads;
+      bb = rest / p.heads;
+    }
+  };
+  // K/V blocks query block m0 needs.
+  auto blocks_of = [&](int m0_) {
+    int nb = ceil_div(p.nk, BN);
+    if constexpr (CAUSAL) {
+      const int limit = m0_ + BM + (p.nk - p.nq);  // (+ diag, below)
+      nb = limit <= 0 ? 0 : min(nb, ceil_div(limit, BN));
+    }
+    return nb;
+  };
+  int tile = PERSIST ? static_cast<int>(blockIdx.x) : 0;
+  int m_block, hq, b;
+  tile_coords(tile, m_block, hq, b);
+  int hk = hq / p.group;
+  int m0 = m_block * BM;
+  // diag here, not above the lambdas: that order keeps the cubins without PERSIST byte-identical.
   const int diag = p.nk - p.nq;  // bottom-right alignment: query i sees keys j <= i + diag
-  int n_blocks = ceil_div(p.nk, BN);
-  if constexpr (CAUSAL) {
-    const int limit = m0 + BM + diag;
-    n_blocks = limit <= 0 ? 0 : min(n_blocks, ceil_div(limit, BN));
-  }
+  int n_blocks = blocks_of(m0);
 
   if (tid == 0) {
     tma_prefetch_map(&p.tm_q);
@@ -101,6 +143,13 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
       mbar_init(bar_v(s), 1);
       mbar_init(bar_e(s), 4 * NWG);  // lane 0 of every consumer warp
       if constexpr (SEPKV) mbar_init(bar_ev(s), 4 * NWG);
+    }
+    if constexpr (PERSIST) {
+#pragma unroll
+      for (int i = 0; i < QB; ++i) {
+        if (i > 0) mbar_init(bar_qf(i), 1);
+        mbar_init(bar_qe(i), 4 * NWG);
+      }
     }
     mbar_init_fence();
   }
@@ -127,6 +176,48 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
 #pragma unroll
     for (int pn = 0; pn < PANELS; ++pn) tma_load_4d(sQ + pn * BM * 128, &p.tm_q, bar_q, pn * 64, m0, hq, b);
   };
+  // PERSIST's producer: every tile of this CTA. `it` is the ring position of K/V block j of the tile
+  // (counted on across tiles: stage it % ST, use it / ST), `qi` the tile's position in the Q ring.
+  auto produce_all = [&]() {
+    if constexpr (PERSIST) {  // (p.tiles exists only then)
+    int it = 0;
+    for (int qi = 0; tile < p.tiles; tile += gridDim.x, ++qi) {
+      if (qi > 0) {
+        tile_coords(tile, m_block, hq, b);
+        hk = hq / p.group;
+        m0 = m_block * BM;
+        n_blocks = blocks_of(m0);
+      }
+      const int qs = qi % QB;
+      // One Q buffer: this tile's first K/V stages go out before waiting for the last epilogue to free Q.
+      const int q_after = (QB == 1 && qi > 0) ? min(ST, n_blocks) : 0;
+      for (int j = 0; j <= n_blocks; ++j) {
+        if (j == q_after) {
+          if (qi >= QB) mbar_wait(bar_qe(qs), ((qi / QB) + 1) & 1);
+          mbar_expect_tx(bar_qf(qs), Q_BYTES);
+#pragma unroll
+          for (int pn = 0; pn < PANELS; ++pn)
+            tma_load_4d(sQ + qs * Q_BYTES + pn * BM * 128, &p.tm_q, bar_qf(qs), pn * 64, m0, hq, b);
+        }
+        if (j == n_blocks) break;
+        const int r = it + j, s = r % ST;
+        if (r >= ST) mbar_wait(bar_e(s), ((r / ST) + 1) & 1);
+        mbar_expect_tx(bar_k(s), KV_BYTES);
+#pragma unroll
+        for (int pn = 0; pn < PANELS; ++pn)
+          tma_load_4d(sK + s * KV_BYTES + pn * BN * 128, &p.tm_k, bar_k(s), pn * 64, j * BN, hk, b);
+        if constexpr (SEPKV) {
+          if (r >= ST) mbar_wait(bar_ev(s), ((r / ST) + 1) & 1);
+        }
+        mbar_expect_tx(bar_v(s), KV_BYTES);
+#pragma unroll
+        for (int pn = 0; pn < PANELS; ++pn)
+          tma_load_4d(sV + s * KV_BYTES + pn * BN * 128, &p.tm_v, bar_v(s), pn * 64, j * BN, hk, b);
+      }
+      it += n_blocks;
+    }
+    }
+  };
 
   int cw;  // consumer warpgroup index
   if constexpr (WS) {
@@ -134,8 +225,12 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
     if (wg == 0) {
       if constexpr (NWG >= 2) regs_dec<PRODUCER_REGS>();
       if (tid == 0) {
-        produce_q();
-        for (int j = 0; j < n_blocks; ++j) produce(j);
+        if constexpr (PERSIST) {
+          produce_all();
+        } else {
+          produce_q();
+          for (int j = 0; j < n_blocks; ++j) produce(j);
+        }
       }
       return;
     }
@@ -151,11 +246,16 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
 
   const int ltid = tid % 128, wq = ltid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
+  // PERSIST: the ring position of this tile's first K/V block, and the tile's position in the Q ring
+  // (both stay 0 without it: one tile per CTA).
+  int kv0 = 0, qi = 0;
+  while (true) {  // tiles of this CTA (one pass when not persistent)
+  const fg_u32 sQt = sQ + (qi % QB) * Q_BYTES;  // this tile's Q buffer
   const int row_base = m0 + cw * 64 + wq * 16 + g;  // this thread's rows: row_base and row_base + 8
 
   // Descriptors: K-major SW128 (LBO 16 B, unused; SBO 1024 B) for Q and K,
   // MN-major SW128 (LBO = panel stride, SBO = 1024 B) for V.
-  const fg_u64 desc_q = sw128_desc(sQ + cw * 64 * 128, 16, 1024);
+  const fg_u64 desc_q = sw128_desc(sQt + cw * 64 * 128, 16, 1024);
   const fg_u64 desc_k = sw128_desc(sK, 16, 1024);
   const fg_u64 desc_v = sw128_desc(sV, BN * 128, 1024);
   // Offsets (in 16-byte units) for k16 step kk inside a tile of `rows` rows.
@@ -291,7 +391,8 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
           for (int e = 0; e < 2; ++e) p.dbg_s[(r + 8 * h) * BN + nj * 8 + 2 * t + e] = acc_s[4 * nj + 2 * h + e];
     }
   };
-  // K of block j once S(j) has completed (SEPKV only; else K goes with V in release).
+  // K of block j once S(j) has completed (SEPKV only; else K goes with V in release). release_k and
+  // release take the block's ring position (kv0 + j; j itself without PERSIST).
   auto release_k = [&](int j) {
     if constexpr (SEPKV) {
       if (lane == 0) mbar_arrive(bar_e(j % ST));
@@ -305,7 +406,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
     }
   };
 
-  mbar_wait(bar_q, 0);  // always: the epilogue reuses the Q rows, so the Q copy must have landed
+  mbar_wait(bar_qf(qi % QB), (qi / QB) & 1);  // always: the epilogue reuses the Q rows, so the Q copy must have landed
 
   // Two loop shapes. Without overlap or ping-pong: S(j), softmax, P(j)V(j), each GEMM waited on.
   // With either: one GEMM section per iteration, S(j) and P(j-1)V(j-1) issued together (one named-
@@ -314,7 +415,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   // without it both GEMMs are waited on first.
   if constexpr (!OVERLAP && !PINGPONG) {
     for (int j = 0; j < n_blocks; ++j) {
-      const int s = j % ST, ph = (j / ST) & 1;
+      const int s = (kv0 + j) % ST, ph = ((kv0 + j) / ST) & 1;
       mbar_wait(bar_k(s), ph);
       pp_begin();
       wgmma_fence();
@@ -323,7 +424,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
       pp_end(false);
       wgmma_wait<0>();
       reg_fence(acc_s);
-      release_k(j);
+      release_k(kv0 + j);
       if (j == 0) dump_s();
       softmax(j);
       rescale_o();
@@ -337,25 +438,25 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
       pp_end(j == n_blocks - 1);
       wgmma_wait<0>();
       reg_fence(acc_o);
-      release(j);
+      release(kv0 + j);
     }
   } else if (n_blocks > 0) {
-    mbar_wait(bar_k(0), 0);
+    mbar_wait(bar_k(kv0 % ST), (kv0 / ST) & 1);
     pp_begin();
     wgmma_fence();
-    issue_s(0);
+    issue_s(kv0 % ST);
     wgmma_commit();
     pp_end(false);
     wgmma_wait<0>();
     reg_fence(acc_s);
-    release_k(0);
+    release_k(kv0);
     dump_s();
     softmax(0);  // O is still zero: no rescale needed
     for (int j = 1; j < n_blocks; ++j) {
-      const int s = j % ST, sp = (j - 1) % ST;
+      const int r = kv0 + j, s = r % ST, sp = (r - 1) % ST;
       pack_p();  // P(j-1)
-      mbar_wait(bar_k(s), (j / ST) & 1);
-      mbar_wait(bar_v(sp), ((j - 1) / ST) & 1);
+      mbar_wait(bar_k(s), (r / ST) & 1);
+      mbar_wait(bar_v(sp), ((r - 1) / ST) & 1);
       pp_begin();
       reg_fence(acc_o);
       wgmma_fence();
@@ -367,25 +468,25 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
       if constexpr (OVERLAP) {
         wgmma_wait<1>();  // S(j) done; P(j-1) V(j-1) may still run
         reg_fence(acc_s);
-        release_k(j);
+        release_k(r);
         softmax(j);
         // ptxas schedules WARPGROUP.DEPBAR as early as it may: without this pin the wait below
         // lands before the softmax's exp2s (SASS), and P(j-1)V(j-1) never overlaps them.
         sched_pin(row_sum[0] + row_sum[1], pin_slot);
         wgmma_wait<0>();
         reg_fence(acc_o);
-        release(j - 1);
+        release(r - 1);
       } else {
         wgmma_wait<0>();
         reg_fence(acc_o);
-        release_k(j);
-        release(j - 1);  // stage j-1 is free before the softmax, not after it
+        release_k(r);
+        release(r - 1);  // stage j-1 is free before the softmax, not after it
         reg_fence(acc_s);
         softmax(j);
       }
       rescale_o();
     }
-    const int jl = n_blocks - 1, sl = jl % ST;
+    const int jl = kv0 + n_blocks - 1, sl = jl % ST;
     pack_p();
     mbar_wait(bar_v(sl), (jl / ST) & 1);
     pp_begin();
@@ -410,7 +511,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) {
       const fg_u32 packed = pack2<BF16>(acc_o[4 * i + 2 * h] * inv, acc_o[4 * i + 2 * h + 1] * inv);
-      const fg_u32 addr = sQ + (i / 8) * BM * 128 + r * 128 + (((i % 8) ^ (r % 8)) * 16) + 4 * t;
+      const fg_u32 addr = sQt + (i / 8) * BM * 128 + r * 128 + (((i % 8) ^ (r % 8)) * 16) + 4 * t;
       asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(packed) : "memory");
     }
     const int row = row_base + 8 * h;
@@ -430,9 +531,25 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
       fg_u32x4 val;
       asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
                    : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
-                   : "r"(sQ + (c / 8) * BM * 128 + r * 128 + (((c % 8) ^ (r % 8)) * 16))
+                   : "r"(sQt + (c / 8) * BM * 128 + r * 128 + (((c % 8) ^ (r % 8)) * 16))
                    : "memory");
       *reinterpret_cast<fg_u32x4*>(o + static_cast<fg_i64>(row) * p.o_ss + c * 8) = val;
     }
   }
+  if constexpr (PERSIST) {
+    // This warp has read its O rows back out of the Q buffer: the producer may refill it.
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar_qe(qi % QB));
+    tile += gridDim.x;
+    if (tile >= p.tiles) break;
+    kv0 += n_blocks;
+    ++qi;
+    tile_coords(tile, m_block, hq, b);
+    hk = hq / p.group;
+    m0 = m_block * BM;
+    n_blocks = blocks_of(m0);
+  } else {
+    break;
+  }
+  }  // tiles
 }
