@@ -8,7 +8,13 @@ running) and prints a table; the ablation (each flag set of fwd_sm90 on the
 same cells, families.SM90_ABLATION, beside cuDNN) follows, and the per-call host
 time with cached descriptors. Flag sets are named as in families.sm90_flag_set
 (``ws_pp_kv_lz_e1_s3_m192``: warpspec + ping-pong, sepkv, lazy, emu 1, 3 stages,
-block_m 192).
+block_m 192; ``_ps``: persist, the persistent kernel).
+
+    python bench/bench_sm90.py --out DIR --persist [--seqlens 2048,8192] [--dims 128,64]
+
+times only the persistent kernel against its non-persistent twin: per cell the shipped default path
+(dispatch's pick), the same spec with persist=True, PERSIST_PAIRS' named flag sets with and without
+``_ps``, and cuDNN; writes DIR/persist.json.
 """
 from __future__ import annotations
 
@@ -31,6 +37,10 @@ FLAGS = SM90_FLAG_BASES  # the base names; any families.sm90_flag_set name is ac
 # Ablation cells: (d, causal, N); --quick keeps the first four (d = 128 and 64 at 8k, causal both).
 ABLATION_CELLS = [(128, False, 8192), (128, True, 8192), (64, False, 8192), (64, True, 8192), (256, False, 4096)]
 ABLATION_256 = ("plain", "ws", "ws_pp", "full", "ws_kv", "ws_pp_kv", "ws_pp_kv_lz", "ws_pp_kv_lz_e1")
+
+
+# --persist: the named flag sets timed with and without persist, per head dim.
+PERSIST_PAIRS = {128: ("ws_ov_s3", "ws_pp_kv"), 64: ("ws_s3_m192",)}
 
 
 def sm90_spec(d, causal, flags="full", bm=None, bn=None, stages=None):
@@ -70,6 +80,64 @@ def host_us(spec, calls=100):
     return timing.host_us(fn, calls)
 
 
+def default_spec(d, causal, n):
+    """The spec the shipped default path (tuned table, else the default rule) picks for this cell."""
+    from flashgen import api
+
+    b, h = max(1, 16384 // n), 2048 // d
+    q = torch.empty(b, h, n, d, device="cuda", dtype=torch.bfloat16)
+    return api._plan(q, q, q, causal, None, "bhsd", False, None).kernel.spec
+
+
+def persist_table(out, seqlens, dims, reps=10):
+    """Default path vs the same spec with persist, named pairs with and without _ps, cuDNN."""
+    from multiprocessing.pool import ThreadPool
+
+    from flashgen import gpus
+    from flashgen.codegen import build
+
+    h200 = gpus.get("h200")
+    cells = [(d, c, n) for d in dims for c in (False, True) for n in seqlens]
+    plans = {}
+    for d, c, n in cells:
+        base = default_spec(d, c, n)
+        impls = {"default": base}
+        if base.kind == "fwd_sm90" and base.warpspec:
+            impls["default_ps"] = base.replace(persist=True)
+        for f in PERSIST_PAIRS.get(d, ()):
+            impls[f], impls[f + "_ps"] = sm90_spec(d, c, f), sm90_spec(d, c, f + "_ps")
+        plans[(d, c, n)] = {k: s for k, s in impls.items() if not s.check(h200)}
+
+    def try_build(s):
+        try:
+            build(s)
+        except Exception as exc:  # noqa: BLE001 -- the cell that uses it records the error
+            print("compile failed:", s.name, str(exc)[:300], flush=True)
+
+    specs = sorted({s for p in plans.values() for s in p.values()}, key=lambda s: s.name)
+    t0 = time.time()
+    with ThreadPool(16) as pool:
+        pool.map(try_build, specs)
+    print(f"precompiled {len(specs)} kernels in {time.time() - t0:.1f}s", flush=True)
+    rows = []
+    for (d, c, n), impls in plans.items():
+        run = {k: fg(s) for k, s in impls.items()}
+        run["sdpa_cudnn"] = lambda q, k, v, cz: sdpa_fn("sdpa_cudnn", q, k, v, cz)
+        row = cell(n, d, c, run, reps)
+        row["specs"] = {k: s.name for k, s in impls.items()}
+        rows.append(row)
+        t = {k: row[k].get("tflops", float("nan")) for k in run}
+        cu = t["sdpa_cudnn"]
+        print(f"d={d:3d} causal={str(c):5s} N={n:5d} cudnn={cu:.0f} | "
+              + "  ".join(f"{k}={t[k]:.0f} ({t[k] / cu:.2f}x)" for k in run if k != "sdpa_cudnn")
+              + f"   [default: {impls['default'].name}]", flush=True)
+        for k in run:
+            if "error" in row[k]:
+                print(f"   {k}: {row[k]['error']}", flush=True)
+    with open(os.path.join(out, "persist.json"), "w") as fh:
+        json.dump({"gpu": torch.cuda.get_device_name(), "cells": rows}, fh, indent=1)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -77,8 +145,14 @@ def main(argv=None):
     ap.add_argument("--flags", default="full", help="fwd_sm90 flag set of the main table (families.sm90_flag_set)")
     ap.add_argument("--flags-d64", default=None, help="the main table's flag set at d=64 (default: --flags)")
     ap.add_argument("--no-ablation", action="store_true")
+    ap.add_argument("--persist", action="store_true", help="only the persist table (see the module doc)")
+    ap.add_argument("--seqlens", default="2048,8192", help="--persist: sequence lengths")
+    ap.add_argument("--dims", default="128,64", help="--persist: head dims")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    if args.persist:
+        persist_table(args.out, [int(x) for x in args.seqlens.split(",")], [int(x) for x in args.dims.split(",")])
+        return
     seqlens = [2048, 8192] if args.quick else [2048, 4096, 8192, 16384]
     reps = 10
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cells": [], "ablation": [],

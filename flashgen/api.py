@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 
 import torch
 
@@ -35,6 +36,8 @@ class _Device:
         optin = getattr(props, "shared_memory_per_block_optin", 0)
         self.smem_budget = int(optin or (profile.smem_per_block if profile else
                                           gpus.ARCH_SMEM_PER_BLOCK.get(self.arch, 101376)))
+        self.sms = int(props.multi_processor_count)  # fwd_sm90 persist: the grid
+        self.smem_per_sm = int(getattr(props, "shared_memory_per_multiprocessor", 0) or 0) or self.smem_budget + 1024
 
     @classmethod
     def of(cls, index: int) -> "_Device":
@@ -296,6 +299,9 @@ def _plan_sm90(kern, spec, dev, shape, strides, o_strides, scale):
     sq, sk, sv = strides
     template = kern.params(o_sb=o_strides[0], o_sh=o_strides[1], o_ss=o_strides[2], nq=nq, nk=nk, heads=h,
                            group=h // hk, d=d, scale=scale, scale_log2=scale * math.log2(math.e))
+    m_blocks = (nq + spec.block_m - 1) // spec.block_m
+    if spec.persist:  # the tiles the CTAs walk (fwd_sm90.cuh, PERSIST)
+        template.tiles, template.m_blocks = m_blocks * h * b, m_blocks
     struct = type(template)
     off_q, off_k, off_v = struct.tm_q.offset, struct.tm_k.offset, struct.tm_v.offset
     # _dims gives element strides in (batch, head, seq) order; tensor_dims takes (seq, head, batch),
@@ -331,8 +337,25 @@ def _plan_sm90(kern, spec, dev, shape, strides, o_strides, scale):
             filled[(q_ptr, k_ptr, v_ptr)] = blob
         return struct.from_buffer_copy(blob)
 
-    grid = ((nq + spec.block_m - 1) // spec.block_m, h, b)
+    if spec.persist:
+        tiles = m_blocks * h * b
+        ctas = dev.sms * persist_ctas_per_sm(spec, kern.binary.report, dev.smem_per_sm)
+        cap = os.environ.get("FLASHGEN_PERSIST_CTAS")  # tests and study: fewer CTAs, more tiles each
+        grid = (min(tiles, ctas, int(cap) if cap else ctas), 1, 1)
+    else:
+        grid = (m_blocks, h, b)
     return _Plan(kern, grid, dev.index, (b, h, nq), template, tma=params_for)
+
+
+def persist_ctas_per_sm(spec, report, smem_per_sm: int) -> int:
+    """CTAs of a persistent fwd_sm90 kernel one SM holds at once: by shared memory (dynamic + static +
+    the 1 KB the driver reserves per block) and by registers (ptxas's count, allocated per warp in
+    units of 8 per thread); at least 1. 1 for every tile measured so far (the launch bound is 1)."""
+    threads = spec.warps * 32
+    by_smem = smem_per_sm // (spec.smem_bytes() + report.static_smem + 1024)
+    regs = (max(report.registers, 1) + 7) // 8 * 8
+    by_regs = 65536 // (threads * regs)
+    return max(1, min(by_smem, by_regs))
 
 
 def _check_forced_spec(spec, key, d, dev) -> None:

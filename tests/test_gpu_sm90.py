@@ -8,6 +8,7 @@ tiles at d = 64). Flag sets are families.sm90_flag_set names. Skips on GPUs that
 """
 from __future__ import annotations
 
+import os
 from multiprocessing.pool import ThreadPool
 
 import pytest
@@ -70,6 +71,8 @@ def precompiled(tmp_path_factory):
         except Exception:  # noqa: BLE001 -- the test that uses it reports it
             pass
 
+    if os.environ.get("FLASHGEN_TEST_NO_PRECOMPILE"):  # a -k subset (bench/device_persist.sh): compile lazily
+        return
     with ThreadPool(8) as pool:
         pool.map(one, ALL_SPECS)
 
@@ -234,3 +237,101 @@ def test_cuda_graph_and_host_overhead():
     torch.cuda.synchronize()
     print(f"fwd_sm90 host time per call: {per_call:.1f} us")
     assert per_call < 100  # loose here; bench_sm90.py reports the number against the 25 us target
+
+
+# ---- persist: the persistent kernel (families "_ps" flag sets) ----------------------------------------
+# FLASHGEN_PERSIST_CTAS caps the grid, so these small problems still give each CTA several tiles: the K/V
+# ring, the Q ring and the ping-pong barriers then carry across tiles (1: one CTA walks every tile).
+PERSIST_CASES = [(128, f) for f in ("ws_ps", "ws_ov_s3_ps", "ws_pp_s3_ps", "ws_pp_kv_ps", "full_kv_ps")] + [
+    (64, f) for f in ("ws_ps", "ws_s3_m192_ps", "ws_pp_kv_s3_ps", "ws_kv_s3_m192_ps")]
+PERSIST_SPECS = sorted({sm90_named_spec(d, c, f) for d, f in PERSIST_CASES for c in (False, True)}
+                       | {sm90_named_spec(64, c, "ws_s3_m192_ps", "fp16") for c in (False, True)}
+                       | {sm90_named_spec(128, True, f) for f in ("ws", "ws_ov_s3", "ws_pp_kv")},
+                       key=lambda s: s.name)
+
+
+@pytest.fixture(scope="module")
+def persist_compiled():
+    if not _is_sm90():
+        return
+    from flashgen.codegen import build
+
+    def one(spec):
+        try:
+            build(spec)
+        except Exception:  # noqa: BLE001 -- the test that uses it reports it
+            pass
+
+    with ThreadPool(8) as pool:
+        pool.map(one, PERSIST_SPECS)
+
+
+@pytest.fixture(params=[None, 1, 3])
+def persist_ctas(request, monkeypatch, persist_compiled):
+    from flashgen import api
+
+    if request.param is None:
+        monkeypatch.delenv("FLASHGEN_PERSIST_CTAS", raising=False)
+    else:
+        monkeypatch.setenv("FLASHGEN_PERSIST_CTAS", str(request.param))
+    api._plans.clear()  # the grid is fixed per plan
+    yield request.param
+    api._plans.clear()
+
+
+@needs_sm90
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d,flags", PERSIST_CASES)
+def test_persist_ps_small(d, flags, causal, persist_ctas):
+    """Odd sizes, several K/V blocks per tile (ring wrap-around inside and across tiles), nq not a
+    multiple of block_m, one key, one query."""
+    spec = sm90_named_spec(d, causal, flags)
+    check(1, 2, 2, 300, 1023, d, "bf16", causal, spec=spec)
+    check(2, 3, 3, 113, 203, d, "bf16", causal, spec=spec)
+    check(1, 2, 2, 239, 1, d, "bf16", causal, spec=spec)
+    check(1, 2, 2, 1, 239, d, "bf16", causal, spec=spec)
+
+
+@needs_sm90
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("group", [1, 2, 6])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq,nk", [(113, 203), (1024, 1023)])
+def test_persist_ps_gqa_and_layouts(nq, nk, causal, group, layout, monkeypatch, persist_compiled):
+    from flashgen import api
+
+    monkeypatch.setenv("FLASHGEN_PERSIST_CTAS", "5")  # several tiles per CTA
+    api._plans.clear()
+    check(2, 6, 6 // group, nq, nk, 128, "bf16", causal, layout, spec=sm90_named_spec(128, causal, "ws_ov_s3_ps"))
+    check(1, 6, 6 // group, nq, nk, 64, "fp16", causal, layout,
+          spec=sm90_named_spec(64, causal, "ws_s3_m192_ps", "fp16"))
+
+
+@needs_sm90
+@pytest.mark.parametrize("d,flags", [(128, "ws_ps"), (64, "ws_s3_m192_ps")])
+def test_persist_ps_masked_rows_and_empty_keys(d, flags, persist_ctas):
+    import flashgen
+
+    out, lse = check(1, 2, 2, 300, 100, d, "bf16", True, spec=sm90_named_spec(d, True, flags))
+    assert torch.all(out[:, :, :200] == 0) and torch.all(torch.isneginf(lse[:, :, :200]))
+    assert torch.isfinite(lse[:, :, 200:]).all()
+    q = torch.randn(1, 2, 17, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 0, d, device="cuda", dtype=torch.bfloat16)
+    out, lse = flashgen.attention(q, k, k, return_lse=True, spec=sm90_named_spec(d, False, flags))
+    assert torch.all(out == 0) and torch.all(torch.isneginf(lse))
+
+
+@needs_sm90
+@pytest.mark.parametrize("flags", ["ws_ps", "ws_ov_s3_ps", "ws_pp_kv_ps"])
+def test_persist_ps_determinism_and_equal_to_non_persistent(flags, persist_ctas):
+    """Bitwise: run to run, and against the same spec without persist (same per-tile arithmetic)."""
+    import flashgen
+
+    q, k, v = make_inputs(2, 4, 4, 1023, 1024, 128, torch.bfloat16)
+    spec = sm90_named_spec(128, True, flags)
+    a = flashgen.attention(q, k, v, causal=True, spec=spec)
+    b = flashgen.attention(q, k, v, causal=True, spec=spec)
+    c = flashgen.attention(q, k, v, causal=True, spec=spec.replace(persist=False))
+    torch.cuda.synchronize()
+    assert torch.isfinite(a.float()).all()
+    assert torch.equal(a, b) and torch.equal(a, c)

@@ -25,9 +25,10 @@ from flashgen.families import SM90_ABLATION, sm90_flag_set, sm90_named_spec
 H200 = gpus.get("h200")
 
 
-def sm90(d=128, bm=128, bn=128, st=2, ws=True, pp=True, ov=True, causal=False, dtype="bf16"):
+def sm90(d=128, bm=128, bn=128, st=2, ws=True, pp=True, ov=True, causal=False, dtype="bf16", persist=False):
     return KernelSpec(kind="fwd_sm90", arch="sm_90a", dtype=dtype, head_dim=d, block_m=bm, block_n=bn,
-                      warps=4 * (bm // 64 + ws), stages=st, warpspec=ws, pingpong=pp, overlap=ov, causal=causal)
+                      warps=4 * (bm // 64 + ws), stages=st, warpspec=ws, pingpong=pp, overlap=ov, causal=causal,
+                      persist=persist)
 
 
 # The ablation ladder the benchmark and the GPU tests run (flags off -> all on).
@@ -48,6 +49,12 @@ NEW_VARIANTS = [sm90_named_spec(d, c, n) for d, names in SM90_ABLATION.items() f
     sm90_named_spec(64, True, "ws_pp_kv_lz_e2_s3", dtype="fp16"),
     sm90_named_spec(128, False, "full_kv_lz_e1", dtype="fp16"),
     sm90_named_spec(64, False, "plain_lz_e2"), sm90_named_spec(128, True, "ov_lz_e1")]
+# The persistent kernel (persist, "_ps"): one and two Q buffers, with sepkv, overlap, ping-pong, three consumers.
+# (ws_pp_kv_s3_m192_ps spills 4 B when causal: left out; ptxas's report refuses it at load.)
+PERSIST_NAMES = {128: ("ws_ps", "ws_ov_s3_ps", "ws_pp_s3_ps", "ws_kv_ps", "ws_pp_kv_ps", "full_kv_ps"),
+                 64: ("ws_ps", "ws_s3_m192_ps", "ws_pp_kv_s3_ps", "ws_kv_s3_m192_ps")}
+PERSIST_VARIANTS = [sm90_named_spec(d, c, n) for d, names in PERSIST_NAMES.items() for n in names for c in (False, True)]
+NEW_VARIANTS += PERSIST_VARIANTS
 ALL = list(dict.fromkeys(DEFAULTS + VARIANTS + NEW_VARIANTS))
 
 
@@ -79,6 +86,22 @@ def test_names_and_rules():
         with pytest.raises(ValueError, match="not supported"):
             KernelSpec(**flag).validate()
     assert sm90(d=64, bm=192, pp=True).validate().warps == 16  # ping-pong over three consumer warpgroups
+    # persist: named only when set, needs warpspec, a second Q buffer where shared memory has room
+    ps = s.replace(persist=True)
+    assert ps.validate().name == "fwd_sm90_d128_m128_n128_w12_s2_ws1_pp1_ov1_ps1_causal_bf16_sm90a"
+    assert KernelSpec.from_dict(ps.to_dict()) == ps and not ps.check(H200)
+    with pytest.raises(ValueError, match="persist needs warpspec"):
+        sm90(ws=False, pp=False, persist=True).validate()
+    with pytest.raises(ValueError, match="not supported"):
+        KernelSpec(persist=True).validate()
+    fam = s.family
+    assert fam.q_buffers(s) == 1 and fam.q_buffers(ps) == 2 and ps.smem_bytes() == s.smem_bytes() + 128 * 128 * 2
+    s3 = sm90(st=3, pp=False, persist=True)  # 229 KB with one Q tile: no room for a second
+    assert fam.q_buffers(s3) == 1 and s3.smem_bytes() == sm90(st=3).smem_bytes() and not s3.check(H200)
+    assert all(not v.check(H200) for v in PERSIST_VARIANTS)
+    rec = s.to_dict()
+    del rec["persist"]  # records written before the flag load as persist=False
+    assert KernelSpec.from_dict(rec) == s
     assert not sm90(d=128, bn=128).check(gpus.get("a100")) == []  # not an sm_90a GPU
 
 
@@ -106,6 +129,7 @@ def test_tune_space_has_candidates():
         # emu 1 only at d=64 and only with warpspec (Sm90Family.searched; 2 and 4 lost everywhere: not searched)
         assert {c.emu for c in cands[1:]} == ({0, 1} if d == 64 else {0})
         assert any(c.sepkv for c in cands) and any(c.lazy for c in cands)
+        assert any(c.persist for c in cands) and not any(c.persist and not c.warpspec for c in cands[1:])
         assert not any((c.emu or c.lazy) and not c.warpspec for c in cands[1:])
         if d == 64:  # the d=64 shapes: 128/192 rows x 128/192 keys, 2-4 stages
             got = {(c.block_m, c.block_n, c.stages) for c in cands[1:] if c.warpspec}
@@ -243,6 +267,7 @@ def test_named_flag_sets():
             sm90_flag_set(bad)
     assert sm90_named_spec(128, True, "full") == sm90(causal=True)
     assert sm90_named_spec(256, False, "plain", block_m=64).block_n == 64
+    assert sm90_flag_set("ws_ov_s3_ps") == dict(warpspec=True, pingpong=False, overlap=True, stages=3, persist=True)
     for d, names in SM90_ABLATION.items():
         for n in names:
             for c in (False, True):
@@ -307,3 +332,38 @@ def test_smem_layout_model(d, bm, bn):
             for t in range(4):
                 st = base_q + (i // 8) * bm * 128 + r * 128 + (((i % 8) ^ (r % 8)) * 16) + 4 * t
                 assert st == tma_addr(base_q, bm, r, 8 * i + 2 * t)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_persist_plan_grid_and_tiles(causal, monkeypatch):
+    """persist: the grid is min(tiles, SMs x CTAs per SM), 1-D; the params carry the tile count and the
+    m-blocks per (batch, head); without persist the grid is (m-blocks, heads, batch) as before."""
+    pytest.importorskip("torch")
+    from flashgen import api, tma
+    from flashgen.codegen.compiler import Report
+
+    monkeypatch.setattr(tma, "encode", lambda ptr, dtype, dims, strides, box: bytes(128))
+
+    report = Report(registers=168, spill_stores=0, spill_loads=0, stack_frame=0, static_smem=96)
+
+    def plan_for(spec, b, h, nq):
+        class FakeKernel:
+            binary = type("B", (), {"report": report})()
+
+            def params(self, **values):
+                return spec.family.param_struct()(**values)
+
+        dev = type("Dev", (), {"index": 0, "sms": 132, "smem_per_sm": 233472})()
+        st = (h * nq * 64, nq * 64, 64)
+        return api._plan_sm90(FakeKernel(), spec, dev, (b, h, h, nq, nq, 64), (st, st, st), st, 0.125)
+
+    spec = sm90(d=64, pp=False, ov=False, causal=causal, persist=True)
+    assert api.persist_ctas_per_sm(spec, report, 233472) == 1  # 384 threads x 168 registers
+    for b, h, nq, grid in ((2, 16, 2048, 132), (1, 3, 300, 9), (1, 1, 1, 1)):
+        plan = plan_for(spec, b, h, nq)
+        m_blocks = -(-nq // 128)
+        assert plan.grid == (grid, 1, 1) and min(b * h * m_blocks, 132) == grid
+        p = plan.tma(16, 32, 48)
+        assert (p.tiles, p.m_blocks) == (b * h * m_blocks, m_blocks)
+    plain = plan_for(spec.replace(persist=False), 2, 16, 2048)
+    assert plain.grid == (16, 16, 2) and plain.tma(16, 32, 48).tiles == 0
