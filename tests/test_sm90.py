@@ -50,9 +50,12 @@ NEW_VARIANTS = [sm90_named_spec(d, c, n) for d, names in SM90_ABLATION.items() f
     sm90_named_spec(128, False, "full_kv_lz_e1", dtype="fp16"),
     sm90_named_spec(64, False, "plain_lz_e2"), sm90_named_spec(128, True, "ov_lz_e1")]
 # The persistent kernel (persist, "_ps"): one and two Q buffers, with sepkv, overlap, ping-pong, three consumers.
-# (ws_pp_kv_s3_m192_ps spills 4 B when causal: left out; ptxas's report refuses it at load.)
-PERSIST_NAMES = {128: ("ws_ps", "ws_ov_s3_ps", "ws_pp_s3_ps", "ws_kv_ps", "ws_pp_kv_ps", "full_kv_ps"),
-                 64: ("ws_ps", "ws_s3_m192_ps", "ws_pp_kv_s3_ps", "ws_kv_s3_m192_ps")}
+# ws_ov_s3_m192_n80_ps is the d=128 N=2k default (s3tune) with persist; it and ws_pp_kv_s3_m192_ps spilled
+# (56 / 4 B) until the O store's indices went through an opaque move (fwd_sm90.cuh, epilogue).
+PERSIST_NAMES = {128: ("ws_ps", "ws_ov_s3_ps", "ws_pp_s3_ps", "ws_kv_ps", "ws_pp_kv_ps", "full_kv_ps",
+                       "ws_ov_s3_m192_n80_ps", "ws_pp_ov_s3_n112_ps"),
+                 64: ("ws_ps", "ws_s3_m192_ps", "ws_pp_kv_s3_ps", "ws_kv_s3_m192_ps", "ws_pp_kv_s3_m192_ps",
+                      "ws_ov_s3_m192_ps")}
 PERSIST_VARIANTS = [sm90_named_spec(d, c, n) for d, names in PERSIST_NAMES.items() for n in names for c in (False, True)]
 NEW_VARIANTS += PERSIST_VARIANTS
 ALL = list(dict.fromkeys(DEFAULTS + VARIANTS + NEW_VARIANTS))
