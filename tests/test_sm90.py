@@ -53,7 +53,7 @@ NEW_VARIANTS = [sm90_named_spec(d, c, n) for d, names in SM90_ABLATION.items() f
 # ws_ov_s3_m192_n80_ps is the d=128 N=2k default (s3tune) with persist; it and ws_pp_kv_s3_m192_ps spilled
 # (56 / 4 B) until the O store's indices went through an opaque move (fwd_sm90.cuh, epilogue).
 PERSIST_NAMES = {128: ("ws_ps", "ws_ov_s3_ps", "ws_pp_s3_ps", "ws_kv_ps", "ws_pp_kv_ps", "full_kv_ps",
-                       "ws_ov_s3_m192_n80_ps", "ws_pp_ov_s3_n112_ps"),
+                       "ws_ov_s3_m192_n80_ps", "full_s3_n112_ps"),
                  64: ("ws_ps", "ws_s3_m192_ps", "ws_pp_kv_s3_ps", "ws_kv_s3_m192_ps", "ws_pp_kv_s3_m192_ps",
                       "ws_ov_s3_m192_ps")}
 PERSIST_VARIANTS = [sm90_named_spec(d, c, n) for d, names in PERSIST_NAMES.items() for n in names for c in (False, True)]
