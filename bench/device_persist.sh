@@ -3,7 +3,7 @@
 # (1) compile the persist variants and the specs the timing uses (device NVRTC 13.0: registers, spills, C75xx), <= 25 s;
 # (2) smoke: ws_ps, ws_ov_s3_ps (d=128 and 64), ws_s3_m192_ps (d=64), causal both (10 cases), one case per
 #     process, CUDA_LAUNCH_BLOCKING=1, 30 s per case, FLASHGEN_PERSIST_CTAS=1 (one CTA walks every tile), <= 24 s;
-# (3) pytest -m gpu tests/test_gpu_sm90.py -k ps (93 tests: odd sizes, one key/query, GQA, both layouts,
+# (3) pytest -m gpu tests/test_gpu_sm90.py -k ps (99 tests: odd sizes, one key/query, GQA, both layouts,
 #     masked rows, empty keys, determinism, bitwise equal to persist=False; grid capped at 1/3/5 CTAs and uncapped), <= 35 s;
 # (4) timing, d=128 and 64, N=2048 and 8192, causal both: the shipped default path vs the same spec with
 #     persist, ws_ov_s3 (d=128) / ws_s3_m192 (d=64) with and without _ps, cuDNN (bench_sm90.py --persist), <= 30 s.

@@ -542,7 +542,9 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
     }
   }
   if constexpr (PERSIST) {
-    // This warp has read its O rows back out of the Q buffer: the producer may refill it.
+    // This warp has read its O rows back out of the Q buffer: the producer may refill it (the proxy
+    // fence orders this thread's generic st.shared before the TMA's async-proxy write of the next Q).
+    fence_proxy_async_smem();
     __syncwarp();
     if (lane == 0) mbar_arrive(bar_qe(qi % QB));
     tile += gridDim.x;
