@@ -84,9 +84,9 @@ def default_spec(d, causal, n):
     """The spec the shipped default path (tuned table, else the default rule) picks for this cell."""
     from flashgen import api
 
-    b, h = max(1, 16384 // n), 2048 // d
-    q = torch.empty(b, h, n, d, device="cuda", dtype=torch.bfloat16)
-    return api._plan(q, q, q, causal, None, "bhsd", False, None).kernel.spec
+    dev = api._Device.of(torch.cuda.current_device())  # as api._plan asks (without compiling anything)
+    key = dispatch.ProblemKey("fwd", dev.arch, "bf16", dispatch.head_dim_tile(d), causal, dispatch.bucket_of(n))
+    return dispatch.select(key, dev.gpu, dev.smem_budget)
 
 
 def persist_table(out, seqlens, dims, reps=10):

@@ -25,7 +25,8 @@ sys.path[:0] = ["tests", "bench"]
 from flashgen.codegen import build
 from flashgen.codegen.compiler import nvrtc_version
 import bench_sm90, test_gpu_sm90
-specs = set(test_gpu_sm90.PERSIST_SPECS)
+from flashgen.families import sm90_named_spec
+specs = set(test_gpu_sm90.PERSIST_SPECS) | {sm90_named_spec(64, c, "ws_ov_s3_ps") for c in (False, True)}  # + smoke's
 for d in (128, 64):
     for c in (False, True):
         for n in (2048, 8192):
