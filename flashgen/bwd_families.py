@@ -24,7 +24,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
-from .families import F32, I32, I64, MMA_HEAD_DIMS, PTR, TMAP, Family, Sm90Family
+from .families import F32, I32, I64, MMA_HEAD_DIMS, PTR, TMAP, Family, Sm90Family, hopper_checks
 
 ROW_PAD = 128  # the LSE2 / D buffers hold a multiple of this many rows per (batch, head)
 
@@ -233,14 +233,7 @@ class Bwd90Family(Family):
         return d + max(bm, bm // 2 + self.dq_cols(spec) // 2)
 
     def extra_checks(self, spec, profile) -> list[str]:
-        reasons = []
-        if profile.arch != "sm_90a":
-            reasons.append(f"{self.kind} needs sm_90a (wgmma, TMA), {profile.name} is {profile.arch}")
-        budget = self.regs(spec)[1] or min(255, 65536 // (spec.warps * 32) // 8 * 8)
-        if self.acc_floats(spec) > budget - 32:
-            reasons.append(f"{self.acc_floats(spec)} fp32 values per consumer thread > {budget - 32} "
-                           f"({budget} registers less addressing; would spill)")
-        return reasons
+        return hopper_checks(self, spec, profile, "addressing")
 
     def context(self, spec) -> dict:
         producer, consumer = self.regs(spec)

@@ -311,6 +311,20 @@ def sm90_named_spec(head_dim: int, causal: bool, name: str = "ws", dtype: str = 
     return KernelSpec(kind="fwd_sm90", arch="sm_90a", dtype=dtype, head_dim=head_dim, causal=causal, **f).validate()
 
 
+def hopper_checks(fam, spec, profile, reserved: str) -> list[str]:
+    """The checks the Hopper families (fwd_sm90, bwd_sm90) share: sm_90a only, and the fp32 values a
+    consumer thread keeps live (``fam.acc_floats``) within its registers after setmaxnreg
+    (``fam.regs``; without warp specialization the launch's share) less 32 for ``reserved``."""
+    reasons = []
+    if profile.arch != "sm_90a":
+        reasons.append(f"{fam.kind} needs sm_90a (wgmma, TMA), {profile.name} is {profile.arch}")
+    budget = fam.regs(spec)[1] or min(255, 65536 // (spec.warps * 32) // 8 * 8)
+    if fam.acc_floats(spec) > budget - 32:
+        reasons.append(f"{fam.acc_floats(spec)} fp32 values per consumer thread > {budget - 32} "
+                       f"({budget} registers less {reserved}; would spill)")
+    return reasons
+
+
 @dataclass(frozen=True)
 class Sm90Family(Family):
     """FlashAttention forward on Hopper: TMA, mbarriers, wgmma (templates/fwd_sm90.cuh), sm_90a only.
@@ -387,15 +401,7 @@ class Sm90Family(Family):
         return spec.head_dim // 2 + spec.block_n // 2 + spec.block_n // 4
 
     def extra_checks(self, spec, profile) -> list[str]:
-        reasons = []
-        if profile.arch != "sm_90a":
-            reasons.append(f"{self.kind} needs sm_90a (wgmma, TMA), {profile.name} is {profile.arch}")
-        threads = spec.warps * 32
-        budget = self.regs(spec)[1] or min(255, 65536 // threads // 8 * 8)
-        if self.acc_floats(spec) > budget - 32:
-            reasons.append(f"{self.acc_floats(spec)} fp32 values per consumer thread > {budget - 32} "
-                           f"({budget} registers less addressing and softmax state; would spill)")
-        return reasons
+        return hopper_checks(self, spec, profile, "addressing and softmax state")
 
     def context(self, spec) -> dict:
         producer, consumer = self.regs(spec)
