@@ -9,14 +9,14 @@ table (flashgen/generated/*.yaml): both are compiled here.
 """
 from __future__ import annotations
 
-from multiprocessing.pool import ThreadPool
 
 import pytest
 
 from flashgen import decoding, dispatch, gpus
 from flashgen.baseline_specs import STANDARD_KINDS, V1_KIND
-from flashgen.codegen import build, parse_ptxas_log
+from flashgen.codegen import parse_ptxas_log
 from flashgen.tuner import store
+from build_util import build_all
 
 ARCHES = ("sm_80", "sm_90a")
 SPECS = [s for arch in ARCHES for s in dispatch.default_specs(arch, gpus.ARCH_SMEM_PER_BLOCK[arch])]
@@ -43,17 +43,8 @@ SHIPPED_SPECS = sorted({e["spec"] for path in sorted(store.shipped_path("x").par
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     """{spec: Binary or the exception its build raised}, all compiled in parallel on 2 threads."""
-    def one(spec):
-        try:
-            return spec, build(spec)
-        except Exception as exc:  # noqa: BLE001 -- reported per spec by the test below
-            return spec, exc
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FLASHGEN_HOME", str(tmp_path_factory.mktemp("compile_home")))
-        mp.delenv("FLASHGEN_NO_COMPILE", raising=False)
-        with ThreadPool(2) as pool:
-            return dict(pool.map(one, SPECS + DECODE_SPECS + BWD_SPECS + BASELINE_SPECS + SHIPPED_SPECS))
+    return build_all(SPECS + DECODE_SPECS + BWD_SPECS + BASELINE_SPECS + SHIPPED_SPECS, tmp_path_factory,
+                     "compile_home")
 
 
 def test_default_specs_cover_every_key():

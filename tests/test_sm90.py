@@ -10,17 +10,13 @@ if any, compiles the same source for the check; otherwise it skips).
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import sys
-from multiprocessing.pool import ThreadPool
-from pathlib import Path
 
 import pytest
 
 from flashgen import KernelSpec, UnsupportedError, dispatch, gpus
-from flashgen.codegen import build, parse_ptxas_log, render
+from flashgen.codegen import parse_ptxas_log
 from flashgen.families import SM90_ABLATION, sm90_flag_set, sm90_named_spec
+from build_util import build_all, sass_of
 
 H200 = gpus.get("h200")
 
@@ -153,17 +149,7 @@ def test_hopper_diagnostics_are_problems():
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    def one(spec):
-        try:
-            return spec, build(spec)
-        except Exception as exc:  # noqa: BLE001 -- reported per spec
-            return spec, exc
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FLASHGEN_HOME", str(tmp_path_factory.mktemp("sm90_home")))
-        mp.delenv("FLASHGEN_NO_COMPILE", raising=False)
-        with ThreadPool(min(8, os.cpu_count() or 2)) as pool:
-            return dict(pool.map(one, ALL))
+    return build_all(ALL, tmp_path_factory, "sm90_home", threads=min(8, os.cpu_count() or 2))
 
 
 @pytest.mark.parametrize("spec", ALL, ids=lambda s: s.name)
@@ -179,46 +165,13 @@ def test_compiles_clean_for_sm90a(spec, compiled):
     assert r.static_smem + spec.smem_bytes() <= gpus.ARCH_SMEM_PER_BLOCK["sm_90a"]
 
 
-def _disassemblers():
-    found = [shutil.which("cuobjdump"), shutil.which("nvdisasm")]
-    pip_bin = Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / \
-        "site-packages" / "nvidia" / "cu13" / "bin"
-    found += [str(pip_bin / "cuobjdump"), str(pip_bin / "nvdisasm")]
-    return [f for f in found if f and os.path.exists(f)]
-
-
-def _sass(tool, cubin_path):
-    args = [tool, "--dump-sass", cubin_path] if tool.endswith("cuobjdump") else [tool, cubin_path]
-    out = subprocess.run(args, capture_output=True, text=True, timeout=120)
-    return out.stdout if out.returncode == 0 else ""
-
-
 def test_sass_has_hgmma_and_tma(tmp_path, compiled):
     """The default d=128 kernel's SASS issues HGMMA and UTMALDG (optional tools; skips without them)."""
-    tools = _disassemblers()
-    if not tools:
-        pytest.skip("no cuobjdump/nvdisasm found")
     spec = sm90()
     binary = compiled[spec]
     if isinstance(binary, Exception):
         raise binary
-    path = tmp_path / "k.cubin"
-    path.write_bytes(binary.cubin)
-    sass = next((s for s in (_sass(t, str(path)) for t in tools) if s), "")
-    if not sass:  # this disassembler cannot read NVRTC's cubin: try a local nvcc on the same source
-        nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc")
-                                        else None)
-        if nvcc is None:
-            pytest.skip("the disassemblers here cannot read NVRTC's cubin and there is no nvcc")
-        src = tmp_path / "k.cu"
-        src.write_text(render(spec))
-        out = subprocess.run([nvcc, "-cubin", "-arch=sm_90a", "-std=c++17", "-o", str(tmp_path / "n.cubin"),
-                              str(src)], capture_output=True, text=True, timeout=300)
-        if out.returncode:
-            pytest.skip(f"nvcc could not build the check cubin: {out.stderr[-300:]}")
-        sass = next((s for s in (_sass(t, str(tmp_path / "n.cubin")) for t in tools) if s), "")
-        if not sass:
-            pytest.skip("no disassembler here reads sm_90a cubins")
+    sass, _ = sass_of(spec, binary.cubin, tmp_path)
     assert "HGMMA" in sass and "UTMALDG" in sass
 
 

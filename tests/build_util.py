@@ -1,0 +1,72 @@
+"""Helpers the compile-tier tests share: build many specs at once, and read a kernel's SASS."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from multiprocessing.pool import ThreadPool
+from pathlib import Path
+
+import pytest
+
+from flashgen.codegen import build, render
+
+
+def build_all(specs, tmp_path_factory, home: str, threads: int = 2) -> dict:
+    """{spec: Binary or the exception its build raised}, compiled in parallel into a private
+    FLASHGEN_HOME (NVRTC releases the GIL); each test then reports its own spec's failure."""
+    def one(spec):
+        try:
+            return spec, build(spec)
+        except Exception as exc:  # noqa: BLE001 -- reported per spec by the tests
+            return spec, exc
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FLASHGEN_HOME", str(tmp_path_factory.mktemp(home)))
+        mp.delenv("FLASHGEN_NO_COMPILE", raising=False)
+        with ThreadPool(threads) as pool:
+            return dict(pool.map(one, specs))
+
+
+def disassemblers() -> list:
+    """cuobjdump / nvdisasm on PATH or from pip's nvidia-cuda wheels (optional tools)."""
+    found = [shutil.which("cuobjdump"), shutil.which("nvdisasm")]
+    pip_bin = Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / \
+        "site-packages" / "nvidia" / "cu13" / "bin"
+    found += [str(pip_bin / "cuobjdump"), str(pip_bin / "nvdisasm")]
+    return [f for f in found if f and os.path.exists(f)]
+
+
+def _sass(tool, cubin_path) -> str:
+    args = [tool, "--dump-sass", cubin_path] if tool.endswith("cuobjdump") else [tool, cubin_path]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    return out.stdout if out.returncode == 0 else ""
+
+
+def sass_of(spec, cubin: bytes, tmp_path):
+    """(SASS of ``spec``, nvcc's ptxas log or None). Tries the disassemblers on NVRTC's cubin, then on a
+    local nvcc's build of the same source (its -Xptxas -v log is returned for the caller's checks);
+    skips the test when no tool here can produce SASS."""
+    tools = disassemblers()
+    if not tools:
+        pytest.skip("no cuobjdump/nvdisasm found")
+    path = tmp_path / "k.cubin"
+    path.write_bytes(cubin)
+    sass = next((s for s in (_sass(t, str(path)) for t in tools) if s), "")
+    if sass:
+        return sass, None
+    nvcc = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc", "/usr/local/cuda-13.0/bin/nvcc")
+                                         if os.path.exists(p)), None)
+    if nvcc is None:
+        pytest.skip("the disassemblers here cannot read NVRTC's cubin and there is no nvcc")
+    src = tmp_path / "k.cu"
+    src.write_text(render(spec))
+    out = subprocess.run([nvcc, "-cubin", "-arch=sm_90a", "-std=c++17", "-Xptxas", "-v", "-o",
+                          str(tmp_path / "n.cubin"), str(src)], capture_output=True, text=True, timeout=300)
+    if out.returncode:
+        pytest.skip(f"nvcc could not build the check cubin: {out.stderr[-300:]}")
+    sass = next((s for s in (_sass(t, str(tmp_path / "n.cubin")) for t in tools) if s), "")
+    if not sass:
+        pytest.skip("no disassembler here reads sm_90a cubins")
+    return sass, out.stderr
