@@ -15,6 +15,11 @@ block_m 192; ``_ps``: persist, the persistent kernel).
 times only the persistent kernel against its non-persistent twin: per cell the shipped default path
 (dispatch's pick), the same spec with persist=True, PERSIST_PAIRS' named flag sets with and without
 ``_ps``, and cuDNN; writes DIR/persist.json.
+
+    python bench/bench_sm90.py --out DIR --order [--seqlens ...] [--dims ...] [--rounds R]
+
+the causal tile order (variant_table): the default spec in the L2-section order and in the old
+pair-after-pair order, persist, ORDER_ALTS; then the non-causal default vs persist; writes DIR/order.json.
 """
 from __future__ import annotations
 
@@ -89,25 +94,53 @@ def default_spec(d, causal, n):
     return dispatch.select(key, dev.gpu, dev.smem_budget)
 
 
-def persist_table(out, seqlens, dims, reps=10):
-    """Default path vs the same spec with persist, named pairs with and without _ps, cuDNN."""
+def with_env(spec, env):
+    """fg(spec) with environment knobs (FLASHGEN_CAUSAL_SECTION, ...) set for its plan: the plan cache is
+    cleared when the cell makes the callable, so the next plan reads them; they are unset again after."""
+    from flashgen import api
+
+    def make(q, k, v, causal):
+        for name in ("FLASHGEN_CAUSAL_SECTION",):
+            os.environ.pop(name, None)
+        os.environ.update(env)
+        api._plans.clear()
+        fn = fg(spec)(q, k, v, causal)
+        fn()  # the plan is made now, with env
+        for name in env:
+            os.environ.pop(name)
+        return fn
+    return make
+
+
+# --order: named flag sets timed beside the default per causal cell (fwd_sm90, families.sm90_flag_set names).
+ORDER_ALTS = {128: ("ws_ov_s3", "ws_pp", "ws_pp_s3"), 64: ("ws_s3_m192", "ws_ov_s3", "ws_pp_kv_s3_m192")}
+
+
+def variant_table(out, seqlens, dims, order=False, reps=10, rounds=1):
+    """--persist: the default path vs the same spec with persist, named pairs with and without _ps, cuDNN.
+    --order (causal cells, then the non-causal default vs persist): the default spec in the L2-section
+    tile order (api.causal_sections) and in the old one (FLASHGEN_CAUSAL_SECTION=1: one (batch, head)
+    pair's m-blocks after another), with persist, and ORDER_ALTS' flag sets with and without _ps.
+    ``rounds`` repeats every cell (the best time of the rounds counts)."""
     from multiprocessing.pool import ThreadPool
 
     from flashgen import gpus
     from flashgen.codegen import build
 
     h200 = gpus.get("h200")
-    cells = [(d, c, n) for d in dims for c in (False, True) for n in seqlens]
+    cells = [(d, c, n) for d in dims for c in ((True, False) if order else (False, True)) for n in seqlens]
     plans = {}
     for d, c, n in cells:
         base = default_spec(d, c, n)
-        impls = {"default": base}
+        impls = {"default": (base, {})}
+        if order and c:
+            impls["default_sec1"] = (base, {"FLASHGEN_CAUSAL_SECTION": "1"})
         if base.kind == "fwd_sm90" and base.warpspec:
-            impls["default_ps"] = base.replace(persist=True)
-        for f in PERSIST_PAIRS.get(d, ()):
+            impls["default_ps"] = (base.replace(persist=True), {})
+        for f in (ORDER_ALTS.get(d, ()) if order and c else () if order else PERSIST_PAIRS.get(d, ())):
             if sm90_spec(d, c, f) != base:  # (the default may be this very spec)
-                impls[f], impls[f + "_ps"] = sm90_spec(d, c, f), sm90_spec(d, c, f + "_ps")
-        plans[(d, c, n)] = {k: s for k, s in impls.items() if not s.check(h200)}
+                impls[f], impls[f + "_ps"] = (sm90_spec(d, c, f), {}), (sm90_spec(d, c, f + "_ps"), {})
+        plans[(d, c, n)] = {k: se for k, se in impls.items() if not se[0].check(h200)}
 
     def try_build(s):
         try:
@@ -115,28 +148,34 @@ def persist_table(out, seqlens, dims, reps=10):
         except Exception as exc:  # noqa: BLE001 -- the cell that uses it records the error
             print("compile failed:", s.name, str(exc)[:300], flush=True)
 
-    specs = sorted({s for p in plans.values() for s in p.values()}, key=lambda s: s.name)
+    specs = sorted({se[0] for p in plans.values() for se in p.values()}, key=lambda s: s.name)
     t0 = time.time()
     with ThreadPool(16) as pool:
         pool.map(try_build, specs)
     print(f"precompiled {len(specs)} kernels in {time.time() - t0:.1f}s", flush=True)
     rows = []
     for (d, c, n), impls in plans.items():
-        run = {k: fg(s) for k, s in impls.items()}
+        run = {k: with_env(s, env) for k, (s, env) in impls.items()}
         run["sdpa_cudnn"] = lambda q, k, v, cz: sdpa_fn("sdpa_cudnn", q, k, v, cz)
-        row = cell(n, d, c, run, reps)
-        row["specs"] = {k: s.name for k, s in impls.items()}
+        rounds_rows = [cell(n, d, c, run, reps) for _ in range(rounds)]
+        row = dict(rounds_rows[0])
+        for k in run:  # best of the rounds
+            ok = [r[k] for r in rounds_rows if "tflops" in r[k]]
+            row[k] = max(ok, key=lambda x: x["tflops"]) if ok else rounds_rows[0][k]
+            row[k]["rounds_tflops"] = [r[k].get("tflops") for r in rounds_rows]
+        row["specs"] = {k: se[0].name for k, se in impls.items()}
+        row["env"] = {k: se[1] for k, se in impls.items() if se[1]}
         rows.append(row)
         t = {k: row[k].get("tflops", float("nan")) for k in run}
         cu = t["sdpa_cudnn"]
         print(f"d={d:3d} causal={str(c):5s} N={n:5d} cudnn={cu:.0f} | "
               + "  ".join(f"{k}={t[k]:.0f} ({t[k] / cu:.2f}x)" for k in run if k != "sdpa_cudnn")
-              + f"   [default: {impls['default'].name}]", flush=True)
+              + f"   [default: {impls['default'][0].name}]", flush=True)
         for k in run:
             if "error" in row[k]:
                 print(f"   {k}: {row[k]['error']}", flush=True)
-    with open(os.path.join(out, "persist.json"), "w") as fh:
-        json.dump({"gpu": torch.cuda.get_device_name(), "cells": rows}, fh, indent=1)
+        with open(os.path.join(out, "order.json" if order else "persist.json"), "w") as fh:
+            json.dump({"gpu": torch.cuda.get_device_name(), "cells": rows}, fh, indent=1)
 
 
 def main(argv=None):
@@ -147,12 +186,15 @@ def main(argv=None):
     ap.add_argument("--flags-d64", default=None, help="the main table's flag set at d=64 (default: --flags)")
     ap.add_argument("--no-ablation", action="store_true")
     ap.add_argument("--persist", action="store_true", help="only the persist table (see the module doc)")
-    ap.add_argument("--seqlens", default="2048,8192", help="--persist: sequence lengths")
-    ap.add_argument("--dims", default="128,64", help="--persist: head dims")
+    ap.add_argument("--order", action="store_true", help="only the causal tile-order table (see the module doc)")
+    ap.add_argument("--seqlens", default="2048,8192", help="--persist, --order: sequence lengths")
+    ap.add_argument("--dims", default="128,64", help="--persist, --order: head dims")
+    ap.add_argument("--rounds", type=int, default=1, help="--persist, --order: rounds per cell (best counts)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    if args.persist:
-        persist_table(args.out, [int(x) for x in args.seqlens.split(",")], [int(x) for x in args.dims.split(",")])
+    if args.persist or args.order:
+        variant_table(args.out, [int(x) for x in args.seqlens.split(",")], [int(x) for x in args.dims.split(",")],
+                      order=args.order, rounds=args.rounds)
         return
     seqlens = [2048, 8192] if args.quick else [2048, 4096, 8192, 16384]
     reps = 10

@@ -48,10 +48,8 @@
 //            result is exact up to rounding (P's relative rounding does not
 //            depend on its size).
 //  PERSIST   (with WS) a persistent kernel: gridDim.x CTAs (the host sizes it to the SMs)
-//            walk the p.tiles tiles t = blockIdx.x, + gridDim.x, ... Causal: the
-//            tile order puts the highest query blocks (the longest rows) first
-//            across every (batch, head); non-causal: m-block fastest, then head,
-//            then batch (one head's K/V stays hot in L2). The producer runs on
+//            walk the p.tiles tiles t = blockIdx.x, + gridDim.x, ... in the order of
+//            tile_coords below. The producer runs on
 //            into the next tile: the K/V ring position and its phases count on
 //            across tiles, and Q has a ring of QB buffers (2 where shared memory
 //            allows) with a 'Q empty' barrier per buffer that every consumer
@@ -95,18 +93,26 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   auto bar_qe = [&](int i) { return bar_q + 8u * (1 + NBAR * ST + QB + i); };              // Q buffer i empty
 
   const int tid = threadIdx.x;
-  // Tile t -> (m_block, head, batch). Not persistent: the grid's coordinates, causal with the longest
-  // rows (highest query blocks) launched first. Persistent: see PERSIST above.
+  // Tile t -> (m_block, head, batch). Causal (a 1-D grid, or PERSIST's walk): the (batch, head) pairs
+  // in consecutive sections whose K/V fit in half the L2 together (sizes p.sec + 1 for the first
+  // p.sec_big sections, then p.sec: the host evens them out), and inside a section the highest query
+  // blocks (the longest rows) of every pair first, so the short tiles fill the tail. Non-causal: the
+  // grid's coordinates (m-block, head, batch), or PERSIST's walk with m-block fastest, then head, then
+  // batch (one head's K/V stays hot in L2).
   auto tile_coords = [&](int t, int& mb, int& h, int& bb) {
-    if constexpr (!PERSIST) {
-      mb = CAUSAL ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
+    if constexpr (CAUSAL) {
+      const int mbs = p.m_blocks, big_tiles = p.sec_big * (p.sec + 1) * mbs;
+      const bool big = t < big_tiles;
+      const int sz = big ? p.sec + 1 : p.sec, u = big ? t : t - big_tiles;
+      const int start = (big ? 0 : p.sec_big * (p.sec + 1)) + u / (sz * mbs) * sz, rem = u % (sz * mbs);
+      mb = mbs - 1 - rem / sz;
+      const int pair = start + rem % sz;
+      h = pair % p.heads;
+      bb = pair / p.heads;
+    } else if constexpr (!PERSIST) {
+      mb = blockIdx.x;
       bb = blockIdx.z;
       h = blockIdx.y;
-    } else if constexpr (CAUSAL) {
-      const int hb = p.tiles / p.m_blocks, rest = t % hb;  // (batch, head) pairs
-      mb = p.m_blocks - 1 - t / hb;
-      h = rest % p.heads;
-      bb = rest / p.heads;
     } else {
       const int rest = t / p.m_blocks;
       mb = t % p.m_blocks;
@@ -123,7 +129,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
     }
     return nb;
   };
-  int tile = PERSIST ? static_cast<int>(blockIdx.x) : 0;
+  int tile = (PERSIST || CAUSAL) ? static_cast<int>(blockIdx.x) : 0;
   int m_block, hq, b;
   tile_coords(tile, m_block, hq, b);
   int hk = hq / p.group;
