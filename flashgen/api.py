@@ -243,6 +243,7 @@ else:  # pragma: no cover
 
 
 _plans: dict = {}
+_is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
 
@@ -345,7 +346,14 @@ def _plan_sm90(kern, spec, dev, shape, strides, o_strides, scale):
             filled[(q_ptr, k_ptr, v_ptr)] = blob
         return struct.from_buffer_copy(blob)
 
-    if spec.persist:
+    if spec.persist:  # and the stream's tile counters (zero between launches; the kernel leaves them so)
+        cached, idx = params_for, dev.index
+
+        def params_for(q_ptr, k_ptr, v_ptr):
+            params = cached(q_ptr, k_ptr, v_ptr)
+            params.sched = _tile_counters(idx)
+            return params
+
         ctas = dev.sms * persist_ctas_per_sm(spec, kern.binary.report, dev.smem_per_sm)
         cap = os.environ.get("FLASHGEN_PERSIST_CTAS")  # tests and study: fewer CTAs, more tiles each
         grid = (min(tiles, ctas, int(cap) if cap else ctas), 1, 1)
@@ -364,6 +372,25 @@ def causal_sections(pairs: int, kv_bytes: int, l2_bytes: int) -> tuple[int, int]
     per = max(1, (l2_bytes // 2) // max(1, kv_bytes))
     sections = -(-pairs // per)
     return pairs // sections, pairs % sections
+
+
+_counters: dict = {}
+
+
+def _tile_counters(idx: int) -> int:
+    """The address of two zeroed int32 tile counters for a persistent fwd_sm90 launch on the current stream
+    of device ``idx``: one pair per stream (launches on one stream run one after another, and each leaves
+    the pair zeroed), a fresh pair inside a CUDA graph capture (zeroed by the graph itself on replay)."""
+    stream = _current_stream(idx)
+    if _is_capturing():
+        t = torch.zeros(2, dtype=torch.int32, device=torch.device("cuda", idx))
+        return t.data_ptr()
+    t = _counters.get((idx, stream))
+    if t is None:
+        if len(_counters) > 256:  # streams come and go
+            _counters.clear()
+        t = _counters[(idx, stream)] = torch.zeros(2, dtype=torch.int32, device=torch.device("cuda", idx))
+    return t.data_ptr()
 
 
 def persist_ctas_per_sm(spec, report, smem_per_sm: int) -> int:

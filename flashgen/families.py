@@ -256,10 +256,12 @@ SM90_PARAMS = (
     ("d", "int", I32), ("scale", "float", F32), ("scale_log2", "float", F32),
 )
 
-# persist or causal only (fwd_sm90.cuh, tile_coords): the tile count (m-blocks x heads x batch), the m-blocks
-# per (batch, head), and the causal tile order's L2 sections: p.sec_big sections of sec + 1 (batch, head)
-# pairs, then sections of sec (api.causal_sections).
-SM90_TILE_PARAMS = (("tiles", "int", I32), ("m_blocks", "int", I32), ("sec", "int", I32), ("sec_big", "int", I32))
+# persist or causal only (fwd_sm90.cuh, tile_coords): persist's two tile counters (next tile, CTAs done; zero
+# between launches), the tile count (m-blocks x heads x batch), the m-blocks per (batch, head), and the causal
+# tile order's L2 sections: p.sec_big sections of sec + 1 (batch, head) pairs, then sections of sec
+# (api.causal_sections).
+SM90_TILE_PARAMS = (("sched", "int*", PTR), ("tiles", "int", I32), ("m_blocks", "int", I32), ("sec", "int", I32),
+                    ("sec_big", "int", I32))
 
 SM90_HEAD_DIMS = (64, 128, 256)
 
@@ -401,8 +403,15 @@ class Sm90Family(Family):
         return 2 * spec.head_dim * (self.q_buffers(spec) * spec.block_m + 2 * spec.stages * spec.block_n) + 1024
 
     def regs(self, spec) -> tuple[int, int]:
-        """(producer, consumer) registers per thread after setmaxnreg (only with warpspec and >= 2 consumers)."""
-        return {2: (24, 240), 3: (24, 160)}.get(self.consumers(spec), (0, 0)) if spec.warpspec else (0, 0)
+        """(producer, consumer) registers per thread after setmaxnreg (only with warpspec and >= 2 consumers).
+        persist: the producer's tile loop (fetching tiles, the Q ring) spilled at 24 (NVRTC 13.5: 4-8 bytes),
+        so it keeps 40 (two consumers, 232 each) or 32 (three, 160 each); 128 x 40 + 256 x 232 = 64512 and
+        128 x 32 + 384 x 160 = 65536 registers."""
+        if not spec.warpspec:
+            return (0, 0)
+        if spec.persist:
+            return {2: (40, 232), 3: (32, 160)}.get(self.consumers(spec), (0, 0))
+        return {2: (24, 240), 3: (24, 160)}.get(self.consumers(spec), (0, 0))
 
     def acc_floats(self, spec) -> int:
         """Per consumer thread: O (head_dim / 2), S (block_n / 2) and packed P (block_n / 4)."""

@@ -365,3 +365,40 @@ def test_causal_sections_uneven(flags, ctas, monkeypatch):
         torch.cuda.synchronize()
         assert torch.equal(split, whole)
     api._plans.clear()
+
+
+@needs_sm90
+@pytest.mark.parametrize("causal", [False, True])
+def test_persist_ps_graph_and_streams(causal, monkeypatch, persist_compiled):
+    """The persistent kernel's tile counters: a CUDA graph captures and replays it (twice, inputs changed
+    in place), launches alternate between two streams and shapes, and every result equals the
+    non-persistent kernel's bitwise (the counters were zero at every launch)."""
+    import flashgen
+    from flashgen import api
+
+    monkeypatch.setenv("FLASHGEN_PERSIST_CTAS", "7")  # several tiles per CTA, fetched by the counter
+    api._plans.clear()
+    spec = sm90_named_spec(128, causal, "ws_ov_s3_ps")
+    plain = spec.replace(persist=False)
+    q, k, v = make_inputs(2, 5, 5, 700, 700, 128, torch.bfloat16)
+    g = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        flashgen.attention(q, k, v, causal=causal, spec=spec)  # warm (plan, kernel) outside the capture
+        with torch.cuda.graph(g):
+            static_out = flashgen.attention(q, k, v, causal=causal, spec=spec)
+    torch.cuda.current_stream().wait_stream(side)
+    for _ in range(2):
+        q.copy_(torch.randn_like(q))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, flashgen.attention(q, k, v, causal=causal, spec=plain))
+    shapes = [make_inputs(1, 3, 3, n, n + 17, 128, torch.bfloat16) for n in (333, 1024, 129)]
+    for i, (qq, kk, vv) in enumerate(shapes * 2):
+        with torch.cuda.stream(side if i % 2 else torch.cuda.current_stream()):
+            got = flashgen.attention(qq, kk, vv, causal=causal, spec=spec)
+            want = flashgen.attention(qq, kk, vv, causal=causal, spec=plain)
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+    api._plans.clear()

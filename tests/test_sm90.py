@@ -300,6 +300,7 @@ def test_persist_plan_grid_and_tiles(causal, monkeypatch):
     from flashgen.codegen.compiler import Report
 
     monkeypatch.setattr(tma, "encode", lambda ptr, dtype, dims, strides, box: bytes(128))
+    monkeypatch.setattr(api, "_tile_counters", lambda idx: 4096)  # (a CUDA allocation otherwise)
 
     report = Report(registers=168, spill_stores=0, spill_loads=0, stack_frame=0, static_smem=96)
 
@@ -321,7 +322,7 @@ def test_persist_plan_grid_and_tiles(causal, monkeypatch):
         m_blocks = -(-nq // 128)
         assert plan.grid == (grid, 1, 1) and min(b * h * m_blocks, 132) == grid
         p = plan.tma(16, 32, 48)
-        assert (p.tiles, p.m_blocks) == (b * h * m_blocks, m_blocks)
+        assert (p.tiles, p.m_blocks, p.sched) == (b * h * m_blocks, m_blocks, 4096)
         if causal:  # K/V of one pair: 2 x nq x 64 x 2 bytes; 25 MiB of L2 holds 50 pairs at N = 2048
             assert (p.sec, p.sec_big) == api.causal_sections(b * h, 2 * nq * 64 * 2, 50 << 20)
     plain = plan_for(spec.replace(persist=False), 2, 16, 2048)

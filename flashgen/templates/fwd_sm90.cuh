@@ -48,8 +48,15 @@
 //            result is exact up to rounding (P's relative rounding does not
 //            depend on its size).
 //  PERSIST   (with WS) a persistent kernel: gridDim.x CTAs (the host sizes it to the SMs)
-//            walk the p.tiles tiles t = blockIdx.x, + gridDim.x, ... in the order of
-//            tile_coords below. The producer runs on
+//            take the p.tiles tiles in the order of tile_coords below: tile blockIdx.x
+//            first, then each the next one not yet taken, gridDim.x + an atomicAdd on
+//            p.sched[0] (dynamic, as the hardware hands out a grid's blocks: a static
+//            walk over tiles of unequal cost, causal, left 12-36 % of the time on the
+//            slowest CTA in a simulation and measured up to 27 % slower). The
+//            producer thread takes the tile and hands it to the consumers in
+//            tile_slot[] of the Q buffer, under the Q full barrier (-1: no more). The
+//            last CTA to finish zeroes p.sched for the next launch (launches on one
+//            stream do not overlap; the host keeps a pair per stream, api). The producer runs on
 //            into the next tile: the K/V ring position and its phases count on
 //            across tiles, and Q has a ring of QB buffers (2 where shared memory
 //            allows) with a 'Q empty' barrier per buffer that every consumer
@@ -80,6 +87,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   // Q, then per stage: full K, full V, empty (K's with SEPKV), [empty V]; the last word is the
   // never-written target of sched_pin; PERSIST: then full Q barriers 1..QB-1, QB empty Q barriers.
   __shared__ __align__(8) fg_u64 bars[1 + NBAR * ST + 1 + (PERSIST ? 2 * QB - 1 : 0)];
+  __shared__ int tile_slot[PERSIST ? QB : 1];  // PERSIST: the tile of each Q buffer, -1 when none is left
   const fg_u32 sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;  // 128B-swizzle tiles want 1024-byte alignment
   const fg_u32 sK = sQ + QB * Q_BYTES;
   const fg_u32 sV = sK + ST * KV_BYTES;
@@ -187,19 +195,27 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   auto produce_all = [&]() {
     if constexpr (PERSIST) {  // (p.tiles exists only then)
     int it = 0;
-    for (int qi = 0; tile < p.tiles; tile += gridDim.x, ++qi) {
+    for (int qi = 0;; ++qi) {
+      if (qi > 0) tile = static_cast<int>(gridDim.x) + atomicAdd(p.sched, 1);
+      const int qs = qi % QB;
+      if (tile >= p.tiles) {  // none left: tell the consumers once this Q buffer is theirs again
+        if (qi >= QB) mbar_wait(bar_qe(qs), ((qi / QB) + 1) & 1);
+        tile_slot[qs] = -1;
+        mbar_arrive(bar_qf(qs));  // (release: the slot is written before the phase completes)
+        break;
+      }
       if (qi > 0) {
         tile_coords(tile, m_block, hq, b);
         hk = hq / p.group;
         m0 = m_block * BM;
         n_blocks = blocks_of(m0);
       }
-      const int qs = qi % QB;
       // One Q buffer: this tile's first K/V stages go out before waiting for the last epilogue to free Q.
       const int q_after = (QB == 1 && qi > 0) ? min(ST, n_blocks) : 0;
       for (int j = 0; j <= n_blocks; ++j) {
         if (j == q_after) {
           if (qi >= QB) mbar_wait(bar_qe(qs), ((qi / QB) + 1) & 1);
+          tile_slot[qs] = tile;
           mbar_expect_tx(bar_qf(qs), Q_BYTES);
 #pragma unroll
           for (int pn = 0; pn < PANELS; ++pn)
@@ -221,6 +237,12 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
           tma_load_4d(sV + s * KV_BYTES + pn * BN * 128, &p.tm_v, bar_v(s), pn * 64, j * BN, hk, b);
       }
       it += n_blocks;
+    }
+    // Every CTA has taken its last tile once all have counted themselves done: the last one zeroes
+    // the counters for the next launch.
+    if (atomicAdd(p.sched + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+      p.sched[0] = 0;
+      p.sched[1] = 0;
     }
     }
   };
@@ -256,6 +278,17 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   // (both stay 0 without it: one tile per CTA).
   int kv0 = 0, qi = 0;
   while (true) {  // tiles of this CTA (one pass when not persistent)
+  if constexpr (PERSIST) {  // the next tile, from the producer (with its Q)
+    mbar_wait(bar_qf(qi % QB), (qi / QB) & 1);
+    tile = tile_slot[qi % QB];
+    if (tile < 0) break;
+    if (qi > 0) {
+      tile_coords(tile, m_block, hq, b);
+      hk = hq / p.group;
+      m0 = m_block * BM;
+      n_blocks = blocks_of(m0);
+    }
+  }
   const fg_u32 sQt = sQ + (qi % QB) * Q_BYTES;  // this tile's Q buffer
   const int row_base = m0 + cw * 64 + wq * 16 + g;  // this thread's rows: row_base and row_base + 8
 
@@ -412,7 +445,8 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
     }
   };
 
-  mbar_wait(bar_qf(qi % QB), (qi / QB) & 1);  // always: the epilogue reuses the Q rows, so the Q copy must have landed
+  // Always (PERSIST: at the top): the epilogue reuses the Q rows, so the Q copy must have landed.
+  if constexpr (!PERSIST) mbar_wait(bar_qf(qi % QB), (qi / QB) & 1);
 
   // Two loop shapes. Without overlap or ping-pong: S(j), softmax, P(j)V(j), each GEMM waited on.
   // With either: one GEMM section per iteration, S(j) and P(j-1)V(j-1) issued together (one named-
@@ -553,14 +587,8 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
     fence_proxy_async_smem();
     __syncwarp();
     if (lane == 0) mbar_arrive(bar_qe(qi % QB));
-    tile += gridDim.x;
-    if (tile >= p.tiles) break;
     kv0 += n_blocks;
     ++qi;
-    tile_coords(tile, m_block, hq, b);
-    hk = hq / p.group;
-    m0 = m_block * BM;
-    n_blocks = blocks_of(m0);
   } else {
     break;
   }
