@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 
 import torch
@@ -54,16 +55,31 @@ def inputs(n, d, dtype=torch.bfloat16):
     return (b, h), mk(), mk(), mk()
 
 
-def bench_cell(n, d, causal, impls):
+def bench_cell(n, d, causal, impls, rounds=1):
+    """TFLOP/s of each impl on one cell. ``rounds`` > 1: the impls take turns, round after round (so a
+    clock or thermal drift touches all alike); each impl's time is the median of its rounds, and its
+    rounds are kept (``rounds_ms``)."""
     (b, h), q, k, v = inputs(n, d)
     f = flops(b, h, n, d, causal)
-    row = {"seqlen": n, "head_dim": d, "causal": causal, "batch": b, "heads": h}
+    row = {"seqlen": n, "head_dim": d, "causal": causal, "batch": b, "heads": h, "rounds": rounds}
+    fns, times = {}, {name: [] for name in impls}
     for name, make in impls.items():
         try:
-            ms = time_ms(make(q, k, v, causal))
-            row[name] = {"ms": ms, "tflops": f / ms / 1e9}
+            fns[name] = make(q, k, v, causal)
         except Exception as exc:  # a backend that refuses a shape is recorded, not fatal
             row[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if name in row:
+                continue
+            try:
+                times[name].append(time_ms(fn))
+            except Exception as exc:  # noqa: BLE001
+                row[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    for name in fns:
+        if name not in row:
+            ms = statistics.median(times[name])
+            row[name] = {"ms": ms, "tflops": f / ms / 1e9, "rounds_ms": times[name]}
     return row
 
 
@@ -147,6 +163,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--sweep", action="store_true", help="time candidate tiles at 2k/8k too")
     ap.add_argument("--no-main", action="store_true", help="skip the main table")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds per cell (median counts)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     result = {"meta": meta(), "convention": "hidden 2048, batch 16384/N, 4BHN^2d FLOPs (causal /2), bf16",
@@ -169,7 +186,7 @@ def main(argv=None):
         for d in ds:
             for causal in (False, True):
                 for n in (int(x) for x in args.seqlens.split(",")):
-                    result["rows"].append(bench_cell(n, d, causal, impls))
+                    result["rows"].append(bench_cell(n, d, causal, impls, args.rounds))
         result["host_overhead"] = host_overhead_us()
         result["memory"] = [peak_memory(16384), peak_memory(65536)]
     timing.write_json(args.out, result)

@@ -95,12 +95,12 @@ def default_spec(d, causal, n):
 
 
 def with_env(spec, env):
-    """fg(spec) with environment knobs (FLASHGEN_CAUSAL_SECTION, ...) set for its plan: the plan cache is
+    """fg(spec) with environment knobs (FLASHGEN_TILE_SECTION, ...) set for its plan: the plan cache is
     cleared when the cell makes the callable, so the next plan reads them; they are unset again after."""
     from flashgen import api
 
     def make(q, k, v, causal):
-        for name in ("FLASHGEN_CAUSAL_SECTION",):
+        for name in ("FLASHGEN_TILE_SECTION",):
             os.environ.pop(name, None)
         os.environ.update(env)
         api._plans.clear()
@@ -114,12 +114,13 @@ def with_env(spec, env):
 
 # --order: named flag sets timed beside the default per causal cell (fwd_sm90, families.sm90_flag_set names).
 ORDER_ALTS = {128: ("ws_ov_s3", "ws_pp", "ws_pp_s3"), 64: ("ws_s3_m192", "ws_ov_s3", "ws_pp_kv_s3_m192")}
+ORDER_ALTS_FULL = {128: ("ws_ov_s3_m192_n80", "ws_pp_s3"), 64: ()}  # non-causal cells
 
 
 def variant_table(out, seqlens, dims, order=False, reps=10, rounds=1):
     """--persist: the default path vs the same spec with persist, named pairs with and without _ps, cuDNN.
     --order (causal cells, then the non-causal default vs persist): the default spec in the L2-section
-    tile order (api.causal_sections) and in the old one (FLASHGEN_CAUSAL_SECTION=1: one (batch, head)
+    tile order (api.tile_sections) and in the old one (FLASHGEN_TILE_SECTION=1: one (batch, head)
     pair's m-blocks after another), with persist, and ORDER_ALTS' flag sets with and without _ps.
     ``rounds`` repeats every cell (the best time of the rounds counts)."""
     from multiprocessing.pool import ThreadPool
@@ -133,11 +134,11 @@ def variant_table(out, seqlens, dims, order=False, reps=10, rounds=1):
     for d, c, n in cells:
         base = default_spec(d, c, n)
         impls = {"default": (base, {})}
-        if order and c:
-            impls["default_sec1"] = (base, {"FLASHGEN_CAUSAL_SECTION": "1"})
+        if order:
+            impls["default_sec1"] = (base, {"FLASHGEN_TILE_SECTION": "1"})
         if base.kind == "fwd_sm90" and base.warpspec:
             impls["default_ps"] = (base.replace(persist=True), {})
-        for f in (ORDER_ALTS.get(d, ()) if order and c else () if order else PERSIST_PAIRS.get(d, ())):
+        for f in ((ORDER_ALTS if c else ORDER_ALTS_FULL).get(d, ()) if order else PERSIST_PAIRS.get(d, ())):
             if sm90_spec(d, c, f) != base:  # (the default may be this very spec)
                 impls[f], impls[f + "_ps"] = (sm90_spec(d, c, f), {}), (sm90_spec(d, c, f + "_ps"), {})
         plans[(d, c, n)] = {k: se for k, se in impls.items() if not se[0].check(h200)}

@@ -4,7 +4,7 @@
 # (1) GPU tests: tests/test_gpu_sm90.py (every flag set, persist, the uneven-section test) and
 #     tests/test_gpu_fwd.py (the default path), <= 240 s;
 # (2) bench_sm90.py --order: causal cells d 128/64, N 2k-16k: the default spec in the new order and the
-#     old (FLASHGEN_CAUSAL_SECTION=1), persist, ORDER_ALTS; then non-causal default vs persist; 2 rounds,
+#     old (FLASHGEN_TILE_SECTION=1), persist, ORDER_ALTS; then non-causal default vs persist; 2 rounds,
 #     cuDNN in the same cells, <= 150 s. One tarball: $OUT/order.tgz.
 set -o pipefail
 export PYTHONPATH=$PWD FLASHGEN_HOME=${FLASHGEN_HOME:-/tmp/flashgen} PYTHONUNBUFFERED=1

@@ -303,14 +303,13 @@ def _plan_sm90(kern, spec, dev, shape, strides, o_strides, scale):
                            group=h // hk, d=d, scale=scale, scale_log2=scale * math.log2(math.e))
     m_blocks = (nq + spec.block_m - 1) // spec.block_m
     tiles = m_blocks * h * b
-    if spec.persist or spec.causal:  # the tiles the CTAs walk, and in what order (fwd_sm90.cuh, tile_coords)
-        template.tiles, template.m_blocks = tiles, m_blocks
-        if spec.causal:
-            kv_bytes = 2 * nk * spec.head_dim * 2 // (h // hk)  # K and V per query head (GQA: shared)
-            template.sec, template.sec_big = causal_sections(b * h, kv_bytes, dev.l2_bytes)
-            forced = os.environ.get("FLASHGEN_CAUSAL_SECTION")  # study: pairs per section (1: pair after pair)
-            if forced:
-                template.sec, template.sec_big = min(b * h, int(forced)), 0
+    # The tiles the CTAs walk, and in what order (fwd_sm90.cuh, tile_coords).
+    template.tiles, template.m_blocks = tiles, m_blocks
+    kv_bytes = 2 * nk * spec.head_dim * 2 // (h // hk)  # K and V per query head (GQA: shared)
+    template.sec, template.sec_big = tile_sections(b * h, kv_bytes, dev.l2_bytes)
+    forced = os.environ.get("FLASHGEN_TILE_SECTION")  # study: pairs per section (1: pair after pair)
+    if forced:
+        template.sec, template.sec_big = min(b * h, int(forced)), 0
     struct = type(template)
     off_q, off_k, off_v = struct.tm_q.offset, struct.tm_k.offset, struct.tm_v.offset
     # _dims gives element strides in (batch, head, seq) order; tensor_dims takes (seq, head, batch),
@@ -358,17 +357,18 @@ def _plan_sm90(kern, spec, dev, shape, strides, o_strides, scale):
         cap = os.environ.get("FLASHGEN_PERSIST_CTAS")  # tests and study: fewer CTAs, more tiles each
         grid = (min(tiles, ctas, int(cap) if cap else ctas), 1, 1)
     else:
-        grid = (tiles, 1, 1) if spec.causal else (m_blocks, h, b)
+        grid = (tiles, 1, 1)
     return _Plan(kern, grid, dev.index, (b, h, nq), template, tma=params_for)
 
 
-def causal_sections(pairs: int, kv_bytes: int, l2_bytes: int) -> tuple[int, int]:
-    """The causal fwd_sm90 tile order's sections: (sec, sec_big) = ``pairs`` (batch, head) pairs split
-    into as few even sections (sec_big of sec + 1 pairs, the rest of sec) as keep each section's K/V
-    (``kv_bytes`` per pair) within half the L2. Inside a section the kernel runs the longest rows of
-    every pair first, so the short tiles fill the tail; the hardware hands tiles to SMs in that order.
-    A simulated greedy schedule put the makespan 0.2-1.8 % over the even split at hidden 2048, N 2k-16k,
-    against 3-7 % for one pair's m-blocks after another (bench/NOTES.md, session 4)."""
+def tile_sections(pairs: int, kv_bytes: int, l2_bytes: int) -> tuple[int, int]:
+    """The fwd_sm90 tile order's sections: (sec, sec_big) = ``pairs`` (batch, head) pairs split into as
+    few even sections (sec_big of sec + 1 pairs, the rest of sec) as keep each section's K/V (``kv_bytes``
+    per pair) within half the L2. Inside a section the kernel walks m-block by m-block over every pair
+    (causal: longest rows first, so the short tiles fill the tail); the hardware hands tiles to SMs in
+    that order. For causal tiles a simulated greedy schedule put the makespan 0.2-1.8 % over the even
+    split at hidden 2048, N 2k-16k, against 3-7 % for one pair's m-blocks after another (bench/NOTES.md,
+    session 4)."""
     per = max(1, (l2_bytes // 2) // max(1, kv_bytes))
     sections = -(-pairs // per)
     return pairs // sections, pairs % sections

@@ -36,10 +36,6 @@ class Family:
     max_acc_floats: int = 200           # fp32 accumulators per thread before spilling is likely
     flags: tuple = ()                   # the spec flags (spec.FLAG_FIELDS) the family takes
     hints: tuple = (0,)                 # KernelSpec.hint values (decode_split's load flavours; 0 elsewhere)
-    # Parameters only some specs of the family declare (fwd_sm90's persist and causal: SM90_TILE_PARAMS): the
-    # ctypes struct always holds them, after ``params`` and inside the alignas(64) padding, so the C
-    # struct of a spec without them -- and its cubin -- is unchanged.
-    late_params: tuple = ()
     archs: tuple = ("sm_80", "sm_86", "sm_89", "sm_90a")  # compile targets the family runs on (spec.ARCHS)
     # The knobs the tuner searches and the values it tries (a subset of the
     # supported values above: the sizes that can win, not every legal one).
@@ -89,13 +85,8 @@ class Family:
                            " (would spill)")
         return reasons
 
-    def declared_params(self, spec) -> tuple:
-        """The parameter rows the spec's kernel declares, in order (``params``, then any ``late_params``
-        this spec takes)."""
-        return self.params
-
     def context(self, spec) -> dict:
-        return {"params": [(n, c) for n, c, _ in self.declared_params(spec)]}
+        return {"params": [(n, c) for n, c, _ in self.params]}
 
     def threads(self, spec) -> int:
         """Threads per CTA."""
@@ -254,14 +245,13 @@ SM90_PARAMS = (
     *_strides("o"),
     ("nq", "int", I32), ("nk", "int", I32), ("heads", "int", I32), ("group", "int", I32),
     ("d", "int", I32), ("scale", "float", F32), ("scale_log2", "float", F32),
+    # The tile walk (fwd_sm90.cuh, tile_coords): persist's two tile counters (next tile, CTAs done; zero
+    # between launches; null otherwise), the tile count (m-blocks x heads x batch), the m-blocks per
+    # (batch, head), and the L2 sections of (batch, head) pairs: sec_big of sec + 1, then sections of sec
+    # (api.tile_sections).
+    ("sched", "int*", PTR), ("tiles", "int", I32), ("m_blocks", "int", I32), ("sec", "int", I32),
+    ("sec_big", "int", I32),
 )
-
-# persist or causal only (fwd_sm90.cuh, tile_coords): persist's two tile counters (next tile, CTAs done; zero
-# between launches), the tile count (m-blocks x heads x batch), the m-blocks per (batch, head), and the causal
-# tile order's L2 sections: p.sec_big sections of sec + 1 (batch, head) pairs, then sections of sec
-# (api.causal_sections).
-SM90_TILE_PARAMS = (("sched", "int*", PTR), ("tiles", "int", I32), ("m_blocks", "int", I32), ("sec", "int", I32),
-                    ("sec_big", "int", I32))
 
 SM90_HEAD_DIMS = (64, 128, 256)
 
@@ -343,8 +333,8 @@ class Sm90Family(Family):
     warpspec, pingpong (needs warpspec and two or three consumers: they take turns), overlap,
     emu (EMUS: eighths of S's columns whose exp2 runs on the FMA pipe), sepkv (needs warpspec:
     separate K and V empty barriers), lazy (lean softmax), persist (needs warpspec: a persistent
-    kernel, the grid sized to the SMs). Causal and persist specs take the tile walk's parameters
-    (SM90_TILE_PARAMS): a causal grid is 1-D, in sections that fit the L2, longest rows first.
+    kernel, the grid sized to the SMs). The grid is 1-D over the tiles, walked in sections of (batch, head)
+    pairs whose K/V fit in half the L2 (causal: longest rows first).
     """
 
     EMUS = (0, 1, 2, 4)
@@ -420,12 +410,9 @@ class Sm90Family(Family):
     def extra_checks(self, spec, profile) -> list[str]:
         return hopper_checks(self, spec, profile, "addressing and softmax state")
 
-    def declared_params(self, spec) -> tuple:
-        return self.params + (self.late_params if spec.persist or spec.causal else ())
-
     def context(self, spec) -> dict:
         producer, consumer = self.regs(spec)
-        return {"params": [(n, c) for n, c, _ in self.declared_params(spec)],
+        return {"params": [(n, c) for n, c, _ in self.params],
                 "param_bytes": ctypes.sizeof(self.param_struct()),
                 "producer_regs": producer or 24, "consumer_regs": consumer or 240,
                 "q_buffers": self.q_buffers(spec)}
@@ -433,7 +420,7 @@ class Sm90Family(Family):
     def param_struct(self):
         """ctypes struct padded to the C struct's alignas(64) size (ctypes here has no _align_)."""
         if not self._struct:
-            rows = self.params + self.late_params
+            rows = self.params
             base = type(f"{self.kind}_params_base", (ctypes.Structure,), {"_fields_": [(n, t) for n, _, t in rows]})
             pad = -ctypes.sizeof(base) % 64
             fields = [(n, t) for n, _, t in rows] + ([("_pad", ctypes.c_ubyte * pad)] if pad else [])
@@ -449,7 +436,7 @@ FAMILIES: dict[str, Family] = {
                                       stages=(2, 3, 4, 5, 6, 8, 10, 12), refills=(0,), hints=tuple(LOAD_HINTS)),
     "decode_combine": DecodeCombineFamily("decode_combine", "decode_combine.cu.j2", COMBINE_PARAMS,
                                           head_dims=DECODE_HEAD_DIMS),
-    "fwd_sm90": Sm90Family("fwd_sm90", "fwd_sm90.cu.j2", SM90_PARAMS, late_params=SM90_TILE_PARAMS,
+    "fwd_sm90": Sm90Family("fwd_sm90", "fwd_sm90.cu.j2", SM90_PARAMS,
                            head_dims=SM90_HEAD_DIMS,
                            block_ms=(64, 128, 192), block_ns=(64, 80, 96, 112, 128, 144, 160, 176, 192),
                            warps=(4, 8, 12, 16), stages=(2, 3, 4), refills=(0,),

@@ -338,15 +338,16 @@ def test_persist_ps_determinism_and_equal_to_non_persistent(flags, persist_ctas)
 
 
 @needs_sm90
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("flags,ctas", [("ws", None), ("plain", None), ("ws_ov_s3_ps", "5"), ("ws_ps", None)])
-def test_causal_sections_uneven(flags, ctas, monkeypatch):
-    """The causal tile order over several L2 sections of uneven size (a small L2 pretended: 7 (batch, head)
-    pairs in sections of 2, 2, 2, 1 at N = 300; GQA 7:7 and 2 batches x 4 heads, 2:1), nq != nk both ways:
-    every tile written and right, bitwise equal to one section (the order changes no tile's arithmetic)."""
+def test_tile_sections_uneven(flags, ctas, causal, monkeypatch):
+    """The tile order over several L2 sections of uneven size (a small L2 pretended: 7 (batch, head) pairs
+    in sections of 2, 2, 2, 1; GQA 7:7 and 2 batches x 4 heads, 2:1), nq != nk both ways: every tile
+    written and right, bitwise equal to one section (the order changes no tile's arithmetic)."""
     import flashgen
     from flashgen import api
 
-    spec = sm90_named_spec(128, True, flags, block_m=64 if flags == "plain" else 128)
+    spec = sm90_named_spec(128, causal, flags, block_m=64 if flags == "plain" else 128)
     dev = api._Device.of(torch.cuda.current_device())
     for b, h, hk, nq, nk in ((1, 7, 7, 300, 300), (2, 4, 2, 203, 339), (1, 7, 7, 339, 113)):
         kv_bytes = 2 * nk * 128 * 2 // (h // hk)
@@ -354,14 +355,14 @@ def test_causal_sections_uneven(flags, ctas, monkeypatch):
         if ctas:
             monkeypatch.setenv("FLASHGEN_PERSIST_CTAS", ctas)
         api._plans.clear()
-        sec = api.causal_sections(b * h, kv_bytes, dev.l2_bytes)
+        sec = api.tile_sections(b * h, kv_bytes, dev.l2_bytes)
         assert sec[0] <= 2 and b * h > 2  # more than one section
-        out, _ = check(b, h, hk, nq, nk, 128, "bf16", True, spec=spec)
+        check(b, h, hk, nq, nk, 128, "bf16", causal, spec=spec)
         q, k, v = make_inputs(b, h, hk, nq, nk, 128, torch.bfloat16)
-        split = flashgen.attention(q, k, v, causal=True, spec=spec)
+        split = flashgen.attention(q, k, v, causal=causal, spec=spec)
         monkeypatch.setattr(dev, "l2_bytes", 1 << 40)  # one section
         api._plans.clear()
-        whole = flashgen.attention(q, k, v, causal=True, spec=spec)
+        whole = flashgen.attention(q, k, v, causal=causal, spec=spec)
         torch.cuda.synchronize()
         assert torch.equal(split, whole)
     api._plans.clear()

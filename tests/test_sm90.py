@@ -195,7 +195,8 @@ def test_tensor_maps_step_rows_by_the_seq_stride(monkeypatch, layout):
         def params(self, **values):
             return spec.family.param_struct()(**values)
 
-    plan = api._plan_sm90(FakeKernel(), spec, type("Dev", (), {"index": 0})(), (b, h, hk, nq, nk, d), (sq, sk, sv), sq, 0.125)
+    dev = type("Dev", (), {"index": 0, "l2_bytes": 50 << 20})()
+    plan = api._plan_sm90(FakeKernel(), spec, dev, (b, h, hk, nq, nk, d), (sq, sk, sv), sq, 0.125)
     params = plan.tma(16, 32, 48)
     assert bytes(params.tm_q) == bytes(128) and params.nq == nq and params.group == h // hk
     assert len(calls) == 3 and plan.tma(16, 32, 48) is not params and len(calls) == 3  # cached per address
@@ -292,9 +293,9 @@ def test_smem_layout_model(d, bm, bn):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_persist_plan_grid_and_tiles(causal, monkeypatch):
-    """persist: the grid is min(tiles, SMs x CTAs per SM), 1-D; the params carry the tile count and the
-    m-blocks per (batch, head); without persist the grid is (m-blocks, heads, batch), or 1-D over the
-    tiles when causal (the L2-section order); causal params carry the sections."""
+    """persist: the grid is min(tiles, SMs x CTAs per SM), 1-D; without persist one CTA per tile, 1-D. The
+    params carry the tile count, the m-blocks per (batch, head), the L2 sections, and (persist) the
+    stream's tile counters."""
     pytest.importorskip("torch")
     from flashgen import api, tma
     from flashgen.codegen.compiler import Report
@@ -323,25 +324,22 @@ def test_persist_plan_grid_and_tiles(causal, monkeypatch):
         assert plan.grid == (grid, 1, 1) and min(b * h * m_blocks, 132) == grid
         p = plan.tma(16, 32, 48)
         assert (p.tiles, p.m_blocks, p.sched) == (b * h * m_blocks, m_blocks, 4096)
-        if causal:  # K/V of one pair: 2 x nq x 64 x 2 bytes; 25 MiB of L2 holds 50 pairs at N = 2048
-            assert (p.sec, p.sec_big) == api.causal_sections(b * h, 2 * nq * 64 * 2, 50 << 20)
+        # K/V of one pair: 2 x nq x 64 x 2 bytes; 25 MiB of L2 holds 50 pairs at N = 2048
+        assert (p.sec, p.sec_big) == api.tile_sections(b * h, 2 * nq * 64 * 2, 50 << 20)
     plain = plan_for(spec.replace(persist=False), 2, 16, 2048)
     p = plain.tma(16, 32, 48)
-    if causal:
-        assert plain.grid == (32 * 16, 1, 1) and (p.tiles, p.m_blocks, p.sec, p.sec_big) == (512, 16, 32, 0)
-    else:
-        assert plain.grid == (16, 16, 2) and p.tiles == 0
+    assert plain.grid == (32 * 16, 1, 1) and (p.tiles, p.m_blocks, p.sec, p.sec_big) == (512, 16, 32, 0) and not p.sched
 
 
 @pytest.mark.parametrize("pairs, kv_bytes, l2", [(128, 1 << 20, 50 << 20), (16, 8 << 20, 50 << 20), (7, 1, 50 << 20),
                                                  (5, 1 << 30, 50 << 20), (256, 3 << 19, 40 << 20), (1, 1, 1)])
-def test_causal_sections_even_and_within_half_l2(pairs, kv_bytes, l2):
-    """causal_sections: sec_big sections of sec + 1 pairs and the rest of sec cover every pair; no section's
+def test_tile_sections_even_and_within_half_l2(pairs, kv_bytes, l2):
+    """tile_sections: sec_big sections of sec + 1 pairs and the rest of sec cover every pair; no section's
     K/V passes half the L2 unless one pair alone does (then one pair per section); the fewest such sections."""
     pytest.importorskip("torch")
-    from flashgen.api import causal_sections
+    from flashgen.api import tile_sections
 
-    sec, big = causal_sections(pairs, kv_bytes, l2)
+    sec, big = tile_sections(pairs, kv_bytes, l2)
     per = max(1, (l2 // 2) // kv_bytes)
     sections = -(-pairs // per)
     assert sec >= 1 and 0 <= big < sections

@@ -48,7 +48,8 @@
 //            result is exact up to rounding (P's relative rounding does not
 //            depend on its size).
 //  PERSIST   (with WS) a persistent kernel: gridDim.x CTAs (the host sizes it to the SMs)
-//            take the p.tiles tiles in the order of tile_coords below: tile blockIdx.x
+//            take the p.tiles tiles in the order of tile_coords below (without it, one
+//            CTA per tile, blockIdx.x, in that order): tile blockIdx.x
 //            first, then each the next one not yet taken, gridDim.x + an atomicAdd on
 //            p.sched[0] (dynamic, as the hardware hands out a grid's blocks: a static
 //            walk over tiles of unequal cost, causal, left 12-36 % of the time on the
@@ -101,32 +102,21 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   auto bar_qe = [&](int i) { return bar_q + 8u * (1 + NBAR * ST + QB + i); };              // Q buffer i empty
 
   const int tid = threadIdx.x;
-  // Tile t -> (m_block, head, batch). Causal (a 1-D grid, or PERSIST's walk): the (batch, head) pairs
-  // in consecutive sections whose K/V fit in half the L2 together (sizes p.sec + 1 for the first
-  // p.sec_big sections, then p.sec: the host evens them out), and inside a section the highest query
-  // blocks (the longest rows) of every pair first, so the short tiles fill the tail. Non-causal: the
-  // grid's coordinates (m-block, head, batch), or PERSIST's walk with m-block fastest, then head, then
-  // batch (one head's K/V stays hot in L2).
+  // Tile t -> (m_block, head, batch): the (batch, head) pairs in consecutive sections whose K/V fit in
+  // half the L2 together (sizes p.sec + 1 for the first p.sec_big sections, then p.sec: the host evens
+  // them out), and inside a section m-block by m-block, every pair of the section in turn (so the CTAs
+  // running at once share a few pairs' K/V, but no one K/V block is wanted by every SM at once). Causal:
+  // the highest m-blocks (the longest rows) first, so the short tiles fill the tail; non-causal: the
+  // lowest first (a partial last m-block, the cheapest tile, at the end).
   auto tile_coords = [&](int t, int& mb, int& h, int& bb) {
-    if constexpr (CAUSAL) {
-      const int mbs = p.m_blocks, big_tiles = p.sec_big * (p.sec + 1) * mbs;
-      const bool big = t < big_tiles;
-      const int sz = big ? p.sec + 1 : p.sec, u = big ? t : t - big_tiles;
-      const int start = (big ? 0 : p.sec_big * (p.sec + 1)) + u / (sz * mbs) * sz, rem = u % (sz * mbs);
-      mb = mbs - 1 - rem / sz;
-      const int pair = start + rem % sz;
-      h = pair % p.heads;
-      bb = pair / p.heads;
-    } else if constexpr (!PERSIST) {
-      mb = blockIdx.x;
-      bb = blockIdx.z;
-      h = blockIdx.y;
-    } else {
-      const int rest = t / p.m_blocks;
-      mb = t % p.m_blocks;
-      h = rest % p.heads;
-      bb = rest / p.heads;
-    }
+    const int mbs = p.m_blocks, big_tiles = p.sec_big * (p.sec + 1) * mbs;
+    const bool big = t < big_tiles;
+    const int sz = big ? p.sec + 1 : p.sec, u = big ? t : t - big_tiles;
+    const int start = (big ? 0 : p.sec_big * (p.sec + 1)) + u / (sz * mbs) * sz, rem = u % (sz * mbs);
+    mb = CAUSAL ? mbs - 1 - rem / sz : rem / sz;
+    const int pair = start + rem % sz;
+    h = pair % p.heads;
+    bb = pair / p.heads;
   };
   // K/V blocks query block m0 needs.
   auto blocks_of = [&](int m0_) {
@@ -137,12 +127,11 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
     }
     return nb;
   };
-  int tile = (PERSIST || CAUSAL) ? static_cast<int>(blockIdx.x) : 0;
+  int tile = static_cast<int>(blockIdx.x);
   int m_block, hq, b;
   tile_coords(tile, m_block, hq, b);
   int hk = hq / p.group;
   int m0 = m_block * BM;
-  // diag here, not above the lambdas: that order keeps the cubins without PERSIST byte-identical.
   const int diag = p.nk - p.nq;  // bottom-right alignment: query i sees keys j <= i + diag
   int n_blocks = blocks_of(m0);
 
