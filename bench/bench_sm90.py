@@ -117,12 +117,12 @@ ORDER_ALTS = {128: ("ws_ov_s3", "ws_pp", "ws_pp_s3"), 64: ("ws_s3_m192", "ws_ov_
 ORDER_ALTS_FULL = {128: ("ws_ov_s3_m192_n80", "ws_pp_s3"), 64: ()}  # non-causal cells
 
 
-def variant_table(out, seqlens, dims, order=False, reps=10, rounds=1):
+def variant_table(out, seqlens, dims, order=False, reps=10, rounds=1, alts=True):
     """--persist: the default path vs the same spec with persist, named pairs with and without _ps, cuDNN.
     --order (causal cells, then the non-causal default vs persist): the default spec in the L2-section
     tile order (api.tile_sections) and in the old one (FLASHGEN_TILE_SECTION=1: one (batch, head)
     pair's m-blocks after another), with persist, and ORDER_ALTS' flag sets with and without _ps.
-    ``rounds`` repeats every cell (the best time of the rounds counts)."""
+    ``rounds`` repeats every cell, each round starting one impl later (the median round counts)."""
     from multiprocessing.pool import ThreadPool
 
     from flashgen import gpus
@@ -137,8 +137,11 @@ def variant_table(out, seqlens, dims, order=False, reps=10, rounds=1):
         if order:
             impls["default_sec1"] = (base, {"FLASHGEN_TILE_SECTION": "1"})
         if base.kind == "fwd_sm90" and base.warpspec:
-            impls["default_ps"] = (base.replace(persist=True), {})
-        for f in ((ORDER_ALTS if c else ORDER_ALTS_FULL).get(d, ()) if order else PERSIST_PAIRS.get(d, ())):
+            ps = base.replace(persist=not base.persist)  # the default's twin, with or without persist
+            impls["default_ps" if ps.persist else "default_nops"] = (ps, {})
+            if order:
+                impls[("default_ps" if ps.persist else "default_nops") + "_sec1"] = (ps, {"FLASHGEN_TILE_SECTION": "1"})
+        for f in ((ORDER_ALTS if c else ORDER_ALTS_FULL).get(d, ()) if order else PERSIST_PAIRS.get(d, ())) * alts:
             if sm90_spec(d, c, f) != base:  # (the default may be this very spec)
                 impls[f], impls[f + "_ps"] = (sm90_spec(d, c, f), {}), (sm90_spec(d, c, f + "_ps"), {})
         plans[(d, c, n)] = {k: se for k, se in impls.items() if not se[0].check(h200)}
@@ -158,11 +161,15 @@ def variant_table(out, seqlens, dims, order=False, reps=10, rounds=1):
     for (d, c, n), impls in plans.items():
         run = {k: with_env(s, env) for k, (s, env) in impls.items()}
         run["sdpa_cudnn"] = lambda q, k, v, cz: sdpa_fn("sdpa_cudnn", q, k, v, cz)
-        rounds_rows = [cell(n, d, c, run, reps) for _ in range(rounds)]
+        names = list(run)
+        rounds_rows = []
+        for i in range(rounds):  # each round starts one impl later: none is always timed first
+            turn = names[i % len(names):] + names[:i % len(names)]
+            rounds_rows.append(cell(n, d, c, {k: run[k] for k in turn}, reps))
         row = dict(rounds_rows[0])
-        for k in run:  # best of the rounds
-            ok = [r[k] for r in rounds_rows if "tflops" in r[k]]
-            row[k] = max(ok, key=lambda x: x["tflops"]) if ok else rounds_rows[0][k]
+        for k in run:  # the median of the rounds
+            ok = sorted((r[k] for r in rounds_rows if "tflops" in r[k]), key=lambda x: x["tflops"])
+            row[k] = dict(ok[(len(ok) - 1) // 2]) if ok else rounds_rows[0][k]
             row[k]["rounds_tflops"] = [r[k].get("tflops") for r in rounds_rows]
         row["specs"] = {k: se[0].name for k, se in impls.items()}
         row["env"] = {k: se[1] for k, se in impls.items() if se[1]}
@@ -190,12 +197,13 @@ def main(argv=None):
     ap.add_argument("--order", action="store_true", help="only the causal tile-order table (see the module doc)")
     ap.add_argument("--seqlens", default="2048,8192", help="--persist, --order: sequence lengths")
     ap.add_argument("--dims", default="128,64", help="--persist, --order: head dims")
-    ap.add_argument("--rounds", type=int, default=1, help="--persist, --order: rounds per cell (best counts)")
+    ap.add_argument("--no-alts", action="store_true", help="--persist, --order: the default's variants only")
+    ap.add_argument("--rounds", type=int, default=1, help="--persist, --order: rounds per cell (median counts)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if args.persist or args.order:
         variant_table(args.out, [int(x) for x in args.seqlens.split(",")], [int(x) for x in args.dims.split(",")],
-                      order=args.order, rounds=args.rounds)
+                      order=args.order, rounds=args.rounds, alts=not args.no_alts)
         return
     seqlens = [2048, 8192] if args.quick else [2048, 4096, 8192, 16384]
     reps = 10

@@ -449,10 +449,9 @@ FAMILIES: dict[str, Family] = {
                            tune_space=(("block_m", (64, 128, 192)), ("block_n", (64, 80, 96, 112, 128, 160, 176, 192)),
                                        ("stages", (2, 3, 4)), ("warpspec", (False, True)), ("pingpong", (False, True)),
                                        ("overlap", (False, True)), ("sepkv", (False, True)), ("lazy", (False, True)),
-                                       ("emu", (0, 1)))),
-                           # persist (the persistent tile loop) is not searched until it has run on a GPU:
-                           # it compiles clean and is byte-identical when off, but is unmeasured
-                           # (bench/NOTES.md, "persist"); `bash bench/device_persist.sh` is its first run.
+                                       ("emu", (0, 1)), ("persist", (False, True)))),
+                           # persist (the persistent kernel, dynamic tiles) won 2-5 % at N = 2k-4k and lost up
+                           # to 10 % at 16k on the H200 (bench/NOTES.md, session 4): the tuner decides per key.
 }
 
 from .bwd_families import BWD_FAMILIES  # noqa: E402 -- needs Family, defined above

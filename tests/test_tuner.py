@@ -1101,3 +1101,26 @@ def test_without_refused_swaps_in_the_fastest_clean_runner_up():
     assert "dropped" in changes[1] and w2.name in changes[1] and r1b.name in changes[0]
     same, none = store.without_refused(t, lambda s: [])
     assert none == [] and same.entries == t.entries
+
+
+def test_space_restrict_narrows_candidates_and_rejects_bad_values():
+    """--space KNOB=V1,V2 keeps only the candidates whose knob takes one of the values (the baseline stays
+    first); an unknown knob or a value outside the family's tune space is a clear error."""
+    from flashgen import gpus
+    from flashgen.dispatch import ProblemKey
+    from flashgen.tuner import space
+
+    prof = gpus.get("h200")
+    key = ProblemKey("fwd", "sm_90a", "bf16", 128, True, 8192)
+    kinds = space.families(key, None)
+    full = space.candidates(key, prof)
+    r = space.parse_restrict(["sepkv=false", "block_n=64,128", "persist=true"], kinds)
+    assert r == {"sepkv": {False}, "block_n": {64, 128}, "persist": {True}}
+    narrow = space.candidates(key, prof, None, r)
+    assert narrow[0] == full[0] and 1 < len(narrow) < len(full)
+    sm90 = [s for s in narrow[1:] if s.kind == "fwd_sm90"]
+    assert sm90 and all(s.block_n in (64, 128) and not s.sepkv and s.persist for s in sm90)
+    assert set(narrow) <= set(full)
+    for bad in (["nosuch=1"], ["block_n=72"], ["sepkv"], ["persist=maybe"]):
+        with pytest.raises(ValueError, match="--space"):
+            space.parse_restrict(bad, kinds)

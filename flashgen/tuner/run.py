@@ -281,7 +281,12 @@ def tune(args, argv) -> int:
             f"{'measured on ' + why if mode == 'measured' else 'cost model (' + why + ')'}; "
             f"families {', '.join(fams) or '-'}")
     try:
-        cands = {key: space.candidates(key, profile, only) for key in keys}
+        restrict = space.parse_restrict(getattr(args, "space", None), list(dict.fromkeys(
+            f for k in {k.kind: k for k in keys}.values() for f in space.families(k, only))))
+    except ValueError as exc:
+        raise FlashgenError(str(exc)) from None
+    try:
+        cands = {key: space.candidates(key, profile, only, restrict) for key in keys}
     except ValueError as exc:  # no tile of the kind fits this GPU's shared memory at some head dim
         raise FlashgenError(f"--d {args.d}: {exc}") from None
     if not args.worker_only and mode == "measured":
@@ -388,6 +393,9 @@ def add_arguments(p) -> None:
     p.add_argument("--report", default=None, help="also write every trial as JSON here")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles (default: CPUs)")
     p.add_argument("--seed", type=int, default=0, help="TPE seed (default 0)")
+    p.add_argument("--space", nargs="+", default=None, metavar="KNOB=V1,V2",
+                   help="narrow the searched space on these knobs (e.g. sepkv=false block_n=64,128); values "
+                        "must be in the family's tune space")
     p.add_argument("--no-confirm", action="store_true",
                    help="measured mode: keep the screening times (default: re-time the 3 fastest and the "
                         "baseline, interleaved, before picking the winner)")

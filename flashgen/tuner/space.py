@@ -193,9 +193,36 @@ def baseline_label(key: ProblemKey) -> str:
     return "default-rule" if is_backward(key.kind) else "paper-rule"
 
 
-def candidates(key: ProblemKey, profile, only=None) -> list[KernelSpec]:
+def parse_restrict(items, kinds) -> dict:
+    """``--space`` arguments (``KNOB=V1,V2``) as {knob: allowed values}: each knob must be in the tune space
+    of one of ``kinds`` and each value among that space's values (ints; true/false or 1/0 for flags).
+    ``ValueError`` says what is wrong."""
+    from ..families import family
+
+    spaces: dict = {}
+    for kind in kinds:
+        for name, values in family(kind).tune_space:
+            spaces.setdefault(name, set()).update(values)
+    out: dict = {}
+    for item in items or ():
+        name, eq, text = str(item).partition("=")
+        if not eq or name not in spaces:
+            raise ValueError(f"--space {item!r}: KNOB=V1,V2 with KNOB one of {sorted(spaces)}")
+        vals = []
+        for t in text.split(","):
+            t = t.strip().lower()
+            v = {"true": True, "false": False}.get(t, int(t) if t.lstrip("-").isdigit() else None)
+            if v is None or v not in spaces[name]:
+                raise ValueError(f"--space {item!r}: {t!r} is not among {name}'s values {sorted(spaces[name])}")
+            vals.append(v)
+        out[name] = set(vals)
+    return out
+
+
+def candidates(key: ProblemKey, profile, only=None, restrict=None) -> list[KernelSpec]:
     """The statically feasible specs of ``key`` on ``profile``: the baseline first (``baseline``),
-    then each family's (``families(key, only)``, default family first)."""
+    then each family's (``families(key, only)``, default family first). ``restrict`` ({knob: allowed
+    values}, ``parse_restrict``) narrows each family's tune space on the knobs it names."""
     from ..families import family
 
     base = baseline(key, profile)
@@ -203,7 +230,8 @@ def candidates(key: ProblemKey, profile, only=None) -> list[KernelSpec]:
     for kind in families(key, only):
         fam = family(kind)
         names = [n for n, _ in fam.tune_space]
-        for values in itertools.product(*(v for _, v in fam.tune_space)):
+        space = [[x for x in v if n not in (restrict or {}) or x in restrict[n]] for n, v in fam.tune_space]
+        for values in itertools.product(*space):
             try:
                 spec = make_spec(key, kind, **dict(zip(names, values))).validate()
             except ValueError:
