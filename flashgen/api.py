@@ -364,12 +364,14 @@ def _plan_sm90(kern, spec, dev, shape, strides, o_strides, scale):
 def tile_sections(pairs: int, kv_bytes: int, l2_bytes: int) -> tuple[int, int]:
     """The fwd_sm90 tile order's sections: (sec, sec_big) = ``pairs`` (batch, head) pairs split into as
     few even sections (sec_big of sec + 1 pairs, the rest of sec) as keep each section's K/V (``kv_bytes``
-    per pair) within half the L2. Inside a section the kernel walks m-block by m-block over every pair
+    per pair) within a quarter of the L2 (Hopper's L2 is two partitions, and data every SM reads may be
+    held in both: half the L2, halved again for what else stays there; with half of it the persistent
+    kernel at d = 128, N = 2k ran 6 % slower than pair after pair, bench/NOTES.md). Inside a section the kernel walks m-block by m-block over every pair
     (causal: longest rows first, so the short tiles fill the tail); the hardware hands tiles to SMs in
     that order. For causal tiles a simulated greedy schedule put the makespan 0.2-1.8 % over the even
     split at hidden 2048, N 2k-16k, against 3-7 % for one pair's m-blocks after another (bench/NOTES.md,
     session 4)."""
-    per = max(1, (l2_bytes // 2) // max(1, kv_bytes))
+    per = max(1, (l2_bytes // 4) // max(1, kv_bytes))
     sections = -(-pairs // per)
     return pairs // sections, pairs % sections
 
