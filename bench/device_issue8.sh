@@ -4,6 +4,8 @@
 # GPU, CUDA_VISIBLE_DEVICES=i). Scope: bf16 forward, d 64/128, causal both, N 2k-16k (16 keys), a narrowed
 # space (--space) so every key is exhaustive (1072 trials either way). The kernels are compiled once first
 # (a --model run), so both timed runs find the same warm cache and time the trials, not the compiler.
+# Second run: I8_BN=64,96,128 I8_FLAGS=--no-confirm (more trials per key, and no serial confirm step after
+# the workers: the first run's 2-worker wall was 0.73x, the coordinator's serial part weighing in).
 # One tarball: $OUT/issue8.tgz (logs, reports with each trial's worker, both YAMLs, wall times).
 set -o pipefail
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -16,8 +18,8 @@ W=$(mktemp -d); mkdir -p "$OUT"
 pack() { tar -czf "$OUT/issue8.tgz" -C "$W" .; }
 { nvidia-smi --query-gpu=index,name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
   echo "commit ${FLASHGEN_COMMIT:-}"; date -u; } | tee "$W/gpu.txt"
-SCOPE=(--gpu h200 --d 64,128 --dtype bf16 --seqlens 2048,4096,8192,16384 --trials 400
-       --space block_m=128,192 block_n=64,128 stages=2,3 sepkv=false lazy=false emu=0 persist=false)
+SCOPE=(--gpu h200 --d 64,128 --dtype bf16 --seqlens 2048,4096,8192,16384 --trials 400 ${I8_FLAGS:-}
+       --space block_m=128,192 block_n=${I8_BN:-64,128} stages=2,3 sepkv=false lazy=false emu=0 persist=false)
 timeout 60 python3 -m flashgen.cli tune "${SCOPE[@]}" --model --out "$W/model.yaml" > "$W/prewarm.log" 2>&1
 echo "prewarm rc=$?" | tee -a "$W/prewarm.log"; grep -E "compiled" "$W/prewarm.log"
 for n in 1 2; do
