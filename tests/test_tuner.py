@@ -1124,3 +1124,52 @@ def test_space_restrict_narrows_candidates_and_rejects_bad_values():
     for bad in (["nosuch=1"], ["block_n=72"], ["sepkv"], ["persist=maybe"]):
         with pytest.raises(ValueError, match="--space"):
             space.parse_restrict(bad, kinds)
+
+
+def test_tune_two_workers_model_mode_one_study(tmp_path):
+    """`tune --workers 2` (model mode, no GPU): worker 0 runs in this process beside one spawned copy, on
+    one journal study: every candidate exactly once, the table written. (Which worker takes how many trials
+    is a race here -- the spawned copy starts seconds late on fast model trials; test_two_processes_share_
+    one_study starts both alike and checks both contribute.)"""
+    import json
+
+    from flashgen.cli import main
+
+    out, report = tmp_path / "a100.yaml", tmp_path / "report.json"
+    argv = ["tune", "--gpu", "a100", "--d", "64", "--causal", "false", "--seqlens", "512,1024", "--model",
+            "--space", "block_m=64,128", "block_n=32,64", "stages=2", "--trials", "400",
+            "--storage", f"journal:{tmp_path / 'j.log'}", "--out", str(out), "--report", str(report), "--quiet"]
+    assert main(argv + ["--workers", "2"]) == 0
+    keys = json.loads(report.read_text())["keys"]
+    assert 1 <= len({t["worker"] for k in keys for t in k["trial_log"]}) <= 2
+    for k in keys:
+        names = [t["spec"] for t in k["trial_log"]]
+        assert len(names) == len(set(names)) == k["candidates"]
+    assert len(store.load(out, gpu="a100").entries) == 2
+
+
+def test_run_workers_spawns_the_others_and_runs_worker_0_here(monkeypatch):
+    """_run_workers(n=3, measured): two copies with --worker-index 1 and 2, each seeing the matching device
+    of this process's CUDA_VISIBLE_DEVICES; worker 0 runs in this process, labelled with its GPU; a copy
+    that fails makes the run fail after all have finished."""
+    from flashgen.errors import FlashgenError
+    from flashgen.tuner import run
+
+    started, ran = [], []
+
+    class FakeProc:
+        def __init__(self, cmd, env):
+            started.append((cmd, env["CUDA_VISIBLE_DEVICES"]))
+            self.code = 0 if len(started) == 1 else 3
+
+        def wait(self):
+            return self.code
+
+    monkeypatch.setattr(run.subprocess, "Popen", FakeProc)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6,7")
+    with pytest.raises(FlashgenError, match=r"exited with \[0, 3\]"):
+        run._run_workers(["--gpu", "h200"], 3, "measured", "journal:/x", lambda m: None, ran.append)
+    assert [(c[c.index("--worker-index") + 1], dev) for c, dev in started] == [("1", "6"), ("2", "7")]
+    assert len(ran) == 1 and ran[0].endswith(":gpu4")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert run._visible_devices(2) == ["0", "1"]

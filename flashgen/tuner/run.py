@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import socket
 import subprocess
 import sys
 import tempfile
@@ -195,13 +196,14 @@ class Progress:
         print("\r" + line[:150].ljust(150), end="", file=sys.stderr, flush=True)
 
 
-def run_keys(keys, cands, objective, args, storage, worker_index=0, progress=None):
+def run_keys(keys, cands, objective, args, storage, worker_index=0, progress=None, worker=None):
     for i, key in enumerate(keys, 1):
         t0 = time.monotonic()
         if progress:
             progress.index = i
         study.run_study(key, objective, cands[key], n_trials=args.trials, time_budget=args.time_budget,
-                        storage=storage, seed=args.seed, worker_index=worker_index, progress=progress)
+                        storage=storage, seed=args.seed, worker_index=worker_index, progress=progress,
+                        worker=worker)
         if progress and not progress.quiet:  # one line per key also where stderr is not a terminal
             r = study.collect(key, storage, cands[key])
             best = r.best
@@ -211,17 +213,29 @@ def run_keys(keys, cands, objective, args, storage, worker_index=0, progress=Non
                   + f" ({time.monotonic() - t0:.1f} s)", file=sys.stderr, flush=True)
 
 
-def _spawn_workers(argv, n, mode, storage_url, log):
-    """Start ``n`` copies of this command as workers on one shared storage; wait for all."""
+def _visible_devices(n: int) -> list[str]:
+    """The device each of ``n`` workers takes: the i-th of this process's CUDA_VISIBLE_DEVICES, or i."""
+    mask = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return [mask[i] if i < len(mask) else str(i) for i in range(n)]
+
+
+def _run_workers(argv, n, mode, storage_url, log, work):
+    """``n`` workers on one shared storage: copies of this command for workers 1 .. n-1 (each seeing one
+    GPU when measured), and worker 0 here, ``work(label)``, on this process's first GPU while they run
+    (one interpreter, torch import and CUDA start fewer than n copies); waits for all."""
+    devices = _visible_devices(n)
     procs = []
-    for i in range(n):
+    for i in range(1, n):
         env = dict(os.environ)
         if mode == "measured":
-            env["CUDA_VISIBLE_DEVICES"] = str(i)
+            env["CUDA_VISIBLE_DEVICES"] = devices[i]
         cmd = [sys.executable, "-m", "flashgen.cli", "tune", *argv, "--worker-index", str(i),
                "--storage", storage_url, "--workers", "1", "--worker-only", "--jobs", "1"]
         procs.append(subprocess.Popen(cmd, env=env))
-    codes = [p.wait() for p in procs]
+    try:
+        work(f"{socket.gethostname()}:{os.getpid()}" + (f":gpu{devices[0]}" if mode == "measured" else ""))
+    finally:
+        codes = [p.wait() for p in procs]
     if any(codes):
         raise FlashgenError(f"tuning workers exited with {codes}")
     log(f"{n} workers finished")
@@ -318,7 +332,8 @@ def tune(args, argv) -> int:
     if args.workers > 1:
         passthrough = [a for a in argv if a not in ("--quiet",)]
         passthrough = _strip(passthrough, ("--workers", "--storage", "--jobs", "--out", "--report", "--worker-index"))
-        _spawn_workers(passthrough + ["--quiet"], args.workers, mode, storage_url, log)
+        _run_workers(passthrough + ["--quiet"], args.workers, mode, storage_url, log,
+                     lambda label: run_keys(keys, cands, objective, args, storage, 0, progress, label))
     else:
         run_keys(keys, cands, objective, args, storage, args.worker_index, progress)
     if not quiet and sys.stderr.isatty():
