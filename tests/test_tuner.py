@@ -615,10 +615,10 @@ def test_shipped_tables_are_format_2_with_fwd_keys():
         assert all(e["spec"].kind in dispatch.families_for(k.kind, k.arch) and e["spec"].kind.startswith("bwd_")
                    for k, e in table.entries.items() if k.kind != "fwd")
         kinds = {(k.dtype, e["spec"].kind) for k, e in table.entries.items() if k.kind == "fwd"}
-        # a100: cost model, fwd_v2 only; h200: bf16 tuned over both families (session 3: fwd_sm90 won every
-        # key), fp16 still session 2's fwd_v2-only tuning
+        # a100: cost model, fwd_v2 only; h200: bf16 and fp16 tuned over both families (sessions 3-4:
+        # fwd_sm90 won every key)
         assert kinds == ({("fp16", "fwd_v2"), ("bf16", "fwd_v2")} if gpu == "a100"
-                         else {("fp16", "fwd_v2"), ("bf16", "fwd_sm90")})
+                         else {("fp16", "fwd_sm90"), ("bf16", "fwd_sm90")})
 
 
 def test_exhaustive_study_over_two_families_picks_fwd_sm90():
