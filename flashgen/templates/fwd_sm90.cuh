@@ -52,8 +52,8 @@
 //            CTA per tile, blockIdx.x, in that order): tile blockIdx.x
 //            first, then each the next one not yet taken, gridDim.x + an atomicAdd on
 //            p.sched[0] (dynamic, as the hardware hands out a grid's blocks: a static
-//            walk over tiles of unequal cost, causal, left 12-36 % of the time on the
-//            slowest CTA in a simulation and measured up to 27 % slower). The
+//            walk over causal tiles of unequal cost put 6-76 % more work on the
+//            slowest CTA in bench/sched_sim.py's model and measured up to 27 % slower). The
 //            producer thread takes the tile and hands it to the consumers in
 //            tile_slot[] of the Q buffer, under the Q full barrier (-1: no more). The
 //            last CTA to finish zeroes p.sched for the next launch (launches on one
@@ -103,8 +103,8 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
 
   const int tid = threadIdx.x;
   // Tile t -> (m_block, head, batch): the (batch, head) pairs in consecutive sections whose K/V fit in
-  // half the L2 together (sizes p.sec + 1 for the first p.sec_big sections, then p.sec: the host evens
-  // them out), and inside a section m-block by m-block, every pair of the section in turn (so the CTAs
+  // the host's share of the L2 (api.tile_sections: sizes p.sec + 1 for the first p.sec_big sections,
+  // then p.sec), and inside a section m-block by m-block, every pair of the section in turn (so the CTAs
   // running at once share a few pairs' K/V, but no one K/V block is wanted by every SM at once). Causal:
   // the highest m-blocks (the longest rows) first, so the short tiles fill the tail; non-causal: the
   // lowest first (a partial last m-block, the cheapest tile, at the end).
@@ -182,7 +182,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   // PERSIST's producer: every tile of this CTA. `it` is the ring position of K/V block j of the tile
   // (counted on across tiles: stage it % ST, use it / ST), `qi` the tile's position in the Q ring.
   auto produce_all = [&]() {
-    if constexpr (PERSIST) {  // (p.tiles exists only then)
+    if constexpr (PERSIST) {
     int it = 0;
     for (int qi = 0;; ++qi) {
       if (qi > 0) tile = static_cast<int>(gridDim.x) + atomicAdd(p.sched, 1);
