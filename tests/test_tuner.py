@@ -1149,27 +1149,64 @@ def test_tune_two_workers_model_mode_one_study(tmp_path):
 
 
 def test_run_workers_spawns_the_others_and_runs_worker_0_here(monkeypatch):
-    """_run_workers(n=3, measured): two copies with --worker-index 1 and 2, each seeing the matching device
-    of this process's CUDA_VISIBLE_DEVICES; worker 0 runs in this process, labelled with its GPU; a copy
-    that fails makes the run fail after all have finished."""
+    """_start_workers(n=3, measured): two gated copies with --worker-index 1 and 2, each seeing the matching
+    device of this process's CUDA_VISIBLE_DEVICES; _run_workers opens their gates, runs worker 0 in this
+    process (labelled with its GPU), and fails after all have finished if a copy failed."""
     from flashgen.errors import FlashgenError
     from flashgen.tuner import run
 
-    started, ran = [], []
+    started, ran, events = [], [], []
 
     class FakeProc:
-        def __init__(self, cmd, env):
+        def __init__(self, cmd, env, stdin):
             started.append((cmd, env["CUDA_VISIBLE_DEVICES"]))
             self.code = 0 if len(started) == 1 else 3
+            self.stdin = type("Pipe", (), {"close": lambda _: events.append("gate")})()
 
         def wait(self):
+            events.append("wait")
             return self.code
 
     monkeypatch.setattr(run.subprocess, "Popen", FakeProc)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6,7")
+    procs = run._start_workers(["--gpu", "h200"], 3, "measured", "journal:/x")
+    assert [(c[c.index("--worker-index") + 1], dev, "--gate" in c) for c, dev in started] == [
+        ("1", "6", True), ("2", "7", True)]
+    assert events == []  # held at the gate until the compile step is done
+
+    def work(label):
+        events.append("work")
+        ran.append(label)
+
     with pytest.raises(FlashgenError, match=r"exited with \[0, 3\]"):
-        run._run_workers(["--gpu", "h200"], 3, "measured", "journal:/x", lambda m: None, ran.append)
-    assert [(c[c.index("--worker-index") + 1], dev) for c, dev in started] == [("1", "6"), ("2", "7")]
+        run._run_workers(procs, 3, "measured", lambda m: None, work)
+    assert events == ["gate", "gate", "work", "wait", "wait"]
     assert len(ran) == 1 and ran[0].endswith(":gpu4")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert run._visible_devices(2) == ["0", "1"]
+
+
+def test_gated_workers_are_killed_when_the_compile_step_fails(monkeypatch, tmp_path):
+    """If this process fails before opening the gate (here: the compile step), the started copies are
+    killed, never released to run trials."""
+    from flashgen.cli import main
+    from flashgen.tuner import run
+
+    killed = []
+
+    class FakeProc:
+        def __init__(self, cmd, env, stdin):
+            self.stdin = None
+
+        def kill(self):
+            killed.append(True)
+
+    def broken(*a, **k):
+        raise RuntimeError("compile step failed")
+
+    monkeypatch.setattr(run.subprocess, "Popen", FakeProc)
+    monkeypatch.setattr(run, "precompile", broken)
+    with pytest.raises(RuntimeError, match="compile step failed"):
+        main(["tune", "--gpu", "a100", "--d", "64", "--causal", "false", "--seqlens", "512", "--model",
+              "--workers", "2", "--storage", f"journal:{tmp_path / 'j.log'}", "--out", str(tmp_path / "t.yaml")])
+    assert killed == [True]

@@ -219,10 +219,10 @@ def _visible_devices(n: int) -> list[str]:
     return [mask[i] if i < len(mask) else str(i) for i in range(n)]
 
 
-def _run_workers(argv, n, mode, storage_url, log, work):
-    """``n`` workers on one shared storage: copies of this command for workers 1 .. n-1 (each seeing one
-    GPU when measured), and worker 0 here, ``work(label)``, on this process's first GPU while they run
-    (one interpreter, torch import and CUDA start fewer than n copies); waits for all."""
+def _start_workers(argv, n, mode, storage_url) -> list:
+    """Copies of this command for workers 1 .. n-1 on one shared storage (each seeing one GPU when
+    measured), started now so that their interpreter, torch import and CUDA start overlap this process's
+    compile step; each then waits at a gate (``--gate``: its stdin) until ``_run_workers`` opens it."""
     devices = _visible_devices(n)
     procs = []
     for i in range(1, n):
@@ -230,8 +230,17 @@ def _run_workers(argv, n, mode, storage_url, log, work):
         if mode == "measured":
             env["CUDA_VISIBLE_DEVICES"] = devices[i]
         cmd = [sys.executable, "-m", "flashgen.cli", "tune", *argv, "--worker-index", str(i),
-               "--storage", storage_url, "--workers", "1", "--worker-only", "--jobs", "1"]
-        procs.append(subprocess.Popen(cmd, env=env))
+               "--storage", storage_url, "--workers", "1", "--worker-only", "--jobs", "1", "--gate"]
+        procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE))
+    return procs
+
+
+def _run_workers(procs, n, mode, log, work):
+    """Open the started workers' gate, run worker 0 here, ``work(label)``, on this process's first GPU
+    (one interpreter, torch import and CUDA start fewer than n copies), and wait for all."""
+    devices = _visible_devices(n)
+    for p in procs:
+        p.stdin.close()  # the gate: the worker reads its stdin to the end before its first trial
     try:
         work(f"{socket.gethostname()}:{os.getpid()}" + (f":gpu{devices[0]}" if mode == "measured" else ""))
     finally:
@@ -315,24 +324,34 @@ def tune(args, argv) -> int:
 
         if torch.cuda.device_count() < args.workers:
             raise FlashgenError(f"--workers {args.workers}: only {torch.cuda.device_count()} GPU(s) visible")
-    if not args.worker_only:
-        # Exhaustive keys: every candidate runs, so compile them all now; TPE keys compile on demand.
-        specs = [s for key in keys for s in (cands[key] if len(cands[key]) <= args.trials else cands[key][:1])]
-        precompile(specs, args.jobs, log)
-    from .objective import MeasuredObjective, ModelObjective
-
-    objective = MeasuredObjective(profile) if mode == "measured" else ModelObjective(profile)
     storage_url = args.storage
     tmpdir = None
     if args.workers > 1 and storage_url is None:
         tmpdir = tempfile.mkdtemp(prefix="flashgen-tune-")
         storage_url = f"journal:{os.path.join(tmpdir, 'studies.journal')}"
-    storage = study.open_storage(storage_url)
-    progress = Progress(len(keys), {k: len(v) for k, v in cands.items()}, quiet)
-    if args.workers > 1:
+    procs = []
+    if args.workers > 1:  # started before the compile step, held at their gate until it is done
         passthrough = [a for a in argv if a not in ("--quiet",)]
         passthrough = _strip(passthrough, ("--workers", "--storage", "--jobs", "--out", "--report", "--worker-index"))
-        _run_workers(passthrough + ["--quiet"], args.workers, mode, storage_url, log,
+        procs = _start_workers(passthrough + ["--quiet"], args.workers, mode, storage_url)
+    try:
+        if not args.worker_only:
+            # Exhaustive keys: every candidate runs, so compile them all now; TPE keys compile on demand.
+            specs = [s for key in keys for s in (cands[key] if len(cands[key]) <= args.trials else cands[key][:1])]
+            precompile(specs, args.jobs, log)
+        from .objective import MeasuredObjective, ModelObjective
+
+        objective = MeasuredObjective(profile) if mode == "measured" else ModelObjective(profile)
+        storage = study.open_storage(storage_url)
+    except BaseException:
+        for p in procs:  # never let a gated worker run after this process failed
+            p.kill()
+        raise
+    if getattr(args, "gate", False):
+        sys.stdin.read()  # until the coordinator has compiled (or closed us because it stopped)
+    progress = Progress(len(keys), {k: len(v) for k, v in cands.items()}, quiet)
+    if args.workers > 1:
+        _run_workers(procs, args.workers, mode, log,
                      lambda label: run_keys(keys, cands, objective, args, storage, 0, progress, label))
     else:
         run_keys(keys, cands, objective, args, storage, args.worker_index, progress)
@@ -417,6 +436,7 @@ def add_arguments(p) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.add_argument("--worker-index", type=int, default=0, help=argparse_suppress())
     p.add_argument("--worker-only", action="store_true", help=argparse_suppress())
+    p.add_argument("--gate", action="store_true", help=argparse_suppress())
 
 
 def argparse_suppress():
