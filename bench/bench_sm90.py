@@ -119,13 +119,14 @@ ORDER_ALTS_FULL = {128: ("ws_ov_s3_m192_n80", "ws_pp_s3"), 64: ()}  # non-causal
 
 def variant_table(out, seqlens, dims, order=False, reps=10, rounds=1, alts=True):
     """--persist: the default path vs the same spec with persist, named pairs with and without _ps, cuDNN.
-    --order (causal cells, then the non-causal default vs persist): the default spec in the L2-section
-    tile order (api.tile_sections) and in the old one (FLASHGEN_TILE_SECTION=1: one (batch, head)
-    pair's m-blocks after another), with persist, and ORDER_ALTS' flag sets with and without _ps.
+    --order (causal cells, then non-causal): the default spec in the shipped tile order (api.tile_sections),
+    in sections of half the L2 (default_l2half) and in the old order (FLASHGEN_TILE_SECTION=1: one
+    (batch, head) pair's m-blocks after another), its twin with or without persist in the shipped and the
+    old order, and (unless --no-alts) ORDER_ALTS' / ORDER_ALTS_FULL's flag sets with and without _ps.
     ``rounds`` repeats every cell, each round starting one impl later (the median round counts)."""
     from multiprocessing.pool import ThreadPool
 
-    from flashgen import gpus
+    from flashgen import api, gpus
     from flashgen.codegen import build
 
     h200 = gpus.get("h200")
@@ -136,6 +137,10 @@ def variant_table(out, seqlens, dims, order=False, reps=10, rounds=1, alts=True)
         impls = {"default": (base, {})}
         if order:
             impls["default_sec1"] = (base, {"FLASHGEN_TILE_SECTION": "1"})
+            if base.kind == "fwd_sm90":  # sections of half the L2 instead of the shipped quarter
+                l2 = api._Device.of(torch.cuda.current_device()).l2_bytes
+                half = max(1, (l2 // 2) // (2 * n * base.head_dim * 2))
+                impls["default_l2half"] = (base, {"FLASHGEN_TILE_SECTION": str(half)})
         if base.kind == "fwd_sm90" and base.warpspec:
             ps = base.replace(persist=not base.persist)  # the default's twin, with or without persist
             impls["default_ps" if ps.persist else "default_nops"] = (ps, {})
