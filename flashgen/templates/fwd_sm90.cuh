@@ -158,22 +158,24 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   }
   __syncthreads();
 
-  // Load K/V block j into stage j % ST once the consumers have released it.
-  auto produce = [&](int j) {
-    const int s = j % ST;
-    if (j >= ST) mbar_wait(bar_e(s), ((j / ST) + 1) & 1);
+  // Load K/V block j of this tile at ring position r (stage r % ST, use r / ST) once the consumers have
+  // released that stage. Without PERSIST r = j (one tile per CTA).
+  auto produce_at = [&](int r, int j) {
+    const int s = r % ST;
+    if (r >= ST) mbar_wait(bar_e(s), ((r / ST) + 1) & 1);
     mbar_expect_tx(bar_k(s), KV_BYTES);
 #pragma unroll
     for (int pn = 0; pn < PANELS; ++pn)
       tma_load_4d(sK + s * KV_BYTES + pn * BN * 128, &p.tm_k, bar_k(s), pn * 64, j * BN, hk, b);
     if constexpr (SEPKV) {
-      if (j >= ST) mbar_wait(bar_ev(s), ((j / ST) + 1) & 1);
+      if (r >= ST) mbar_wait(bar_ev(s), ((r / ST) + 1) & 1);
     }
     mbar_expect_tx(bar_v(s), KV_BYTES);
 #pragma unroll
     for (int pn = 0; pn < PANELS; ++pn)
       tma_load_4d(sV + s * KV_BYTES + pn * BN * 128, &p.tm_v, bar_v(s), pn * 64, j * BN, hk, b);
   };
+  auto produce = [&](int j) { produce_at(j, j); };
   auto produce_q = [&]() {
     mbar_expect_tx(bar_q, Q_BYTES);
 #pragma unroll
@@ -211,19 +213,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
             tma_load_4d(sQ + qs * Q_BYTES + pn * BM * 128, &p.tm_q, bar_qf(qs), pn * 64, m0, hq, b);
         }
         if (j == n_blocks) break;
-        const int r = it + j, s = r % ST;
-        if (r >= ST) mbar_wait(bar_e(s), ((r / ST) + 1) & 1);
-        mbar_expect_tx(bar_k(s), KV_BYTES);
-#pragma unroll
-        for (int pn = 0; pn < PANELS; ++pn)
-          tma_load_4d(sK + s * KV_BYTES + pn * BN * 128, &p.tm_k, bar_k(s), pn * 64, j * BN, hk, b);
-        if constexpr (SEPKV) {
-          if (r >= ST) mbar_wait(bar_ev(s), ((r / ST) + 1) & 1);
-        }
-        mbar_expect_tx(bar_v(s), KV_BYTES);
-#pragma unroll
-        for (int pn = 0; pn < PANELS; ++pn)
-          tma_load_4d(sV + s * KV_BYTES + pn * BN * 128, &p.tm_v, bar_v(s), pn * 64, j * BN, hk, b);
+        produce_at(it + j, j);
       }
       it += n_blocks;
     }
