@@ -19,6 +19,7 @@ from . import decoding as dk
 from threading import get_ident
 
 from .api import _DTYPES, _current_device, _current_stream, _Device, check_heads_and_dim, checked_scale
+from .api import _is_capturing as _capturing
 from .errors import UnsupportedError
 
 _plans: dict = {}
@@ -32,11 +33,6 @@ FUSED_COMBINE = True
 # there; the thread is in the key because two threads may interleave their launches on one stream.
 # While a CUDA graph is being captured the buffers come from torch's allocator (the graph's pool).
 _workspaces: dict = {}
-
-if hasattr(torch._C, "_cuda_isCurrentStreamCapturing"):
-    _capturing = torch._C._cuda_isCurrentStreamCapturing
-else:  # pragma: no cover
-    _capturing = torch.cuda.is_current_stream_capturing
 
 
 def _tsig(t):

@@ -29,6 +29,19 @@ def build_all(specs, tmp_path_factory, home: str, threads: int = 2) -> dict:
             return dict(pool.map(one, specs))
 
 
+def clean_binary(compiled: dict, spec):
+    """The spec's Binary from ``build_all``, after the checks every compile-tier test makes: it built (its
+    exception re-raised), an ELF cubin, no spills or stack frame, no problem in the ptxas report."""
+    binary = compiled[spec]
+    if isinstance(binary, Exception):
+        raise binary
+    r = binary.report
+    assert binary.cubin[:4] == b"\x7fELF"
+    assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_frame == 0, binary.log
+    assert r.problems() == [], binary.log
+    return binary
+
+
 def disassemblers() -> list:
     """cuobjdump / nvdisasm on PATH or from pip's nvidia-cuda wheels (optional tools)."""
     found = [shutil.which("cuobjdump"), shutil.which("nvdisasm")]

@@ -13,7 +13,7 @@ import os
 import pytest
 
 from flashgen import KernelSpec, UnsupportedError, dispatch, gpus
-from build_util import build_all, sass_of
+from build_util import build_all, clean_binary, sass_of
 
 H200 = gpus.get("h200")
 BUDGET = gpus.ARCH_SMEM_PER_BLOCK["sm_90a"]
@@ -310,14 +310,9 @@ def compiled(tmp_path_factory):
 
 @pytest.mark.parametrize("spec", ALL, ids=lambda s: s.name)
 def test_compiles_clean_for_sm90a(spec, compiled):
-    binary = compiled[spec]
-    if isinstance(binary, Exception):
-        raise binary
+    binary = clean_binary(compiled, spec)
     r = binary.report
-    assert binary.cubin[:4] == b"\x7fELF"
-    assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_frame == 0, binary.log
     assert "C75" not in binary.log, binary.log  # C7508 setmaxnreg ignored, C7510-C7519 wgmma diagnostics
-    assert r.problems() == [], binary.log
     assert r.static_smem + spec.smem_bytes() <= BUDGET
 
 

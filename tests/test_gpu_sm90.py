@@ -58,11 +58,9 @@ ALL_SPECS = sorted({sp(d, "bf16", c, "plain", 64) for d in (64, 128, 256) for c 
                    key=lambda s: s.name)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def precompiled(tmp_path_factory):
-    """Compile every spec this module uses in parallel first (NVRTC releases the GIL)."""
-    if not _is_sm90():
-        return
+def _warm(specs):
+    """Compile ``specs`` into the kernel cache in parallel (NVRTC releases the GIL); a spec that fails is
+    reported by the test that uses it."""
     from flashgen.codegen import build
 
     def one(spec):
@@ -71,10 +69,18 @@ def precompiled(tmp_path_factory):
         except Exception:  # noqa: BLE001 -- the test that uses it reports it
             pass
 
+    with ThreadPool(8) as pool:
+        pool.map(one, specs)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def precompiled(tmp_path_factory):
+    """Compile every spec this module uses in parallel first."""
+    if not _is_sm90():
+        return
     if os.environ.get("FLASHGEN_TEST_NO_PRECOMPILE"):  # a -k subset (bench/device_persist.sh): compile lazily
         return
-    with ThreadPool(8) as pool:
-        pool.map(one, ALL_SPECS)
+    _warm(ALL_SPECS)
 
 
 @needs_sm90
@@ -252,18 +258,8 @@ PERSIST_SPECS = sorted({sm90_named_spec(d, c, f) for d, f in PERSIST_CASES for c
 
 @pytest.fixture(scope="module")
 def persist_compiled():
-    if not _is_sm90():
-        return
-    from flashgen.codegen import build
-
-    def one(spec):
-        try:
-            build(spec)
-        except Exception:  # noqa: BLE001 -- the test that uses it reports it
-            pass
-
-    with ThreadPool(8) as pool:
-        pool.map(one, PERSIST_SPECS)
+    if _is_sm90():
+        _warm(PERSIST_SPECS)
 
 
 @pytest.fixture(params=[None, 1, 3])

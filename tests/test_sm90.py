@@ -16,7 +16,7 @@ import pytest
 from flashgen import KernelSpec, UnsupportedError, dispatch, gpus
 from flashgen.codegen import parse_ptxas_log
 from flashgen.families import SM90_ABLATION, sm90_flag_set, sm90_named_spec
-from build_util import build_all, sass_of
+from build_util import build_all, clean_binary, sass_of
 
 H200 = gpus.get("h200")
 
@@ -155,14 +155,9 @@ def compiled(tmp_path_factory):
 
 @pytest.mark.parametrize("spec", ALL, ids=lambda s: s.name)
 def test_compiles_clean_for_sm90a(spec, compiled):
-    binary = compiled[spec]
-    if isinstance(binary, Exception):
-        raise binary
+    binary = clean_binary(compiled, spec)
     r = binary.report
-    assert binary.cubin[:4] == b"\x7fELF"
-    assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_frame == 0, binary.log
     assert not any(c in binary.log for c in ("C7508", "C7510", "C7511", "C7512", "C7513", "C7514", "C7515")), binary.log
-    assert r.problems() == [], binary.log
     assert r.static_smem + spec.smem_bytes() <= gpus.ARCH_SMEM_PER_BLOCK["sm_90a"]
 
 

@@ -458,19 +458,24 @@ def test_tune_a100_model_mode_writes_a_valid_yaml(tmp_path, capsys):
     assert code == 0 and "fwd-sm_80-bf16-d128-causal-n16384" in capsys.readouterr().out
 
 
+def _with_options(base, argv):
+    """``base`` with each (option, value) pair of ``argv`` replacing the same option's value, else added."""
+    base = list(base)
+    for i in range(0, len(argv), 2):
+        if argv[i] in base:
+            base[base.index(argv[i]) + 1] = argv[i + 1]
+        else:
+            base += argv[i:i + 2]
+    return base
+
+
 def test_tune_refuses_bad_arguments(capsys):
     from flashgen.cli import main
 
     for argv, msg in ((["--d", "12"], "multiples of 8"), (["--dtype", "fp32"], "--dtype"),
                       (["--seqlens", "3000"], "buckets"), (["--causal", "maybe"], "--causal"),
                       (["--smem", "0"], "--smem"), (["--trials", "0"], "--trials")):
-        base = ["tune", "--gpu", "a100", "--d", "64", "--model", "--quiet"]
-        for i in range(0, len(argv), 2):
-            if argv[i] in base:
-                base[base.index(argv[i]) + 1] = argv[i + 1]
-            else:
-                base += argv[i:i + 2]
-        assert main(base) == 2
+        assert main(_with_options(["tune", "--gpu", "a100", "--d", "64", "--model", "--quiet"], argv)) == 2
         assert msg in capsys.readouterr().err
 
 
@@ -786,13 +791,7 @@ def test_bwd_tune_scope_and_argument_errors(capsys):
                       (["--kind", "bwd", "--seqlens", "3000"], "buckets"),
                       (["--kind", "bwd_dq", "--causal", "sometimes"], "--causal"),
                       (["--kind", "bwd", "--trials", "0"], "--trials")):
-        base = ["tune", "--gpu", "h200", "--d", "64", "--model", "--quiet"]
-        for i in range(0, len(argv), 2):
-            if argv[i] in base:
-                base[base.index(argv[i]) + 1] = argv[i + 1]
-            else:
-                base += argv[i:i + 2]
-        assert main(base) == 2
+        assert main(_with_options(["tune", "--gpu", "h200", "--d", "64", "--model", "--quiet"], argv)) == 2
         assert msg in capsys.readouterr().err
 
 
