@@ -297,15 +297,14 @@ def tune(args, argv) -> int:
     profile, keys, only = parse_scope(args)
     mode, why = gpu_mode(profile, args.model)
     kinds = list(dict.fromkeys(k.kind for k in keys))
+    fams = list(dict.fromkeys(f for k in {k.kind: k for k in keys}.values() for f in space.families(k, only)))
     if not args.worker_only:
-        fams = list(dict.fromkeys(f for k in {k.kind: k for k in keys}.values() for f in space.families(k, only)))
         log(f"tuning {len(keys)} keys ({', '.join(kinds)}) for {profile.name} ({profile.arch}, "
             f"{profile.smem_per_block} B shared memory per block), "
             f"{'measured on ' + why if mode == 'measured' else 'cost model (' + why + ')'}; "
             f"families {', '.join(fams) or '-'}")
     try:
-        restrict = space.parse_restrict(getattr(args, "space", None), list(dict.fromkeys(
-            f for k in {k.kind: k for k in keys}.values() for f in space.families(k, only))))
+        restrict = space.parse_restrict(args.space, fams)
     except ValueError as exc:
         raise FlashgenError(str(exc)) from None
     try:
@@ -347,7 +346,7 @@ def tune(args, argv) -> int:
         for p in procs:  # never let a gated worker run after this process failed
             p.kill()
         raise
-    if getattr(args, "gate", False):
+    if args.gate:
         sys.stdin.read()  # until the coordinator has compiled (or closed us because it stopped)
     progress = Progress(len(keys), {k: len(v) for k, v in cands.items()}, quiet)
     if args.workers > 1:
