@@ -45,7 +45,7 @@ ABLATION_256 = ("plain", "ws", "ws_pp", "full", "ws_kv", "ws_pp_kv", "ws_pp_kv_l
 
 
 # --persist: the named flag sets timed with and without persist, per head dim.
-PERSIST_PAIRS = {128: ("ws_ov_s3",), 64: ("ws_s3_m192",)}
+PERSIST_PAIRS = {128: ("ws_ov_s3", "full_s3_n112"), 64: ("ws_s3_m192", "full_s3_m192")}
 
 
 def sm90_spec(d, causal, flags="full", bm=None, bn=None, stages=None):

@@ -317,7 +317,7 @@ def _plan_sm90(kern, spec, dev, shape, strides, o_strides, scale):
     if nk:
         k_dims, k_str = tma.tensor_dims(d, nk, hk, b, sk[::-1])
         v_dims, v_str = tma.tensor_dims(d, nk, hk, b, sv[::-1])
-    box_q, box_kv = (64, spec.block_m, 1, 1), (64, spec.block_n, 1, 1)
+    box_q, box_kv = (64, 64, 1, 1), (64, spec.block_n, 1, 1)  # Q: one 64-row piece per consumer warpgroup
     dtype, encode, memmove = spec.dtype, tma.encode, ctypes.memmove
 
     def fill(params, q_ptr, k_ptr, v_ptr):

@@ -379,18 +379,26 @@ class Sm90Family(Family):
     # mbarriers (static) may take of it.
     SMEM_LIMIT, STATIC_RESERVE = 232448, 256
 
-    def q_buffers(self, spec) -> int:
-        """Q tiles in shared memory: 2 for a persistent kernel where they fit (the next tile's Q loads
-        during this tile's epilogue), else 1."""
-        if not spec.persist:
-            return 1
-        two = 2 * spec.head_dim * (2 * spec.block_m + 2 * spec.stages * spec.block_n) + 1024
-        return 2 if two + self.STATIC_RESERVE <= self.SMEM_LIMIT else 1
+    def q_pieces(self, spec) -> int:
+        """Q pieces in shared memory (fwd_sm90.cuh, "Q pieces"): one per consumer warpgroup (64 rows each);
+        a persistent kernel gets a ring of twice that where it fits (the next tile's Q loads during this
+        tile), else one spare piece (the first warpgroup's next Q loads while the last finishes this
+        tile), else none."""
+        nwg = spec.block_m // 64
+        if spec.persist:
+            for pieces in (2 * nwg, nwg + 1):
+                if self._smem(spec, pieces) + self.STATIC_RESERVE <= self.SMEM_LIMIT:
+                    return pieces
+        return nwg
+
+    @staticmethod
+    def _smem(spec, pieces) -> int:
+        # Q pieces of 64 rows, K and V rings, and 1 KB to align the tiles to 1024 bytes (the
+        # 128-byte swizzle's period); the mbarriers are static shared memory.
+        return 2 * spec.head_dim * (pieces * 64 + 2 * spec.stages * spec.block_n) + 1024
 
     def smem_bytes(self, spec) -> int:
-        # Q tile, K and V rings, and 1 KB to align the tiles to 1024 bytes (the
-        # 128-byte swizzle's period); the mbarriers are static shared memory.
-        return 2 * spec.head_dim * (self.q_buffers(spec) * spec.block_m + 2 * spec.stages * spec.block_n) + 1024
+        return self._smem(spec, self.q_pieces(spec))
 
     def regs(self, spec) -> tuple[int, int]:
         """(producer, consumer) registers per thread after setmaxnreg (only with warpspec and >= 2 consumers).
@@ -415,7 +423,7 @@ class Sm90Family(Family):
         return {"params": [(n, c) for n, c, _ in self.params],
                 "param_bytes": ctypes.sizeof(self.param_struct()),
                 "producer_regs": producer or 24, "consumer_regs": consumer or 240,
-                "q_buffers": self.q_buffers(spec)}
+                "q_pieces": self.q_pieces(spec)}
 
     def param_struct(self):
         """ctypes struct padded to the C struct's alignas(64) size (ctypes here has no _align_)."""

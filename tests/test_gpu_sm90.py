@@ -248,7 +248,10 @@ def test_cuda_graph_and_host_overhead():
 # ---- persist: the persistent kernel (families "_ps" flag sets) ----------------------------------------
 # FLASHGEN_PERSIST_CTAS caps the grid, so these small problems still give each CTA several tiles: the K/V
 # ring, the Q ring and the ping-pong barriers then carry across tiles (1: one CTA walks every tile).
-PERSIST_CASES = [(128, f) for f in ("ws_ps", "ws_ov_s3_ps", "ws_pp_s3_ps", "ws_pp_kv_ps", "full_kv_ps")] + [
+# Q pieces (fwd_sm90.cuh): ws_ov_s3 / ws_pp_s3 at d=128 have none spare, full_s3_n112 one (two consumers),
+# full_s4_m192_n80 one (three consumers), the rest a second tile's worth.
+PERSIST_CASES = [(128, f) for f in ("ws_ps", "ws_ov_s3_ps", "ws_pp_s3_ps", "ws_pp_kv_ps", "full_kv_ps",
+                                    "full_s3_n112_ps", "full_s4_m192_n80_ps")] + [
     (64, f) for f in ("ws_ps", "ws_s3_m192_ps", "ws_pp_kv_s3_ps", "ws_kv_s3_m192_ps", "ws_pp_kv_s3_m192_ps")]
 PERSIST_SPECS = sorted({sm90_named_spec(d, c, f) for d, f in PERSIST_CASES for c in (False, True)}
                        | {sm90_named_spec(64, c, "ws_s3_m192_ps", "fp16") for c in (False, True)}

@@ -94,9 +94,12 @@ def test_names_and_rules():
     with pytest.raises(ValueError, match="not supported"):
         KernelSpec(persist=True).validate()
     fam = s.family
-    assert fam.q_buffers(s) == 1 and fam.q_buffers(ps) == 2 and ps.smem_bytes() == s.smem_bytes() + 128 * 128 * 2
-    s3 = sm90(st=3, pp=False, persist=True)  # 229 KB with one Q tile: no room for a second
-    assert fam.q_buffers(s3) == 1 and s3.smem_bytes() == sm90(st=3).smem_bytes() and not s3.check(H200)
+    assert fam.q_pieces(s) == 2 and fam.q_pieces(ps) == 4 and ps.smem_bytes() == s.smem_bytes() + 128 * 128 * 2
+    s3 = sm90(st=3, pp=False, persist=True)  # 229 KB with one piece per warpgroup: no room for a spare
+    assert fam.q_pieces(s3) == 2 and s3.smem_bytes() == sm90(st=3).smem_bytes() and not s3.check(H200)
+    s3n = sm90(bn=112, st=3, persist=True)  # 217 KB: room for one spare piece, not for a second tile
+    assert fam.q_pieces(s3n) == 3 and s3n.smem_bytes() == sm90(bn=112, st=3).smem_bytes() + 64 * 128 * 2
+    assert not s3n.check(H200)
     assert all(not v.check(H200) for v in PERSIST_VARIANTS)
     rec = s.to_dict()
     del rec["persist"]  # records written before the flag load as persist=False

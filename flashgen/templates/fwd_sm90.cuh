@@ -59,20 +59,29 @@
 //            last CTA to finish zeroes p.sched for the next launch (launches on one
 //            stream do not overlap; the host keeps a pair per stream, api). The producer runs on
 //            into the next tile: the K/V ring position and its phases count on
-//            across tiles, and Q has a ring of QB buffers (2 where shared memory
-//            allows) with a 'Q empty' barrier per buffer that every consumer
-//            warp arrives on once its epilogue has read its O rows back out of
-//            it (the epilogue stages O in the Q rows). With QB = 1 the producer
-//            issues the next tile's first K/V stages before waiting for Q empty.
+//            across tiles. Under PINGPONG the consumers' turns run on across
+//            tiles too (one warpgroup's epilogue overlaps the other's GEMMs; the
+//            first consumer absorbs the last turn when no tile is left).
+//
+// Q pieces: each consumer warpgroup's 64 Q rows are a piece of their own (a TMA
+// box of 64 rows, its own full barrier), so a warpgroup starts as soon as its
+// rows have landed. Without PERSIST there are NWG pieces, one per warpgroup.
+// PERSIST: a ring of QP pieces (NWG + 1 or 2 NWG where shared memory allows, else
+// NWG); warpgroup w of the CTA's tile number qi takes piece (qi NWG + w) % QP,
+// with a tile slot and a 'Q empty' barrier per piece that the warpgroup's warps
+// arrive on once its epilogue has read its O rows back out of it (the epilogue
+// stages O in its Q rows). One spare piece lets the producer load the first
+// warpgroup's next Q while the last one still works on this tile. With QP = NWG
+// the producer issues the next tile's first K/V stages before waiting for Q empty.
 #pragma once
 
 template <int D, int BM, int BN, int ST, bool WS, bool PINGPONG, bool OVERLAP, bool CAUSAL, bool BF16,
-          int PRODUCER_REGS, int CONSUMER_REGS, int EMU, bool SEPKV, bool LAZY, bool PERSIST, int QB,
+          int PRODUCER_REGS, int CONSUMER_REGS, int EMU, bool SEPKV, bool LAZY, bool PERSIST, int QP,
           typename Params>
 FG_DEVICE void fwd_sm90_body(const Params& p) {
   constexpr int NWG = BM / 64;                 // consumer warpgroups
   constexpr int PANELS = D / 64;               // 128-byte panels per row
-  constexpr int Q_BYTES = BM * D * 2;
+  constexpr int QW_BYTES = 64 * D * 2;          // one consumer warpgroup's Q rows (a Q piece)
   constexpr int KV_BYTES = BN * D * 2;         // one stage of K (or of V)
   constexpr int NJ = BN / 8;                   // n8 chunks of S
   constexpr int KV_STEPS = BN / 16;            // k16 steps of P V
@@ -81,25 +90,25 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   static_assert(!SEPKV || WS, "separate K/V empty barriers need the producer warpgroup");
   static_assert(EMU == 0 || EMU == 1 || EMU == 2 || EMU == 4, "emu: eighths of the columns (0, 1, 2, 4)");
   static_assert(!PERSIST || WS, "the persistent kernel needs the producer warpgroup");
-  static_assert(QB == 1 || (PERSIST && QB == 2), "Q buffers: 1, or 2 when persistent");
+  static_assert(QP == NWG || (PERSIST && QP > NWG && QP <= 2 * NWG), "Q pieces: NWG, or up to 2 NWG when persistent");
   constexpr int NBAR = SEPKV ? 4 : 3;  // barriers per stage
 
   extern __shared__ unsigned char smem_raw[];
-  // Q, then per stage: full K, full V, empty (K's with SEPKV), [empty V]; the last word is the
-  // never-written target of sched_pin; PERSIST: then full Q barriers 1..QB-1, QB empty Q barriers.
-  __shared__ __align__(8) fg_u64 bars[1 + NBAR * ST + 1 + (PERSIST ? 2 * QB - 1 : 0)];
-  __shared__ int tile_slot[PERSIST ? QB : 1];  // PERSIST: the tile of each Q buffer, -1 when none is left
+  // A full barrier per Q piece, then per stage: full K, full V, empty (K's with SEPKV), [empty V];
+  // then the never-written target of sched_pin; PERSIST: then an empty barrier per Q piece.
+  __shared__ __align__(8) fg_u64 bars[QP + NBAR * ST + 1 + (PERSIST ? QP : 0)];
+  __shared__ int tile_slot[PERSIST ? QP : 1];  // PERSIST: the tile of each Q piece, -1 when none is left
   const fg_u32 sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;  // 128B-swizzle tiles want 1024-byte alignment
-  const fg_u32 sK = sQ + QB * Q_BYTES;
+  const fg_u32 sK = sQ + QP * QW_BYTES;
   const fg_u32 sV = sK + ST * KV_BYTES;
-  const fg_u32 bar_q = smem_addr(bars);
-  auto bar_k = [&](int s) { return bar_q + 8u * (1 + s); };
-  auto bar_v = [&](int s) { return bar_q + 8u * (1 + ST + s); };
-  auto bar_e = [&](int s) { return bar_q + 8u * (1 + 2 * ST + s); };
-  auto bar_ev = [&](int s) { return SEPKV ? bar_q + 8u * (1 + 3 * ST + s) : bar_e(s); };  // V's empty barrier
-  const fg_u32 pin_slot = bar_q + 8u * (1 + NBAR * ST);
-  auto bar_qf = [&](int i) { return i == 0 ? bar_q : bar_q + 8u * (1 + NBAR * ST + i); };  // Q buffer i full
-  auto bar_qe = [&](int i) { return bar_q + 8u * (1 + NBAR * ST + QB + i); };              // Q buffer i empty
+  const fg_u32 bar0 = smem_addr(bars);
+  auto bar_qf = [&](int i) { return bar0 + 8u * i; };  // Q piece i full
+  auto bar_k = [&](int s) { return bar0 + 8u * (QP + s); };
+  auto bar_v = [&](int s) { return bar0 + 8u * (QP + ST + s); };
+  auto bar_e = [&](int s) { return bar0 + 8u * (QP + 2 * ST + s); };
+  auto bar_ev = [&](int s) { return SEPKV ? bar0 + 8u * (QP + 3 * ST + s) : bar_e(s); };  // V's empty barrier
+  const fg_u32 pin_slot = bar0 + 8u * (QP + NBAR * ST);
+  auto bar_qe = [&](int i) { return bar0 + 8u * (QP + NBAR * ST + 1 + i); };  // Q piece i empty
 
   const int tid = threadIdx.x;
   // Tile t -> (m_block, head, batch): the (batch, head) pairs in consecutive sections whose K/V fit in
@@ -139,20 +148,17 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
     tma_prefetch_map(&p.tm_q);
     tma_prefetch_map(&p.tm_k);
     tma_prefetch_map(&p.tm_v);
-    mbar_init(bar_q, 1);
+#pragma unroll
+    for (int i = 0; i < QP; ++i) {
+      mbar_init(bar_qf(i), 1);
+      if constexpr (PERSIST) mbar_init(bar_qe(i), 4);  // lane 0 of each of the warpgroup's warps
+    }
 #pragma unroll
     for (int s = 0; s < ST; ++s) {
       mbar_init(bar_k(s), 1);
       mbar_init(bar_v(s), 1);
       mbar_init(bar_e(s), 4 * NWG);  // lane 0 of every consumer warp
       if constexpr (SEPKV) mbar_init(bar_ev(s), 4 * NWG);
-    }
-    if constexpr (PERSIST) {
-#pragma unroll
-      for (int i = 0; i < QB; ++i) {
-        if (i > 0) mbar_init(bar_qf(i), 1);
-        mbar_init(bar_qe(i), 4 * NWG);
-      }
     }
     mbar_init_fence();
   }
@@ -176,23 +182,36 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
       tma_load_4d(sV + s * KV_BYTES + pn * BN * 128, &p.tm_v, bar_v(s), pn * 64, j * BN, hk, b);
   };
   auto produce = [&](int j) { produce_at(j, j); };
-  auto produce_q = [&]() {
-    mbar_expect_tx(bar_q, Q_BYTES);
+  // Warpgroup w's Q rows of the current tile into piece i (a box of 64 rows: rows past nq read zero).
+  auto produce_q_piece = [&](int i, int w) {
+    mbar_expect_tx(bar_qf(i), QW_BYTES);
 #pragma unroll
-    for (int pn = 0; pn < PANELS; ++pn) tma_load_4d(sQ + pn * BM * 128, &p.tm_q, bar_q, pn * 64, m0, hq, b);
+    for (int pn = 0; pn < PANELS; ++pn)
+      tma_load_4d(sQ + i * QW_BYTES + pn * 64 * 128, &p.tm_q, bar_qf(i), pn * 64, m0 + 64 * w, hq, b);
+  };
+  auto produce_q = [&]() {
+#pragma unroll
+    for (int w = 0; w < NWG; ++w) produce_q_piece(w, w);
   };
   // PERSIST's producer: every tile of this CTA. `it` is the ring position of K/V block j of the tile
-  // (counted on across tiles: stage it % ST, use it / ST), `qi` the tile's position in the Q ring.
+  // (counted on across tiles: stage it % ST, use it / ST), `qi` the tile's number in this CTA; use u of
+  // Q piece i waits for use u - 1's 'Q empty' phase.
+  auto piece_free = [&](int u) {  // u = qi * NWG + w: the u-th piece use of this CTA
+    if (u >= QP) mbar_wait(bar_qe(u % QP), ((u / QP) + 1) & 1);
+  };
   auto produce_all = [&]() {
     if constexpr (PERSIST) {
     int it = 0;
     for (int qi = 0;; ++qi) {
       if (qi > 0) tile = static_cast<int>(gridDim.x) + atomicAdd(p.sched, 1);
-      const int qs = qi % QB;
-      if (tile >= p.tiles) {  // none left: tell the consumers once this Q buffer is theirs again
-        if (qi >= QB) mbar_wait(bar_qe(qs), ((qi / QB) + 1) & 1);
-        tile_slot[qs] = -1;
-        mbar_arrive(bar_qf(qs));  // (release: the slot is written before the phase completes)
+      if (tile >= p.tiles) {  // none left: tell each consumer once its next piece is free
+#pragma unroll 1
+        for (int w = 0; w < NWG; ++w) {
+          const int u = qi * NWG + w;
+          piece_free(u);
+          tile_slot[u % QP] = -1;
+          mbar_arrive(bar_qf(u % QP));  // (release: the slot is written before the phase completes)
+        }
         break;
       }
       if (qi > 0) {
@@ -201,16 +220,17 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
         m0 = m_block * BM;
         n_blocks = blocks_of(m0);
       }
-      // One Q buffer: this tile's first K/V stages go out before waiting for the last epilogue to free Q.
-      const int q_after = (QB == 1 && qi > 0) ? min(ST, n_blocks) : 0;
+      // No spare piece: this tile's first K/V stages go out before waiting for the last epilogue to free Q.
+      const int q_after = (QP == NWG && qi > 0) ? min(ST, n_blocks) : 0;
       for (int j = 0; j <= n_blocks; ++j) {
         if (j == q_after) {
-          if (qi >= QB) mbar_wait(bar_qe(qs), ((qi / QB) + 1) & 1);
-          tile_slot[qs] = tile;
-          mbar_expect_tx(bar_qf(qs), Q_BYTES);
-#pragma unroll
-          for (int pn = 0; pn < PANELS; ++pn)
-            tma_load_4d(sQ + qs * Q_BYTES + pn * BM * 128, &p.tm_q, bar_qf(qs), pn * 64, m0, hq, b);
+#pragma unroll 1
+          for (int w = 0; w < NWG; ++w) {
+            const int u = qi * NWG + w;
+            piece_free(u);
+            tile_slot[u % QP] = tile;
+            produce_q_piece(u % QP, w);
+          }
         }
         if (j == n_blocks) break;
         produce_at(it + j, j);
@@ -256,11 +276,23 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   // PERSIST: the ring position of this tile's first K/V block, and the tile's position in the Q ring
   // (both stay 0 without it: one tile per CTA).
   int kv0 = 0, qi = 0;
+  // PERSIST + PINGPONG: the turns run on across tiles (see pp_end); the first turn is given here once.
+  if constexpr (PERSIST && PINGPONG) {
+    if (cw == NWG - 1) named_arrive(6, 256);
+  }
   while (true) {  // tiles of this CTA (one pass when not persistent)
+  const int qp = (qi * NWG + cw) % QP;  // this warpgroup's Q piece for this tile
   if constexpr (PERSIST) {  // the next tile, from the producer (with its Q)
-    mbar_wait(bar_qf(qi % QB), (qi / QB) & 1);
-    tile = tile_slot[qi % QB];
-    if (tile < 0) break;
+    mbar_wait(bar_qf(qp), ((qi * NWG + cw) / QP) & 1);
+    tile = tile_slot[qp];
+    if (tile < 0) {
+      // Ping-pong: the last consumer's last turn went to the first one, who takes it here so that
+      // every named-barrier phase completes.
+      if constexpr (PINGPONG) {
+        if (cw == 0) named_sync(6, 256);
+      }
+      break;
+    }
     if (qi > 0) {
       tile_coords(tile, m_block, hq, b);
       hk = hq / p.group;
@@ -268,12 +300,12 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
       n_blocks = blocks_of(m0);
     }
   }
-  const fg_u32 sQt = sQ + (qi % QB) * Q_BYTES;  // this tile's Q buffer
+  const fg_u32 sQw = sQ + qp * QW_BYTES;  // this warpgroup's Q rows
   const int row_base = m0 + cw * 64 + wq * 16 + g;  // this thread's rows: row_base and row_base + 8
 
   // Descriptors: K-major SW128 (LBO 16 B, unused; SBO 1024 B) for Q and K,
   // MN-major SW128 (LBO = panel stride, SBO = 1024 B) for V.
-  const fg_u64 desc_q = sw128_desc(sQt + cw * 64 * 128, 16, 1024);
+  const fg_u64 desc_q = sw128_desc(sQw, 16, 1024);
   const fg_u64 desc_k = sw128_desc(sK, 16, 1024);
   const fg_u64 desc_v = sw128_desc(sV, BN * 128, 1024);
   // Offsets (in 16-byte units) for k16 step kk inside a tile of `rows` rows.
@@ -288,24 +320,26 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
 
   // Ping-pong: each warpgroup's GEMM issues form "sections"; consumer 0 goes
   // first, then they take turns (0, 1[, 2], 0, ...). All run the same number of
-  // sections, and the last arrive of the last consumer is skipped so every
-  // barrier phase completes.
+  // sections per tile. One tile per CTA: the last arrive of the last consumer is
+  // skipped so every barrier phase completes. PERSIST: the turns run on into the
+  // next tile (consumer 0 starts it while the others finish this one), and
+  // consumer 0 takes the last one when no tile is left.
   auto pp_begin = [&]() {
     if constexpr (PINGPONG) named_sync(6 + cw, 256);
   };
   auto pp_end = [&](bool last) {
     if constexpr (PINGPONG) {
-      if (!(last && cw == NWG - 1)) named_arrive(6 + (NWG == 2 ? (cw ^ 1) : (cw + 1) % NWG), 256);
+      if (PERSIST || !(last && cw == NWG - 1)) named_arrive(6 + (NWG == 2 ? (cw ^ 1) : (cw + 1) % NWG), 256);
     }
   };
-  if constexpr (PINGPONG) {
+  if constexpr (PINGPONG && !PERSIST) {
     if (cw == NWG - 1 && n_blocks > 0) named_arrive(6, 256);
   }
 
   auto issue_s = [&](int s) {
     const fg_u64 dk = desc_k + static_cast<fg_u64>((s * KV_BYTES) >> 4);
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) fg_wgmma_qk(acc_s, desc_q + kmajor_off(kk, BM), dk + kmajor_off(kk, BN), kk);
+    for (int kk = 0; kk < D / 16; ++kk) fg_wgmma_qk(acc_s, desc_q + kmajor_off(kk, 64), dk + kmajor_off(kk, BN), kk);
   };
   auto issue_pv = [&](int s) {
     const fg_u64 dv = desc_v + static_cast<fg_u64>((s * KV_BYTES) >> 4);
@@ -425,7 +459,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   };
 
   // Always (PERSIST: at the top): the epilogue reuses the Q rows, so the Q copy must have landed.
-  if constexpr (!PERSIST) mbar_wait(bar_qf(qi % QB), (qi / QB) & 1);
+  if constexpr (!PERSIST) mbar_wait(bar_qf(qp), 0);
 
   // Two loop shapes. Without overlap or ping-pong: S(j), softmax, P(j)V(j), each GEMM waited on.
   // With either: one GEMM section per iteration, S(j) and P(j-1)V(j-1) issued together (one named-
@@ -531,11 +565,11 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   for (int h = 0; h < 2; ++h) {
     const float l = quad_sum(row_sum[h]);
     const float inv = l > 0.f ? 1.f / l : 0.f;
-    const int r = cw * 64 + wq * 16 + g + 8 * h;  // row within the CTA's tile
+    const int r = wq * 16 + g + 8 * h;  // row within this warpgroup's piece
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) {
       const fg_u32 packed = pack2<BF16>(acc_o[4 * i + 2 * h] * inv, acc_o[4 * i + 2 * h + 1] * inv);
-      const fg_u32 addr = sQt + (i / 8) * BM * 128 + r * 128 + (((i % 8) ^ (r % 8)) * 16) + 4 * t;
+      const fg_u32 addr = sQw + (i / 8) * 64 * 128 + r * 128 + (((i % 8) ^ (r % 8)) * 16) + 4 * t;
       asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(packed) : "memory");
     }
     const int row = row_base + 8 * h;
@@ -549,13 +583,12 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   for (int it = 0; it < CH / 128; ++it) {
     const int i = it * 128 + ltid_e;
     const int rl = i / (D / 8), c = i % (D / 8);
-    const int r = cw * 64 + rl;
-    const int row = m0 + r;
+    const int row = m0 + cw * 64 + rl;
     if (row < p.nq && c * 8 < p.d) {
       fg_u32x4 val;
       asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
                    : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
-                   : "r"(sQt + (c / 8) * BM * 128 + r * 128 + (((c % 8) ^ (r % 8)) * 16))
+                   : "r"(sQw + (c / 8) * 64 * 128 + rl * 128 + (((c % 8) ^ (rl % 8)) * 16))
                    : "memory");
       *reinterpret_cast<fg_u32x4*>(o + static_cast<fg_i64>(row) * p.o_ss + c * 8) = val;
     }
@@ -565,7 +598,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
     // fence orders this thread's generic st.shared before the TMA's async-proxy write of the next Q).
     fence_proxy_async_smem();
     __syncwarp();
-    if (lane == 0) mbar_arrive(bar_qe(qi % QB));
+    if (lane == 0) mbar_arrive(bar_qe(qp));
     kv0 += n_blocks;
     ++qi;
   } else {
