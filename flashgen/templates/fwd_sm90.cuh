@@ -55,7 +55,7 @@
 //            walk over causal tiles of unequal cost put 6-76 % more work on the
 //            slowest CTA in bench/sched_sim.py's model and measured up to 27 % slower). The
 //            producer thread takes the tile and hands it to the consumers in
-//            tile_slot[] of the Q buffer, under the Q full barrier (-1: no more). The
+//            tile_slot[] (one per tile number, two in turn), under the Q full barriers (-1: no more). The
 //            last CTA to finish zeroes p.sched for the next launch (launches on one
 //            stream do not overlap; the host keeps a pair per stream, api). The producer runs on
 //            into the next tile: the K/V ring position and its phases count on
@@ -68,7 +68,7 @@
 // rows have landed. Without PERSIST there are NWG pieces, one per warpgroup.
 // PERSIST: a ring of QP pieces (NWG + 1 or 2 NWG where shared memory allows, else
 // NWG); warpgroup w of the CTA's tile number qi takes piece (qi NWG + w) % QP,
-// with a tile slot and a 'Q empty' barrier per piece that the warpgroup's warps
+// with a 'Q empty' barrier per piece that the warpgroup's warps
 // arrive on once its epilogue has read its O rows back out of it (the epilogue
 // stages O in its Q rows). One spare piece lets the producer load the first
 // warpgroup's next Q while the last one still works on this tile. With QP = NWG
@@ -97,7 +97,13 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   // A full barrier per Q piece, then per stage: full K, full V, empty (K's with SEPKV), [empty V];
   // then the never-written target of sched_pin; PERSIST: then an empty barrier per Q piece.
   __shared__ __align__(8) fg_u64 bars[QP + NBAR * ST + 1 + (PERSIST ? QP : 0)];
-  __shared__ int tile_slot[PERSIST ? QP : 1];  // PERSIST: the tile of each Q piece, -1 when none is left
+  // PERSIST: the tile of the CTA's tile number qi in tile_slot[qi % 2], -1 when none is left. Written once
+  // the tile's Q pieces are free, i.e. once every consumer is done with tile qi - 1 or qi - 2 (see
+  // produce_all): the slot it overwrites (qi - 2's) has been read by all. One slot per tile, not per
+  // piece, so that the tile (and every index the main loop derives from it) stays warp-uniform for the
+  // compiler: a per-warpgroup slot made the K/V stage, barrier and descriptor values per-thread, with
+  // 4 R->UR moves before every wgmma (SASS) and 8-15 % of the persistent kernel's speed lost (H200).
+  __shared__ int tile_slot[PERSIST ? 2 : 1];
   const fg_u32 sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;  // 128B-swizzle tiles want 1024-byte alignment
   const fg_u32 sK = sQ + QP * QW_BYTES;
   const fg_u32 sV = sK + ST * KV_BYTES;
@@ -204,14 +210,12 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
     int it = 0;
     for (int qi = 0;; ++qi) {
       if (qi > 0) tile = static_cast<int>(gridDim.x) + atomicAdd(p.sched, 1);
-      if (tile >= p.tiles) {  // none left: tell each consumer once its next piece is free
+      if (tile >= p.tiles) {  // none left: tell each consumer on its next piece
 #pragma unroll 1
-        for (int w = 0; w < NWG; ++w) {
-          const int u = qi * NWG + w;
-          piece_free(u);
-          tile_slot[u % QP] = -1;
-          mbar_arrive(bar_qf(u % QP));  // (release: the slot is written before the phase completes)
-        }
+        for (int w = 0; w < NWG; ++w) piece_free(qi * NWG + w);
+        tile_slot[qi % 2] = -1;
+#pragma unroll 1
+        for (int w = 0; w < NWG; ++w) mbar_arrive(bar_qf((qi * NWG + w) % QP));  // (release: slot written first)
         break;
       }
       if (qi > 0) {
@@ -225,12 +229,10 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
       for (int j = 0; j <= n_blocks; ++j) {
         if (j == q_after) {
 #pragma unroll 1
-          for (int w = 0; w < NWG; ++w) {
-            const int u = qi * NWG + w;
-            piece_free(u);
-            tile_slot[u % QP] = tile;
-            produce_q_piece(u % QP, w);
-          }
+          for (int w = 0; w < NWG; ++w) piece_free(qi * NWG + w);
+          tile_slot[qi % 2] = tile;
+#pragma unroll 1
+          for (int w = 0; w < NWG; ++w) produce_q_piece((qi * NWG + w) % QP, w);
         }
         if (j == n_blocks) break;
         produce_at(it + j, j);
@@ -246,6 +248,11 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
     }
   };
 
+  // The consumer warpgroup index, and below each tile number, pass through __shfl_sync from lane 0: the
+  // compiler then knows them warp-uniform, and so every K/V stage, mbarrier address and wgmma descriptor
+  // derived from them lives in uniform registers. Read plainly, the Q piece index (cw-dependent) made
+  // them per-thread values with 2-4 R2UR moves before every wgmma (SASS: 126 R2URs in the persistent
+  // kernel, 33 with the broadcast; 88 -> 9 in the one-tile kernel), and the persistent kernel lost 8-15 %.
   int cw;  // consumer warpgroup index
   if constexpr (WS) {
     const int wg = tid / 128;
@@ -262,9 +269,9 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
       return;
     }
     if constexpr (NWG >= 2) regs_inc<CONSUMER_REGS>();
-    cw = wg - 1;
+    cw = __shfl_sync(0xffffffffu, wg, 0) - 1;
   } else {
-    cw = tid / 128;
+    cw = __shfl_sync(0xffffffffu, tid / 128, 0);
     if (tid == 0) {
       produce_q();
       for (int j = 0; j < ST && j < n_blocks; ++j) produce(j);
@@ -284,7 +291,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   const int qp = (qi * NWG + cw) % QP;  // this warpgroup's Q piece for this tile
   if constexpr (PERSIST) {  // the next tile, from the producer (with its Q)
     mbar_wait(bar_qf(qp), ((qi * NWG + cw) / QP) & 1);
-    tile = tile_slot[qp];
+    tile = __shfl_sync(0xffffffffu, tile_slot[qi % 2], 0);
     if (tile < 0) {
       // Ping-pong: the last consumer's last turn went to the first one, who takes it here so that
       // every named-barrier phase completes.
