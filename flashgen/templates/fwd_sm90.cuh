@@ -133,15 +133,17 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
     h = pair % p.heads;
     bb = pair / p.heads;
   };
-  // K/V blocks query block m0 needs.
-  auto blocks_of = [&](int m0_) {
+  // K/V blocks that query rows [r0, r0 + rows) need (none when r0 is past the queries).
+  auto blocks_for = [&](int r0, int rows) {
+    if (r0 >= p.nq) return 0;
     int nb = ceil_div(p.nk, BN);
     if constexpr (CAUSAL) {
-      const int limit = m0_ + BM + (p.nk - p.nq);  // (+ diag, below)
+      const int limit = min(r0 + rows, p.nq) + (p.nk - p.nq);  // (+ diag, below)
       nb = limit <= 0 ? 0 : min(nb, ceil_div(limit, BN));
     }
     return nb;
   };
+  auto blocks_of = [&](int m0_) { return blocks_for(m0_, BM); };
   int tile = static_cast<int>(blockIdx.x);
   int m_block, hq, b;
   tile_coords(tile, m_block, hq, b);
@@ -308,6 +310,11 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
     }
   }
   const fg_u32 sQw = sQ + qp * QW_BYTES;  // this warpgroup's Q rows
+  // The CTA's loop runs n_blocks K/V blocks (every stage's barriers go through all of them); this
+  // warpgroup computes only the first n_live: none when its 64 rows are all past the queries (the last
+  // m-block of a 192-row tile at N = 2k), and under causal masking not the blocks wholly above its own
+  // diagonal (they would add exp2(-inf) = 0). A skipped block issues no wgmma and runs no softmax.
+  const int n_live = blocks_for(m0 + cw * 64, 64);
   const int row_base = m0 + cw * 64 + wq * 16 + g;  // this thread's rows: row_base and row_base + 8
 
   // Descriptors: K-major SW128 (LBO 16 B, unused; SBO 1024 B) for Q and K,
@@ -474,7 +481,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   // one's softmax). OVERLAP then runs softmax(j) between the two waits (P(j-1)V(j-1) in flight);
   // without it both GEMMs are waited on first.
   if constexpr (!OVERLAP && !PINGPONG) {
-    for (int j = 0; j < n_blocks; ++j) {
+    for (int j = 0; j < n_live; ++j) {
       const int s = (kv0 + j) % ST, ph = ((kv0 + j) / ST) & 1;
       mbar_wait(bar_k(s), ph);
       pp_begin();
@@ -500,7 +507,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
       reg_fence(acc_o);
       release(kv0 + j);
     }
-  } else if (n_blocks > 0) {
+  } else if (n_live > 0) {
     mbar_wait(bar_k(kv0 % ST), (kv0 / ST) & 1);
     pp_begin();
     wgmma_fence();
@@ -512,7 +519,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
     release_k(kv0);
     dump_s();
     softmax(0);  // O is still zero: no rescale needed
-    for (int j = 1; j < n_blocks; ++j) {
+    for (int j = 1; j < n_live; ++j) {
       const int r = kv0 + j, s = r % ST, sp = (r - 1) % ST;
       pack_p();  // P(j-1)
       mbar_wait(bar_k(s), (r / ST) & 1);
@@ -546,7 +553,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
       }
       rescale_o();
     }
-    const int jl = kv0 + n_blocks - 1, sl = jl % ST;
+    const int jl = kv0 + n_live - 1, sl = jl % ST;
     pack_p();
     mbar_wait(bar_v(sl), (jl / ST) & 1);
     pp_begin();
@@ -554,10 +561,28 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
     wgmma_fence();
     issue_pv(sl);
     wgmma_commit();
-    pp_end(true);
+    pp_end(n_live == n_blocks);
     wgmma_wait<0>();
     reg_fence(acc_o);
     release(jl);
+  }
+
+  // The blocks past n_live: waited on and released like the others, and under ping-pong one turn each
+  // (every consumer takes n_blocks + 1 turns per tile: with none live, one more for the S(0) turn).
+  if (n_live < n_blocks) {
+    if (n_live == 0) {
+      pp_begin();
+      pp_end(false);
+    }
+    for (int j = n_live; j < n_blocks; ++j) {
+      const int r = kv0 + j, s = r % ST, ph = (r / ST) & 1;
+      mbar_wait(bar_k(s), ph);
+      mbar_wait(bar_v(s), ph);
+      pp_begin();
+      pp_end(j == n_blocks - 1);
+      release_k(r);
+      release(r);
+    }
   }
 
   // ---- epilogue: normalise, stage O in this warpgroup's own Q rows, store ---
