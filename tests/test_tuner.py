@@ -1102,6 +1102,26 @@ def test_without_refused_swaps_in_the_fastest_clean_runner_up():
     assert none == [] and same.entries == t.entries
 
 
+def test_with_preferred_promotes_the_best_ranked_recorded_runner_up():
+    """bench/ship_table.py --ab: each key goes to the first of the A/B's ranking that is its winner (kept)
+    or a recorded runner-up (promoted with its recorded time; the old winner joins the runners-up); a
+    ranking with neither leaves the entry alone."""
+    k1, k2 = BWD_KEY, ProblemKey("bwd_dkdv", "sm_90a", "bf16", 64, False, 8192)
+    w1, r1a, r1b = _bwd_spec(k1, 64, 128), _bwd_spec(k1, 32, 128), _bwd_spec(k1, 128, 64)
+    w2, other = _bwd_spec(k2, 64, 128), _bwd_spec(k2, 64, 64)
+    t = _bwd_table([(k1, w1, 5.0), (k2, w2, 9.0)])
+    t.entries[k1]["runners_up"] = [{"spec": r1b, "time_ms": 5.2}, {"spec": r1a, "time_ms": 5.1}]
+    unknown = "bwd_sm90_not_a_recorded_spec"
+    out, changes = store.with_preferred(t, {k1: [unknown, r1b.name, w1.name], k2: [other.name, unknown]})
+    e = out.entries[k1]
+    assert e["spec"] == r1b and e["time_ms"] == 5.2 and e["speedup"] == pytest.approx(5.5 / 5.2)
+    assert [r["spec"] for r in e["runners_up"]] == [w1, r1a]  # by time: 5.0, 5.1
+    assert out.entries[k2] == t.entries[k2] and t.entries[k1]["spec"] == w1  # the input is not changed
+    assert len(changes) == 2 and r1b.name in changes[0] and "no preferred spec recorded" in changes[1]
+    kept, lines = store.with_preferred(t, {k1: [w1.name, r1b.name]})
+    assert kept.entries[k1] == t.entries[k1] and "kept" in lines[0]
+
+
 def test_space_restrict_narrows_candidates_and_rejects_bad_values():
     """--space KNOB=V1,V2 keeps only the candidates whose knob takes one of the values (the baseline stays
     first); an unknown knob or a value outside the family's tune space is a clear error."""

@@ -358,6 +358,18 @@ def merge(old: Table | None, new: Table) -> Table:
     return Table(meta=meta, entries=entries, path=new.path)
 
 
+def _promoted(entry: dict, runners: list, pick: int) -> dict:
+    """``entry`` with runner-up ``runners[pick]`` (runners sorted by time) as its winner: its recorded
+    time, speedup and TFLOP/s; the runners after it stay runners-up."""
+    r = runners[pick]
+    base_ms = (entry.get("baseline") or {}).get("time_ms")
+    new = {**entry, "spec": r["spec"], "time_ms": r["time_ms"], "runners_up": runners[pick + 1:],
+           "speedup": base_ms / r["time_ms"] if base_ms else None}
+    if entry.get("tflops"):
+        new["tflops"] = entry["tflops"] * entry["time_ms"] / r["time_ms"]
+    return new
+
+
 def without_refused(table: Table, problems) -> tuple[Table, list[str]]:
     """``table`` with each entry whose spec ``problems(spec)`` refuses (non-empty list; e.g.
     ``dispatch.resource_problems``: this NVRTC spills it) replaced by its fastest runner-up that is
@@ -377,15 +389,36 @@ def without_refused(table: Table, problems) -> tuple[Table, list[str]]:
         if pick is None:
             changes.append(f"{key}: {entry['spec'].name} refused ({'; '.join(why)}); no clean runner-up: dropped")
             continue
-        r = runners[pick]
-        base_ms = (entry.get("baseline") or {}).get("time_ms")
-        new = {**entry, "spec": r["spec"], "time_ms": r["time_ms"], "runners_up": runners[pick + 1:],
-               "speedup": base_ms / r["time_ms"] if base_ms else None}
-        if entry.get("tflops"):
-            new["tflops"] = entry["tflops"] * entry["time_ms"] / r["time_ms"]
+        out.entries[key] = new = _promoted(entry, runners, pick)
+        changes.append(f"{key}: {entry['spec'].name} refused ({'; '.join(why)}); runner-up {new['spec'].name} "
+                       f"({new['time_ms']:.3f} ms, {new['time_ms'] / entry['time_ms']:.3f}x the winner's time)")
+    return out, changes
+
+
+def with_preferred(table: Table, prefer: dict) -> tuple[Table, list[str]]:
+    """``table`` with each key of ``prefer`` (ProblemKey -> spec names, best first: e.g. the ranking of a
+    longer interleaved A/B among candidates the tuner found within its own noise, bench/ab_fwd.py) won
+    by the first name that is its winner already (kept) or one of its runners-up (promoted, with the
+    time the tuner recorded for it). One line per key asked for."""
+    out = Table(meta=dict(table.meta), path=table.path, entries=dict(table.entries))
+    changes = []
+    for key, names in prefer.items():
+        entry = table.entries.get(key)
+        if entry is None:
+            changes.append(f"{key}: no entry")
+            continue
+        runners = sorted(entry.get("runners_up", []), key=lambda r: r["time_ms"])
+        at = {r["spec"].name: i for i, r in enumerate(runners)}
+        name = next((n for n in names if n == entry["spec"].name or n in at), None)
+        if name is None or name == entry["spec"].name:
+            changes.append(f"{key}: kept {entry['spec'].name} ({'preferred' if name else 'no preferred spec recorded'})")
+            continue
+        new = _promoted(entry, runners, at[name])
+        new["runners_up"] = sorted([r for r in runners if r["spec"].name != name]
+                                   + [{"spec": entry["spec"], "time_ms": entry["time_ms"]}], key=lambda r: r["time_ms"])
         out.entries[key] = new
-        changes.append(f"{key}: {entry['spec'].name} refused ({'; '.join(why)}); runner-up {r['spec'].name} "
-                       f"({r['time_ms']:.3f} ms, {r['time_ms'] / entry['time_ms']:.3f}x the winner's time)")
+        changes.append(f"{key}: {entry['spec'].name} -> {name} (preferred; tuner time {new['time_ms']:.4f} ms, "
+                       f"{new['time_ms'] / entry['time_ms']:.3f}x the tuner's winner)")
     return out, changes
 
 
