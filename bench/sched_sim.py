@@ -57,7 +57,7 @@ def main():
 
             old = [cost(mb) for _ in range(pairs) for mb in reversed(range(m_blocks))]
             ideal = sum(old) / sms
-            sec = tile_sections(pairs, 2 * n * d * 2, l2)
+            sec = tile_sections(pairs, 2 * n * d * 2, l2, causal=True)
             new = [cost(mb) for mb in section_order(pairs, m_blocks, *sec)]
             print(f"{d:4d} {bm:>4}x{bn:<3} {n:6d} | {greedy(old, sms) / ideal:6.3f} {greedy(new, sms) / ideal:8.3f} "
                   f"{static(new, sms) / ideal:7.3f}")

@@ -307,7 +307,8 @@ def _plan_sm90(kern, spec, dev, shape, strides, o_strides, scale):
     template.tiles, template.m_blocks = tiles, m_blocks
     kv_bytes = 2 * nk * spec.head_dim * 2 // (h // hk)  # K and V per query head (GQA: shared)
     forced = os.environ.get("FLASHGEN_TILE_SECTION")  # study: at most this many pairs per section (1: pair after pair)
-    template.sec, template.sec_big = tile_sections(b * h, kv_bytes, dev.l2_bytes, int(forced) if forced else None)
+    template.sec, template.sec_big = tile_sections(b * h, kv_bytes, dev.l2_bytes, int(forced) if forced else None,
+                                                   causal=spec.causal)
     struct = type(template)
     off_q, off_k, off_v = struct.tm_q.offset, struct.tm_k.offset, struct.tm_v.offset
     # _dims gives element strides in (batch, head, seq) order; tensor_dims takes (seq, head, batch),
@@ -359,19 +360,23 @@ def _plan_sm90(kern, spec, dev, shape, strides, o_strides, scale):
     return _Plan(kern, grid, dev.index, (b, h, nq), template, tma=params_for)
 
 
-def tile_sections(pairs: int, kv_bytes: int, l2_bytes: int, per: int | None = None) -> tuple[int, int]:
+def tile_sections(pairs: int, kv_bytes: int, l2_bytes: int, per: int | None = None,
+                  causal: bool = False) -> tuple[int, int]:
     """The fwd_sm90 tile order's sections: (sec, sec_big) = ``pairs`` (batch, head) pairs split into as
     few even sections (sec_big of sec + 1 pairs, the rest of sec) as keep each at most ``per`` pairs; by
     default ``per`` is what keeps a section's K/V (``kv_bytes`` per pair) within a quarter of the L2
     (Hopper's L2 is two partitions, and data every SM reads may be held in both: half the L2, halved
     again for what else stays there; with half of it the persistent kernel at d = 128, N = 2k ran 6 %
-    slower than pair after pair, bench/NOTES.md). Inside a section the kernel walks m-block by m-block
+    slower than pair after pair, bench/NOTES.md), causal within half of it: its tiles are unequal, and
+    more pairs per section balance the SMs better (bench/sched_sim.py); measured on the H200 (session 5,
+    7 interleaved rounds): causal +0.4 to +5.9 % at d = 128 (most at 8k), +0.4 to +0.8 % at d = 64,
+    while non-causal with half read -1.7 to +1 %. Inside a section the kernel walks m-block by m-block
     over every pair (causal: longest rows first, so the short tiles fill the tail); the hardware hands
     tiles to SMs in that order. For causal tiles a greedy-schedule model (bench/sched_sim.py) puts the
     makespan 0.2-1.8 % over the ideal at hidden 2048, N 2k-16k with sections of half the L2, against
     3-7 % for one pair's m-blocks after another (bench/NOTES.md, session 4)."""
     if per is None:
-        per = (l2_bytes // 4) // max(1, kv_bytes)
+        per = (l2_bytes // (2 if causal else 4)) // max(1, kv_bytes)
     sections = -(-pairs // max(1, per))
     return pairs // sections, pairs % sections
 

@@ -350,11 +350,11 @@ def test_tile_sections_uneven(flags, ctas, causal, monkeypatch):
     dev = api._Device.of(torch.cuda.current_device())
     for b, h, hk, nq, nk in ((1, 7, 7, 300, 300), (2, 4, 2, 203, 339), (1, 7, 7, 339, 113)):
         kv_bytes = 2 * nk * 128 * 2 // (h // hk)
-        monkeypatch.setattr(dev, "l2_bytes", 4 * 2 * kv_bytes + 4)  # two pairs per section
+        monkeypatch.setattr(dev, "l2_bytes", (2 if causal else 4) * 2 * kv_bytes + 4)  # two pairs per section
         if ctas:
             monkeypatch.setenv("FLASHGEN_PERSIST_CTAS", ctas)
         api._plans.clear()
-        sec = api.tile_sections(b * h, kv_bytes, dev.l2_bytes)
+        sec = api.tile_sections(b * h, kv_bytes, dev.l2_bytes, causal=causal)
         assert sec[0] <= 2 and b * h > 2  # more than one section
         check(b, h, hk, nq, nk, 128, "bf16", causal, spec=spec)
         q, k, v = make_inputs(b, h, hk, nq, nk, 128, torch.bfloat16)

@@ -324,23 +324,26 @@ def test_persist_plan_grid_and_tiles(causal, monkeypatch):
         p = plan.tma(16, 32, 48)
         assert (p.tiles, p.m_blocks, p.sched) == (b * h * m_blocks, m_blocks, 4096)
         # K/V of one pair: 2 x nq x 64 x 2 bytes; a quarter of 50 MiB holds 25 pairs at N = 2048
-        assert (p.sec, p.sec_big) == api.tile_sections(b * h, 2 * nq * 64 * 2, 50 << 20)
+        assert (p.sec, p.sec_big) == api.tile_sections(b * h, 2 * nq * 64 * 2, 50 << 20, causal=causal)
     plain = plan_for(spec.replace(persist=False), 2, 16, 2048)
     p = plain.tma(16, 32, 48)
-    assert plain.grid == (32 * 16, 1, 1) and (p.tiles, p.m_blocks, p.sec, p.sec_big) == (512, 16, 16, 0) and not p.sched
+    # 32 pairs of 1 MiB K/V: sections of 16 within a quarter of 50 MiB, causal all 32 within half of it
+    assert plain.grid == (32 * 16, 1, 1) and not p.sched
+    assert (p.tiles, p.m_blocks, p.sec, p.sec_big) == (512, 16, 32 if causal else 16, 0)
 
 
 @pytest.mark.parametrize("pairs, kv_bytes, l2", [(128, 1 << 20, 50 << 20), (16, 8 << 20, 50 << 20), (7, 1, 50 << 20),
                                                  (5, 1 << 30, 50 << 20), (256, 3 << 19, 40 << 20), (1, 1, 1)])
-def test_tile_sections_even_and_within_a_quarter_of_l2(pairs, kv_bytes, l2):
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_sections_even_and_within_a_quarter_of_l2(pairs, kv_bytes, l2, causal):
     """tile_sections: sec_big sections of sec + 1 pairs and the rest of sec cover every pair; no section's
-    K/V passes a quarter of the L2 unless one pair alone does (then one pair per section); the fewest such
-    sections."""
+    K/V passes a quarter of the L2 (causal: half) unless one pair alone does (then one pair per section);
+    the fewest such sections."""
     pytest.importorskip("torch")
     from flashgen.api import tile_sections
 
-    sec, big = tile_sections(pairs, kv_bytes, l2)
-    per = max(1, (l2 // 4) // kv_bytes)
+    sec, big = tile_sections(pairs, kv_bytes, l2, causal=causal)
+    per = max(1, (l2 // (2 if causal else 4)) // kv_bytes)
     sections = -(-pairs // per)
     assert sec >= 1 and 0 <= big < sections
     assert big * (sec + 1) + (sections - big) * sec == pairs
