@@ -2,8 +2,9 @@
 
     python bench/ab_fwd.py --out DIR --rounds 7 --cell 128,0,2048:full_s3_m192_n80_ps,ws_ov_s3 [--cell ...]
 
-A cell is ``d,causal,N`` then the candidates as families.sm90_flag_set names (hidden 2048: heads = 2048/d,
-batch = 16384/N, bf16). Every round times each candidate and cuDNN once, each round starting one impl
+A cell is ``d,causal,N`` then the candidates as families.sm90_flag_set names, or ``default`` for the spec the
+default path picks (the tuned table, $FLASHGEN_HOME/configs first) (hidden 2048: heads = 2048/d, batch =
+16384/N, bf16). Every round times each candidate and cuDNN once, each round starting one impl
 later; the medians of the rounds are reported. Writes DIR/ab.json; prints one line per cell.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 from bench_fwd import sdpa_fn  # noqa: E402  (same folder)
-from bench_sm90 import cell, fg, sm90_spec  # noqa: E402
+from bench_sm90 import cell, default_spec, fg, sm90_spec  # noqa: E402
 
 
 def parse_cell(text):
@@ -34,7 +35,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     rows = []
     for d, causal, n, names in map(parse_cell, args.cell):
-        specs = {f: sm90_spec(d, causal, f) for f in names}
+        specs = {f: default_spec(d, causal, n) if f == "default" else sm90_spec(d, causal, f) for f in names}
         run = {f: fg(s) for f, s in specs.items()}
         run["sdpa_cudnn"] = lambda q, k, v, cz: sdpa_fn("sdpa_cudnn", q, k, v, cz)
         keys = list(run)
