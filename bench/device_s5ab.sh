@@ -3,12 +3,8 @@
 # The section-size A/B session 4 left (bench/NOTES.md, "Session 4"): each cell's shipped default spec in
 # sections of a quarter of the L2 (shipped), of half of it, and pair after pair, with and without persist,
 # cuDNN beside; 7 rounds, each starting one impl later, medians. One tarball: $OUT/s5ab.tgz.
-set -o pipefail
-export PYTHONPATH=$PWD FLASHGEN_HOME=${FLASHGEN_HOME:-/tmp/flashgen} PYTHONUNBUFFERED=1
-OUT=${OUT:-bench/results/s5ab}
-W=$(mktemp -d); mkdir -p "$OUT"
-{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
-  echo "commit ${FLASHGEN_COMMIT:-}"; date -u; } | tee "$W/gpu.txt"
+. bench/device_lib.sh
+device_setup s5ab
 timeout ${AB_TIMEOUT:-140} python3 bench/bench_sm90.py --out "$W" --order --no-alts --rounds 7 \
   --seqlens 2048,4096,8192,16384 --dims 128,64 2>&1 | tee "$W/bench.txt" | grep -v "^precompiled"
-tar -czf "$OUT/s5ab.tgz" -C "$W" .; ls -la "$OUT"
+pack; ls -la "$OUT"
