@@ -216,3 +216,43 @@ def test_two_processes_compiling_the_same_spec():
     assert meta["cubin_sha256"] == results[0][2]
     # and this process sees it as a hit
     assert get_binary(render(spec), spec.arch, spec.name)[1] is True
+
+
+def _nvrtc_library():
+    """The libnvrtc CuPy loads (pip's nvidia-cuda-nvrtc wheel), or None."""
+    import glob
+    import sys
+
+    for root in sys.path:
+        for path in sorted(glob.glob(os.path.join(root, "nvidia", "cu*", "lib", "libnvrtc.so*"))):
+            return path
+    return None
+
+
+def test_cubin_is_nvrtcs_whole_elf():
+    """compile_source returns the bytes NVRTC itself gives (nvrtcGetCUBINSize / nvrtcGetCUBIN through
+    ctypes), not CuPy's getCUBIN result, which is one byte short (compiler.whole_elf)."""
+    import ctypes
+
+    from flashgen.codegen.compiler import compile_options, compile_source, whole_elf
+
+    path = _nvrtc_library()
+    if path is None:
+        pytest.skip("no libnvrtc from the nvidia-cuda-nvrtc wheel on sys.path")
+    source = 'extern "C" __global__ void k(float* x) { x[threadIdx.x] = 2.f * x[threadIdx.x]; }'
+    ours = compile_source(source, "sm_90a", "k").cubin
+    lib = ctypes.CDLL(path)
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"k.cu", 0, None, None) == 0
+    try:
+        opts = [o.encode() for o in compile_options("sm_90a")]
+        assert lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)) == 0
+        size = ctypes.c_size_t()
+        assert lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)) == 0
+        buf = ctypes.create_string_buffer(size.value)
+        assert lib.nvrtcGetCUBIN(prog, buf) == 0
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    assert ours == buf.raw and len(ours) == size.value
+    assert whole_elf(buf.raw) == buf.raw  # a whole ELF is left as it is
+    assert whole_elf(b"not an elf") == b"not an elf"

@@ -49,7 +49,7 @@ NEW_VARIANTS = [sm90_named_spec(d, c, n) for d, names in SM90_ABLATION.items() f
 # ws_ov_s3_m192_n80_ps is the d=128 N=2k default (s3tune) with persist; it and ws_pp_kv_s3_m192_ps spilled
 # (56 / 4 B) until the O store's indices went through an opaque move (fwd_sm90.cuh, epilogue).
 PERSIST_NAMES = {128: ("ws_ps", "ws_ov_s3_ps", "ws_pp_s3_ps", "ws_kv_ps", "ws_pp_kv_ps", "full_kv_ps",
-                       "ws_ov_s3_m192_n80_ps", "full_s3_n112_ps"),
+                       "ws_ov_s3_m192_n80_ps", "full_s3_n112_ps", "full_s4_m192_n80_ps"),
                  64: ("ws_ps", "ws_s3_m192_ps", "ws_pp_kv_s3_ps", "ws_kv_s3_m192_ps", "ws_pp_kv_s3_m192_ps",
                       "ws_ov_s3_m192_ps")}
 PERSIST_VARIANTS = [sm90_named_spec(d, c, n) for d, names in PERSIST_NAMES.items() for n in names for c in (False, True)]
@@ -172,6 +172,37 @@ def test_sass_has_hgmma_and_tma(tmp_path, compiled):
         raise binary
     sass, _ = sass_of(spec, binary.cubin, tmp_path)
     assert "HGMMA" in sass and "UTMALDG" in sass
+
+
+def test_wgmma_descriptors_stay_in_uniform_registers(tmp_path, compiled):
+    """Every warp-specialized kernel's wgmma operands come from uniform registers computed as such: at
+    most one R2UR (a per-thread value moved to a uniform register) in the four instructions before each
+    HGMMA per four HGMMAs (there are none now). Session 5's first Q-piece change read the tile from a
+    per-warpgroup slot, the compiler lost the warp-uniformity of everything derived from it, put 2-4
+    R2UR before every HGMMA, and the persistent kernel ran 8-15 % slower on the H200; the lane-0
+    broadcasts in fwd_sm90.cuh prevent it. Needs a disassembler that reads NVRTC's cubin (skips without)."""
+    import re
+
+    from build_util import _sass, disassemblers
+
+    tools = disassemblers()
+    specs = [s for s in ALL if s.warpspec and s.head_dim in (64, 128)]
+    checked = 0
+    for spec in specs:
+        binary = compiled[spec]
+        if isinstance(binary, Exception):
+            raise binary
+        path = tmp_path / f"{spec.name}.cubin"
+        path.write_bytes(binary.cubin)
+        sass = next((t for t in (_sass(tool, str(path)) for tool in tools) if t), "")
+        if not sass:
+            pytest.skip("no disassembler here reads NVRTC's cubin")
+        lines = [ln for ln in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", ln)]
+        at = [i for i, ln in enumerate(lines) if "HGMMA" in ln]
+        near = sum(1 for i in at for ln in lines[max(0, i - 4):i] if re.search(r"\bR2UR\b", ln))
+        assert at and near <= len(at) // 4, f"{spec.name}: {near} R2UR just before its {len(at)} HGMMA"
+        checked += 1
+    assert checked == len(specs) > 50
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
