@@ -16,7 +16,7 @@ import pytest
 from flashgen import KernelSpec, UnsupportedError, dispatch, gpus
 from flashgen.codegen import parse_ptxas_log
 from flashgen.families import SM90_ABLATION, sm90_flag_set, sm90_named_spec
-from build_util import build_all, clean_binary, sass_of
+from build_util import build_all, clean_binary, r2ur_before_hgmma, sass_of
 
 H200 = gpus.get("h200")
 
@@ -181,28 +181,14 @@ def test_wgmma_descriptors_stay_in_uniform_registers(tmp_path, compiled):
     per-warpgroup slot, the compiler lost the warp-uniformity of everything derived from it, put 2-4
     R2UR before every HGMMA, and the persistent kernel ran 8-15 % slower on the H200; the lane-0
     broadcasts in fwd_sm90.cuh prevent it. Needs a disassembler that reads NVRTC's cubin (skips without)."""
-    import re
-
-    from build_util import _sass, disassemblers
-
-    tools = disassemblers()
     specs = [s for s in ALL if s.warpspec and s.head_dim in (64, 128)]
-    checked = 0
     for spec in specs:
         binary = compiled[spec]
         if isinstance(binary, Exception):
             raise binary
-        path = tmp_path / f"{spec.name}.cubin"
-        path.write_bytes(binary.cubin)
-        sass = next((t for t in (_sass(tool, str(path)) for tool in tools) if t), "")
-        if not sass:
-            pytest.skip("no disassembler here reads NVRTC's cubin")
-        lines = [ln for ln in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", ln)]
-        at = [i for i, ln in enumerate(lines) if "HGMMA" in ln]
-        near = sum(1 for i in at for ln in lines[max(0, i - 4):i] if re.search(r"\bR2UR\b", ln))
-        assert at and near <= len(at) // 4, f"{spec.name}: {near} R2UR just before its {len(at)} HGMMA"
-        checked += 1
-    assert checked == len(specs) > 50
+        near, hgmma = r2ur_before_hgmma(spec, binary.cubin, tmp_path)
+        assert hgmma and near <= hgmma // 4, f"{spec.name}: {near} R2UR just before its {hgmma} HGMMA"
+    assert len(specs) > 50
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
