@@ -8,7 +8,8 @@ The list: every spec the shipped tables record (winners, baselines, runners-up),
 spec (forward, backward, baselines, decode; sm_80 and sm_90a) and bench_sm90's ablation flag sets.
 ``hash`` records the rendered source's SHA-256 of each spec this checkout can express (a later field at
 its default is dropped) and, for the Hopper families, whose sources carry more than the spec decides,
-the NVRTC cubin's. ``compare`` counts same/different per family.
+the NVRTC cubin's (whole: flashgen/codegen/elf.py, this checkout's copy, also for older checkouts, whose
+cache kept cubins one byte short). ``compare`` counts same/different per family.
 """
 from __future__ import annotations
 
@@ -49,7 +50,19 @@ def list_specs(path):
     print(len(out), "specs")
 
 
+def _whole_elf():
+    """whole_elf from this tool's own checkout, loaded by file path (an older ROOT may not have it)."""
+    import importlib.util
+
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "flashgen", "codegen", "elf.py")
+    spec = importlib.util.spec_from_file_location("_provenance_elf", here)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.whole_elf
+
+
 def hash_specs(path, out_path, root):
+    whole = _whole_elf()
     sys.path.insert(0, root)
     from flashgen.codegen import render
     from flashgen.codegen.compiler import compile_source
@@ -66,7 +79,7 @@ def hash_specs(path, out_path, root):
         src = render(s)
         r = {"src": hashlib.sha256(src.encode()).hexdigest()}
         if s.kind in CUBIN_KINDS:
-            r["cubin"] = hashlib.sha256(compile_source(src, s.arch, s.name).cubin).hexdigest()
+            r["cubin"] = hashlib.sha256(whole(compile_source(src, s.arch, s.name).cubin)).hexdigest()
         return s.name, r
 
     os.environ.setdefault("CUDA_CACHE_DISABLE", "1")

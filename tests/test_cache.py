@@ -234,7 +234,8 @@ def test_cubin_is_nvrtcs_whole_elf():
     ctypes), not CuPy's getCUBIN result, which is one byte short (compiler.whole_elf)."""
     import ctypes
 
-    from flashgen.codegen.compiler import compile_options, compile_source, whole_elf
+    from flashgen.codegen.compiler import compile_options, compile_source
+    from flashgen.codegen.elf import whole_elf
 
     path = _nvrtc_library()
     if path is None:

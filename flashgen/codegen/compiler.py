@@ -15,13 +15,13 @@ import hashlib
 import json
 import os
 import re
-import struct
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .. import __version__, settings
 from ..errors import CompileError
+from .elf import whole_elf
 
 BASE_OPTIONS = ("--std=c++17", "-Xptxas=-v")
 
@@ -133,21 +133,6 @@ def compile_source(source: str, arch: str, name: str, source_path: str | None = 
         nvrtc.destroyProgram(prog)
     return Binary(name=name, arch=arch, key=cache_key(source, arch), cubin=cubin, log=log,
                   report=parse_ptxas_log(log, name))
-
-
-def whole_elf(cubin: bytes) -> bytes:
-    """The cubin as NVRTC made it. CuPy's ``nvrtc.getCUBIN`` (14.x) drops the buffer's last byte, as if it
-    were the NUL that ends a PTX string: the ELF is one byte short (the driver loads it, nvdisasm calls it
-    invalid). The ELF64 header says where its program- and section-header tables end, which is the end
-    of the file NVRTC writes; the byte missing is the top byte of the last table entry's last field (an
-    8-byte alignment or entry size), 0. A cubin of the right length (a CuPy without the bug) is
-    returned as it is. tests/test_codegen.py checks the result against NVRTC's own bytes."""
-    if len(cubin) < 64 or cubin[:5] != b"\x7fELF\x02":
-        return cubin
-    phoff, shoff = struct.unpack_from("<QQ", cubin, 0x20)
-    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", cubin, 0x36)
-    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
-    return cubin + b"\0" if end == len(cubin) + 1 else cubin
 
 
 def cache_key(source: str, arch: str) -> str:
