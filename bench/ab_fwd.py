@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 from bench_fwd import sdpa_fn  # noqa: E402  (same folder)
-from bench_sm90 import cell, default_spec, fg, sm90_spec  # noqa: E402
+from bench_sm90 import default_spec, fg, interleaved, sm90_spec  # noqa: E402
 
 
 def parse_cell(text):
@@ -39,19 +39,13 @@ def main(argv=None):
         run = {f: fg(s) for f, s in specs.items()}
         run["sdpa_cudnn"] = lambda q, k, v, cz: sdpa_fn("sdpa_cudnn", q, k, v, cz)
         keys = list(run)
-        rounds = []
-        for i in range(args.rounds):
-            turn = keys[i % len(keys):] + keys[:i % len(keys)]
-            rounds.append(cell(n, d, causal, {k: run[k] for k in turn}, reps=10))
-        med = {}
-        for k in keys:
-            vals = sorted(r[k]["tflops"] for r in rounds if "tflops" in r[k])
-            med[k] = vals[(len(vals) - 1) // 2] if vals else float("nan")
+        row = interleaved(n, d, causal, run, args.rounds, reps=10)
+        med = {k: row[k].get("tflops", float("nan")) for k in keys}
         cu = med["sdpa_cudnn"]
         best = max((k for k in keys if k != "sdpa_cudnn"), key=lambda k: med[k])
         rows.append({"head_dim": d, "causal": causal, "seqlen": n, "median_tflops": med,
                      "specs": {f: s.name for f, s in specs.items()}, "best": specs[best].name,
-                     "rounds": [{k: r[k].get("tflops") for k in keys} for r in rounds]})
+                     "rounds": {k: row[k].get("rounds_tflops") for k in keys}})
         print(f"d={d} causal={causal} N={n} cudnn={cu:.0f} | "
               + "  ".join(f"{k}={med[k]:.0f} ({med[k] / cu:.3f}x)" for k in keys if k != "sdpa_cudnn")
               + f"  -> {best}", flush=True)

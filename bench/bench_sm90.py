@@ -71,6 +71,22 @@ def cell(n, d, causal, impls, reps):
     return row
 
 
+def interleaved(n, d, causal, run, rounds, reps):
+    """``cell`` over ``rounds`` rounds, each starting one impl of ``run`` later (none is always timed
+    first): the cell's row with each impl's median-TFLOP/s round and all its rounds (``rounds_tflops``)."""
+    names = list(run)
+    rounds_rows = []
+    for i in range(rounds):
+        turn = names[i % len(names):] + names[:i % len(names)]
+        rounds_rows.append(cell(n, d, causal, {k: run[k] for k in turn}, reps))
+    row = dict(rounds_rows[0])
+    for k in names:
+        ok = sorted((r[k] for r in rounds_rows if "tflops" in r[k]), key=lambda x: x["tflops"])
+        row[k] = dict(ok[(len(ok) - 1) // 2]) if ok else rounds_rows[0][k]
+        row[k]["rounds_tflops"] = [r[k].get("tflops") for r in rounds_rows]
+    return row
+
+
 def fg(spec=None):
     return lambda q, k, v, causal: (lambda: flashgen.attention(q, k, v, causal=causal, spec=spec))
 
@@ -166,16 +182,7 @@ def variant_table(out, seqlens, dims, order=False, reps=10, rounds=1, alts=True)
     for (d, c, n), impls in plans.items():
         run = {k: with_env(s, env) for k, (s, env) in impls.items()}
         run["sdpa_cudnn"] = lambda q, k, v, cz: sdpa_fn("sdpa_cudnn", q, k, v, cz)
-        names = list(run)
-        rounds_rows = []
-        for i in range(rounds):  # each round starts one impl later: none is always timed first
-            turn = names[i % len(names):] + names[:i % len(names)]
-            rounds_rows.append(cell(n, d, c, {k: run[k] for k in turn}, reps))
-        row = dict(rounds_rows[0])
-        for k in run:  # the median of the rounds
-            ok = sorted((r[k] for r in rounds_rows if "tflops" in r[k]), key=lambda x: x["tflops"])
-            row[k] = dict(ok[(len(ok) - 1) // 2]) if ok else rounds_rows[0][k]
-            row[k]["rounds_tflops"] = [r[k].get("tflops") for r in rounds_rows]
+        row = interleaved(n, d, c, run, rounds, reps)
         row["specs"] = {k: se[0].name for k, se in impls.items()}
         row["env"] = {k: se[1] for k, se in impls.items() if se[1]}
         rows.append(row)
