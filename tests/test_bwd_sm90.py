@@ -387,3 +387,28 @@ def test_host_launch_sequence(monkeypatch, how):
     else:
         with pytest.raises(ValueError, match="atomic"):
             backward.attention_backward(do, q, k, v, out, lse, True, 0.1, deterministic=True, specs=specs)
+
+
+def test_wgmma_descriptors_stay_in_uniform_registers(tmp_path, compiled):
+    """As in test_sm90.py: at most one R2UR just before every four HGMMA. Before the consumer index was
+    broadcast from lane 0, the shipped specs had 12-17 of them before 24-32 HGMMA (SASS)."""
+    import re
+
+    from build_util import _sass, disassemblers
+
+    tools = disassemblers()
+    checked = 0
+    for spec, binary in compiled.items():
+        if isinstance(binary, Exception):
+            raise binary
+        path = tmp_path / f"{spec.name}.cubin"
+        path.write_bytes(binary.cubin)
+        sass = next((t for t in (_sass(tool, str(path)) for tool in tools) if t), "")
+        if not sass:
+            pytest.skip("no disassembler here reads NVRTC's cubin")
+        lines = [ln for ln in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", ln)]
+        at = [i for i, ln in enumerate(lines) if "HGMMA" in ln]
+        near = sum(1 for i in at for ln in lines[max(0, i - 4):i] if re.search(r"\bR2UR\b", ln))
+        assert at and near <= len(at) // 4, f"{spec.name}: {near} R2UR just before its {len(at)} HGMMA"
+        checked += 1
+    assert checked > 0

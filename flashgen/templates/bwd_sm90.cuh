@@ -170,7 +170,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   if constexpr (NWG >= 2) regs_inc<CONSUMER_REGS>();
 
   // ---- consumer warpgroups ------------------------------------------------------
-  const int cw = wg - 1;
+  const int cw = __shfl_sync(0xffffffffu, wg, 0) - 1;  // warp-uniform for the compiler (fwd_sm90.cuh, cw)
   const int ltid = tid % 128, wq = ltid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   const int key0 = n0 + cw * 64;               // this warpgroup's first key
