@@ -13,7 +13,7 @@ import os
 import pytest
 
 from flashgen import KernelSpec, UnsupportedError, dispatch, gpus
-from build_util import build_all, clean_binary, sass_of
+from build_util import build_all, clean_binary, r2ur_before_hgmma, sass_of
 
 H200 = gpus.get("h200")
 BUDGET = gpus.ARCH_SMEM_PER_BLOCK["sm_90a"]
@@ -392,23 +392,9 @@ def test_host_launch_sequence(monkeypatch, how):
 def test_wgmma_descriptors_stay_in_uniform_registers(tmp_path, compiled):
     """As in test_sm90.py: at most one R2UR just before every four HGMMA. Before the consumer index was
     broadcast from lane 0, the shipped specs had 12-17 of them before 24-32 HGMMA (SASS)."""
-    import re
-
-    from build_util import _sass, disassemblers
-
-    tools = disassemblers()
-    checked = 0
     for spec, binary in compiled.items():
         if isinstance(binary, Exception):
             raise binary
-        path = tmp_path / f"{spec.name}.cubin"
-        path.write_bytes(binary.cubin)
-        sass = next((t for t in (_sass(tool, str(path)) for tool in tools) if t), "")
-        if not sass:
-            pytest.skip("no disassembler here reads NVRTC's cubin")
-        lines = [ln for ln in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", ln)]
-        at = [i for i, ln in enumerate(lines) if "HGMMA" in ln]
-        near = sum(1 for i in at for ln in lines[max(0, i - 4):i] if re.search(r"\bR2UR\b", ln))
-        assert at and near <= len(at) // 4, f"{spec.name}: {near} R2UR just before its {len(at)} HGMMA"
-        checked += 1
-    assert checked > 0
+        near, hgmma = r2ur_before_hgmma(spec, binary.cubin, tmp_path)
+        assert hgmma and near <= hgmma // 4, f"{spec.name}: {near} R2UR just before its {hgmma} HGMMA"
+    assert compiled
