@@ -155,3 +155,22 @@ def test_an_empty_ptxas_log_is_a_problem():
     assert r.registers == 0
     assert any("no ptxas resource usage" in p for p in r.problems())
     assert os.environ.get("CUDA_CACHE_DISABLE") == "1"
+
+
+def test_each_compile_misses_the_compute_cache_with_the_same_cubin(monkeypatch):
+    """CUDA_CACHE_DISABLE helps only when set before NVRTC loads, so every NVRTC compile also carries a
+    macro of its own: no compute-cache hit (which would hide the ptxas report), and the same cubin."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    from flashgen.codegen import compiler
+
+    seen = []
+    real = nvrtc.compileProgram
+    monkeypatch.setattr(nvrtc, "compileProgram", lambda prog, opts: (seen.append(list(opts)), real(prog, opts))[1])
+    src = 'extern "C" __global__ void twice(float* x) { x[threadIdx.x] *= 2.f; }'
+    a, b = (compiler.compile_source(src, "sm_90a", "twice") for _ in range(2))
+    assert a.cubin == b.cubin and a.key == b.key
+    assert a.report.registers > 0 and b.report.registers > 0
+    nonces = [[o for o in opts if o.startswith("-DFLASHGEN_COMPILE_NONCE=")] for opts in seen]
+    assert [len(n) for n in nonces] == [1, 1] and nonces[0] != nonces[1]
+    assert all(opts[:-1] == compiler.compile_options("sm_90a") for opts in seen)

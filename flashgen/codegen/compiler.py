@@ -104,9 +104,16 @@ def compile_options(arch: str) -> list[str]:
 
 # NVRTC 13.0 (the H200 image's) keeps compiled code in the CUDA compute cache and, on a hit, returns
 # the cubin with an empty program log: no ptxas resource report to check for spills (seen on the H200,
-# bench/NOTES.md). flashgen keeps its own binary cache, so compile without that one. Set before NVRTC
-# is loaded; an explicit setting in the environment wins.
+# bench/NOTES.md). flashgen keeps its own binary cache, so it never wants that one. The variable below
+# only helps when set before NVRTC is loaded (a program that imported torch first can be too late: a
+# benchmark with a fresh FLASHGEN_HOME got empty logs for every kernel the GPU suite had compiled), so
+# each compile also carries a macro of its own (``_nonce_option``): the compute cache never hits, and
+# the cubin is byte-identical (an unused macro).
 os.environ.setdefault("CUDA_CACHE_DISABLE", "1")
+
+
+def _nonce_option() -> str:
+    return f"-DFLASHGEN_COMPILE_NONCE=0x{os.urandom(8).hex()}"
 
 
 def compile_source(source: str, arch: str, name: str, source_path: str | None = None) -> Binary:
@@ -119,7 +126,7 @@ def compile_source(source: str, arch: str, name: str, source_path: str | None = 
         raise CompileError(f"{name}: compiling is disabled (FLASHGEN_NO_COMPILE is set)", source_path=source_path)
     from cupy_backends.cuda.libs import nvrtc
 
-    options = compile_options(arch)
+    options = [*compile_options(arch), _nonce_option()]  # the cache key leaves the nonce out
     prog = nvrtc.createProgram(source, f"{name}.cu", [], [])
     try:
         try:
