@@ -3,20 +3,20 @@
 # (BEFORE=path, an untracked copy of the previous bwd_sm90.cuh sent with the tree), one H200 call (repo root):
 #   git show de887c3:flashgen/templates/bwd_sm90.cuh > bench/bwd_sm90_before.cuh
 #   OUT=... BEFORE=bench/bwd_sm90_before.cuh bash bench/device_s6bwd.sh            (<= 9 min)
-# (1) the GPU suite on this tree (the re-tuned forward table and the new template);
+# (1) (unless SUITE=0) the GPU suite on this tree (the re-tuned forward table and the new template);
 # (2) bench_bwd.py (fwd+bwd, SDPA flash/cuDNN beside, --direct: the backward alone) on after and before
-#     in turn, 3 rounds each (the template file swapped between processes, one kernel cache per side),
+#     in turn, 3 rounds each (the template file swapped between processes; the cache key holds the source),
 #     then per cell the medians and after/before. One tarball: $OUT/s6bwd.tgz.
 . bench/device_lib.sh
 device_setup s6bwd
-OUT="$OUT" SUITE_TIMEOUT=${SUITE_TIMEOUT:-200} SMOKE_TIMEOUT=45 bash bench/device_suite.sh
+[ "${SUITE:-1}" = 0 ] || OUT="$OUT" SUITE_TIMEOUT=${SUITE_TIMEOUT:-200} SMOKE_TIMEOUT=45 bash bench/device_suite.sh
 T=flashgen/templates/bwd_sm90.cuh
 cp "$T" "$W/after.cuh"; cp "$BEFORE" "$W/before.cuh"
 for r in 1 2 3; do
   for side in after before; do
     cp "$W/$side.cuh" "$T"
-    FLASHGEN_HOME=/tmp/fg_$side timeout ${BWD_TIMEOUT:-70} python3 bench/bench_bwd.py --d 64,128 \
-      --seqlens 2048,4096,8192,16384 --impls flashgen,sdpa_flash,sdpa_cudnn --direct --reps 10 \
+    timeout ${BWD_TIMEOUT:-70} python3 bench/bench_bwd.py --d 64,128 \
+      --seqlens 2048,4096,8192,16384 --impls flashgen,sdpa_cudnn --direct --reps 10 \
       --out "$W/bwd_${side}_$r.json" > "$W/bwd_${side}_$r.log" 2>&1
     echo "$side round $r rc=$?"
   done
