@@ -80,7 +80,8 @@ def main(argv=None):
         row = result["cases"][case.key] = {"regime": regime, "kv_bytes": case.nbytes}
         for name, ts in interleaved(fns, case.copies, rounds=args.rounds).items():
             row[name] = {"error": ts} if isinstance(ts, str) else {**summary(ts, case.nbytes), **facts[name]}
-            if "us" in row[name] and "us" in row.get("cudnn", {"us": None}) and name != "cudnn":
+        for name in fns:
+            if name != "cudnn" and "us" in row[name] and "us" in row["cudnn"]:
                 row[name]["x_cudnn"] = row["cudnn"]["us"] / row[name]["us"]
         print(f"{case.key:<26} [{regime:<4}] cudnn {row['cudnn'].get('tbps', float('nan')):.3f} | " + "  ".join(
             f"{n} {row[n].get('tbps', float('nan')):.3f} ({row[n].get('x_cudnn', float('nan')):.3f}x"
