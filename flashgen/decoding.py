@@ -31,26 +31,24 @@ ROWS = 16                 # packed query rows per CTA (one m16n8k16 tile)
 # Per head-dim tile: (block_n, warps, stages, load hint) in order of preference; the first whose
 # shared memory fits the device's per-block budget is used. The load hint is KernelSpec.hint
 # (families.LOAD_HINTS; a bulk hint, 4 or 5, runs as its cp.async stand-in off sm_90a:
-# families.load_hint_for). d=128 is measured (bench/results/decode/round2/, bench/NOTES.md "dec3"):
-# n64 w4 s3 with the evict_first hint (100 KB: 2 CTAs per H200 SM) is the best or within 0.5 % of
-# the best tile wherever a few to a few dozen CTAs per KV head run (b8: 3.31/4.32/4.48 TB/s at
-# L=4k/32k/128k). The other head dims keep the first rule's tiles (not measured).
+# families.load_hint_for). d=128 is measured on the H200 (bench/NOTES.md "Session 6: decode"):
+# n128 w4 s2 with the evict_first hint (135 KB: one CTA per SM, 64 KB of K/V in flight) was the best or
+# within noise of the best of 10 tiles on every case in two interleaved A/Bs with cuDNN
+# (bench/ab_decode.py: b1/hk32 1.006x/1.005x cuDNN at L=32k/128k, b8/hk8/L128k 1.009x, b32 1.011-1.026x),
+# where the earlier per-case tiles (n64 w4 s3 h2, two per SM; n64 w4 s2, three per SM) stayed at
+# 0.989-0.998x on three of them. The other head dims keep the first rule's tiles (not measured).
 DEFAULT_DECODE_TILES = {
     32: ((64, 2, 4, 0), (32, 2, 2, 0)),
     64: ((64, 4, 4, 0), (32, 2, 2, 0)),
-    128: ((64, 4, 3, 2), (64, 4, 2, 0), (32, 2, 4, 0), (32, 2, 2, 0)),
+    128: ((128, 4, 2, 2), (64, 4, 3, 2), (64, 4, 2, 0), (32, 2, 4, 0), (32, 2, 2, 0)),
     256: ((32, 2, 3, 0), (32, 2, 2, 0)),
 }
-# Per-case tiles tried before DEFAULT_DECODE_TILES[d] (decode_regime picks the case):
-#  "few":  so few (batch x KV head x m-block) groups that a 2-CTA/SM tile would need more than
-#          MERGE_SPLITS splits to fill the GPU (b1 hk8): one 135 KB CTA per SM, block_n 128, and
-#          half the splits. H200 b1/hk8: 4.05 TB/s at L=128k (n64 w4 s3: 3.95-4.00 at 33 splits),
-#          3.18 at 32k (2.99-3.04), 0.54 at 4k (0.52-0.54).
-#  "full": the groups alone fill every SM (b32 hk8): no split, and the 68 KB tile (3 CTAs per SM)
-#          hides the most latency: 4.25/4.51/4.58 TB/s at L=4k/32k/128k, the best of 14 tiles.
-DECODE_TILES_BY_REGIME = {
-    128: {"few": ((128, 4, 2, 0),), "full": ((64, 4, 2, 0),)},
-}
+# Per-case tiles tried before DEFAULT_DECODE_TILES[d] (decode_regime picks the case): "few" (so few
+# batch x KV head x m-block groups that a 2-CTA/SM tile would need more than MERGE_SPLITS splits to
+# fill the GPU), "some", "full" (the groups alone give every SM a CTA). Sessions 2-5 shipped three d=128
+# tiles here (n128 w4 s2 / n64 w4 s3 h2 / n64 w4 s2); session 6's A/B found one tile best in all three,
+# so none is listed now: the mechanism stays for head dims or GPUs whose measurements differ by case.
+DECODE_TILES_BY_REGIME: dict = {}
 REGIMES = ("few", "some", "full")
 # More splits than this only where one CTA per SM needs them (num_splits_heuristic): each split adds
 # a partial (fp32 O + LSE) to write and merge, and the merge is the kernel's tail.

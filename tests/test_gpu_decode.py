@@ -20,6 +20,7 @@ pytestmark = [
 ]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+from flashgen.decoding import DECODE_TILES_BY_REGIME, DEFAULT_DECODE_TILES  # noqa: E402
 
 
 def make_case(b, nq, L, d, hq, hk, page, with_new, dtype, lens=None, device="cuda"):
@@ -178,23 +179,32 @@ def test_matches_reference(b, nq, L, d, hq, hk, page, with_new, dtype):
     check_case(b, nq, L, d, hq, hk, page, with_new, dtype)
 
 
-@pytest.mark.parametrize("regime", ["few", "some", "full"])
-def test_every_default_tile(regime):
-    """Each per-case d=128 tile of the default rule (flashgen.decoding.DECODE_TILES_BY_REGIME), forced on
-    cases it would not get by default: paged (page 16: 8 pages per 128-key block; page 64; page 256),
-    ragged with appends, split (default, 7, and past the blocks) and not; and a contiguous cache."""
-    from flashgen import decoding
+D128_TILES = [*DEFAULT_DECODE_TILES[128], *(t for r in DECODE_TILES_BY_REGIME.get(128, {}).values() for t in r)]
+
+
+@pytest.mark.parametrize("tile", D128_TILES, ids=[f"n{t[0]}_w{t[1]}_s{t[2]}_h{t[3]}" for t in D128_TILES])
+def test_every_default_tile(tile):
+    """Each d=128 tile the default rule can pick (flashgen.decoding.DEFAULT_DECODE_TILES[128] in order of
+    preference, which shared-memory budget falls back to which, and any per-case DECODE_TILES_BY_REGIME
+    tile), forced: paged (page 16: 8 pages per 128-key block; page 64; page 256), ragged with appends,
+    split (default, 7, and past the blocks) and not; and a contiguous cache."""
     from flashgen.api import _Device
+    from flashgen.families import load_hint_for
+    from flashgen.spec import KernelSpec
 
     dev = _Device.of(torch.cuda.current_device())
-    spec = decoding.default_split_spec(dev.arch, "bf16", 128, dev.smem_budget, regime)
+    bn, w, st, hint = tile
+    spec = KernelSpec(kind="decode_split", arch=dev.arch, dtype="bf16", head_dim=128, block_m=16, block_n=bn,
+                      warps=w, stages=st, hint=load_hint_for(dev.arch, hint), causal=True).validate()
+    if spec.smem_bytes() > dev.smem_budget:
+        pytest.skip(f"{spec.name} needs {spec.smem_bytes()} B of shared memory (this device: {dev.smem_budget})")
     check_case(3, 1, 3000, 128, 32, 8, 16, True, "bf16", num_splits_list=(None, 7, 1), spec=spec)
     check_case(2, 3, 5000, 128, 8, 2, 64, True, "bf16", num_splits_list=(None, 50), spec=spec)
     check_case(3, 1, 2100, 128, 4, 4, 256, False, "bf16", num_splits_list=(None, 3), spec=spec)
     check_case(2, 2, 1500, 128, 8, 8, None, True, "bf16", num_splits_list=(None, 1), spec=spec)
 
 
-BULK_TILES = [(128, 4, 2), (64, 4, 3), (64, 4, 2)]  # the per-case default tiles (few / some / full)
+BULK_TILES = [(128, 4, 2), (64, 4, 3), (64, 4, 2)]  # the d=128 default tiles of sessions 2-5 (bulk: opt-in)
 
 
 @pytest.mark.parametrize("hint", [4, 5], ids=["h4_bulk", "h5_bulk_evict_first"])
