@@ -151,6 +151,13 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   int m0 = m_block * BM;
   const int diag = p.nk - p.nq;  // bottom-right alignment: query i sees keys j <= i + diag
   int n_blocks = blocks_of(m0);
+  // PERSIST: the same four for each next tile the CTA takes (`tile` set first).
+  auto take_tile = [&]() {
+    tile_coords(tile, m_block, hq, b);
+    hk = hq / p.group;
+    m0 = m_block * BM;
+    n_blocks = blocks_of(m0);
+  };
 
   if (tid == 0) {
     tma_prefetch_map(&p.tm_q);
@@ -220,12 +227,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
         for (int w = 0; w < NWG; ++w) mbar_arrive(bar_qf((qi * NWG + w) % QP));  // (release: slot written first)
         break;
       }
-      if (qi > 0) {
-        tile_coords(tile, m_block, hq, b);
-        hk = hq / p.group;
-        m0 = m_block * BM;
-        n_blocks = blocks_of(m0);
-      }
+      if (qi > 0) take_tile();
       // No spare piece: this tile's first K/V stages go out before waiting for the last epilogue to free Q.
       const int q_after = (QP == NWG && qi > 0) ? min(ST, n_blocks) : 0;
       for (int j = 0; j <= n_blocks; ++j) {
@@ -302,12 +304,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
       }
       break;
     }
-    if (qi > 0) {
-      tile_coords(tile, m_block, hq, b);
-      hk = hq / p.group;
-      m0 = m_block * BM;
-      n_blocks = blocks_of(m0);
-    }
+    if (qi > 0) take_tile();
   }
   const fg_u32 sQw = sQ + qp * QW_BYTES;  // this warpgroup's Q rows
   // The CTA's loop runs n_blocks K/V blocks (every stage's barriers go through all of them); this
