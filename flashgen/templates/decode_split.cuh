@@ -48,6 +48,26 @@
 
 typedef unsigned long long fg_u64;
 
+// Timeline probe for bench/decode_probe.py only: with FLASHGEN_PROBE defined (never in a shipped
+// build), thread 0 of each CTA stamps %globaltimer (ns) at a few points into fg_probe; otherwise
+// FG_PROBE expands to nothing and the kernel is unchanged.
+#ifdef FLASHGEN_PROBE
+#define FG_PROBE_SLOTS 8
+#define FG_PROBE_CTAS 8192
+__device__ unsigned long long fg_probe[FG_PROBE_CTAS * FG_PROBE_SLOTS];
+#define FG_PROBE(slot)                                                                               \
+  do {                                                                                               \
+    if (threadIdx.x == 0) {                                                                          \
+      unsigned long long t_;                                                                         \
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                                         \
+      const unsigned cta_ = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);          \
+      if (cta_ < FG_PROBE_CTAS) fg_probe[cta_ * FG_PROBE_SLOTS + (slot)] = t_;                       \
+    }                                                                                                \
+  } while (0)
+#else
+#define FG_PROBE(slot) do {} while (0)
+#endif
+
 
 // 16-byte global->shared copy (src_bytes = 0: zeros, nothing read) in the
 // flavour HINT selects (see the top of this file); `policy` is used by 2 and 3.
@@ -123,6 +143,7 @@ FG_DEVICE void decode_split_body(const Params& p) {
   // Bulk loader: the full barriers of (K or V, stage, warp), after the rings (never used as scratch).
   const fg_u32 sBar = sV + ST * BN * KV_ROW;
 
+  FG_PROBE(0);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const int split = blockIdx.x % p.num_splits, mb = blockIdx.x / p.num_splits;
@@ -153,6 +174,7 @@ FG_DEVICE void decode_split_body(const Params& p) {
   const int n_end = min(kv_end, split_end);
   const int n_blocks = n_end > n_begin ? ceil_div(n_end - n_begin, BN) : 0;
   const int fast_end = min(n_end, len_cache);  // a block ending at or before this is whole and cached
+  FG_PROBE(1);  // (the seqlens load has returned)
 
   const bool paged = p.block_table != nullptr;
   const int page_mask = (1 << p.page_shift) - 1;
@@ -442,6 +464,9 @@ FG_DEVICE void decode_split_body(const Params& p) {
       __syncthreads();  // K_j visible to all; every warp is done with block j-1, whose stage is refilled next
       issue_block(j + ST - 1);
     }
+#ifdef FLASHGEN_PROBE
+    if (j == 0) FG_PROBE(2);  // the first K block has landed
+#endif
     const fg_u32 sKj = sK + stage * BN * KV_ROW + w_row * KV_ROW;
     const fg_u32 sVj = sV + stage * BN * KV_ROW + w_row * KV_ROW;
 
@@ -532,6 +557,7 @@ FG_DEVICE void decode_split_body(const Params& p) {
   }
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with the ring (and the Q copies have landed)
+  FG_PROBE(3);
 
   // ---- merge the warps: per row max, sum; each warp's O scaled into scratch ----
   // red: [NW][16] max, [NW][16] sum, [16] lse of this split (later the merged lse), [1] last-CTA flag
@@ -614,6 +640,7 @@ FG_DEVICE void decode_split_body(const Params& p) {
       p.lse_ws[split * p.total_rows + ws_row(r0 + tid)] = lse;
     }
   }
+  FG_PROBE(4);
   if (direct || p.counters == nullptr) return;
 
   // ---- fused combine: the last of the num_splits CTAs of this (batch, KV head, m-block) merges ----
@@ -626,6 +653,7 @@ FG_DEVICE void decode_split_body(const Params& p) {
     *last_flag = atomicAdd(ctr, 1) == p.num_splits - 1;
   }
   __syncthreads();
+  FG_PROBE(5);
   if (!*last_flag) return;
   __threadfence();  // the other CTAs' partials, seen through their tickets
   // Each thread merges one (row, 4 columns) item over every split, CH = 16 splits at a time: the
@@ -680,4 +708,5 @@ FG_DEVICE void decode_split_body(const Params& p) {
     if (c4 == 0) store_lse(r, sum > 0.f ? m + logf(sum) : -INFINITY);
   }
   if (tid == 0) *ctr = 0;  // ready for the next launch (launches on one stream never overlap)
+  FG_PROBE(6);
 }

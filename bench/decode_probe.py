@@ -1,0 +1,175 @@
+"""Where does a memory-bound decode call's time go? (issue 4; needs the GPU)
+
+    python3 bench/decode_probe.py stream  OUT.json   # a plain streaming read: fixed cost and rate by size
+    python3 bench/decode_probe.py sweep   OUT.json   # flashgen and cuDNN decode by cache length
+    python3 bench/decode_probe.py timeline OUT.json  # per-CTA %globaltimer stamps inside the decode kernel
+
+Timing is bench_decode's: CUDA events around each call, calls back to back. ``sweep`` fits
+time = F + bytes / R over the lengths of one (batch, heads) shape, so F is the fixed cost per call
+that the bandwidth column hides. ``timeline`` compiles the decode kernel with FLASHGEN_PROBE defined
+(the stamps of decode_split.cuh; a different source, so a different cache entry) and reports, relative
+to the first CTA's start: CTA starts, the seqlens load, the first K block, the end of the block loop,
+the partial stores and the merge, as min / median / max over the CTAs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+SLOTS = ("start", "seqlens", "first_k", "loop_end", "stored", "ticket", "merged")
+
+_STREAM_SRC = r"""
+extern "C" __global__ void stream_read(const uint4* __restrict__ p, long long n, uint4* out) {
+  uint4 acc = make_uint4(0, 0, 0, 0);
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    uint4 a = __ldcs(p + i), b = __ldcs(p + i + stride), c = __ldcs(p + i + 2 * stride), d = __ldcs(p + i + 3 * stride);
+    acc.x ^= a.x ^ b.x ^ c.x ^ d.x; acc.y ^= a.y ^ b.y ^ c.y ^ d.y;
+    acc.z ^= a.z ^ b.z ^ c.z ^ d.z; acc.w ^= a.w ^ b.w ^ c.w ^ d.w;
+  }
+  for (; i < n; i += stride) { uint4 a = __ldcs(p + i); acc.x ^= a.x; acc.y ^= a.y; acc.z ^= a.z; acc.w ^= a.w; }
+  if ((acc.x & acc.y & acc.z & acc.w) == 0xffffffffu) out[0] = acc;  // never in practice; keeps the loads
+}
+"""
+
+
+def fit(points):
+    """(F µs, R TB/s) of time = F + bytes / R, least squares over (bytes, µs) points."""
+    xs, ys = [b / 1e6 for b, _ in points], [t for _, t in points]  # MB, µs: slope in µs per MB
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - slope * mx, 1.0 / slope  # MB/µs = TB/s
+
+
+def stream():
+    import cupy
+    import torch
+    from flashgen.bench.timing import time_ms
+
+    kern = cupy.RawKernel(_STREAM_SRC, "stream_read")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    buf = torch.randn(8 * 2**30 // 2, dtype=torch.bfloat16, device="cuda")
+    out = torch.zeros(4, dtype=torch.int32, device="cuda")
+    rows = []
+    for ctas_per_sm in (1, 2, 4):
+        pts = []
+        for mb in (256, 512, 1024, 2048, 4096, 8192):
+            n = mb * 2**20 // 16
+            grid = (sms * ctas_per_sm,)
+            ptr = buf.data_ptr()
+            arr = cupy.ndarray((n * 4,), dtype=cupy.uint32, memptr=cupy.cuda.MemoryPointer(
+                cupy.cuda.UnownedMemory(ptr, n * 16, buf), 0))
+            o = cupy.ndarray((4,), dtype=cupy.uint32, memptr=cupy.cuda.MemoryPointer(
+                cupy.cuda.UnownedMemory(out.data_ptr(), 16, out), 0))
+            with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+                def call():
+                    kern(grid, (512,), (arr, cupy.int64(n), o))
+                us = time_ms(call, min_reps=20, max_reps=20, warmup=3)["ms"] * 1e3
+            pts.append((mb * 2**20, us))
+            rows.append({"ctas_per_sm": ctas_per_sm, "mb": mb, "us": us, "tbps": mb * 2**20 / us / 1e6})
+            print(json.dumps(rows[-1]), flush=True)
+        f, r = fit(pts)
+        rows.append({"ctas_per_sm": ctas_per_sm, "fit_F_us": f, "fit_R_tbps": r})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+SWEEP = ((1, 32, 32, (16384, 32768, 65536, 131072)), (32, 32, 8, (4096, 8192, 16384, 32768)),
+         (8, 32, 8, (16384, 32768, 65536)))
+
+
+def sweep():
+    import bench_decode
+
+    rows, fits = [], []
+    for b, hq, hk, lens in SWEEP:
+        pts = {"flashgen": [], "sdpa_cudnn": []}
+        for L in lens:
+            row = bench_decode.bench_case(b, hq, hk, L, rounds=3)
+            rows.append(row)
+            for k in pts:
+                if "us" in row.get(k, {}):
+                    pts[k].append((row["kv_bytes"], row[k]["us"]))
+        for k, p in pts.items():
+            if len(p) >= 2:
+                f, r = fit(p)
+                fits.append({"batch": b, "heads_q": hq, "heads_kv": hk, "impl": k, "F_us": f, "R_tbps": r})
+                print(json.dumps(fits[-1]), flush=True)
+    return {"rows": rows, "fits": fits}
+
+
+TIMELINE = ((1, 32, 32, 32768), (1, 32, 32, 131072), (1, 32, 8, 131072), (8, 32, 8, 32768), (32, 32, 8, 4096))
+
+
+def timeline():
+    import cupy
+    import numpy as np
+    import torch
+
+    import flashgen
+    import flashgen.codegen as codegen
+    from flashgen import decode_api
+    from flashgen.bench.timing import time_ms
+
+    plain = codegen.render
+
+    def probe_render(spec):
+        src = plain(spec)
+        return "#define FLASHGEN_PROBE 1\n" + src if spec.kind == "decode_split" else src
+
+    codegen.render = probe_render  # build() renders through the package attribute
+    out = []
+    for b, hq, hk, L in TIMELINE:
+        q = torch.randn(b, 1, hq, 128, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(b, hk, L, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        v = torch.randn(b, hk, L, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        lens = torch.full((b,), L, dtype=torch.int32, device="cuda")
+
+        def call():
+            return flashgen.decode(q, k, v, lens, check_values=False)
+
+        call()
+        plan = next(p for p in reversed(list(decode_api._plans.values())) if p.kernel is not None)
+        us = time_ms(call, min_reps=20, max_reps=20, warmup=3)["ms"] * 1e3
+        torch.cuda.synchronize()
+        call()
+        torch.cuda.synchronize()
+        ptr = plan.kernel._module.get_global("fg_probe")  # (only the probe build has the symbol)
+        n_cta = plan.grid[0] * plan.grid[1] * plan.grid[2]
+        raw = cupy.ndarray((8192 * 8,), dtype=cupy.uint64, memptr=ptr).get().reshape(8192, 8)[:n_cta, :len(SLOTS)]
+        raw = raw.astype(np.int64)
+        t0 = raw[:, 0].min()
+        rel = (raw - t0) / 1e3  # µs
+        stats = {}
+        for i, name in enumerate(SLOTS):
+            col = raw[:, i]
+            have = col >= t0  # a slot this launch's CTA never reached keeps an older launch's stamp (or 0)
+            vals = rel[have, i]
+            if len(vals):
+                stats[name] = {"min": float(vals.min()), "med": float(np.median(vals)), "max": float(vals.max()),
+                               "n": int(len(vals))}
+        row = {"batch": b, "heads_q": hq, "heads_kv": hk, "L": L, "splits": plan.splits, "ctas": n_cta,
+               "spec": plan.spec.name, "event_us": us, "kv_bytes": 2 * b * L * hk * 128 * 2, "stamps_us": stats}
+        out.append(row)
+        print(json.dumps(row), flush=True)
+        del q, k, v
+        torch.cuda.empty_cache()
+    return out
+
+
+def main(argv):
+    what, path = argv[1], argv[2] if len(argv) > 2 else None
+    from flashgen.bench.timing import meta, write_json
+
+    result = {"meta": meta(), what: {"stream": stream, "sweep": sweep, "timeline": timeline}[what]()}
+    write_json(path, result)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
