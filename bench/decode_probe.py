@@ -137,27 +137,41 @@ def timeline():
         call()
         plan = next(p for p in reversed(list(decode_api._plans.values())) if p.kernel is not None)
         us = time_ms(call, min_reps=20, max_reps=20, warmup=3)["ms"] * 1e3
-        torch.cuda.synchronize()
-        call()
-        torch.cuda.synchronize()
-        ptr = plan.kernel._module.get_global("fg_probe")  # (only the probe build has the symbol)
+        ptr = plan.kernel._module.get_global_var("fg_probe")  # (only the probe build has the symbol)
         n_cta = plan.grid[0] * plan.grid[1] * plan.grid[2]
-        raw = cupy.ndarray((8192 * 8,), dtype=cupy.uint64, memptr=ptr).get().reshape(8192, 8)[:n_cta, :len(SLOTS)]
-        raw = raw.astype(np.int64)
-        t0 = raw[:, 0].min()
-        rel = (raw - t0) / 1e3  # µs
-        stats = {}
-        for i, name in enumerate(SLOTS):
-            col = raw[:, i]
-            have = col >= t0  # a slot this launch's CTA never reached keeps an older launch's stamp (or 0)
-            vals = rel[have, i]
-            if len(vals):
-                stats[name] = {"min": float(vals.min()), "med": float(np.median(vals)), "max": float(vals.max()),
-                               "n": int(len(vals))}
+        launches = []
+        for _ in range(3):  # launches right behind a busy one (as in the timing loop), read one by one
+            call()
+            call()
+            torch.cuda.synchronize()
+            raw = cupy.ndarray((8192 * 8,), dtype=cupy.uint64, memptr=ptr).get().reshape(8192, 8)[:n_cta]
+            launches.append(raw.astype(np.int64))
         row = {"batch": b, "heads_q": hq, "heads_kv": hk, "L": L, "splits": plan.splits, "ctas": n_cta,
-               "spec": plan.spec.name, "event_us": us, "kv_bytes": 2 * b * L * hk * 128 * 2, "stamps_us": stats}
+               "spec": plan.spec.name, "event_us": us, "kv_bytes": 2 * b * L * hk * 128 * 2, "launches": []}
+        ends = []
+        for raw in launches:
+            t0 = raw[:, 0].min()
+            rel = (raw[:, :len(SLOTS)] - t0) / 1e3  # µs
+            stats = {}
+            for i, name in enumerate(SLOTS):
+                have = raw[:, i] >= t0  # a slot this launch's CTA never reached keeps an older stamp (or 0)
+                vals = rel[have, i]
+                if len(vals):
+                    stats[name] = {"min": round(float(vals.min()), 3), "med": round(float(np.median(vals)), 3),
+                                   "max": round(float(vals.max()), 3), "n": int(len(vals))}
+            ends.append(rel[:, 3] - rel[:, 2])  # block-loop time of each CTA
+            row["launches"].append(stats)
+        # Are the slow CTAs the same ones every launch, and is it the SM? (rank correlation of loop times)
+        rk = [np.argsort(np.argsort(e)) for e in ends]
+        row["loop_rank_corr_01"] = float(np.corrcoef(rk[0], rk[1])[0, 1])
+        row["loop_rank_corr_12"] = float(np.corrcoef(rk[1], rk[2])[0, 1])
+        sm = launches[-1][:, 7]
+        row["same_sm_01"] = float(np.mean(launches[0][:, 7] == launches[1][:, 7]))
+        loop = ends[-1]
+        row["loop_us_by_cta"] = [round(float(x), 2) for x in loop]
+        row["sm_by_cta"] = [int(x) for x in sm]
         out.append(row)
-        print(json.dumps(row), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("loop_us_by_cta", "sm_by_cta")}), flush=True)
         del q, k, v
         torch.cuda.empty_cache()
     return out

@@ -144,6 +144,14 @@ FG_DEVICE void decode_split_body(const Params& p) {
   const fg_u32 sBar = sV + ST * BN * KV_ROW;
 
   FG_PROBE(0);
+#ifdef FLASHGEN_PROBE
+  if (threadIdx.x == 0) {  // slot 7: the SM this CTA runs on
+    unsigned smid_;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid_));
+    const unsigned cta_ = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    if (cta_ < FG_PROBE_CTAS) fg_probe[cta_ * FG_PROBE_SLOTS + 7] = smid_;
+  }
+#endif
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const int split = blockIdx.x % p.num_splits, mb = blockIdx.x / p.num_splits;
