@@ -137,14 +137,15 @@ def timeline():
         call()
         plan = next(p for p in reversed(list(decode_api._plans.values())) if p.kernel is not None)
         us = time_ms(call, min_reps=20, max_reps=20, warmup=3)["ms"] * 1e3
-        ptr = plan.kernel._module.get_global_var("fg_probe")  # (only the probe build has the symbol)
+        ptr = plan.kernel._module.get_global_var("fg_probe")  # an address (only the probe build has the symbol)
         n_cta = plan.grid[0] * plan.grid[1] * plan.grid[2]
         launches = []
         for _ in range(3):  # launches right behind a busy one (as in the timing loop), read one by one
             call()
             call()
             torch.cuda.synchronize()
-            raw = cupy.ndarray((8192 * 8,), dtype=cupy.uint64, memptr=ptr).get().reshape(8192, 8)[:n_cta]
+            mem = cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(ptr, 8192 * 8 * 8, plan.kernel), 0)
+            raw = cupy.ndarray((8192 * 8,), dtype=cupy.uint64, memptr=mem).get().reshape(8192, 8)[:n_cta]
             launches.append(raw.astype(np.int64))
         row = {"batch": b, "heads_q": hq, "heads_kv": hk, "L": L, "splits": plan.splits, "ctas": n_cta,
                "spec": plan.spec.name, "event_us": us, "kv_bytes": 2 * b * L * hk * 128 * 2, "launches": []}
