@@ -3,6 +3,7 @@
     python3 bench/decode_probe.py stream  OUT.json   # a plain streaming read: fixed cost and rate by size
     python3 bench/decode_probe.py sweep   OUT.json   # flashgen and cuDNN decode by cache length
     python3 bench/decode_probe.py timeline OUT.json  # per-CTA %globaltimer stamps inside the decode kernel
+    python3 bench/decode_probe.py timeline_dyn OUT.json  # the same, the default tile with KernelSpec.dynamic
 
 Timing is bench_decode's: CUDA events around each call, calls back to back. ``sweep`` fits
 time = F + bytes / R over the lengths of one (batch, heads) shape, so F is the fixed cost per call
@@ -107,7 +108,7 @@ def sweep():
 TIMELINE = ((1, 32, 32, 32768), (1, 32, 32, 131072), (1, 32, 8, 131072), (8, 32, 8, 32768), (32, 32, 8, 4096))
 
 
-def timeline():
+def timeline(dynamic=False):
     import cupy
     import numpy as np
     import torch
@@ -131,8 +132,14 @@ def timeline():
         v = torch.randn(b, hk, L, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
         lens = torch.full((b,), L, dtype=torch.int32, device="cuda")
 
+        spec = None
+        if dynamic:  # the default tile with KernelSpec.dynamic
+            flashgen.decode(q, k, v, lens, check_values=False)
+            plain_plan = next(p for p in reversed(list(decode_api._plans.values())) if p.kernel is not None)
+            spec = plain_plan.spec.replace(dynamic=True).validate()
+
         def call():
-            return flashgen.decode(q, k, v, lens, check_values=False)
+            return flashgen.decode(q, k, v, lens, check_values=False, spec=spec)
 
         call()
         plan = next(p for p in reversed(list(decode_api._plans.values())) if p.kernel is not None)
@@ -182,7 +189,8 @@ def main(argv):
     what, path = argv[1], argv[2] if len(argv) > 2 else None
     from flashgen.bench.timing import meta, write_json
 
-    result = {"meta": meta(), what: {"stream": stream, "sweep": sweep, "timeline": timeline}[what]()}
+    runs = {"stream": stream, "sweep": sweep, "timeline": timeline, "timeline_dyn": lambda: timeline(True)}
+    result = {"meta": meta(), what: runs[what]()}
     write_json(path, result)
 
 

@@ -237,6 +237,75 @@ def test_bulk_loader(tile, hint):
     check_case(2, 1, 339, 128, 8, 2, 16, False, "bf16", num_splits_list=(37,), spec=spec())
 
 
+DYN_TILES = [(128, 4, 2, 2), (64, 4, 3, 2), (32, 2, 4, 0)]
+
+
+@pytest.mark.parametrize("tile", DYN_TILES, ids=[f"n{t[0]}_w{t[1]}_s{t[2]}_h{t[3]}" for t in DYN_TILES])
+def test_dynamic_block_order(tile):
+    """KernelSpec.dynamic (each m-block's CTAs take its key blocks from a shared counter), forced: the
+    bulk test's cases (paged 16/64/256 and contiguous, ragged with empty sequences, appends, split and
+    not, splits past the blocks, many appended tokens, d=96, fp16); then back-to-back calls without a
+    sync and a graph replay, with every ticket and block counter back at 0 afterwards."""
+    import flashgen
+    from flashgen import decode_api
+    from flashgen.api import _Device
+    from flashgen.families import load_hint_for
+    from flashgen.spec import KernelSpec
+
+    dev = _Device.of(torch.cuda.current_device())
+    bn, w, st, hint = tile
+
+    def spec(dtype="bf16"):
+        return KernelSpec(kind="decode_split", arch=dev.arch, dtype=dtype, head_dim=128, block_m=16, block_n=bn,
+                          warps=w, stages=st, hint=load_hint_for(dev.arch, hint), causal=True,
+                          dynamic=True).validate()
+
+    check_case(3, 1, 3000, 128, 32, 8, 16, True, "bf16", num_splits_list=(None, 7, 1), spec=spec())
+    check_case(2, 3, 5000, 128, 8, 2, 64, True, "bf16", num_splits_list=(None, 50), spec=spec())
+    check_case(3, 1, 2100, 128, 4, 4, 256, False, "bf16", num_splits_list=(None, 3, 2), spec=spec())
+    check_case(2, 2, 1500, 128, 8, 8, None, True, "bf16", num_splits_list=(None, 1, 4), spec=spec())
+    check_case(2, 64, 700, 128, 4, 1, None, True, "bf16", num_splits_list=(None, 1, 5), spec=spec())
+    check_case(2, 2, 500, 96, 4, 2, 32, True, "bf16", num_splits_list=(None, 1), spec=spec())
+    check_case(3, 1, 1000, 128, 8, 2, None, False, "fp16", num_splits_list=(None, 40), spec=spec("fp16"))
+    check_case(2, 1, 339, 128, 8, 2, 16, False, "bf16", num_splits_list=(37,), spec=spec())
+    check_case(1, 1, 131072, 128, 32, 8, None, False, "bf16", num_splits_list=(None, 16), spec=spec())
+
+    cases = [make_case(2, 1, 40000, 128, 32, 8, 64, False, torch.bfloat16) for _ in range(3)]
+    outs = [flashgen.decode(c["q"], c["k_cache"], c["v_cache"], c["cache_seqlens"], c["block_table"],
+                            num_splits=6, check_values=False, spec=spec()) for c in cases + cases[::-1]]
+    torch.cuda.synchronize()
+    for c, out in zip(cases + cases[::-1], outs):
+        ref, _ = reference(c, 1 / math.sqrt(128))
+        low, _ = reference(c, 1 / math.sqrt(128), torch.bfloat16)
+        assert (out.float() - ref).abs().max().item() <= 2 * (low - ref).abs().max().item() + 1e-5
+
+    case = make_case(3, 1, 6000, 128, 32, 8, 64, True, torch.bfloat16, lens=[6000, 2500, 0])
+    args = (case["q"], case["k_cache"], case["v_cache"], case["cache_seqlens"], case["block_table"],
+            case["k_new"], case["v_new"])
+    flashgen.decode(*args, num_splits=9, return_lse=True, spec=spec())
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(g):
+            static_out, static_lse = flashgen.decode(*args, num_splits=9, return_lse=True, spec=spec())
+    torch.cuda.current_stream().wait_stream(stream)
+    for step in range(3):
+        case["q"].copy_(torch.randn_like(case["q"]))
+        case["cache_seqlens"].copy_(torch.tensor([5999 - 100 * step, 2500 + step, step], dtype=torch.int32))
+        g.replay()
+        torch.cuda.synchronize()
+        expect, expect_lse = flashgen.decode(*args, num_splits=9, return_lse=True, spec=spec())
+        torch.cuda.synchronize()
+        # Not bitwise: which CTA sums which blocks changes from launch to launch (a last-bit difference).
+        assert torch.allclose(static_out.float(), expect.float(), rtol=2 ** -7, atol=2 ** -10)
+        assert torch.allclose(static_lse, expect_lse, rtol=0, atol=1e-4)
+        assert torch.isfinite(static_out.float()).all()
+    for _, counters in decode_api._workspaces.values():
+        assert int(counters.abs().sum()) == 0, "a ticket or block counter was left non-zero"
+
+
 def test_many_empty_splits():
     """num_splits far past the key blocks: most splits are empty (LSE -inf) and the combine ignores them."""
     check_case(2, 1, 339, 128, 8, 2, None, False, "bf16", num_splits_list=(37, 300))
