@@ -185,7 +185,22 @@ def timeline(dynamic=False):
     return out
 
 
+def variant(v, cands, out):
+    """bench/ab_decode.py on ``cands`` with the decode_split source prefixed by FG_DYN_VARIANT=v (a
+    session-7 experiment on the dynamic block order's cost)."""
+    import ab_decode
+
+    import flashgen.codegen as codegen
+
+    plain = codegen.render
+    codegen.render = lambda spec: (f"#define FG_DYN_VARIANT {v}\n" + plain(spec)) if spec.kind == "decode_split" \
+        else plain(spec)
+    ab_decode.main(["--cands", cands, "--rounds", "3", "--out", out])
+
+
 def main(argv):
+    if argv[1] == "variant":
+        return variant(int(argv[2]), argv[3], argv[4])
     what, path = argv[1], argv[2] if len(argv) > 2 else None
     from flashgen.bench.timing import meta, write_json
 

@@ -204,9 +204,13 @@ FG_DEVICE void decode_split_body(const Params& p) {
   // The key block (in units of BN) of this CTA's j-th block: static, the split's range in order; dyn,
   // split + j S for the first LA, then what thread 0 took from the counter (in the ring). A CTA's
   // blocks only grow, so its sequence ends at the first one >= n_blocks.
-  constexpr int LA = ST + 2;
+#ifndef FG_DYN_VARIANT
+#define FG_DYN_VARIANT 0
+#endif
+  constexpr int LA = FG_DYN_VARIANT == 2 ? ST + NW + 1 : ST + 2;
   auto blk = [&](int j) -> int {
     if (!dyn) return n_begin / BN + j;  // (only asked for j < n_blocks)
+    if (FG_DYN_VARIANT == 1) return split + j * p.num_splits;
     return j < LA ? split + j * p.num_splits : s_blk[j % DYN_RING];
   };
   auto have = [&](int j) -> bool { return dyn ? blk(j) < n_blocks : j < n_blocks; };
@@ -214,6 +218,7 @@ FG_DEVICE void decode_split_body(const Params& p) {
                                   (static_cast<fg_i64>(b) * gridDim.y + hk) * (gridDim.x / p.num_splits) + mb
                             : nullptr;
   int pending = dyn ? split + (LA - 1) * p.num_splits : 0;  // thread 0: the newest block taken
+  if (FG_DYN_VARIANT == 2) pending = dyn ? split + (warp - NW + LA) * p.num_splits : 0;
   const int fast_end = min(n_end, len_cache);  // a block ending at or before this is whole and cached
   FG_PROBE(1);  // (the seqlens load has returned)
 
@@ -604,7 +609,11 @@ FG_DEVICE void decode_split_body(const Params& p) {
         mma_16816<BF16>(acc_o[2 * dj2 + 1], a, bfrag[2], bfrag[3]);
       }
     }
-    if (dyn && tid == 0) {
+    if (FG_DYN_VARIANT == 2 && dyn && lane == 0 && warp == j % NW) {
+      s_blk[(j - NW + LA) % DYN_RING] = pending;
+      if (pending < n_blocks) pending = LA * p.num_splits + atomicAdd(grab_ctr, 1);
+    }
+    if (FG_DYN_VARIANT == 0 && dyn && tid == 0) {
       // Publish blk(j + LA - 1), taken an iteration ago (its first reader, fetch_pages at iteration j + 1,
       // comes after that iteration's first barrier), and take blk(j + LA); none past the end.
       s_blk[(j + LA - 1) % DYN_RING] = pending;
