@@ -210,7 +210,7 @@ FG_DEVICE void decode_split_body(const Params& p) {
   constexpr int LA = FG_DYN_VARIANT == 2 ? ST + NW + 1 : ST + 2;
   auto blk = [&](int j) -> int {
     if (!dyn) return n_begin / BN + j;  // (only asked for j < n_blocks)
-    if (FG_DYN_VARIANT == 1) return split + j * p.num_splits;
+    if (FG_DYN_VARIANT == 1 || FG_DYN_VARIANT == 3) return split + j * p.num_splits;
     return j < LA ? split + j * p.num_splits : s_blk[j % DYN_RING];
   };
   auto have = [&](int j) -> bool { return dyn ? blk(j) < n_blocks : j < n_blocks; };
@@ -613,7 +613,8 @@ FG_DEVICE void decode_split_body(const Params& p) {
       s_blk[(j - NW + LA) % DYN_RING] = pending;
       if (pending < n_blocks) pending = LA * p.num_splits + atomicAdd(grab_ctr, 1);
     }
-    if (FG_DYN_VARIANT == 0 && dyn && tid == 0) {
+    if (FG_DYN_VARIANT == 4 && dyn && tid == 0) s_blk[(j + LA) % DYN_RING] = split + (j + LA) * p.num_splits;
+    if ((FG_DYN_VARIANT == 0 || FG_DYN_VARIANT == 3) && dyn && tid == 0) {
       // Publish blk(j + LA - 1), taken an iteration ago (its first reader, fetch_pages at iteration j + 1,
       // comes after that iteration's first barrier), and take blk(j + LA); none past the end.
       s_blk[(j + LA - 1) % DYN_RING] = pending;
