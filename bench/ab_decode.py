@@ -2,8 +2,7 @@
 
     python3 bench/ab_decode.py --cands "default,n64w4s2h0@slots,n64w4s2h2@slots" [--rounds 7] [--out ab.json]
 
-A candidate is ``default`` (flashgen.decode's own choice) or ``n<block_n>w<warps>s<stages>h<hint>``, then
-``d`` for KernelSpec.dynamic (the CTAs of an m-block take its key blocks from a counter), with an
+A candidate is ``default`` (flashgen.decode's own choice) or ``n<block_n>w<warps>s<stages>h<hint>`` with an
 optional ``@<splits>``: a number, ``h`` (the split heuristic, also the default) or ``slots`` (one full wave
 of that tile's resident CTAs: SMs x CTAs per SM // (batch x KV heads), at least 1). Every forced tile is
 first checked against the fp32 reference (sweep_decode.check_spec: the 2x rule, paged + appends, split and
@@ -28,7 +27,7 @@ from flashgen import decoding  # noqa: E402
 from flashgen.api import _Device  # noqa: E402
 from flashgen.codegen import build  # noqa: E402
 
-_CAND = re.compile(r"^n(\d+)w(\d+)s(\d+)h(\d+)(d?)(?:@(\d+|h|slots))?$")
+_CAND = re.compile(r"^n(\d+)w(\d+)s(\d+)h(\d+)(?:@(\d+|h|slots))?$")
 
 
 def parse(cand, arch):
@@ -37,9 +36,8 @@ def parse(cand, arch):
         return None, "h"
     m = _CAND.match(cand)
     if not m:
-        raise SystemExit(f"bad candidate {cand!r}: default or n<bn>w<w>s<st>h<hint>[d][@N|@h|@slots]")
-    spec = spec_of(*(int(x) for x in m.groups()[:4]), arch)
-    return (spec.replace(dynamic=True).validate() if m.group(5) else spec), m.group(6) or "h"
+        raise SystemExit(f"bad candidate {cand!r}: default or n<bn>w<w>s<st>h<hint>[@N|@h|@slots]")
+    return spec_of(*(int(x) for x in m.groups()[:4]), arch), m.group(5) or "h"
 
 
 def splits_for(spec, word, b, hk, sms, smem_sm):

@@ -3,7 +3,7 @@
     python3 bench/decode_probe.py stream  OUT.json   # a plain streaming read: fixed cost and rate by size
     python3 bench/decode_probe.py sweep   OUT.json   # flashgen and cuDNN decode by cache length
     python3 bench/decode_probe.py timeline OUT.json  # per-CTA %globaltimer stamps inside the decode kernel
-    python3 bench/decode_probe.py timeline_dyn OUT.json  # the same, the default tile with KernelSpec.dynamic
+    python3 bench/decode_probe.py define MACRO CANDS OUT.json [ROUNDS]  # ab_decode, sources with #define MACRO
 
 Timing is bench_decode's: CUDA events around each call, calls back to back. ``sweep`` fits
 time = F + bytes / R over the lengths of one (batch, heads) shape, so F is the fixed cost per call
@@ -108,7 +108,7 @@ def sweep():
 TIMELINE = ((1, 32, 32, 32768), (1, 32, 32, 131072), (1, 32, 8, 131072), (8, 32, 8, 32768), (32, 32, 8, 4096))
 
 
-def timeline(dynamic=False):
+def timeline():
     import cupy
     import numpy as np
     import torch
@@ -132,14 +132,8 @@ def timeline(dynamic=False):
         v = torch.randn(b, hk, L, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
         lens = torch.full((b,), L, dtype=torch.int32, device="cuda")
 
-        spec = None
-        if dynamic:  # the default tile with KernelSpec.dynamic
-            flashgen.decode(q, k, v, lens, check_values=False)
-            plain_plan = next(p for p in reversed(list(decode_api._plans.values())) if p.kernel is not None)
-            spec = plain_plan.spec.replace(dynamic=True).validate()
-
         def call():
-            return flashgen.decode(q, k, v, lens, check_values=False, spec=spec)
+            return flashgen.decode(q, k, v, lens, check_values=False)
 
         call()
         plan = next(p for p in reversed(list(decode_api._plans.values())) if p.kernel is not None)
@@ -185,26 +179,27 @@ def timeline(dynamic=False):
     return out
 
 
-def variant(v, cands, out):
-    """bench/ab_decode.py on ``cands`` with the decode_split source prefixed by FG_DYN_VARIANT=v (a
-    session-7 experiment on the dynamic block order's cost)."""
+def define(macro, cands, out, rounds="3"):
+    """bench/ab_decode.py on ``cands`` with every decode_split source prefixed by ``#define MACRO``
+    (``NAME`` or ``NAME=VALUE``; a different source, so its own cache entry): one process per variant
+    of a template, compared through x cuDNN timed in the same rounds."""
     import ab_decode
 
     import flashgen.codegen as codegen
 
+    line = "#define " + macro.replace("=", " ", 1) + "\n" if macro else ""
     plain = codegen.render
-    codegen.render = lambda spec: (f"#define FG_DYN_VARIANT {v}\n" + plain(spec)) if spec.kind == "decode_split" \
-        else plain(spec)
-    ab_decode.main(["--cands", cands, "--rounds", "3", "--out", out])
+    codegen.render = lambda spec: line + plain(spec) if spec.kind == "decode_split" else plain(spec)
+    ab_decode.main(["--cands", cands, "--rounds", rounds, "--out", out])
 
 
 def main(argv):
-    if argv[1] == "variant":
-        return variant(int(argv[2]), argv[3], argv[4])
+    if argv[1] == "define":
+        return define(*argv[2:])
     what, path = argv[1], argv[2] if len(argv) > 2 else None
     from flashgen.bench.timing import meta, write_json
 
-    runs = {"stream": stream, "sweep": sweep, "timeline": timeline, "timeline_dyn": lambda: timeline(True)}
+    runs = {"stream": stream, "sweep": sweep, "timeline": timeline}
     result = {"meta": meta(), what: runs[what]()}
     write_json(path, result)
 

@@ -180,27 +180,6 @@ def split_range(length: int, num_splits: int, split: int, block_n: int) -> tuple
     return split * per * block_n, min(length, (split + 1) * per * block_n)
 
 
-def dynamic_block_orders(n_blocks: int, num_splits: int, stages: int, turns) -> list[list[int]]:
-    """Each CTA's blocks under KernelSpec.dynamic, as decode_split.cuh hands them out: CTA s first takes
-    s, s + S, ..., s + (LA - 1) S (LA = stages + 2, S = num_splits), then one block per counter grab,
-    LA S + (the counter's old value); it stops at its first block >= n_blocks. ``turns`` is the order in
-    which CTAs grab (an iterable of CTA indices, any interleaving; a stopped CTA's turn is skipped)."""
-    la = stages + 2
-    orders = [[s + j * num_splits for j in range(la)] for s in range(num_splits)]
-    counter = 0
-    for s in turns:
-        if orders[s][-1] >= n_blocks:
-            continue
-        orders[s].append(la * num_splits + counter)
-        counter += 1
-    out = []
-    for seq in orders:
-        if seq[-1] < n_blocks:
-            raise ValueError("turns ran out before every CTA reached the end")
-        out.append([blk for blk in seq if blk < n_blocks])
-    return out
-
-
 def key_limit(row: int, group: int, length: int, nq: int) -> int:
     """Exclusive key limit of packed row ``row`` (token row // group): bottom-right causal."""
     return min(length, row // group + length - nq + 1)

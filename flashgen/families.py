@@ -126,9 +126,6 @@ def load_hint_for(arch: str, hint: int) -> int:
     """``hint`` where ``arch`` runs it, else its cp.async stand-in (a bulk hint off sm_90a)."""
     return BULK_HINTS[hint] if hint in BULK_HINTS and arch != "sm_90a" else hint
 
-# decode_split with dynamic=True: ints in its ring of upcoming block indices (decode_split.cuh DYN_RING).
-DYN_RING = 16
-
 # Head-dim tiles of the decode families: inputs with a smaller d are rounded up
 # to the next (chunks past d are zero-filled without reading memory).
 DECODE_HEAD_DIMS = (32, 64, 128, 256)
@@ -147,9 +144,7 @@ class DecodeSplitFamily(Family):
     ``cp.async.cg``, 1 with the ``.L2::256B`` prefetch hint, 2 with an
     evict_first L2 cache policy, 3 both (LOAD_HINTS); 4 and 5 (sm_90a only) the
     bulk loader: one ``cp.async.bulk`` per K/V row into rows padded by 16 bytes,
-    per-warp mbarriers (5 with evict_first). ``dynamic`` (a flag; cp.async hints only): with more than
-    one split, the CTAs of a (batch, KV head, m-block) take its key blocks one at a time from a shared
-    counter rather than fixed equal ranges.
+    per-warp mbarriers (5 with evict_first).
     """
 
     def validate(self, spec) -> None:
@@ -165,17 +160,14 @@ class DecodeSplitFamily(Family):
                              "(rows per load pass must divide 16)")
         if spec.hint in BULK_HINTS and spec.arch != "sm_90a":
             raise ValueError(f"{self.kind}: hint={spec.hint} (cp.async.bulk) needs sm_90a, not {spec.arch}")
-        if spec.dynamic and spec.hint in BULK_HINTS:
-            raise ValueError(f"{self.kind}: dynamic block order runs on the cp.async loader only, not hint={spec.hint}")
 
     def smem_bytes(self, spec) -> int:
         # Q tile (16 rows) + K and V rings; the cross-warp reduction reuses both. The bulk loader pads
-        # each ring row by 16 bytes (its copies cannot swizzle) and adds 2 * stages * warps mbarriers;
-        # ``dynamic`` adds the ring of upcoming block indices. templates/decode_split.cuh's decode_smem_bytes() is the same formula (static_assert).
+        # each ring row by 16 bytes (its copies cannot swizzle) and adds 2 * stages * warps mbarriers.
+        # templates/decode_split.cuh's decode_smem_bytes() is the same formula (static_assert).
         bulk = spec.hint in BULK_HINTS
         row = 2 * spec.head_dim + (16 if bulk else 0)
-        return (2 * spec.head_dim * 16 + 2 * spec.stages * spec.block_n * row + (16 * spec.stages * spec.warps if bulk else 0)
-                + (DYN_RING * 4 if spec.dynamic else 0))
+        return 2 * spec.head_dim * 16 + 2 * spec.stages * spec.block_n * row + (16 * spec.stages * spec.warps if bulk else 0)
 
     def acc_floats(self, spec) -> int:
         return (spec.head_dim // 8 + spec.block_n // spec.warps // 8) * 4
@@ -449,8 +441,7 @@ FAMILIES: dict[str, Family] = {
     "decode_split": DecodeSplitFamily("decode_split", "decode_split.cu.j2", DECODE_PARAMS,
                                       head_dims=DECODE_HEAD_DIMS, block_ms=(16,),
                                       block_ns=(16, 32, 48, 64, 96, 128),
-                                      stages=(2, 3, 4, 5, 6, 8, 10, 12), refills=(0,), hints=tuple(LOAD_HINTS),
-                                      flags=("dynamic",)),
+                                      stages=(2, 3, 4, 5, 6, 8, 10, 12), refills=(0,), hints=tuple(LOAD_HINTS)),
     "decode_combine": DecodeCombineFamily("decode_combine", "decode_combine.cu.j2", COMBINE_PARAMS,
                                           head_dims=DECODE_HEAD_DIMS),
     "fwd_sm90": Sm90Family("fwd_sm90", "fwd_sm90.cu.j2", SM90_PARAMS,

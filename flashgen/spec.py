@@ -16,9 +16,9 @@ DTYPES = ("fp16", "bf16")
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a")
 DTYPE_BYTES = {"fp16": 2, "bf16": 2}
 # Fields added after tuned tables were first written: a record may omit them (their default is the old behaviour).
-LATER_FIELDS = ("warpspec", "pingpong", "overlap", "hint", "emu", "sepkv", "lazy", "persist", "dynamic")
+LATER_FIELDS = ("warpspec", "pingpong", "overlap", "hint", "emu", "sepkv", "lazy", "persist")
 # Fields a family must list in ``Family.flags`` before a spec of it may set them (to True, or nonzero).
-FLAG_FIELDS = ("warpspec", "pingpong", "overlap", "emu", "sepkv", "lazy", "persist", "dynamic")
+FLAG_FIELDS = ("warpspec", "pingpong", "overlap", "emu", "sepkv", "lazy", "persist")
 
 
 @dataclass(frozen=True)
@@ -49,9 +49,6 @@ class KernelSpec:
     # these kinds name it (``_h{hint}`` where the others have ``_r{refill}``: they have no refill
     # point, their refill is fixed at 0).
     hint: int = 0
-    # decode_split only: the CTAs of one (batch, KV head, m-block) take its key blocks one at a time, in
-    # order, from a shared counter (a CTA on a slower SM takes fewer), instead of fixed equal ranges.
-    dynamic: bool = False
 
     # -- identity ---------------------------------------------------------
     @property
@@ -74,7 +71,6 @@ class KernelSpec:
         return (
             f"{self.kind}_d{self.head_dim}_m{self.block_m}_n{self.block_n}_w{self.warps}_s{self.stages}"
             + (f"_h{self.hint}" if self.kind.startswith("decode_") or self.kind == "bwd_sm90" else f"_r{self.refill}")
-            + ("_dy1" if self.dynamic else "")
             + f"_{'causal' if self.causal else 'full'}_{self.dtype}_{self.arch.replace('_', '')}"
         )
 

@@ -157,32 +157,6 @@ def test_split_ranges_partition_the_keys(length, splits):
     assert covered == list(range(length))
 
 
-@pytest.mark.parametrize("n_blocks", [0, 1, 5, 16, 17, 256, 1000])
-@pytest.mark.parametrize("splits,stages", [(2, 2), (3, 2), (4, 2), (16, 3), (7, 4), (50, 2)])
-def test_dynamic_block_order_takes_every_block_once(n_blocks, splits, stages):
-    """KernelSpec.dynamic (decode_split.cuh, mirrored by dynamic_block_orders): whatever order the CTAs
-    reach the counter in (round robin, one CTA far ahead, random), every block of the m-block goes to
-    exactly one CTA, and each CTA's blocks only grow (its loop ends at the first one past the end)."""
-    import random
-
-    rng = random.Random(n_blocks * 131 + splits * 7 + stages)
-    schedules = {
-        "round_robin": [s % splits for s in range(4 * n_blocks + 4 * splits)],
-        "one_fast": [0] * (2 * n_blocks + 1) + list(range(splits)) * 2,
-        "random": [rng.randrange(splits) for _ in range(20 * (n_blocks + splits))],
-    }
-    for name, turns in schedules.items():
-        turns = turns + list(range(splits)) * (n_blocks + 1)  # then everyone until the end
-        orders = decoding.dynamic_block_orders(n_blocks, splits, stages, turns)
-        taken = sorted(b for seq in orders for b in seq)
-        assert taken == list(range(n_blocks)), name
-        assert all(seq == sorted(seq) for seq in orders), name
-    # CTA 0 takes every block past the first (stages + 2) * S; the others keep only their first ones.
-    orders = decoding.dynamic_block_orders(n_blocks, splits, stages, [0] * (2 * n_blocks + 1) + list(range(splits)))
-    for s in range(1, splits):
-        assert orders[s] == [b for b in range(s, (stages + 2) * splits, splits) if b < n_blocks]
-
-
 def test_paged_lookup_matches_a_flat_copy():
     """kv_source (the kernel's shift/mask page math) finds every key where a flat copy of the
     sequence has it, for every page size; keys past the cached length come from k_new."""
@@ -353,33 +327,13 @@ def test_load_hints_are_the_hint_field():
     for hint in LOAD_HINTS:
         spec = base.replace(hint=hint)
         assert f"_h{hint}_causal_" in spec.name and "_r0_" not in spec.name
-        assert f"true, {hint}, false>(p);" in render(spec)
+        assert f"true, {hint}>(p);" in render(spec)
     assert decoding.combine_spec("sm_90a", "bf16", 128).name == "decode_combine_d128_m16_n16_w4_s2_h0_full_bf16_sm90a"
     for kind in ("fwd_v2", "bwd_dkdv"):
         with pytest.raises(ValueError, match="hint=2"):
             KernelSpec(kind=kind, hint=2).validate()
     # the other kinds' names keep their refill slot and do not mention the hint
     assert KernelSpec().name == "fwd_v2_d128_m128_n64_w4_s2_r0_full_bf16_sm90a"
-
-
-def test_dynamic_flag():
-    """KernelSpec.dynamic: decode_split only, cp.async hints only (not the bulk loader), named ``_dy1``,
-    DYN_RING ints more shared memory, and the template's DYN argument."""
-    from flashgen.codegen import render
-    from flashgen.families import DYN_RING
-    from flashgen.spec import KernelSpec
-
-    base = KernelSpec(kind="decode_split", arch="sm_90a", dtype="bf16", head_dim=128, block_m=16, block_n=128,
-                      warps=4, stages=2, hint=2, causal=True).validate()
-    dyn = base.replace(dynamic=True).validate()
-    assert dyn.name == "decode_split_d128_m16_n128_w4_s2_h2_dy1_causal_bf16_sm90a" and "_dy1" not in base.name
-    assert dyn.smem_bytes() == base.smem_bytes() + 4 * DYN_RING
-    assert "true, 2, true>(p);" in render(dyn) and "true, 2, false>(p);" in render(base)
-    assert KernelSpec.from_dict(dyn.to_dict()) == dyn
-    with pytest.raises(ValueError, match="cp.async loader"):
-        base.replace(hint=5, dynamic=True).validate()
-    with pytest.raises(ValueError, match="dynamic"):
-        KernelSpec(dynamic=True).validate()  # fwd_v2 has no such flag
 
 
 def test_bulk_loader_hints():
@@ -407,7 +361,7 @@ def test_bulk_loader_hints():
             assert spec.smem_bytes() == smem
             src = render(spec)
             assert f"__launch_bounds__({w * 32}, {ctas})" in src
-            assert f"decode_smem_bytes<128, {bn}, {w}, {st}, {hint},\n                                false>() == {smem}" in src
+            assert f"decode_smem_bytes<128, {bn}, {w}, {st}, {hint}>() == {smem}" in src
         plain = base.replace(block_n=bn, warps=w, stages=st, hint=0)
         assert plain.smem_bytes() == 2 * 128 * (16 + 2 * st * bn)
         assert f"__launch_bounds__({w * 32})\n" in render(plain)

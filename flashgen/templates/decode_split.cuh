@@ -38,16 +38,6 @@
 // per-warp register window (64 entries, refilled 32 pages ahead with one
 // coalesced load): a page lookup is a shuffle, never a load in front of a copy.
 //
-// Block order: with DYN (KernelSpec.dynamic) and more than one split, the CTAs of one (batch, KV
-// head, m-block) take its key blocks one at a time from a shared counter instead of fixed equal ranges,
-// so a CTA on a slower SM takes fewer (session 7 measured a 7-12 % spread of the CTAs' loop times at
-// equal work). CTA `split` starts with blocks split, split + S, ..., split + (LA-1) S (S splits, LA =
-// ST + 2); after that thread 0 takes the next block with an atomicAdd at the end of every iteration,
-// LA - 1 blocks ahead of its use, and passes it to the other threads through a small shared ring (the
-// loop's barriers order it), so no load waits on the counter. The online softmax does not care in which
-// order a CTA's blocks come. Paged caches then look their pages up directly, one block ahead (the window
-// below assumes consecutive blocks). The counter follows the ticket counters; the merging CTA resets it.
-//
 // Output: with one split, the normalised O in the input dtype and the LSE.
 // Otherwise the normalised fp32 O and the LSE of this split go into the
 // workspace (an empty split writes O = 0, LSE = -inf); with p.counters set,
@@ -109,15 +99,11 @@ template <int HINT>
 __host__ __device__ constexpr bool kv_bulk() { return HINT >= 4; }
 template <int D, int HINT>
 __host__ __device__ constexpr int kv_row_bytes() { return kv_bulk<HINT>() ? 2 * D + 16 : 2 * D; }
-// Dynamic shared memory: Q tile, K and V rings, and (bulk loader) 2 * ST * NW mbarriers or (DYN) the
-// block-index ring.
+// Dynamic shared memory: Q tile, K and V rings, and (bulk loader) 2 * ST * NW mbarriers.
 // KernelSpec.smem_bytes() must agree (static_assert in the entry template).
-// DYN adds the ring of upcoming block indices (DYN_RING ints).
-constexpr int DYN_RING = 16;
-template <int D, int BN, int NW, int ST, int HINT, bool DYN>
+template <int D, int BN, int NW, int ST, int HINT>
 __host__ __device__ constexpr int decode_smem_bytes() {
-  return 16 * D * 2 + 2 * ST * BN * kv_row_bytes<D, HINT>() + (kv_bulk<HINT>() ? 2 * ST * NW * 8 : 0) +
-         (DYN ? DYN_RING * 4 : 0);
+  return 16 * D * 2 + 2 * ST * BN * kv_row_bytes<D, HINT>() + (kv_bulk<HINT>() ? 2 * ST * NW * 8 : 0);
 }
 
 // Loads that bypass L1: the partials of other CTAs (L1 is not coherent).
@@ -132,7 +118,7 @@ FG_DEVICE float ld_cg_f1(const float* ptr) {
   return v;
 }
 
-template <int D, int BN, int NW, int ST, bool BF16, int HINT, bool DYN, typename Params>
+template <int D, int BN, int NW, int ST, bool BF16, int HINT, typename Params>
 FG_DEVICE void decode_split_body(const Params& p) {
   constexpr int NT = NW * 32;
   constexpr int KW = BN / NW;    // keys per warp per block
@@ -149,8 +135,6 @@ FG_DEVICE void decode_split_body(const Params& p) {
   static_assert(KW % 16 == 0 && NT % C == 0 && 16 % STEP == 0 && BN % 16 == 0 && ST >= 2, "bad tile shape");
   static_assert(NW * 16 * OS * 4 <= 2 * ST * BN * KV_ROW, "reduction scratch must fit in the K/V ring");
   static_assert((2 * NW * 16 + 32) * 4 <= 16 * D * 2, "reduction scalars must fit in the Q tile");
-  static_assert(!(DYN && BULK), "the dynamic block order runs on the cp.async loader only");
-  static_assert(ST + 2 <= DYN_RING, "the block-index ring must outlive its readers");
 
   extern __shared__ __align__(128) unsigned char smem[];
   const fg_u32 sQ = smem_addr(smem);
@@ -158,8 +142,6 @@ FG_DEVICE void decode_split_body(const Params& p) {
   const fg_u32 sV = sK + ST * BN * KV_ROW;
   // Bulk loader: the full barriers of (K or V, stage, warp), after the rings (never used as scratch).
   const fg_u32 sBar = sV + ST * BN * KV_ROW;
-  // DYN: the block-index ring, in the same place (the cp.async loader has no barriers there).
-  int* const s_blk = reinterpret_cast<int*>(smem + 16 * D * 2 + 2 * ST * BN * KV_ROW);
 
   FG_PROBE(0);
 #ifdef FLASHGEN_PROBE
@@ -195,30 +177,10 @@ FG_DEVICE void decode_split_body(const Params& p) {
   const int kv_end = max(0, min(len, last_row / p.group + diag + 1));  // no row of the tile sees past this
   const int blocks = ceil_div(len, BN);
   const int bps = ceil_div(blocks, p.num_splits);
-  // dyn: every CTA of the m-block may take any of its blocks (the fused merge's counters are needed).
-  const bool dyn = DYN && p.counters != nullptr && p.num_splits > 1;
-  const int n_begin = dyn ? 0 : split * bps * BN;
-  const int split_end = dyn ? len : min(len, (split + 1) * bps * BN);
+  const int n_begin = split * bps * BN;
+  const int split_end = min(len, (split + 1) * bps * BN);
   const int n_end = min(kv_end, split_end);
-  const int n_blocks = n_end > n_begin ? ceil_div(n_end - n_begin, BN) : 0;  // dyn: the m-block's blocks
-  // The key block (in units of BN) of this CTA's j-th block: static, the split's range in order; dyn,
-  // split + j S for the first LA, then what thread 0 took from the counter (in the ring). A CTA's
-  // blocks only grow, so its sequence ends at the first one >= n_blocks.
-#ifndef FG_DYN_VARIANT
-#define FG_DYN_VARIANT 0
-#endif
-  constexpr int LA = FG_DYN_VARIANT == 2 ? ST + NW + 1 : ST + 2;
-  auto blk = [&](int j) -> int {
-    if (!dyn) return n_begin / BN + j;  // (only asked for j < n_blocks)
-    if (FG_DYN_VARIANT == 1 || FG_DYN_VARIANT == 3) return split + j * p.num_splits;
-    return j < LA ? split + j * p.num_splits : s_blk[j % DYN_RING];
-  };
-  auto have = [&](int j) -> bool { return dyn ? blk(j) < n_blocks : j < n_blocks; };
-  int* const grab_ctr = dyn ? p.counters + gridDim.z * gridDim.y * (gridDim.x / p.num_splits) +
-                                  (static_cast<fg_i64>(b) * gridDim.y + hk) * (gridDim.x / p.num_splits) + mb
-                            : nullptr;
-  int pending = dyn ? split + (LA - 1) * p.num_splits : 0;  // thread 0: the newest block taken
-  if (FG_DYN_VARIANT == 2) pending = dyn ? split + (warp - NW + LA) * p.num_splits : 0;
+  const int n_blocks = n_end > n_begin ? ceil_div(n_end - n_begin, BN) : 0;
   const int fast_end = min(n_end, len_cache);  // a block ending at or before this is whole and cached
   FG_PROBE(1);  // (the seqlens load has returned)
 
@@ -232,7 +194,7 @@ FG_DEVICE void decode_split_body(const Params& p) {
   const int tab_len = paged ? (p.seqlen_k >> p.page_shift) : 0;  // entries in a row (capacity / page)
   int wb = paged ? (n_begin >> p.page_shift) : 0;
   int win_lo = 0, win_hi = 0;
-  if (paged && !dyn) {
+  if (paged) {
     if (wb + lane < tab_len) win_lo = __ldg(bt + wb + lane);
     if (wb + 32 + lane < tab_len) win_hi = __ldg(bt + wb + 32 + lane);
   }
@@ -253,7 +215,7 @@ FG_DEVICE void decode_split_body(const Params& p) {
   const fg_u64 policy = kv_policy<HINT>();
 
   // ---- append: m-block 0 copies the new rows its split covers into the cache ----
-  if (has_new && mb == 0 && (!dyn || split == 0)) {
+  if (has_new && mb == 0) {
     const int a0 = max(n_begin, len_cache), a1 = split_end;
     for (int i = tid; i < (a1 - a0) * C; i += NT) {
       const int key = a0 + i / C, c = i % C;
@@ -316,14 +278,6 @@ FG_DEVICE void decode_split_body(const Params& p) {
     if (!paged) {
 #pragma unroll
       for (int e = 0; e < G; ++e) pages[e] = 0;
-      return;
-    }
-    if (dyn) {  // blocks come out of order: look each 16-row group's page up (a block ahead of its use)
-#pragma unroll
-      for (int e = 0; e < G; ++e) {
-        const int key0 = n0 + e * 16;
-        pages[e] = (key0 < n_end && key0 < len_cache) ? __ldg(bt + (key0 >> p.page_shift)) : 0;
-      }
       return;
     }
     step_window(n0);
@@ -444,13 +398,12 @@ FG_DEVICE void decode_split_body(const Params& p) {
         fetch_pages(n_begin + (jb + 1) * BN);
       }
     } else {
-      if (have(jb)) {
-        const int n0 = blk(jb) * BN;
-        load_kv(n0, jb % ST, false);
+      if (jb < n_blocks) {
+        load_kv(n_begin + jb * BN, jb % ST, false);
         cp_async_commit();
-        load_kv(n0, jb % ST, true);
+        load_kv(n_begin + jb * BN, jb % ST, true);
         cp_async_commit();
-        if (have(jb + 1)) fetch_pages(blk(jb + 1) * BN);
+        fetch_pages(n_begin + (jb + 1) * BN);
       } else {
         cp_async_commit();
         cp_async_commit();
@@ -468,7 +421,7 @@ FG_DEVICE void decode_split_body(const Params& p) {
       }
     }
   }
-  if (have(0)) fetch_pages(blk(0) * BN);
+  fetch_pages(n_begin);
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) issue_block(s);
   if constexpr (BULK) {
@@ -508,7 +461,7 @@ FG_DEVICE void decode_split_body(const Params& p) {
     return base + (kk * 16 + q_row) * TT::ROW_BYTES + q_cols.col(dj2);
   };
 
-  for (int j = 0; have(j); ++j) {
+  for (int j = 0; j < n_blocks; ++j) {
     const int stage = j % ST;
     if constexpr (BULK) {
       issue_block(j + ST - 1);  // into stage (j-1) % ST: this warp finished its rows of block j-1 there
@@ -545,7 +498,7 @@ FG_DEVICE void decode_split_body(const Params& p) {
     }
 
     // ---- mask: the split end, the sequence end and the causal diagonal ----
-    const int n0 = blk(j) * BN;
+    const int n0 = n_begin + j * BN;
     if (n0 + BN > mask_from) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -608,17 +561,6 @@ FG_DEVICE void decode_split_body(const Params& p) {
         mma_16816<BF16>(acc_o[2 * dj2], a, bfrag[0], bfrag[1]);
         mma_16816<BF16>(acc_o[2 * dj2 + 1], a, bfrag[2], bfrag[3]);
       }
-    }
-    if (FG_DYN_VARIANT == 2 && dyn && lane == 0 && warp == j % NW) {
-      s_blk[(j - NW + LA) % DYN_RING] = pending;
-      if (pending < n_blocks) pending = LA * p.num_splits + atomicAdd(grab_ctr, 1);
-    }
-    if (FG_DYN_VARIANT == 4 && dyn && tid == 0) s_blk[(j + LA) % DYN_RING] = split + (j + LA) * p.num_splits;
-    if ((FG_DYN_VARIANT == 0 || FG_DYN_VARIANT == 3) && dyn && tid == 0) {
-      // Publish blk(j + LA - 1), taken an iteration ago (its first reader, fetch_pages at iteration j + 1,
-      // comes after that iteration's first barrier), and take blk(j + LA); none past the end.
-      s_blk[(j + LA - 1) % DYN_RING] = pending;
-      if (pending < n_blocks) pending = LA * p.num_splits + atomicAdd(grab_ctr, 1);
     }
   }
   cp_async_wait<0>();
@@ -773,9 +715,6 @@ FG_DEVICE void decode_split_body(const Params& p) {
     store_o(r, c4, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
     if (c4 == 0) store_lse(r, sum > 0.f ? m + logf(sum) : -INFINITY);
   }
-  if (tid == 0) {  // ready for the next launch (launches on one stream never overlap)
-    *ctr = 0;
-    if (dyn) *grab_ctr = 0;  // every CTA took its last block before its ticket
-  }
+  if (tid == 0) *ctr = 0;  // ready for the next launch (launches on one stream never overlap)
   FG_PROBE(6);
 }
