@@ -2,7 +2,7 @@
 
     python3 bench/decode_probe.py stream  OUT.json   # a plain streaming read: fixed cost and rate by size
     python3 bench/decode_probe.py sweep   OUT.json   # flashgen and cuDNN decode by cache length
-    python3 bench/decode_probe.py timeline OUT.json  # per-CTA %globaltimer stamps inside the decode kernel
+    python3 bench/decode_probe.py timeline OUT.json [MACRO]  # per-CTA %globaltimer stamps in the decode kernel
     python3 bench/decode_probe.py define MACRO CANDS OUT.json [ROUNDS]  # ab_decode, sources with #define MACRO
 
 Timing is bench_decode's: CUDA events around each call, calls back to back. ``sweep`` fits
@@ -108,7 +108,7 @@ def sweep():
 TIMELINE = ((1, 32, 32, 32768), (1, 32, 32, 131072), (1, 32, 8, 131072), (8, 32, 8, 32768), (32, 32, 8, 4096))
 
 
-def timeline():
+def timeline(macro=""):
     import cupy
     import numpy as np
     import torch
@@ -122,7 +122,8 @@ def timeline():
 
     def probe_render(spec):
         src = plain(spec)
-        return "#define FLASHGEN_PROBE 1\n" + src if spec.kind == "decode_split" else src
+        extra = "#define " + macro.replace("=", " ", 1) + "\n" if macro else ""
+        return "#define FLASHGEN_PROBE 1\n" + extra + src if spec.kind == "decode_split" else src
 
     codegen.render = probe_render  # build() renders through the package attribute
     out = []
@@ -199,7 +200,7 @@ def main(argv):
     what, path = argv[1], argv[2] if len(argv) > 2 else None
     from flashgen.bench.timing import meta, write_json
 
-    runs = {"stream": stream, "sweep": sweep, "timeline": timeline}
+    runs = {"stream": stream, "sweep": sweep, "timeline": lambda: timeline(*argv[3:4])}
     result = {"meta": meta(), what: runs[what]()}
     write_json(path, result)
 
