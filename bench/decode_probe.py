@@ -37,6 +37,21 @@ extern "C" __global__ void stream_read(const uint4* __restrict__ p, long long n,
   for (; i < n; i += stride) { uint4 a = __ldcs(p + i); acc.x ^= a.x; acc.y ^= a.y; acc.z ^= a.z; acc.w ^= a.w; }
   if ((acc.x & acc.y & acc.z & acc.w) == 0xffffffffu) out[0] = acc;  // never in practice; keeps the loads
 }
+// The same loads, but each CTA streams its own contiguous 1/gridDim of the buffer (as a decode CTA its
+// split): as many concurrent sequential streams as CTAs, where stream_read sweeps one window together.
+extern "C" __global__ void stream_read_chunked(const uint4* __restrict__ p, long long n, uint4* out) {
+  uint4 acc = make_uint4(0, 0, 0, 0);
+  const long long per = n / gridDim.x, begin = per * blockIdx.x, end = begin + per;
+  const long long stride = blockDim.x;
+  long long i = begin + threadIdx.x;
+  for (; i + 3 * stride < end; i += 4 * stride) {
+    uint4 a = __ldcs(p + i), b = __ldcs(p + i + stride), c = __ldcs(p + i + 2 * stride), d = __ldcs(p + i + 3 * stride);
+    acc.x ^= a.x ^ b.x ^ c.x ^ d.x; acc.y ^= a.y ^ b.y ^ c.y ^ d.y;
+    acc.z ^= a.z ^ b.z ^ c.z ^ d.z; acc.w ^= a.w ^ b.w ^ c.w ^ d.w;
+  }
+  for (; i < end; i += stride) { uint4 a = __ldcs(p + i); acc.x ^= a.x; acc.y ^= a.y; acc.z ^= a.z; acc.w ^= a.w; }
+  if ((acc.x & acc.y & acc.z & acc.w) == 0xffffffffu) out[0] = acc;
+}
 """
 
 
@@ -53,31 +68,32 @@ def stream():
     import torch
     from flashgen.bench.timing import time_ms
 
-    kern = cupy.RawKernel(_STREAM_SRC, "stream_read")
+    kerns = {name: cupy.RawKernel(_STREAM_SRC, name) for name in ("stream_read", "stream_read_chunked")}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     buf = torch.randn(8 * 2**30 // 2, dtype=torch.bfloat16, device="cuda")
     out = torch.zeros(4, dtype=torch.int32, device="cuda")
     rows = []
-    for ctas_per_sm in (1, 2, 4):
-        pts = []
-        for mb in (256, 512, 1024, 2048, 4096, 8192):
-            n = mb * 2**20 // 16
-            grid = (sms * ctas_per_sm,)
-            ptr = buf.data_ptr()
-            arr = cupy.ndarray((n * 4,), dtype=cupy.uint32, memptr=cupy.cuda.MemoryPointer(
-                cupy.cuda.UnownedMemory(ptr, n * 16, buf), 0))
-            o = cupy.ndarray((4,), dtype=cupy.uint32, memptr=cupy.cuda.MemoryPointer(
-                cupy.cuda.UnownedMemory(out.data_ptr(), 16, out), 0))
-            with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-                def call():
-                    kern(grid, (512,), (arr, cupy.int64(n), o))
-                us = time_ms(call, min_reps=20, max_reps=20, warmup=3)["ms"] * 1e3
-            pts.append((mb * 2**20, us))
-            rows.append({"ctas_per_sm": ctas_per_sm, "mb": mb, "us": us, "tbps": mb * 2**20 / us / 1e6})
+    for name, kern in kerns.items():
+        for ctas_per_sm in (1, 2):
+            pts = []
+            for mb in (512, 2048, 8192):
+                n = mb * 2**20 // 16
+                grid = (sms * ctas_per_sm,)
+                arr = cupy.ndarray((n * 4,), dtype=cupy.uint32, memptr=cupy.cuda.MemoryPointer(
+                    cupy.cuda.UnownedMemory(buf.data_ptr(), n * 16, buf), 0))
+                o = cupy.ndarray((4,), dtype=cupy.uint32, memptr=cupy.cuda.MemoryPointer(
+                    cupy.cuda.UnownedMemory(out.data_ptr(), 16, out), 0))
+                with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+                    def call():
+                        kern(grid, (512,), (arr, cupy.int64(n), o))
+                    us = time_ms(call, min_reps=20, max_reps=20, warmup=3)["ms"] * 1e3
+                pts.append((mb * 2**20, us))
+                rows.append({"kernel": name, "ctas_per_sm": ctas_per_sm, "mb": mb, "us": us,
+                             "tbps": mb * 2**20 / us / 1e6})
+                print(json.dumps(rows[-1]), flush=True)
+            f, r = fit(pts)
+            rows.append({"kernel": name, "ctas_per_sm": ctas_per_sm, "fit_F_us": f, "fit_R_tbps": r})
             print(json.dumps(rows[-1]), flush=True)
-        f, r = fit(pts)
-        rows.append({"ctas_per_sm": ctas_per_sm, "fit_F_us": f, "fit_R_tbps": r})
-        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 

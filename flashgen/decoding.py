@@ -228,14 +228,10 @@ def window_pages(table_row, n_begin: int, n_blocks: int, n_end: int, len_cache: 
     return out
 
 
-def merge_chunk(head_dim: int, warps: int) -> int:
-    """Splits the fused merge reads per round trip (CH in templates/decode_split.cuh): each thread takes
-    its IG = min(4, items per thread) (row, 4 columns) items together, 16 partials per round trip."""
-    items_per_thread = -(-16 * (head_dim // 4) // (32 * warps))
-    return 16 // min(items_per_thread, 4)
+MERGE_CHUNK = 16  # splits the fused merge reads per round trip (CH in templates/decode_split.cuh)
 
 
-def merge_chunked(lses, outs, chunk: int):
+def merge_chunked(lses, outs, chunk: int = MERGE_CHUNK):
     """Mirror of decode_split's fused merge for one (row, columns) item: ``lses`` the splits' LSEs
     (floats, -inf for an empty split), ``outs`` their normalised partial outputs (float lists). Reads
     ``chunk`` splits at a time (indices past the last clamped and weighted 0) with a running max,

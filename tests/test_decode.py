@@ -248,11 +248,10 @@ def test_split_then_combine_equals_attention(nq, length, splits):
     assert torch.allclose(lse[fin], ref_lse[fin], atol=1e-5)
 
 
-@pytest.mark.parametrize("chunk", [4, 8, 16])
 @pytest.mark.parametrize("splits,empty", [(1, ()), (5, (0, 3)), (16, ()), (17, (16,)), (37, tuple(range(20))),
-                                          (40, tuple(range(40))), (33, (0, 1, 2, 32)), (4, (0, 1, 2, 3))])
-def test_fused_merge_mirror_equals_the_two_pass_combine(splits, empty, chunk):
-    """decoding.merge_chunked (the kernel's fused merge: CH splits per round trip, running max, clamped
+                                          (40, tuple(range(40))), (33, (0, 1, 2, 32))])
+def test_fused_merge_mirror_equals_the_two_pass_combine(splits, empty):
+    """decoding.merge_chunked (the kernel's fused merge: 16 splits per round trip, running max, clamped
     indices weighted 0) equals decode_combine's two passes (lse = max + ln sum e^(lse_i - max),
     O = sum e^(lse_i - lse) O_i), across chunk boundaries and with empty splits (LSE -inf, O garbage)
     anywhere -- a whole chunk of them first, or all of them (output 0, LSE -inf)."""
@@ -262,7 +261,7 @@ def test_fused_merge_mirror_equals_the_two_pass_combine(splits, empty, chunk):
     for i in empty:
         lses[i] = -math.inf
         outs[i] = [float("nan")] * 4  # never read into the sum
-    out, lse = decoding.merge_chunked(lses, outs, chunk)
+    out, lse = decoding.merge_chunked(lses, outs)
     used = [i for i in range(splits) if i not in empty]
     if not used:
         assert out == [0.0] * 4 and lse == -math.inf
@@ -272,14 +271,6 @@ def test_fused_merge_mirror_equals_the_two_pass_combine(splits, empty, chunk):
     want = [sum(math.exp(lses[i] - want_lse) * outs[i][c] for i in used) for c in range(4)]
     assert lse == pytest.approx(want_lse, rel=1e-12, abs=1e-12)
     assert out == pytest.approx(want, rel=1e-9, abs=1e-12)
-
-
-def test_merge_chunk_per_tile():
-    """CH of the fused merge: 16 partials per round trip over min(4, items per thread) items."""
-    assert decoding.merge_chunk(128, 4) == 4    # 512 items / 128 threads: 4 items, 4 splits each
-    assert decoding.merge_chunk(64, 4) == 8     # 2 items per thread
-    assert decoding.merge_chunk(256, 2) == 4    # 16 items per thread, merged 4 at a time
-    assert decoding.merge_chunk(32, 8) == 16    # fewer items than threads: one each
 
 
 def test_attend_packs_tokens_like_the_kernel():

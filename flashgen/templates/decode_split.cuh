@@ -664,7 +664,6 @@ FG_DEVICE void decode_split_body(const Params& p) {
   FG_PROBE(5);
   if (!*last_flag) return;
   __threadfence();  // the other CTAs' partials, seen through their tickets
-#ifdef FG_MERGE_OLD
   // Each thread merges one (row, 4 columns) item over every split, CH = 16 splits at a time: the
   // chunk's LSE and partial-O loads are independent of each other (one L2 round trip per chunk), and a
   // running max rescales what is summed so far (as the online softmax), so the row's LSE needs no
@@ -716,83 +715,6 @@ FG_DEVICE void decode_split_body(const Params& p) {
     store_o(r, c4, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
     if (c4 == 0) store_lse(r, sum > 0.f ? m + logf(sum) : -INFINITY);
   }
-#else
-  // Each thread merges its IT (row, 4 columns) items, IG at a time, over every split, CH splits at a
-  // time, IG * CH = 16 partials per chunk: all of a chunk's LSE and partial-O loads are independent of
-  // each other (one L2 round trip per chunk: one per IG items at S <= CH, where one item at a time took
-  // IG), and a running max rescales what is summed so far (as the online softmax), so the row's LSE
-  // needs no pass of its own: O = sum_s e^(lse_s - m) O_s / sum_s e^(lse_s - m), LSE = m + ln(sum_s
-  // e^(lse_s - m)). Split indices past the last are clamped (a valid address) and weighted 0; so are
-  // items past the tile (their loads read row r0, column 0, and nothing is stored).
-  constexpr int ITEMS = 16 * (D / 4);
-  constexpr int IT = (ITEMS + NT - 1) / NT;  // a power of two, as ITEMS and NT are
-  constexpr int IG = IT < 4 ? IT : 4;
-  constexpr int CH = 16 / IG;
-  const fg_i64 l_step = p.total_rows, o_step = static_cast<fg_i64>(p.total_rows) * p.d;
-#pragma unroll 1
-  for (int g0 = 0; g0 < IT; g0 += IG) {
-    bool ok[IG];
-    const float* l_r[IG];
-    const float* o_r[IG];
-    float m[IG], sum[IG];
-    float4 acc[IG];
-#pragma unroll
-    for (int k = 0; k < IG; ++k) {
-      const int i = tid + (g0 + k) * NT, row = i / (D / 4), c4 = i % (D / 4);
-      ok[k] = (ITEMS % NT == 0 || i < ITEMS) && r0 + row < p.rows && c4 * 4 < p.d;
-      const fg_i64 wr = ws_row(ok[k] ? r0 + row : r0);
-      l_r[k] = p.lse_ws + wr;
-      o_r[k] = p.o_ws + wr * p.d + (ok[k] ? c4 * 4 : 0);
-      m[k] = -INFINITY;
-      sum[k] = 0.f;
-      acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    for (int s0 = 0; s0 < p.num_splits; s0 += CH) {
-      float ls[IG][CH];
-      float4 xs[IG][CH];
-#pragma unroll
-      for (int k = 0; k < IG; ++k)
-#pragma unroll
-        for (int c = 0; c < CH; ++c) {
-          const int s = min(s0 + c, p.num_splits - 1);
-          xs[k][c] = ld_cg_f4(o_r[k] + s * o_step);
-          ls[k][c] = ld_cg_f1(l_r[k] + s * l_step);
-        }
-#pragma unroll
-      for (int k = 0; k < IG; ++k) {
-        float mc = m[k];
-#pragma unroll
-        for (int c = 0; c < CH; ++c) mc = fmaxf(mc, s0 + c < p.num_splits ? ls[k][c] : -INFINITY);
-        // No branch on an all-empty chunk (it would let ptxas sink the O loads behind the max): with
-        // mc = -inf every weight is 0 through `used`, and the reference 0 keeps the exponents finite.
-        const float mref = mc == -INFINITY ? 0.f : mc;
-        const float a = expf(m[k] - mref);  // 0 while m is -inf
-        sum[k] *= a;
-        acc[k].x *= a; acc[k].y *= a; acc[k].z *= a; acc[k].w *= a;
-#pragma unroll
-        for (int c = 0; c < CH; ++c) {
-          // Select, not branch: an empty split's O never enters the sum (0 * garbage is not 0).
-          const bool used = s0 + c < p.num_splits && ls[k][c] != -INFINITY;
-          const float w = used ? expf(ls[k][c] - mref) : 0.f;
-          sum[k] += w;
-          acc[k].x += used ? w * xs[k][c].x : 0.f;
-          acc[k].y += used ? w * xs[k][c].y : 0.f;
-          acc[k].z += used ? w * xs[k][c].z : 0.f;
-          acc[k].w += used ? w * xs[k][c].w : 0.f;
-        }
-        m[k] = mc;
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < IG; ++k) {
-      if (!ok[k]) continue;
-      const int i = tid + (g0 + k) * NT, row = i / (D / 4), c4 = i % (D / 4);
-      const float inv = sum[k] > 0.f ? 1.f / sum[k] : 0.f;
-      store_o(r0 + row, c4, make_float4(acc[k].x * inv, acc[k].y * inv, acc[k].z * inv, acc[k].w * inv));
-      if (c4 == 0) store_lse(r0 + row, sum[k] > 0.f ? m[k] + logf(sum[k]) : -INFINITY);
-    }
-  }
-#endif
   if (tid == 0) *ctr = 0;  // ready for the next launch (launches on one stream never overlap)
   FG_PROBE(6);
 }
