@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Session 7, issue 4: the fused merge reads IG items x CH splits per L2 round trip (one round trip at S <= 4
-# for d=128, where one item at a time took four). One H200 call: (1) tests/test_gpu_decode.py; (2) ab_decode
+# Session 7, issue 4: a new fused merge against the one before it (FG_MERGE_OLD). Run first at 931e809 (IG
+# items x CH splits per round trip: lost), then at the staged merge (the partials cp.async'd into the free
+# ring SC splits at a time, one L2 round trip per chunk). One H200 call: (1) tests/test_gpu_decode.py; (2) ab_decode
 # of the default tile, one process with the new merge and one with FG_MERGE_OLD, alternating, cuDNN in each;
 # (3) the %globaltimer timeline of both. One tarball: $OUT/s7merge.tgz.
 . bench/device_lib.sh
