@@ -228,17 +228,13 @@ def window_pages(table_row, n_begin: int, n_blocks: int, n_end: int, len_cache: 
     return out
 
 
-def merge_chunk(head_dim: int, block_n: int, stages: int) -> int:
-    """Splits the fused merge stages per L2 round trip (SC in templates/decode_split.cuh): as many
-    splits' 16 LSEs and 16 x head_dim fp32 partial rows as the K/V ring holds (cp.async loader rows)."""
-    ring_floats = 2 * stages * block_n * 2 * head_dim // 4
-    return ring_floats // (16 + 16 * head_dim)
+MERGE_CHUNK = 16  # splits the fused merge reads per round trip (CH in templates/decode_split.cuh)
 
 
-def merge_chunked(lses, outs, chunk: int):
+def merge_chunked(lses, outs, chunk: int = MERGE_CHUNK):
     """Mirror of decode_split's fused merge for one (row, columns) item: ``lses`` the splits' LSEs
-    (floats, -inf for an empty split), ``outs`` their normalised partial outputs (float lists). Takes
-    ``chunk`` splits at a time (merge_chunk; indices past the last clamped and weighted 0) with a running max,
+    (floats, -inf for an empty split), ``outs`` their normalised partial outputs (float lists). Reads
+    ``chunk`` splits at a time (indices past the last clamped and weighted 0) with a running max,
     exactly as the kernel orders its arithmetic; returns (out, lse) -- zeros and -inf when every split
     is empty. Needs math only, so the CPU tests check the kernel's formula and its edge cases."""
     n = len(lses)

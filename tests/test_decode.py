@@ -248,11 +248,10 @@ def test_split_then_combine_equals_attention(nq, length, splits):
     assert torch.allclose(lse[fin], ref_lse[fin], atol=1e-5)
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 15])
 @pytest.mark.parametrize("splits,empty", [(1, ()), (5, (0, 3)), (16, ()), (17, (16,)), (37, tuple(range(20))),
                                           (40, tuple(range(40))), (33, (0, 1, 2, 32))])
-def test_fused_merge_mirror_equals_the_two_pass_combine(splits, empty, chunk):
-    """decoding.merge_chunked (the kernel's fused merge: SC splits per round trip, running max, clamped
+def test_fused_merge_mirror_equals_the_two_pass_combine(splits, empty):
+    """decoding.merge_chunked (the kernel's fused merge: 16 splits per round trip, running max, clamped
     indices weighted 0) equals decode_combine's two passes (lse = max + ln sum e^(lse_i - max),
     O = sum e^(lse_i - lse) O_i), across chunk boundaries and with empty splits (LSE -inf, O garbage)
     anywhere -- a whole chunk of them first, or all of them (output 0, LSE -inf)."""
@@ -262,7 +261,7 @@ def test_fused_merge_mirror_equals_the_two_pass_combine(splits, empty, chunk):
     for i in empty:
         lses[i] = -math.inf
         outs[i] = [float("nan")] * 4  # never read into the sum
-    out, lse = decoding.merge_chunked(lses, outs, chunk)
+    out, lse = decoding.merge_chunked(lses, outs)
     used = [i for i in range(splits) if i not in empty]
     if not used:
         assert out == [0.0] * 4 and lse == -math.inf
@@ -272,15 +271,6 @@ def test_fused_merge_mirror_equals_the_two_pass_combine(splits, empty, chunk):
     want = [sum(math.exp(lses[i] - want_lse) * outs[i][c] for i in used) for c in range(4)]
     assert lse == pytest.approx(want_lse, rel=1e-12, abs=1e-12)
     assert out == pytest.approx(want, rel=1e-9, abs=1e-12)
-
-
-def test_merge_chunk_fits_the_ring():
-    """SC of the fused merge: the default tiles' rings hold 15 (d=128, 64), 15 (d=32) and 5 (d=256) splits."""
-    assert decoding.merge_chunk(128, 128, 2) == 15
-    assert decoding.merge_chunk(64, 64, 4) == 15
-    assert decoding.merge_chunk(32, 64, 4) == 15
-    assert decoding.merge_chunk(256, 32, 3) == 5
-    assert decoding.merge_chunk(256, 16, 2) == 1
 
 
 def test_attend_packs_tokens_like_the_kernel():

@@ -664,7 +664,6 @@ FG_DEVICE void decode_split_body(const Params& p) {
   FG_PROBE(5);
   if (!*last_flag) return;
   __threadfence();  // the other CTAs' partials, seen through their tickets
-#ifdef FG_MERGE_OLD
   // Each thread merges one (row, 4 columns) item over every split, CH = 16 splits at a time: the
   // chunk's LSE and partial-O loads are independent of each other (one L2 round trip per chunk), and a
   // running max rescales what is summed so far (as the online softmax), so the row's LSE needs no
@@ -716,78 +715,6 @@ FG_DEVICE void decode_split_body(const Params& p) {
     store_o(r, c4, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
     if (c4 == 0) store_lse(r, sum > 0.f ? m + logf(sum) : -INFINITY);
   }
-#else
-  // The partials come into shared memory (the K/V ring, free now) SC splits at a time: every thread's
-  // 16-byte O copies (cp.async.cg: L2, where the other CTAs' stores are) and its LSE loads go out
-  // together, one L2 round trip per chunk. Then each thread merges its (row, 4 columns) items from
-  // shared memory with a running max (as the online softmax), so the row's LSE needs no pass of its
-  // own: O = sum_s e^(lse_s - m) O_s / sum_s e^(lse_s - m), LSE = m + ln(sum_s e^(lse_s - m)).
-  constexpr int RING_FLOATS = 2 * ST * BN * KV_ROW / 4;
-  constexpr int SC = RING_FLOATS / (16 + 16 * D);  // splits per chunk: their LSEs and O rows
-  static_assert(SC >= 1, "one split's partial must fit in the K/V ring");
-  constexpr int ITEMS = 16 * (D / 4);
-  constexpr int IT = (ITEMS + NT - 1) / NT;
-  float* const sL = reinterpret_cast<float*>(smem + 16 * D * 2);  // [SC][16] LSEs
-  float* const sO = sL + SC * 16;                                  // [SC][16][D] partial O
-  float m[IT], sum[IT];
-  float4 acc[IT];
-#pragma unroll
-  for (int k = 0; k < IT; ++k) {
-    m[k] = -INFINITY;
-    sum[k] = 0.f;
-    acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-  }
-  for (int s0 = 0; s0 < p.num_splits; s0 += SC) {
-    const int sc = min(SC, p.num_splits - s0);
-    for (int i = tid; i < sc * ITEMS; i += NT) {
-      const int sp = i / ITEMS, rem = i - sp * ITEMS, row = rem / (D / 4), c4 = rem % (D / 4);
-      const bool ok = r0 + row < p.rows && c4 * 4 < p.d;
-      const float* src = ok ? p.o_ws + (static_cast<fg_i64>(s0 + sp) * p.total_rows + ws_row(r0 + row)) * p.d + c4 * 4
-                            : p.o_ws;
-      cp_async_16(smem_addr(sO + static_cast<fg_i64>(i) * 4), src, ok ? 16 : 0);
-    }
-    cp_async_commit();
-    for (int i = tid; i < sc * 16; i += NT) {
-      const int sp = i / 16, row = i % 16;
-      sL[i] = r0 + row < p.rows ? ld_cg_f1(p.lse_ws + static_cast<fg_i64>(s0 + sp) * p.total_rows + ws_row(r0 + row))
-                                : -INFINITY;
-    }
-    cp_async_wait<0>();
-    __syncthreads();
-#pragma unroll
-    for (int k = 0; k < IT; ++k) {
-      const int i = tid + k * NT, row = (i / (D / 4)) % 16, c4 = i % (D / 4);
-      float mc = m[k];
-      for (int sp = 0; sp < sc; ++sp) mc = fmaxf(mc, sL[sp * 16 + row]);
-      const float mref = mc == -INFINITY ? 0.f : mc;
-      const float a = expf(m[k] - mref);  // 0 while m is -inf
-      sum[k] *= a;
-      acc[k].x *= a; acc[k].y *= a; acc[k].z *= a; acc[k].w *= a;
-      for (int sp = 0; sp < sc; ++sp) {
-        // Select, not branch: an empty split (LSE -inf) never enters the sum.
-        const float l = sL[sp * 16 + row];
-        const bool used = l != -INFINITY;
-        const float w = used ? expf(l - mref) : 0.f;
-        const float4 x = *reinterpret_cast<const float4*>(sO + (sp * 16 + row) * D + c4 * 4);
-        sum[k] += w;
-        acc[k].x += used ? w * x.x : 0.f;
-        acc[k].y += used ? w * x.y : 0.f;
-        acc[k].z += used ? w * x.z : 0.f;
-        acc[k].w += used ? w * x.w : 0.f;
-      }
-      m[k] = mc;
-    }
-    __syncthreads();  // before the next chunk's copies overwrite the stage
-  }
-#pragma unroll
-  for (int k = 0; k < IT; ++k) {
-    const int i = tid + k * NT, row = i / (D / 4), c4 = i % (D / 4);
-    if ((ITEMS % NT != 0 && i >= ITEMS) || r0 + row >= p.rows || c4 * 4 >= p.d) continue;
-    const float inv = sum[k] > 0.f ? 1.f / sum[k] : 0.f;
-    store_o(r0 + row, c4, make_float4(acc[k].x * inv, acc[k].y * inv, acc[k].z * inv, acc[k].w * inv));
-    if (c4 == 0) store_lse(r0 + row, sum[k] > 0.f ? m[k] + logf(sum[k]) : -INFINITY);
-  }
-#endif
   if (tid == 0) *ctr = 0;  // ready for the next launch (launches on one stream never overlap)
   FG_PROBE(6);
 }
