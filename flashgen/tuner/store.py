@@ -358,12 +358,13 @@ def merge(old: Table | None, new: Table) -> Table:
     return Table(meta=meta, entries=entries, path=new.path)
 
 
-def _promoted(entry: dict, runners: list, pick: int) -> dict:
+def _promoted(entry: dict, runners: list, pick: int, runners_up: list | None = None) -> dict:
     """``entry`` with runner-up ``runners[pick]`` (runners sorted by time) as its winner: its recorded
-    time, speedup and TFLOP/s; the runners after it stay runners-up."""
+    time, speedup and TFLOP/s; its runners-up ``runners_up``, by default the runners after it."""
     r = runners[pick]
     base_ms = (entry.get("baseline") or {}).get("time_ms")
-    new = {**entry, "spec": r["spec"], "time_ms": r["time_ms"], "runners_up": runners[pick + 1:],
+    new = {**entry, "spec": r["spec"], "time_ms": r["time_ms"],
+           "runners_up": runners[pick + 1:] if runners_up is None else runners_up,
            "speedup": base_ms / r["time_ms"] if base_ms else None}
     if entry.get("tflops"):
         new["tflops"] = entry["tflops"] * entry["time_ms"] / r["time_ms"]
@@ -413,10 +414,10 @@ def with_preferred(table: Table, prefer: dict) -> tuple[Table, list[str]]:
         if name is None or name == entry["spec"].name:
             changes.append(f"{key}: kept {entry['spec'].name} ({'preferred' if name else 'no preferred spec recorded'})")
             continue
-        new = _promoted(entry, runners, at[name])
-        new["runners_up"] = sorted([r for r in runners if r["spec"].name != name]
-                                   + [{"spec": entry["spec"], "time_ms": entry["time_ms"]}], key=lambda r: r["time_ms"])
-        out.entries[key] = new
+        # Every other runner and the tuner's winner stay runners-up.
+        others = sorted([r for r in runners if r["spec"].name != name]
+                        + [{"spec": entry["spec"], "time_ms": entry["time_ms"]}], key=lambda r: r["time_ms"])
+        out.entries[key] = new = _promoted(entry, runners, at[name], others)
         changes.append(f"{key}: {entry['spec'].name} -> {name} (preferred; tuner time {new['time_ms']:.4f} ms, "
                        f"{new['time_ms'] / entry['time_ms']:.3f}x the tuner's winner)")
     return out, changes
