@@ -388,7 +388,7 @@ def _plan(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax
     if num_splits > 1:
         plan.ws_numel = num_splits * total_rows * (d + 1)
         plan.ws_lse_offset = num_splits * total_rows * d * 4  # bytes: the LSEs follow the partial outputs
-        plan.ctr_numel = b * hk * m_blocks                    # one ticket per (batch, KV head, m-block)
+        plan.ctr_numel = 2 * b * hk * m_blocks                # a ticket and a count per (batch, KV head, m-block)
         if not FUSED_COMBINE:
             cspec = dk.combine_spec(dev.arch, dtype, spec.head_dim)
             ckern = load(cspec, index)

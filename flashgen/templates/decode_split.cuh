@@ -41,9 +41,14 @@
 // Output: with one split, the normalised O in the input dtype and the LSE.
 // Otherwise the normalised fp32 O and the LSE of this split go into the
 // workspace (an empty split writes O = 0, LSE = -inf); with p.counters set,
-// the last CTA of each (batch, KV head, m-block) to finish -- a ticket on an
-// int counter that it resets to 0 -- merges the splits itself (no combine
-// launch), else decode_combine does.
+// the splits of each (batch, KV head, m-block) are merged in the kernel (no
+// combine launch), else decode_combine does. In-kernel merge: two int counters
+// per group (a ticket, a count of stored partials; zero between launches). A
+// CTA takes its ticket as soon as its block loop ends; the one that draws the
+// last ticket is the merger: it never stores its own partial, waits until the
+// other splits have stored theirs (they all hold tickets, so they are running
+// and wait on nobody: no deadlock), merges them with its own from shared
+// memory and resets both counters.
 #pragma once
 
 typedef unsigned long long fg_u64;
@@ -115,6 +120,16 @@ FG_DEVICE float4 ld_cg_f4(const float* ptr) {
 FG_DEVICE float ld_cg_f1(const float* ptr) {
   float v;
   asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(v) : "l"(ptr));
+  return v;
+}
+// The merge's handshake: a GPU-scope release increment (after a CTA barrier it publishes the stores
+// of every thread of the CTA) and an acquire load (a CTA barrier after it passes the order on).
+FG_DEVICE void red_release_add(int* ptr, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(ptr), "r"(v) : "memory");
+}
+FG_DEVICE int ld_acquire(const int* ptr) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(ptr) : "memory");
   return v;
 }
 
@@ -563,6 +578,13 @@ FG_DEVICE void decode_split_body(const Params& p) {
       }
     }
   }
+  // In-kernel merge (see the top of this file): the ticket goes out now, its answer is used after the
+  // warp merge below (the round trip overlaps it).
+  const bool direct = p.num_splits == 1;
+  const bool fused = !direct && p.counters != nullptr;
+  int* const ctr = p.counters + 2 * ((static_cast<fg_i64>(b) * gridDim.y + hk) * (gridDim.x / p.num_splits) + mb);
+  int ticket = 0;
+  if (fused && tid == 0) ticket = atomicAdd(ctr, 1);
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with the ring (and the Q copies have landed)
   FG_PROBE(3);
@@ -602,7 +624,10 @@ FG_DEVICE void decode_split_body(const Params& p) {
     }
     if (warp == 0 && t == 0) red[2 * NW * 16 + row] = l_all > 0.f ? m_all * p.scale + logf(l_all) : -INFINITY;
   }
+  // red[2 * NW * 16 + 16]: this CTA merges (it drew the last ticket of its group).
+  if (tid == 0) reinterpret_cast<int*>(red)[2 * NW * 16 + 16] = fused && ticket == p.num_splits - 1;
   __syncthreads();
+  const bool merger = reinterpret_cast<const int*>(red)[2 * NW * 16 + 16] != 0;
 
   // Final stores of one packed row: O (4 columns from c4*4) in the input dtype, and its LSE.
   auto store_o = [&](int r, int c4, float4 acc) {
@@ -623,52 +648,59 @@ FG_DEVICE void decode_split_body(const Params& p) {
   };
 
   // ---- store: 16 rows x D/4 float4 columns, summed over the warps ----
-  const bool direct = p.num_splits == 1;
-  for (int i = tid; i < 16 * (D / 4); i += NT) {
-    const int row = i / (D / 4), c4 = i % (D / 4);
-    const int r = r0 + row;
-    if (r >= p.rows || c4 * 4 >= p.d) continue;
+  // The sum over the warps of this CTA's (scaled) O, 4 columns of packed row `row`.
+  auto own_o = [&](int row, int c4) -> float4 {
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int w = 0; w < NW; ++w) {
       const float4 x = *reinterpret_cast<const float4*>(s_o + (w * 16 + row) * OS + c4 * 4);
       acc.x += x.x; acc.y += x.y; acc.z += x.z; acc.w += x.w;
     }
-    if (direct) {
-      store_o(r, c4, acc);
-    } else {
-      *reinterpret_cast<float4*>(p.o_ws + (split * p.total_rows + ws_row(r)) * p.d + c4 * 4) = acc;
+    return acc;
+  };
+  if (!merger) {
+    for (int i = tid; i < 16 * (D / 4); i += NT) {
+      const int row = i / (D / 4), c4 = i % (D / 4);
+      const int r = r0 + row;
+      if (r >= p.rows || c4 * 4 >= p.d) continue;
+      const float4 acc = own_o(row, c4);
+      if (direct) {
+        store_o(r, c4, acc);
+      } else {
+        *reinterpret_cast<float4*>(p.o_ws + (split * p.total_rows + ws_row(r)) * p.d + c4 * 4) = acc;
+      }
     }
-  }
-  if (tid < 16 && r0 + tid < p.rows) {
-    const float lse = red[2 * NW * 16 + tid];
-    if (direct) {
-      store_lse(r0 + tid, lse);
-    } else {
-      p.lse_ws[split * p.total_rows + ws_row(r0 + tid)] = lse;
+    if (tid < 16 && r0 + tid < p.rows) {
+      const float lse = red[2 * NW * 16 + tid];
+      if (direct) {
+        store_lse(r0 + tid, lse);
+      } else {
+        p.lse_ws[split * p.total_rows + ws_row(r0 + tid)] = lse;
+      }
     }
+    FG_PROBE(4);
+    if (!fused) return;
+    __syncthreads();  // every thread's partial stores, before the release below
+    if (tid == 0) red_release_add(ctr + 1, 1);
+    FG_PROBE(5);
+    return;
   }
-  FG_PROBE(4);
-  if (direct || p.counters == nullptr) return;
 
-  // ---- fused combine: the last of the num_splits CTAs of this (batch, KV head, m-block) merges ----
-  int* const ctr = p.counters + (static_cast<fg_i64>(b) * gridDim.y + hk) * (gridDim.x / p.num_splits) + mb;
-  __threadfence();  // this thread's partial stores, device-wide, before the ticket
-  __syncthreads();
-  volatile int* const last_flag = reinterpret_cast<volatile int*>(red + 2 * NW * 16 + 16);
+  // ---- the merger: wait for the other splits' partials, merge them with its own ----
   if (tid == 0) {
-    __threadfence();
-    *last_flag = atomicAdd(ctr, 1) == p.num_splits - 1;
+    while (ld_acquire(ctr + 1) != p.num_splits - 1) __nanosleep(32);
+    ctr[0] = 0;  // both counters ready for the next launch (launches on one stream never overlap):
+    ctr[1] = 0;  // every other CTA of the group has taken its ticket and made its last increment
   }
-  __syncthreads();
+  __syncthreads();  // the acquire above, passed on to every thread
   FG_PROBE(5);
-  if (!*last_flag) return;
-  __threadfence();  // the other CTAs' partials, seen through their tickets
-  // Each thread merges one (row, 4 columns) item over every split, CH = 16 splits at a time: the
-  // chunk's LSE and partial-O loads are independent of each other (one L2 round trip per chunk), and a
-  // running max rescales what is summed so far (as the online softmax), so the row's LSE needs no
-  // pass of its own: O = sum_s e^(lse_s - m) O_s / sum_s e^(lse_s - m), LSE = m + ln(sum_s e^(lse_s - m)).
-  // Split indices past the last are clamped (a valid address) and weighted 0.
+  // Each thread merges one (row, 4 columns) item over every split, starting from its own (shared
+  // memory), then the others' CH = 16 splits at a time: the chunk's LSE and partial-O loads are
+  // independent of each other (one L2 round trip per chunk), and a running max rescales what is summed
+  // so far (as the online softmax), so the row's LSE needs no pass of its own:
+  // O = sum_s e^(lse_s - m) O_s / sum_s e^(lse_s - m), LSE = m + ln(sum_s e^(lse_s - m)).
+  // Split indices past the last are clamped (a valid address) and weighted 0, as is the merger's own
+  // index (nothing was stored there).
   constexpr int CH = 16;
   const fg_i64 l_step = p.total_rows, o_step = static_cast<fg_i64>(p.total_rows) * p.d;
   for (int i = tid; i < 16 * (D / 4); i += NT) {
@@ -678,8 +710,11 @@ FG_DEVICE void decode_split_body(const Params& p) {
     const fg_i64 wr = ws_row(r);
     const float* const l_r = p.lse_ws + wr;
     const float* const o_r = p.o_ws + wr * p.d + c4 * 4;
-    float m = -INFINITY, sum = 0.f;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    const float own_l = red[2 * NW * 16 + row];
+    const bool own_used = own_l != -INFINITY;
+    const float4 own = own_o(row, c4);
+    float m = own_l, sum = own_used ? 1.f : 0.f;
+    float4 acc = own_used ? own : make_float4(0.f, 0.f, 0.f, 0.f);
     for (int s0 = 0; s0 < p.num_splits; s0 += CH) {
       float ls[CH];
       float4 xs[CH];
@@ -691,7 +726,7 @@ FG_DEVICE void decode_split_body(const Params& p) {
       }
       float mc = m;
 #pragma unroll
-      for (int k = 0; k < CH; ++k) mc = fmaxf(mc, s0 + k < p.num_splits ? ls[k] : -INFINITY);
+      for (int k = 0; k < CH; ++k) mc = fmaxf(mc, s0 + k < p.num_splits && s0 + k != split ? ls[k] : -INFINITY);
       // No branch on an all-empty chunk (it would let ptxas sink the O loads behind the max): with
       // mc = -inf every weight is 0 through `used`, and the reference 0 keeps the exponents finite.
       const float mref = mc == -INFINITY ? 0.f : mc;
@@ -701,7 +736,7 @@ FG_DEVICE void decode_split_body(const Params& p) {
 #pragma unroll
       for (int k = 0; k < CH; ++k) {
         // Select, not branch: an empty split's O never enters the sum (0 * garbage is not 0).
-        const bool used = s0 + k < p.num_splits && ls[k] != -INFINITY;
+        const bool used = s0 + k < p.num_splits && s0 + k != split && ls[k] != -INFINITY;
         const float w = used ? expf(ls[k] - mref) : 0.f;
         sum += w;
         acc.x += used ? w * xs[k].x : 0.f;
@@ -715,6 +750,5 @@ FG_DEVICE void decode_split_body(const Params& p) {
     store_o(r, c4, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
     if (c4 == 0) store_lse(r, sum > 0.f ? m + logf(sum) : -INFINITY);
   }
-  if (tid == 0) *ctr = 0;  // ready for the next launch (launches on one stream never overlap)
   FG_PROBE(6);
 }
