@@ -111,21 +111,22 @@ __host__ __device__ constexpr int decode_smem_bytes() {
   return 16 * D * 2 + 2 * ST * BN * kv_row_bytes<D, HINT>() + (kv_bulk<HINT>() ? 2 * ST * NW * 8 : 0);
 }
 
-// Loads that bypass L1: the partials of other CTAs (L1 is not coherent).
-FG_DEVICE float4 ld_cg_f4(const float* ptr) {
-  float4 v;
-  asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(ptr));
-  return v;
-}
-FG_DEVICE float ld_cg_f1(const float* ptr) {
-  float v;
-  asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(v) : "l"(ptr));
-  return v;
-}
 // The merge's handshake: a GPU-scope release increment (after a CTA barrier it publishes the stores
 // of every thread of the CTA) and an acquire load (a CTA barrier after it passes the order on).
 FG_DEVICE void red_release_add(int* ptr, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(ptr), "r"(v) : "memory");
+}
+// A GPU-coherent 16-byte load through a generic address: another CTA's partial (global, from L2) or
+// the merger's own (shared memory), one instruction either way.
+FG_DEVICE float4 ld_relaxed_f4(const float* ptr) {
+  float4 v;
+  asm volatile("ld.relaxed.gpu.v4.f32 {%0,%1,%2,%3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(ptr));
+  return v;
+}
+FG_DEVICE float ld_relaxed_f1(const float* ptr) {
+  float v;
+  asm volatile("ld.relaxed.gpu.f32 %0, [%1];\n" : "=f"(v) : "l"(ptr));
+  return v;
 }
 FG_DEVICE int ld_acquire(const int* ptr) {
   int v;
@@ -148,7 +149,8 @@ FG_DEVICE void decode_split_body(const Params& p) {
   constexpr int KV_ROW = kv_row_bytes<D, HINT>();  // bytes per K/V ring row (padded for the bulk loader)
   using TT = Tile<D>;
   static_assert(KW % 16 == 0 && NT % C == 0 && 16 % STEP == 0 && BN % 16 == 0 && ST >= 2, "bad tile shape");
-  static_assert(NW * 16 * OS * 4 <= 2 * ST * BN * KV_ROW, "reduction scratch must fit in the K/V ring");
+  static_assert(NW * 16 * OS * 4 + 16 * D * 4 <= 2 * ST * BN * KV_ROW,
+                "reduction scratch and the merger's own partial must fit in the K/V ring");
   static_assert((2 * NW * 16 + 32) * 4 <= 16 * D * 2, "reduction scalars must fit in the Q tile");
 
   extern __shared__ __align__(128) unsigned char smem[];
@@ -687,20 +689,28 @@ FG_DEVICE void decode_split_body(const Params& p) {
   }
 
   // ---- the merger: wait for the other splits' partials, merge them with its own ----
+  // Its own partial O, summed over the warps, goes to shared memory after the warps' scratch.
+  float* const s_own = s_o + NW * 16 * OS;  // [16][D]
+  for (int i = tid; i < 16 * (D / 4); i += NT) {
+    const int row = i / (D / 4), c4 = i % (D / 4);
+    if (r0 + row >= p.rows || c4 * 4 >= p.d) continue;
+    *reinterpret_cast<float4*>(s_own + row * D + c4 * 4) = own_o(row, c4);
+  }
   if (tid == 0) {
     while (ld_acquire(ctr + 1) != p.num_splits - 1) __nanosleep(32);
     ctr[0] = 0;  // both counters ready for the next launch (launches on one stream never overlap):
     ctr[1] = 0;  // every other CTA of the group has taken its ticket and made its last increment
   }
-  __syncthreads();  // the acquire above, passed on to every thread
+  __syncthreads();  // the acquire above passed on to every thread; s_own written
   FG_PROBE(5);
-  // Each thread merges one (row, 4 columns) item over every split, starting from its own (shared
-  // memory), then the others' CH = 16 splits at a time: the chunk's LSE and partial-O loads are
-  // independent of each other (one L2 round trip per chunk), and a running max rescales what is summed
-  // so far (as the online softmax), so the row's LSE needs no pass of its own:
-  // O = sum_s e^(lse_s - m) O_s / sum_s e^(lse_s - m), LSE = m + ln(sum_s e^(lse_s - m)).
-  // Split indices past the last are clamped (a valid address) and weighted 0, as is the merger's own
-  // index (nothing was stored there).
+  // Each thread merges one (row, 4 columns) item over every split, CH = 16 splits at a time: the
+  // chunk's LSE and partial-O loads are independent of each other (one L2 round trip per chunk), and a
+  // running max rescales what is summed so far (as the online softmax), so the row's LSE needs no
+  // pass of its own: O = sum_s e^(lse_s - m) O_s / sum_s e^(lse_s - m), LSE = m + ln(sum_s e^(lse_s - m)).
+  // Split indices past the last are clamped (a valid address) and weighted 0. The merger's own split
+  // (nothing stored) is read from shared memory at its place in the order (a generic address, so the
+  // loads stay one unconditional batch), and the result is the same bits whichever split merges:
+  // graph replays and reruns are bitwise equal.
   constexpr int CH = 16;
   const fg_i64 l_step = p.total_rows, o_step = static_cast<fg_i64>(p.total_rows) * p.d;
   for (int i = tid; i < 16 * (D / 4); i += NT) {
@@ -710,23 +720,22 @@ FG_DEVICE void decode_split_body(const Params& p) {
     const fg_i64 wr = ws_row(r);
     const float* const l_r = p.lse_ws + wr;
     const float* const o_r = p.o_ws + wr * p.d + c4 * 4;
-    const float own_l = red[2 * NW * 16 + row];
-    const bool own_used = own_l != -INFINITY;
-    const float4 own = own_o(row, c4);
-    float m = own_l, sum = own_used ? 1.f : 0.f;
-    float4 acc = own_used ? own : make_float4(0.f, 0.f, 0.f, 0.f);
+    const float* const own_l = red + 2 * NW * 16 + row;
+    const float* const own = s_own + row * D + c4 * 4;
+    float m = -INFINITY, sum = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int s0 = 0; s0 < p.num_splits; s0 += CH) {
       float ls[CH];
       float4 xs[CH];
 #pragma unroll
       for (int k = 0; k < CH; ++k) {
         const int s = min(s0 + k, p.num_splits - 1);
-        xs[k] = ld_cg_f4(o_r + s * o_step);
-        ls[k] = ld_cg_f1(l_r + s * l_step);
+        xs[k] = ld_relaxed_f4(s == split ? own : o_r + s * o_step);
+        ls[k] = ld_relaxed_f1(s == split ? own_l : l_r + s * l_step);
       }
       float mc = m;
 #pragma unroll
-      for (int k = 0; k < CH; ++k) mc = fmaxf(mc, s0 + k < p.num_splits && s0 + k != split ? ls[k] : -INFINITY);
+      for (int k = 0; k < CH; ++k) mc = fmaxf(mc, s0 + k < p.num_splits ? ls[k] : -INFINITY);
       // No branch on an all-empty chunk (it would let ptxas sink the O loads behind the max): with
       // mc = -inf every weight is 0 through `used`, and the reference 0 keeps the exponents finite.
       const float mref = mc == -INFINITY ? 0.f : mc;
@@ -736,7 +745,7 @@ FG_DEVICE void decode_split_body(const Params& p) {
 #pragma unroll
       for (int k = 0; k < CH; ++k) {
         // Select, not branch: an empty split's O never enters the sum (0 * garbage is not 0).
-        const bool used = s0 + k < p.num_splits && s0 + k != split && ls[k] != -INFINITY;
+        const bool used = s0 + k < p.num_splits && ls[k] != -INFINITY;
         const float w = used ? expf(ls[k] - mref) : 0.f;
         sum += w;
         acc.x += used ? w * xs[k].x : 0.f;
