@@ -8,7 +8,7 @@ change). Each variant's kernel is compiled from its own source and swapped into 
 flashgen.decode's own plan for the case (same grid, splits, workspace), so every variant runs exactly
 the call the default path makes. Before timing, each variant's output on a split case with appends,
 paged and ragged, is checked against the fp32 reference (the 2x rule), and output and LSE must be
-bitwise equal across variants and repeats. Timing: bench_decode.interleaved
+bitwise equal across repeats of a variant. Timing: bench_decode.interleaved
 (inputs resident, order reversed every other round, medians of rounds).
 """
 import copy
@@ -86,7 +86,7 @@ def check(variants):
                     o, lse = flashgen.decode(case["q"], kc, vc, case["cache_seqlens"], case["block_table"],
                                              case["k_new"], case["v_new"], num_splits=ns, return_lse=True)
                     err = (o.float() - ref).abs().max().item()
-                    first = firsts.setdefault((page, with_new, nq, ns), (o, lse))  # every variant, every rep
+                    first = firsts.setdefault((name, page, with_new, nq, ns), (o, lse))  # every rep of a variant
                     same = torch.equal(first[0], o) and torch.equal(first[1], lse)
                     if not same:
                         print(f"NOT BITWISE {name} page={page} new={with_new} nq={nq} ns={ns} rep={rep}", flush=True)

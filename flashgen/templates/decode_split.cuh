@@ -134,6 +134,56 @@ FG_DEVICE int ld_acquire(const int* ptr) {
   return v;
 }
 
+// One (row, 4 columns) item of the split merge: split s's partial O and LSE at o_r + s * o_step and
+// l_r + s * l_step, except split `own_split`'s, at `own` and `own_l` (the merger's, in shared memory:
+// generic addresses, so the loads stay one unconditional batch). CH splits per chunk: the chunk's loads
+// are independent (one L2 round trip), and a running max rescales what is summed so far (as the online
+// softmax), so the row's LSE needs no pass of its own:
+// O = sum_s e^(lse_s - m) O_s / sum_s e^(lse_s - m), LSE = m + ln(sum_s e^(lse_s - m)), in base 2 inside.
+// Split indices past the last are clamped (a valid address) and weighted 0. The splits are summed in
+// index order whichever one merges, so the result is the same bits every time (graph replays, reruns).
+template <int CH>
+FG_DEVICE void merge_item(const float* o_r, const float* l_r, fg_i64 o_step, fg_i64 l_step, int num_splits,
+                          int own_split, const float* own, const float* own_l, float4& out, float& lse) {
+  constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
+  float m = -INFINITY, sum = 0.f;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int s0 = 0; s0 < num_splits; s0 += CH) {
+    float ls[CH];
+    float4 xs[CH];
+#pragma unroll
+    for (int k = 0; k < CH; ++k) {
+      const int s = min(s0 + k, num_splits - 1);
+      xs[k] = ld_relaxed_f4(s == own_split ? own : o_r + s * o_step);
+      ls[k] = ld_relaxed_f1(s == own_split ? own_l : l_r + s * l_step) * LOG2E;
+    }
+    float mc = m;
+#pragma unroll
+    for (int k = 0; k < CH; ++k) mc = fmaxf(mc, s0 + k < num_splits ? ls[k] : -INFINITY);
+    // No branch on an all-empty chunk (it would let ptxas sink the O loads behind the max): with
+    // mc = -inf every weight is 0 through `used`, and the reference 0 keeps the exponents finite.
+    const float mref = mc == -INFINITY ? 0.f : mc;
+    const float a = fast_exp2(m - mref);  // 0 while m is -inf
+    sum *= a;
+    acc.x *= a; acc.y *= a; acc.z *= a; acc.w *= a;
+#pragma unroll
+    for (int k = 0; k < CH; ++k) {
+      // Select, not branch: an empty split's O never enters the sum (0 * garbage is not 0).
+      const bool used = s0 + k < num_splits && ls[k] != -INFINITY;
+      const float w = used ? fast_exp2(ls[k] - mref) : 0.f;
+      sum += w;
+      acc.x += used ? w * xs[k].x : 0.f;
+      acc.y += used ? w * xs[k].y : 0.f;
+      acc.z += used ? w * xs[k].z : 0.f;
+      acc.w += used ? w * xs[k].w : 0.f;
+    }
+    m = mc;
+  }
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  out = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+  lse = sum > 0.f ? (m + log2f(sum)) * LN2 : -INFINITY;
+}
+
 template <int D, int BN, int NW, int ST, bool BF16, int HINT, typename Params>
 FG_DEVICE void decode_split_body(const Params& p) {
   constexpr int NT = NW * 32;
@@ -703,15 +753,8 @@ FG_DEVICE void decode_split_body(const Params& p) {
   }
   __syncthreads();  // the acquire above passed on to every thread; s_own written
   FG_PROBE(5);
-  // Each thread merges one (row, 4 columns) item over every split, CH = 16 splits at a time: the
-  // chunk's LSE and partial-O loads are independent of each other (one L2 round trip per chunk), and a
-  // running max rescales what is summed so far (as the online softmax), so the row's LSE needs no
-  // pass of its own: O = sum_s e^(lse_s - m) O_s / sum_s e^(lse_s - m), LSE = m + ln(sum_s e^(lse_s - m)).
-  // Split indices past the last are clamped (a valid address) and weighted 0. The merger's own split
-  // (nothing stored) is read from shared memory at its place in the order (a generic address, so the
-  // loads stay one unconditional batch), and the result is the same bits whichever split merges:
-  // graph replays and reruns are bitwise equal.
-  constexpr int CH = 16;
+  // Each thread merges one (row, 4 columns) item over every split (merge_item), in chunks of 4, 8 or 16
+  // splits: no more loads and exponentials than the split count needs.
   const fg_i64 l_step = p.total_rows, o_step = static_cast<fg_i64>(p.total_rows) * p.d;
   for (int i = tid; i < 16 * (D / 4); i += NT) {
     const int row = i / (D / 4), c4 = i % (D / 4);
@@ -722,42 +765,17 @@ FG_DEVICE void decode_split_body(const Params& p) {
     const float* const o_r = p.o_ws + wr * p.d + c4 * 4;
     const float* const own_l = red + 2 * NW * 16 + row;
     const float* const own = s_own + row * D + c4 * 4;
-    float m = -INFINITY, sum = 0.f;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s0 = 0; s0 < p.num_splits; s0 += CH) {
-      float ls[CH];
-      float4 xs[CH];
-#pragma unroll
-      for (int k = 0; k < CH; ++k) {
-        const int s = min(s0 + k, p.num_splits - 1);
-        xs[k] = ld_relaxed_f4(s == split ? own : o_r + s * o_step);
-        ls[k] = ld_relaxed_f1(s == split ? own_l : l_r + s * l_step);
-      }
-      float mc = m;
-#pragma unroll
-      for (int k = 0; k < CH; ++k) mc = fmaxf(mc, s0 + k < p.num_splits ? ls[k] : -INFINITY);
-      // No branch on an all-empty chunk (it would let ptxas sink the O loads behind the max): with
-      // mc = -inf every weight is 0 through `used`, and the reference 0 keeps the exponents finite.
-      const float mref = mc == -INFINITY ? 0.f : mc;
-      const float a = expf(m - mref);  // 0 while m is -inf
-      sum *= a;
-      acc.x *= a; acc.y *= a; acc.z *= a; acc.w *= a;
-#pragma unroll
-      for (int k = 0; k < CH; ++k) {
-        // Select, not branch: an empty split's O never enters the sum (0 * garbage is not 0).
-        const bool used = s0 + k < p.num_splits && ls[k] != -INFINITY;
-        const float w = used ? expf(ls[k] - mref) : 0.f;
-        sum += w;
-        acc.x += used ? w * xs[k].x : 0.f;
-        acc.y += used ? w * xs[k].y : 0.f;
-        acc.z += used ? w * xs[k].z : 0.f;
-        acc.w += used ? w * xs[k].w : 0.f;
-      }
-      m = mc;
+    float4 o;
+    float lse;
+    if (p.num_splits <= 4) {
+      merge_item<4>(o_r, l_r, o_step, l_step, p.num_splits, split, own, own_l, o, lse);
+    } else if (p.num_splits <= 8) {
+      merge_item<8>(o_r, l_r, o_step, l_step, p.num_splits, split, own, own_l, o, lse);
+    } else {
+      merge_item<16>(o_r, l_r, o_step, l_step, p.num_splits, split, own, own_l, o, lse);
     }
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    store_o(r, c4, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
-    if (c4 == 0) store_lse(r, sum > 0.f ? m + logf(sum) : -INFINITY);
+    store_o(r, c4, o);
+    if (c4 == 0) store_lse(r, lse);
   }
   FG_PROBE(6);
 }
