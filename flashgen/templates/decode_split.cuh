@@ -676,9 +676,18 @@ FG_DEVICE void decode_split_body(const Params& p) {
     }
     if (warp == 0 && t == 0) red[2 * NW * 16 + row] = l_all > 0.f ? m_all * p.scale + logf(l_all) : -INFINITY;
   }
-  // red[2 * NW * 16 + 16]: this CTA merges (it drew the last ticket of its group).
-  if (tid == 0) reinterpret_cast<int*>(red)[2 * NW * 16 + 16] = fused && ticket == p.num_splits - 1;
-  __syncthreads();
+  // red[2 * NW * 16 + 16]: this CTA merges (it drew the last ticket of its group). Then thread 0 of the
+  // merger waits for the other splits' partials here, so the round trip overlaps the warp merge.
+  if (tid == 0) {
+    const bool last = fused && ticket == p.num_splits - 1;
+    reinterpret_cast<int*>(red)[2 * NW * 16 + 16] = last;
+    if (last) {
+      while (ld_acquire(ctr + 1) != p.num_splits - 1) __nanosleep(32);
+      ctr[0] = 0;  // both counters ready for the next launch (launches on one stream never overlap):
+      ctr[1] = 0;  // every other CTA of the group has taken its ticket and made its last increment
+    }
+  }
+  __syncthreads();  // (and the merger's acquire, passed on to every thread)
   const bool merger = reinterpret_cast<const int*>(red)[2 * NW * 16 + 16] != 0;
 
   // Final stores of one packed row: O (4 columns from c4*4) in the input dtype, and its LSE.
@@ -738,7 +747,7 @@ FG_DEVICE void decode_split_body(const Params& p) {
     return;
   }
 
-  // ---- the merger: wait for the other splits' partials, merge them with its own ----
+  // ---- the merger (the others' partials are in: see above): merge them with its own ----
   // Its own partial O, summed over the warps, goes to shared memory after the warps' scratch.
   float* const s_own = s_o + NW * 16 * OS;  // [16][D]
   for (int i = tid; i < 16 * (D / 4); i += NT) {
@@ -746,12 +755,7 @@ FG_DEVICE void decode_split_body(const Params& p) {
     if (r0 + row >= p.rows || c4 * 4 >= p.d) continue;
     *reinterpret_cast<float4*>(s_own + row * D + c4 * 4) = own_o(row, c4);
   }
-  if (tid == 0) {
-    while (ld_acquire(ctr + 1) != p.num_splits - 1) __nanosleep(32);
-    ctr[0] = 0;  // both counters ready for the next launch (launches on one stream never overlap):
-    ctr[1] = 0;  // every other CTA of the group has taken its ticket and made its last increment
-  }
-  __syncthreads();  // the acquire above passed on to every thread; s_own written
+  __syncthreads();  // s_own written
   FG_PROBE(5);
   // Each thread merges one (row, 4 columns) item over every split (merge_item), in chunks of 4, 8 or 16
   // splits: no more loads and exponentials than the split count needs.
