@@ -236,6 +236,20 @@ FG_DEVICE void decode_split_body(const Params& p) {
   }
 
   const int len_cache = p.seqlens != nullptr ? p.seqlens[b] : p.seqlen_k;
+  // Split 0 starts at key 0 whatever the sequence's length: while its length is loading (the load above is in flight), warm L2 with
+  // the keys and values of its first ST - 1 blocks (contiguous cache; rows past the length but within
+  // the capacity are valid memory, at most that many wasted 128-byte lines).
+  if (p.seqlens != nullptr && p.block_table == nullptr && split == 0) {
+    constexpr int LINES = (2 * D + 127) / 128;  // 128-byte lines per row (a row may start mid-line: d < 64)
+    const int rows = min(p.seqlen_k, (ST - 1) * BN);
+    const fg_i64 row0 = static_cast<fg_i64>(b) * p.k_sb + hk * p.k_sh;
+    const fg_i64 vrow0 = static_cast<fg_i64>(b) * p.v_sb + hk * p.v_sh;
+    for (int i = threadIdx.x; i < rows * LINES; i += NW * 32) {
+      const int row = i / LINES, c = (i % LINES) * 64;
+      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p.k + row0 + row * p.k_ss + c));
+      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p.v + vrow0 + row * p.v_ss + c));
+    }
+  }
   const bool has_new = p.knew != nullptr;
   const int len = len_cache + (has_new ? p.nq : 0);  // keys of this sequence after the append
   const int diag = len - p.nq;                        // new token i sees keys j <= i + diag
