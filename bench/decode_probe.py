@@ -22,6 +22,9 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+# The kernel's FG_PROBE slots (templates/decode_split.cuh). Since session 8: "stored" and "ticket" are
+# stamped by the CTAs that do not merge (partials stored; count released); the merger stamps "ticket"
+# once the others' partials are in and its own is in shared memory, and "merged" at the end.
 SLOTS = ("start", "seqlens", "first_k", "loop_end", "stored", "ticket", "merged")
 
 _STREAM_SRC = r"""
