@@ -3,8 +3,10 @@
     python3 bench/exp_s8/ab_src.py OUT.json [ROUNDS] [VARIANT=path/to/decode_split.cuh ...]
 
 "head" is the working tree's template; every VARIANT=FILE is the same spec rendered with FILE's text in
-place of decode_split.cuh (e.g. base=bench/exp_s8/base_decode_split.cuh, the template before the
-change). Each variant's kernel is compiled from its own source and swapped into a copy of
+place of decode_split.cuh. Variant files are an earlier commit's template, made here and carried to the
+device (bench/exp_s8/variants/ is git-ignored; the device gets no .git):
+    git show dcf335b:flashgen/templates/decode_split.cuh > bench/exp_s8/variants/base_decode_split.cuh
+Session 8's calls used base = dcf335b, late_spin = 8fd4527, noprefetch = 7f72292. Each variant's kernel is compiled from its own source and swapped into a copy of
 flashgen.decode's own plan for the case (same grid, splits, workspace), so every variant runs exactly
 the call the default path makes. Before timing, each variant's output on a split case with appends,
 paged and ragged, is checked against the fp32 reference (the 2x rule), and output and LSE must be

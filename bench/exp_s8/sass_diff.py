@@ -1,5 +1,5 @@
-"""Session 8: compile every default decode_split spec from the base template (bench/exp_s8/base_decode_split.cuh,
-HEAD's before the change) and from the working tree; print ptxas reports and where the SASS first differs.
+"""Session 8: compile every default decode_split spec from the base template (bench/exp_s8/variants/base_decode_split.cuh,
+dcf335b's, made with git show) and from the working tree; print ptxas reports and where the SASS first differs.
 
     python3 bench/exp_s8/sass_diff.py [OUTDIR]
 """
@@ -16,7 +16,7 @@ from flashgen.codegen.compiler import compile_source  # noqa: E402
 from flashgen.codegen.render import render  # noqa: E402
 
 NVDISASM = os.environ.get("NVDISASM", "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/nvidia/cu13/bin/nvdisasm")
-BASE = (ROOT / "bench/exp_s8/base_decode_split.cuh").read_text()
+BASE = (ROOT / "bench/exp_s8/variants/base_decode_split.cuh").read_text()
 HEAD = (ROOT / "flashgen/templates/decode_split.cuh").read_text()
 
 
