@@ -46,9 +46,13 @@ DEFAULT_DECODE_TILES = {
 # Per-case tiles tried before DEFAULT_DECODE_TILES[d] (decode_regime picks the case): "few" (so few
 # batch x KV head x m-block groups that a 2-CTA/SM tile would need more than MERGE_SPLITS splits to
 # fill the GPU), "some", "full" (the groups alone give every SM a CTA). Sessions 2-5 shipped three d=128
-# tiles here (n128 w4 s2 / n64 w4 s3 h2 / n64 w4 s2); session 6's A/B found one tile best in all three,
-# so none is listed now: the mechanism stays for head dims or GPUs whose measurements differ by case.
-DECODE_TILES_BY_REGIME: dict = {}
+# tiles here (n128 w4 s2 / n64 w4 s3 h2 / n64 w4 s2); session 6's A/B found one tile best in all three.
+# Session 8 (after the cheaper split merge; bench/NOTES.md "Session 8"): a third ring stage (196 KB, still
+# one CTA per SM, two blocks in flight) gained 0.2-0.9 % in two interleaved A/Bs on the "some" cases of
+# 32k and 128k keys (b1/hk32, b8/hk8: one wave of 2-4 splits) and lost 1-2 % on "full" (two waves,
+# no split) and 0.5-1 % on "few" (16 splits): "some" only. It needs sm_90's per-block budget; elsewhere
+# the rule falls through to DEFAULT_DECODE_TILES.
+DECODE_TILES_BY_REGIME: dict = {128: {"some": ((128, 4, 3, 2),)}}
 REGIMES = ("few", "some", "full")
 # More splits than this only where one CTA per SM needs them (num_splits_heuristic): each split adds
 # a partial (fp32 O + LSE) to write and merge, and the merge is the kernel's tail.

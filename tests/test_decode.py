@@ -114,12 +114,13 @@ def test_heuristic_bounds():
 @pytest.mark.parametrize("batch,heads_kv,regime", [
     (1, 8, "few"), (1, 32, "some"), (8, 8, "some"), (2, 8, "some"), (32, 8, "full"),
 ])
-def test_one_d128_tile_on_an_h200(batch, heads_kv, regime):
-    """d=128 on the H200 (132 SMs, 232448 B per block): every case gets n128 w4 s2 with the evict_first
-    hint, one CTA per SM (session 6's A/B, bench/NOTES.md), and the split heuristic fills one wave."""
+def test_d128_tiles_on_an_h200(batch, heads_kv, regime):
+    """d=128 on the H200 (132 SMs, 232448 B per block): n128 w4 with the evict_first hint, one CTA per SM
+    (session 6's A/B, bench/NOTES.md), three ring stages in the "some" regime and two elsewhere (session
+    8's A/Bs), and the split heuristic fills one wave."""
     assert decoding.decode_regime(batch * heads_kv, 132) == regime
     spec = decoding.select_split_spec("sm_90a", "bf16", 128, 32768, None, 232448, work=batch * heads_kv, sms=132)
-    assert (spec.block_n, spec.warps, spec.stages, spec.hint) == (128, 4, 2, 2)
+    assert (spec.block_n, spec.warps, spec.stages, spec.hint) == (128, 4, 3 if regime == "some" else 2, 2)
     occ = decoding.ctas_per_sm(spec.smem_bytes(), 128, 168, 233472)
     assert occ == 1
     splits = decoding.num_splits_heuristic(batch, heads_kv, 1, 32768, 128, 132, occ)
@@ -294,7 +295,11 @@ def test_default_rule_specs_are_valid_and_fit():
             assert s.smem_bytes() <= budget and s.arch == arch
     h200 = {s.name for s in decoding.default_specs("sm_90a", 232448) if s.kind == "decode_split" and s.head_dim == 128
             and s.dtype == "bf16"}
-    assert h200 == {"decode_split_d128_m16_n128_w4_s2_h2_causal_bf16_sm90a"}  # one tile for every case
+    assert h200 == {"decode_split_d128_m16_n128_w4_s2_h2_causal_bf16_sm90a",  # "few" and "full"
+                    "decode_split_d128_m16_n128_w4_s3_h2_causal_bf16_sm90a"}  # "some"
+    a100 = {s.name for s in decoding.default_specs("sm_80", 166912) if s.kind == "decode_split" and s.head_dim == 128
+            and s.dtype == "bf16"}
+    assert a100 == {"decode_split_d128_m16_n128_w4_s2_h2_causal_bf16_sm80"}  # 196 KB does not fit: one tile
 
 
 @pytest.mark.parametrize("field,value,message", [
