@@ -246,6 +246,7 @@ FG_DEVICE void decode_split_body(const Params& p) {
     const fg_i64 vrow0 = static_cast<fg_i64>(b) * p.v_sb + hk * p.v_sh;
     for (int i = threadIdx.x; i < rows * LINES; i += NW * 32) {
       const int row = i / LINES, c = (i % LINES) * 64;
+      if (c >= p.d) continue;  // (d < D: never an address past the row, so never past the cache)
       asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p.k + row0 + row * p.k_ss + c));
       asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p.v + vrow0 + row * p.v_ss + c));
     }
