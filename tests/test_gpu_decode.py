@@ -168,6 +168,7 @@ CASES = [
     (2, 2, 500, 96, 4, 2, None, True, "bf16"),       # d=96: rounded up to the 128 tile and masked
     (2, 1, 300, 32, 8, 8, 32, False, "fp16"),
     (2, 1, 5000, 256, 1, 1, 256, False, "bf16"),
+    (2, 1, 40, 136, 4, 2, None, False, "bf16"),      # d=136 in the 256 tile; the L2 warm-up covers the whole cache
 ]
 
 
