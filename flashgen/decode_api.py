@@ -24,11 +24,11 @@ from .errors import UnsupportedError
 
 _plans: dict = {}
 
-# Merge the splits inside decode_split (the last CTA of each group, by a ticket) instead of launching
+# Merge the splits inside decode_split (the CTA that draws its group's last ticket) instead of launching
 # decode_combine: one launch per call. Read when a call is planned: after changing it, clear _plans.
 FUSED_COMBINE = True
 
-# Split workspaces (fp32 partials + LSEs, and the fused combine's tickets) kept per (device, stream,
+# Split workspaces (fp32 partials + LSEs, and the in-kernel merge's counters) kept per (device, stream,
 # thread) and grown as needed: launches on one stream run in order, so one buffer serves every call
 # there; the thread is in the key because two threads may interleave their launches on one stream.
 # While a CUDA graph is being captured the buffers come from torch's allocator (the graph's pool).

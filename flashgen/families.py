@@ -212,8 +212,9 @@ DECODE_PARAMS = (
     ("knew", "const elem_t*", PTR), ("vnew", "const elem_t*", PTR),
     ("o", "elem_t*", PTR), ("lse", "float*", PTR), ("o_ws", "float*", PTR), ("lse_ws", "float*", PTR),
     ("seqlens", "const int*", PTR), ("block_table", "const int*", PTR),
-    # Tickets of the fused combine, one int per (batch, KV head, m-block), zero between launches
-    # (the last CTA of a group resets its own); null: the splits only write the workspace.
+    # The in-kernel merge's counters, two ints per (batch, KV head, m-block): a ticket and a count of
+    # stored partials, zero between launches (the merging CTA resets its group's); null: the splits only
+    # write the workspace (decode_combine merges).
     ("counters", "int*", PTR),
     # (batch or page, seq, head) strides; for a paged cache "_sb" is the page stride.
     *_strides("q", "k", "v", "knew", "vnew", "o"),
