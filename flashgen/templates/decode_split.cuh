@@ -116,72 +116,10 @@ __host__ __device__ constexpr int decode_smem_bytes() {
 FG_DEVICE void red_release_add(int* ptr, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(ptr), "r"(v) : "memory");
 }
-// A GPU-coherent 16-byte load through a generic address: another CTA's partial (global, from L2) or
-// the merger's own (shared memory), one instruction either way.
-FG_DEVICE float4 ld_relaxed_f4(const float* ptr) {
-  float4 v;
-  asm volatile("ld.relaxed.gpu.v4.f32 {%0,%1,%2,%3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(ptr));
-  return v;
-}
-FG_DEVICE float ld_relaxed_f1(const float* ptr) {
-  float v;
-  asm volatile("ld.relaxed.gpu.f32 %0, [%1];\n" : "=f"(v) : "l"(ptr));
-  return v;
-}
 FG_DEVICE int ld_acquire(const int* ptr) {
   int v;
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(ptr) : "memory");
   return v;
-}
-
-// One (row, 4 columns) item of the split merge: split s's partial O and LSE at o_r + s * o_step and
-// l_r + s * l_step, except split `own_split`'s, at `own` and `own_l` (the merger's, in shared memory:
-// generic addresses, so the loads stay one unconditional batch). CH splits per chunk: the chunk's loads
-// are independent (one L2 round trip), and a running max rescales what is summed so far (as the online
-// softmax), so the row's LSE needs no pass of its own:
-// O = sum_s e^(lse_s - m) O_s / sum_s e^(lse_s - m), LSE = m + ln(sum_s e^(lse_s - m)), in base 2 inside.
-// Split indices past the last are clamped (a valid address) and weighted 0. The splits are summed in
-// index order whichever one merges, so the result is the same bits every time (graph replays, reruns).
-template <int CH>
-FG_DEVICE void merge_item(const float* o_r, const float* l_r, fg_i64 o_step, fg_i64 l_step, int num_splits,
-                          int own_split, const float* own, const float* own_l, float4& out, float& lse) {
-  constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
-  float m = -INFINITY, sum = 0.f;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int s0 = 0; s0 < num_splits; s0 += CH) {
-    float ls[CH];
-    float4 xs[CH];
-#pragma unroll
-    for (int k = 0; k < CH; ++k) {
-      const int s = min(s0 + k, num_splits - 1);
-      xs[k] = ld_relaxed_f4(s == own_split ? own : o_r + s * o_step);
-      ls[k] = ld_relaxed_f1(s == own_split ? own_l : l_r + s * l_step) * LOG2E;
-    }
-    float mc = m;
-#pragma unroll
-    for (int k = 0; k < CH; ++k) mc = fmaxf(mc, s0 + k < num_splits ? ls[k] : -INFINITY);
-    // No branch on an all-empty chunk (it would let ptxas sink the O loads behind the max): with
-    // mc = -inf every weight is 0 through `used`, and the reference 0 keeps the exponents finite.
-    const float mref = mc == -INFINITY ? 0.f : mc;
-    const float a = fast_exp2(m - mref);  // 0 while m is -inf
-    sum *= a;
-    acc.x *= a; acc.y *= a; acc.z *= a; acc.w *= a;
-#pragma unroll
-    for (int k = 0; k < CH; ++k) {
-      // Select, not branch: an empty split's O never enters the sum (0 * garbage is not 0).
-      const bool used = s0 + k < num_splits && ls[k] != -INFINITY;
-      const float w = used ? fast_exp2(ls[k] - mref) : 0.f;
-      sum += w;
-      acc.x += used ? w * xs[k].x : 0.f;
-      acc.y += used ? w * xs[k].y : 0.f;
-      acc.z += used ? w * xs[k].z : 0.f;
-      acc.w += used ? w * xs[k].w : 0.f;
-    }
-    m = mc;
-  }
-  const float inv = sum > 0.f ? 1.f / sum : 0.f;
-  out = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
-  lse = sum > 0.f ? (m + log2f(sum)) * LN2 : -INFINITY;
 }
 
 template <int D, int BN, int NW, int ST, bool BF16, int HINT, typename Params>
@@ -236,9 +174,9 @@ FG_DEVICE void decode_split_body(const Params& p) {
   }
 
   const int len_cache = p.seqlens != nullptr ? p.seqlens[b] : p.seqlen_k;
-  // Split 0 starts at key 0 whatever the sequence's length: while its length is loading (the load above is in flight), warm L2 with
-  // the keys and values of its first ST - 1 blocks (contiguous cache; rows past the length but within
-  // the capacity are valid memory, at most that many wasted 128-byte lines).
+  // Split 0 starts at key 0 whatever the sequence's length: while that length is loading (the load above
+  // is in flight), warm L2 with the keys and values of its first ST - 1 blocks (contiguous cache; rows
+  // past the length but within the capacity are valid memory, at most that many wasted 128-byte lines).
   if (p.seqlens != nullptr && p.block_table == nullptr && split == 0) {
     constexpr int LINES = (2 * D + 127) / 128;  // 128-byte lines per row (a row may start mid-line: d < 64)
     const int rows = min(p.seqlen_k, (ST - 1) * BN);
@@ -657,7 +595,7 @@ FG_DEVICE void decode_split_body(const Params& p) {
   FG_PROBE(3);
 
   // ---- merge the warps: per row max, sum; each warp's O scaled into scratch ----
-  // red: [NW][16] max, [NW][16] sum, [16] lse of this split (later the merged lse), [1] last-CTA flag
+  // red: [NW][16] max, [NW][16] sum, [16] lse of this split, [1] merger flag
   float* red = reinterpret_cast<float*>(smem);
   float* s_o = reinterpret_cast<float*>(smem + 16 * D * 2);   // [NW][16][OS]
 #pragma unroll
@@ -772,8 +710,8 @@ FG_DEVICE void decode_split_body(const Params& p) {
   }
   __syncthreads();  // s_own written
   FG_PROBE(5);
-  // Each thread merges one (row, 4 columns) item over every split (merge_item), in chunks of 4, 8 or 16
-  // splits: no more loads and exponentials than the split count needs.
+  // Each thread merges one (row, 4 columns) item over every split (decode_merge.cuh), in chunks of 4, 8
+  // or 16 splits by the split count (merge_splits' dispatch, written out here: see there).
   const fg_i64 l_step = p.total_rows, o_step = static_cast<fg_i64>(p.total_rows) * p.d;
   for (int i = tid; i < 16 * (D / 4); i += NT) {
     const int row = i / (D / 4), c4 = i % (D / 4);
