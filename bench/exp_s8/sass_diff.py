@@ -15,7 +15,10 @@ from flashgen import decoding  # noqa: E402
 from flashgen.codegen.compiler import compile_source  # noqa: E402
 from flashgen.codegen.render import render  # noqa: E402
 
-NVDISASM = os.environ.get("NVDISASM", "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/nvidia/cu13/bin/nvdisasm")
+sys.path.insert(0, str(ROOT / "tests"))
+from build_util import disassemblers  # noqa: E402  (PATH or pip's nvidia wheels, as the SASS tests)
+
+NVDISASM = os.environ.get("NVDISASM") or next((t for t in disassemblers() if t.endswith("nvdisasm")), "nvdisasm")
 BASE = (ROOT / "bench/exp_s8/variants/base_decode_split.cuh").read_text()
 HEAD = (ROOT / "flashgen/templates/decode_split.cuh").read_text()
 
