@@ -3,7 +3,7 @@
     python3 bench/ab_decode.py --cands "default,n64w4s2h0@slots,n64w4s2h2@slots" [--rounds 7] [--out ab.json]
 
 A candidate is ``default`` (flashgen.decode's own choice) or ``n<block_n>w<warps>s<stages>h<hint>`` with an
-optional ``L`` (the lean kernel, KernelSpec.persist: one wave of CTAs sharing all the work) or ``@<splits>``: a number, ``h`` (the split heuristic, also the default) or ``slots`` (one full wave
+optional ``@<splits>``: a number, ``h`` (the split heuristic, also the default) or ``slots`` (one full wave
 of that tile's resident CTAs: SMs x CTAs per SM // (batch x KV heads), at least 1). Every forced tile is
 first checked against the fp32 reference (sweep_decode.check_spec: the 2x rule, paged + appends, split and
 not). Per case, all candidates and cuDNN are timed in the same interleaved rounds (bench_decode.interleaved:
@@ -27,7 +27,7 @@ from flashgen import decoding  # noqa: E402
 from flashgen.api import _Device  # noqa: E402
 from flashgen.codegen import build  # noqa: E402
 
-_CAND = re.compile(r"^n(\d+)w(\d+)s(\d+)h(\d+)(?:(L)|@(\d+|h|slots))?$")
+_CAND = re.compile(r"^n(\d+)w(\d+)s(\d+)h(\d+)(?:@(\d+|h|slots))?$")
 
 
 def parse(cand, arch):
@@ -36,11 +36,8 @@ def parse(cand, arch):
         return None, "h"
     m = _CAND.match(cand)
     if not m:
-        raise SystemExit(f"bad candidate {cand!r}: default or n<bn>w<w>s<st>h<hint>[L|@N|@h|@slots]")
-    spec = spec_of(*(int(x) for x in m.groups()[:4]), arch)
-    if m.group(5):  # the lean kernel: its own grid, no split count
-        return spec.replace(persist=True).validate(), "h"
-    return spec, m.group(6) or "h"
+        raise SystemExit(f"bad candidate {cand!r}: default or n<bn>w<w>s<st>h<hint>[@N|@h|@slots]")
+    return spec_of(*(int(x) for x in m.groups()[:4]), arch), m.group(5) or "h"
 
 
 def splits_for(spec, word, b, hk, sms, smem_sm):

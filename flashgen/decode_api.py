@@ -365,24 +365,13 @@ def _plan(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax
                                     work=b * hk * m_blocks, sms=sms)
     else:
         _check_forced_spec(spec, dev, dtype, d)
-    lean = spec.persist
-    if lean:
-        why = dk.lean_unfit(b, hk, m_blocks, limits.capacity + nq, spec)
-        if why is not None:
-            raise UnsupportedError(f"spec {spec.name}: {why}")
-        if num_splits is not None:
-            raise ValueError(f"num_splits does not apply to the lean kernel ({spec.name}): its CTAs share the work")
     kern = load(spec, index)
-    occ = 0
-    if num_splits is None or lean:
+    if num_splits is None:
         occ = dk.ctas_per_sm(spec.smem_bytes(), spec.warps * 32, kern.binary.report.registers or 255, smem_sm)
-    if lean:  # one wave of CTAs sharing every group's blocks (decode_split_body); "splits" = the CTAs
-        num_splits = sms * occ
-    elif num_splits is None:
         num_splits = dk.num_splits_heuristic(b, hk, m_blocks, limits.capacity, spec.block_n, sms, occ)
     total_rows = b * nq * hq
     plan.kernel, plan.spec, plan.splits = kern, spec, num_splits
-    plan.grid = (num_splits, 1, 1) if lean else (num_splits * m_blocks, hk, b)
+    plan.grid = (num_splits * m_blocks, hk, b)
     s_new = k_new.stride() if k_new is not None else (0, 0, 0)
     s_vnew = v_new.stride() if v_new is not None else (0, 0, 0)
     ks, vs, qs = k_cache.stride(), v_cache.stride(), q.stride()
@@ -396,12 +385,7 @@ def _plan(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax
         scale=scale, scale_log2=scale * math.log2(math.e),
     )
     plan._template, plan._struct = bytes(template), type(template)
-    if lean and num_splits > 1:  # partial slots (16 rows each): the groups' runs of CTAs (decode_split_body)
-        slots = num_splits + b * hk
-        plan.ws_numel = slots * dk.ROWS * (d + 1)
-        plan.ws_lse_offset = slots * dk.ROWS * d * 4
-        plan.ctr_numel = 2 * b * hk
-    elif num_splits > 1:
+    if num_splits > 1:
         plan.ws_numel = num_splits * total_rows * (d + 1)
         plan.ws_lse_offset = num_splits * total_rows * d * 4  # bytes: the LSEs follow the partial outputs
         plan.ctr_numel = 2 * b * hk * m_blocks                # a ticket and a count per (batch, KV head, m-block)

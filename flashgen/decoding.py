@@ -176,62 +176,6 @@ def ctas_per_sm(smem_bytes: int, threads: int, registers: int, smem_per_sm: int,
 # ----------------------------------------------------------------- index arithmetic (mirrors the kernel)
 
 
-def lean_unfit(batch: int, heads_kv: int, m_blocks: int, max_len: int, spec) -> str | None:
-    """Why the lean kernel (spec.persist) cannot serve a call, or None. It packs one m-block (rows =
-    seqlen_q * group <= 16), keeps every sequence's first work position in the K ring while it finds its
-    range, and counts the work positions (batch * heads_kv * blocks) in 32 bits; ``max_len`` is the
-    longest a sequence can be (capacity plus new tokens)."""
-    if m_blocks != 1:
-        return f"the lean kernel packs one 16-row m-block, this call needs {m_blocks} (seqlen_q * group > 16)"
-    ring = 2 * spec.stages * spec.block_n * spec.head_dim * 2
-    if 4 * (batch + 1) > ring:
-        return f"batch {batch}: the lean kernel's {4 * (batch + 1)} B of sequence offsets exceed its {ring} B ring"
-    if batch * heads_kv * -(-max_len // spec.block_n) >= 2 ** 31:
-        return "the lean kernel counts work positions in 32 bits"
-    return None
-
-
-def lean_segments(blocks: list, heads_kv: int, ctas: int) -> list:
-    """Mirror of the lean kernel's walk (templates/decode_split.cuh, decode_split_body with LEAN): per
-    CTA, its segments as dicts (group, blk_lo, blk_hi, split, nsplit, slot0) -- group g = b * heads_kv + hk
-    with ``blocks[b]`` key blocks; an empty group appears once, as a direct segment of no blocks."""
-    pre = [0]
-    for n in blocks:
-        pre.append(pre[-1] + heads_kv * n)
-    total = pre[-1]
-    p = max(1, min(ctas, total))
-
-    def start_of(c):
-        return c * total // p
-
-    def cta_of(x):
-        return -(-(x + 1) * p // total) - 1
-
-    out = [[] for _ in range(ctas)]
-    nb_seq = len(blocks)
-    for c in range(p):
-        start, end = start_of(c), start_of(c + 1)
-        b = next((i for i in range(nb_seq) if pre[i + 1] > start or pre[i] >= start), nb_seq)
-        nb = blocks[b] if b < nb_seq else 0
-        hk = (start - pre[b]) // nb if b < nb_seq and nb > 0 and pre[b] < start else 0
-        pos = pre[b] + hk * nb if b < nb_seq else total
-        while b < nb_seq and (pos < end or (c == p - 1 and pos == total)):
-            seg = {"group": b * heads_kv + hk, "blk_lo": 0, "blk_hi": 0, "split": 0, "nsplit": 1, "slot0": 0}
-            if nb > 0:
-                c0, c1 = cta_of(pos), cta_of(pos + nb - 1)
-                seg.update(split=c - c0, nsplit=c1 - c0 + 1, blk_lo=max(pos, start) - pos,
-                           blk_hi=min(pos + nb, end) - pos, slot0=c0 + seg["group"])
-            out[c].append(seg)
-            pos += nb
-            hk += 1
-            if hk == heads_kv:
-                hk = 0
-                b += 1
-                nb = blocks[b] if b < nb_seq else 0
-    return out
-
-
-
 def split_range(length: int, num_splits: int, split: int, block_n: int) -> tuple[int, int]:
     """Keys [begin, end) of split ``split`` of a sequence of ``length`` keys: whole blocks of
     ``block_n``, ceil(blocks / num_splits) per split; an empty range has end <= begin."""

@@ -144,9 +144,7 @@ class DecodeSplitFamily(Family):
     ``cp.async.cg``, 1 with the ``.L2::256B`` prefetch hint, 2 with an
     evict_first L2 cache policy, 3 both (LOAD_HINTS); 4 and 5 (sm_90a only) the
     bulk loader: one ``cp.async.bulk`` per K/V row into rows padded by 16 bytes,
-    per-warp mbarriers (5 with evict_first). ``persist``: the lean kernel, a one-wave
-    grid whose CTAs share every sequence's key blocks evenly (stream-K; one m-block,
-    cp.async loaders; see decode_split_body).
+    per-warp mbarriers (5 with evict_first).
     """
 
     def validate(self, spec) -> None:
@@ -162,8 +160,6 @@ class DecodeSplitFamily(Family):
                              "(rows per load pass must divide 16)")
         if spec.hint in BULK_HINTS and spec.arch != "sm_90a":
             raise ValueError(f"{self.kind}: hint={spec.hint} (cp.async.bulk) needs sm_90a, not {spec.arch}")
-        if spec.persist and spec.hint in BULK_HINTS:
-            raise ValueError(f"{self.kind}: persist (the lean kernel) runs the cp.async loaders only, not hint={spec.hint}")
 
     def smem_bytes(self, spec) -> int:
         # Q tile (16 rows) + K and V rings; the cross-warp reduction reuses both. The bulk loader pads
@@ -446,8 +442,7 @@ FAMILIES: dict[str, Family] = {
     "decode_split": DecodeSplitFamily("decode_split", "decode_split.cu.j2", DECODE_PARAMS,
                                       head_dims=DECODE_HEAD_DIMS, block_ms=(16,),
                                       block_ns=(16, 32, 48, 64, 96, 128),
-                                      stages=(2, 3, 4, 5, 6, 8, 10, 12), refills=(0,), hints=tuple(LOAD_HINTS),
-                                      flags=("persist",)),
+                                      stages=(2, 3, 4, 5, 6, 8, 10, 12), refills=(0,), hints=tuple(LOAD_HINTS)),
     "decode_combine": DecodeCombineFamily("decode_combine", "decode_combine.cu.j2", COMBINE_PARAMS,
                                           head_dims=DECODE_HEAD_DIMS),
     "fwd_sm90": Sm90Family("fwd_sm90", "fwd_sm90.cu.j2", SM90_PARAMS,

@@ -71,7 +71,6 @@ class KernelSpec:
         return (
             f"{self.kind}_d{self.head_dim}_m{self.block_m}_n{self.block_n}_w{self.warps}_s{self.stages}"
             + (f"_h{self.hint}" if self.kind.startswith("decode_") or self.kind == "bwd_sm90" else f"_r{self.refill}")
-            + ("_ps1" if self.persist else "")
             + f"_{'causal' if self.causal else 'full'}_{self.dtype}_{self.arch.replace('_', '')}"
         )
 

@@ -146,70 +146,6 @@ def test_ctas_per_sm_hand_checked():
 # ---------------------------------------------------------------- index arithmetic
 
 
-@pytest.mark.parametrize("blocks,heads_kv,ctas", [
-    ([1024] * 8, 8, 132),                 # b8/hk8/L128k at n128: 64 groups over 132 CTAs
-    ([1024] * 32, 8, 132),                # b32: 256 groups, about two per CTA
-    ([32] * 32, 8, 132),                  # b32/L4k
-    ([1024], 8, 132),                     # b1/hk8: 8 groups of about 16.5 CTAs each
-    ([3, 0, 7, 0, 0, 1], 2, 132),         # fewer blocks than CTAs, empty sequences between
-    ([0, 0, 0], 4, 132),                  # no work at all: every group empty
-    ([5, 0], 3, 1),                       # one CTA takes everything
-    ([17, 40, 1, 0, 333, 2], 4, 7),       # ragged, a few CTAs
-    ([0, 9, 0], 1, 4),
-])
-def test_lean_walk_partitions_the_work(blocks, heads_kv, ctas):
-    """The lean kernel's walk (mirrored by decoding.lean_segments): every key block of every group is
-    taken by exactly one CTA, the CTAs' shares differ by at most one block, a cut group's pieces come
-    from consecutive CTAs in key order (split 0..nsplit-1, one nsplit and one slot run per group), slot
-    runs never overlap and stay below ctas + groups, and an empty group is written once, directly."""
-    segs = decoding.lean_segments(blocks, heads_kv, ctas)
-    groups = len(blocks) * heads_kv
-    taken = {}
-    by_group = {}
-    for c, lst in enumerate(segs):
-        for seg in lst:
-            g = seg["group"]
-            by_group.setdefault(g, []).append((c, seg))
-            for blk in range(seg["blk_lo"], seg["blk_hi"]):
-                assert (g, blk) not in taken, (g, blk)
-                taken[(g, blk)] = c
-    want = {(b * heads_kv + h, k) for b, n in enumerate(blocks) for h in range(heads_kv) for k in range(n)}
-    assert set(taken) == want
-    shares = [sum(s["blk_hi"] - s["blk_lo"] for s in lst) for lst in segs]
-    total = sum(blocks) * heads_kv
-    working = [x for x in shares if x]
-    assert sum(shares) == total and (not working or max(working) - min(working) <= 1)
-    assert len(working) == min(ctas, total)
-    runs = []
-    for g in range(groups):
-        pieces = by_group.get(g, [])
-        n = blocks[g // heads_kv]
-        if n == 0:
-            assert len(pieces) == 1 and pieces[0][1]["nsplit"] == 1 and pieces[0][1]["blk_hi"] == 0
-            continue
-        nsplit = pieces[0][1]["nsplit"]
-        assert [s["split"] for _, s in pieces] == list(range(nsplit)) and len(pieces) == nsplit
-        assert [c for c, _ in pieces] == list(range(pieces[0][0], pieces[0][0] + nsplit))
-        assert all(s["nsplit"] == nsplit and s["slot0"] == pieces[0][1]["slot0"] for _, s in pieces)
-        assert [s["blk_lo"] for _, s in pieces] == sorted(s["blk_lo"] for _, s in pieces)
-        if nsplit > 1:
-            runs.append(range(pieces[0][1]["slot0"], pieces[0][1]["slot0"] + nsplit))
-    used = [x for r in runs for x in r]
-    assert len(used) == len(set(used)) and all(0 <= x < ctas + groups for x in used)
-
-
-def test_lean_unfit():
-    """The lean kernel serves one m-block, a batch whose offsets fit its ring, and 32-bit positions."""
-    spec = decoding.default_split_spec("sm_90a", "bf16", 128, 232448).replace(persist=True).validate()
-    assert decoding.lean_unfit(32, 8, 1, 131072, spec) is None
-    assert "m-block" in decoding.lean_unfit(2, 8, 2, 4096, spec)
-    assert "ring" in decoding.lean_unfit(60000, 8, 1, 4096, spec)
-    assert "32 bits" in decoding.lean_unfit(4096, 64, 1, 2 ** 21, spec)
-    with pytest.raises(ValueError, match="cp.async loaders only"):
-        spec.replace(hint=5).validate()
-    assert spec.name == "decode_split_d128_m16_n128_w4_s3_h2_ps1_causal_bf16_sm90a"
-
-
 @pytest.mark.parametrize("length", [0, 1, 63, 64, 65, 339, 4096, 20000])
 @pytest.mark.parametrize("splits", [1, 2, 3, 7, 32, 200])
 def test_split_ranges_partition_the_keys(length, splits):
@@ -396,7 +332,7 @@ def test_load_hints_are_the_hint_field():
     for hint in LOAD_HINTS:
         spec = base.replace(hint=hint)
         assert f"_h{hint}_causal_" in spec.name and "_r0_" not in spec.name
-        assert f"true, {hint}, false>(p);" in render(spec)
+        assert f"true, {hint}>(p);" in render(spec)
     assert decoding.combine_spec("sm_90a", "bf16", 128).name == "decode_combine_d128_m16_n16_w4_s2_h0_full_bf16_sm90a"
     for kind in ("fwd_v2", "bwd_dkdv"):
         with pytest.raises(ValueError, match="hint=2"):

@@ -21,14 +21,20 @@ from flashgen.api import _Device  # noqa: E402
 # (b, hq, hk, L, splits): CTAs = b * hk * splits, 32 MB of K/V each
 CASES = [(b, 16, 4, 65536, 1) for b in (30, 32, 33)] + [(b, 8, 2, 131072, 2) for b in (30, 32, 33)] + \
         [(b, 16, 4, 65536, 1) for b in (64, 66)]
+# "rate": few CTAs, so HBM never limits: each tile's own per-CTA rate (what the last CTAs of a call run at)
+RATE_CASES = [(b, 4, 1, 65536, 1) for b in (8, 16, 32, 64)]
 
 
 def main():
     out, rounds = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 7
+    rate = len(sys.argv) > 3 and sys.argv[3] == "rate"
     arch = _Device.of(0).arch
     tiles = {"s3": spec_of(128, 4, 3, 2, arch), "s2": spec_of(128, 4, 2, 2, arch)}
+    if rate:
+        tiles.update(w8s2=spec_of(128, 8, 2, 2, arch), n64s3=spec_of(64, 4, 3, 2, arch), n64s4=spec_of(64, 4, 4, 2, arch),
+                     n64s6=spec_of(64, 4, 6, 2, arch))
     res = {"meta": meta(), "rounds": rounds, "cases": {}}
-    for b, hq, hk, L, S in CASES:
+    for b, hq, hk, L, S in (RATE_CASES if rate else CASES):
         case = Case(b, hq, hk, L, "bhsd", time_cudnn=False)
         fns = {n: case.fn(s, S)[0] for n, s in tiles.items()}
         fns["cudnn"] = case.cudnn_run
@@ -36,7 +42,8 @@ def main():
         for n, ts in interleaved(fns, case.copies, rounds=rounds).items():
             row[n] = {"error": ts} if isinstance(ts, str) else summary(ts, case.nbytes)
         print(f"{case.key}_S{S:<3} ctas {b * hk * S:4d} " + "  ".join(
-            f"{n} {row[n].get('tbps', 0):.3f} TB/s {row[n].get('us', 0):8.1f} us (+-{row[n].get('spread_pct', 0):.1f}%)"
+            f"{n} {row[n].get('tbps', 0):.3f} TB/s {1e3 * row[n].get('tbps', 0) / (b * hk * S):5.1f} GB/s/CTA"
+            f" (+-{row[n].get('spread_pct', 0):.1f}%)"
             for n in fns), flush=True)
         case.free()
         with open(out, "w") as fh:

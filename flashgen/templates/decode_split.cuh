@@ -122,17 +122,8 @@ FG_DEVICE int ld_acquire(const int* ptr) {
   return v;
 }
 
-// The lean kernel's unit of work (LEAN = true, decode_split_body below; the grid's kernel takes its one
-// split from blockIdx instead): key blocks [blk_lo, blk_hi) of group (b, hk, mb), piece `split` of the
-// group's `nsplit` (split order = key order), the group's two merge counters at p.counters + 2 * group,
-// its partial slots from slot0 (slot0 + split: 16 rows of d floats and 16 LSEs each).
-struct DecodeSeg {
-  int b, hk, mb, split, nsplit, blk_lo, blk_hi, slot0;
-  fg_i64 group;
-};
-
-template <int D, int BN, int NW, int ST, bool BF16, int HINT, bool LEAN, typename Params>
-FG_DEVICE void decode_segment(const Params& p, const DecodeSeg& sg) {
+template <int D, int BN, int NW, int ST, bool BF16, int HINT, typename Params>
+FG_DEVICE void decode_split_body(const Params& p) {
   constexpr int NT = NW * 32;
   constexpr int KW = BN / NW;    // keys per warp per block
   constexpr int NJ = KW / 8;     // n8 tiles of S per warp
@@ -168,8 +159,8 @@ FG_DEVICE void decode_segment(const Params& p, const DecodeSeg& sg) {
 #endif
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  const int split = LEAN ? sg.split : blockIdx.x % p.num_splits, mb = LEAN ? sg.mb : blockIdx.x / p.num_splits;
-  const int hk = LEAN ? sg.hk : blockIdx.y, b = LEAN ? sg.b : blockIdx.z;
+  const int split = blockIdx.x % p.num_splits, mb = blockIdx.x / p.num_splits;
+  const int hk = blockIdx.y, b = blockIdx.z;
   auto full_bar = [&](bool V, int stage) -> fg_u32 { return sBar + ((V * ST + stage) * NW + warp) * 8; };
   if constexpr (BULK) {
     // Each warp's own barriers, one arrival per phase (its lane 0's arrive.expect_tx).
@@ -186,7 +177,7 @@ FG_DEVICE void decode_segment(const Params& p, const DecodeSeg& sg) {
   // Split 0 starts at key 0 whatever the sequence's length: while that length is loading (the load above
   // is in flight), warm L2 with the keys and values of its first ST - 1 blocks (contiguous cache; rows
   // past the length but within the capacity are valid memory, at most that many wasted 128-byte lines).
-  if (!LEAN && p.seqlens != nullptr && p.block_table == nullptr && split == 0) {
+  if (p.seqlens != nullptr && p.block_table == nullptr && split == 0) {
     constexpr int LINES = (2 * D + 127) / 128;  // 128-byte lines per row (a row may start mid-line: d < 64)
     const int rows = min(p.seqlen_k, (ST - 1) * BN);
     const fg_i64 row0 = static_cast<fg_i64>(b) * p.k_sb + hk * p.k_sh;
@@ -204,16 +195,10 @@ FG_DEVICE void decode_segment(const Params& p, const DecodeSeg& sg) {
   const int r0 = mb * 16;
   const int last_row = min(r0 + 15, p.rows - 1);
   const int kv_end = max(0, min(len, last_row / p.group + diag + 1));  // no row of the tile sees past this
-  int n_begin, split_end;
-  if constexpr (LEAN) {
-    n_begin = sg.blk_lo * BN;
-    split_end = min(len, sg.blk_hi * BN);
-  } else {
-    const int blocks = ceil_div(len, BN);
-    const int bps = ceil_div(blocks, p.num_splits);
-    n_begin = split * bps * BN;
-    split_end = min(len, (split + 1) * bps * BN);
-  }
+  const int blocks = ceil_div(len, BN);
+  const int bps = ceil_div(blocks, p.num_splits);
+  const int n_begin = split * bps * BN;
+  const int split_end = min(len, (split + 1) * bps * BN);
   const int n_end = min(kv_end, split_end);
   const int n_blocks = n_end > n_begin ? ceil_div(n_end - n_begin, BN) : 0;
   const int fast_end = min(n_end, len_cache);  // a block ending at or before this is whole and cached
@@ -600,11 +585,9 @@ FG_DEVICE void decode_segment(const Params& p, const DecodeSeg& sg) {
   }
   // In-kernel merge (see the top of this file): the ticket goes out now, its answer is used after the
   // warp merge below (the round trip overlaps it).
-  // The group's split count (each use reads p.num_splits itself: a local copy moves ptxas's schedule).
-  auto nsplit = [&]() { return LEAN ? sg.nsplit : p.num_splits; };
-  const bool direct = nsplit() == 1;
+  const bool direct = p.num_splits == 1;
   const bool fused = !direct && p.counters != nullptr;
-  int* const ctr = p.counters + 2 * (LEAN ? sg.group : (static_cast<fg_i64>(b) * gridDim.y + hk) * (gridDim.x / p.num_splits) + mb);
+  int* const ctr = p.counters + 2 * ((static_cast<fg_i64>(b) * gridDim.y + hk) * (gridDim.x / p.num_splits) + mb);
   int ticket = 0;
   if (fused && tid == 0) ticket = atomicAdd(ctr, 1);
   cp_async_wait<0>();
@@ -649,10 +632,10 @@ FG_DEVICE void decode_segment(const Params& p, const DecodeSeg& sg) {
   // red[2 * NW * 16 + 16]: this CTA merges (it drew the last ticket of its group). Then thread 0 of the
   // merger waits for the other splits' partials here, so the round trip overlaps the warp merge.
   if (tid == 0) {
-    const bool last = fused && ticket == nsplit() - 1;
+    const bool last = fused && ticket == p.num_splits - 1;
     reinterpret_cast<int*>(red)[2 * NW * 16 + 16] = last;
     if (last) {
-      while (ld_acquire(ctr + 1) != nsplit() - 1) __nanosleep(32);
+      while (ld_acquire(ctr + 1) != p.num_splits - 1) __nanosleep(32);
       ctr[0] = 0;  // both counters ready for the next launch (launches on one stream never overlap):
       ctr[1] = 0;  // every other CTA of the group has taken its ticket and made its last increment
     }
@@ -677,12 +660,6 @@ FG_DEVICE void decode_segment(const Params& p, const DecodeSeg& sg) {
     const int tok = r / p.group, h = hk * p.group + (r - tok * p.group);
     return (static_cast<fg_i64>(b) * p.nq + tok) * p.heads_q + h;
   };
-  // Where split s's partial of packed row r lives: O at p.o_ws + d * this, LSE at p.lse_ws + this.
-  // The grid's kernel: one plane of every row per split; the lean kernel: the group's slots.
-  auto ws_index = [&](int s, int r) -> fg_i64 {
-    if constexpr (LEAN) return static_cast<fg_i64>(sg.slot0 + s) * 16 + (r - r0);
-    return s * p.total_rows + ws_row(r);
-  };
 
   // ---- store: 16 rows x D/4 float4 columns, summed over the warps ----
   // The sum over the warps of this CTA's (scaled) O, 4 columns of packed row `row`.
@@ -704,7 +681,7 @@ FG_DEVICE void decode_segment(const Params& p, const DecodeSeg& sg) {
       if (direct) {
         store_o(r, c4, acc);
       } else {
-        *reinterpret_cast<float4*>(p.o_ws + ws_index(split, r) * p.d + c4 * 4) = acc;
+        *reinterpret_cast<float4*>(p.o_ws + (split * p.total_rows + ws_row(r)) * p.d + c4 * 4) = acc;
       }
     }
     if (tid < 16 && r0 + tid < p.rows) {
@@ -712,7 +689,7 @@ FG_DEVICE void decode_segment(const Params& p, const DecodeSeg& sg) {
       if (direct) {
         store_lse(r0 + tid, lse);
       } else {
-        p.lse_ws[ws_index(split, r0 + tid)] = lse;
+        p.lse_ws[split * p.total_rows + ws_row(r0 + tid)] = lse;
       }
     }
     FG_PROBE(4);
@@ -735,135 +712,27 @@ FG_DEVICE void decode_segment(const Params& p, const DecodeSeg& sg) {
   FG_PROBE(5);
   // Each thread merges one (row, 4 columns) item over every split (decode_merge.cuh), in chunks of 4, 8
   // or 16 splits by the split count (merge_splits' dispatch, written out here: see there).
-  const fg_i64 l_step = LEAN ? 16 : p.total_rows, o_step = l_step * p.d;
+  const fg_i64 l_step = p.total_rows, o_step = static_cast<fg_i64>(p.total_rows) * p.d;
   for (int i = tid; i < 16 * (D / 4); i += NT) {
     const int row = i / (D / 4), c4 = i % (D / 4);
     const int r = r0 + row;
     if (r >= p.rows || c4 * 4 >= p.d) continue;
-    const fg_i64 wr = ws_index(0, r);
+    const fg_i64 wr = ws_row(r);
     const float* const l_r = p.lse_ws + wr;
     const float* const o_r = p.o_ws + wr * p.d + c4 * 4;
     const float* const own_l = red + 2 * NW * 16 + row;
     const float* const own = s_own + row * D + c4 * 4;
     float4 o;
     float lse;
-    if (nsplit() <= 4) {
-      merge_item<4>(o_r, l_r, o_step, l_step, nsplit(), split, own, own_l, o, lse);
-    } else if (nsplit() <= 8) {
-      merge_item<8>(o_r, l_r, o_step, l_step, nsplit(), split, own, own_l, o, lse);
+    if (p.num_splits <= 4) {
+      merge_item<4>(o_r, l_r, o_step, l_step, p.num_splits, split, own, own_l, o, lse);
+    } else if (p.num_splits <= 8) {
+      merge_item<8>(o_r, l_r, o_step, l_step, p.num_splits, split, own, own_l, o, lse);
     } else {
-      merge_item<16>(o_r, l_r, o_step, l_step, nsplit(), split, own, own_l, o, lse);
+      merge_item<16>(o_r, l_r, o_step, l_step, p.num_splits, split, own, own_l, o, lse);
     }
     store_o(r, c4, o);
     if (c4 == 0) store_lse(r, lse);
   }
   FG_PROBE(6);
-}
-
-// Exclusive prefix sum of v over the CTA's threads (in thread order); `total` gets the sum over all of
-// them. scratch: NW ints of shared memory, free until the caller's next CTA barrier.
-template <int NW>
-FG_DEVICE int cta_exclusive_scan(int v, int* scratch, int& total) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  int x = v;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, x, o);
-    if (lane >= o) x += y;
-  }
-  if (lane == 31) scratch[warp] = x;
-  __syncthreads();
-  int before = 0, all = 0;
-#pragma unroll
-  for (int w = 0; w < NW; ++w) {
-    const int t = scratch[w];
-    before += w < warp ? t : 0;
-    all += t;
-  }
-  total = all;
-  return before + x - v;
-}
-
-// The kernel. LEAN = false: grid (num_splits * m_blocks, heads_kv, batch), one split of one group per CTA.
-//
-// LEAN = true (spec.persist; one m-block, rows <= 16): a one-wave grid of P CTAs shares the work evenly,
-// whatever the batch and head counts (stream-K over the keys). The work is every group's key blocks
-// laid end to end, group g = b * heads_kv + hk taking ceil(len_b / BN) positions; CTA c takes positions
-// [c * T / P, (c + 1) * T / P) of the T in all (P = min(grid, T): every CTA at least one block). It walks
-// the groups its range touches, one decode_segment each: a group wholly inside writes its output
-// directly; a group cut by range ends is merged by the in-kernel merge above, among the CTAs that share
-// it (split = CTA order = key order, so the same bits every time). An empty group (length 0) belongs to
-// the CTA whose range holds its position (the last CTA for position T): output 0, LSE -inf.
-// Every CTA computes the same prefix sums of the lengths first (the lengths are on the GPU).
-template <int D, int BN, int NW, int ST, bool BF16, int HINT, bool LEAN, typename Params>
-FG_DEVICE void decode_split_body(const Params& p) {
-  if constexpr (!LEAN) {
-    decode_segment<D, BN, NW, ST, BF16, HINT, false>(p, DecodeSeg{});  // (its split comes from blockIdx)
-  } else {
-    static_assert(!kv_bulk<HINT>(), "the lean kernel runs the cp.async loaders only");
-    constexpr int NT = NW * 32;
-    extern __shared__ __align__(128) unsigned char smem[];
-    int* const scan = reinterpret_cast<int*>(smem);              // NW ints, in the Q tile
-    int* const pre = reinterpret_cast<int*>(smem + 16 * D * 2);  // [batch + 1] positions, in the K ring
-    const int B = static_cast<int>(p.total_rows / (p.nq * p.heads_q)), HK = p.heads_q / p.group;
-    const int extra = p.knew != nullptr ? p.nq : 0;
-    auto blocks_of = [&](int b) {
-      return ceil_div((p.seqlens != nullptr ? p.seqlens[b] : p.seqlen_k) + extra, BN);
-    };
-    // pre[b]: the first position of sequence b's groups (thread i sums a run of `per` sequences).
-    const int per = ceil_div(B, NT), b_first = threadIdx.x * per;
-    int mine = 0;
-    for (int i = 0; i < per && b_first + i < B; ++i) mine += HK * blocks_of(b_first + i);
-    int total;
-    int at = cta_exclusive_scan<NW>(mine, scan, total);
-    for (int i = 0; i < per && b_first + i < B; ++i) {
-      pre[b_first + i] = at;
-      at += HK * blocks_of(b_first + i);
-    }
-    if (threadIdx.x == 0) pre[B] = total;
-    __syncthreads();
-    const int P = max(1, min(static_cast<int>(gridDim.x), total));
-    const int c = blockIdx.x;
-    if (c >= P) return;
-    auto start_of = [&](int cc) { return static_cast<int>(static_cast<fg_i64>(cc) * total / P); };
-    // The CTA whose range holds position x (x < T): the last cc with start_of(cc) <= x.
-    auto cta_of = [&](int x) { return static_cast<int>((static_cast<fg_i64>(x + 1) * P + total - 1) / total) - 1; };
-    const int start = start_of(c), end = start_of(c + 1);
-    // The first group to visit: in the first sequence with pre[b + 1] > start or pre[b] >= start
-    // (monotone in b: a binary search), the one holding `start` (or its first, if it starts later).
-    int lo = 0, hi = B;
-    while (lo < hi) {
-      const int mid = (lo + hi) / 2;
-      if (pre[mid + 1] > start || pre[mid] >= start) hi = mid; else lo = mid + 1;
-    }
-    int b = lo, nb = b < B ? blocks_of(b) : 0;
-    int hk = (b < B && nb > 0 && pre[b] < start) ? (start - pre[b]) / nb : 0;
-    int pos = b < B ? pre[b] + hk * nb : total;
-    __syncthreads();  // every thread has read pre[]: the first segment's loads overwrite it
-    for (bool first = true; b < B && (pos < end || (c == P - 1 && pos == total)); first = false) {
-      if (!first) __syncthreads();  // the last segment's scratch (Q tile, ring) is read by every thread
-      DecodeSeg sg;
-      sg.b = b;
-      sg.hk = hk;
-      sg.mb = 0;
-      sg.group = static_cast<fg_i64>(b) * HK + hk;
-      sg.split = 0;
-      sg.nsplit = 1;
-      sg.blk_lo = sg.blk_hi = sg.slot0 = 0;
-      if (nb > 0) {
-        const int c0 = cta_of(pos), c1 = cta_of(pos + nb - 1);
-        sg.split = c - c0;
-        sg.nsplit = c1 - c0 + 1;
-        sg.blk_lo = max(pos, start) - pos;
-        sg.blk_hi = min(pos + nb, end) - pos;
-        sg.slot0 = c0 + static_cast<int>(sg.group);  // groups' slot runs never overlap: c0(g + 1) >= c1(g)
-      }
-      decode_segment<D, BN, NW, ST, BF16, HINT, true>(p, sg);
-      pos += nb;
-      if (++hk == HK) {
-        hk = 0;
-        if (++b < B) nb = blocks_of(b);
-      }
-    }
-  }
 }
