@@ -3,7 +3,7 @@
 The probe at b8/hk8/L128k (s9d) showed per-SM block-loop times in discrete levels from 670 to 935 us at
 equal work (pairs of SMs alike: the chip's topology shares bandwidth unevenly), so the call ends ~55 us
 after its median CTA. A plain read isolates the question: 128 (or 132) CTAs, one per SM, each streaming
-1 MiB chunks of a 4 GiB buffer with 16-byte loads (8 in flight per thread); chunks assigned
+1 MiB chunks of a 4 GiB buffer with 16-byte loads (8 in flight per thread, 1024 threads); chunks assigned
   static      CTA c reads chunks [c*K, (c+1)*K)   (as decode's splits: equal work, fixed)
   strided     CTA c reads chunks c, c+P, c+2P, ...  (equal work, interleaved)
   dynamic     CTA c reads chunk c, then takes the next from a global counter (work goes to whoever is free)
@@ -18,7 +18,7 @@ import cupy as cp
 import numpy as np
 
 SRC = r"""
-extern "C" __global__ void __launch_bounds__(512) rd(const uint4* __restrict__ buf, long long chunk_elems, int n_chunks,
+extern "C" __global__ void __launch_bounds__(1024) rd(const uint4* __restrict__ buf, long long chunk_elems, int n_chunks,
                                                       int mode, int* counter, unsigned long long* stamps, uint4* sink) {
   extern __shared__ int s_next[];
   const int P = gridDim.x, c = blockIdx.x;
@@ -30,10 +30,10 @@ extern "C" __global__ void __launch_bounds__(512) rd(const uint4* __restrict__ b
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
   while (k < k_end) {
     const uint4* p = buf + (long long)k * chunk_elems;
-    for (long long i = threadIdx.x; i < chunk_elems; i += 8 * 512) {
+    for (long long i = threadIdx.x; i < chunk_elems; i += 8 * 1024) {
       uint4 v[8];
 #pragma unroll
-      for (int u = 0; u < 8; ++u) v[u] = __ldcs(p + i + u * 512);
+      for (int u = 0; u < 8; ++u) v[u] = __ldcs(p + i + u * 1024);
 #pragma unroll
       for (int u = 0; u < 8; ++u) { acc.x ^= v[u].x; acc.y ^= v[u].y; acc.z ^= v[u].z; acc.w ^= v[u].w; }
     }
@@ -77,7 +77,7 @@ def main(out):
                 counter.fill(0)
                 start, end = cp.cuda.Event(), cp.cuda.Event()
                 start.record()
-                k((P,), (512,), (buf, np.int64(chunk_bytes // 16), np.int32(n), np.int32(mode), counter, stamps, sink),
+                k((P,), (1024,), (buf, np.int64(chunk_bytes // 16), np.int32(n), np.int32(mode), counter, stamps, sink),
                   shared_mem=smem)
                 end.record()
                 end.synchronize()
