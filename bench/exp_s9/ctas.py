@@ -27,12 +27,14 @@ RATE_CASES = [(b, 4, 1, 65536, 1) for b in (8, 16, 32, 64)]
 
 def main():
     out, rounds = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 7
-    rate = len(sys.argv) > 3 and sys.argv[3] == "rate"
+    rate = sys.argv[3] if len(sys.argv) > 3 else ""
     arch = _Device.of(0).arch
     tiles = {"s3": spec_of(128, 4, 3, 2, arch), "s2": spec_of(128, 4, 2, 2, arch)}
-    if rate:
+    if rate == "rate":
         tiles.update(w8s2=spec_of(128, 8, 2, 2, arch), n64s3=spec_of(64, 4, 3, 2, arch), n64s4=spec_of(64, 4, 4, 2, arch),
                      n64s6=spec_of(64, 4, 6, 2, arch))
+    elif rate == "loaders":  # the per-CTA rate by K/V loader: cp.async without / with the L2 policy, bulk rows
+        tiles.update(s2h0=spec_of(128, 4, 2, 0, arch), s2h5=spec_of(128, 4, 2, 5, arch), s3h5=spec_of(128, 4, 3, 5, arch))
     res = {"meta": meta(), "rounds": rounds, "cases": {}}
     for b, hq, hk, L, S in (RATE_CASES if rate else CASES):
         case = Case(b, hq, hk, L, "bhsd", time_cudnn=False)
