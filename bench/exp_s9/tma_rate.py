@@ -123,7 +123,7 @@ def launch(k, ctas, smem, mp, buf, blocks, sink):
 
     b, n, o = ctypes.c_void_p(buf.data.ptr), ctypes.c_int(blocks), ctypes.c_void_p(sink.data.ptr)
     argv = (ctypes.c_void_p * 4)(ctypes.addressof(mp.c), ctypes.addressof(b), ctypes.addressof(n), ctypes.addressof(o))
-    driver.launchKernel(k.ptr, ctas, 1, 1, 128, 1, 1, smem, 0, ctypes.addressof(argv), 0)
+    driver.launchKernel(k.kernel.ptr, ctas, 1, 1, 128, 1, 1, smem, 0, ctypes.addressof(argv), 0)
 
 
 if __name__ == "__main__":
