@@ -481,6 +481,20 @@ FG_DEVICE void decode_split_body(const Params& p) {
     return base + (kk * 16 + q_row) * TT::ROW_BYTES + q_cols.col(dj2);
   };
 
+  // Q's A fragments stay in registers for the whole block loop (D <= 128: 4 * D / 16 registers), instead
+  // of D / 16 ldmatrix of the Q tile per block: Q's copy group is the oldest, so waiting for all but the
+  // prologue's K/V groups (then a CTA barrier) is enough.
+  constexpr bool QREG = D <= 128;
+  fg_u32 qf[QREG ? D / 16 : 1][4];
+  if constexpr (QREG) {
+    if (!BULK && n_blocks > 0) {
+      cp_async_wait<2 * (ST - 1)>();
+      __syncthreads();
+    }
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(qf[kk], q_base + q_cols.col(kk));
+  }
+
   for (int j = 0; j < n_blocks; ++j) {
     const int stage = j % ST;
     if constexpr (BULK) {
@@ -506,8 +520,9 @@ FG_DEVICE void decode_split_body(const Params& p) {
       for (int e = 0; e < 4; ++e) acc_s[nj][e] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      fg_u32 a[4];
-      ldmatrix_x4(a, q_base + q_cols.col(kk));
+      fg_u32 a_ld[4];
+      if constexpr (!QREG) ldmatrix_x4(a_ld, q_base + q_cols.col(kk));
+      const fg_u32(&a)[4] = QREG ? qf[kk] : a_ld;
 #pragma unroll
       for (int nj2 = 0; nj2 < NJ / 2; ++nj2) {
         fg_u32 bfrag[4];
