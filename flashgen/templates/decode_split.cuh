@@ -317,14 +317,22 @@ FG_DEVICE void decode_split_body(const Params& p) {
     const elem_t* const head = V ? v_h : k_h;
     const fg_i64 sb = V ? p.v_sb : p.k_sb, ss = V ? p.v_ss : p.k_ss;
     const fg_u32 dst = (V ? sV : sK) + stage * BN * D * 2;
-    if (n0 + BN <= fast_end) {
-      // Fast path: whole block in the cache. 16-row groups never straddle a page.
+    if (n0 + BN <= fast_end && !paged) {
+      // Fast path, contiguous cache: the block's rows are one run of BN rows, so one pointer walks them
+      // (one 64-bit multiply per block, then an add per copy; the shared-memory offsets are constants).
+      const elem_t* src = head + static_cast<fg_i64>(b) * sb + static_cast<fg_i64>(n0 + lr) * ss;
+      const fg_i64 step = STEP * ss;
+#pragma unroll
+      for (int r = 0; r < BN; r += STEP) {
+        kv_copy_16<HINT>(dst + TT::offset(r + lr, lc), src, col_bytes, policy);
+        src += step;
+      }
+    } else if (n0 + BN <= fast_end) {
+      // Fast path, paged cache: whole block in the cache. 16-row groups never straddle a page.
 #pragma unroll
       for (int e = 0; e < G; ++e) {
         const int key0 = n0 + e * 16;
-        const fg_i64 base = paged ? static_cast<fg_i64>(pages[e]) * sb + (key0 & page_mask) * ss
-                                  : static_cast<fg_i64>(b) * sb + static_cast<fg_i64>(key0) * ss;
-        const elem_t* src = head + base + lr * ss;
+        const elem_t* src = head + static_cast<fg_i64>(pages[e]) * sb + ((key0 & page_mask) + lr) * ss;
 #pragma unroll
         for (int i = 0; i < IPG; ++i) {
           kv_copy_16<HINT>(dst + TT::offset(e * 16 + lr + i * STEP, lc), src, col_bytes, policy);
