@@ -555,6 +555,7 @@ FG_DEVICE void decode_split_body(const Params& p) {
     }
 
     // ---- online softmax (per warp) ----
+    float alphas[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float mx = row_max[h];
@@ -574,11 +575,18 @@ FG_DEVICE void decode_split_body(const Params& p) {
           sum += pe;
         }
       row_sum[h] = row_sum[h] * alpha + sum;
+      alphas[h] = alpha;
+    }
+    // O's rescale, skipped when no row of the warp has a new maximum (alpha == 1 exactly: the same bits
+    // either way), which after the first blocks of a long split is almost every block.
+    if (__any_sync(0xffffffffu, alphas[0] != 1.f || alphas[1] != 1.f)) {
 #pragma unroll
-      for (int dj = 0; dj < DJ; ++dj) {
-        acc_o[dj][2 * h] *= alpha;
-        acc_o[dj][2 * h + 1] *= alpha;
-      }
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int dj = 0; dj < DJ; ++dj) {
+          acc_o[dj][2 * h] *= alphas[h];
+          acc_o[dj][2 * h + 1] *= alphas[h];
+        }
     }
 
     if constexpr (BULK) {
