@@ -11,9 +11,11 @@
 // with its own online softmax; the warps merge through shared memory at the end.
 //
 // Loads: a block that lies wholly in the cache (the common case) takes the fast
-// path -- one base pointer per 16-row group (its page for a paged cache), then a
-// running pointer, no per-row checks; the last block of a split and blocks with
-// appended keys take the checked path. HINT picks the global-load flavour:
+// path -- no per-row checks; a contiguous cache's block is one run of rows, walked
+// by one pointer (one 64-bit multiply per block), a paged cache's has one base
+// pointer per 16-row group (its page); the last block of a split and blocks with
+// appended keys take the checked path. Q's mma fragments (D <= 128) stay in
+// registers for the whole block loop. HINT picks the global-load flavour:
 // 0 plain cp.async.cg, 1 with the .L2::256B prefetch hint, 2 with an
 // evict_first L2 cache policy (the stream is read once), 3 both.
 //
@@ -555,7 +557,6 @@ FG_DEVICE void decode_split_body(const Params& p) {
     }
 
     // ---- online softmax (per warp) ----
-    float alphas[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float mx = row_max[h];
@@ -575,18 +576,11 @@ FG_DEVICE void decode_split_body(const Params& p) {
           sum += pe;
         }
       row_sum[h] = row_sum[h] * alpha + sum;
-      alphas[h] = alpha;
-    }
-    // O's rescale, skipped when no row of the warp has a new maximum (alpha == 1 exactly: the same bits
-    // either way), which after the first blocks of a long split is almost every block.
-    if (__any_sync(0xffffffffu, alphas[0] != 1.f || alphas[1] != 1.f)) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int dj = 0; dj < DJ; ++dj) {
-          acc_o[dj][2 * h] *= alphas[h];
-          acc_o[dj][2 * h + 1] *= alphas[h];
-        }
+      for (int dj = 0; dj < DJ; ++dj) {
+        acc_o[dj][2 * h] *= alpha;
+        acc_o[dj][2 * h + 1] *= alpha;
+      }
     }
 
     if constexpr (BULK) {
