@@ -361,8 +361,10 @@ def _plan(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax
     m_blocks = -(-rows // dk.ROWS)
     sms, smem_sm = _sm_facts(index)
     if spec is None:
+        from .dispatch import resource_problems  # (a tile this NVRTC would refuse: the rule's next one)
+
         spec = dk.select_split_spec(dev.arch, dtype, tile, limits.capacity, dev.gpu, dev.smem_budget,
-                                    work=b * hk * m_blocks, sms=sms)
+                                    work=b * hk * m_blocks, sms=sms, check=resource_problems)
     else:
         _check_forced_spec(spec, dev, dtype, d)
     kern = load(spec, index)

@@ -79,16 +79,25 @@ def decode_regime(work: int, sms: int) -> str:
     return "some"
 
 
-def default_split_spec(arch: str, dtype: str, head_dim: int, smem_budget: int, regime: str = "some") -> KernelSpec:
+def default_split_spec(arch: str, dtype: str, head_dim: int, smem_budget: int, regime: str = "some",
+                       check=None) -> KernelSpec:
+    """The rule's first tile for the case that fits ``smem_budget``; with ``check`` (spec -> problems,
+    ``dispatch.resource_problems``) a fitting tile the local NVRTC would refuse gives way to the next
+    fitting one, as the forward's rule does (``dispatch.default_spec``)."""
+    from .dispatch import _first_clean
+
     if regime not in REGIMES:
         raise ValueError(f"regime {regime!r} not in {REGIMES}")
     tiles = DECODE_TILES_BY_REGIME.get(head_dim, {}).get(regime, ()) + DEFAULT_DECODE_TILES[head_dim]
+    fitting = []
     for bn, w, st, hint in tiles:
         spec = KernelSpec(kind="decode_split", arch=arch, dtype=dtype, head_dim=head_dim, block_m=ROWS,
                           block_n=bn, warps=w, stages=st, hint=load_hint_for(arch, hint), causal=True).validate()
-        if spec.smem_bytes() <= smem_budget:
-            return spec
-    raise UnsupportedError(f"no decode_split tile fits {smem_budget} B of shared memory for d={head_dim}")
+        if spec.smem_bytes() <= smem_budget and spec not in fitting:
+            fitting.append(spec)
+    if not fitting:
+        raise UnsupportedError(f"no decode_split tile fits {smem_budget} B of shared memory for d={head_dim}")
+    return _first_clean(fitting, check)
 
 
 def combine_spec(arch: str, dtype: str, head_dim: int) -> KernelSpec:
@@ -110,17 +119,18 @@ def default_specs(arch: str, smem_budget: int) -> list:
 
 
 def select_split_spec(arch: str, dtype: str, head_dim: int, seqlen_k: int, gpu, smem_budget: int,
-                      work: int = 1, sms: int = 0) -> KernelSpec:
+                      work: int = 1, sms: int = 0, check=None) -> KernelSpec:
     """Tuned table entry for the decode key if there is one, else the default rule for the case
-    (``work`` CTAs before splitting on ``sms`` SMs; sms=0: the "some" tiles)."""
+    (``work`` CTAs before splitting on ``sms`` SMs; sms=0: the "some" tiles). ``check`` (spec ->
+    problems): a table entry or rule tile it refuses gives way to the rule's next tile."""
     if gpu is not None:
         from .tables import lookup
 
         spec = lookup(gpu, ProblemKey("decode_split", arch, dtype, head_dim, True, bucket_of(seqlen_k)))
-        if spec is not None:
+        if spec is not None and not (check and check(spec)):
             return spec
     regime = decode_regime(work, sms) if sms > 0 else "some"
-    return default_split_spec(arch, dtype, head_dim, smem_budget, regime)
+    return default_split_spec(arch, dtype, head_dim, smem_budget, regime, check)
 
 
 # ----------------------------------------------------------------- split heuristic

@@ -302,6 +302,27 @@ def test_default_rule_specs_are_valid_and_fit():
     assert a100 == {"decode_split_d128_m16_n128_w4_s2_h2_causal_bf16_sm80"}  # 196 KB does not fit: one tile
 
 
+def test_rule_skips_a_tile_the_local_nvrtc_refuses():
+    """With a check (dispatch.resource_problems on the launch path), a rule tile refused for its resources
+    gives way to the next fitting tile; the last one is taken unchecked (load reports its problems). The
+    H200's NVRTC 13.0 once spilled the d=32 tile in a GPU-suite process (bench/NOTES.md "Session 9")."""
+    first = decoding.default_split_spec("sm_90a", "bf16", 32, 232448)
+    refused = []
+
+    def check(spec):
+        refused.append(spec.name)
+        return ["spills: 4 B stored"] if spec == first else []
+
+    nxt = decoding.default_split_spec("sm_90a", "bf16", 32, 232448, check=check)
+    assert (nxt.block_n, nxt.warps, nxt.stages) == DEFAULT_TILES_D32[1] and refused == [first.name]
+    everything = decoding.default_split_spec("sm_90a", "bf16", 32, 232448, check=lambda s: ["refused"])
+    assert everything == nxt  # the last fitting tile, unchecked
+    assert decoding.select_split_spec("sm_90a", "bf16", 32, 4096, None, 232448, check=check) == nxt
+
+
+DEFAULT_TILES_D32 = [t[:3] for t in decoding.DEFAULT_DECODE_TILES[32]]
+
+
 @pytest.mark.parametrize("field,value,message", [
     ("block_m", 32, "block_m=32"), ("causal", False, "causal=False"), ("head_dim", 96, "head_dim=96"),
     ("block_n", 32, "16-key slices"), ("refill", 1, "refill=1"), ("hint", 6, "hint=6"), ("stages", 7, "stages=7"),
