@@ -19,8 +19,6 @@ sys.path.insert(0, str(ROOT / "tests"))
 from build_util import disassemblers  # noqa: E402  (PATH or pip's nvidia wheels, as the SASS tests)
 
 NVDISASM = os.environ.get("NVDISASM") or next((t for t in disassemblers() if t.endswith("nvdisasm")), "nvdisasm")
-BASE = (ROOT / "bench/exp_s8/variants/base_decode_split.cuh").read_text()
-HEAD = (ROOT / "flashgen/templates/decode_split.cuh").read_text()
 
 
 def sass(cubin, path):
@@ -34,18 +32,25 @@ def sass(cubin, path):
     return ins
 
 
-def main(outdir="/tmp/s8sass"):
-    out = Path(outdir)
-    out.mkdir(parents=True, exist_ok=True)
+def default_decode_split_specs():
+    """Every decode_split spec the default rule can pick on sm_90a and sm_80 (both dtypes, every d)."""
     specs = []
     for arch in ("sm_90a", "sm_80"):
         for s in decoding.default_specs(arch, 227 * 1024 if arch == "sm_90a" else 163 * 1024):
             if s.kind == "decode_split" and s not in specs:
                 specs.append(s)
-    for spec in specs:
+    return specs
+
+
+def main(outdir="/tmp/s8sass"):
+    base = (ROOT / "bench/exp_s8/variants/base_decode_split.cuh").read_text()
+    head = (ROOT / "flashgen/templates/decode_split.cuh").read_text()
+    out = Path(outdir)
+    out.mkdir(parents=True, exist_ok=True)
+    for spec in default_decode_split_specs():
         src = render(spec)
-        assert HEAD in src
-        base_src = src.replace(HEAD, BASE)
+        assert head in src
+        base_src = src.replace(head, base)
         a = compile_source(base_src, spec.arch, spec.name)
         b = compile_source(src, spec.arch, spec.name)
         ia, ib = sass(a.cubin, out / "a.cubin"), sass(b.cubin, out / "b.cubin")

@@ -13,14 +13,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import flashgen  # noqa: E402
 from flashgen.api import _Device  # noqa: E402
+from bench_decode import make_inputs  # noqa: E402
 from sweep_decode import spec_of  # noqa: E402
 
 st = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 spec = spec_of(128, 4, st, 2, _Device.of(0).arch)
-b, hq, hk, L, d = 16, 4, 1, 65536, 128
-q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
-k = torch.randn(b, hk, L, d, device="cuda", dtype=torch.bfloat16)
-v = torch.randn(b, hk, L, d, device="cuda", dtype=torch.bfloat16)
+b, hq, hk, L = 16, 4, 1, 65536
+_, (q,), (k,), (v,) = make_inputs(b, hq, hk, L)  # (b, hk, L, d) K/V: the bench's cache layout, d = 128
 lens = torch.full((b,), L, dtype=torch.int32, device="cuda")
 for _ in range(3):
     flashgen.decode(q, k.transpose(1, 2), v.transpose(1, 2), lens, check_values=False, spec=spec, num_splits=1)
