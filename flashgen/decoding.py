@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-from .dispatch import ProblemKey, bucket_of
+from .dispatch import ProblemKey, _first_clean, bucket_of
 from .errors import UnsupportedError
 from .families import DECODE_HEAD_DIMS, load_hint_for
 from .spec import KernelSpec
@@ -84,8 +84,6 @@ def default_split_spec(arch: str, dtype: str, head_dim: int, smem_budget: int, r
     """The rule's first tile for the case that fits ``smem_budget``; with ``check`` (spec -> problems,
     ``dispatch.resource_problems``) a fitting tile the local NVRTC would refuse gives way to the next
     fitting one, as the forward's rule does (``dispatch.default_spec``)."""
-    from .dispatch import _first_clean
-
     if regime not in REGIMES:
         raise ValueError(f"regime {regime!r} not in {REGIMES}")
     tiles = DECODE_TILES_BY_REGIME.get(head_dim, {}).get(regime, ()) + DEFAULT_DECODE_TILES[head_dim]
