@@ -14,7 +14,7 @@
 // path -- no per-row checks; a contiguous cache's block is one run of rows, walked
 // by one pointer (one 64-bit multiply per block), a paged cache's has one base
 // pointer per 16-row group (its page); the last block of a split and blocks with
-// appended keys take the checked path. Q's mma fragments (D <= 128) stay in
+// appended keys take the checked path. Q's mma fragments (D = 128) stay in
 // registers for the whole block loop. HINT picks the global-load flavour:
 // 0 plain cp.async.cg, 1 with the .L2::256B prefetch hint, 2 with an
 // evict_first L2 cache policy (the stream is read once), 3 both.
@@ -491,10 +491,11 @@ FG_DEVICE void decode_split_body(const Params& p) {
     return base + (kk * 16 + q_row) * TT::ROW_BYTES + q_cols.col(dj2);
   };
 
-  // Q's A fragments stay in registers for the whole block loop (D <= 128: 4 * D / 16 registers), instead
-  // of D / 16 ldmatrix of the Q tile per block: Q's copy group is the oldest, so waiting for all but the
-  // prologue's K/V groups (then a CTA barrier) is enough.
-  constexpr bool QREG = D <= 128;
+  // Q's A fragments stay in registers for the whole block loop (D = 128: 32 registers), instead of D / 16
+  // ldmatrix of the Q tile per block: Q's copy group is the oldest, so waiting for all but the prologue's
+  // K/V groups (then a CTA barrier) is enough. Measured at D = 128 only (bench/NOTES.md "Session 9"); the
+  // other tiles keep their registers (the H200's NVRTC 13.0 once spilled the d = 32 tile with it).
+  constexpr bool QREG = D == 128;
   fg_u32 qf[QREG ? D / 16 : 1][4];
   if constexpr (QREG) {
     if (!BULK && n_blocks > 0) {
