@@ -3,8 +3,9 @@
     python3 bench/ab_decode.py --cands "default,n64w4s2h0@slots,n64w4s2h2@slots" [--rounds 7] [--out ab.json]
 
 A candidate is ``default`` (flashgen.decode's own choice) or ``n<block_n>w<warps>s<stages>h<hint>`` with an
-optional ``@<splits>``: a number, ``h`` (the split heuristic, also the default) or ``slots`` (one full wave
-of that tile's resident CTAs: SMs x CTAs per SM // (batch x KV heads), at least 1). Every forced tile is
+optional ``@<splits>``: a number, ``h`` (the split heuristic, also the default), ``slots`` (one full wave
+of that tile's resident CTAs: SMs x CTAs per SM // (batch x KV heads), at least 1) or ``c<N>`` (about N CTAs:
+N // (batch x KV heads), at least 1). Every forced tile is
 first checked against the fp32 reference (sweep_decode.check_spec: the 2x rule, paged + appends, split and
 not). Per case, all candidates and cuDNN are timed in the same interleaved rounds (bench_decode.interleaved:
 inputs resident, order reversed every other round, medians of the rounds); the table gives TB/s and x cuDNN
@@ -27,7 +28,7 @@ from flashgen import decoding  # noqa: E402
 from flashgen.api import _Device  # noqa: E402
 from flashgen.codegen import build  # noqa: E402
 
-_CAND = re.compile(r"^n(\d+)w(\d+)s(\d+)h(\d+)(?:@(\d+|h|slots))?$")
+_CAND = re.compile(r"^n(\d+)w(\d+)s(\d+)h(\d+)(?:@(\d+|h|slots|c\d+))?$")
 
 
 def parse(cand, arch):
@@ -36,13 +37,15 @@ def parse(cand, arch):
         return None, "h"
     m = _CAND.match(cand)
     if not m:
-        raise SystemExit(f"bad candidate {cand!r}: default or n<bn>w<w>s<st>h<hint>[@N|@h|@slots]")
+        raise SystemExit(f"bad candidate {cand!r}: default or n<bn>w<w>s<st>h<hint>[@N|@h|@slots|@cN]")
     return spec_of(*(int(x) for x in m.groups()[:4]), arch), m.group(5) or "h"
 
 
 def splits_for(spec, word, b, hk, sms, smem_sm):
     if word == "h":
         return None
+    if word.startswith("c"):
+        return max(1, int(word[1:]) // (b * hk))
     if word != "slots":
         return int(word)
     occ = decoding.ctas_per_sm(spec.smem_bytes(), spec.warps * 32, build(spec).report.registers or 255, smem_sm)
@@ -54,6 +57,8 @@ def main(argv=None):
     ap.add_argument("--cands", required=True)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--cases", default=None,
+                    help='"b,hq,hk,L;..." (bhsd cache) instead of issue 4\'s twelve cases')
     args = ap.parse_args(argv)
     dev = _Device.of(0)
     import torch
@@ -67,7 +72,9 @@ def main(argv=None):
             checked[name] = check_spec(spec) or "ok"
             print(f"checked {spec.name}: {checked[name]}", flush=True)
     result = {"meta": meta(), "rounds": args.rounds, "checked": checked, "cases": {}}
-    for c in sorted((c for c in CASES if c[4] == "bhsd"), key=lambda c: kv_bytes(c[0], c[2], c[3])):
+    cases = [c for c in CASES if c[4] == "bhsd"] if args.cases is None else [
+        (*(int(x) for x in c.split(",")), "bhsd") for c in args.cases.split(";") if c]
+    for c in sorted(cases, key=lambda c: kv_bytes(c[0], c[2], c[3])):
         b, hq, hk, L, _ = c
         case = Case(*c, time_cudnn=False)
         regime = decoding.decode_regime(b * hk * -(-(hq // hk) // decoding.ROWS), sms)

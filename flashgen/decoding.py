@@ -45,15 +45,24 @@ DEFAULT_DECODE_TILES = {
 }
 # Per-case tiles tried before DEFAULT_DECODE_TILES[d] (decode_regime picks the case): "few" (so few
 # batch x KV head x m-block groups that a 2-CTA/SM tile would need more than MERGE_SPLITS splits to
-# fill the GPU), "some", "full" (the groups alone give every SM a CTA). Sessions 2-5 shipped three d=128
-# tiles here (n128 w4 s2 / n64 w4 s3 h2 / n64 w4 s2); session 6's A/B found one tile best in all three.
+# fill the GPU), "some", "full" (the groups alone give every SM a CTA, but at most two) and "many" (more
+# than two per SM). Sessions 2-5 shipped three d=128 tiles here (n128 w4 s2 / n64 w4 s3 h2 / n64 w4 s2);
+# session 6's A/B found one tile best in all three.
 # Session 8 (after the cheaper split merge; bench/NOTES.md "Session 8"): a third ring stage (196 KB, still
 # one CTA per SM, two blocks in flight) gained 0.2-0.9 % in two interleaved A/Bs on the "some" cases of
-# 32k and 128k keys (b1/hk32, b8/hk8: one wave of 2-4 splits) and lost 1-2 % on "full" (two waves,
-# no split) and 0.5-1 % on "few" (16 splits): "some" only. It needs sm_90's per-block budget; elsewhere
-# the rule falls through to DEFAULT_DECODE_TILES.
-DECODE_TILES_BY_REGIME: dict = {128: {"some": ((128, 4, 3, 2),)}}
-REGIMES = ("few", "some", "full")
+# 32k and 128k keys (b1/hk32, b8/hk8: one wave of 2-4 splits) and lost 1-2 % on b32 (two waves, no split)
+# and 0.5-1 % on "few" (16 splits): "some" only. It needs sm_90's per-block budget; elsewhere the rule
+# falls through to DEFAULT_DECODE_TILES.
+# Session 10 ("full"; bench/NOTES.md "Session 10"): n64 w4 s2 (68 KB, three CTAs per SM) runs every group of
+# the "full" regime in one wave, where the one-CTA-per-SM tile runs a second wave that is a few CTAs short
+# of filling HBM when the groups barely exceed the SMs: 160 groups (b5/hk32, b20/hk8) 4.38-4.39 TB/s
+# against 3.81 (+15 %), 256 groups (b32/hk8, b16/hk16) +0.0-0.4 % in A/Bs on three H200s. With more than
+# two groups per SM ("many": b48/hk8 384, b64/hk8 512) it lost 0.6 % and 6 %: those keep n128 w4 s2.
+# These tiles were measured on the H200 only: other archs take DEFAULT_DECODE_TILES (on sm_80 the 3-CTA/SM
+# n64 tile spills under its launch bounds).
+DECODE_TILES_BY_REGIME: dict = {128: {"some": ((128, 4, 3, 2),), "full": ((64, 4, 2, 2),)}}
+REGIME_TILE_ARCHS = ("sm_90a",)
+REGIMES = ("few", "some", "full", "many")
 # More splits than this only where one CTA per SM needs them (num_splits_heuristic): each split adds
 # a partial (fp32 O + LSE) to write and merge, and the merge is the kernel's tail.
 MERGE_SPLITS = 16
@@ -69,9 +78,12 @@ def decode_head_dim_tile(d: int) -> int:
 
 def decode_regime(work: int, sms: int) -> str:
     """Which per-case tile serves ``work`` = batch * heads_kv * m_blocks CTAs (before splitting) on a
-    GPU of ``sms`` SMs: "full" when they already give every SM a CTA, "few" when a tile of two CTAs
-    per SM would need more than MERGE_SPLITS splits to fill the GPU, else "some"."""
+    GPU of ``sms`` SMs: "many" when they give every SM more than two CTAs, "full" when they give every
+    SM one or two, "few" when a tile of two CTAs per SM would need more than MERGE_SPLITS splits to
+    fill the GPU, else "some"."""
     work = max(1, work)
+    if work > 2 * sms:
+        return "many"
     if work >= sms:
         return "full"
     if 2 * sms // work > MERGE_SPLITS:
@@ -86,7 +98,8 @@ def default_split_spec(arch: str, dtype: str, head_dim: int, smem_budget: int, r
     fitting one, as the forward's rule does (``dispatch.default_spec``)."""
     if regime not in REGIMES:
         raise ValueError(f"regime {regime!r} not in {REGIMES}")
-    tiles = DECODE_TILES_BY_REGIME.get(head_dim, {}).get(regime, ()) + DEFAULT_DECODE_TILES[head_dim]
+    tiles = DECODE_TILES_BY_REGIME.get(head_dim, {}).get(regime, ()) if arch in REGIME_TILE_ARCHS else ()
+    tiles += DEFAULT_DECODE_TILES[head_dim]
     fitting = []
     for bn, w, st, hint in tiles:
         spec = KernelSpec(kind="decode_split", arch=arch, dtype=dtype, head_dim=head_dim, block_m=ROWS,

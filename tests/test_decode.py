@@ -112,19 +112,25 @@ def test_heuristic_bounds():
 
 
 @pytest.mark.parametrize("batch,heads_kv,regime", [
-    (1, 8, "few"), (1, 32, "some"), (8, 8, "some"), (2, 8, "some"), (32, 8, "full"),
+    (1, 8, "few"), (1, 32, "some"), (8, 8, "some"), (2, 8, "some"), (32, 8, "full"), (5, 32, "full"),
+    (33, 8, "full"), (34, 8, "many"), (64, 8, "many"),
 ])
 def test_d128_tiles_on_an_h200(batch, heads_kv, regime):
     """d=128 on the H200 (132 SMs, 232448 B per block): n128 w4 with the evict_first hint, one CTA per SM
-    (session 6's A/B, bench/NOTES.md), three ring stages in the "some" regime and two elsewhere (session
-    8's A/Bs), and the split heuristic fills one wave."""
-    assert decoding.decode_regime(batch * heads_kv, 132) == regime
-    spec = decoding.select_split_spec("sm_90a", "bf16", 128, 32768, None, 232448, work=batch * heads_kv, sms=132)
-    assert (spec.block_n, spec.warps, spec.stages, spec.hint) == (128, 4, 3 if regime == "some" else 2, 2)
+    (session 6's A/B, bench/NOTES.md), three ring stages in the "some" regime (session 8's A/Bs); n64 w4 s2,
+    three CTAs per SM, where the groups give every SM one or two CTAs (session 10); the split heuristic
+    fills one wave where it splits, and every group of the "full" regime runs in that one wave."""
+    work = batch * heads_kv
+    assert decoding.decode_regime(work, 132) == regime
+    spec = decoding.select_split_spec("sm_90a", "bf16", 128, 32768, None, 232448, work=work, sms=132)
+    tile = {"some": (128, 4, 3, 2), "full": (64, 4, 2, 2)}.get(regime, (128, 4, 2, 2))
+    assert (spec.block_n, spec.warps, spec.stages, spec.hint) == tile
     occ = decoding.ctas_per_sm(spec.smem_bytes(), 128, 168, 233472)
-    assert occ == 1
-    splits = decoding.num_splits_heuristic(batch, heads_kv, 1, 32768, 128, 132, occ)
-    assert batch * heads_kv * splits <= 132 or splits == 1
+    assert occ == (3 if regime == "full" else 1)
+    splits = decoding.num_splits_heuristic(batch, heads_kv, 1, 32768, spec.block_n, 132, occ)
+    assert work * splits <= 132 * occ or splits == 1
+    if regime == "full":
+        assert work <= 132 * occ
 
 
 def test_per_case_tiles_fall_back_where_they_do_not_fit():
@@ -295,11 +301,12 @@ def test_default_rule_specs_are_valid_and_fit():
             assert s.smem_bytes() <= budget and s.arch == arch
     h200 = {s.name for s in decoding.default_specs("sm_90a", 232448) if s.kind == "decode_split" and s.head_dim == 128
             and s.dtype == "bf16"}
-    assert h200 == {"decode_split_d128_m16_n128_w4_s2_h2_causal_bf16_sm90a",  # "few" and "full"
-                    "decode_split_d128_m16_n128_w4_s3_h2_causal_bf16_sm90a"}  # "some"
+    assert h200 == {"decode_split_d128_m16_n128_w4_s2_h2_causal_bf16_sm90a",  # "few" and "many"
+                    "decode_split_d128_m16_n128_w4_s3_h2_causal_bf16_sm90a",  # "some"
+                    "decode_split_d128_m16_n64_w4_s2_h2_causal_bf16_sm90a"}   # "full"
     a100 = {s.name for s in decoding.default_specs("sm_80", 166912) if s.kind == "decode_split" and s.head_dim == 128
             and s.dtype == "bf16"}
-    assert a100 == {"decode_split_d128_m16_n128_w4_s2_h2_causal_bf16_sm80"}  # 196 KB does not fit: one tile
+    assert a100 == {"decode_split_d128_m16_n128_w4_s2_h2_causal_bf16_sm80"}  # per-regime tiles: sm_90a only
 
 
 def test_rule_skips_a_tile_the_local_nvrtc_refuses():
@@ -391,12 +398,14 @@ def test_bulk_loader_hints():
         plain = base.replace(block_n=bn, warps=w, stages=st, hint=0)
         assert plain.smem_bytes() == 2 * 128 * (16 + 2 * st * bn)
         assert f"__launch_bounds__({w * 32})\n" in render(plain)
-    # the default rule with a bulk tile: its stand-in off sm_90a
+    # the default rule with a per-regime bulk tile: taken on sm_90a; the per-regime tiles (measured on the
+    # H200) do not apply elsewhere
     tiles = {128: {"few": ((128, 4, 2, 4),)}}
     import unittest.mock as mock
+    plain_sm80 = decoding.default_split_spec("sm_80", "bf16", 128, 166912, "few")
     with mock.patch.dict(decoding.DECODE_TILES_BY_REGIME, tiles):
         assert decoding.default_split_spec("sm_90a", "bf16", 128, 232448, "few").hint == 4
-        assert decoding.default_split_spec("sm_80", "bf16", 128, 166912, "few").hint == 0
+        assert decoding.default_split_spec("sm_80", "bf16", 128, 166912, "few") == plain_sm80
 
 
 def test_combine_family_fixes_unused_fields():

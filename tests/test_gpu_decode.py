@@ -169,6 +169,7 @@ CASES = [
     (2, 1, 300, 32, 8, 8, 32, False, "fp16"),
     (2, 1, 5000, 256, 1, 1, 256, False, "bf16"),
     (2, 1, 40, 136, 4, 2, None, False, "bf16"),      # d=136 in the 256 tile; the L2 warm-up covers the whole cache
+    (40, 1, 1001, 128, 16, 4, 64, True, "bf16"),     # 160 groups: the "full" regime's tile (H200), split in two
 ]
 
 
