@@ -191,8 +191,8 @@ def _forward(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm
                          f"{q.data_ptr():#x}, {k.data_ptr():#x}, {v.data_ptr():#x}")
     if type(plan) is not _Plan:  # algorithm="v1"/"standard": several kernels and buffers (baseline_run)
         return plan.run(q, k, v, return_lse)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
+    out = q.new_empty(q.shape)  # contiguous, q's dtype and device (cheaper than torch.empty on the host)
+    lse = q.new_empty(plan.lse_shape, dtype=torch.float32) if return_lse else None
     if plan.kernel is not None:
         if plan.tma is None:
             params = plan.params()

@@ -97,8 +97,8 @@ def decode(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None
         raise ValueError("q, k_cache, v_cache, k_new, v_new must be 16-byte aligned (16-byte loads)")
     if check_values and plan.kernel is not None and not _capturing():
         check_cache_values(plan.limits, cache_seqlens, block_table)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
+    out = q.new_empty(q.shape)  # contiguous, q's dtype and device (cheaper than torch.empty on the host)
+    lse = q.new_empty(plan.lse_shape, dtype=torch.float32) if return_lse else None
     if plan.kernel is None:
         if lse is not None:
             lse.fill_(-math.inf)
