@@ -56,8 +56,8 @@ DEFAULT_DECODE_TILES = {
 # Session 10 ("full"; bench/NOTES.md "Session 10"): n64 w4 s2 (68 KB, three CTAs per SM) runs every group of
 # the "full" regime in one wave, where the one-CTA-per-SM tile runs a second wave that is a few CTAs short
 # of filling HBM when the groups barely exceed the SMs: 160 groups (b5/hk32, b20/hk8) 4.38-4.39 TB/s
-# against 3.81 (+15 %), 256 groups (b32/hk8, b16/hk16) +0.0-0.4 % in A/Bs on three H200s. With more than
-# two groups per SM ("many": b48/hk8 384, b64/hk8 512) it lost 0.6 % and 6 %: those keep n128 w4 s2.
+# against 3.81 (+15 %), 256 groups (b32/hk8, b16/hk16) -0.1 to +0.4 % in A/Bs on three H200s. With more
+# than two groups per SM ("many": b48/hk8 384, b64/hk8 512) it lost 0.6 % and 8 %: those keep n128 w4 s2.
 # These tiles were measured on the H200 only: other archs take DEFAULT_DECODE_TILES (on sm_80 the 3-CTA/SM
 # n64 tile spills under its launch bounds).
 DECODE_TILES_BY_REGIME: dict = {128: {"some": ((128, 4, 3, 2),), "full": ((64, 4, 2, 2),)}}
