@@ -253,16 +253,21 @@ def window_pages(table_row, n_begin: int, n_blocks: int, n_end: int, len_cache: 
     return out
 
 
-MERGE_CHUNK = 16  # splits the fused merge reads per round trip (CH in templates/decode_split.cuh)
+def merge_chunk(num_splits: int) -> int:
+    """Splits the merge reads per round trip (CH of merge_splits, templates/decode_merge.cuh): 4, 8 or 16,
+    no more loads and exponentials than the split count needs."""
+    return 4 if num_splits <= 4 else 8 if num_splits <= 8 else 16
 
 
-def merge_chunked(lses, outs, chunk: int = MERGE_CHUNK):
-    """Mirror of decode_split's fused merge for one (row, columns) item: ``lses`` the splits' LSEs
-    (floats, -inf for an empty split), ``outs`` their normalised partial outputs (float lists). Reads
-    ``chunk`` splits at a time (indices past the last clamped and weighted 0) with a running max,
+def merge_chunked(lses, outs, chunk: int | None = None):
+    """Mirror of the split merge (merge_splits: decode_split's in-kernel merge and decode_combine) for
+    one (row, columns) item: ``lses`` the splits' LSEs (floats, -inf for an empty split), ``outs`` their
+    normalised partial outputs (float lists). Reads ``chunk`` splits at a time (default: the kernels'
+    merge_chunk; indices past the last clamped and weighted 0) with a running max,
     exactly as the kernel orders its arithmetic; returns (out, lse) -- zeros and -inf when every split
     is empty. Needs math only, so the CPU tests check the kernel's formula and its edge cases."""
     n = len(lses)
+    chunk = merge_chunk(n) if chunk is None else chunk
     width = len(outs[0]) if outs else 0
     m, total, acc = -math.inf, 0.0, [0.0] * width
     for s0 in range(0, n, chunk):

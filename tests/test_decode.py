@@ -258,8 +258,8 @@ def test_split_then_combine_equals_attention(nq, length, splits):
 @pytest.mark.parametrize("splits,empty", [(1, ()), (5, (0, 3)), (16, ()), (17, (16,)), (37, tuple(range(20))),
                                           (40, tuple(range(40))), (33, (0, 1, 2, 32))])
 def test_fused_merge_mirror_equals_the_two_pass_combine(splits, empty):
-    """decoding.merge_chunked (the kernel's fused merge: 16 splits per round trip, running max, clamped
-    indices weighted 0) equals decode_combine's two passes (lse = max + ln sum e^(lse_i - max),
+    """decoding.merge_chunked (the kernels' merge: 4, 8 or 16 splits per round trip by the split count,
+    running max, clamped indices weighted 0) equals decode_combine's two passes (lse = max + ln sum e^(lse_i - max),
     O = sum e^(lse_i - lse) O_i), across chunk boundaries and with empty splits (LSE -inf, O garbage)
     anywhere -- a whole chunk of them first, or all of them (output 0, LSE -inf)."""
     gen = torch.Generator().manual_seed(splits * 100 + len(empty))

@@ -68,8 +68,6 @@ FG_DEVICE void merge_item(const float* o_r, const float* l_r, fg_i64 o_step, fg_
 }
 
 // merge_item with chunks of 4, 8 or 16 splits: no more loads and exponentials than the split count needs.
-// (decode_split spells this dispatch out in its merge loop: called through here, ptxas schedules that
-// kernel differently, 4 registers fewer at d = 64, and its measured cubins would change.)
 FG_DEVICE void merge_splits(const float* o_r, const float* l_r, fg_i64 o_step, fg_i64 l_step, int num_splits,
                             int own_split, const float* own, const float* own_l, float4& out, float& lse) {
   if (num_splits <= 4) {

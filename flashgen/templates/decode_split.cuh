@@ -736,8 +736,7 @@ FG_DEVICE void decode_split_body(const Params& p) {
   }
   __syncthreads();  // s_own written
   FG_PROBE(5);
-  // Each thread merges one (row, 4 columns) item over every split (decode_merge.cuh), in chunks of 4, 8
-  // or 16 splits by the split count (merge_splits' dispatch, written out here: see there).
+  // Each thread merges one (row, 4 columns) item over every split (decode_merge.cuh: merge_splits).
   const fg_i64 l_step = p.total_rows, o_step = static_cast<fg_i64>(p.total_rows) * p.d;
   for (int i = tid; i < 16 * (D / 4); i += NT) {
     const int row = i / (D / 4), c4 = i % (D / 4);
@@ -750,13 +749,7 @@ FG_DEVICE void decode_split_body(const Params& p) {
     const float* const own = s_own + row * D + c4 * 4;
     float4 o;
     float lse;
-    if (p.num_splits <= 4) {
-      merge_item<4>(o_r, l_r, o_step, l_step, p.num_splits, split, own, own_l, o, lse);
-    } else if (p.num_splits <= 8) {
-      merge_item<8>(o_r, l_r, o_step, l_step, p.num_splits, split, own, own_l, o, lse);
-    } else {
-      merge_item<16>(o_r, l_r, o_step, l_step, p.num_splits, split, own, own_l, o, lse);
-    }
+    merge_splits(o_r, l_r, o_step, l_step, p.num_splits, split, own, own_l, o, lse);
     store_o(r, c4, o);
     if (c4 == 0) store_lse(r, lse);
   }
