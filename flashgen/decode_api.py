@@ -20,6 +20,7 @@ from threading import get_ident
 
 from .api import _DTYPES, _current_device, _current_stream, _Device, check_heads_and_dim, checked_scale
 from .api import _is_capturing as _capturing
+from .dispatch import resource_problems
 from .errors import UnsupportedError
 
 _plans: dict = {}
@@ -360,9 +361,7 @@ def _plan(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax
     rows = nq * group
     m_blocks = -(-rows // dk.ROWS)
     sms, smem_sm = _sm_facts(index)
-    if spec is None:
-        from .dispatch import resource_problems  # (a tile this NVRTC would refuse: the rule's next one)
-
+    if spec is None:  # (check: a tile this NVRTC would refuse gives way to the rule's next one)
         spec = dk.select_split_spec(dev.arch, dtype, tile, limits.capacity, dev.gpu, dev.smem_budget,
                                     work=b * hk * m_blocks, sms=sms, check=resource_problems)
     else:
