@@ -3,21 +3,18 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from . import families  # noqa: E402,F401 -- registers every kernel kind with flashgen.spec
 from .errors import CompileError, ConfigError, FlashgenError, UnsupportedError  # noqa: E402
 from .spec import KernelSpec  # noqa: E402
 
 
 def __getattr__(name):
-    # torch is imported only when the torch layer is used, so that `flashgen emit`
-    # and the spec/codegen modules work without importing it.
-    if name == "attention":
-        from .api import attention
+    # The torch layer is imported when it is first used, so that `flashgen emit`, the spec and the
+    # codegen modules work (and start quickly) without importing torch.
+    if name in ("attention", "decode"):
+        from . import api
 
-        return attention
-    if name == "decode":
-        from .decode_api import decode
-
-        return decode
+        return getattr(api, name)
     raise AttributeError(name)
 
 

@@ -13,9 +13,14 @@ import argparse
 import json
 import sys
 
-from . import __version__, dispatch, gpus
+from . import __version__, dispatch, families, gpus, tables
+from .bench.cli import add_parser as add_bench
+from .codegen import build, render
 from .errors import FlashgenError
-from .families import FAMILIES
+from .explain import add_parser as add_explain
+from .tuner import space
+from .tuner.run import add_arguments as add_tune_arguments
+from .tuner.run import tune
 from .spec import ARCHS, DTYPES
 
 
@@ -25,7 +30,7 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--arch", choices=ARCHS, help="compile target (default: the --gpu profile's, else sm_90a)")
     p.add_argument("--gpu", choices=sorted(gpus.PROFILES), help="GPU profile whose shared memory bounds the tile")
-    p.add_argument("--kind", choices=sorted({"fwd", *FAMILIES}), default="fwd",
+    p.add_argument("--kind", choices=sorted({*families.problems(), *families.FAMILIES}), default="fwd",
                    help="problem kind or kernel family (default fwd: the forward dispatch picks, any family; "
                         "fwd_v2 / fwd_sm90: the forward restricted to that family)")
     p.add_argument("--seqlen", type=int, default=4096, help="query length, for the tuned table's bucket")
@@ -39,9 +44,14 @@ def spec_from_args(args):
     budget = gpus.get(args.gpu).smem_per_block if args.gpu else gpus.ARCH_SMEM_PER_BLOCK[arch]
     if args.d % 8 or not 8 <= args.d <= 256:
         raise FlashgenError(f"--d {args.d}: head dims are multiples of 8 from 8 to 256")
-    key = dispatch.ProblemKey(args.kind, arch, args.dtype, dispatch.head_dim_tile(args.d), args.causal,
-                              dispatch.bucket_of(args.seqlen))
-    spec = dispatch.select(key, args.gpu, budget)
+    if args.kind in families.PROBLEMS:
+        problem, family = args.kind, None
+    else:  # a family's name: the problem it serves, restricted to it
+        problem, family = families.family(args.kind).serves, args.kind
+    if family is not None and family not in families.serving(problem, arch):
+        raise FlashgenError(f"--kind {family} does not run on {arch}")
+    key = families.problem_key(problem, arch, args.dtype, args.d, args.causal, args.seqlen)
+    spec = dispatch.select(key, args.gpu, budget, family=family)
     # "is not None": an explicit 0 must reach validate() and be refused, not be dropped as falsy.
     overrides = {f: getattr(args, f) for f in ("block_m", "block_n", "warps", "stages")
                  if getattr(args, f) is not None}
@@ -56,15 +66,11 @@ def spec_from_args(args):
 
 
 def cmd_emit(args) -> int:
-    from .codegen import render
-
     sys.stdout.write(render(spec_from_args(args)))
     return 0
 
 
 def cmd_compile(args) -> int:
-    from .codegen import build
-
     spec = spec_from_args(args)
     binary = build(spec)
     r = binary.report
@@ -80,17 +86,12 @@ def cmd_compile(args) -> int:
 
 
 def cmd_tune(args) -> int:
-    from .tuner.run import tune
-
     return tune(args, args.argv)
 
 
 def cmd_show(args) -> int:
-    from . import tables
-    from .tuner import space, store
-
     if args.config:
-        sources = [("file", store.load(args.config, gpu=args.gpu))]
+        sources = [("file", tables.load(args.config, gpu=args.gpu))]
     else:
         gpu = args.gpu or (gpus.detect().name if gpus.detect() else None)
         if gpu is None:
@@ -98,7 +99,7 @@ def cmd_show(args) -> int:
         sources = tables.tables(gpus.get(gpu).name)
         if not sources:
             print(f"no tuned tables for {gpu}: dispatch uses the default rule "
-                  f"(looked in {store.default_path(gpu)} and {store.shipped_path(gpu)})")
+                  f"(looked in {tables.default_path(gpu)} and {tables.shipped_path(gpu)})")
             return 0
     seen = set()
     for origin, table in sources:
@@ -129,15 +130,10 @@ def main(argv=None) -> int:
     _spec_args(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_compile)
-    from .bench.cli import add_parser as add_bench
-    from .explain import add_parser as add_explain
-
     add_bench(sub)
     add_explain(sub)
     p = sub.add_parser("tune", help="search tile shapes on this GPU (or by the cost model) and write YAML")
-    from .tuner.run import add_arguments
-
-    add_arguments(p)
+    add_tune_arguments(p)
     p.set_defaults(func=cmd_tune)
     p = sub.add_parser("show", help="print the tuned tables in use, or check one YAML file")
     p.add_argument("--gpu", choices=sorted(gpus.PROFILES), help="GPU profile (default: the GPU here)")

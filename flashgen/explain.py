@@ -11,22 +11,25 @@ from __future__ import annotations
 import json
 import sys
 
-from . import dispatch, gpus, iomodel
+from . import dispatch, families, gpus, iomodel
+from .bench.timing import time_ms
 from .errors import FlashgenError
 
 # The problems of the published intensity table (FlashAttention analysis), (d, N).
 PUBLISHED = ((64, 256), (64, 2048), (64, 4096), (128, 2048), (128, 4096), (256, 2048), (256, 4096))
-_KINDS = {"standard": ("standard_qk", "standard_softmax", "standard_pv"), "v1": ("fwd_v1",), "v2": ("fwd_v2",)}
+# Per algorithm, the (problem, family) of each kernel it runs: the I/O model is of FlashAttention-2's
+# algorithm with the mma.sync family's tiles, of V1's, and of standard attention's three passes.
+_KERNELS = {"standard": tuple((k, None) for k in families.standard.KINDS), "v1": ((families.fwd_v1.KIND, None),),
+            "v2": (("fwd", families.fwd_v2.FAMILY.kind),)}
 
 
 def tiles(profile, d: int, causal: bool, seqlen: int, dtype: str = "bf16") -> dict:
     """The specs flashgen would run for each algorithm on ``profile`` ({algorithm: [KernelSpec, ...]})."""
-    tile = dispatch.head_dim_tile(d)
     out = {}
-    for algorithm, kinds in _KINDS.items():
-        out[algorithm] = [dispatch.select(dispatch.ProblemKey(kind, profile.arch, dtype, tile, causal,
-                                                              dispatch.bucket_of(seqlen)),
-                                          profile.name, profile.smem_per_block) for kind in kinds]
+    for algorithm, kernels in _KERNELS.items():
+        out[algorithm] = [dispatch.select(families.problem_key(problem, profile.arch, dtype, d, causal, seqlen),
+                                          profile.name, profile.smem_per_block, family=family)
+                          for problem, family in kernels]
     return out
 
 
@@ -80,9 +83,7 @@ def measure(info: dict, reps_budget: float = 0.5) -> dict:
     """Time each family on the CUDA device (inputs of the analysed sizes); adds ``measured`` per algorithm."""
     import torch
 
-    import flashgen
-
-    from .bench.timing import time_ms
+    from .api import attention
 
     if not torch.cuda.is_available():
         raise FlashgenError("--measure needs a CUDA device")
@@ -95,7 +96,7 @@ def measure(info: dict, reps_budget: float = 0.5) -> dict:
         info["warning"] = f"measured on {info['measured_on']}, modeled for the {info['gpu']} profile"
     for algorithm, a in info["algorithms"].items():
         try:
-            t = time_ms(lambda: flashgen.attention(q, k, v, causal=info["causal"], algorithm=algorithm),
+            t = time_ms(lambda: attention(q, k, v, causal=info["causal"], algorithm=algorithm),
                         budget_s=reps_budget)
             a["measured"] = {"ms": t["ms"], "tflops": info["flops"] / t["ms"] / 1e9,
                              "achieved_tbps": a["hbm_bytes"] / t["ms"] / 1e9}

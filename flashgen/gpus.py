@@ -8,8 +8,10 @@ the HBM/GDDR datasheet figure. They feed the cost model, not correctness.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+from . import settings
 from .errors import UnsupportedError
 
 
@@ -51,8 +53,6 @@ def with_smem(profile: GPUProfile, smem: int | None) -> GPUProfile:
         return profile
     if type(smem) is not int or smem <= 0:
         raise ValueError(f"shared-memory budget must be a positive number of bytes, got {smem!r}")
-    import dataclasses
-
     return dataclasses.replace(profile, smem_per_block=smem)
 
 
@@ -76,8 +76,6 @@ def detect(device_index: int | None = None) -> GPUProfile | None:
 
     ``FLASHGEN_GPU`` overrides detection.
     """
-    from . import settings
-
     forced = settings.gpu_override()
     if forced:
         return get(forced)

@@ -1,13 +1,24 @@
 """KernelSpec: the one description of a kernel variant.
 
-Everything else derives from it, once: the name (kernel symbol, file name,
-filter key), the template context, the YAML record, the shared-memory need
-and the feasibility check. The field list lives in this dataclass alone;
-``to_dict``/``from_dict`` and ``name`` walk it with ``dataclasses.fields``.
+The dataclass's field list is the single source of truth: each field carries
+its metadata (its name token, which kernel kinds use it, what it means), and
+everything else derives from it, once: the name (kernel symbol, emitted file
+name, filter key) and its parser ``KernelSpec.from_name``, the YAML record
+(``to_dict``/``from_dict``), the template context, the shared-memory need and
+the feasibility check. A field that only some kinds use (``kinds`` in its
+metadata) keeps its default everywhere else and is absent from those kinds'
+names and records.
+
+What a kind allows (tile sizes, flag combinations, shared memory) is its
+family's business: families register themselves here (``register_family``)
+when ``flashgen.families`` is imported, which ``import flashgen`` does, and
+``validate``/``smem_bytes``/``check``/``context`` defer to the registered
+family. This module imports nothing of the layers above it.
 """
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 from .errors import ConfigError
@@ -15,119 +26,177 @@ from .errors import ConfigError
 DTYPES = ("fp16", "bf16")
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a")
 DTYPE_BYTES = {"fp16": 2, "bf16": 2}
-# Fields added after tuned tables were first written: a record may omit them (their default is the old behaviour).
-LATER_FIELDS = ("warpspec", "pingpong", "overlap", "hint", "emu", "sepkv", "lazy", "persist")
-# Fields a family must list in ``Family.flags`` before a spec of it may set them (to True, or nonzero).
-FLAG_FIELDS = ("warpspec", "pingpong", "overlap", "emu", "sepkv", "lazy", "persist")
+
+
+def _f(default, token: str = "", kinds: tuple = (), doc: str = ""):
+    """A KernelSpec field: ``token`` spells it in the name ("" for the name's fixed parts), ``kinds``
+    the kernel kinds that use it (() for every kind)."""
+    return dataclasses.field(default=default, metadata={"token": token, "kinds": kinds, "doc": doc})
+
+
+_SM90 = ("fwd_sm90",)
 
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """One kernel variant. Construct it and call ``validate()`` (``from_dict`` does)."""
+    """One kernel variant. Construct it with keywords and call ``validate()`` (``from_dict`` and
+    ``from_name`` do)."""
 
-    kind: str = "fwd_v2"      # kernel family, see flashgen.families.FAMILIES
-    arch: str = "sm_90a"      # compile target
-    dtype: str = "bf16"       # element type of q, k, v, o
-    head_dim: int = 128       # the kernel's head-dim tile (inputs with d <= head_dim are masked)
-    block_m: int = 128        # query rows per CTA
-    block_n: int = 64         # key/value rows per step
-    warps: int = 4            # warps per CTA (split-Q: each owns block_m/warps query rows)
-    stages: int = 2           # K/V shared-memory pipeline depth
-    refill: int = 0           # where the next K/V copy is issued: 0 before S=QK^T, 1 before softmax, 2 before PV
-    causal: bool = False
-    # Hopper family (fwd_sm90) only; every other kind keeps them False, so
-    # their names and records are unchanged.
-    warpspec: bool = False    # a producer warpgroup issues the TMA loads (setmaxnreg moves its registers)
-    pingpong: bool = False    # the consumer warpgroups (2 or 3) take turns issuing their GEMMs (named barriers)
-    overlap: bool = False     # softmax of block j+1 overlaps the P V GEMM of block j
-    emu: int = 0              # exp2 of emu/8 of each thread's S columns on the FMA pipe, not MUFU (0, 1, 2, 4)
-    sepkv: bool = False       # separate K and V empty barriers: K(j) is released once S(j) is done
-    lazy: bool = False        # lean softmax: tree row max; O rescaled only when the max grows by > 2^8 (FA4)
-    persist: bool = False     # persistent kernel: one CTA per SM walks the tiles; loads run ahead across tiles
-    # Decode families (decode_split: the K/V global-load flavour, families.LOAD_HINTS) and bwd_sm90
-    # (how dQ reaches its accumulator, bwd_families.DQ_WRITES); every other kind keeps 0, and only
-    # these kinds name it (``_h{hint}`` where the others have ``_r{refill}``: they have no refill
-    # point, their refill is fixed at 0).
-    hint: int = 0
+    kind: str = _f("fwd_v2", doc="kernel kind (one per template entry point; its family registers it)")
+    arch: str = _f("sm_90a", doc="compile target")
+    dtype: str = _f("bf16", doc="element type of q, k, v and o")
+    head_dim: int = _f(128, "d", doc="the kernel's head-dim tile (inputs with a smaller d are masked)")
+    block_m: int = _f(128, "m", doc="query rows per CTA (per step in the dK/dV kernels)")
+    block_n: int = _f(64, "n", doc="key/value rows per step (per CTA in the dK/dV kernels)")
+    warps: int = _f(4, "w", doc="warps per CTA")
+    stages: int = _f(2, "s", doc="shared-memory pipeline depth of the streamed operand")
+    causal: bool = _f(False, doc="bottom-right aligned causal mask")
+    refill: int = _f(0, "r", ("fwd_v2",),
+                     "where the next K/V copy is issued: 0 before S = QK^T, 1 before the softmax, 2 before PV")
+    warp_specialized: bool = _f(False, "ws", _SM90,
+                                "a producer warpgroup issues the TMA loads (setmaxnreg moves its registers)")
+    pingpong: bool = _f(False, "pp", _SM90,
+                        "the consumer warpgroups take turns issuing their GEMMs (named barriers)")
+    softmax_overlap: bool = _f(False, "ov", _SM90, "the softmax of block j+1 overlaps the PV GEMM of block j")
+    fma_exp2: int = _f(0, "fx", _SM90,
+                       "eighths of each thread's S columns whose exp2 runs on the FMA pipe instead of MUFU")
+    early_k_release: bool = _f(False, "kr", _SM90,
+                               "separate K and V empty barriers: K(j) is released as soon as S(j) is done")
+    lean_softmax: bool = _f(False, "ls", _SM90,
+                            "tree row max; O rescaled only when the row max grows by more than 2^8")
+    persistent: bool = _f(False, "ps", _SM90,
+                          "one CTA per SM walks the tiles; its loads run ahead across tiles")
+    kv_load: int = _f(0, "ld", ("decode_split",), "how K/V reach shared memory (families.decode.KV_LOADS)")
+    dq_write: int = _f(0, "dq", ("bwd_sm90",), "how dQ reaches its fp32 accumulator (families.bwd_sm90.DQ_WRITES)")
 
     # -- identity ---------------------------------------------------------
     @property
     def name(self) -> str:
-        """Readable, unique: ``fwd_v2_d128_m128_n64_w4_s2_r0_causal_bf16_sm90a``.
+        """Readable, unique, a C identifier: ``{kind}_d{head_dim}_m{block_m}_n{block_n}_w{warps}_s{stages}``,
+        then the kind's own fields that differ from their defaults (a flag as its token, a number as
+        token and value, in field order: ``_ws_pp_fx1``), then ``_causal`` or ``_full``, the dtype and
+        the arch without its underscore. ``from_name`` reads it back."""
+        parts = [self.kind]
+        for f in _FIELDS:
+            token, kinds = f.metadata["token"], f.metadata["kinds"]
+            if not token:
+                continue
+            value = getattr(self, f.name)
+            if not kinds:
+                parts.append(f"{token}{value}")
+            elif self.kind in kinds and value != f.default:
+                parts.append(token if value is True else f"{token}{int(value)}")
+        parts += ["causal" if self.causal else "full", self.dtype, self.arch.replace("_", "")]
+        return "_".join(parts)
 
-        fwd_sm90 names its flags instead of the refill slot it does not have:
-        ``fwd_sm90_d128_m128_n128_w12_s2_ws1_pp1_ov1_causal_bf16_sm90a``, and the later ones only when
-        set (``..._ov1_e2_kv1_lz1_ps1_causal...``: emu=2, sepkv, lazy, persist); the decode kinds name
-        their load hint instead: ``decode_split_d128_m16_n128_w4_s2_h0_causal_bf16_sm90a``.
-        """
-        if self.kind == "fwd_sm90":
-            return (
-                f"{self.kind}_d{self.head_dim}_m{self.block_m}_n{self.block_n}_w{self.warps}_s{self.stages}"
-                f"_ws{int(self.warpspec)}_pp{int(self.pingpong)}_ov{int(self.overlap)}"
-                + (f"_e{self.emu}" if self.emu else "") + ("_kv1" if self.sepkv else "")
-                + ("_lz1" if self.lazy else "") + ("_ps1" if self.persist else "")
-                + f"_{'causal' if self.causal else 'full'}_{self.dtype}_{self.arch.replace('_', '')}"
-            )
-        return (
-            f"{self.kind}_d{self.head_dim}_m{self.block_m}_n{self.block_n}_w{self.warps}_s{self.stages}"
-            + (f"_h{self.hint}" if self.kind.startswith("decode_") or self.kind == "bwd_sm90" else f"_r{self.refill}")
-            + f"_{'causal' if self.causal else 'full'}_{self.dtype}_{self.arch.replace('_', '')}"
-        )
+    @classmethod
+    def from_name(cls, name: str) -> "KernelSpec":
+        """The validated spec whose ``name`` is ``name``; ``ValueError`` for any other string (an
+        unknown token, a value the kind does not take, or a spelling that is not the canonical one)."""
+        if not isinstance(name, str):
+            raise TypeError(f"a kernel name is a str, got {type(name).__name__}")
+        m = _NAME_RE.match(name)
+        if m is None:
+            raise ValueError(f"{name!r} is not a kernel name ({{kind}}_d.._m.._n.._w.._s.._[flags_]"
+                             "causal|full_dtype_arch)")
+        arch = m["arch"][:2] + "_" + m["arch"][2:]
+        values: dict = {"kind": m["kind"], "arch": arch, "dtype": m["dtype"], "causal": m["mask"] == "causal",
+                        "head_dim": int(m["d"])}
+        for token in m["rest"].split("_"):
+            t = _TOKEN_RE.match(token)
+            f = _BY_TOKEN.get(t["letters"]) if t else None
+            if f is None:
+                raise ValueError(f"{name!r}: unknown token {token!r}")
+            if f.name in values:
+                raise ValueError(f"{name!r}: {f.name} given twice")
+            is_flag = f.type in ("bool", bool)
+            if is_flag == bool(t["digits"]):
+                raise ValueError(f"{name!r}: token {token!r} " + ("takes no number" if is_flag else "needs a number"))
+            values[f.name] = True if is_flag else int(t["digits"])
+        missing = [f.name for f in _FIELDS if f.metadata["token"] and not f.metadata["kinds"] and f.name not in values]
+        if missing:
+            raise ValueError(f"{name!r}: no token for {', '.join(missing)}")
+        spec = cls(**values).validate()
+        if spec.name != name:
+            raise ValueError(f"{name!r} is not the canonical spelling of its spec ({spec.name})")
+        return spec
 
     @property
     def family(self):
-        from .families import family
-
-        return family(self.kind)
+        """The registered family of this spec's kind (``ValueError`` for an unknown kind)."""
+        return family_of(self.kind)
 
     # -- records ----------------------------------------------------------
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """The YAML record: every field this kind uses, nothing else."""
+        return {f.name: getattr(self, f.name) for f in fields_of(self.kind)}
 
     @classmethod
-    def from_dict(cls, record, where=None) -> "KernelSpec":
-        """Build and validate a spec from a YAML record; ``ConfigError`` on any bad value."""
+    def from_dict(cls, record, where=None, complete: bool = False) -> "KernelSpec":
+        """Build and validate a spec from a record (``to_dict``'s form): only fields its kind uses, every
+        value checked (``complete``: every field it uses, no defaults, as a tuned table must say);
+        ``ConfigError`` naming ``where`` on anything else."""
         if not isinstance(record, dict):
             raise ConfigError(where, f"a kernel spec must be a mapping, got {type(record).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(record) - names
+        unknown = set(record) - _NAMES
         if unknown:
             raise ConfigError(where, f"unknown spec field(s): {', '.join(sorted(map(str, unknown)))}")
+        kind = record.get("kind")
+        if type(kind) is not str:
+            raise ConfigError(where, f"spec field kind must be str, got {kind!r}")
         try:
-            spec = cls(**record)
-            spec.validate()
+            family_of(kind)
+        except ValueError as exc:
+            raise ConfigError(where, str(exc)) from None
+        used = {f.name for f in fields_of(kind)}
+        foreign = sorted(set(record) - used)
+        if foreign:
+            raise ConfigError(where, f"spec field(s) {', '.join(foreign)} do not belong to {kind} specs")
+        missing = sorted(used - set(record))
+        if missing and complete:
+            raise ConfigError(where, f"spec is missing field(s): {', '.join(missing)}")
+        try:
+            return cls(**record).validate()
         except (TypeError, ValueError) as exc:
             raise ConfigError(where, f"invalid kernel spec {record!r}: {exc}") from None
-        return spec
 
     def replace(self, **changes) -> "KernelSpec":
         return dataclasses.replace(self, **changes)
 
+    def with_tokens(self, text: str) -> "KernelSpec":
+        """This spec with the name tokens in ``text`` applied ("ws_pp_s3_m192": warp_specialized and
+        pingpong on, 3 stages, block_m 192; "" changes nothing): the name's own grammar, for variants
+        written by hand (benchmarks, tests). Not validated; ``ValueError`` for an unknown token."""
+        changes = {}
+        for token in filter(None, text.split("_")):
+            t = _TOKEN_RE.match(token)
+            f = _BY_TOKEN.get(t["letters"]) if t else None
+            if f is None or (f.type in ("bool", bool)) == bool(t["digits"]):
+                raise ValueError(f"{text!r}: {token!r} is not a name token "
+                                 f"(tokens: {', '.join(sorted(_BY_TOKEN))}; numbers after all but the flags)")
+            changes[f.name] = True if f.type in ("bool", bool) else int(t["digits"])
+        return dataclasses.replace(self, **changes)
+
     # -- checks -----------------------------------------------------------
     def validate(self) -> "KernelSpec":
-        """Check types, enums and ranges of every field, so that nothing but
-        known-good values can reach a template. Raises ``ValueError``/``TypeError``."""
-        for f in dataclasses.fields(self):
+        """Check types, enums and ranges of every field, so that nothing but known-good values can
+        reach a template; the family checks its own rules. Returns self; ``ValueError``/``TypeError``."""
+        for f in _FIELDS:
             value = getattr(self, f.name)
-            want = bool if f.type in ("bool", bool) else int if f.type in ("int", int) else str
+            want = _TYPES[f.type]
             # bool is a subclass of int: refuse it where an int is meant, and vice versa.
             if type(value) is not want:
                 raise TypeError(f"spec field {f.name} must be {want.__name__}, got {value!r}")
-        from .families import FAMILIES
-
-        if self.kind not in FAMILIES:
-            raise ValueError(f"kind {self.kind!r} not in {sorted(FAMILIES)}")
+        fam = family_of(self.kind)
         if self.arch not in ARCHS:
             raise ValueError(f"arch {self.arch!r} not in {ARCHS}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} not in {DTYPES}")
-        fam = self.family
-        for flag in FLAG_FIELDS:
-            if getattr(self, flag) and flag not in fam.flags:
-                raise ValueError(f"{self.kind}: {flag}={getattr(self, flag)} is not supported "
-                                 f"(only {fam.flags or 'no flags'})")
-        if self.hint not in fam.hints:
-            raise ValueError(f"{self.kind}: hint={self.hint} not in {fam.hints}")
+        for f in _FIELDS:
+            kinds = f.metadata["kinds"]
+            if kinds and self.kind not in kinds and getattr(self, f.name) != f.default:
+                raise ValueError(f"{self.kind}: {f.name}={getattr(self, f.name)!r} is not a field of this kind "
+                                 f"(only {', '.join(kinds)} take it)")
         fam.validate(self)
         return self
 
@@ -162,3 +231,44 @@ class KernelSpec:
         ctx.update(name=self.name, smem_bytes=self.smem_bytes(), elem_bytes=DTYPE_BYTES[self.dtype])
         ctx.update(self.family.context(self))
         return ctx
+
+
+_FIELDS = dataclasses.fields(KernelSpec)
+_NAMES = frozenset(f.name for f in _FIELDS)
+_TYPES = {"int": int, "bool": bool, "str": str, int: int, bool: bool, str: str}
+_BY_TOKEN = {f.metadata["token"]: f for f in _FIELDS if f.metadata["token"]}
+assert len(_BY_TOKEN) == sum(1 for f in _FIELDS if f.metadata["token"]), "name tokens must be unique"
+_NAME_RE = re.compile(r"^(?P<kind>[a-z][a-z0-9]*(?:_[a-z][a-z0-9]*)*?)_d(?P<d>\d+)_(?P<rest>[a-z0-9_]+?)"
+                      r"_(?P<mask>causal|full)_(?P<dtype>[a-z0-9]+)_(?P<arch>sm\d+a?)$")
+_TOKEN_RE = re.compile(r"^(?P<letters>[a-z]+)(?P<digits>\d*)$")
+
+
+def fields_of(kind: str) -> tuple:
+    """The dataclass fields a spec of ``kind`` uses (the common ones and its own), in field order."""
+    return tuple(f for f in _FIELDS if not f.metadata["kinds"] or kind in f.metadata["kinds"])
+
+
+# -- the family registry ---------------------------------------------------------
+# Families live above this module (flashgen.families) and register here on import; a spec finds its
+# family by kind. The registry is the only thing this module knows of them.
+_FAMILIES: dict = {}
+
+
+def register_family(fam) -> None:
+    """Make ``fam`` (an object with ``kind``, ``validate``, ``smem_bytes``, ``extra_checks``,
+    ``context``) the family of specs of ``fam.kind``; a kind registers once."""
+    if fam.kind in _FAMILIES and _FAMILIES[fam.kind] is not fam:
+        raise ValueError(f"kind {fam.kind!r} is registered already")
+    _FAMILIES[fam.kind] = fam
+
+
+def family_of(kind: str):
+    """The family registered for ``kind``; ``ValueError`` naming the known kinds otherwise."""
+    fam = _FAMILIES.get(kind) if isinstance(kind, str) else None
+    if fam is None:
+        raise ValueError(f"kind {kind!r} not in {sorted(_FAMILIES)}")
+    return fam
+
+
+def registered_kinds() -> tuple:
+    return tuple(_FAMILIES)

@@ -1,16 +1,400 @@
-"""Tuned tables: the user's results, then the ones shipped with flashgen.
+"""Tuned tables: one YAML file per GPU, the user's results first, then the one shipped with flashgen.
+
+    meta:     format, gpu, device_name, arch, sms, smem_per_block, source,
+              date, versions {flashgen, nvrtc, cuda, cupy, torch}
+    entries:  - key:        {kind, arch, dtype, head_dim, causal, bucket}
+                            (kind is the problem: "fwd" for the forward, whatever family serves it;
+                            bwd_dkdv, bwd_dkdv_nodq or bwd_dq for the backward's tuned kernels, head_dim
+                            their tile, problem.bwd_head_dim_tile)
+                spec:       the KernelSpec record (KernelSpec.to_dict: the fields its kind uses)
+                time_ms, tflops, source (measured | model)
+                            (a backward key: the whole backward's time, FLOPs 2.5x the forward's)
+                baseline:   {spec, time_ms} (the paper rule; for a backward key the default rule;
+                            time null if it failed)
+                speedup:    baseline time / winner time (null if the baseline failed)
+                runners_up: [{spec, time_ms}, ...]
+                trials, candidates, failures {status: count}
 
 ``lookup(gpu, key)`` asks ``$FLASHGEN_HOME/configs/<gpu>.yaml`` (written by
 ``flashgen tune``) first, then ``flashgen/generated/<gpu>.yaml``; None when
 neither has the key (dispatch then uses its default rule). Each file is read
-and validated once per process (``clear()`` forgets them, e.g. after tuning).
-A broken or foreign file raises ``ConfigError`` with its path: never a silent
-fallback to another table.
+and validated once per process (``clear()`` forgets them). Reading uses
+``yaml.safe_load`` only and validates every value (types, enums, ranges, the
+spec against its key and the GPU's shared memory) before anything is used,
+raising ``ConfigError(path, reason)``: never a silent fallback to another
+table. A file written for another GPU is refused.
+
+Format 3 (this one) records a spec by the fields its kind uses, with
+descriptive names (``warp_specialized``, ``fma_exp2``, ``kv_load``,
+``dq_write`` ...). Format 2 named them after the kernels' history (``warpspec``,
+``emu``, one ``hint`` field meaning two things) and wrote every field for
+every kind; format 1 also keyed the forward by its family (``fwd_v2``,
+``fwd_sm90``) where format 2 says "fwd". Older files are migrated on read with a
+warning (``migrate(path)`` rewrites one). Writing is atomic (temp file +
+``os.replace``); ``merge`` keeps the entries of keys a new run did not touch.
 """
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import math
+import os
+import tempfile
 import threading
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
 
+from . import __version__, families, gpus, settings
+from .codegen.compiler import nvrtc_version
+from .errors import ConfigError
+from .problem import BUCKETS, ProblemKey
+from .spec import ARCHS, DTYPES, KernelSpec, fields_of
+
+FORMAT = 3
+SOURCES = ("measured", "model")
+_KEY_FIELDS = {"kind": str, "arch": str, "dtype": str, "head_dim": int, "causal": bool, "bucket": int}
+_META_FIELDS = {"format": int, "gpu": str, "arch": str, "sms": int, "smem_per_block": int, "source": str,
+                "date": str, "versions": dict}
+_ENTRY_REQUIRED = ("key", "spec", "time_ms", "source")
+
+
+@dataclass
+class Table:
+    meta: dict
+    entries: dict = field(default_factory=dict)  # ProblemKey -> entry dict (spec as KernelSpec)
+    path: str | None = None
+
+    def spec(self, key: ProblemKey) -> KernelSpec | None:
+        entry = self.entries.get(key)
+        return entry["spec"] if entry else None
+
+
+def versions() -> dict:
+    """Versions of what produced a table (none of these imports needs a GPU)."""
+    out = {"flashgen": __version__}
+    try:
+        out["nvrtc"] = ".".join(map(str, nvrtc_version()))
+    except Exception:  # noqa: BLE001 -- metadata only
+        out["nvrtc"] = "unknown"
+    for mod in ("cupy", "torch"):
+        try:
+            out[mod] = str(__import__(mod).__version__)
+        except Exception:  # noqa: BLE001
+            out[mod] = "unknown"
+    try:
+        import torch
+
+        out["cuda"] = str(torch.version.cuda)
+    except Exception:  # noqa: BLE001
+        out["cuda"] = "unknown"
+    return out
+
+
+def make_meta(profile, source: str, device_name: str | None = None) -> dict:
+    if source not in SOURCES:
+        raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
+    return {"format": FORMAT, "gpu": profile.name, "device_name": device_name or profile.device_name,
+            "arch": profile.arch, "sms": profile.sms, "smem_per_block": profile.smem_per_block, "source": source,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "versions": versions()}
+
+
+def default_path(gpu: str) -> Path:
+    """Where ``flashgen tune`` writes, and dispatch first looks: ``$FLASHGEN_HOME/configs/<gpu>.yaml``."""
+    return settings.home() / "configs" / f"{gpu}.yaml"
+
+
+def shipped_path(gpu: str) -> Path:
+    return Path(__file__).resolve().parent / "generated" / f"{gpu}.yaml"
+
+
+def shipped_gpus() -> list:
+    """The GPU profiles a table is shipped for."""
+    return sorted(p.stem for p in shipped_path("x").parent.glob("*.yaml"))
+
+
+# -- reading ------------------------------------------------------------------
+def _typed(where, what, value, want):
+    if type(value) is not want:  # bool is not an int here, nor the other way round
+        raise ConfigError(where, f"{what} must be {want.__name__}, got {value!r}")
+    return value
+
+
+def _number(where, what, value, allow_none=False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(where, f"{what} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _key(where, record, arch: str) -> ProblemKey:
+    if not isinstance(record, dict):
+        raise ConfigError(where, f"entry key must be a mapping, got {record!r}")
+    if set(record) != set(_KEY_FIELDS):
+        raise ConfigError(where, f"entry key needs exactly the fields {sorted(_KEY_FIELDS)}, got {sorted(record)}")
+    for name, want in _KEY_FIELDS.items():
+        _typed(where, f"key.{name}", record[name], want)
+    if record["kind"] not in families.problems() or record["arch"] not in ARCHS or record["dtype"] not in DTYPES:
+        raise ConfigError(where, f"unknown kind, arch or dtype in key {record!r}")
+    if record["arch"] != arch:
+        raise ConfigError(where, f"key.arch {record['arch']!r} is not the table's arch {arch!r}")
+    if record["bucket"] not in BUCKETS:
+        raise ConfigError(where, f"key.bucket {record['bucket']} is not one of {BUCKETS}")
+    return ProblemKey(**record)
+
+
+def _spec(where, record, key, profile) -> KernelSpec:
+    spec = KernelSpec.from_dict(record, where, complete=True)
+    serving = families.serving(key.kind, key.arch)
+    if spec.kind not in serving:
+        raise ConfigError(where, f"spec {spec.name} is a {spec.kind} kernel, which does not serve {key.kind} on "
+                                 f"{key.arch} (families there: {', '.join(serving) or 'none'})")
+    for name in ("arch", "dtype", "causal"):
+        if getattr(spec, name) != getattr(key, name):
+            raise ConfigError(where, f"spec {spec.name} does not match its key ({name}: {getattr(key, name)!r})")
+    tile = families.family(spec.kind).tile(key)
+    if spec.head_dim != tile:
+        raise ConfigError(where, f"spec {spec.name} does not match its key (head_dim: {tile!r} for a {spec.kind} "
+                                 f"spec of key head_dim {key.head_dim})")
+    reasons = spec.check(profile)
+    if reasons:
+        raise ConfigError(where, f"spec {spec.name} is not feasible on {profile.name}: {'; '.join(reasons)}")
+    return spec
+
+
+def _entry(where, record, profile) -> tuple[ProblemKey, dict]:
+    if not isinstance(record, dict):
+        raise ConfigError(where, f"an entry must be a mapping, got {type(record).__name__}")
+    missing = [f for f in _ENTRY_REQUIRED if f not in record]
+    if missing:
+        raise ConfigError(where, f"entry is missing {', '.join(missing)}")
+    key = _key(where, record["key"], profile.arch)
+    entry = dict(record)
+    entry["spec"] = _spec(where, record["spec"], key, profile)
+    entry["time_ms"] = _number(where, "time_ms", record["time_ms"])
+    if record["source"] not in SOURCES:
+        raise ConfigError(where, f"entry source must be one of {SOURCES}, got {record['source']!r}")
+    for name in ("tflops", "speedup"):
+        entry[name] = _number(where, name, record.get(name), allow_none=True)
+    base = record.get("baseline")
+    if base is not None:
+        if not isinstance(base, dict) or "spec" not in base:
+            raise ConfigError(where, f"baseline must be a mapping with a spec, got {base!r}")
+        entry["baseline"] = {"spec": _spec(where, base["spec"], key, profile),
+                             "time_ms": _number(where, "baseline.time_ms", base.get("time_ms"), allow_none=True)}
+    runners = record.get("runners_up", [])
+    if not isinstance(runners, list):
+        raise ConfigError(where, "runners_up must be a list")
+    entry["runners_up"] = [{"spec": _spec(where, r.get("spec") if isinstance(r, dict) else r, key, profile),
+                            "time_ms": _number(where, "runners_up.time_ms", r.get("time_ms"))} for r in runners]
+    for name in ("trials", "candidates"):
+        if name in record and (type(record[name]) is not int or record[name] < 0):
+            raise ConfigError(where, f"{name} must be a non-negative int, got {record[name]!r}")
+    fails = record.get("failures", {})
+    if not isinstance(fails, dict) or any(type(v) is not int or v < 0 for v in fails.values()):
+        raise ConfigError(where, f"failures must map a status to a count, got {fails!r}")
+    return key, entry
+
+
+def load(path, gpu: str | None = None) -> Table:
+    """Read and validate a table; ``gpu`` given: refuse a file written for another GPU."""
+    import yaml
+
+    where = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(where, f"cannot read: {exc.strerror or exc}") from None
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(where, f"not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(doc, dict) or set(doc) != {"meta", "entries"}:
+        raise ConfigError(where, "a tuned table is a mapping with exactly 'meta' and 'entries'")
+    meta = doc["meta"]
+    if not isinstance(meta, dict):
+        raise ConfigError(where, "meta must be a mapping")
+    for name, want in _META_FIELDS.items():
+        if name not in meta:
+            raise ConfigError(where, f"meta is missing {name}")
+        _typed(where, f"meta.{name}", meta[name], want)
+    entries = doc["entries"]
+    if meta["format"] in (1, 2):
+        entries = _migrate_entries(where, entries, meta["format"])
+        warnings.warn(f"{where}: table format {meta['format']} read as format {FORMAT} (spec fields renamed, "
+                      "forward keys of kind fwd_v2/fwd_sm90 are kind 'fwd'); rewrite it with "
+                      "flashgen.tables.migrate or re-tune", stacklevel=2)
+        meta = {**meta, "format": FORMAT}
+    elif meta["format"] != FORMAT:
+        raise ConfigError(where, f"table format {meta['format']} is not the supported {FORMAT} (or 1-2, migrated)")
+    if meta["source"] not in SOURCES:
+        raise ConfigError(where, f"meta.source must be one of {SOURCES}, got {meta['source']!r}")
+    try:
+        profile = gpus.get(meta["gpu"])
+    except Exception:  # noqa: BLE001
+        raise ConfigError(where, f"meta.gpu {meta['gpu']!r} is not a known GPU profile") from None
+    if gpu is not None and profile.name != gpus.get(gpu).name:
+        raise ConfigError(where, f"this table was tuned for {profile.name}, not {gpu}: refusing to use it")
+    if meta["arch"] != profile.arch or meta["smem_per_block"] > profile.smem_per_block:
+        raise ConfigError(where, f"meta arch/smem ({meta['arch']}, {meta['smem_per_block']} B) do not match "
+                                 f"the {profile.name} profile")
+    profile = gpus.with_smem(profile, meta["smem_per_block"])
+    if meta["versions"].get("flashgen") != __version__:
+        warnings.warn(f"{where}: tuned with flashgen {meta['versions'].get('flashgen')}, this is {__version__}; "
+                      "re-tune for the best kernels", stacklevel=2)
+    if not isinstance(entries, list):
+        raise ConfigError(where, "entries must be a list")
+    table = Table(meta=meta, path=where)
+    for i, record in enumerate(entries):
+        key, entry = _entry(f"{where}: entries[{i}]", record, profile)
+        if key in table.entries:
+            raise ConfigError(where, f"entries[{i}] repeats the key {record['key']}")
+        table.entries[key] = entry
+    return table
+
+
+# -- older formats -------------------------------------------------------------
+_FORMAT1_KINDS = {"fwd_v2": "fwd", "fwd_sm90": "fwd"}  # format 1 -> 2: forward keys name the problem
+# Format 2's spec fields -> format 3's (fwd_sm90's flags); ``hint`` became kv_load or dq_write by kind.
+_RENAMED = {"warpspec": "warp_specialized", "overlap": "softmax_overlap", "emu": "fma_exp2",
+            "sepkv": "early_k_release", "lazy": "lean_softmax", "persist": "persistent"}
+_HINT_FIELD = {"decode_split": "kv_load", "bwd_sm90": "dq_write"}
+
+
+def migrate_spec_record(record):
+    """A format-2 spec record in format 3: fields renamed, ``hint`` to the kind's own field, and the
+    fields the kind does not use dropped where they hold their default (False or 0; a set one is left
+    for the validation to refuse). Anything malformed is returned as it is for the validation to report."""
+    if not isinstance(record, dict) or not isinstance(record.get("kind"), str):
+        return record
+    kind = record["kind"]
+    out = {}
+    for name, value in record.items():
+        if name == "hint":
+            name = _HINT_FIELD.get(kind, "hint")
+        name = _RENAMED.get(name, name)
+        out[name] = value
+    used = {f.name for f in fields_of(kind)}
+    defaults = {f.name: f.default for f in dataclasses.fields(KernelSpec)}
+    defaults["hint"] = 0  # a kind without a hint field of its own wrote hint: 0
+    for name in list(out):
+        if name not in used and name in defaults and type(out[name]) is type(defaults[name]) \
+                and out[name] == defaults[name]:
+            del out[name]
+    for name in used - set(out):  # fields added after format 2 was written keep their default
+        if name in _RENAMED.values() or name in _HINT_FIELD.values():
+            out[name] = defaults[name]
+    return out
+
+
+def _migrate_entries(where, entries, fmt: int):
+    """Format-1/2 entries as format 3 (see the module's notes). Where two format-1 keys become one (a
+    fwd_v2 and a fwd_sm90 entry of one problem), the entry with the smaller time_ms is kept: both were
+    timed at the key's problem shape. Anything malformed is left for the validation to report."""
+    if not isinstance(entries, list):
+        return entries
+    out, index = [], {}
+    for record in entries:
+        if isinstance(record, dict):
+            record = dict(record)
+            for name in ("spec",):
+                record[name] = migrate_spec_record(record.get(name))
+            if isinstance(record.get("baseline"), dict):
+                record["baseline"] = {**record["baseline"], "spec": migrate_spec_record(record["baseline"].get("spec"))}
+            if isinstance(record.get("runners_up"), list):
+                record["runners_up"] = [{**r, "spec": migrate_spec_record(r.get("spec"))} if isinstance(r, dict) else r
+                                        for r in record["runners_up"]]
+        key = record.get("key") if isinstance(record, dict) else None
+        if fmt == 1 and isinstance(key, dict) and key.get("kind") in _FORMAT1_KINDS:
+            record = {**record, "key": {**key, "kind": _FORMAT1_KINDS[key["kind"]]}}
+            try:
+                ident = tuple(sorted(record["key"].items()))
+                hash(ident)
+            except TypeError:
+                ident = None
+            if ident is not None and ident in index:
+                prior = out[index[ident]]
+                try:
+                    faster = float(record["time_ms"]) < float(prior["time_ms"])
+                except (KeyError, TypeError, ValueError):
+                    faster = False
+                if faster:
+                    out[index[ident]] = record
+                continue
+            if ident is not None:
+                index[ident] = len(out)
+        elif fmt >= 2 and isinstance(key, dict) and key.get("kind") in _FORMAT1_KINDS:
+            raise ConfigError(where, f"key.kind {key['kind']!r} is a kernel family; since table format 2 the "
+                                     f"forward's key kind is 'fwd' (its spec names the family)")
+        out.append(record)
+    return out
+
+
+def migrate(path) -> Path:
+    """Rewrite an older table at ``path`` in the current format (every entry and number kept)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        table = load(path)
+    return save(table, path)
+
+
+# -- writing ------------------------------------------------------------------
+def _plain(entry: dict) -> dict:
+    out = {}
+    for name, value in entry.items():
+        if isinstance(value, KernelSpec):
+            value = value.to_dict()
+        elif name == "baseline" and value is not None:
+            value = {"spec": value["spec"].to_dict(), "time_ms": value["time_ms"]}
+        elif name == "runners_up":
+            value = [{"spec": r["spec"].to_dict(), "time_ms": r["time_ms"]} for r in value]
+        out[name] = value
+    return out
+
+
+def dump(table: Table) -> str:
+    import yaml
+
+    entries = []
+    for key in sorted(table.entries, key=lambda k: (k.kind, k.arch, k.dtype, k.head_dim, k.causal, k.bucket)):
+        entry = {"key": {f: getattr(key, f) for f in _KEY_FIELDS}, **_plain(table.entries[key])}
+        entries.append(entry)
+    return yaml.safe_dump({"meta": {**table.meta, "format": FORMAT}, "entries": entries}, sort_keys=False,
+                          default_flow_style=None, width=120)
+
+
+def save(table: Table, path) -> Path:
+    """Write ``table`` to ``path`` atomically (readers never see half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(dump(table))
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def merge(old: Table | None, new: Table) -> Table:
+    """``new``'s entries over ``old``'s; keys only ``old`` has are kept. The meta is ``new``'s,
+    with ``source`` 'measured' only when every entry was measured."""
+    if old is None:
+        return new
+    if old.meta["gpu"] != new.meta["gpu"]:
+        raise ConfigError(old.path, f"cannot merge a {new.meta['gpu']} table into one for {old.meta['gpu']}")
+    entries = {**old.entries, **new.entries}
+    meta = dict(new.meta)
+    meta["source"] = "measured" if all(e["source"] == "measured" for e in entries.values()) else "model"
+    return Table(meta=meta, entries=entries, path=new.path)
+
+
+# -- lookup (dispatch) --------------------------------------------------------
 _cache: dict = {}
 _lock = threading.Lock()
 
@@ -20,20 +404,12 @@ def tables(gpu: str) -> list:
     with _lock:
         found = _cache.get(gpu)
         if found is None:
-            from .tuner import store
-
             found = []
-            for origin, path in (("user", store.default_path(gpu)), ("shipped", store.shipped_path(gpu))):
+            for origin, path in (("user", default_path(gpu)), ("shipped", shipped_path(gpu))):
                 if path.is_file():
-                    found.append((origin, store.load(path, gpu=gpu)))
+                    found.append((origin, load(path, gpu=gpu)))
             _cache[gpu] = found
         return found
-
-
-def lookup(gpu: str, key):
-    """The tuned spec for ``key`` on ``gpu``, or None."""
-    hit = lookup_entry(gpu, key)
-    return hit[1]["spec"] if hit else None
 
 
 def lookup_entry(gpu: str, key):
@@ -45,10 +421,13 @@ def lookup_entry(gpu: str, key):
     return None
 
 
-def clear() -> None:
-    """Forget the tables read so far (and dispatch's cached picks)."""
-    from . import dispatch
+def lookup(gpu: str, key):
+    """The tuned spec for ``key`` on ``gpu``, or None."""
+    hit = lookup_entry(gpu, key)
+    return hit[1]["spec"] if hit else None
 
+
+def clear() -> None:
+    """Forget the tables read so far (dispatch.clear also forgets its cached picks)."""
     with _lock:
         _cache.clear()
-    dispatch.select.cache_clear()

@@ -5,8 +5,8 @@ tiled tensor map with 128-byte swizzle and zero fill out of bounds, made by the
 driver's ``cuTensorMapEncodeTiled``: through ``ctypes`` on ``libcuda.so`` (no
 dependency; the path the first H200 runs exercised), else through
 ``cuda.bindings`` (pip ``cuda-bindings``) when libcuda cannot be opened by name.
-``FLASHGEN_TMA=ctypes`` or ``=bindings`` forces one; bench/smoke_sm90.py checks
-that both give the same bytes. The bytes are never composed by hand.
+``FLASHGEN_TMA=ctypes`` or ``=bindings`` forces one (the GPU tests check that both give
+the same bytes). The bytes are never composed by hand.
 
 Maps depend on the tensor's address, so they are cached per (address, dtype,
 dims, strides, box): a call that reuses its buffers (the caching allocator
@@ -15,9 +15,9 @@ hands the same addresses back) costs one dict lookup.
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 
+from . import settings
 from .errors import UnsupportedError
 
 # CUtensorMapDataType, CUtensorMapSwizzle and friends (cuda.h).
@@ -93,7 +93,7 @@ def backend():
     """The encoder in use (``ctypes`` on libcuda, else ``cuda.bindings``; ``FLASHGEN_TMA`` forces one)."""
     global _backend
     if _backend is None:
-        want = os.environ.get("FLASHGEN_TMA", "")
+        want = settings.tma_backend()
         if want == "bindings":
             try:
                 _backend = _BindingsBackend()
@@ -126,7 +126,7 @@ def encode(ptr: int, dtype: str, dims, strides, box) -> bytes:
     try:
         data = enc.encode(ptr, DTYPE_CODES[dtype], tuple(dims), tuple(strides), tuple(box))
     except (AttributeError, TypeError, ValueError):
-        if enc.name == "ctypes" or os.environ.get("FLASHGEN_TMA") == "bindings":
+        if enc.name == "ctypes" or settings.tma_backend() == "bindings":
             raise
         # A cuda.bindings whose API differs from the one written against: use the driver directly.
         _backend = _CtypesBackend()
@@ -142,7 +142,7 @@ def tensor_dims(d: int, n: int, heads: int, batch: int, strides_elems, elem_byte
     """(dims, byte strides) of a (batch, heads, seq, d) view as a 4-D map (d, seq, head, batch).
 
     ``strides_elems`` is (seq, head, batch) in elements -- the map's order, innermost first, and
-    the reverse of the (batch, head, seq) that ``api._dims`` returns.
+    the reverse of the (batch, head, seq) order the torch layer's strides come in.
 
     Lengths of 0 become 1 (a map cannot be empty; the kernel reads nothing
     there). A dimension of length 1 is never stepped, so its stride is replaced

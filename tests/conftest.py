@@ -2,22 +2,48 @@
 
 Every test gets its own, empty ``FLASHGEN_HOME`` so that no test reads or
 writes the user's kernel cache or tuning results, and no test depends on
-another's cache entries. The other ``FLASHGEN_*`` settings are cleared so the
-caller's environment cannot change what a test sees.
+another's cache entries. Every other ``FLASHGEN_*`` setting (``flashgen.testing.ENVIRONMENT``,
+the list ``flashgen.settings`` reads) is cleared so the caller's environment cannot change
+what a test sees.
 
-Nothing GPU-specific is registered here: GPU tests (tests/test_gpu_*.py) mark
+Options: ``--update-golden`` rewrites the golden sources of tests/test_render.py instead of comparing
+them (after an intended template change); ``--no-precompile`` makes the GPU test modules skip their
+parallel precompile step. Nothing GPU-specific is registered here: GPU tests (tests/test_gpu_*.py) mark
 themselves with ``pytest.mark.gpu`` and skip themselves without CUDA.
 """
 from __future__ import annotations
 
 import pytest
 
+from flashgen.testing import ENVIRONMENT
+
+
+def pytest_addoption(parser):
+    parser.addoption("--update-golden", action="store_true", help="rewrite tests/golden/ instead of comparing")
+    parser.addoption("--no-precompile", action="store_true", help="GPU tests: skip the parallel precompile step")
+
+
+@pytest.fixture
+def update_golden(request) -> bool:
+    return request.config.getoption("--update-golden")
+
+
+@pytest.fixture(scope="session")
+def gpu_kernel_cache(tmp_path_factory):
+    """One binary cache for every GPU test of the run (the cache is content-addressed and locked, so
+    sharing it changes no result; it saves recompiling each kernel in every test)."""
+    return tmp_path_factory.mktemp("gpu_kernels")
+
 
 @pytest.fixture(autouse=True)
-def flashgen_home(tmp_path, monkeypatch):
-    """A private, empty FLASHGEN_HOME for one test; returns its path."""
+def flashgen_home(request, tmp_path, monkeypatch):
+    """A private, empty FLASHGEN_HOME for one test (its tuned tables are its own); a GPU test's
+    ``kernels/`` is the run's shared binary cache. Returns the home's path."""
     home = tmp_path / "flashgen_home"
-    monkeypatch.setenv("FLASHGEN_HOME", str(home))
-    for var in ("FLASHGEN_GPU", "FLASHGEN_LOG", "FLASHGEN_NO_COMPILE", "FLASHGEN_ALLOW_SPILLS"):
+    for var in ENVIRONMENT:
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("FLASHGEN_HOME", str(home))
+    if request.node.get_closest_marker("gpu") is not None:
+        home.mkdir(parents=True, exist_ok=True)
+        (home / "kernels").symlink_to(request.getfixturevalue("gpu_kernel_cache"), target_is_directory=True)
     return home

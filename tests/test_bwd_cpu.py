@@ -10,8 +10,11 @@ import pytest
 import torch
 
 import flashgen
-from flashgen import KernelSpec, dispatch, gpus
-from flashgen.bwd_families import warp_split
+import flashgen.api.entry
+import flashgen.api.autograd  # noqa: F401 -- registers the ops
+from flashgen import KernelSpec, families, gpus
+from flashgen.families.bwd import BWD_HEAD_DIMS, DQ_MODES, dq_mode, warp_split
+from flashgen.problem import ProblemKey, bwd_head_dim_tile
 
 F16, BF16 = torch.float16, torch.bfloat16
 
@@ -24,8 +27,6 @@ def meta(*shape, dtype=BF16, grad=False):
 @pytest.mark.parametrize("dtype", [F16, BF16])
 def test_fwd_op_fake_shapes(layout, dtype):
     """attn_fwd on meta tensors: out like q (contiguous), lse fp32 (batch, heads, seqlen_q) in either layout."""
-    import flashgen.autograd  # noqa: F401 -- registers the ops
-
     if layout == "bhsd":
         q, k = meta(2, 6, 37, 72, dtype=dtype), meta(2, 2, 129, 72, dtype=dtype)
     else:
@@ -37,7 +38,6 @@ def test_fwd_op_fake_shapes(layout, dtype):
 
 def test_fwd_and_bwd_ops_on_fake_cuda_tensors():
     """With FakeTensorMode CUDA tensors (what torch.compile traces with), the ops keep device and dtype."""
-    import flashgen.autograd  # noqa: F401
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
@@ -111,12 +111,10 @@ def test_grad_path_checks_inputs_when_it_runs():
 
 def test_no_grad_inputs_skip_the_op(monkeypatch):
     """Inputs that need no gradient take the direct forward (no custom-op overhead)."""
-    import flashgen.autograd as ag
-
     def boom(*a, **k):
         raise AssertionError("went through the op")
 
-    monkeypatch.setattr(ag, "attention_op", boom)
+    monkeypatch.setattr(flashgen.api.entry, "attention_op", boom)
     q = torch.randn(1, 2, 8, 64, dtype=BF16, requires_grad=True)
     with torch.no_grad(), pytest.raises(ValueError, match="CUDA tensor"):
         flashgen.attention(q, q, q)
@@ -141,7 +139,8 @@ def test_bwd_specs_validate_and_name():
     """Backward specs validate their own rules and name their kind; a split that cannot tile is refused."""
     s = KernelSpec(kind="bwd_dkdv", arch="sm_90a", dtype="bf16", head_dim=128, block_m=64, block_n=64,
                    warps=8, stages=2, causal=True).validate()
-    assert s.name == "bwd_dkdv_d128_m64_n64_w8_s2_r0_causal_bf16_sm90a"
+    assert s.name == "bwd_dkdv_d128_m64_n64_w8_s2_causal_bf16_sm90a"
+    assert "refill" not in s.to_dict()  # fwd_v2's field, not the backward's
     ctx = s.context()
     assert ctx["dq_atomic"] is True and ctx["wa"] and ctx["wb"] and ctx["wc"]
     assert s.replace(kind="bwd_dkdv_nodq").context()["dq_atomic"] is False
@@ -153,10 +152,10 @@ def test_bwd_specs_validate_and_name():
 
 def test_bwd_rule_picks_the_sm80_fallback_for_d256():
     """d = 256: the preferred dK/dV tile needs more shared memory than an A100 has; the rule falls back."""
-    key = dispatch.ProblemKey("bwd_dkdv", "sm_80", "bf16", 256, True, 1024)
-    spec = dispatch.default_spec(key, gpus.ARCH_SMEM_PER_BLOCK["sm_80"])
+    key = ProblemKey("bwd_dkdv", "sm_80", "bf16", 256, True, 1024)
+    spec = families.default_spec(key, gpus.ARCH_SMEM_PER_BLOCK["sm_80"])
     assert spec.smem_bytes() <= gpus.ARCH_SMEM_PER_BLOCK["sm_80"]
-    big = dispatch.default_spec(dispatch.ProblemKey("bwd_dkdv", "sm_90a", "bf16", 256, True, 1024),
+    big = families.default_spec(ProblemKey("bwd_dkdv", "sm_90a", "bf16", 256, True, 1024),
                                 gpus.ARCH_SMEM_PER_BLOCK["sm_90a"])
     assert big.smem_bytes() > gpus.ARCH_SMEM_PER_BLOCK["sm_80"]
 
@@ -164,18 +163,19 @@ def test_bwd_rule_picks_the_sm80_fallback_for_d256():
 @pytest.mark.parametrize("d,tile", [(8, 32), (64, 64), (200, 256), (224, 256), (256, 256)])
 def test_bwd_head_dim_tile(d, tile):
     """The backward maps head dims to tiles like the forward, except that 224 runs on the 256 tile."""
-    assert dispatch.bwd_head_dim_tile(d) == tile
+    assert bwd_head_dim_tile(d) == tile
+    assert families.problem_key("bwd_dkdv", "sm_90a", "bf16", d, False, 512).head_dim == tile
 
 
 def test_bwd_row_kernels_are_never_causal():
     """Preprocess and convert have one spec for causal and non-causal keys."""
     for kind in ("bwd_preprocess", "bwd_convert"):
-        a = dispatch.default_spec(dispatch.ProblemKey(kind, "sm_90a", "bf16", 128, True, 512), 232448)
-        b = dispatch.default_spec(dispatch.ProblemKey(kind, "sm_90a", "bf16", 128, False, 512), 232448)
+        a = families.default_spec(ProblemKey(kind, "sm_90a", "bf16", 128, True, 512), 232448)
+        b = families.default_spec(ProblemKey(kind, "sm_90a", "bf16", 128, False, 512), 232448)
         assert a == b and not a.causal
 
 
 def test_bwd_dq_mode_rule():
     """Every backward head-dim tile has a dQ mode, and it is one the backward knows."""
-    for d in dispatch.BWD_TILES["bwd_dkdv"]:
-        assert dispatch.bwd_dq_mode(d) in dispatch.BWD_DQ_MODES
+    for d in BWD_HEAD_DIMS:
+        assert dq_mode(d) in DQ_MODES

@@ -12,32 +12,33 @@ import os
 
 import pytest
 
-from flashgen import KernelSpec, UnsupportedError, dispatch, gpus
+from flashgen import KernelSpec, UnsupportedError, dispatch, families, gpus
+from flashgen.problem import ProblemKey
 from build_util import build_all, clean_binary, r2ur_before_hgmma, sass_of
 
 H200 = gpus.get("h200")
 BUDGET = gpus.ARCH_SMEM_PER_BLOCK["sm_90a"]
 
 
-def bwd90(d=128, bn=128, st=2, hint=0, causal=False, dtype="bf16"):
+def bwd90(d=128, bn=128, st=2, dq_write=0, causal=False, dtype="bf16"):
     return KernelSpec(kind="bwd_sm90", arch="sm_90a", dtype=dtype, head_dim=d, block_m=64, block_n=bn,
-                      warps=4 * (bn // 64 + 1), stages=st, hint=hint, causal=causal)
+                      warps=4 * (bn // 64 + 1), stages=st, dq_write=dq_write, causal=causal)
 
 
-DEFAULTS = dispatch.default_specs("sm_90a", BUDGET, kind="bwd_sm90")
-# What the GPU tests and bench/bench_bwd.py's --bwd90-variants run beside the defaults.
-VARIANTS = [bwd90(d, 128, st, hint, c, dt) for d in (64, 128) for st in (2, 3) for hint in (0, 1)
+DEFAULTS = [s for s in families.rule_specs("sm_90a", BUDGET) if s.kind == "bwd_sm90"]
+# What the GPU tests and the backward benchmark's variants run beside the defaults.
+VARIANTS = [bwd90(d, 128, st, w, c, dt) for d in (64, 128) for st in (2, 3) for w in (0, 1)
             for c in (False, True) for dt in ("bf16", "fp16")] + [
-    bwd90(64, 64, st, hint, c) for st in (2, 3) for hint in (0, 1) for c in (False, True)]
+    bwd90(64, 64, st, w, c) for st in (2, 3) for w in (0, 1) for c in (False, True)]
 ALL = list(dict.fromkeys(DEFAULTS + VARIANTS))
 
 
 def test_names_and_rules():
     s = bwd90(causal=True)
-    assert s.name == "bwd_sm90_d128_m64_n128_w12_s2_h0_causal_bf16_sm90a"
+    assert s.name == "bwd_sm90_d128_m64_n128_w12_s2_causal_bf16_sm90a"
     assert s.validate() is s and s.feasible(H200)
-    assert KernelSpec.from_dict(s.to_dict()) == s
-    assert bwd90(hint=1).name == "bwd_sm90_d128_m64_n128_w12_s2_h1_full_bf16_sm90a"
+    assert KernelSpec.from_dict(s.to_dict()) == s == KernelSpec.from_name(s.name)
+    assert bwd90(dq_write=1).name == "bwd_sm90_d128_m64_n128_w12_s2_dq1_full_bf16_sm90a"
     with pytest.raises(ValueError, match="warps"):
         s.replace(warps=8).validate()
     with pytest.raises(ValueError, match="block_m"):
@@ -46,26 +47,26 @@ def test_names_and_rules():
         s.replace(head_dim=96).validate()
     with pytest.raises(ValueError, match="arch"):
         s.replace(arch="sm_80").validate()
-    with pytest.raises(ValueError, match="hint"):
-        s.replace(hint=2).validate()
-    with pytest.raises(ValueError, match="not supported"):
-        s.replace(warpspec=True).validate()
+    with pytest.raises(ValueError, match="dq_write"):
+        s.replace(dq_write=2).validate()
+    with pytest.raises(ValueError, match="not a field of this kind"):
+        s.replace(warp_specialized=True).validate()
     assert s.check(gpus.get("a100"))  # not an sm_90a GPU
     # d=128 with one consumer warpgroup: dK, dV and a 128-column dQ part do not fit the registers
     assert any("would spill" in r for r in bwd90(d=128, bn=64).check(H200))
     assert bwd90(d=64, bn=64).check(H200) == []
     # the 3-stage d=128 ring fits the H200's 227 KB (with the 1 KB alignment slack)
     assert bwd90(st=3).smem_bytes() <= H200.smem_per_block
-    # other kinds' names are unchanged
+    # the other backward kinds have no dq_write field
     assert KernelSpec(kind="bwd_dkdv", head_dim=128, block_m=64, block_n=64, warps=8).name == \
-        "bwd_dkdv_d128_m64_n64_w8_s2_r0_full_bf16_sm90a"
+        "bwd_dkdv_d128_m64_n64_w8_s2_full_bf16_sm90a"
 
 
 def test_family_rules_and_smem_formula():
     fam = bwd90().family
     for s in ALL:
         d, bn, st = s.head_dim, s.block_n, s.stages
-        want = 2 * d * 2 * bn + 2 * st * 64 * d * 2 + 2 * bn * 64 * 2 + (64 * d * 4 if s.hint == 0 else 0) \
+        want = 2 * d * 2 * bn + 2 * st * 64 * d * 2 + 2 * bn * 64 * 2 + (64 * d * 4 if s.dq_write == 0 else 0) \
             + 2 * st * 64 * 4 + 1024
         assert s.smem_bytes() == want, s.name
         assert fam.dq_cols(s) == d // (bn // 64)
@@ -78,77 +79,79 @@ def test_family_rules_and_smem_formula():
 
 
 def test_dispatch():
-    assert dispatch.families_for("bwd_dkdv", "sm_90a") == ("bwd_dkdv", "bwd_sm90")
-    assert dispatch.families_for("bwd_dkdv", "sm_80") == ("bwd_dkdv",)
-    assert dispatch.families_for("bwd_sm90", "sm_80") == ()
-    assert dispatch.problem_kind("bwd_sm90") == "bwd_dkdv" and dispatch.problem_kind("bwd_dkdv") == "bwd_dkdv"
-    kinds = dispatch.problem_kinds()
+    assert families.serving("bwd_dkdv", "sm_90a") == ("bwd_sm90", "bwd_dkdv")
+    assert families.serving("bwd_dkdv", "sm_80") == ("bwd_dkdv",)
+    assert families.FAMILIES["bwd_sm90"].serves == "bwd_dkdv" and families.FAMILIES["bwd_dkdv"].serves == "bwd_dkdv"
+    kinds = families.problems()
     assert "bwd_dkdv" in kinds and "bwd_sm90" not in kinds and len(kinds) == len(set(kinds))
-    # the default family of the bwd_dkdv problem on sm_90a is bwd_sm90 (measured: bench/results/bwd90)
-    key = dispatch.ProblemKey("bwd_dkdv", "sm_90a", "bf16", 128, True, 4096)
-    assert dispatch.default_spec(key, BUDGET).kind == "bwd_sm90"
+    # the default family of the bwd_dkdv problem on sm_90a is bwd_sm90 (measured 1.6-1.9x the mma.sync
+    # kernel's backward on the H200)
+    key = ProblemKey("bwd_dkdv", "sm_90a", "bf16", 128, True, 4096)
+    assert families.default_spec(key, BUDGET).kind == "bwd_sm90"
     assert dispatch.select(key, "h200", BUDGET).kind == "bwd_sm90"
     assert len(DEFAULTS) == 2 * 2 * 2 and all(s.kind == "bwd_sm90" and not s.check(H200) for s in DEFAULTS)
-    assert dispatch.default_specs("sm_80", 166912, kind="bwd_sm90") == []
-    k90 = dispatch.ProblemKey("bwd_sm90", "sm_90a", "fp16", 64, False, 2048)
-    assert dispatch.select(k90, "h200", BUDGET) == bwd90(d=64, st=3, dtype="fp16")
-    with pytest.raises(UnsupportedError, match="sm_90a"):
-        dispatch.default_spec(dispatch.ProblemKey("bwd_sm90", "sm_80", "fp16", 64, False, 2048), 166912)
+    assert [s for s in families.rule_specs("sm_80", 166912) if s.kind == "bwd_sm90"] == []
+    k64 = ProblemKey("bwd_dkdv", "sm_90a", "fp16", 64, False, 2048)
+    assert dispatch.select(k64, "h200", BUDGET, family="bwd_sm90") == bwd90(d=64, st=3, dtype="fp16")
+    with pytest.raises(UnsupportedError, match="bwd_sm90 does not serve"):
+        dispatch.select(ProblemKey("bwd_dkdv", "sm_80", "fp16", 64, False, 2048), None, 166912, family="bwd_sm90")
     with pytest.raises(UnsupportedError, match="head-dim tile"):
-        dispatch.default_spec(dispatch.ProblemKey("bwd_sm90", "sm_90a", "bf16", 96, False, 2048), BUDGET)
+        families.default_spec(ProblemKey("bwd_dkdv", "sm_90a", "bf16", 96, False, 2048), BUDGET, family="bwd_sm90")
     # a smaller shared memory: the d=64 rule falls back to 2 stages
-    small = dispatch.default_spec(k90, bwd90(d=64, st=3).smem_bytes() - 1)
-    assert small.stages == 2
+    small = families.default_spec(k64, bwd90(d=64, st=3).smem_bytes() - 1)
+    assert small.kind == "bwd_sm90" and small.stages == 2
 
 
 def test_tune_space_candidates():
     from flashgen.tuner import space
 
-    key = dispatch.ProblemKey("bwd_dkdv", "sm_90a", "bf16", 128, True, 4096)
+    key = ProblemKey("bwd_dkdv", "sm_90a", "bf16", 128, True, 4096)
     cands = space.candidates(key, H200, only=("bwd_sm90",))
     sm90 = [c for c in cands if c.kind == "bwd_sm90"]
     assert sm90 and all(not c.check(H200) for c in sm90)
-    assert {c.block_n for c in sm90} == {128} and {c.stages for c in sm90} == {2, 3} and {c.hint for c in sm90} == {0, 1}
+    assert {c.block_n for c in sm90} == {128} and {c.stages for c in sm90} == {2, 3}
+    assert {c.dq_write for c in sm90} == {0, 1}
 
 
 def test_family_switch(monkeypatch):
-    """Unset, dispatch picks (None) where bwd_sm90 serves (sm_90a, d tile 64/128, dQ by atomics) and the
-    mma.sync family elsewhere; FLASHGEN_BWD_FAMILY forces one family where it serves."""
-    from flashgen import backward
+    """Unset, dispatch picks (None) where bwd_sm90 serves (sm_90a, d tile 64/128) and the mma.sync family
+    elsewhere, or where a tensor's strides are not the TMA's; FLASHGEN_BWD_FAMILY forces one family where
+    it serves. (The separate-dQ mode never asks: it runs bwd_dkdv_nodq.)"""
+    from flashgen.api import backward
+
+    def key(arch, d):
+        return ProblemKey("bwd_dkdv", arch, "bf16", d, False, 512)
 
     monkeypatch.delenv("FLASHGEN_BWD_FAMILY", raising=False)
-    assert backward.dkdv_family("sm_90a", 128, False) is None
-    assert backward.dkdv_family("sm_90a", 96, False) == "bwd_dkdv"
-    assert backward.dkdv_family("sm_90a", 64, True) == "bwd_dkdv"
-    assert backward.dkdv_family("sm_80", 64, False) == "bwd_dkdv"
+    assert backward.dkdv_family(key("sm_90a", 128)) is None
+    assert backward.dkdv_family(key("sm_90a", 96)) == "bwd_dkdv"
+    assert backward.dkdv_family(key("sm_80", 64)) == "bwd_dkdv"
     monkeypatch.setenv("FLASHGEN_BWD_FAMILY", "bwd_sm90")
-    assert backward.dkdv_family("sm_90a", 128, False) == "bwd_sm90"
-    assert backward.dkdv_family("sm_90a", 64, False) == "bwd_sm90"
-    assert backward.dkdv_family("sm_90a", 96, False) == "bwd_dkdv"
-    assert backward.dkdv_family("sm_90a", 128, True) == "bwd_dkdv"  # deterministic / separate dQ
-    assert backward.dkdv_family("sm_80", 128, False) == "bwd_dkdv"
+    assert backward.dkdv_family(key("sm_90a", 128)) == "bwd_sm90"
+    assert backward.dkdv_family(key("sm_90a", 64)) == "bwd_sm90"
+    assert backward.dkdv_family(key("sm_90a", 96)) == "bwd_dkdv"
+    assert backward.dkdv_family(key("sm_80", 128)) == "bwd_dkdv"
     monkeypatch.setenv("FLASHGEN_BWD_FAMILY", "bwd_dkdv")
-    assert backward.dkdv_family("sm_90a", 128, False) == "bwd_dkdv"
+    assert backward.dkdv_family(key("sm_90a", 128)) == "bwd_dkdv"
     monkeypatch.setenv("FLASHGEN_BWD_FAMILY", "fa3")
     with pytest.raises(ValueError, match="FLASHGEN_BWD_FAMILY"):
-        backward.dkdv_family("sm_90a", 128, False)
+        backward.dkdv_family(key("sm_90a", 128))
 
 
 def test_backward_default_rule_is_bwd_sm90_on_sm90a():
     """The bwd_dkdv problem's default rule: bwd_sm90 on sm_90a at d tiles 64/128 (measured 1.6-1.9x),
-    the mma.sync family elsewhere; select_family gives the mma.sync rule where bwd_sm90 cannot run."""
+    the mma.sync family elsewhere; family="bwd_dkdv" gives the mma.sync rule where bwd_sm90 cannot run."""
     budget = H200.smem_per_block
     for d in (64, 128):
-        key = dispatch.ProblemKey("bwd_dkdv", "sm_90a", "bf16", d, False, 4096)
-        assert dispatch.default_spec(key, budget).kind == "bwd_sm90"
-        mma = dispatch.select_family(key, "bwd_dkdv", None, budget)
-        assert mma.kind == "bwd_dkdv" and mma == dispatch.default_spec(key, budget, family="bwd_dkdv")
+        key = ProblemKey("bwd_dkdv", "sm_90a", "bf16", d, False, 4096)
+        assert families.default_spec(key, budget).kind == "bwd_sm90"
+        mma = dispatch.select(key, None, budget, family="bwd_dkdv")
+        assert mma.kind == "bwd_dkdv" and mma == families.default_spec(key, budget, family="bwd_dkdv")
     for arch, d in (("sm_90a", 96), ("sm_80", 128)):
-        key = dispatch.ProblemKey("bwd_dkdv", arch, "bf16", d, True, 4096)
-        assert dispatch.default_spec(key, 163840).kind == "bwd_dkdv"
+        key = ProblemKey("bwd_dkdv", arch, "bf16", d, True, 4096)
+        assert families.default_spec(key, 163840).kind == "bwd_dkdv"
     with pytest.raises(ValueError, match="does not serve"):
-        dispatch.default_spec(dispatch.ProblemKey("bwd_dkdv", "sm_90a", "bf16", 64, False, 512), budget,
-                              family="fwd_v2")
+        families.default_spec(ProblemKey("bwd_dkdv", "sm_90a", "bf16", 64, False, 512), budget, family="fwd_v2")
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
@@ -156,7 +159,8 @@ def test_tensor_maps(monkeypatch, layout):
     """The five maps: (d, seq, head, batch) with the tensors' byte strides, 64-column boxes of block_m
     (Q, dO) or block_n (K, V) rows; dQ's fp32 accumulator (D, nq, h, b) with 32-column boxes."""
     torch = pytest.importorskip("torch")
-    from flashgen import api, backward, tma
+    from flashgen import tma
+    from flashgen.api.checks import dims as bhs_dims
 
     calls = []
     monkeypatch.setattr(tma, "encode", lambda ptr, dtype, dims, strides, box: calls.append(
@@ -175,10 +179,10 @@ def test_tensor_maps(monkeypatch, layout):
 
     kern = FakeKernel()
     params = kern.params()
-    tensors = {"q": (16, api._dims(q, layout)[1]), "k": (32, api._dims(k, layout)[1]),
-               "v": (48, api._dims(v, layout)[1]), "dout": (64, api._dims(do, layout)[1]),
+    tensors = {"q": (16, bhs_dims(q, layout)[1]), "k": (32, bhs_dims(k, layout)[1]),
+               "v": (48, bhs_dims(v, layout)[1]), "dout": (64, bhs_dims(do, layout)[1]),
                "dq_acc": (80, (h * nq * D, nq * D, D))}
-    backward._sm90_maps(kern, params, (b, h, hk, nq, nk, d, D), tensors)
+    spec.family.write_maps(params, spec, (b, h, hk, nq, nk, d, D), tensors)
     byptr = {c[0]: c for c in calls}
 
     def want(t, n, hh):
@@ -335,7 +339,8 @@ def test_host_launch_sequence(monkeypatch, how):
     zeroes the dQ accumulator), bwd_sm90 over (key blocks, KV heads, batch) with its maps and
     parameters, then bwd_convert; deterministic=True keeps the mma.sync pair."""
     torch = pytest.importorskip("torch")
-    from flashgen import backward, codegen, tma
+    from flashgen import tma
+    from flashgen.api import backward, device
 
     class Dev:
         index, arch, gpu, smem_budget = 0, "sm_90a", "h200", BUDGET
@@ -352,11 +357,11 @@ def test_host_launch_sequence(monkeypatch, how):
         def launch(self, grid, params, stream):
             launched.append((self.spec, grid, params))
 
-    monkeypatch.setattr(backward._Device, "of", classmethod(lambda cls, i: Dev()))
+    monkeypatch.setattr(device.Device, "of", classmethod(lambda cls, i: Dev()))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(backward, "_current_device", lambda: 0)
-    monkeypatch.setattr(backward, "_current_stream", lambda i: 0)
-    monkeypatch.setattr(codegen, "load", lambda spec, index: FakeKernel(spec))
+    monkeypatch.setattr(device, "current_device", lambda: 0)
+    monkeypatch.setattr(device, "current_stream", lambda i: 0)
+    monkeypatch.setattr(backward, "load", lambda spec, index: FakeKernel(spec))
     monkeypatch.setattr(tma, "encode", lambda ptr, dtype, dims, strides, box: maps.append((dtype, tuple(dims), tuple(box)))
                         or bytes(range(128)))
     b, h, hk, nq, nk, d = 2, 8, 2, 300, 333, 128
@@ -367,7 +372,7 @@ def test_host_launch_sequence(monkeypatch, how):
     if how == "env":
         monkeypatch.setenv("FLASHGEN_BWD_FAMILY", "bwd_sm90")
     else:
-        specs = {"bwd_dkdv": bwd90(causal=True, hint=1)}
+        specs = {"bwd_dkdv": bwd90(causal=True, dq_write=1)}
     dq, dk, dv = backward.attention_backward(do, q, k, v, out, lse, True, 0.1, specs=specs)
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, k.shape)
     kinds = [s.kind for s, _, _ in launched]

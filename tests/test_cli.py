@@ -9,9 +9,10 @@ import sys
 import pytest
 
 from flashgen import __version__, dispatch, gpus
+from flashgen.codegen import render
+from flashgen.problem import ProblemKey, bucket_of
 
 from cli_util import run_main
-from flashgen.codegen import render
 
 
 def test_version(capsys):
@@ -42,7 +43,7 @@ def test_emit_prints_the_source_that_runs(capsys):
     code, out, err = run_main(capsys, "emit", "--d", "72", "--causal", "--dtype", "fp16", "--arch", "sm_80",
                               "--seqlen", "999")
     assert code == 0 and err == ""
-    key = dispatch.ProblemKey("fwd_v2", "sm_80", "fp16", 96, True, dispatch.bucket_of(999))
+    key = ProblemKey("fwd", "sm_80", "fp16", 96, True, bucket_of(999))
     spec = dispatch.select(key, None, gpus.ARCH_SMEM_PER_BLOCK["sm_80"])
     assert out == render(spec)
     assert out.splitlines()[1] == f"// spec: {spec.name}"
@@ -54,7 +55,7 @@ def test_emit_with_overrides(capsys):
     code, out, _ = run_main(capsys, "emit", "--d", "40", "--arch", "sm_89", "--block-m", "48", "--block-n", "80",
                             "--warps", "1", "--stages", "3")
     assert code == 0
-    key = dispatch.ProblemKey("fwd_v2", "sm_89", "bf16", 64, False, dispatch.bucket_of(4096))
+    key = ProblemKey("fwd", "sm_89", "bf16", 64, False, bucket_of(4096))
     want = dispatch.select(key, None, gpus.ARCH_SMEM_PER_BLOCK["sm_89"]).replace(block_m=48, block_n=80, warps=1,
                                                                                  stages=3)
     assert out.splitlines()[1] == f"// spec: {want.name}"
@@ -149,3 +150,13 @@ def test_bad_argument_via_subprocess_has_no_traceback():
     assert proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
         "flashgen: error: --d 12: head dims are multiples of 8 from 8 to 256"]
+
+
+@pytest.mark.parametrize("kind,prefix", [("fwd_v2", "fwd_v2_d64_"), ("bwd_sm90", "bwd_sm90_d64_"),
+                                         ("bwd_dkdv", "bwd_sm90_d64_"), ("decode_split", "decode_split_d64_"),
+                                         ("bwd_dq", "bwd_dq_d64_")])
+def test_emit_by_kind(capsys, kind, prefix):
+    """--kind takes a problem (the family dispatch picks for it) or a family (that family's rule)."""
+    code, out, err = run_main(capsys, "emit", "--d", "64", "--arch", "sm_90a", "--kind", kind)
+    assert code == 0, err
+    assert out.splitlines()[1].startswith(f"// spec: {prefix}")

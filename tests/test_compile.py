@@ -1,98 +1,168 @@
-"""Tier 2: every spec the default rule can pick compiles with NVRTC, without spills, within limits.
+"""Tier 2: every spec dispatch can pick compiles with NVRTC, without spills, within limits.
 
 No GPU is needed: NVRTC compiles cubins offline. The specs are compiled once
 per module, two at a time (NVRTC releases the GIL), into a private
 FLASHGEN_HOME; each spec is then its own test item so a failure names it.
 
-Dispatch can pick the default rule's specs and every spec of a shipped tuning
-table (flashgen/generated/*.yaml): both are compiled here.
+Dispatch can pick the default rules' specs (``flashgen.families.rule_specs``: every
+family's, the decode regimes' and the fallbacks the torch layer takes, e.g. the
+mma.sync bwd_dkdv tiles on sm_90a) and every spec of a shipped tuning table
+(flashgen/generated/*.yaml): all are compiled here.
 """
 from __future__ import annotations
 
 
 import pytest
 
-from flashgen import decoding, dispatch, gpus
-from flashgen.baseline_specs import STANDARD_KINDS, V1_KIND
+from flashgen import families, gpus, tables
 from flashgen.codegen import parse_ptxas_log
-from flashgen.tuner import store
+from flashgen.errors import UnsupportedError
+from flashgen.families import bwd, bwd_sm90, decode, fwd_v1, fwd_v2, standard
+from flashgen.problem import HEAD_DIM_TILES, ProblemKey
+from flashgen.spec import DTYPES
 from build_util import build_all, clean_binary
 
 ARCHES = ("sm_80", "sm_90a")
-SPECS = [s for arch in ARCHES for s in dispatch.default_specs(arch, gpus.ARCH_SMEM_PER_BLOCK[arch])]
-# Flash-Decoding's default rule (split and combine kernels), flashgen/decoding.py.
-DECODE_SPECS = [s for arch in ARCHES for s in decoding.default_specs(arch, gpus.ARCH_SMEM_PER_BLOCK[arch])]
-# The sm_90a bulk loader (hints 4, 5) on each d=128 default tile: not a default yet, measured by
-# bench/sweep_decode.py --loader, so it must stay spill-free too.
-DECODE_SPECS += sorted({s.replace(hint=h).validate() for s in DECODE_SPECS
-                        if s.kind == "decode_split" and s.arch == "sm_90a" and s.head_dim == 128 for h in (4, 5)},
-                       key=lambda s: s.name)
-# The backward kinds' default rule (bwd_preprocess, bwd_dkdv, bwd_dkdv_nodq, bwd_dq, bwd_convert).
-BWD_SPECS = [s for arch in ARCHES for kind in dispatch.BWD_KINDS
-             for s in dispatch.default_specs(arch, gpus.ARCH_SMEM_PER_BLOCK[arch], kind)]
-# The baselines' default rule (standard attention's three passes, fwd_v1), flashgen/baseline_specs.py.
-BASELINE_KINDS = (*STANDARD_KINDS, V1_KIND)
-BASELINE_SPECS = sorted({s for kind in BASELINE_KINDS for arch in ARCHES
-                         for s in dispatch.default_specs(arch, gpus.ARCH_SMEM_PER_BLOCK[arch], kind=kind)},
-                        key=lambda s: s.name)
+# Every spec a default rule can give dispatch, per arch (forward, decode split and combine, backward,
+# the study families; the backward's mma.sync fallback on sm_90a).
+SPECS = [s for arch in ARCHES for s in families.rule_specs(arch, gpus.ARCH_SMEM_PER_BLOCK[arch])]
+# The sm_90a bulk loader (kv_load 4, 5) on each d=128 default decode tile: not a default yet, measured as
+# a decode loader variant (docs/perf/decode.md), so it must stay spill-free too.
+BULK_SPECS = sorted({s.replace(kv_load=h).validate() for s in SPECS
+                     if s.kind == "decode_split" and s.arch == "sm_90a" and s.head_dim == 128 for h in (4, 5)},
+                    key=lambda s: s.name)
 # Every spec a shipped tuned table (flashgen/generated/*.yaml) can pick, for that table's arch.
-SHIPPED_SPECS = sorted({e["spec"] for path in sorted(store.shipped_path("x").parent.glob("*.yaml"))
-                        for e in store.load(path, gpu=path.stem).entries.values()}, key=lambda s: s.name)
+SHIPPED_SPECS = sorted({e["spec"] for gpu in tables.shipped_gpus()
+                        for e in tables.load(tables.shipped_path(gpu), gpu=gpu).entries.values()},
+                       key=lambda s: s.name)
+ALL_SPECS = list(dict.fromkeys(SPECS + BULK_SPECS + SHIPPED_SPECS))  # each spec once, in that order
+BUDGET = gpus.ARCH_SMEM_PER_BLOCK
+BASELINE_KINDS = (*standard.KINDS, fwd_v1.KIND)
 
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     """{spec: Binary or the exception its build raised}, all compiled in parallel on 2 threads."""
-    return build_all(SPECS + DECODE_SPECS + BWD_SPECS + BASELINE_SPECS + SHIPPED_SPECS, tmp_path_factory,
-                     "compile_home")
+    return build_all(ALL_SPECS, tmp_path_factory, "compile_home")
+
+
+def _keys(problem: str, arch: str) -> list:
+    """Every key of ``problem`` dispatch may be asked for on ``arch``: the key of every input head dim
+    (multiples of 8 up to 256, mapped to the problem's key tiles), dtype and mask (decode: causal only)."""
+    masks = (True,) if problem == "decode_split" else (False, True)
+    keys = [families.problem_key(problem, arch, dt, d, c, 512) for d in range(8, 257, 8) for dt in DTYPES
+            for c in masks]
+    return list(dict.fromkeys(keys))
+
+
+def _picked(problem: str, arch: str) -> list:
+    """The default rule's pick for every key of ``problem`` on ``arch`` (each decode regime for the split
+    kernel; the combine kernel of every (dtype, head-dim tile); also the fallback family's for a problem
+    the torch layer falls back in), each spec once; a key no tile of the budget fits has no pick."""
+    if problem == "decode_combine":
+        return [decode.COMBINE.spec_for(arch, dt, d) for d in decode.DECODE_HEAD_DIMS for dt in DTYPES]
+    budget, out = BUDGET[arch], []
+    for key in _keys(problem, arch):
+        picks = [{}] if problem != "decode_split" else [{"regime": r} for r in decode.REGIMES]
+        if problem in families.FALLBACK_REACHABLE:
+            picks.append({"family": families.fallback_family(problem, arch)})
+        for args in picks:
+            try:
+                spec = families.default_spec(key, budget, **args)
+            except UnsupportedError:
+                continue
+            if spec not in out:
+                out.append(spec)
+    return out
 
 
 def test_default_specs_cover_every_key():
     """SPECS holds the default rule's spec for every (head dim, dtype, causal) forward key of each arch:
     one per key on sm_80 (fwd_v2's tiles), shared between head dims on the same fwd_sm90 tile on sm_90a."""
     assert len(SPECS) == len(set(SPECS))
-    assert len([s for s in SPECS if s.arch == "sm_80"]) == len(dispatch.DEFAULT_TILES) * 2 * 2
+    fwd = [s for s in SPECS if families.family(s.kind).serves == "fwd"]
+    assert len([s for s in fwd if s.arch == "sm_80"]) == len(fwd_v2.DEFAULT_TILES) * 2 * 2
     for arch in ARCHES:
-        keys = [dispatch.ProblemKey("fwd", arch, dt, d, c, 512)
-                for d in dispatch.DEFAULT_TILES for dt in ("fp16", "bf16") for c in (False, True)]
-        budget = gpus.ARCH_SMEM_PER_BLOCK[arch]
-        assert {dispatch.default_spec(k, budget) for k in keys} == {s for s in SPECS if s.arch == arch}
+        keys = [ProblemKey("fwd", arch, dt, d, c, 512)
+                for d in fwd_v2.DEFAULT_TILES for dt in ("fp16", "bf16") for c in (False, True)]
+        budget = BUDGET[arch]
+        assert {families.default_spec(k, budget) for k in keys} == {s for s in fwd if s.arch == arch}
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_rule_specs_are_the_picks_of_every_key(arch):
+    """For every problem, the default rule's pick of each of its keys (every input head dim, dtype, mask,
+    decode regime, fallback family) is compiled here, and SPECS holds nothing dispatch cannot pick; every
+    problem has specs on each arch."""
+    picked = {problem: _picked(problem, arch) for problem in families.problems()}
+    compiled_here = {s for s in SPECS if s.arch == arch}
+    for problem, specs in picked.items():
+        assert specs, (problem, arch)
+        assert set(specs) <= compiled_here, (problem, sorted(s.name for s in set(specs) - compiled_here))
+    assert set().union(*map(set, picked.values())) == compiled_here
 
 
 def test_bwd_default_specs_cover_every_key():
     """The backward rule has a spec per (kind, head-dim tile, dtype, causal) for each arch; the row
     kernels (preprocess, convert) have no causal variant, so one spec serves both keys. On sm_90a the
-    bwd_dkdv problem's d=64/128 keys take bwd_sm90 specs (dispatch.default_backward_family)."""
-    tiles = len(dispatch.BWD_TILES["bwd_dkdv"])
+    bwd_dkdv problem's d=64/128 keys take bwd_sm90 specs (families.default_family), and the mma.sync
+    bwd_dkdv tiles the torch layer falls back to there (families.fallback_family) are compiled too."""
+    tiles = len(bwd.DKDV_TILES)
+    bwd_problems = ("bwd_preprocess", "bwd_dkdv", "bwd_dkdv_nodq", "bwd_dq", "bwd_convert")
+    assert set(bwd_problems) == {families.family(k).serves for k in families.FAMILIES if k.startswith("bwd")}
     for arch in ARCHES:
-        for kind in dispatch.BWD_KINDS:
-            specs = dispatch.default_specs(arch, gpus.ARCH_SMEM_PER_BLOCK[arch], kind)
-            assert set(specs) <= set(BWD_SPECS)
-            causal_variants = 1 if kind in ("bwd_preprocess", "bwd_convert") else 2
-            assert len(specs) == len(set(specs)) == tiles * 2 * causal_variants, kind
+        budget = BUDGET[arch]
+        for problem in bwd_problems:
+            keys = [ProblemKey(problem, arch, dt, d, c, 512) for d in bwd.BWD_HEAD_DIMS for dt in DTYPES
+                    for c in (False, True)]
+            specs = list(dict.fromkeys(families.default_spec(k, budget) for k in keys))
+            assert set(specs) <= set(SPECS)
+            causal_variants = 1 if problem in ("bwd_preprocess", "bwd_convert") else 2
+            assert len(specs) == tiles * 2 * causal_variants, problem
             sm90 = {s.head_dim for s in specs if s.kind == "bwd_sm90"}
-            assert sm90 == (set(dispatch.BWD_SM90_TILES) if arch == "sm_90a" and kind == "bwd_dkdv" else set())
+            assert sm90 == (set(bwd_sm90.BWD_SM90_TILES) if arch == "sm_90a" and problem == "bwd_dkdv" else set())
+            if problem == "bwd_dkdv":
+                fallback = {families.default_spec(k, budget, family=families.fallback_family(problem, arch))
+                            for k in keys}
+                assert {s.kind for s in fallback} == {"bwd_dkdv"} and len(fallback) == tiles * 2 * 2
+                assert fallback <= set(SPECS)
 
 
 def test_every_baseline_kind_has_a_default_per_key():
     """Each baseline kind (standard attention's passes, fwd_v1) has one default per (arch, head-dim tile, dtype, causal)."""
     for kind in BASELINE_KINDS:
         for arch in ARCHES:
-            specs = [s for s in BASELINE_SPECS if s.kind == kind and s.arch == arch]
-            assert len(specs) == len(dispatch.DEFAULT_TILES) * 4, (kind, arch)
+            specs = [s for s in SPECS if s.kind == kind and s.arch == arch]
+            assert len(specs) == len(HEAD_DIM_TILES) * 4, (kind, arch)
+
+
+def test_decode_defaults_cover_every_regime():
+    """The decode rule's spec of every (head-dim tile, dtype, regime) and the combine kernel of every
+    (head-dim tile, dtype) are compiled, with the bulk loaders on the sm_90a d=128 tiles."""
+    for arch in ARCHES:
+        for d in decode.DECODE_HEAD_DIMS:
+            for dt in DTYPES:
+                key = ProblemKey("decode_split", arch, dt, d, True, 512)
+                for regime in decode.REGIMES:
+                    assert decode.first_rule_spec(key, BUDGET[arch], regime) in SPECS, (key, regime)
+                assert decode.COMBINE.spec_for(arch, dt, d) in SPECS
+    tile = lambda s: (s.dtype, s.block_n, s.warps, s.stages)  # noqa: E731
+    d128 = {tile(s) for s in SPECS if s.kind == "decode_split" and s.arch == "sm_90a" and s.head_dim == 128}
+    assert {(tile(s), s.kv_load) for s in BULK_SPECS} == {(t, h) for t in d128 for h in (4, 5)}
 
 
 def test_v1_defaults_follow_the_paper_rule_where_it_fits():
     """fwd_v1's default tiles never exceed the paper's B_r = min(B_c, d), B_c = ceil(M/4d) (M in elements)."""
     from flashgen.iomodel import paper_block_sizes
 
-    for s in BASELINE_SPECS:
-        if s.kind == V1_KIND:
-            br, bc = paper_block_sizes(gpus.ARCH_SMEM_PER_BLOCK[s.arch], s.head_dim)
-            assert s.block_m <= br and s.block_n <= bc, s.name
+    v1 = [s for s in SPECS if s.kind == fwd_v1.KIND]
+    assert v1
+    for s in v1:
+        br, bc = paper_block_sizes(gpus.ARCH_SMEM_PER_BLOCK[s.arch], s.head_dim)
+        assert s.block_m <= br and s.block_n <= bc, s.name
 
 
-@pytest.mark.parametrize("spec", SPECS + DECODE_SPECS + BWD_SPECS + BASELINE_SPECS + SHIPPED_SPECS, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", ALL_SPECS, ids=lambda s: s.name)
 def test_default_spec_compiles_clean(spec, compiled):
     """NVRTC compiles the spec for its arch into an ELF cubin; ptxas reports no spill, no stack frame,
     at most 255 registers, and static plus dynamic shared memory within the arch's per-block budget."""

@@ -1,8 +1,8 @@
-"""The default rule's spill fallback (dispatch.default_spec / select with verify=True), on CPU.
+"""The default rule's spill fallback (families.default_spec / dispatch.select with verify=True), on CPU.
 
 A tile the device's NVRTC compiles spill-free may spill under another NVRTC
-(bench/NOTES.md, bwd3): dispatch then takes the rule's next tile. These tests
-replace the compiler with a fake, so nothing is compiled.
+(docs/perf/toolchain.md, the register cliff): dispatch then takes the rule's
+next tile. These tests replace the compiler with a fake, so nothing is compiled.
 """
 from __future__ import annotations
 
@@ -11,41 +11,46 @@ from types import SimpleNamespace
 
 import pytest
 
-from flashgen import dispatch, gpus
+from flashgen import dispatch, families, gpus
 from flashgen.codegen.compiler import Report
 from flashgen.errors import CompileError
+from flashgen.problem import ProblemKey
+from flashgen.spec import KernelSpec
 
 H200_SMEM = gpus.ARCH_SMEM_PER_BLOCK["sm_90a"]
-KEY = dispatch.ProblemKey("fwd_v2", "sm_90a", "bf16", 128, False, 2048)  # a rule of several tiles
+KEY = ProblemKey("fwd", "sm_90a", "bf16", 128, False, 2048)
+FAMILY = "fwd_v2"  # the forward restricted to fwd_v2: a rule of several tiles
 
 
 @pytest.fixture(autouse=True)
 def fresh_select():
-    dispatch.select.cache_clear()
+    dispatch.clear()
     yield
-    dispatch.select.cache_clear()
+    dispatch.clear()
 
 
-def _candidates(key):
-    """The rule's fitting tiles for ``key``, in order (what the fallback walks)."""
+def _candidates(key, family=FAMILY):
+    """The rule's fitting tiles for ``key`` (of ``family``'s rule), in order (what the fallback walks)."""
     seen = []
     refuse_all = lambda spec: seen.append(spec) or ["refused"]  # noqa: E731
-    last = dispatch.default_spec(key, H200_SMEM, check=refuse_all)
+    last = families.default_spec(key, H200_SMEM, check=refuse_all, family=family)
     return seen + [last]
 
 
 def test_without_check_the_first_fitting_tile_wins():
     cands = _candidates(KEY)
     assert len(cands) >= 2
-    assert dispatch.default_spec(KEY, H200_SMEM) == cands[0]
-    assert dispatch.default_spec(KEY, H200_SMEM, check=lambda s: []) == cands[0]
+    assert cands == families.family(FAMILY).rule(KEY, H200_SMEM)  # the walk is the rule's order
+    assert families.default_spec(KEY, H200_SMEM, family=FAMILY) == cands[0]
+    assert families.default_spec(KEY, H200_SMEM, check=lambda s: [], family=FAMILY) == cands[0]
 
 
 def test_a_refused_tile_is_skipped_with_a_debug_log(caplog):
     cands = _candidates(KEY)
     first = cands[0]
     with caplog.at_level(logging.DEBUG, logger="flashgen"):
-        got = dispatch.default_spec(KEY, H200_SMEM, check=lambda s: ["spills: 8 B stored, 8 B loaded"] if s == first else [])
+        got = families.default_spec(KEY, H200_SMEM, family=FAMILY,
+                                    check=lambda s: ["spills: 8 B stored, 8 B loaded"] if s == first else [])
     assert got == cands[1]
     assert first.name in caplog.text and "spills" in caplog.text
 
@@ -53,15 +58,15 @@ def test_a_refused_tile_is_skipped_with_a_debug_log(caplog):
 def test_the_last_tile_is_returned_unchecked():
     cands = _candidates(KEY)
     checked = []
-    got = dispatch.default_spec(KEY, H200_SMEM, check=lambda s: checked.append(s) or ["refused"])
+    got = families.default_spec(KEY, H200_SMEM, check=lambda s: checked.append(s) or ["refused"], family=FAMILY)
     assert got == cands[-1]
     assert checked == cands[:-1]  # the last is never checked: load() reports its problems
 
 
 def test_single_tile_rules_are_never_compiled():
-    key = dispatch.ProblemKey("bwd_preprocess", "sm_90a", "bf16", 128, False, 2048)
+    key = ProblemKey("bwd_preprocess", "sm_90a", "bf16", 128, False, 2048)
     calls = []
-    dispatch.default_spec(key, H200_SMEM, check=lambda s: calls.append(s) or ["x"])
+    families.default_spec(key, H200_SMEM, check=lambda s: calls.append(s) or ["x"])
     assert calls == []
 
 
@@ -74,19 +79,22 @@ def test_select_verify_falls_back_once_per_process(monkeypatch):
         return ["spills: 4 B stored, 4 B loaded"] if spec == cands[0] else []
 
     monkeypatch.setattr(dispatch, "resource_problems", fake)
-    assert dispatch.select(KEY, None, H200_SMEM, verify=True) == cands[1]
-    assert dispatch.select(KEY, None, H200_SMEM, verify=True) == cands[1]
+    assert dispatch.select(KEY, None, H200_SMEM, verify=True, family=FAMILY) == cands[1]
+    assert dispatch.select(KEY, None, H200_SMEM, verify=True, family=FAMILY) == cands[1]
     assert calls == cands[:2]  # cached: the second select compiles nothing
-    assert dispatch.select(KEY, None, H200_SMEM) == cands[0]  # without verify: the rule as written
+    assert dispatch.select(KEY, None, H200_SMEM, family=FAMILY) == cands[0]  # without verify: the rule as written
 
 
-def test_select_verify_applies_to_the_backward_rule(monkeypatch):
-    key = dispatch.ProblemKey("bwd_dkdv", "sm_90a", "bf16", 128, True, 2048)
-    cands = _candidates(key)
+# The problem's default family there (bwd_sm90, two tiles at d=64), and the mma.sync kernel's rule.
+@pytest.mark.parametrize("family,d", [(None, 64), ("bwd_dkdv", 128)])
+def test_select_verify_applies_to_the_backward_rule(monkeypatch, family, d):
+    key = ProblemKey("bwd_dkdv", "sm_90a", "bf16", d, True, 2048)
+    cands = _candidates(key, family)
+    assert {s.kind for s in cands} == {family or families.default_family(key)}
     if len(cands) < 2:
         pytest.skip("this rule has a single tile")
     monkeypatch.setattr(dispatch, "resource_problems", lambda s: ["stack frame of 8 B"] if s == cands[0] else [])
-    assert dispatch.select(key, None, H200_SMEM, verify=True) == cands[1]
+    assert dispatch.select(key, None, H200_SMEM, verify=True, family=family) == cands[1]
 
 
 def _fake_build(report=None, exc=None):
@@ -98,18 +106,17 @@ def _fake_build(report=None, exc=None):
 
 
 def test_resource_problems_reads_the_ptxas_report(monkeypatch):
-    import flashgen.codegen as codegen
-
-    spec = dispatch.default_spec(KEY, H200_SMEM)
+    spec = families.default_spec(KEY, H200_SMEM, family=FAMILY)
+    # dispatch compiles through the codegen build it imported (flashgen.codegen.build)
     spilling = Report(registers=255, spill_stores=20, spill_loads=20, stack_frame=24, static_smem=0)
-    monkeypatch.setattr(codegen, "build", _fake_build(spilling))
+    monkeypatch.setattr(dispatch, "build", _fake_build(spilling))
     problems = dispatch.resource_problems(spec)
     assert any("spills" in p for p in problems) and any("stack" in p for p in problems)
     clean = Report(registers=240, spill_stores=0, spill_loads=0, stack_frame=0, static_smem=0)
-    monkeypatch.setattr(codegen, "build", _fake_build(clean))
+    monkeypatch.setattr(dispatch, "build", _fake_build(clean))
     assert dispatch.resource_problems(spec) == []
     # A build that fails outright is not a reason to fall back (load() reports it).
-    monkeypatch.setattr(codegen, "build", _fake_build(exc=CompileError("nvrtc failed")))
+    monkeypatch.setattr(dispatch, "build", _fake_build(exc=CompileError("nvrtc failed")))
     assert dispatch.resource_problems(spec) == []
 
 
@@ -119,10 +126,10 @@ def test_a_tuned_entry_that_spills_here_falls_back_to_the_rule(monkeypatch, capl
     without verify, the table's entry is returned as written."""
     from flashgen import tables
 
-    key = dispatch.ProblemKey("fwd", "sm_90a", "bf16", 128, True, 4096)
-    tuned = dispatch.KernelSpec(kind="fwd_v2", arch="sm_90a", dtype="bf16", head_dim=128, block_m=128,
-                                block_n=64, warps=4, stages=2, refill=2, causal=True)
-    rule = dispatch.default_spec(key, H200_SMEM)
+    key = ProblemKey("fwd", "sm_90a", "bf16", 128, True, 4096)
+    tuned = KernelSpec(kind="fwd_v2", arch="sm_90a", dtype="bf16", head_dim=128, block_m=128,
+                       block_n=64, warps=4, stages=2, refill=2, causal=True)
+    rule = families.default_spec(key, H200_SMEM)
     assert rule != tuned
     monkeypatch.setattr(tables, "lookup", lambda gpu, k: tuned if k == key else None)
     monkeypatch.setattr(dispatch, "resource_problems", lambda s: ["spills: 32 B stored"] if s == tuned else [])
@@ -131,5 +138,5 @@ def test_a_tuned_entry_that_spills_here_falls_back_to_the_rule(monkeypatch, capl
     assert tuned.name in caplog.text and "spills" in caplog.text
     assert dispatch.select(key, "h200", H200_SMEM) == tuned
     monkeypatch.setattr(dispatch, "resource_problems", lambda s: [])
-    dispatch.select.cache_clear()
+    dispatch.clear()
     assert dispatch.select(key, "h200", H200_SMEM, verify=True) == tuned  # a clean entry is used as tuned

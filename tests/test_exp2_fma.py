@@ -1,4 +1,4 @@
-"""exp2 on the FMA pipe (templates/exp2_fma.cuh, fwd_sm90's ``emu``): the polynomial's error bound, CPU only.
+"""exp2 on the FMA pipe (templates/common/exp2_fma.cuh, fwd_sm90's ``fma_exp2``): the polynomial's error bound, CPU only.
 
 The coefficients are read from the header (the one place they are written). ``derive`` recomputes
 them: 2^f ~ 1 + f (c1 + f (c2 + f c3)) on [0, 1), minimax in relative error with p(0) = 1, by the
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-HEADER = Path(__file__).resolve().parent.parent / "flashgen" / "templates" / "exp2_fma.cuh"
+HEADER = Path(__file__).resolve().parent.parent / "flashgen" / "templates" / "common" / "exp2_fma.cuh"
 BOUND = 8.6e-5  # max relative error of the fp32 evaluation (8.565e-5; the exact minimax value is 8.559e-5)
 
 

@@ -1,11 +1,11 @@
 """GPU tier: standard attention (3 passes) and FlashAttention V1 against the fp32 reference.
 
-Same rule and helpers as tests/test_gpu_fwd.py (the 2x rule: max error against
+Same rule and helpers as tests/test_gpu_fwd.py (tests/gpu_util.py; the 2x rule: max error against
 the fp32 reference at most twice that of the same reference in the input
 dtype, + 1e-5), on its odd seqlen pairs, causal and not, fp16 and bf16, GQA.
 Output buffers are poisoned first: the allocator's pool is filled with NaN and
 freed, so an element a kernel never writes shows up as non-finite. V1 must be
-bitwise deterministic (its cross-CTA updates are ordered, templates/fwd_v1.cuh).
+bitwise deterministic (its cross-CTA updates are ordered, templates/fwd_v1/fwd_v1.cuh).
 """
 from __future__ import annotations
 
@@ -13,38 +13,36 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_gpu_fwd import check, make_inputs  # noqa: E402  (same folder: pytest puts it on sys.path)
+from gpu_util import check, make_inputs, precompile_skipped, warm  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host)"),
 ]
 
+
+def _dispatch_picks(verify):
+    """dispatch's picks for this module's calls: the three standard passes, fwd_v1 and the forward's
+    default ("fwd": test_algorithms_agree_with_v2), at the head dims and buckets the tests use."""
+    from flashgen import dispatch
+    from flashgen.api.device import Device
+    from flashgen.families import fwd_v1, standard
+    from flashgen.problem import ProblemKey, bucket_of
+
+    dev = Device.of(torch.cuda.current_device())
+    return {dispatch.select(ProblemKey(kind, dev.arch, dtype, d, causal, bucket_of(n)), dev.gpu, dev.smem_budget,
+                            verify=verify)
+            for kind in (*standard.KINDS, fwd_v1.KIND, "fwd") for dtype in ("bf16", "fp16")
+            for d in (32, 64, 96, 128) for causal in (False, True) for n in (512, 1024, 2048)}
+
+
 @pytest.fixture(scope="module", autouse=True)
-def prebuilt():
+def prebuilt(request, tmp_path_factory):
     """Compile the kernels this module uses in parallel first (NVRTC releases the GIL), so the tests
     themselves only load them."""
-    from multiprocessing.pool import ThreadPool
-
-    from flashgen import dispatch
-    from flashgen.api import _Device
-    from flashgen.baseline_specs import STANDARD_KINDS, V1_KIND
-    from flashgen.codegen import build
-
-    dev = _Device.of(torch.cuda.current_device())
-    specs = {dispatch.select(dispatch.ProblemKey(kind, dev.arch, dtype, d, causal, dispatch.bucket_of(n)),
-                             dev.gpu, dev.smem_budget)
-             for kind in (*STANDARD_KINDS, V1_KIND, "fwd_v2") for dtype in ("bf16", "fp16")
-             for d in (32, 64, 96, 128) for causal in (False, True) for n in (512, 1024, 2048)}
-
-    def one(spec):
-        try:
-            build(spec)
-        except Exception:  # noqa: BLE001 -- the test that needs it reports the error
-            pass
-
-    with ThreadPool(8) as pool:
-        pool.map(one, sorted(specs, key=lambda s: s.name))
+    if precompile_skipped(request):
+        return
+    warm((), tmp_path_factory, pick=_dispatch_picks)
 
 
 SEQLENS = [(113, 203), (1023, 1024), (1, 239), (239, 1), (256, 512), (512, 256)]

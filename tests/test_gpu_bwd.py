@@ -1,9 +1,9 @@
 """GPU tier: the backward pass (dQ, dK, dV) against an fp32 reference, determinism, training, torch.compile.
 
-Rule: flashgen's max gradient error against autograd through the fp32 reference (on upcast
-inputs) must be at most 3x the max error of the same reference computed in the input dtype,
-+ 1e-5. Inputs and output gradients are fresh random normals; sizes are odd; GQA 4:1 sums dK/dV
-over the query-head group.
+Rule (``flashgen.reference.grad_tolerance``): flashgen's max gradient error against autograd through
+the fp32 reference (on upcast inputs) must be at most 3x the max error of the same reference computed
+in the input dtype, + 1e-5. Inputs and output gradients are fresh random normals; sizes are odd; GQA
+4:1 sums dK/dV over the query-head group.
 
 Both dK/dV families run the checks parametrized by ``family``: the mma.sync kernel (bwd_dkdv,
 forced through FLASHGEN_BWD_FAMILY=bwd_dkdv) and the Hopper kernel (bwd_sm90, the default where it
@@ -24,54 +24,51 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host)"),
 ]
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SEQLENS = [(113, 203), (1023, 1024), (1, 239), (239, 1)]
 
-from flashgen.reference import reference as _reference  # noqa: E402
+from flashgen.reference import grad_tolerance  # noqa: E402
+from gpu_util import DTYPES, is_sm90, precompile_skipped, to_bhsd, warm  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def warm_kernels():
-    """Compile every kernel this module uses, in parallel (NVRTC releases the GIL), before the tests."""
-    from multiprocessing.pool import ThreadPool
+def _dispatch_picks(verify):
+    """Every kernel dispatch picks for this module's calls (the launch paths pass ``verify=True``): the
+    forward, and each backward problem at d 32/64/128/256 (each dK/dV family where it serves), and on
+    sm_90a bwd_sm90's default rule at every key it has a tile for."""
+    from flashgen import dispatch, families
+    from flashgen.api.device import Device
+    from flashgen.errors import UnsupportedError
+    from flashgen.problem import BUCKETS, ProblemKey, bwd_head_dim_tile, head_dim_tile
 
-    from flashgen import dispatch
-    from flashgen.api import _Device
-    from flashgen.codegen import build
-
-    dev = _Device.of(torch.cuda.current_device())
+    dev = Device.of(torch.cuda.current_device())
     specs = set()
+    backward = ("bwd_preprocess", "bwd_dkdv", "bwd_dkdv_nodq", "bwd_dq", "bwd_convert")
     for d in (32, 64, 128, 256):
         for dtype in ("bf16", "fp16"):
             for causal in (False, True):
-                for kind in ("fwd_v2", *dispatch.BWD_KINDS):
-                    tile = dispatch.head_dim_tile(d) if kind == "fwd_v2" else dispatch.bwd_head_dim_tile(d)
-                    key = dispatch.ProblemKey(kind, dev.arch, dtype, tile, causal, 512)
-                    specs.add(dispatch.select(key, dev.gpu, dev.smem_budget, verify=True))
+                for problem in ("fwd", *backward):
+                    tile = head_dim_tile(d) if problem == "fwd" else bwd_head_dim_tile(d)
+                    key = ProblemKey(problem, dev.arch, dtype, tile, causal, BUCKETS[0])
+                    specs.add(dispatch.select(key, dev.gpu, dev.smem_budget, verify=verify))
+                    if problem == "bwd_dkdv":  # each family (FLASHGEN_BWD_FAMILY forces one), where it serves
+                        for fam in families.serving(problem, dev.arch):
+                            try:
+                                specs.add(dispatch.select(key, dev.gpu, dev.smem_budget, verify=verify,
+                                                          family=fam))
+                            except UnsupportedError:  # bwd_sm90 without this head-dim tile
+                                pass
     if dev.arch == "sm_90a":
-        specs.update(dispatch.default_specs("sm_90a", dev.smem_budget, kind="bwd_sm90"))
-        specs.update(SM90_VARIANTS)
-    with ThreadPool(8) as pool:
-        pool.map(build, sorted(specs, key=lambda s: s.name))
+        bwd90 = families.family("bwd_sm90")
+        specs.update(families.default_spec(key, dev.smem_budget, family="bwd_sm90")
+                     for key in bwd90.rule_keys("sm_90a"))
+    return specs
 
 
-def reference(q, k, v, causal, scale, dtype):
-    """softmax(scale q k^T) v with every op in ``dtype``, output in ``dtype`` (``flashgen.reference``:
-    bhsd, GQA by head groups, bottom-right causal, rows that see no key give 0 without a NaN, so
-    autograd runs through it)."""
-    return _reference(q, k, v, causal, scale, dtype)[0].to(dtype)
-
-
-def to_bhsd(t, layout):
-    return t if layout == "bhsd" else t.transpose(1, 2)
-
-
-def ref_grads(q, k, v, dout, causal, scale, dtype, layout):
-    """(dq, dk, dv) in fp32 by autograd through ``reference`` computed in ``dtype``, in ``layout``."""
-    leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
-    out = reference(*(to_bhsd(t, layout) for t in leaves), causal, scale, dtype)
-    out.backward(to_bhsd(dout, layout).to(dtype))
-    return [t.grad.float() for t in leaves]
+@pytest.fixture(scope="module", autouse=True)
+def warm_kernels(request, tmp_path_factory):
+    """Compile every kernel this module uses, in parallel (NVRTC releases the GIL), before the tests."""
+    if precompile_skipped(request):
+        return
+    warm(SM90_VARIANTS if is_sm90() else (), tmp_path_factory, pick=_dispatch_picks)
 
 
 def run_flashgen(q, k, v, dout, causal, layout, deterministic=False):
@@ -102,25 +99,20 @@ def check(b, hq, hk, nq, nk, d, dtype_name, causal, layout="bhsd", deterministic
         out, grads = run_flashgen(q, k, v, dout, causal, layout, deterministic)
     else:
         import flashgen
-        from flashgen.backward import attention_backward
+        from flashgen.api.backward import attention_backward
 
         out, lse = flashgen.attention(q, k, v, causal=causal, layout=layout, return_lse=True)
         grads = attention_backward(dout, q, k, v, out, lse, causal, scale, layout, specs={"bwd_dkdv": spec})
     torch.cuda.synchronize()
-    ref = ref_grads(q, k, v, dout, causal, scale, torch.float32, layout)
-    low = ref_grads(q, k, v, dout, causal, scale, dtype, layout)
-    for name, got, r, lo, t in zip("qkv", grads, ref, low, (q, k, v)):
+    # fp32 reference gradients (bhsd) and the allowed error of each: 3x the input-dtype reference's + 1e-5.
+    refs, tols = grad_tolerance(*(to_bhsd(t, layout) for t in (q, k, v, dout)), causal, scale)
+    for name, got, r, tol, t in zip("qkv", grads, refs, tols, (q, k, v)):
         assert got.shape == t.shape and got.dtype == dtype, name
-        got = got.float()
+        got = to_bhsd(got, layout).float()
         assert torch.isfinite(got).all(), f"d{name}: non-finite gradient"
         err = (got - r).abs().max().item()
-        tol = 3 * (lo - r).abs().max().item() + 1e-5
         assert err <= tol, f"d{name}: max err {err:.3e} > tol {tol:.3e}"
     return grads
-
-
-def _is_sm90():
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
 def use_family(family, d, monkeypatch):
@@ -128,37 +120,39 @@ def use_family(family, d, monkeypatch):
     skipped where it does not serve)."""
     monkeypatch.setenv("FLASHGEN_BWD_FAMILY", family)
     if family == "bwd_sm90":
-        if not _is_sm90():
+        if not is_sm90():
             pytest.skip("bwd_sm90 needs an sm_90a GPU")
-        from flashgen import dispatch
+        from flashgen.families.bwd_sm90 import BWD_SM90_TILES
+        from flashgen.problem import bwd_head_dim_tile
 
-        if dispatch.bwd_head_dim_tile(d) not in dispatch.BWD_SM90_TILES:
+        if bwd_head_dim_tile(d) not in BWD_SM90_TILES:
             pytest.skip(f"bwd_sm90 has no head-dim tile for d={d}")
         monkeypatch.setenv("FLASHGEN_BWD_FAMILY", "bwd_sm90")
-    from flashgen import backward
+    from flashgen.api import backward
 
     backward.last_specs.clear()
 
 
 def ran_family(family):
     """The dK/dV family the last backward launched is ``family``."""
-    from flashgen import backward
+    from flashgen.api import backward
 
     ran = backward.last_specs[torch.cuda.current_device()]
     assert ran.kind == family, ran.name
 
 
-def _sm90(d, bn=128, st=2, hint=0, causal=False, dtype="bf16"):
+def _sm90(d, bn=128, st=2, dq_write=0, causal=False, dtype="bf16"):
     from flashgen import KernelSpec
 
     return KernelSpec(kind="bwd_sm90", arch="sm_90a", dtype=dtype, head_dim=d, block_m=64, block_n=bn,
-                      warps=4 * (bn // 64 + 1), stages=st, hint=hint, causal=causal)
+                      warps=4 * (bn // 64 + 1), stages=st, dq_write=dq_write, causal=causal)
 
 
-# bwd_sm90 variants beside its default rule: the other ring depth, the red.global dQ write, 64-key tiles.
-SM90_VARIANTS = [_sm90(d, 128, st, hint, c, dt) for d in (64, 128) for st, hint in ((2, 1), (3, 0))
+# bwd_sm90 variants beside its default rule: the other ring depth, the red.global dQ write
+# (families.bwd_sm90.DQ_WRITES), 64-key tiles.
+SM90_VARIANTS = [_sm90(d, 128, st, dq_write, c, dt) for d in (64, 128) for st, dq_write in ((2, 1), (3, 0))
                  for c in (False, True) for dt in ("bf16", "fp16")] + [
-    _sm90(64, 64, 2, hint, c) for hint in (0, 1) for c in (False, True)]
+    _sm90(64, 64, 2, dq_write, c) for dq_write in (0, 1) for c in (False, True)]
 
 
 FAMILIES = ["bwd_dkdv", "bwd_sm90"]
@@ -203,8 +197,8 @@ def test_grads_bshd_gqa(nq, nk, causal, dtype, family, monkeypatch):
 @pytest.mark.parametrize("nq,nk", [(113, 203), (1023, 1024), (1, 239)])
 def test_grads_bwd_sm90_variants(nq, nk, spec):
     """bwd_sm90's variants through specs= (GQA 4:1): the 3-stage ring, dQ by red.global.add from
-    registers (hint 1), one consumer warpgroup (64-key tiles)."""
-    if not _is_sm90():
+    registers (dq_write 1), one consumer warpgroup (64-key tiles)."""
+    if not is_sm90():
         pytest.skip("bwd_sm90 needs an sm_90a GPU")
     check(2, 4, 1, nq, nk, spec.head_dim, spec.dtype, spec.causal, spec=spec)
 
@@ -225,9 +219,9 @@ def test_bwd_sm90_multi_block_gqa(causal, monkeypatch):
 def test_grads_both_dq_modes(nq, nk, d, causal, mode, monkeypatch):
     """Both ways of computing dQ in the default (non-deterministic) backward, whichever the dispatch rule
     picks for the head dim: fp32 atomics (bwd_dkdv + bwd_convert) and the separate bwd_dq kernel."""
-    from flashgen import dispatch
+    from flashgen.families import bwd
 
-    monkeypatch.setitem(dispatch.BWD_DQ_MODE, d, mode)
+    monkeypatch.setitem(bwd.DQ_MODE, d, mode)  # (d is its own head-dim tile here)
     check(1, 4, 2, nq, nk, d, "bf16", causal)
 
 

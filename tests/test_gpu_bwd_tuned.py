@@ -2,10 +2,12 @@
 
 For every backward key in the tables dispatch reads on this GPU (the user's
 ``$FLASHGEN_HOME/configs/<gpu>.yaml``, then the shipped one): dispatch picks the
-table's spec for that key (launch path: ``verify=True``), and a backward through
-dispatch at a length in that key's bucket (odd, GQA 2:1, a masked head-dim tail)
-meets the gradient rule of tests/test_gpu_bwd.py (3x the input-dtype reference's
-error, ``flashgen.reference.grad_tolerance``). Skipped where no table has a backward key.
+table's spec for that key as the launch path asks for it (``verify=True``, and for a
+``bwd_dkdv`` key the dK/dV family the call's tensors need, ``api.backward.dkdv_family``),
+the backward launches that spec, and a backward through dispatch at a length in that
+key's bucket (odd, GQA 2:1, a masked head-dim tail) meets the gradient rule of
+tests/test_gpu_bwd.py (3x the input-dtype reference's error,
+``flashgen.reference.grad_tolerance``). Skipped where no table has a backward key.
 """
 from __future__ import annotations
 
@@ -37,12 +39,13 @@ def _tuned_backward_keys(dev):
 def test_tuned_backward_entries_are_served_and_correct():
     import flashgen
     from flashgen import dispatch
-    from flashgen.api import _Device
-    from flashgen.backward import attention_backward
+    from flashgen.api import attention_backward, backward
+    from flashgen.api.device import Device
+    from flashgen.problem import bucket_of, bwd_head_dim_tile
     from flashgen.reference import grad_tolerance
     from flashgen.tuner import space
 
-    dev = _Device.of(torch.cuda.current_device())
+    dev = Device.of(torch.cuda.current_device())
     entries = _tuned_backward_keys(dev)
     if not entries:
         pytest.skip(f"no tuned backward entries for {dev.gpu or 'this GPU'}")
@@ -50,18 +53,24 @@ def test_tuned_backward_entries_are_served_and_correct():
     problems = []
     for key in sorted(entries, key=lambda k: (k.kind, k.dtype, k.head_dim, k.causal, k.bucket)):
         spec = entries[key]
-        picked = dispatch.select(key, dev.gpu, dev.smem_budget, verify=True)
-        if picked != spec:
-            problems.append(f"{space.key_name(key)}: dispatch picks {picked.name}, not the table's {spec.name}")
         n = key.bucket - 3
         d = key.head_dim - 8 if key.head_dim > 32 else key.head_dim
-        assert dispatch.bucket_of(n) == key.bucket and dispatch.bwd_head_dim_tile(d) == key.head_dim
+        assert bucket_of(n) == key.bucket and bwd_head_dim_tile(d) == key.head_dim
         torch.manual_seed(key.bucket + key.head_dim)
         q, dout = (torch.randn(1, 2, n, d, device="cuda", dtype=dtypes[key.dtype]) for _ in range(2))
         k, v = (torch.randn(1, 1, n, d, device="cuda", dtype=dtypes[key.dtype]) for _ in range(2))
+        family = backward.dkdv_family(key, (q, k, v, dout)) if key.kind == "bwd_dkdv" else None
+        picked = dispatch.select(key, dev.gpu, dev.smem_budget, verify=True, family=family)
+        if picked != spec:
+            problems.append(f"{space.key_name(key)}: dispatch picks {picked.name}, not the table's {spec.name}")
         out, lse = flashgen.attention(q, k, v, causal=key.causal, return_lse=True)
         grads = attention_backward(dout, q, k, v, out, lse, key.causal, d ** -0.5,
                                    dq_mode=space.BWD_KEY_MODES[key.kind])
+        torch.cuda.synchronize()
+        ran = backward.last_specs.get(dev.index)  # the dK/dV kernel of that backward
+        if key.kind != "bwd_dq" and ran != spec:
+            problems.append(f"{space.key_name(key)}: the backward ran {ran.name if ran else None}, not the "
+                            f"table's {spec.name}")
         refs, tols = grad_tolerance(q, k, v, dout, key.causal, d ** -0.5)
         for name, got, ref, tol in zip("qkv", grads, refs, tols):
             err = (got.float() - ref).abs().max().item()

@@ -19,8 +19,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host)"),
 ]
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-from flashgen.decoding import DECODE_TILES_BY_REGIME, DEFAULT_DECODE_TILES  # noqa: E402
+from flashgen.families.decode import DECODE_TILES_BY_REGIME, DEFAULT_DECODE_TILES  # noqa: E402
+from gpu_util import DTYPES  # noqa: E402
 
 
 def make_case(b, nq, L, d, hq, hk, page, with_new, dtype, lens=None, device="cuda"):
@@ -150,7 +150,7 @@ def check_case(b, nq, L, d, hq, hk, page, with_new, dtype_name, num_splits_list=
 
 
 # (batch, seqlen_q, cache length, d, heads_q, heads_kv, page size or None, append, dtype): a covering
-# subset of the issue's grid (every (seqlen_q, length) pair, every d and group, both caches, with and
+# subset of the decode grid (every (seqlen_q, length) pair, every d and group, both caches, with and
 # without k_new, both dtypes), each run with the default split count and with num_splits=1.
 CASES = [
     (3, 1, 128, 128, 8, 1, None, False, "bf16"),
@@ -184,20 +184,20 @@ def test_matches_reference(b, nq, L, d, hq, hk, page, with_new, dtype):
 D128_TILES = [*DEFAULT_DECODE_TILES[128], *(t for r in DECODE_TILES_BY_REGIME.get(128, {}).values() for t in r)]
 
 
-@pytest.mark.parametrize("tile", D128_TILES, ids=[f"n{t[0]}_w{t[1]}_s{t[2]}_h{t[3]}" for t in D128_TILES])
+@pytest.mark.parametrize("tile", D128_TILES, ids=[f"n{t[0]}_w{t[1]}_s{t[2]}_ld{t[3]}" for t in D128_TILES])
 def test_every_default_tile(tile):
-    """Each d=128 tile the default rule can pick (flashgen.decoding.DEFAULT_DECODE_TILES[128] in order of
-    preference, which shared-memory budget falls back to which, and any per-case DECODE_TILES_BY_REGIME
-    tile), forced: paged (page 16: 8 pages per 128-key block; page 64; page 256), ragged with appends,
-    split (default, 7, and past the blocks) and not; and a contiguous cache."""
-    from flashgen.api import _Device
-    from flashgen.families import load_hint_for
+    """Each d=128 tile the default rule can pick (flashgen.families.decode.DEFAULT_DECODE_TILES[128] in
+    order of preference, which shared-memory budget falls back to which, and any per-regime
+    DECODE_TILES_BY_REGIME tile), forced: paged (page 16: 8 pages per 128-key block; page 64; page 256),
+    ragged with appends, split (default, 7, and past the blocks) and not; and a contiguous cache."""
+    from flashgen.api.device import Device
+    from flashgen.families.decode import kv_load_for
     from flashgen.spec import KernelSpec
 
-    dev = _Device.of(torch.cuda.current_device())
-    bn, w, st, hint = tile
+    dev = Device.of(torch.cuda.current_device())
+    bn, w, st, kv_load = tile
     spec = KernelSpec(kind="decode_split", arch=dev.arch, dtype="bf16", head_dim=128, block_m=16, block_n=bn,
-                      warps=w, stages=st, hint=load_hint_for(dev.arch, hint), causal=True).validate()
+                      warps=w, stages=st, kv_load=kv_load_for(dev.arch, kv_load), causal=True).validate()
     if spec.smem_bytes() > dev.smem_budget:
         pytest.skip(f"{spec.name} needs {spec.smem_bytes()} B of shared memory (this device: {dev.smem_budget})")
     check_case(3, 1, 3000, 128, 32, 8, 16, True, "bf16", num_splits_list=(None, 7, 1), spec=spec)
@@ -206,28 +206,28 @@ def test_every_default_tile(tile):
     check_case(2, 2, 1500, 128, 8, 8, None, True, "bf16", num_splits_list=(None, 1), spec=spec)
 
 
-BULK_TILES = [(128, 4, 2), (64, 4, 3), (64, 4, 2)]  # the d=128 default tiles of sessions 2-5 (bulk: opt-in)
+BULK_TILES = [(128, 4, 2), (64, 4, 3), (64, 4, 2)]  # the earlier d=128 default tiles (the bulk loader: opt-in)
 
 
-@pytest.mark.parametrize("hint", [4, 5], ids=["h4_bulk", "h5_bulk_evict_first"])
+@pytest.mark.parametrize("kv_load", [4, 5], ids=["ld4_bulk", "ld5_bulk_evict_first"])
 @pytest.mark.parametrize("tile", BULK_TILES, ids=[f"n{t[0]}_w{t[1]}_s{t[2]}" for t in BULK_TILES])
-def test_bulk_loader(tile, hint):
-    """The sm_90a bulk loader (KernelSpec.hint 4/5: cp.async.bulk rows into padded rows, per-warp
-    mbarriers, no CTA barrier in the block loop) on each default d=128 tile: the same cases as
-    test_every_default_tile (paged 16/64/256 and contiguous, ragged, appends, split and not), plus many
-    appended tokens (whole blocks of knew rows), d=96 (columns past d zeroed once), fp16, and splits
-    past the blocks (empty splits, zero-row blocks)."""
-    from flashgen.api import _Device
+def test_bulk_loader(tile, kv_load):
+    """The sm_90a bulk loader (KernelSpec.kv_load 4/5, families.decode.BULK_LOADS: cp.async.bulk rows
+    into padded rows, per-warp mbarriers, no CTA barrier in the block loop) on each of these d=128
+    tiles: the same cases as test_every_default_tile (paged 16/64/256 and contiguous, ragged, appends,
+    split and not), plus many appended tokens (whole blocks of knew rows), d=96 (columns past d zeroed
+    once), fp16, and splits past the blocks (empty splits, zero-row blocks)."""
+    from flashgen.api.device import Device
     from flashgen.spec import KernelSpec
 
-    dev = _Device.of(torch.cuda.current_device())
+    dev = Device.of(torch.cuda.current_device())
     if dev.arch != "sm_90a":
         pytest.skip(f"the bulk loader is sm_90a only (this device: {dev.arch})")
     bn, w, st = tile
 
     def spec(dtype="bf16"):
         return KernelSpec(kind="decode_split", arch="sm_90a", dtype=dtype, head_dim=128, block_m=16, block_n=bn,
-                          warps=w, stages=st, hint=hint, causal=True).validate()
+                          warps=w, stages=st, kv_load=kv_load, causal=True).validate()
 
     check_case(3, 1, 3000, 128, 32, 8, 16, True, "bf16", num_splits_list=(None, 7, 1), spec=spec())
     check_case(2, 3, 5000, 128, 8, 2, 64, True, "bf16", num_splits_list=(None, 50), spec=spec())
@@ -332,19 +332,30 @@ def test_strided_query_and_alignment():
         flashgen.decode(q, mis, mis, case["cache_seqlens"])
 
 
+@pytest.fixture
+def fresh_decode_plans():
+    """No decode plan made under a test's setting (FUSED_COMBINE is read when a call is planned)
+    outlives it, and none made before serves it."""
+    from flashgen import testing
+
+    testing.plans("decode").clear()
+    yield
+    testing.plans("decode").clear()
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_combine", "combine_kernel"])
-def test_both_combine_paths(monkeypatch, fused):
+def test_both_combine_paths(monkeypatch, fused, fresh_decode_plans):
     """The in-kernel merge (the CTA that draws a group's last ticket) and the decode_combine launch both
     meet the rule; every counter is back at 0 afterwards, so the cached workspace serves the next call."""
-    from flashgen import decode_api
+    from flashgen.api import decoding
 
-    monkeypatch.setattr(decode_api, "FUSED_COMBINE", fused)
-    monkeypatch.setattr(decode_api, "_plans", {})
+    monkeypatch.setattr(decoding, "FUSED_COMBINE", fused)
     check_case(3, 3, 1024, 128, 8, 2, 32, True, "bf16", num_splits_list=(None, 5, 1))
     check_case(2, 1, 5000, 64, 8, 8, None, False, "fp16", num_splits_list=(7, 64))
     check_case(2, 64, 2048, 256, 4, 1, 64, False, "bf16", num_splits_list=(3,))
     torch.cuda.synchronize()
-    for _, tickets in decode_api._workspaces.values():
+    # The split workspaces (fp32 partials, tickets) per (device, stream, thread): private, no public name.
+    for _, tickets in decoding._workspaces.values():
         assert int(tickets.abs().sum()) == 0, "a ticket was left non-zero"
 
 

@@ -1,13 +1,13 @@
-"""GPU tier: fwd_v2 against an fp32 reference on upcast inputs.
+"""GPU tier: the forward through dispatch (fwd_v2; fwd_sm90 where it is the default on sm_90a) against
+an fp32 reference on upcast inputs.
 
 Rule (the FlashAttention repository's): flashgen's max error against the fp32
 reference must be at most 2x the max error of the same reference computed in
 the input dtype, + 1e-5. Inputs are fresh random normals every time, outputs
-are poisoned with NaN first so unwritten elements show, sizes are odd.
+are poisoned with NaN first so unwritten elements show, sizes are odd. The
+rule's helper, ``check``, is tests/gpu_util.py's (the other GPU modules share it).
 """
 from __future__ import annotations
-
-import math
 
 import pytest
 
@@ -18,54 +18,10 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host)"),
 ]
 
-SEQLENS = [(113, 203), (128, 217), (108, 256), (256, 512), (512, 256), (1023, 1024), (1024, 1023),
-           (2048, 2048), (1, 239), (239, 1)]
 HEAD_DIMS = [32, 64, 96, 128, 160, 192, 256]
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
-from flashgen.reference import reference  # noqa: E402  (also imported by other GPU tests from here)
-
-
-def make_inputs(b, hq, hk, nq, nk, d, dtype, layout="bhsd", scale=1.0):
-    def rnd(h, n):
-        shape = (b, h, n, d) if layout == "bhsd" else (b, n, h, d)
-        return (torch.randn(shape, device="cuda", dtype=torch.float32) * scale).to(dtype)
-
-    return rnd(hq, nq), rnd(hk, nk), rnd(hk, nk)
-
-
-def to_bhsd(t, layout):
-    return t if layout == "bhsd" else t.transpose(1, 2)
-
-
-def check(b, hq, hk, nq, nk, d, dtype_name, causal, layout="bhsd", magnitude=1.0, spec=None, algorithm="v2"):
-    import flashgen
-
-    dtype = DTYPES[dtype_name]
-    q, k, v = make_inputs(b, hq, hk, nq, nk, d, dtype, layout, magnitude)
-    scale = 1.0 / math.sqrt(d)
-    out, lse = flashgen.attention(q, k, v, causal=causal, layout=layout, return_lse=True, spec=spec,
-                                  algorithm=algorithm)
-    torch.cuda.synchronize()
-    qb, kb, vb = (to_bhsd(t, layout) for t in (q, k, v))
-    ref, ref_lse = reference(qb, kb, vb, causal, scale, torch.float32)
-    low, low_lse = reference(qb, kb, vb, causal, scale, dtype)
-    got = to_bhsd(out, layout).float()
-    assert out.shape == q.shape and out.dtype == dtype
-    assert torch.isfinite(got).all(), "non-finite output (unwritten or NaN)"
-    err = (got - ref).abs().max().item()
-    tol = 2 * (low - ref).abs().max().item() + 1e-5
-    assert err <= tol, f"max err {err:.3e} > tol {tol:.3e}"
-    # LSE: -inf exactly where the row sees no key, else close to the fp32 reference.
-    masked = torch.isinf(ref_lse)
-    assert torch.equal(torch.isinf(lse), masked)
-    if (~masked).any():
-        lse_err = (lse[~masked] - ref_lse[~masked]).abs().max().item()
-        lse_tol = 1e-3 * max(1.0, ref_lse[~masked].abs().max().item())
-        if algorithm == "standard":  # S is stored in the input dtype: the 2x rule, as for the output
-            lse_tol = max(lse_tol, 2 * (low_lse[~masked] - ref_lse[~masked]).abs().max().item() + 1e-5)
-        assert lse_err <= lse_tol, f"lse err {lse_err:.3e} > tol {lse_tol:.3e}"
-    return out, lse
+from gpu_util import SEQLENS, check, make_inputs  # noqa: E402  (tests/gpu_util.py: the shared rule)
+from flashgen.reference import reference  # noqa: E402
 
 
 @pytest.mark.parametrize("causal", [False, True])

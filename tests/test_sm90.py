@@ -13,53 +13,53 @@ import os
 
 import pytest
 
-from flashgen import KernelSpec, UnsupportedError, dispatch, gpus
+from flashgen import KernelSpec, UnsupportedError, dispatch, families, gpus
 from flashgen.codegen import parse_ptxas_log
-from flashgen.families import SM90_ABLATION, sm90_flag_set, sm90_named_spec
+from flashgen.families.fwd_sm90 import ABLATION, FAMILY, persist_ctas_per_sm, tile_sections, variant, warps_for
+from flashgen.problem import ProblemKey, smallest_tile
 from build_util import build_all, clean_binary, r2ur_before_hgmma, sass_of
 
 H200 = gpus.get("h200")
 
 
-def sm90(d=128, bm=128, bn=128, st=2, ws=True, pp=True, ov=True, causal=False, dtype="bf16", persist=False):
+def sm90(d=128, bm=128, bn=128, st=2, ws=True, pp=True, ov=True, causal=False, dtype="bf16", persistent=False):
     return KernelSpec(kind="fwd_sm90", arch="sm_90a", dtype=dtype, head_dim=d, block_m=bm, block_n=bn,
-                      warps=4 * (bm // 64 + ws), stages=st, warpspec=ws, pingpong=pp, overlap=ov, causal=causal,
-                      persist=persist)
+                      warps=warps_for(bm, ws), stages=st, warp_specialized=ws, pingpong=pp, softmax_overlap=ov,
+                      causal=causal, persistent=persistent)
 
 
-# The ablation ladder the benchmark and the GPU tests run (flags off -> all on).
-ABLATION = [dict(ws=False, pp=False, ov=False), dict(ws=False, pp=False, ov=True), dict(ws=True, pp=False, ov=False),
-            dict(ws=True, pp=True, ov=False), dict(ws=True, pp=False, ov=True), dict(ws=True, pp=True, ov=True)]
-DEFAULTS = dispatch.default_specs("sm_90a", gpus.ARCH_SMEM_PER_BLOCK["sm_90a"], kind="fwd_sm90")
+# The technique ladder the benchmark and the GPU tests run (all off -> all on).
+LADDER = [dict(ws=False, pp=False, ov=False), dict(ws=False, pp=False, ov=True), dict(ws=True, pp=False, ov=False),
+          dict(ws=True, pp=True, ov=False), dict(ws=True, pp=False, ov=True), dict(ws=True, pp=True, ov=True)]
+DEFAULTS = [s for s in families.rule_specs("sm_90a", gpus.ARCH_SMEM_PER_BLOCK["sm_90a"]) if s.kind == "fwd_sm90"]
 VARIANTS = [sm90(d=d, bn=bn, causal=c, **f) for d, bn in ((64, 128), (128, 128), (256, 64)) for c in (False, True)
-            for f in ABLATION] + [sm90(d=64, bm=64, ws=False, pp=False, ov=False),
-                                  sm90(d=128, bm=64, ws=False, pp=False, ov=False, dtype="fp16")] + [
+            for f in LADDER] + [sm90(d=64, bm=64, ws=False, pp=False, ov=False),
+                                sm90(d=128, bm=64, ws=False, pp=False, ov=False, dtype="fp16")] + [
     # 3-stage K/V ring at d=128, 128x128 (229 KB of the 227 KB + 1 KB opt-in: fits), causal both.
-    sm90(d=128, st=3, causal=c, **f) for c in (False, True) for f in ABLATION[2:]]
-# The benchmark's ablation (emu, sepkv, lazy, deeper rings, 192-row/192-key tiles at d=64), causal both, and
-# the new flags at d=256 (2 stages: a third does not fit) and in fp16 and without warpspec.
-NEW_VARIANTS = [sm90_named_spec(d, c, n) for d, names in SM90_ABLATION.items() for n in names
-                for c in (False, True)] + [
-    sm90_named_spec(256, c, n) for n in ("ws_kv", "ws_pp_kv_lz_e1", "full_kv_lz_e2", "ws_e4")
-    for c in (False, True)] + [
-    sm90_named_spec(64, True, "ws_pp_kv_lz_e2_s3", dtype="fp16"),
-    sm90_named_spec(128, False, "full_kv_lz_e1", dtype="fp16"),
-    sm90_named_spec(64, False, "plain_lz_e2"), sm90_named_spec(128, True, "ov_lz_e1")]
-# The persistent kernel (persist, "_ps"): one and two Q buffers, with sepkv, overlap, ping-pong, three consumers.
-# ws_ov_s3_m192_n80_ps is the d=128 N=2k default (s3tune) with persist; it and ws_pp_kv_s3_m192_ps spilled
-# (56 / 4 B) until the O store's indices went through an opaque move (fwd_sm90.cuh, epilogue).
-PERSIST_NAMES = {128: ("ws_ps", "ws_ov_s3_ps", "ws_pp_s3_ps", "ws_kv_ps", "ws_pp_kv_ps", "full_kv_ps",
-                       "ws_ov_s3_m192_n80_ps", "full_s3_n112_ps", "full_s4_m192_n80_ps"),
-                 64: ("ws_ps", "ws_s3_m192_ps", "ws_pp_kv_s3_ps", "ws_kv_s3_m192_ps", "ws_pp_kv_s3_m192_ps",
+    sm90(d=128, st=3, causal=c, **f) for c in (False, True) for f in LADDER[2:]]
+# The benchmark's ablation (fma_exp2, early K release, lean softmax, deeper rings, 192-row/192-key tiles at
+# d=64), causal both, and the later techniques at d=256 (2 stages: a third does not fit), in fp16 and
+# without warp specialization.
+NEW_VARIANTS = [variant(d, c, n) for d, names in ABLATION.items() for n in names for c in (False, True)] + [
+    variant(256, c, n) for n in ("ws_kr", "ws_pp_kr_ls_fx1", "ws_pp_ov_kr_ls_fx2", "ws_fx4") for c in (False, True)] + [
+    variant(64, True, "ws_pp_kr_ls_fx2_s3", dtype="fp16"),
+    variant(128, False, "ws_pp_ov_kr_ls_fx1", dtype="fp16"),
+    variant(64, False, "ls_fx2"), variant(128, True, "ov_ls_fx1")]
+# The persistent kernel ("ps"): one and two Q buffers, with early K release, overlap, ping-pong, three
+# consumers. ws_ov_s3_m192_n80_ps (a tuned d=128 N=2k winner with persistent) and ws_pp_kr_s3_m192_ps
+# spilled (56 / 4 B) until the O store's indices went through an opaque move (the epilogue in fwd_sm90.cuh).
+PERSIST_NAMES = {128: ("ws_ps", "ws_ov_s3_ps", "ws_pp_s3_ps", "ws_kr_ps", "ws_pp_kr_ps", "ws_pp_ov_kr_ps",
+                       "ws_ov_s3_m192_n80_ps", "ws_pp_ov_s3_n112_ps", "ws_pp_ov_s4_m192_n80_ps"),
+                 64: ("ws_ps", "ws_s3_m192_ps", "ws_pp_kr_s3_ps", "ws_kr_s3_m192_ps", "ws_pp_kr_s3_m192_ps",
                       "ws_ov_s3_m192_ps")}
-PERSIST_VARIANTS = [sm90_named_spec(d, c, n) for d, names in PERSIST_NAMES.items() for n in names for c in (False, True)]
+PERSIST_VARIANTS = [variant(d, c, n) for d, names in PERSIST_NAMES.items() for n in names for c in (False, True)]
 NEW_VARIANTS += PERSIST_VARIANTS
 ALL = list(dict.fromkeys(DEFAULTS + VARIANTS + NEW_VARIANTS))
 
 
 def test_names_and_rules():
     s = sm90(causal=True)
-    assert s.name == "fwd_sm90_d128_m128_n128_w12_s2_ws1_pp1_ov1_causal_bf16_sm90a"
+    assert s.name == "fwd_sm90_d128_m128_n128_w12_s2_ws_pp_ov_causal_bf16_sm90a"
     assert s.validate() is s and s.feasible(H200)
     with pytest.raises(ValueError, match="warps"):
         s.replace(warps=8).validate()
@@ -69,76 +69,84 @@ def test_names_and_rules():
         sm90(bm=64, pp=True).validate()
     with pytest.raises(ValueError, match="arch"):
         s.replace(arch="sm_80").validate()
-    with pytest.raises(ValueError, match="not supported"):  # fwd_v2 takes no Hopper flag
-        KernelSpec(overlap=True).validate()
-    assert KernelSpec().name == "fwd_v2_d128_m128_n64_w4_s2_r0_full_bf16_sm90a"  # unchanged
-    assert KernelSpec.from_dict(s.to_dict()) == s
+    with pytest.raises(ValueError, match="not a field of this kind"):  # fwd_v2 takes no Hopper technique
+        KernelSpec(softmax_overlap=True).validate()
+    assert KernelSpec().name == "fwd_v2_d128_m128_n64_w4_s2_full_bf16_sm90a"
+    assert KernelSpec.from_dict(s.to_dict()) == s == KernelSpec.from_name(s.name)
     assert sm90(d=256, bn=192).check(H200)  # over the shared-memory budget
-    # the later flags: named only when set, validated, round-tripped
-    t = s.replace(emu=2, sepkv=True, lazy=True)
-    assert t.validate().name == "fwd_sm90_d128_m128_n128_w12_s2_ws1_pp1_ov1_e2_kv1_lz1_causal_bf16_sm90a"
-    assert KernelSpec.from_dict(t.to_dict()) == t and not t.check(H200)
-    for bad, match in ((dict(emu=3), "emu"), (dict(warpspec=False, pingpong=False, warps=8, sepkv=True), "sepkv")):
+    # the later techniques: named only when set, validated, round-tripped
+    t = s.replace(fma_exp2=2, early_k_release=True, lean_softmax=True)
+    assert t.validate().name == "fwd_sm90_d128_m128_n128_w12_s2_ws_pp_ov_fx2_kr_ls_causal_bf16_sm90a"
+    assert KernelSpec.from_dict(t.to_dict()) == t == KernelSpec.from_name(t.name) and not t.check(H200)
+    for bad, match in ((dict(fma_exp2=3), "fma_exp2"),
+                       (dict(warp_specialized=False, pingpong=False, warps=8, early_k_release=True), "early_k_release")):
         with pytest.raises(ValueError, match=match):
             s.replace(**bad).validate()
-    for flag in (dict(emu=1), dict(sepkv=True), dict(lazy=True)):  # fwd_v2 takes none of them
-        with pytest.raises(ValueError, match="not supported"):
+    for flag in (dict(fma_exp2=1), dict(early_k_release=True), dict(lean_softmax=True)):  # fwd_v2 takes none
+        with pytest.raises(ValueError, match="not a field of this kind"):
             KernelSpec(**flag).validate()
     assert sm90(d=64, bm=192, pp=True).validate().warps == 16  # ping-pong over three consumer warpgroups
-    # persist: named only when set, needs warpspec, a second Q buffer where shared memory has room
-    ps = s.replace(persist=True)
-    assert ps.validate().name == "fwd_sm90_d128_m128_n128_w12_s2_ws1_pp1_ov1_ps1_causal_bf16_sm90a"
+    # persistent: named only when set, needs warp specialization, a second Q buffer where shared memory has room
+    ps = s.replace(persistent=True)
+    assert ps.validate().name == "fwd_sm90_d128_m128_n128_w12_s2_ws_pp_ov_ps_causal_bf16_sm90a"
     assert KernelSpec.from_dict(ps.to_dict()) == ps and not ps.check(H200)
-    with pytest.raises(ValueError, match="persist needs warpspec"):
-        sm90(ws=False, pp=False, persist=True).validate()
-    with pytest.raises(ValueError, match="not supported"):
-        KernelSpec(persist=True).validate()
+    with pytest.raises(ValueError, match="persistent needs warp_specialized"):
+        sm90(ws=False, pp=False, persistent=True).validate()
+    with pytest.raises(ValueError, match="not a field of this kind"):
+        KernelSpec(persistent=True).validate()
     fam = s.family
     assert fam.q_pieces(s) == 2 and fam.q_pieces(ps) == 4 and ps.smem_bytes() == s.smem_bytes() + 128 * 128 * 2
-    s3 = sm90(st=3, pp=False, persist=True)  # 229 KB with one piece per warpgroup: no room for a spare
+    s3 = sm90(st=3, pp=False, persistent=True)  # 229 KB with one piece per warpgroup: no room for a spare
     assert fam.q_pieces(s3) == 2 and s3.smem_bytes() == sm90(st=3).smem_bytes() and not s3.check(H200)
-    s3n = sm90(bn=112, st=3, persist=True)  # 217 KB: room for one spare piece, not for a second tile
+    s3n = sm90(bn=112, st=3, persistent=True)  # 217 KB: room for one spare piece, not for a second tile
     assert fam.q_pieces(s3n) == 3 and s3n.smem_bytes() == sm90(bn=112, st=3).smem_bytes() + 64 * 128 * 2
     assert not s3n.check(H200)
     assert all(not v.check(H200) for v in PERSIST_VARIANTS)
     rec = s.to_dict()
-    del rec["persist"]  # records written before the flag load as persist=False
+    del rec["persistent"]  # a field left out of a record keeps its default
     assert KernelSpec.from_dict(rec) == s
     assert not sm90(d=128, bn=128).check(gpus.get("a100")) == []  # not an sm_90a GPU
 
 
 def test_default_rule():
     assert len(DEFAULTS) == 3 * 2 * 2 and all(s.kind == "fwd_sm90" for s in DEFAULTS)
-    assert dispatch.default_specs("sm_80", 166912, kind="fwd_sm90") == []
-    key = dispatch.ProblemKey("fwd_sm90", "sm_80", "bf16", 128, False, 2048)
+    assert [s for s in families.rule_specs("sm_80", 166912) if s.kind == "fwd_sm90"] == []
+    key = ProblemKey("fwd", "sm_80", "bf16", 128, False, 2048)
+    assert families.serving("fwd", "sm_80") == ("fwd_v2",) and families.default_family(key) == "fwd_v2"
+    with pytest.raises(UnsupportedError, match="fwd_sm90 does not serve fwd on sm_80"):
+        dispatch.select(key, None, 166912, family="fwd_sm90")
     with pytest.raises(UnsupportedError, match="sm_90a"):
-        dispatch.default_spec(key, 166912)
-    assert [dispatch.sm90_head_dim_tile(d) for d in (8, 40, 64, 72, 128, 136, 256)] == [64, 64, 64, 128, 128, 256, 256]
+        FAMILY.rule(key, 166912)
+    assert [smallest_tile(d, (64, 128, 256)) for d in (8, 40, 64, 72, 128, 136, 256)] == [64, 64, 64, 128, 128, 256, 256]
+    assert [FAMILY.tile(ProblemKey("fwd", "sm_90a", "bf16", t, False, 512)) for t in (32, 64, 96, 160, 224)] == \
+        [64, 64, 128, 256, 256]
 
 
 def test_tune_space_has_candidates():
     from flashgen.tuner import space
 
     for d in (64, 128, 256):
-        key = dispatch.ProblemKey("fwd", "sm_90a", "bf16", d, True, 4096)
+        key = ProblemKey("fwd", "sm_90a", "bf16", d, True, 4096)
         cands = space.candidates(key, H200, only=("fwd_sm90",))
         # the paper-rule baseline (fwd_v2) first, then fwd_sm90's own space
         assert cands[0] == space.paper_baseline(key, H200) and cands[0].kind == "fwd_v2"
         assert len(cands) > 5 and all(c.kind == "fwd_sm90" and not c.check(H200) for c in cands[1:])
-        assert any(c.pingpong and c.overlap for c in cands)
-        assert {c.warpspec for c in cands[1:]} == {False, True} and {c.stages for c in cands[1:]} >= {2, 3}
-        assert all(c.warps == 4 * (c.block_m // 64 + c.warpspec) for c in cands[1:])  # implied, not searched
-        # emu 1 only at d=64 and only with warpspec (Sm90Family.searched; 2 and 4 lost everywhere: not searched)
-        assert {c.emu for c in cands[1:]} == ({0, 1} if d == 64 else {0})
-        assert any(c.sepkv for c in cands) and any(c.lazy for c in cands)
-        # persist is searched (measured: +2-5 % at N = 2k-4k, -1..-10 % at 16k), and only with warpspec
-        assert any(c.persist for c in cands) and all(c.warpspec for c in cands[1:] if c.persist)
-        assert not any((c.emu or c.lazy) and not c.warpspec for c in cands[1:])
+        assert any(c.pingpong and c.softmax_overlap for c in cands)
+        assert {c.warp_specialized for c in cands[1:]} == {False, True} and {c.stages for c in cands[1:]} >= {2, 3}
+        assert all(c.warps == warps_for(c.block_m, c.warp_specialized) for c in cands[1:])  # implied, not searched
+        # fma_exp2 1 only at d=64 and only with warp specialization (Sm90Family.searched; 2 and 4 lost
+        # everywhere: not searched)
+        assert {c.fma_exp2 for c in cands[1:]} == ({0, 1} if d == 64 else {0})
+        assert any(c.early_k_release for c in cands) and any(c.lean_softmax for c in cands)
+        # persistent is searched (measured: +2-5 % at N = 2k-4k, -1..-10 % at 16k), only with warp specialization
+        assert any(c.persistent for c in cands) and all(c.warp_specialized for c in cands[1:] if c.persistent)
+        assert not any((c.fma_exp2 or c.lean_softmax) and not c.warp_specialized for c in cands[1:])
         if d == 64:  # the d=64 shapes: 128/192 rows x 128/192 keys, 2-4 stages
-            got = {(c.block_m, c.block_n, c.stages) for c in cands[1:] if c.warpspec}
+            got = {(c.block_m, c.block_n, c.stages) for c in cands[1:] if c.warp_specialized}
             assert {(128, 128, 4), (192, 128, 4), (128, 192, 4), (192, 128, 2), (128, 192, 2)} <= got
             assert not any(c.block_m == 192 and c.block_n == 192 for c in cands)  # 176 fp32 values > 128
-        assert space.candidates(dispatch.ProblemKey("fwd_sm90", "sm_90a", "bf16", d, True, 4096), H200) == cands
+        # the same key searched over every family holds these and fwd_v2's
+        assert set(cands) <= set(space.candidates(key, H200))
 
 
 def test_hopper_diagnostics_are_problems():
@@ -177,11 +185,11 @@ def test_sass_has_hgmma_and_tma(tmp_path, compiled):
 def test_wgmma_descriptors_stay_in_uniform_registers(tmp_path, compiled):
     """Every warp-specialized kernel's wgmma operands come from uniform registers computed as such: at
     most one R2UR (a per-thread value moved to a uniform register) in the four instructions before each
-    HGMMA per four HGMMAs (there are none now). Session 5's first Q-piece change read the tile from a
-    per-warpgroup slot, the compiler lost the warp-uniformity of everything derived from it, put 2-4
+    HGMMA per four HGMMAs (there are none now). A Q-piece layout that read the tile from a
+    per-warpgroup slot made the compiler lose the warp-uniformity of everything derived from it, put 2-4
     R2UR before every HGMMA, and the persistent kernel ran 8-15 % slower on the H200; the lane-0
     broadcasts in fwd_sm90.cuh prevent it. Needs a disassembler that reads NVRTC's cubin (skips without)."""
-    specs = [s for s in ALL if s.warpspec and s.head_dim in (64, 128)]
+    specs = [s for s in ALL if s.warp_specialized and s.head_dim in (64, 128)]
     for spec in specs:
         binary = compiled[spec]
         if isinstance(binary, Exception):
@@ -196,7 +204,8 @@ def test_tensor_maps_step_rows_by_the_seq_stride(monkeypatch, layout):
     """The plan hands the driver (d, seq, head, batch) dims with the matching byte strides, for both
     layouts. (The first H200 run failed because the batch stride was passed as the seq stride.)"""
     torch = pytest.importorskip("torch")
-    from flashgen import api, tma
+    from flashgen import tma
+    from flashgen.api.checks import dims as bhs_dims
 
     calls = []
     monkeypatch.setattr(tma, "encode", lambda ptr, dtype, dims, strides, box: calls.append(
@@ -204,19 +213,20 @@ def test_tensor_maps_step_rows_by_the_seq_stride(monkeypatch, layout):
     b, h, hk, nq, nk, d = 2, 6, 3, 100, 77, 64
     shape = (lambda n, hh: (b, hh, n, d)) if layout == "bhsd" else (lambda n, hh: (b, n, hh, d))
     q, k, v = (torch.empty(shape(n, hh), device="meta") for n, hh in ((nq, h), (nk, hk), (nk, hk)))
-    sq, sk, sv = (api._dims(t, layout)[1] for t in (q, k, v))
+    sq, sk, sv = (bhs_dims(t, layout)[1] for t in (q, k, v))
     spec = sm90(d=64, bm=64, ws=False, pp=False, ov=False)
 
     class FakeKernel:
         def params(self, **values):
             return spec.family.param_struct()(**values)
 
-    dev = type("Dev", (), {"index": 0, "l2_bytes": 50 << 20})()
-    plan = api._plan_sm90(FakeKernel(), spec, dev, (b, h, hk, nq, nk, d), (sq, sk, sv), sq, 0.125)
-    params = plan.tma(16, 32, 48)
+    FakeKernel.spec = spec
+    dev = type("Dev", (), {"index": 0, "l2_bytes": 50 << 20, "sms": 132, "smem_per_sm": 233472})()
+    _, params_for = FAMILY.launch(FakeKernel(), (b, h, hk, nq, nk, d), (sq, sk, sv), sq, 0.125, dev)
+    params = params_for(16, 32, 48)
     assert bytes(params.tm_q) == bytes(128) and params.nq == nq and params.group == h // hk
-    assert len(calls) == 3 and plan.tma(16, 32, 48) is not params and len(calls) == 3  # cached per address
-    plan.tma(16, 32, 64)
+    assert len(calls) == 3 and params_for(16, 32, 48) is not params and len(calls) == 3  # cached per address
+    params_for(16, 32, 64)
     assert len(calls) == 6  # a new triple encodes again (tma.encode keeps its own per-address cache)
     byptr = {c[0]: c for c in calls}
 
@@ -230,21 +240,24 @@ def test_tensor_maps_step_rows_by_the_seq_stride(monkeypatch, layout):
         assert byptr[ptr][1:] == (dims, strides, (64, rows, 1, 1)), (layout, ptr)
 
 
-def test_named_flag_sets():
-    """The flag-set names the benchmark, the smoke and the GPU tests use (families.sm90_flag_set)."""
-    assert sm90_flag_set("ws") == dict(warpspec=True, pingpong=False, overlap=False)
-    assert sm90_flag_set("ws_pp_kv_lz_e2_s3_m192_n64") == dict(
-        warpspec=True, pingpong=True, overlap=False, sepkv=True, lazy=True, emu=2, stages=3, block_m=192, block_n=64)
-    for bad in ("x", "ws_q", "ws_e", "ws_kv1", "pp_ws"):
+def test_variants_by_name_tokens():
+    """The variants the benchmark, the smoke and the GPU tests use are name tokens over one base spec
+    (families.fwd_sm90.variant): the same grammar as the kernel names."""
+    assert variant(128, False, "ws").name == "fwd_sm90_d128_m128_n128_w12_s2_ws_full_bf16_sm90a"
+    v = variant(128, False, "ws_pp_kr_ls_fx2_s3_m192_n64")
+    assert (v.warp_specialized, v.pingpong, v.softmax_overlap, v.early_k_release, v.lean_softmax, v.fma_exp2,
+            v.stages, v.block_m, v.block_n, v.warps) == (True, True, False, True, True, 2, 3, 192, 64, 16)
+    for bad in ("x", "ws_q", "ws_fx", "ws_kr1", "ws_d"):
         with pytest.raises(ValueError):
-            sm90_flag_set(bad)
-    assert sm90_named_spec(128, True, "full") == sm90(causal=True)
-    assert sm90_named_spec(256, False, "plain", block_m=64).block_n == 64
-    assert sm90_flag_set("ws_ov_s3_ps") == dict(warpspec=True, pingpong=False, overlap=True, stages=3, persist=True)
-    for d, names in SM90_ABLATION.items():
+            variant(128, False, bad)
+    assert variant(128, True, "ws_pp_ov") == sm90(causal=True)
+    assert variant(256, False, "", block_m=64).block_n == 64
+    ps = variant(128, False, "ws_ov_s3_ps")
+    assert (ps.softmax_overlap, ps.stages, ps.persistent, ps.pingpong) == (True, 3, True, False)
+    for d, names in ABLATION.items():
         for n in names:
             for c in (False, True):
-                assert not sm90_named_spec(d, c, n).check(H200), (d, n)
+                assert not variant(d, c, n).check(H200), (d, n)
 
 
 @pytest.mark.parametrize("d,bm,bn", [(64, 64, 128), (128, 128, 128), (256, 128, 64), (64, 192, 128), (64, 128, 192)])
@@ -309,15 +322,13 @@ def test_smem_layout_model(d, bm, bn):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_persist_plan_grid_and_tiles(causal, monkeypatch):
-    """persist: the grid is min(tiles, SMs x CTAs per SM), 1-D; without persist one CTA per tile, 1-D. The
-    params carry the tile count, the m-blocks per (batch, head), the L2 sections, and (persist) the
-    stream's tile counters."""
-    pytest.importorskip("torch")
-    from flashgen import api, tma
+    """persistent: the grid is min(tiles, SMs x CTAs per SM), 1-D; otherwise one CTA per tile, 1-D. The
+    params carry the tile count, the m-blocks per (batch, head) and the L2 sections; the stream's tile
+    counters are the torch layer's to set (needs_tile_counters)."""
+    from flashgen import tma
     from flashgen.codegen.compiler import Report
 
     monkeypatch.setattr(tma, "encode", lambda ptr, dtype, dims, strides, box: bytes(128))
-    monkeypatch.setattr(api, "_tile_counters", lambda idx: 4096)  # (a CUDA allocation otherwise)
 
     report = Report(registers=168, spill_stores=0, spill_loads=0, stack_frame=0, static_smem=96)
 
@@ -328,24 +339,26 @@ def test_persist_plan_grid_and_tiles(causal, monkeypatch):
             def params(self, **values):
                 return spec.family.param_struct()(**values)
 
+        FakeKernel.spec = spec
         dev = type("Dev", (), {"index": 0, "sms": 132, "smem_per_sm": 233472, "l2_bytes": 50 << 20})()
         st = (h * nq * 64, nq * 64, 64)
-        return api._plan_sm90(FakeKernel(), spec, dev, (b, h, h, nq, nq, 64), (st, st, st), st, 0.125)
+        return FAMILY.launch(FakeKernel(), (b, h, h, nq, nq, 64), (st, st, st), st, 0.125, dev)
 
-    spec = sm90(d=64, pp=False, ov=False, causal=causal, persist=True)
-    assert api.persist_ctas_per_sm(spec, report, 233472) == 1  # 384 threads x 168 registers
+    spec = sm90(d=64, pp=False, ov=False, causal=causal, persistent=True)
+    assert persist_ctas_per_sm(spec, report, 233472) == 1  # 384 threads x 168 registers
+    assert FAMILY.needs_tile_counters(spec) and not FAMILY.needs_tile_counters(spec.replace(persistent=False))
     for b, h, nq, grid in ((2, 16, 2048, 132), (1, 3, 300, 9), (1, 1, 1, 1)):
-        plan = plan_for(spec, b, h, nq)
+        launch_grid, params_for = plan_for(spec, b, h, nq)
         m_blocks = -(-nq // 128)
-        assert plan.grid == (grid, 1, 1) and min(b * h * m_blocks, 132) == grid
-        p = plan.tma(16, 32, 48)
-        assert (p.tiles, p.m_blocks, p.sched) == (b * h * m_blocks, m_blocks, 4096)
+        assert launch_grid == (grid, 1, 1) and min(b * h * m_blocks, 132) == grid
+        p = params_for(16, 32, 48)
+        assert (p.tiles, p.m_blocks, p.sched) == (b * h * m_blocks, m_blocks, None)  # counters: the caller's
         # K/V of one pair: 2 x nq x 64 x 2 bytes; a quarter of 50 MiB holds 25 pairs at N = 2048
-        assert (p.sec, p.sec_big) == api.tile_sections(b * h, 2 * nq * 64 * 2, 50 << 20, causal=causal)
-    plain = plan_for(spec.replace(persist=False), 2, 16, 2048)
-    p = plain.tma(16, 32, 48)
+        assert (p.sec, p.sec_big) == tile_sections(b * h, 2 * nq * 64 * 2, 50 << 20, causal=causal)
+    plain_grid, plain = plan_for(spec.replace(persistent=False), 2, 16, 2048)
+    p = plain(16, 32, 48)
     # 32 pairs of 1 MiB K/V: sections of 16 within a quarter of 50 MiB, causal all 32 within half of it
-    assert plain.grid == (32 * 16, 1, 1) and not p.sched
+    assert plain_grid == (32 * 16, 1, 1) and not p.sched
     assert (p.tiles, p.m_blocks, p.sec, p.sec_big) == (512, 16, 32 if causal else 16, 0)
 
 
@@ -356,9 +369,6 @@ def test_tile_sections_even_and_within_a_quarter_of_l2(pairs, kv_bytes, l2, caus
     """tile_sections: sec_big sections of sec + 1 pairs and the rest of sec cover every pair; no section's
     K/V passes a quarter of the L2 (causal: half) unless one pair alone does (then one pair per section);
     the fewest such sections."""
-    pytest.importorskip("torch")
-    from flashgen.api import tile_sections
-
     sec, big = tile_sections(pairs, kv_bytes, l2, causal=causal)
     per = max(1, (l2 // (2 if causal else 4)) // kv_bytes)
     sections = -(-pairs // per)

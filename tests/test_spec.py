@@ -7,22 +7,22 @@ import re
 
 import pytest
 
-from flashgen import ConfigError, KernelSpec, UnsupportedError, dispatch, gpus
-from flashgen.families import FAMILIES, MMA_HEAD_DIMS
-from flashgen.spec import ARCHS, DTYPES, FLAG_FIELDS
+from flashgen import ConfigError, KernelSpec, UnsupportedError, dispatch, families, gpus
+from flashgen.families import FAMILIES
+from flashgen.problem import HEAD_DIM_TILES, ProblemKey, bucket_of, head_dim_tile
+from flashgen.spec import ARCHS, DTYPES, fields_of
 
 FWD = FAMILIES["fwd_v2"]
 
-NAME_RE = re.compile(r"^fwd_v2_d\d+_m\d+_n\d+_w\d+_s\d+_r\d+_(causal|full)_(fp16|bf16)_sm\d+a?$")
+NAME_RE = re.compile(r"^fwd_v2_d\d+_m\d+_n\d+_w\d+_s\d+(_r[12])?_(causal|full)_(fp16|bf16)_sm\d+a?$")
 
 
 def _allowed(field: str) -> tuple:
     """The values of one KernelSpec field that the fwd_v2 family supports (read from the code)."""
-    fixed = {"kind": tuple(FAMILIES), "arch": ARCHS, "dtype": DTYPES, "causal": (False, True)}
+    fixed = {"kind": tuple(FAMILIES), "arch": ARCHS, "dtype": DTYPES, "causal": (False, True),
+             "refill": FWD.REFILLS}
     if field in fixed:
         return fixed[field]
-    if field in FLAG_FIELDS:  # fwd_sm90's flags: False (or 0) unless the family takes them
-        return ((False, True) if field in FWD.flags else (False,)) if field != "emu" else (0,)
     for attr in (field + "s", field):  # head_dim -> head_dims, warps -> warps
         values = getattr(FWD, attr, None)
         if isinstance(values, tuple):
@@ -30,7 +30,7 @@ def _allowed(field: str) -> tuple:
     raise KeyError(f"the tests do not know where the allowed values of KernelSpec.{field} live")
 
 
-FIELDS = [f.name for f in dataclasses.fields(KernelSpec)]
+FIELDS = [f.name for f in fields_of("fwd_v2")]
 
 
 def _valid_specs():
@@ -49,7 +49,7 @@ def test_name_format_of_a_known_spec():
     """The name spells every field in the documented order, arch without its underscore."""
     spec = KernelSpec(kind="fwd_v2", arch="sm_90a", dtype="bf16", head_dim=128, block_m=128, block_n=64,
                       warps=4, stages=2, causal=True)
-    assert spec.name == "fwd_v2_d128_m128_n64_w4_s2_r0_causal_bf16_sm90a"
+    assert spec.name == "fwd_v2_d128_m128_n64_w4_s2_causal_bf16_sm90a"
     assert (spec.replace(causal=False, arch="sm_80", dtype="fp16", refill=2).name
             == "fwd_v2_d128_m128_n64_w4_s2_r2_full_fp16_sm80")
 
@@ -67,7 +67,7 @@ def test_names_are_unique_identifiers_over_the_whole_grid():
 
 
 # kind is the name's first word; the other families refuse fwd_v2's tile values, so it is not varied here.
-# The Hopper flags (spec.FLAG_FIELDS) are fixed False/0 for fwd_v2; tests/test_sm90.py covers them.
+# The other kinds' own fields are not fwd_v2's (tests/test_sm90.py and the name tests below cover them).
 @pytest.mark.parametrize("field", [f for f in FIELDS if f != "kind" and len(_allowed(f)) > 1])
 def test_every_field_changes_the_name(field):
     """Changing any one field to another valid value changes the name: the name covers the field list
@@ -101,7 +101,7 @@ def test_every_field_changes_the_name(field):
 def test_to_dict_from_dict_round_trip(spec):
     """to_dict -> from_dict gives an equal spec with the same name, and the record is plain data."""
     record = spec.to_dict()
-    assert set(record) == {f.name for f in dataclasses.fields(KernelSpec)}
+    assert set(record) == {f.name for f in fields_of(spec.kind)}
     assert all(type(v) in (str, int, bool) for v in record.values())
     again = KernelSpec.from_dict(dict(record))
     assert again == spec
@@ -237,10 +237,10 @@ def test_check_returns_reasons_for_an_invalid_spec_instead_of_raising():
 def test_default_rule_only_picks_feasible_specs(profile):
     """Every spec the default rule picks for a profile's arch and budget passes check(profile)."""
     prof = gpus.get(profile)
-    specs = dispatch.default_specs(prof.arch, prof.smem_per_block)
-    keys = [dispatch.ProblemKey("fwd", prof.arch, dt, d, c, 512)
-            for d in MMA_HEAD_DIMS for dt in ("fp16", "bf16") for c in (False, True)]
-    assert {dispatch.default_spec(k, prof.smem_per_block) for k in keys} == set(specs)
+    keys = [ProblemKey("fwd", prof.arch, dt, d, c, 512)
+            for d in HEAD_DIM_TILES for dt in ("fp16", "bf16") for c in (False, True)]
+    specs = {families.default_spec(k, prof.smem_per_block) for k in keys}
+    assert specs <= set(families.rule_specs(prof.arch, prof.smem_per_block))
     for spec in specs:
         assert spec.arch == prof.arch
         assert spec.check(prof) == [], spec.name
@@ -248,28 +248,31 @@ def test_default_rule_only_picks_feasible_specs(profile):
 
 def test_forward_default_family_per_arch():
     """sm_90a takes fwd_sm90 where its tile pads at most a third (64, 96-128, 192-256); fwd_v2 elsewhere."""
-    sm90 = [d for d in MMA_HEAD_DIMS if dispatch.default_forward_family("sm_90a", d) == "fwd_sm90"]
-    assert sm90 == [d for d in MMA_HEAD_DIMS if d in (64, 96, 128, 192, 224, 256)]
-    assert {dispatch.default_forward_family(a, d) for a in ("sm_80", "sm_86", "sm_89") for d in MMA_HEAD_DIMS} \
-        == {"fwd_v2"}
-    key = dispatch.ProblemKey("fwd", "sm_90a", "bf16", 128, True, 4096)
-    spec = dispatch.default_spec(key, gpus.get("h200").smem_per_block)
-    assert (spec.kind, spec.block_m, spec.block_n, spec.stages, spec.overlap) == ("fwd_sm90", 128, 128, 3, True)
+    def default(arch, d):
+        return families.default_family(ProblemKey("fwd", arch, "bf16", d, False, 512))
+
+    sm90 = [d for d in HEAD_DIM_TILES if default("sm_90a", d) == "fwd_sm90"]
+    assert sm90 == [d for d in HEAD_DIM_TILES if d in (64, 96, 128, 192, 224, 256)]
+    assert {default(a, d) for a in ("sm_80", "sm_86", "sm_89") for d in HEAD_DIM_TILES} == {"fwd_v2"}
+    key = ProblemKey("fwd", "sm_90a", "bf16", 128, True, 4096)
+    spec = families.default_spec(key, gpus.get("h200").smem_per_block)
+    assert (spec.kind, spec.block_m, spec.block_n, spec.stages, spec.softmax_overlap) == ("fwd_sm90", 128, 128, 3, True)
 
 
 def test_default_rule_raises_when_nothing_fits():
     """No tile fits 1000 B: UnsupportedError naming the head dim, not an empty or oversized spec."""
-    key = dispatch.ProblemKey("fwd_v2", "sm_80", "fp16", 96, False, 512)
+    key = ProblemKey("fwd", "sm_80", "fp16", 96, False, 512)
     with pytest.raises(UnsupportedError, match="d=96"):
-        dispatch.default_spec(key, 1000)
+        families.default_spec(key, 1000)
 
 
 def test_context_carries_name_and_smem():
     """The template context has every field plus the derived name, smem size and param rows."""
     spec = KernelSpec(arch="sm_80", dtype="fp16", head_dim=160, block_m=64, block_n=32, warps=4, stages=2)
     ctx = spec.context()
-    for f in dataclasses.fields(KernelSpec):
+    for f in fields_of(spec.kind):
         assert ctx[f.name] == getattr(spec, f.name)
+    assert "warp_specialized" not in ctx  # another kind's field never reaches this kind's template
     assert ctx["name"] == spec.name
     assert ctx["smem_bytes"] == spec.smem_bytes() == 2 * 160 * (64 + 2 * 2 * 32)
     assert ctx["elem_bytes"] == 2
@@ -328,7 +331,7 @@ def test_forced_gpu_profile_from_environment(monkeypatch):
 ])
 def test_bucket_of(seqlen, bucket):
     """A length maps to the smallest bucket at or above it, and past the last bucket to the last."""
-    assert dispatch.bucket_of(seqlen) == bucket
+    assert bucket_of(seqlen) == bucket
 
 
 @pytest.mark.parametrize("d,tile", [
@@ -337,20 +340,86 @@ def test_bucket_of(seqlen, bucket):
 ])
 def test_head_dim_tile(d, tile):
     """A head dim maps to the smallest supported tile at or above it."""
-    assert dispatch.head_dim_tile(d) == tile
+    assert head_dim_tile(d) == tile
 
 
 @pytest.mark.parametrize("d", [264, 512, 12, 7, 0, -8])
 def test_head_dim_tile_refuses_unsupported(d):
     """Head dims above 256 or not a positive multiple of 8 are UnsupportedError, naming the value."""
     with pytest.raises(UnsupportedError, match=f"head dim {d}"):
-        dispatch.head_dim_tile(d)
+        head_dim_tile(d)
 
 
 def test_select_without_a_gpu_profile_uses_the_default_rule():
     """With no known GPU, dispatch gives exactly the default rule's spec for the key."""
-    key = dispatch.ProblemKey("fwd_v2", "sm_89", "fp16", dispatch.head_dim_tile(72), True, dispatch.bucket_of(999))
+    key = ProblemKey("fwd", "sm_89", "fp16", head_dim_tile(72), True, bucket_of(999))
     spec = dispatch.select(key, None, gpus.ARCH_SMEM_PER_BLOCK["sm_89"])
-    assert spec == dispatch.default_spec(key, gpus.ARCH_SMEM_PER_BLOCK["sm_89"])
+    assert spec == families.default_spec(key, gpus.ARCH_SMEM_PER_BLOCK["sm_89"])
     assert (spec.arch, spec.dtype, spec.head_dim, spec.causal) == ("sm_89", "fp16", 96, True)
     assert spec.smem_bytes() <= gpus.ARCH_SMEM_PER_BLOCK["sm_89"]
+
+
+# ---------------------------------------------------------------- one grammar: names and their parser
+
+
+def _every_rule_spec():
+    return [s for arch in ("sm_80", "sm_90a") for s in families.rule_specs(arch, gpus.ARCH_SMEM_PER_BLOCK[arch])]
+
+
+def test_from_name_reads_back_every_spec_the_rules_pick():
+    """KernelSpec.from_name(spec.name) == spec for every kind's default tiles, Hopper techniques
+    and family-only fields included (one grammar, derived from the field metadata)."""
+    specs = _every_rule_spec() + [
+        KernelSpec.from_name("fwd_sm90_d64_m192_n128_w16_s3_ws_pp_fx1_kr_ls_ps_causal_fp16_sm90a"),
+        KernelSpec(kind="decode_split", arch="sm_90a", head_dim=128, block_m=16, block_n=128, warps=4, stages=2,
+                   kv_load=5, causal=True).validate(),
+        KernelSpec(kind="bwd_sm90", arch="sm_90a", head_dim=64, block_m=64, block_n=128, warps=12, stages=3,
+                   dq_write=1).validate()]
+    assert {s.kind for s in specs} == set(FAMILIES)
+    for spec in specs:
+        assert KernelSpec.from_name(spec.name) == spec, spec.name
+        assert spec.name.isidentifier()
+
+
+@pytest.mark.parametrize("name,why", [
+    ("fwd_v2_d128_m128_n64_w4_s2_r0_full_bf16_sm90a", "canonical"),          # a default value spelled out
+    ("fwd_v2_d128_n64_m128_w4_s2_full_bf16_sm90a", "canonical"),             # tokens out of order
+    ("fwd_v2_d128_m128_n64_w4_s2_ws_full_bf16_sm90a", "warp_specialized"),   # another kind's field
+    ("fwd_v2_d128_m128_n64_w4_s2_zz3_full_bf16_sm90a", "unknown token"),
+    ("fwd_v2_d128_m128_n64_w4_full_bf16_sm90a", "stages"),                   # a common field missing
+    ("fwd_v2_d128_m128_n64_w4_s2_s3_full_bf16_sm90a", "twice"),
+    ("fwd_v3_d128_m128_n64_w4_s2_full_bf16_sm90a", "fwd_v3"),
+    ("fwd_sm90_d128_m128_n128_w12_s2_ws2_full_bf16_sm90a", "takes no number"),
+    ("fwd_v2_d128_m128_n64_w4_s2_full_bf16_sm75", "sm_75"),
+    ("fwd_v2_d128_m128_n64_w4_s2_full_bf16", "not a kernel name"),
+    ("fwd_v2_d128_m128_n64_w4_s2_full_bf16_sm90a; rm -rf /", "not a kernel name"),
+])
+def test_from_name_refuses_what_no_spec_is_named(name, why):
+    with pytest.raises(ValueError, match=why):
+        KernelSpec.from_name(name)
+
+
+def test_family_only_fields_are_absent_from_other_kinds():
+    """A field a kind does not use stays at its default, is not in its name or record, and a record or
+    a spec that sets it is refused."""
+    spec = KernelSpec(head_dim=64, block_m=64, block_n=64, warps=4, stages=2).validate()
+    assert "warp_specialized" not in spec.to_dict() and "kv_load" not in spec.to_dict()
+    with pytest.raises(ValueError, match="pingpong"):
+        spec.replace(pingpong=True).validate()
+    with pytest.raises(ConfigError, match="do not belong to fwd_v2"):
+        KernelSpec.from_dict({**spec.to_dict(), "dq_write": 0})
+    record = spec.to_dict()
+    del record["refill"]
+    assert KernelSpec.from_dict(record) == spec  # a field left out keeps its default
+    with pytest.raises(ConfigError, match="missing field.*refill"):
+        KernelSpec.from_dict(record, complete=True)  # (what a tuned table must say: everything)
+
+
+def test_with_tokens_uses_the_name_grammar():
+    base = families.fwd_sm90.variant(128, False, "")
+    spec = base.with_tokens("ws_pp_kr_s3")
+    assert (spec.warp_specialized, spec.pingpong, spec.early_k_release, spec.stages) == (True, True, True, 3)
+    assert base.with_tokens("") == base
+    with pytest.raises(ValueError, match="not a name token"):
+        base.with_tokens("ws_bogus")
+    assert families.fwd_sm90.variant(64, True, "ws_s3_m192").name == "fwd_sm90_d64_m192_n128_w16_s3_ws_causal_bf16_sm90a"

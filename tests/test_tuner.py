@@ -1,5 +1,6 @@
 """The tuner on a CPU: search space, studies with a fake kernel and a fake timer, the
-cost model, buckets, the YAML store (round trip, merge, refusals) and dispatch order."""
+cost model, buckets, the YAML tables (``flashgen.tables``: round trip, merge, refusals), what the
+tuner adds to them (``flashgen.tuner.store``) and dispatch order."""
 from __future__ import annotations
 
 import math
@@ -9,9 +10,9 @@ import os
 import pytest
 import yaml
 
-from flashgen import dispatch, gpus, tables
-from flashgen.dispatch import BUCKETS, ProblemKey, bucket_of
-from flashgen.errors import ConfigError
+from flashgen import dispatch, families, gpus, tables
+from flashgen.errors import ConfigError, UnsupportedError
+from flashgen.problem import BUCKETS, ProblemKey, bucket_of, bwd_head_dim_tile
 from flashgen.spec import KernelSpec
 from flashgen.tuner import cost, space, store, study
 from flashgen.tuner.objective import MeasuredObjective, ModelObjective, Outcome
@@ -38,7 +39,8 @@ def test_candidates_are_feasible_and_unique(gpu, d):
         if s.kind == "fwd_v2":
             assert s.block_m % (16 * s.warps) == 0 and s.head_dim == d
         else:  # fwd_sm90, on sm_90a only, at its own head-dim tile
-            assert (s.kind, prof.arch, s.head_dim) == ("fwd_sm90", "sm_90a", dispatch.sm90_head_dim_tile(d))
+            assert (s.kind, prof.arch, s.head_dim) == ("fwd_sm90", "sm_90a", families.family("fwd_sm90").tile(key))
+            assert s.head_dim == {32: 64, 64: 64, 128: 128, 256: 256}[d]
     assert {s.kind for s in cands} == ({"fwd_v2", "fwd_sm90"} if prof.arch == "sm_90a" else {"fwd_v2"})
 
 
@@ -242,7 +244,7 @@ def test_cost_model_basics():
 # -- store -----------------------------------------------------------------------
 def _table(gpu="h200", entries=None, source="measured"):
     prof = gpus.get(gpu)
-    t = store.Table(meta=store.make_meta(prof, source))
+    t = tables.Table(meta=tables.make_meta(prof, source))
     for key, spec, ms in entries or []:
         t.entries[key] = {"spec": spec, "time_ms": ms, "tflops": 100.0, "source": source,
                           "baseline": {"spec": space.paper_baseline(key, prof), "time_ms": ms * 1.5},
@@ -262,8 +264,8 @@ def _spec_for(key, **kw):
 def test_yaml_round_trip(tmp_path):
     key2 = ProblemKey("fwd", "sm_90a", "fp16", 64, False, 512)
     t = _table(entries=[(KEY, _spec_for(KEY), 1.25), (key2, _spec_for(key2, block_n=64), 0.5)])
-    path = store.save(t, tmp_path / "h200.yaml")
-    back = store.load(path, gpu="h200")
+    path = tables.save(t, tmp_path / "h200.yaml")
+    back = tables.load(path, gpu="h200")
     assert back.meta == t.meta
     assert back.entries.keys() == t.entries.keys()
     for k in t.entries:
@@ -278,11 +280,11 @@ def test_merge_keeps_untouched_keys(tmp_path):
     key2 = ProblemKey("fwd", "sm_90a", "bf16", 64, False, 512)
     old = _table(entries=[(KEY, _spec_for(KEY), 2.0), (key2, _spec_for(key2), 1.0)])
     new = _table(entries=[(KEY, _spec_for(KEY, block_n=64, stages=2), 1.0)])
-    merged = store.merge(old, new)
+    merged = tables.merge(old, new)
     assert merged.entries[KEY]["spec"].block_n == 64
     assert merged.entries[key2]["spec"] == _spec_for(key2)
     with pytest.raises(ConfigError):
-        store.merge(_table(gpu="a100"), new)
+        tables.merge(_table(gpu="a100"), new)
 
 
 def _write(tmp_path, doc, name="h200.yaml"):
@@ -292,7 +294,7 @@ def _write(tmp_path, doc, name="h200.yaml"):
 
 
 def _good_doc():
-    return yaml.safe_load(store.dump(_table(entries=[(KEY, _spec_for(KEY), 1.0)])))
+    return yaml.safe_load(tables.dump(_table(entries=[(KEY, _spec_for(KEY), 1.0)])))
 
 
 @pytest.mark.parametrize("mutate,message", [
@@ -322,7 +324,7 @@ def test_hand_broken_files_are_refused_with_path_and_reason(tmp_path, mutate, me
     mutate(doc)
     path = _write(tmp_path, doc)
     with pytest.raises(ConfigError) as err:
-        store.load(path, gpu="h200")
+        tables.load(path, gpu="h200")
     assert str(path) in str(err.value) and message in str(err.value)
 
 
@@ -331,23 +333,23 @@ def test_hand_broken_files_are_refused_with_path_and_reason(tmp_path, mutate, me
 def test_corrupt_files_are_refused(tmp_path, text):
     path = _write(tmp_path, text)
     with pytest.raises(ConfigError) as err:
-        store.load(path)
+        tables.load(path)
     assert str(path) in str(err.value)
 
 
 def test_foreign_gpu_file_is_refused(tmp_path):
-    path = store.save(_table(gpu="a100"), tmp_path / "h200.yaml")
+    path = tables.save(_table(gpu="a100"), tmp_path / "h200.yaml")
     with pytest.raises(ConfigError, match="tuned for a100, not h200") as err:
-        store.load(path, gpu="h200")
+        tables.load(path, gpu="h200")
     assert str(path) in str(err.value)
-    store.load(path, gpu="a100")  # the right GPU reads it
+    tables.load(path, gpu="a100")  # the right GPU reads it
 
 
 def test_version_difference_is_a_warning(tmp_path):
     doc = _good_doc()
     doc["meta"]["versions"]["flashgen"] = "0.0.1"
     with pytest.warns(UserWarning, match="re-tune"):
-        store.load(_write(tmp_path, doc), gpu="h200")
+        tables.load(_write(tmp_path, doc), gpu="h200")
 
 
 # -- dispatch order: user -> shipped -> default ------------------------------------
@@ -355,38 +357,38 @@ def test_version_difference_is_a_warning(tmp_path):
 def shipped_dir(tmp_path, monkeypatch):
     folder = tmp_path / "shipped"
     folder.mkdir()
-    monkeypatch.setattr(store, "shipped_path", lambda gpu: folder / f"{gpu}.yaml")
-    tables.clear()
+    monkeypatch.setattr(tables, "shipped_path", lambda gpu: folder / f"{gpu}.yaml")
+    dispatch.clear()
     yield folder
-    tables.clear()
+    dispatch.clear()
 
 
 def test_dispatch_order(shipped_dir):
     key_a = KEY
     key_b = ProblemKey("fwd", "sm_90a", "bf16", 64, False, 1024)
     key_c = ProblemKey("fwd", "sm_90a", "fp16", 64, True, 2048)
-    default_c = dispatch.default_spec(key_c, H200.smem_per_block)
+    default_c = families.default_spec(key_c, H200.smem_per_block)
     shipped_a, shipped_b = _spec_for(key_a, block_n=64, stages=2, refill=1), _spec_for(key_b, stages=2)
     user_a = _spec_for(key_a, block_m=64, block_n=64, stages=2)
-    store.save(_table(entries=[(key_a, shipped_a, 1.0), (key_b, shipped_b, 1.0)]), shipped_dir / "h200.yaml")
-    tables.clear()
+    tables.save(_table(entries=[(key_a, shipped_a, 1.0), (key_b, shipped_b, 1.0)]), shipped_dir / "h200.yaml")
+    dispatch.clear()
     assert dispatch.select(key_a, "h200", H200.smem_per_block) == shipped_a
     assert dispatch.select(key_c, "h200", H200.smem_per_block) == default_c
-    store.save(_table(entries=[(key_a, user_a, 0.9)]), store.default_path("h200"))
-    tables.clear()
+    tables.save(_table(entries=[(key_a, user_a, 0.9)]), tables.default_path("h200"))
+    dispatch.clear()
     assert dispatch.select(key_a, "h200", H200.smem_per_block) == user_a          # user first
     assert dispatch.select(key_b, "h200", H200.smem_per_block) == shipped_b       # then shipped
     assert dispatch.select(key_c, "h200", H200.smem_per_block) == default_c       # then the default rule
     assert tables.lookup_entry("h200", key_b)[0] == "shipped"
-    assert dispatch.select(key_a, None, H200.smem_per_block) == dispatch.default_spec(key_a, H200.smem_per_block)
+    assert dispatch.select(key_a, None, H200.smem_per_block) == families.default_spec(key_a, H200.smem_per_block)
 
 
 def test_dispatch_never_silently_skips_a_broken_user_table(shipped_dir):
-    store.save(_table(entries=[(KEY, _spec_for(KEY), 1.0)]), shipped_dir / "h200.yaml")
-    path = store.default_path("h200")
+    tables.save(_table(entries=[(KEY, _spec_for(KEY), 1.0)]), shipped_dir / "h200.yaml")
+    path = tables.default_path("h200")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("meta: {gpu: h200\n")
-    tables.clear()
+    dispatch.clear()
     with pytest.raises(ConfigError, match=str(path)):
         dispatch.select(KEY, "h200", H200.smem_per_block)
 
@@ -442,11 +444,11 @@ def test_tune_a100_model_mode_writes_a_valid_yaml(tmp_path, capsys):
 
     out = tmp_path / "a100.yaml"
     report = tmp_path / "report.json"
-    # The issue's command, every bucket, with a small trial budget per key (TPE, seeded) so CI stays quick.
+    # The documented command, every bucket, with a small trial budget per key (TPE, seeded) so CI stays quick.
     code = main(["tune", "--gpu", "a100", "--d", "64,128", "--trials", "3", "--model",
                  "--out", str(out), "--report", str(report), "--quiet"])
     assert code == 0
-    table = store.load(out, gpu="a100")
+    table = tables.load(out, gpu="a100")
     assert table.meta["source"] == "model" and table.meta["gpu"] == "a100"
     assert len(table.entries) == 2 * 2 * len(BUCKETS)  # d 64, 128 x causal both x every bucket
     for key, entry in table.entries.items():
@@ -505,34 +507,41 @@ def test_show_without_tables(capsys, shipped_dir):
 
 # -- one forward key, two families (fwd_v2 everywhere, fwd_sm90 on sm_90a) ---------------
 def _sm90(key, bm=128, bn=128, st=2, ws=True, pp=False, ov=False):
-    return space.make_spec(key, "fwd_sm90", block_m=bm, block_n=bn, stages=st, warpspec=ws, pingpong=pp,
-                           overlap=ov).validate()
+    return space.make_spec(key, "fwd_sm90", block_m=bm, block_n=bn, stages=st, warp_specialized=ws, pingpong=pp,
+                           softmax_overlap=ov).validate()
 
 
 def fake_time_two(key, spec):
     """fwd_sm90 with warp specialization alone is fastest; fwd_v2 as in fake_time."""
     if spec.kind == "fwd_sm90":
-        return 0.5 + abs(spec.block_n - 128) / 1000 + 0.1 * (spec.pingpong + spec.overlap + (not spec.warpspec))
+        return 0.5 + abs(spec.block_n - 128) / 1000 + 0.1 * (spec.pingpong + spec.softmax_overlap
+                                                             + (not spec.warp_specialized))
     return fake_time(key, spec)
 
 
 def test_forward_key_families_and_default():
-    assert dispatch.FORWARD_FAMILIES["fwd"] == ("fwd_v2", "fwd_sm90")
-    assert dispatch.families_for("fwd", "sm_90a") == ("fwd_v2", "fwd_sm90")
-    assert dispatch.families_for("fwd", "sm_80") == ("fwd_v2",)
-    assert dispatch.families_for("fwd_sm90", "sm_80") == ()
-    assert dispatch.families_for("bwd_dkdv", "sm_80") == ("bwd_dkdv",)  # other kinds: their own family
-    assert "fwd" in dispatch.problem_kinds() and "fwd_v2" not in dispatch.problem_kinds()
+    """The "fwd" problem's families in preference order (fwd_sm90 first where it runs, fwd_v2 the
+    fallback); a family's name is no problem kind (it restricts a pick through ``family=``)."""
+    assert families.PROBLEMS["fwd"] == ("fwd_sm90", "fwd_v2")
+    assert families.serving("fwd", "sm_90a") == ("fwd_sm90", "fwd_v2")
+    assert families.serving("fwd", "sm_80") == ("fwd_v2",)
+    assert families.fallback_family("fwd", "sm_90a") == families.fallback_family("fwd", "sm_80") == "fwd_v2"
+    assert not families.family("fwd_sm90").runs_on("sm_80") and families.serving("fwd_sm90", "sm_90a") == ()
+    with pytest.raises(UnsupportedError, match="fwd_sm90 does not serve fwd on sm_80"):
+        dispatch.select(ProblemKey("fwd", "sm_80", "bf16", 128, True, 4096), "a100",
+                        gpus.get("a100").smem_per_block, family="fwd_sm90")
+    assert families.serving("bwd_dkdv", "sm_80") == ("bwd_dkdv",)  # bwd_sm90 serves it on sm_90a only
+    assert "fwd" in families.problems() and not {"fwd_v2", "fwd_sm90"} & set(families.problems())
     # the default rule: fwd_sm90's on sm_90a (measured faster on every tuned key), fwd_v2's elsewhere
     for arch, budget, fam in (("sm_90a", H200.smem_per_block, "fwd_sm90"),
                               ("sm_80", gpus.get("a100").smem_per_block, "fwd_v2")):
         key = ProblemKey("fwd", arch, "bf16", 128, True, 4096)
-        assert dispatch.default_spec(key, budget) == dispatch.default_spec(
-            ProblemKey(fam, arch, "bf16", 128, True, 4096), budget)
-        assert dispatch.default_spec(key, budget).kind == fam
-    # a fwd_sm90-restricted key of a d=96 problem runs fwd_sm90's 128 tile
-    assert dispatch.default_spec(ProblemKey("fwd_sm90", "sm_90a", "bf16", 96, False, 512),
-                                 H200.smem_per_block).head_dim == 128
+        assert families.default_family(key) == fam
+        assert families.default_spec(key, budget) == families.default_spec(key, budget, family=fam)
+        assert families.default_spec(key, budget).kind == fam
+    # restricted to fwd_sm90, a d=96 problem runs fwd_sm90's 128 tile
+    assert families.default_spec(ProblemKey("fwd", "sm_90a", "bf16", 96, False, 512), H200.smem_per_block,
+                                 family="fwd_sm90").head_dim == 128
 
 
 def test_table_serves_a_fwd_sm90_entry_on_sm90a(shipped_dir):
@@ -541,87 +550,131 @@ def test_table_serves_a_fwd_sm90_entry_on_sm90a(shipped_dir):
     assert sm90.head_dim == 128
     other = ProblemKey("fwd", "sm_90a", "bf16", 64, False, 1024)
     v2 = _spec_for(other, block_n=64, stages=2)
-    path = store.save(_table(entries=[(key, sm90, 0.5), (other, v2, 1.0)]), shipped_dir / "h200.yaml")
-    back = store.load(path, gpu="h200")
+    path = tables.save(_table(entries=[(key, sm90, 0.5), (other, v2, 1.0)]), shipped_dir / "h200.yaml")
+    back = tables.load(path, gpu="h200")
     assert back.entries[key]["spec"] == sm90 and back.entries[other]["spec"] == v2
     assert "kind: fwd," in path.read_text() and "key: {kind: fwd_v2" not in path.read_text()
-    tables.clear()
+    dispatch.clear()
     assert dispatch.select(key, "h200", H200.smem_per_block) == sm90
     assert dispatch.select(other, "h200", H200.smem_per_block) == v2
-    # family-restricted keys: the entry when it is of that family, else that family's default rule
-    as_v2 = ProblemKey("fwd_v2", *list(vars(key).values())[1:])
-    assert dispatch.select(as_v2, "h200", H200.smem_per_block) == dispatch.default_spec(as_v2, H200.smem_per_block)
-    as_sm90 = ProblemKey("fwd_sm90", *list(vars(key).values())[1:])
-    assert dispatch.select(as_sm90, "h200", H200.smem_per_block) == sm90
-    assert dispatch.select(ProblemKey("fwd_v2", *list(vars(other).values())[1:]), "h200",
-                           H200.smem_per_block) == v2
+    # restricted to one family: the entry when it is of that family, else that family's default rule
+    assert dispatch.select(key, "h200", H200.smem_per_block, family="fwd_v2") == families.default_spec(
+        key, H200.smem_per_block, family="fwd_v2")
+    assert dispatch.select(key, "h200", H200.smem_per_block, family="fwd_sm90") == sm90
+    assert dispatch.select(other, "h200", H200.smem_per_block, family="fwd_v2") == v2
 
 
 def test_fwd_sm90_entry_is_refused_on_sm80(tmp_path):
     """A table for an sm_80 GPU cannot hold a fwd_sm90 spec: a ConfigError saying why."""
     a100 = gpus.get("a100")
     key = ProblemKey("fwd", "sm_80", "bf16", 128, False, 2048)
-    doc = yaml.safe_load(store.dump(_table(gpu="a100", entries=[(key, _spec_for(key, block_n=64, stages=2), 1.0)])))
+    doc = yaml.safe_load(tables.dump(_table(gpu="a100", entries=[(key, _spec_for(key, block_n=64, stages=2), 1.0)])))
     sm90 = _sm90(ProblemKey("fwd", "sm_90a", "bf16", 128, False, 2048))
     for record, message in ((sm90.to_dict(), "fwd_sm90 kernel, which does not serve fwd on sm_80"),
                             (sm90.replace(arch="sm_80").to_dict(), r"fwd_sm90: arch=sm_80 not in \('sm_90a',\)")):
         doc["entries"][0]["spec"] = record
         path = _write(tmp_path, doc, "a100.yaml")
         with pytest.raises(ConfigError, match=message) as err:
-            store.load(path, gpu="a100")
+            tables.load(path, gpu="a100")
         assert str(path) in str(err.value)
-    with pytest.raises(dispatch.UnsupportedError, match="sm_90a"):
-        dispatch.default_spec(ProblemKey("fwd_sm90", "sm_80", "bf16", 128, False, 2048), a100.smem_per_block)
+    with pytest.raises(UnsupportedError, match="sm_90a"):
+        families.default_spec(key, a100.smem_per_block, family="fwd_sm90")
+
+
+# Formats 1 and 2 wrote every field for every kind, fwd_sm90's flags by their former names, and one
+# ``hint`` field for what is now decode_split's kv_load and bwd_sm90's dq_write.
+_FORMAT2_NAMES = {"warp_specialized": "warpspec", "softmax_overlap": "overlap", "fma_exp2": "emu",
+                  "early_k_release": "sepkv", "lean_softmax": "lazy", "persistent": "persist"}
+
+
+def _format2_record(spec):
+    """``spec`` as a format-1/2 table spelled its record."""
+    import dataclasses
+
+    record = {_FORMAT2_NAMES.get(f.name, f.name): getattr(spec, f.name) for f in dataclasses.fields(KernelSpec)
+              if f.name not in ("kv_load", "dq_write")}
+    record["hint"] = spec.kv_load or spec.dq_write
+    return record
+
+
+def _format2_doc(table, fmt=2):
+    """The YAML document of ``table`` as format ``fmt`` (1 or 2) wrote it."""
+    doc = yaml.safe_load(tables.dump(table))
+    doc["meta"]["format"] = fmt
+    by_name = {s.name: s for e in table.entries.values()
+               for s in [e["spec"], e["baseline"]["spec"], *(r["spec"] for r in e["runners_up"])]}
+
+    def old(record):
+        return _format2_record(by_name[KernelSpec.from_dict(record).name])
+
+    for e in doc["entries"]:
+        e["spec"] = old(e["spec"])
+        e["baseline"]["spec"] = old(e["baseline"]["spec"])
+        e["runners_up"] = [{**r, "spec": old(r["spec"])} for r in e["runners_up"]]
+    return doc
 
 
 def test_format1_table_is_migrated_on_read_with_a_warning(tmp_path):
     key = ProblemKey("fwd", "sm_90a", "bf16", 128, True, 4096)
     other = ProblemKey("fwd", "sm_90a", "bf16", 64, False, 512)
-    doc = yaml.safe_load(store.dump(_table(entries=[(key, _spec_for(key), 1.0), (other, _spec_for(other), 2.0)])))
-    doc["meta"]["format"] = 1
+    doc = _format2_doc(_table(entries=[(key, _spec_for(key), 1.0), (other, _spec_for(other), 2.0)]), fmt=1)
     for e in doc["entries"]:
         e["key"]["kind"] = "fwd_v2"
     # a format-1 user table could also hold a --kind fwd_sm90 entry of the same problem: the faster one stays
     sm90 = _sm90(key)
     first = next(e for e in doc["entries"] if e["key"]["head_dim"] == 128)
     doc["entries"].append({**first, "key": {**first["key"], "kind": "fwd_sm90"},
-                           "spec": sm90.to_dict(), "time_ms": 0.5, "runners_up": [], "baseline": None})
+                           "spec": _format2_record(sm90), "time_ms": 0.5, "runners_up": [], "baseline": None})
     path = _write(tmp_path, doc)
-    with pytest.warns(UserWarning, match="format 1 read as format 2"):
-        table = store.load(path, gpu="h200")
-    assert set(table.entries) == {key, other} and table.meta["format"] == store.FORMAT
+    assert "warpspec: true" in path.read_text() and "hint: 0" in path.read_text()
+    with pytest.warns(UserWarning, match=f"format 1 read as format {tables.FORMAT}"):
+        table = tables.load(path, gpu="h200")
+    assert set(table.entries) == {key, other} and table.meta["format"] == tables.FORMAT
     assert table.entries[key]["spec"] == sm90 and table.entries[other]["time_ms"] == 2.0
-    store.migrate(path)
+    tables.migrate(path)
     text = path.read_text()
-    assert "format: 2" in text and "kind: fwd_v2, arch" not in text.split("spec:")[0]
+    assert f"format: {tables.FORMAT}" in text and "kind: fwd_v2, arch" not in text.split("spec:")[0]
+    assert "warpspec" not in text and "hint" not in text and "warp_specialized: true" in text
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        again = store.load(path, gpu="h200")
+        again = tables.load(path, gpu="h200")
     assert again.entries.keys() == table.entries.keys()
     assert all(again.entries[k]["spec"] == table.entries[k]["spec"] for k in again.entries)
 
 
 def test_format2_table_with_a_family_key_is_refused(tmp_path):
+    """Since format 2 a forward key names the problem ("fwd"): a format-2 file keyed by a family is refused
+    saying so, the same file keyed "fwd" is migrated, and a current-format file with a family key is refused."""
+    key2 = ProblemKey("fwd", "sm_90a", "bf16", 64, False, 512)
+    sm90 = _sm90(KEY)
+    table = _table(entries=[(KEY, _spec_for(KEY), 1.0), (key2, _spec_for(key2), 2.0)])
+    table.entries[KEY] = {**table.entries[KEY], "spec": sm90}
+    doc = _format2_doc(table)
+    with pytest.warns(UserWarning, match=f"format 2 read as format {tables.FORMAT}"):
+        back = tables.load(_write(tmp_path, doc), gpu="h200")
+    assert back.entries[KEY]["spec"] == sm90 and back.entries[key2]["spec"] == _spec_for(key2)
+    doc["entries"][0]["key"]["kind"] = "fwd_v2"
+    with pytest.raises(ConfigError, match="is a kernel family; since table format 2"):
+        tables.load(_write(tmp_path, doc), gpu="h200")
     doc = _good_doc()
     doc["entries"][0]["key"]["kind"] = "fwd_v2"
-    path = _write(tmp_path, doc)
-    with pytest.raises(ConfigError, match="is a kernel family; since table format 2"):
-        store.load(path, gpu="h200")
+    with pytest.raises(ConfigError, match="unknown kind"):
+        tables.load(_write(tmp_path, doc), gpu="h200")
 
 
-def test_shipped_tables_are_format_2_with_fwd_keys():
+def test_shipped_tables_are_format_3_with_fwd_keys():
     for gpu in ("h200", "a100"):
-        table = store.load(store.shipped_path(gpu), gpu=gpu)
+        table = tables.load(tables.shipped_path(gpu), gpu=gpu)
         # forward keys, and the backward's tuned kernels (flashgen tune --kind bwd), each served by its own kind
-        assert table.meta["format"] == 2 and "fwd" in {k.kind for k in table.entries}
+        assert table.meta["format"] == tables.FORMAT == 3 and "fwd" in {k.kind for k in table.entries}
         assert {k.kind for k in table.entries} <= {"fwd", *space.BWD_KEY_MODES}
-        assert all(e["spec"].kind in dispatch.families_for(k.kind, k.arch) and e["spec"].kind.startswith("bwd_")
+        assert all(e["spec"].kind in families.serving(k.kind, k.arch) and e["spec"].kind.startswith("bwd_")
                    for k, e in table.entries.items() if k.kind != "fwd")
         kinds = {(k.dtype, e["spec"].kind) for k, e in table.entries.items() if k.kind == "fwd"}
-        # a100: cost model, fwd_v2 only; h200: bf16 and fp16 tuned over both families (sessions 3-4:
-        # fwd_sm90 won every key)
+        # a100: cost model, fwd_v2 only; h200: bf16 and fp16 tuned over both families (fwd_sm90 won
+        # every key)
         assert kinds == ({("fp16", "fwd_v2"), ("bf16", "fwd_v2")} if gpu == "a100"
                          else {("fp16", "fwd_sm90"), ("bf16", "fwd_sm90")})
 
@@ -674,7 +727,7 @@ def test_tune_kind_scope():
 
     prof, keys, only = parse_scope(args())
     assert only is None and {k.kind for k in keys} == {"fwd"}
-    assert space.families(keys[0], only) == ("fwd_v2", "fwd_sm90")
+    assert space.families(keys[0], only) == ("fwd_sm90", "fwd_v2")  # the problem's preference order
     prof, keys, only = parse_scope(args(kind="fwd_v2"))
     assert only == ("fwd_v2",) and {k.kind for k in keys} == {"fwd"}
     assert {s.kind for s in space.candidates(keys[0], prof, only)} == {"fwd_v2"}
@@ -735,11 +788,11 @@ def test_bwd_candidates_validate_and_fit(gpu, kind, d):
     cands = space.candidates(key, prof)
     assert len(cands) == len(set(cands)) >= (1 if (gpu, d) == ("l4", 256) else 2)
     try:
-        rule = dispatch.default_spec(key, prof.smem_per_block)
-    except dispatch.UnsupportedError:  # no default tile fits (bwd_dkdv d=128 on an L4): the first candidate stands in
+        rule = families.default_spec(key, prof.smem_per_block)
+    except UnsupportedError:  # no default tile fits (bwd_dkdv d=128 on an L4): the first candidate stands in
         rule = None
     assert space.baseline(key, prof) == rule and cands[0] == (rule or cands[0])
-    assert {s.kind for s in cands} <= set(dispatch.families_for(kind, prof.arch))
+    assert {s.kind for s in cands} <= set(families.serving(kind, prof.arch))
     for s in cands:
         assert s.validate() is s and s.check(prof) == []
         assert s.smem_bytes() <= prof.smem_per_block
@@ -758,7 +811,7 @@ def test_bwd_problem_keys_follow_the_dq_mode():
     (224 runs on 256); a key kind by name: that kind."""
     keys = space.problem_keys("bwd", "sm_90a", ["bf16"], [64, 96, 128, 224], [True], [2048])
     got = {(k.kind, k.head_dim) for k in keys}
-    assert dispatch.bwd_dq_mode(96) == "separate" and dispatch.bwd_dq_mode(128) == "atomic"
+    assert families.bwd.dq_mode(96) == "separate" and families.bwd.dq_mode(128) == "atomic"
     assert got == {("bwd_dkdv", 64), ("bwd_dkdv_nodq", 96), ("bwd_dkdv", 128), ("bwd_dkdv", 256)}
     keys = space.problem_keys("bwd_dq", "sm_80", ["fp16"], [56], [False, True], [512, 1024])
     assert {(k.kind, k.head_dim, k.dtype) for k in keys} == {("bwd_dq", 64, "fp16")} and len(keys) == 4
@@ -837,7 +890,7 @@ def test_exhaustive_bwd_study_picks_the_fastest():
     assert res.best.spec == best and (best.block_m, best.block_n, best.warps, best.stages) == (64, 128, 8, 2)
     assert all(t.info["model_ms"] > 0 for t in res.trials if t.status in ("ok", "wrong"))
     entry = store.entry_from_result(res, "measured")
-    assert entry["spec"] == best and entry["baseline"]["spec"] == dispatch.default_spec(BWD_KEY, H200.smem_per_block)
+    assert entry["spec"] == best and entry["baseline"]["spec"] == families.default_spec(BWD_KEY, H200.smem_per_block)
     assert entry["tflops"] == pytest.approx(2.5 * cost.flops(4, 16, 4096, 4096, 128, True) / (res.best.time_ms * 1e9))
 
 
@@ -857,20 +910,19 @@ def test_bwd_objective_times_the_whole_backward_with_the_spec_forced(monkeypatch
     the key kind's dQ mode, with the spec forced for that kind only (dispatch serves the rest)."""
     import torch
 
-    import flashgen
-    import flashgen.backward
+    import flashgen.api
     from flashgen.tuner import objective
 
     rec = _Recorder()
-    monkeypatch.setattr(flashgen.backward, "attention_backward", rec)
-    monkeypatch.setattr(flashgen, "attention", lambda q, k, v, causal, return_lse: (
+    monkeypatch.setattr(flashgen.api, "attention_backward", rec)
+    monkeypatch.setattr(flashgen.api, "attention", lambda q, k, v, causal, return_lse: (
         torch.empty_like(q), torch.empty(q.shape[:3], device=q.device)))
     monkeypatch.setattr(objective, "median_ms", lambda fn: (fn(), 3.5)[1])
     obj = MeasuredObjective(H200, build=FakeBuild())
     obj.device = "meta"  # no memory, no GPU: only the calls are looked at
     for kind, mode in (("bwd_dkdv", "atomic"), ("bwd_dkdv_nodq", "separate"), ("bwd_dq", "separate")):
         key = ProblemKey(kind, "sm_90a", "bf16", 128, True, 4096)
-        spec = dispatch.default_spec(key, H200.smem_per_block)
+        spec = families.default_spec(key, H200.smem_per_block)
         assert obj.timer(key, spec) == 3.5
         call = rec.calls[-1]
         assert call["shape"] == call["dout"] == (4, 16, 4096, 128) and call["causal"] is True
@@ -882,11 +934,11 @@ def test_bwd_objective_check_uses_the_gradient_rule(monkeypatch):
     error, and every call forces the spec (odd sizes, GQA, a masked head-dim tail)."""
     import torch
 
-    import flashgen
-    import flashgen.backward
+    import flashgen.api
     from flashgen.reference import reference
 
-    spec = dispatch.default_spec(ProblemKey("bwd_dkdv", "sm_80", "bf16", 64, True, 512), gpus.get("a100").smem_per_block)
+    spec = families.default_spec(ProblemKey("bwd_dkdv", "sm_80", "bf16", 64, True, 512),
+                                 gpus.get("a100").smem_per_block)
     seen = []
 
     def exact(dout, q, k, v, out, lse, causal, scale, dq_mode, specs, bad=None):
@@ -898,21 +950,21 @@ def test_bwd_objective_check_uses_the_gradient_rule(monkeypatch):
             grads[bad] = grads[bad] + 1.0
         return grads
 
-    monkeypatch.setattr(flashgen, "attention", lambda q, k, v, causal, return_lse: (None, None))
+    monkeypatch.setattr(flashgen.api, "attention", lambda q, k, v, causal, return_lse: (None, None))
     obj = MeasuredObjective(gpus.get("a100"), build=FakeBuild())
     obj.device = "cpu"
-    monkeypatch.setattr(flashgen.backward, "attention_backward", exact)
+    monkeypatch.setattr(flashgen.api, "attention_backward", exact)
     assert obj.check(spec) == ""
     assert {s[2] for s in seen} == {"atomic"} and all(s[3] == {"bwd_dkdv": spec} for s in seen)
     assert seen[0][0] == (2, 4, 203, 56) and seen[0][1] == (2, 2, 317, 56)
-    monkeypatch.setattr(flashgen.backward, "attention_backward", lambda *a, **kw: exact(*a, **kw, bad=1))
+    monkeypatch.setattr(flashgen.api, "attention_backward", lambda *a, **kw: exact(*a, **kw, bad=1))
     assert obj.check(spec).startswith("dk: max error")
 
 
 def test_bwd_cost_model():
     """Crude but sane: finite, under the datasheet rate, causal cheaper, dQ atomics cost, no-fit is inf."""
     shape = space.problem_shape(BWD_KEY)
-    spec = dispatch.default_spec(BWD_KEY, H200.smem_per_block, family="bwd_dkdv")  # the mma.sync kernel
+    spec = families.default_spec(BWD_KEY, H200.smem_per_block, family="bwd_dkdv")  # the mma.sync kernel
     t = cost.estimate(spec, shape, H200, registers=240)
     assert 0 < space.key_flops(BWD_KEY) / t < H200.peak_flops
     full = cost.estimate(spec.replace(causal=False), shape, H200, registers=240)
@@ -927,7 +979,7 @@ def test_bwd_cost_model():
 
 
 def _bwd_table(entries):
-    t = store.Table(meta=store.make_meta(H200, "measured"))
+    t = tables.Table(meta=tables.make_meta(H200, "measured"))
     for key, spec, ms in entries:
         t.entries[key] = {"spec": spec, "time_ms": ms, "tflops": 150.0, "source": "measured",
                           "baseline": {"spec": space.baseline(key, H200), "time_ms": ms * 1.1}, "speedup": 1.1,
@@ -940,8 +992,8 @@ def _bwd_spec(key, bm, bn, w=8, st=2):
     return space.make_spec(key, key.kind, block_m=bm, block_n=bn, warps=w, stages=st).validate()
 
 
-def test_bwd_entries_round_trip_and_dispatch_reads_them(shipped_dir, capsys):
-    """bwd keys in a format-2 table: written, read back equal, listed by `flashgen show`, picked by
+def test_bwd_entries_round_trip_and_dispatch_reads_them(shipped_dir, capsys, monkeypatch):
+    """bwd keys in a table of the current format: written, read back equal, listed by `flashgen show`, picked by
     dispatch (the launch path's select too), beside a forward entry; other keys keep the default rule."""
     from flashgen.cli import main
 
@@ -949,35 +1001,35 @@ def test_bwd_entries_round_trip_and_dispatch_reads_them(shipped_dir, capsys):
     dq = ProblemKey("bwd_dq", "sm_90a", "bf16", 64, False, 16384)
     fwd_key = ProblemKey("fwd", "sm_90a", "bf16", 64, False, 1024)
     s_dkdv, s_dq = _bwd_spec(dkdv, 64, 128), _bwd_spec(dq, 128, 32, w=4, st=3)
-    assert s_dkdv != dispatch.default_spec(dkdv, H200.smem_per_block)
+    assert s_dkdv != families.default_spec(dkdv, H200.smem_per_block)
     table = _bwd_table([(dkdv, s_dkdv, 6.0), (dq, s_dq, 20.0)])
     table.entries[fwd_key] = _table(entries=[(fwd_key, _spec_for(fwd_key, block_n=64, stages=2), 1.0)]).entries[fwd_key]
-    path = store.save(table, shipped_dir / "h200.yaml")
-    back = store.load(path, gpu="h200")
-    assert back.meta["format"] == 2 and set(back.entries) == {dkdv, dq, fwd_key}
+    path = tables.save(table, shipped_dir / "h200.yaml")
+    back = tables.load(path, gpu="h200")
+    assert back.meta["format"] == tables.FORMAT and set(back.entries) == {dkdv, dq, fwd_key}
     for key in (dkdv, dq):
         assert back.entries[key]["spec"] == table.entries[key]["spec"]
         assert back.entries[key]["baseline"]["spec"] == space.baseline(key, H200)
         assert back.entries[key]["runners_up"][0]["spec"] == space.baseline(key, H200)
-    assert store.dump(back) == store.dump(table)
+    assert tables.dump(back) == tables.dump(table)
     assert "kind: bwd_dkdv, arch" in path.read_text()
-    tables.clear()
+    dispatch.clear()
     assert dispatch.select(dkdv, "h200", H200.smem_per_block) == s_dkdv
     assert dispatch.select(dq, "h200", H200.smem_per_block) == s_dq
     other = ProblemKey("bwd_dkdv", "sm_90a", "bf16", 128, True, 2048)  # another bucket: the default rule
-    assert dispatch.select(other, "h200", H200.smem_per_block) == dispatch.default_spec(other, H200.smem_per_block)
-    # the launch path's lookup (flashgen.backward._spec: bwd_head_dim_tile and bucket_of the query length)
-    from flashgen.backward import _spec as launch_spec
+    assert dispatch.select(other, "h200", H200.smem_per_block) == families.default_spec(other, H200.smem_per_block)
+    # the launch path's lookup (flashgen.api.backward: the key of the input head dim and query length,
+    # bwd_head_dim_tile and bucket_of; the dK/dV family the call needs; a verified select)
+    pytest.importorskip("torch")
+    from flashgen.api.backward import dkdv_family
 
-    dev = type("Dev", (), {"arch": "sm_90a", "gpu": "h200", "smem_budget": H200.smem_per_block})()
-    monkey = dispatch.resource_problems
-    try:
-        dispatch.resource_problems = lambda s: []
-        dispatch.select.cache_clear()
-        assert launch_spec("bwd_dkdv", dev, "bf16", dispatch.bwd_head_dim_tile(120), True, 4000) == s_dkdv
-    finally:
-        dispatch.resource_problems = monkey
-        dispatch.select.cache_clear()
+    launch_key = families.problem_key("bwd_dkdv", "sm_90a", "bf16", 120, True, 4000)
+    assert launch_key == ProblemKey("bwd_dkdv", "sm_90a", "bf16", bwd_head_dim_tile(120), True, bucket_of(4000))
+    monkeypatch.setattr(dispatch, "resource_problems", lambda s: [])
+    dispatch.clear()
+    assert dispatch.select(launch_key, "h200", H200.smem_per_block, verify=True,
+                           family=dkdv_family(launch_key)) == s_dkdv
+    dispatch.clear()
     assert main(["show", "--config", str(path)]) == 0
     out = capsys.readouterr().out
     assert "bwd_dkdv-sm_90a-bf16-d128-causal-n4096" in out and s_dkdv.name in out
@@ -986,35 +1038,30 @@ def test_bwd_entries_round_trip_and_dispatch_reads_them(shipped_dir, capsys):
 
 def test_bwd_entry_of_another_kernel_is_refused(tmp_path):
     """A bwd_dkdv key holding a bwd_dq spec (or one for another head-dim tile) is a ConfigError."""
-    doc = yaml.safe_load(store.dump(_bwd_table([(BWD_KEY, _bwd_spec(BWD_KEY, 64, 64), 6.0)])))
+    doc = yaml.safe_load(tables.dump(_bwd_table([(BWD_KEY, _bwd_spec(BWD_KEY, 64, 64), 6.0)])))
     wrong = _bwd_spec(ProblemKey("bwd_dq", *list(vars(BWD_KEY).values())[1:]), 64, 64)
     for record, message in ((wrong.to_dict(), "bwd_dq kernel, which does not serve bwd_dkdv"),
                             ({**doc["entries"][0]["spec"], "head_dim": 64}, "does not match its key")):
         bad = yaml.safe_load(yaml.safe_dump(doc))
         bad["entries"][0]["spec"] = record
         with pytest.raises(ConfigError, match=message):
-            store.load(_write(tmp_path, bad), gpu="h200")
+            tables.load(_write(tmp_path, bad), gpu="h200")
 
 
-def test_a_tuned_bwd_entry_that_spills_here_falls_back_to_the_rule(shipped_dir):
+def test_a_tuned_bwd_entry_that_spills_here_falls_back_to_the_rule(shipped_dir, monkeypatch):
     """verify=True (the launch path): a tuned bwd entry this NVRTC refuses gives way to the default
     rule, checked the same way; a clean one is used as tuned."""
     tuned = _bwd_spec(BWD_KEY, 64, 128)
-    store.save(_bwd_table([(BWD_KEY, tuned, 6.0)]), shipped_dir / "h200.yaml")
-    tables.clear()
-    rule = dispatch.default_spec(BWD_KEY, H200.smem_per_block)
-    original = dispatch.resource_problems
-    try:
-        dispatch.resource_problems = lambda s: ["spills: 16 B stored"] if s == tuned else []
-        dispatch.select.cache_clear()
-        assert dispatch.select(BWD_KEY, "h200", H200.smem_per_block, verify=True) == rule
-        assert dispatch.select(BWD_KEY, "h200", H200.smem_per_block) == tuned
-        dispatch.resource_problems = lambda s: []
-        dispatch.select.cache_clear()
-        assert dispatch.select(BWD_KEY, "h200", H200.smem_per_block, verify=True) == tuned
-    finally:
-        dispatch.resource_problems = original
-        dispatch.select.cache_clear()
+    tables.save(_bwd_table([(BWD_KEY, tuned, 6.0)]), shipped_dir / "h200.yaml")
+    dispatch.clear()
+    rule = families.default_spec(BWD_KEY, H200.smem_per_block)
+    monkeypatch.setattr(dispatch, "resource_problems", lambda s: ["spills: 16 B stored"] if s == tuned else [])
+    dispatch.clear()
+    assert dispatch.select(BWD_KEY, "h200", H200.smem_per_block, verify=True) == rule
+    assert dispatch.select(BWD_KEY, "h200", H200.smem_per_block) == tuned
+    monkeypatch.setattr(dispatch, "resource_problems", lambda s: [])
+    dispatch.clear()
+    assert dispatch.select(BWD_KEY, "h200", H200.smem_per_block, verify=True) == tuned
 
 
 def test_tune_bwd_model_mode_writes_bwd_entries(tmp_path, capsys):
@@ -1024,17 +1071,17 @@ def test_tune_bwd_model_mode_writes_bwd_entries(tmp_path, capsys):
 
     out = tmp_path / "a100.yaml"
     fwd_key = ProblemKey("fwd", "sm_80", "bf16", 64, False, 1024)
-    store.save(_table(gpu="a100", source="model", entries=[(fwd_key, _spec_for(fwd_key, block_n=64, stages=2), 1.0)]),
+    tables.save(_table(gpu="a100", source="model", entries=[(fwd_key, _spec_for(fwd_key, block_n=64, stages=2), 1.0)]),
                out)
     code = main(["tune", "--gpu", "a100", "--kind", "bwd", "--d", "64", "--seqlens", "2048", "--causal", "true",
                  "--trials", "3", "--model", "--out", str(out), "--quiet", "--jobs", "1"])
     assert code == 0
-    table = store.load(out, gpu="a100")
+    table = tables.load(out, gpu="a100")
     key = ProblemKey("bwd_dkdv", "sm_80", "bf16", 64, True, 2048)
     assert set(table.entries) == {fwd_key, key}
     entry = table.entries[key]
     assert entry["source"] == "model" and entry["spec"].kind == "bwd_dkdv"
-    assert entry["baseline"]["spec"] == dispatch.default_spec(key, gpus.get("a100").smem_per_block)
+    assert entry["baseline"]["spec"] == families.default_spec(key, gpus.get("a100").smem_per_block)
     assert entry["time_ms"] <= entry["baseline"]["time_ms"] and entry["trials"] >= 3  # (+ refusals)
     assert "median gain over the default-rule baseline" in capsys.readouterr().out
     assert main(["show", "--config", str(out)]) == 0
@@ -1047,7 +1094,7 @@ def test_tune_bwd_measured_flow_with_fakes(tmp_path, monkeypatch, capsys):
     finalists, and the fastest passing spec of each key is written, the forward entries kept."""
     from flashgen.cli import main
     from flashgen.codegen import Report
-    from flashgen.tuner import objective, run
+    from flashgen.tuner import run
 
     clean = type("B", (), {"report": Report(registers=200, spill_stores=0, spill_loads=0, stack_frame=0,
                                             static_smem=0)})()
@@ -1059,18 +1106,18 @@ def test_tune_bwd_measured_flow_with_fakes(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(run, "gpu_mode", lambda profile, want_model: ("measured", "NVIDIA H200 (fake)"))
     monkeypatch.setattr(run, "precompile", lambda specs, jobs, log=None: {})
-    monkeypatch.setattr(objective, "MeasuredObjective", lambda profile: MeasuredObjective(
+    monkeypatch.setattr(run, "MeasuredObjective", lambda profile: MeasuredObjective(
         profile, build=lambda spec: clean, check=lambda spec: "", timer=timer))
     out = tmp_path / "h200.yaml"
     fwd_key = ProblemKey("fwd", "sm_90a", "bf16", 64, False, 1024)
-    store.save(_table(entries=[(fwd_key, _spec_for(fwd_key, block_n=64, stages=2), 1.0)]), out)
+    tables.save(_table(entries=[(fwd_key, _spec_for(fwd_key, block_n=64, stages=2), 1.0)]), out)
     code = main(["tune", "--gpu", "h200", "--kind", "bwd", "--d", "64,128", "--seqlens", "2048,16384",
                  "--causal", "true", "--out", str(out), "--report", str(tmp_path / "r.json")])
     assert code == 0
     err = capsys.readouterr().err
     assert "tuning 4 keys (bwd_dkdv)" in err and "estimate: ~" in err
     assert err.index("estimate: ~") < err.index("[1/4]")
-    table = store.load(out, gpu="h200")
+    table = tables.load(out, gpu="h200")
     keys = [ProblemKey("bwd_dkdv", "sm_90a", "bf16", d, True, n) for d in (64, 128) for n in (2048, 16384)]
     assert set(table.entries) == {fwd_key, *keys}
     for key in keys:
@@ -1125,22 +1172,18 @@ def test_with_preferred_promotes_the_best_ranked_recorded_runner_up():
 def test_space_restrict_narrows_candidates_and_rejects_bad_values():
     """--space KNOB=V1,V2 keeps only the candidates whose knob takes one of the values (the baseline stays
     first); an unknown knob or a value outside the family's tune space is a clear error."""
-    from flashgen import gpus
-    from flashgen.dispatch import ProblemKey
-    from flashgen.tuner import space
-
     prof = gpus.get("h200")
     key = ProblemKey("fwd", "sm_90a", "bf16", 128, True, 8192)
     kinds = space.families(key, None)
     full = space.candidates(key, prof)
-    r = space.parse_restrict(["sepkv=false", "block_n=64,128", "persist=true"], kinds)
-    assert r == {"sepkv": {False}, "block_n": {64, 128}, "persist": {True}}
+    r = space.parse_restrict(["early_k_release=false", "block_n=64,128", "persistent=true"], kinds)
+    assert r == {"early_k_release": {False}, "block_n": {64, 128}, "persistent": {True}}
     narrow = space.candidates(key, prof, None, r)
     assert narrow[0] == full[0] and 1 < len(narrow) < len(full)
     sm90 = [s for s in narrow[1:] if s.kind == "fwd_sm90"]
-    assert sm90 and all(s.block_n in (64, 128) and not s.sepkv and s.persist for s in sm90)
+    assert sm90 and all(s.block_n in (64, 128) and not s.early_k_release and s.persistent for s in sm90)
     assert set(narrow) <= set(full)
-    for bad in (["nosuch=1"], ["block_n=72"], ["sepkv"], ["persist=maybe"]):
+    for bad in (["nosuch=1"], ["block_n=72"], ["early_k_release"], ["persistent=maybe"], ["sepkv=false"]):
         with pytest.raises(ValueError, match="--space"):
             space.parse_restrict(bad, kinds)
 
@@ -1164,7 +1207,7 @@ def test_tune_two_workers_model_mode_one_study(tmp_path):
     for k in keys:
         names = [t["spec"] for t in k["trial_log"]]
         assert len(names) == len(set(names)) == k["candidates"]
-    assert len(store.load(out, gpu="a100").entries) == 2
+    assert len(tables.load(out, gpu="a100").entries) == 2
 
 
 def test_run_workers_spawns_the_others_and_runs_worker_0_here(monkeypatch):

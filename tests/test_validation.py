@@ -28,9 +28,11 @@ import pytest
 import torch
 
 import flashgen
+import flashgen.api.forward
 import flashgen.codegen
 import flashgen.dispatch
-from flashgen import UnsupportedError, api
+from flashgen import UnsupportedError, testing
+from flashgen.api.checks import check_attention_inputs
 
 F16, BF16 = torch.float16, torch.bfloat16
 
@@ -43,6 +45,7 @@ def no_launch(monkeypatch):
 
     monkeypatch.setattr(flashgen.dispatch, "select", reached)
     monkeypatch.setattr(flashgen.codegen, "load", reached)
+    monkeypatch.setattr(flashgen.api.forward, "load", reached)
 
 
 def cpu(*shape, dtype=F16):
@@ -242,13 +245,13 @@ def test_bad_softmax_scale(scale, exc):
 
 def test_check_inputs_accepts_valid_fake_inputs_and_computes_the_scale():
     """Valid odd-sized GQA inputs pass validation with the default scale 1/sqrt(d) and the strides of
-    the chosen layout (no launch happens: _check_inputs only checks)."""
+    the chosen layout (no launch happens: check_attention_inputs only checks)."""
     if not _fake_data_ptr_works():
         pytest.skip("fake tensors have no data_ptr in this torch")
     q, k = fake(3, 6, 37, 72), fake(3, 2, 129, 72)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dims, sq, (hk, nk), sk, sv, scale = api._check_inputs(q, k, k, True, None, "bhsd")
+        dims, sq, (hk, nk), sk, sv, scale = check_attention_inputs(q, k, k, True, None, "bhsd")
     assert dims == (3, 6, 37, 72) and (hk, nk) == (2, 129)
     assert sq == (6 * 37 * 72, 37 * 72, 72) and sk == sv == (2 * 129 * 72, 129 * 72, 72)
     assert scale == pytest.approx(1 / math.sqrt(72))
@@ -277,7 +280,7 @@ def test_cached_plan_does_not_skip_type_checks(monkeypatch, first, second, messa
     """
     if not _fake_data_ptr_works():
         pytest.skip("fake tensors have no data_ptr in this torch")
-    monkeypatch.setattr(api, "_plans", {})  # a private cache for this test
+    testing.plans("attention").clear()  # no plan of an earlier test answers for this one
     q, k = fake(3, 5, 0, 72), fake(3, 5, 37, 72)
     try:
         attention(q, k, k, **first)

@@ -11,8 +11,8 @@ from . import report, suites
 
 def _common(p, suppress: bool) -> None:
     default = (lambda v: argparse.SUPPRESS) if suppress else (lambda v: v)
-    p.add_argument("--out", default=default("bench/results"),
-                   help="folder for the JSON and the plot (default bench/results)")
+    p.add_argument("--out", default=default("bench-results"),
+                   help="folder for the JSON and the plot (default ./bench-results)")
     p.add_argument("--name", default=default(None), help="file name stem (default: the suite's name)")
 
 
@@ -58,10 +58,17 @@ def cmd_bench(args) -> int:
     partial.unlink(missing_ok=True)
     print(report.table(result))
     print(f"wrote {path}")
-    return 0 if args.no_plot else _plot(result, args, required=False)
+    code = 0 if args.no_plot else _plot(result, args, required=False)
+    # A suite may ask for a non-zero exit after writing everything (sass --compare --strict: a kernel
+    # changed), so that a script can stop on it.
+    return int(result.get("exit_status", 0)) or code
 
 
 def _plot(result, args, required: bool) -> int:
+    why = report.plottable(result)
+    if why and not required:  # a suite without numeric rows (sass): the table and JSON are the result
+        print(f"no plot: {why}", file=sys.stderr)
+        return 0
     try:
         info = report.plot(result, args.out, args.name)
     except ImportError as exc:

@@ -1,141 +1,204 @@
-"""The ``fwd`` suite: forward attention, flashgen's families next to torch's, in one run.
+"""The ``fwd`` suite: forward attention, flashgen next to torch's implementations, in interleaved rounds.
 
 Convention of the FlashAttention papers: hidden size 2048 (heads = 2048 / d),
 16k tokens per batch (batch = 16384 / N), FLOPs 4·B·H·N²·d, halved for causal;
-bf16 by default. Implementations:
+bf16 by default; inputs fresh ``torch.randn`` per cell (never zeros: the tensor
+cores draw less power on zeros and run faster, 894 against 788 TFLOP/s for a
+bf16 8k matmul on the H200). Implementations:
 
-- ``flashgen_v2``, ``flashgen_v1``, ``flashgen_standard``: ``flashgen.attention(algorithm=...)``;
+- ``flashgen``: ``flashgen.attention`` on its default path (dispatch's pick: the tuned table, else
+  the default rule; on sm_90a usually ``fwd_sm90``);
+- ``flashgen_fwd_sm90``, ``flashgen_fwd_v2``: the pick restricted to that family (``spec=``), skipped
+  where the family does not run;
+- ``flashgen_v1``, ``flashgen_standard``: ``algorithm="v1"`` / ``"standard"`` (the study algorithms);
 - ``sdpa_flash``, ``sdpa_cudnn``, ``sdpa_efficient``, ``sdpa_math``: torch SDPA with one backend forced;
-- ``flex``: ``torch.nn.attention.flex_attention`` under ``torch.compile`` (one compile per shape,
-  with dynamo's recompile limit raised so every shape runs compiled; a block mask when causal).
+- ``flex``: ``torch.nn.attention.flex_attention`` under ``torch.compile`` (a block mask when causal).
 
+Every implementation of a cell is timed once per round (``--rounds``), the
+order reversed every other round; a cell's value is the median over the
+rounds, its rounds and their spread are kept. Each row carries ``x_flash`` and
+``x_cudnn``: the first flashgen implementation's TFLOP/s over SDPA flash's and
+cuDNN's (above 1: flashgen faster); every flashgen cell carries its own.
 ``sdpa_math`` is skipped above ``--math-max-seqlen`` (it materialises N x N in
-fp32 and takes seconds); anything that raises is recorded with its error.
+fp32 and takes seconds). A ``memory`` section records what ``flashgen.attention``
+allocates beyond its inputs, output and LSE at long sequences (batch 1).
 """
 from __future__ import annotations
 
-import time
+from .. import dispatch, families
+from ..iomodel import flops, hidden2048
+from . import baselines, options
+from .registry import Suite, register
+from .timing import Skipped, add_ratios, error_text, free, meta, prebuild, require_cuda, time_cell, time_ms
 
-from . import Suite, register
-
-IMPLS = ("flashgen_v2", "flashgen_v1", "flashgen_standard", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient",
-         "sdpa_math", "flex")
-_SDPA = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_efficient": "EFFICIENT_ATTENTION",
-         "sdpa_math": "MATH"}
-
-
-def _ints(text: str, what: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--{what} takes comma-separated integers, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise ValueError(f"--{what} takes positive integers, got {text!r}")
-    return values
+FAMILY_IMPLS = ("flashgen_fwd_sm90", "flashgen_fwd_v2")  # "flashgen_" + a family serving the "fwd" problem
+IMPLS = ("flashgen", *FAMILY_IMPLS, "flashgen_v1", "flashgen_standard", "sdpa_flash", "sdpa_cudnn",
+         "sdpa_efficient", "sdpa_math", "flex")
+DEFAULT_IMPLS = ("flashgen", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient")
+RATIOS = (("x_flash", "sdpa_flash"), ("x_cudnn", "sdpa_cudnn"))
 
 
 def add_args(p) -> None:
     p.add_argument("--d", default="64,128", help="head dims, comma-separated (default 64,128)")
     p.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384", help="sequence lengths, comma-separated")
-    p.add_argument("--causal", choices=("both", "yes", "no"), default="both", help="causal, non-causal or both")
+    p.add_argument("--causal", choices=tuple(options.CAUSAL), default="both", help="causal, non-causal or both")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
-    p.add_argument("--impls", default=",".join(IMPLS), help=f"implementations to time (default all: {','.join(IMPLS)})")
+    p.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
+                   help=f"implementations to time (default {','.join(DEFAULT_IMPLS)}; known: {','.join(IMPLS)})")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per cell (default 5; the median counts)")
+    p.add_argument("--budget", type=float, default=0.25,
+                   help="seconds of timed calls per implementation per round (5..30 calls; default 0.25)")
     p.add_argument("--math-max-seqlen", type=int, default=4096, help="skip sdpa_math above this seqlen")
-    p.add_argument("--budget", type=float, default=0.25, help="seconds of timed repeats per cell (3..30 repeats)")
+    p.add_argument("--memory-seqlens", default="16384,65536",
+                   help="seqlens of the memory section (batch 1, 16 heads, d 128, causal); 'none' to skip")
 
 
 def parse(args) -> dict:
     """The suite's settings from parsed arguments; ValueError on a bad value (before touching a GPU)."""
-    impls = [x.strip() for x in args.impls.split(",") if x.strip()]
-    unknown = [x for x in impls if x not in IMPLS]
-    if unknown or not impls:
-        raise ValueError(f"--impls: unknown {unknown or 'empty list'}; known: {', '.join(IMPLS)}")
-    heads = _ints(args.d, "d")
-    for d in heads:
-        if d % 8 or d > 256:
-            raise ValueError(f"--d {d}: head dims are multiples of 8 up to 256")
-    causal = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
-    if args.budget <= 0:
-        raise ValueError(f"--budget must be positive, got {args.budget}")
-    return {"d": heads, "seqlens": _ints(args.seqlens, "seqlens"), "causal": causal, "dtype": args.dtype,
-            "impls": impls, "math_max_seqlen": args.math_max_seqlen, "budget": args.budget}
+    impls = options.names(args.impls, IMPLS, "impls")
+    options.positive(args.rounds, "rounds", integer=True)
+    options.positive(args.budget, "budget")
+    memory = [] if str(args.memory_seqlens).strip().lower() in ("none", "") else \
+        options.ints(args.memory_seqlens, "memory-seqlens")
+    return {"d": options.head_dims(args.d), "seqlens": options.ints(args.seqlens, "seqlens"),
+            "causal": list(options.CAUSAL[args.causal]), "dtype": args.dtype, "impls": impls,
+            "rounds": int(args.rounds), "budget": float(args.budget), "math_max_seqlen": args.math_max_seqlen,
+            "memory": memory if any(i.startswith("flashgen") for i in impls) else []}
 
 
-def _flex():
-    """torch.compile'd flex_attention (one object per process; dynamo recompiles it per shape)."""
+# ------------------------------------------------------------------ shared with ablation and ab
+
+
+def inputs(n: int, d: int, dtype, seed: int):
+    """(batch, heads, q, k, v) of one cell of the hidden-2048 convention, fresh random."""
     import torch
-    import torch._dynamo
 
-    cfg = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
-                 "accumulated_cache_size_limit"):
-        if hasattr(cfg, name):
-            setattr(cfg, name, max(getattr(cfg, name), 4096))
-    from torch.nn.attention.flex_attention import flex_attention
-
-    if not hasattr(_flex, "fn"):
-        _flex.fn = torch.compile(flex_attention, dynamic=False)
-    return _flex.fn
+    b, h = hidden2048(n, d)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
+    return b, h, q, k, v
 
 
-def _make(impl, q, k, v, causal):
-    """A no-argument callable running ``impl`` once on q, k, v."""
-    import torch.nn.functional as F
+def fwd_key(dev, dtype: str, d: int, causal: bool, n: int, problem: str = "fwd"):
+    return families.problem_key(problem, dev.arch, dtype, d, causal, n)
+
+
+def pick(dev, dtype: str, d: int, causal: bool, n: int, family: str | None = None, verify: bool = True):
+    """The spec ``flashgen.attention`` runs for this cell (``family``: restricted to that family)."""
+    return dispatch.select(fwd_key(dev, dtype, d, causal, n), dev.gpu, dev.smem_budget, verify=verify, family=family)
+
+
+def measure_ms(budget: float):
+    """A measure for ``timing.interleaved``: the median ms of as many calls as fit in ``budget`` s (5-30)."""
+    return lambda fn: time_ms(fn, budget_s=budget, min_reps=5, max_reps=30, warmup=2)["ms"]
+
+
+def with_tflops(cells: dict, flops: float) -> dict:
+    for cell in cells.values():
+        if "ms" in cell:
+            cell["tflops"] = flops / cell["ms"] / 1e9
+    return cells
+
+
+# ------------------------------------------------------------------ the suite
+
+
+def _makers(settings, dev, q, k, v, d, causal, n):
+    import flashgen
+
+    dtype = settings["dtype"]
+
+    def flashgen_family(fam):
+        def make():
+            if fam not in families.serving("fwd", dev.arch):
+                raise Skipped(f"{fam} does not run on {dev.arch}")
+            spec = pick(dev, dtype, d, causal, n, family=fam)
+            return lambda: flashgen.attention(q, k, v, causal=causal, spec=spec)
+        return make
+
+    def math_make():
+        if n > settings["math_max_seqlen"]:
+            raise Skipped(f"seqlen {n} > --math-max-seqlen {settings['math_max_seqlen']} (N x N fp32, slow)")
+        return baselines.sdpa("sdpa_math", q, k, v, causal)
+
+    makers = {}
+    for impl in settings["impls"]:
+        if impl == "flashgen":
+            makers[impl] = lambda: (lambda: flashgen.attention(q, k, v, causal=causal))
+        elif impl in FAMILY_IMPLS:
+            makers[impl] = flashgen_family(impl[len("flashgen_"):])
+        elif impl in ("flashgen_v1", "flashgen_standard"):
+            algorithm = impl.split("_", 1)[1]
+            makers[impl] = (lambda a: lambda: (lambda: flashgen.attention(q, k, v, causal=causal, algorithm=a)))(
+                algorithm)
+        elif impl == "sdpa_math":
+            makers[impl] = math_make
+        elif impl in baselines.SDPA:
+            makers[impl] = (lambda name: lambda: baselines.sdpa(name, q, k, v, causal))(impl)
+        else:
+            makers[impl] = lambda: baselines.flex(q, k, v, causal)
+    return makers
+
+
+def prebuild_specs(settings, dev) -> set:
+    """Every flashgen kernel the run's cells use (dispatch's picks without compiling: verify=False)."""
+    problems = {"flashgen_v1": (families.fwd_v1.KIND,), "flashgen_standard": families.standard.KINDS}
+    specs = set()
+    for impl in settings["impls"]:
+        if not impl.startswith("flashgen"):
+            continue
+        for d in settings["d"]:
+            for causal in settings["causal"]:
+                for n in settings["seqlens"]:
+                    try:
+                        if impl == "flashgen":
+                            specs.add(pick(dev, settings["dtype"], d, causal, n, verify=False))
+                        elif impl in FAMILY_IMPLS:
+                            fam = impl[len("flashgen_"):]
+                            if fam in families.serving("fwd", dev.arch):
+                                specs.add(pick(dev, settings["dtype"], d, causal, n, family=fam, verify=False))
+                        else:
+                            for problem in problems[impl]:
+                                key = fwd_key(dev, settings["dtype"], d, causal, n, problem)
+                                specs.add(dispatch.select(key, dev.gpu, dev.smem_budget))
+                    except Exception:  # noqa: BLE001 -- the cell records the same refusal
+                        pass
+    return specs
+
+
+def memory_rows(settings, progress) -> list:
+    """Bytes ``flashgen.attention`` allocates beyond its inputs, output and LSE (batch 1, 16 heads, d 128,
+    causal): the forward keeps no N x N buffer, so this stays at the allocator's rounding."""
+    import torch
 
     import flashgen
 
-    if impl.startswith("flashgen_"):
-        algorithm = impl.split("_", 1)[1]
-        return lambda: flashgen.attention(q, k, v, causal=causal, algorithm=algorithm)
-    if impl in _SDPA:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        backend = getattr(SDPBackend, _SDPA[impl])
-
-        def run():
-            with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        return run
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    fn = _flex()
-    n = q.shape[2]
-    mask = create_block_mask(lambda b, h, i, j: i >= j, None, None, n, n, device=q.device) if causal else None
-    return lambda: fn(q, k, v, block_mask=mask)
-
-
-def prebuild(settings, progress) -> None:
-    """Compile every flashgen kernel the run needs, in parallel, before any timing."""
-    from multiprocessing.pool import ThreadPool
-
-    from .. import dispatch
-    from ..api import _Device
-    from ..baseline_specs import STANDARD_KINDS, V1_KIND
-    from ..codegen import build
-
-    dev = _Device.of(0)
-    # flashgen_v2 is what flashgen.attention runs: the "fwd" key's pick, of any forward family.
-    kinds = {"flashgen_v2": ("fwd",), "flashgen_v1": (V1_KIND,), "flashgen_standard": STANDARD_KINDS}
-    specs = set()
-    for impl in settings["impls"]:
-        for kind in kinds.get(impl, ()):
-            for d in settings["d"]:
-                for causal in settings["causal"]:
-                    for n in settings["seqlens"]:
-                        key = dispatch.ProblemKey(kind, dev.arch, settings["dtype"], dispatch.head_dim_tile(d),
-                                                  causal, dispatch.bucket_of(n))
-                        specs.add(dispatch.select(key, dev.gpu, dev.smem_budget, verify=True))
-    t0 = time.time()
-    with ThreadPool(8) as pool:
-        pool.map(lambda s: _quiet(build, s), sorted(specs, key=lambda s: s.name))
-    progress(f"compiled {len(specs)} flashgen kernels in {time.time() - t0:.1f} s")
-
-
-def _quiet(fn, *args):
-    try:
-        return fn(*args)
-    except Exception:  # noqa: BLE001 -- the timed call reports the same error in its cell
-        return None
+    rows = []
+    for n in settings["memory"]:
+        row = {"head_dim": 128, "heads": 16, "seqlen": n, "results": {}}
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            q, k, v = (torch.randn(1, 16, n, 128, device="cuda", dtype=options.dtype_of(settings["dtype"]))
+                       for _ in range(3))
+            flashgen.attention(q, k, v, causal=True, return_lse=True)  # plan and load outside the count
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            out, lse = flashgen.attention(q, k, v, causal=True, return_lse=True)
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - base
+            kept = out.numel() * out.element_size() + lse.numel() * lse.element_size()
+            row["results"]["flashgen"] = {"peak_extra_bytes": peak, "output_and_lse_bytes": kept,
+                                          "beyond_output_bytes": peak - kept,
+                                          "beyond_output_mib": (peak - kept) / 2**20}
+            row["standard_attention_S_gib"] = 16 * n * n * 2 / 2**30
+            del q, k, v, out, lse
+        except Exception as exc:  # noqa: BLE001
+            row["results"]["flashgen"] = {"error": error_text(exc)}
+        rows.append(row)
+        progress(f"memory N={n}: {row['results']['flashgen']}")
+    return rows
 
 
 def run(args, progress) -> dict:
@@ -143,61 +206,59 @@ def run(args, progress) -> dict:
     result so far after each row."""
     import torch
 
-    from ..iomodel import flops, hidden2048
-    from .timing import meta, time_ms
+    from ..api.device import Device
 
     settings = parse(args)
-    if not torch.cuda.is_available():
-        from ..errors import FlashgenError
-
-        raise FlashgenError("flashgen bench fwd needs a CUDA device (plots of a stored result do not: "
-                            "--plot-from FILE)")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[settings["dtype"]]
+    require_cuda("fwd")
+    dtype = options.dtype_of(settings["dtype"])
+    dev = Device.of(torch.cuda.current_device())
     meta_info = meta()
     checkpoint = getattr(args, "checkpoint", None)
-    if any(i.startswith("flashgen_") for i in settings["impls"]):
-        prebuild(settings, progress)
+    prebuild(prebuild_specs(settings, dev), progress)
+    anchor = next((i for i in settings["impls"] if i.startswith("flashgen")), None)
     rows = []
     for d in settings["d"]:
         for causal in settings["causal"]:
             for n in settings["seqlens"]:
-                b, h = hidden2048(n, d)
+                b, h, q, k, v = inputs(n, d, dtype, seed=n * 1000 + d * 2 + causal)
                 f = flops(b, h, n, n, d, causal)
-                torch.manual_seed(n * 1000 + d)
-                q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(3))
                 row = {"head_dim": d, "causal": causal, "seqlen": n, "batch": b, "heads": h, "flops": f,
-                       "results": {}}
-                for impl in settings["impls"]:
-                    if impl == "sdpa_math" and n > settings["math_max_seqlen"]:
-                        row["results"][impl] = {"skipped": f"seqlen {n} > --math-max-seqlen "
-                                                           f"{settings['math_max_seqlen']} (N x N fp32, slow)"}
-                        continue
-                    t0 = time.time()
-                    try:
-                        timed = time_ms(_make(impl, q, k, v, causal), budget_s=settings["budget"])
-                        cell = {**timed, "tflops": f / timed["ms"] / 1e9}
-                    except Exception as exc:  # noqa: BLE001 -- a refusal or OOM is data, not a crash
-                        cell = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:240] if str(exc) else ''}"}
-                        torch.cuda.synchronize()
-                        torch.cuda.empty_cache()
-                    cell["wall_s"] = round(time.time() - t0, 2)
-                    row["results"][impl] = cell
+                       "rounds": settings["rounds"]}
+                cells = time_cell(_makers(settings, dev, q, k, v, d, causal, n), settings["rounds"],
+                                  measure_ms(settings["budget"]))
+                row["results"] = with_tflops(cells, f)
+                for impl in settings["impls"]:  # every flashgen cell: its own ratios to the SDPA backends
+                    if impl.startswith("flashgen") and "tflops" in cells[impl]:
+                        for label, base in RATIOS:
+                            if "tflops" in cells.get(base, {}):
+                                cells[impl][label] = cells[impl]["tflops"] / cells[base]["tflops"]
+                if anchor:
+                    add_ratios(row, "tflops", [(label, anchor, base) for label, base in RATIOS])
                 del q, k, v
-                torch.cuda.empty_cache()
+                free()
                 rows.append(row)
                 if checkpoint is not None:  # a run cut short keeps what it measured
-                    checkpoint(_result(settings, meta_info, rows))
+                    checkpoint(_result(settings, meta_info, rows, anchor))
                 progress(f"d={d} causal={causal} N={n}: " + ", ".join(
                     f"{i}={c['tflops']:.0f}" if "tflops" in c else f"{i}=-" for i, c in row["results"].items()))
-    return _result(settings, meta_info, rows)
+    result = _result(settings, meta_info, rows, anchor)
+    if settings["memory"]:
+        result["sections"] = {"memory": {
+            "metric": "beyond_output_mib", "precision": 2, "x": "seqlen", "panels": ["head_dim"],
+            "fields": ["standard_attention_S_gib"], "impls": ["flashgen"], "rows": memory_rows(settings, progress),
+            "convention": "MiB flashgen.attention allocates beyond its inputs, output and LSE (batch 1, 16 heads, "
+                          "causal); standard_attention_S_gib: the N x N scores alone, bf16"}}
+    return result
 
 
-def _result(settings, meta_info, rows) -> dict:
+def _result(settings, meta_info, rows, anchor) -> dict:
+    ratios = [label for label, base in RATIOS if base in settings["impls"]] if anchor else []
     return {"suite": "fwd", "meta": meta_info, "metric": "tflops", "x": "seqlen", "panels": ["head_dim", "causal"],
             "convention": f"hidden 2048 (heads 2048/d), batch 16384/N, FLOPs 4BHN^2d (causal /2), "
-                          f"{settings['dtype']}, median of CUDA-event-timed repeats",
-            "impls": settings["impls"], "rows": rows}
+                          f"{settings['dtype']}, median of {settings['rounds']} interleaved rounds"
+                          + (f"; x_flash / x_cudnn: {anchor} over SDPA flash / cuDNN" if ratios else ""),
+            "settings": settings, "impls": settings["impls"], "ratios": ratios, "rows": rows}
 
 
-register(Suite("fwd", "forward attention: flashgen v2/v1/standard vs torch SDPA backends and FlexAttention",
-               add_args, run))
+register(Suite("fwd", "forward attention: flashgen next to torch SDPA's backends (and FlexAttention), "
+                      "interleaved rounds", add_args, run))

@@ -1,11 +1,32 @@
-"""Timing and run metadata shared by the suites (needs torch and a CUDA device)."""
+"""Timing and run metadata shared by the suites.
+
+- ``time_ms``: median of CUDA-event-timed calls (one measurement);
+- ``rounds_order`` / ``interleaved`` / ``summary``: interleaved rounds -- every implementation of a cell
+  timed once per round, the order reversed every other round, so a clock or thermal drift during the
+  run touches all of them alike and shows as spread, not as a difference between them; a cell's value
+  is the median over its rounds;
+- ``host_us``: per-call host time (bursts of launches without a sync);
+- ``prebuild``: compile the kernels a run needs in parallel before any timing;
+- ``meta``: commit, GPU, versions.
+
+``rounds_order`` and ``summary`` are pure (no torch); the rest imports torch when called.
+"""
 from __future__ import annotations
 
 import datetime
-import os
+import itertools
 import platform
 import statistics
 import subprocess
+import time
+from multiprocessing.pool import ThreadPool
+from pathlib import Path
+
+from .. import __version__, settings
+from ..codegen import build
+from ..codegen.compiler import nvrtc_version
+from ..errors import FlashgenError
+from .report import save
 
 
 def time_ms(fn, budget_s: float = 0.3, min_reps: int = 3, max_reps: int = 30, warmup: int = 2) -> dict:
@@ -37,11 +58,113 @@ def time_ms(fn, budget_s: float = 0.3, min_reps: int = 3, max_reps: int = 30, wa
     return {"ms": statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)), "reps": reps}
 
 
+def rounds_order(impls, rounds: int) -> list[list]:
+    """The order interleaved rounds time ``impls`` in: as given on even rounds, reversed on odd ones
+    (none is always first or always last, where a warm clock or a cold L2 would favour it)."""
+    names = list(impls)
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    return [list(names) if r % 2 == 0 else names[::-1] for r in range(rounds)]
+
+
+class Skipped(Exception):
+    """Raised by an implementation's maker when it does not apply to a cell (recorded as "skipped")."""
+
+
+def error_text(exc: BaseException, limit: int = 240) -> str:
+    """One line naming an exception (recorded in a cell instead of its time)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text[:limit]}"
+
+
+def interleaved(fns: dict, rounds: int, measure) -> dict:
+    """{name: [measure(fns[name]) per round] | error text}: ``rounds_order``'s rounds; an implementation
+    that raises keeps its error and is not timed again (the others go on)."""
+    times = {name: [] for name in fns}
+    for order in rounds_order(fns, rounds):
+        for name in order:
+            if isinstance(times[name], str):
+                continue
+            try:
+                times[name].append(measure(fns[name]))
+            except Exception as exc:  # noqa: BLE001 -- a refusal or OOM is data, not a crash
+                times[name] = error_text(exc)
+                _recover()
+    return times
+
+
+def _recover() -> None:
+    """After a failed call: wait for the device and give back the allocator's cache (an OOM leaves
+    blocks behind); nothing to do without CUDA."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001 -- a sticky CUDA error: the next call reports it
+        pass
+
+
+def summary(values, unit: str = "ms") -> dict:
+    """Median, every round and the spread ((max - min) / median, %) of one implementation's rounds."""
+    values = list(values)
+    med = statistics.median(values)
+    return {unit: med, f"rounds_{unit}": values,
+            "spread_pct": (max(values) - min(values)) / med * 100 if med else 0.0}
+
+
+def time_cell(makers: dict, rounds: int, measure, unit: str = "ms") -> dict:
+    """{name: cell} of one cell: each maker of ``makers`` ({name: () -> callable}) is called, then its
+    callable once (the plan, the compile and the load happen here, so a refusal is that cell's error
+    rather than a round's), then every callable that got so far is timed in interleaved rounds by
+    ``measure(callable) -> value``. A cell is ``summary``'s dict, {"error": text} or {"skipped": why}
+    (a maker raising ``Skipped``), in the order of ``makers``."""
+    cells, fns = {}, {}
+    for name, make in makers.items():
+        try:
+            fn = make()
+            fn()
+            _sync()
+            fns[name] = fn
+        except Skipped as why:
+            cells[name] = {"skipped": str(why)}
+        except Exception as exc:  # noqa: BLE001 -- recorded per cell
+            cells[name] = {"error": error_text(exc)}
+            _recover()
+    for name, values in interleaved(fns, rounds, measure).items():
+        cells[name] = {"error": values} if isinstance(values, str) else summary(values, unit)
+    return {name: cells[name] for name in makers}
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def add_ratios(row: dict, metric: str, pairs) -> None:
+    """``row["ratios"][label] = metric(num) / metric(den)`` for each (label, num, den) of ``pairs`` whose
+    two cells both have the metric (a higher-is-better metric: TFLOP/s, TB/s, so above 1 means ``num``
+    is faster)."""
+    results = row["results"]
+    for label, num, den in pairs:
+        a, b = results.get(num, {}).get(metric), results.get(den, {}).get(metric)
+        if a and b:
+            row.setdefault("ratios", {})[label] = a / b
+
+
+def rotating(fn, copies: int):
+    """A no-argument callable running ``fn(i)`` with i = 0, 1, ... ``copies`` - 1, 0, ... (input copies in
+    turn, so that L2 does not serve a small case's inputs from the previous call)."""
+    calls = itertools.count()
+    return lambda: fn(next(calls) % copies)
+
+
 def host_us(fn, calls: int = 100, rounds: int = 20) -> float:
     """Per-call host time of ``fn`` in µs: bursts of ``calls`` launches without synchronizing
     (well under the launch queue's depth, so the host is what is measured), best of ``rounds``."""
-    import time
-
     import torch
 
     best = float("inf")
@@ -51,46 +174,98 @@ def host_us(fn, calls: int = 100, rounds: int = 20) -> float:
         for _ in range(calls):
             fn()
         best = min(best, time.perf_counter() - t0)
+    torch.cuda.synchronize()
     return best / calls * 1e6
+
+
+def host_row(entry: str, call: str, fn, calls: int, rounds: int, warmup: int, **fields) -> dict:
+    """A row of a host-time table: ``warmup`` untimed calls of ``fn``, then ``host_us``; the error text
+    instead when a call raises."""
+    try:
+        for _ in range(max(1, warmup)):
+            fn()
+        cell = {"us": host_us(fn, calls, rounds)}
+    except Exception as exc:  # noqa: BLE001 -- recorded, the run goes on
+        cell = {"error": error_text(exc)}
+    return {"entry": entry, "call": call, **fields, "results": {"host": cell}}
+
+
+def require_cuda(suite: str) -> None:
+    """FlashgenError (one line, exit 2) when there is no CUDA device: after the options were checked."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise FlashgenError(f"flashgen bench {suite} needs a CUDA device (plots of a stored result do not: "
+                            "--plot-from FILE)")
+
+
+def prebuild(specs, progress, threads: int = 8) -> dict:
+    """Compile ``specs`` in parallel (NVRTC releases the GIL; the disk cache makes a second run free)
+    so no timed cell waits for a compile. Returns {spec name: error text} of those that failed: the
+    cell that uses one records the same error when it loads it."""
+    def one(spec):
+        try:
+            build(spec)
+            return None
+        except Exception as exc:  # noqa: BLE001
+            return spec.name, error_text(exc)
+
+    specs = sorted({s for s in specs if s is not None}, key=lambda s: s.name)
+    if not specs:
+        return {}
+    t0 = time.time()
+    with ThreadPool(max(1, min(threads, len(specs)))) as pool:
+        failed = dict(x for x in pool.map(one, specs) if x)
+    progress(f"compiled {len(specs)} kernels in {time.time() - t0:.1f} s" +
+             (f" ({len(failed)} failed)" if failed else ""))
+    return failed
+
+
+def free() -> None:
+    """Release what the last cell allocated (its inputs are gone) before the next one's."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
 
 
 def write_json(path, result) -> None:
     """Write a benchmark's result as indented JSON, making the folder first (no-op without a path)."""
-    if not path:
-        return
-    import json
-
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as fh:
-        json.dump(result, fh, indent=1)
+    if path:
+        save(result, path)
 
 
 def commit() -> str:
-    """The flashgen commit: ``FLASHGEN_COMMIT`` (the device copy has no .git), else git, else 'unknown'."""
-    value = os.environ.get("FLASHGEN_COMMIT")
+    """The flashgen commit: ``FLASHGEN_COMMIT`` (``flashgen.settings``: a device copy has no .git),
+    else git, else 'unknown'."""
+    value = settings.commit()
     if value:
         return value
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL,
-                                       cwd=os.path.dirname(__file__)).strip()
+                                       cwd=Path(__file__).resolve().parent).strip()
     except Exception:  # noqa: BLE001 -- any failure: no commit to report
         return "unknown"
 
 
 def meta() -> dict:
-    import torch
-
-    import flashgen
-
+    """Date, commit, versions and (with a CUDA device) the GPU, its arch, SMs and L2."""
     info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": commit(), "flashgen": flashgen.__version__, "torch": torch.__version__,
-            "python": platform.python_version()}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
+            "commit": commit(), "flashgen": __version__, "python": platform.python_version()}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            from ..api.device import Device
+
+            dev = Device.of(torch.cuda.current_device())
+            info.update(gpu=torch.cuda.get_device_name(), arch=dev.arch, profile=dev.gpu, sms=dev.sms,
+                        l2_bytes=dev.l2_bytes, smem_per_block=dev.smem_budget)
+    except Exception:  # noqa: BLE001 -- metadata only
+        pass
     try:
         import cupy
-
-        from ..codegen.compiler import nvrtc_version
 
         info.update(cupy=cupy.__version__, nvrtc=list(nvrtc_version()))
     except Exception:  # noqa: BLE001 -- metadata only

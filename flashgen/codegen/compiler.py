@@ -22,6 +22,7 @@ from pathlib import Path
 from .. import __version__, settings
 from ..errors import CompileError
 from .elf import whole_elf
+from .render import render
 
 BASE_OPTIONS = ("--std=c++17", "-Xptxas=-v")
 
@@ -104,12 +105,12 @@ def compile_options(arch: str) -> list[str]:
 
 # NVRTC 13.0 (the H200 image's) keeps compiled code in the CUDA compute cache and, on a hit, returns
 # the cubin with an empty program log: no ptxas resource report to check for spills (seen on the H200,
-# bench/NOTES.md). flashgen keeps its own binary cache, so it never wants that one. The variable below
-# only helps when set before NVRTC is loaded (a program that imported torch first can be too late: a
-# benchmark with a fresh FLASHGEN_HOME got empty logs for every kernel the GPU suite had compiled), so
-# each compile also carries a macro of its own (``_nonce_option``): the compute cache never hits, and
-# the cubin is byte-identical (an unused macro).
-os.environ.setdefault("CUDA_CACHE_DISABLE", "1")
+# docs/perf/toolchain.md). flashgen keeps its own binary cache, so it never wants that one. Disabling
+# the compute cache only helps when done before NVRTC is loaded (a program that imported torch first
+# can be too late: a benchmark with a fresh FLASHGEN_HOME got empty logs for every kernel the GPU suite
+# had compiled), so each compile also carries a macro of its own (``_nonce_option``): the compute cache
+# never hits, and the cubin is byte-identical (an unused macro).
+settings.disable_cuda_compute_cache()
 
 
 def _nonce_option() -> str:
@@ -122,7 +123,7 @@ def compile_source(source: str, arch: str, name: str, source_path: str | None = 
     Raises ``CompileError`` with the NVRTC log when compilation fails, or when
     ``FLASHGEN_NO_COMPILE`` is set (for tests that must hit the cache).
     """
-    if os.environ.get("FLASHGEN_NO_COMPILE"):
+    if settings.no_compile():
         raise CompileError(f"{name}: compiling is disabled (FLASHGEN_NO_COMPILE is set)", source_path=source_path)
     from cupy_backends.cuda.libs import nvrtc
 
@@ -213,3 +214,9 @@ def get_binary(source: str, arch: str, name: str) -> tuple[Binary, bool]:
                 "nvrtc": list(nvrtc_version())}
         _atomic_write(folder / "meta.json", json.dumps(meta, indent=1).encode())  # written last: marks complete
     return binary, False
+
+
+def build(spec) -> Binary:
+    """Render and compile ``spec`` for ``spec.arch`` (disk-cached)."""
+    binary, _ = get_binary(render(spec), spec.arch, spec.name)
+    return binary

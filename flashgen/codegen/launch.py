@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 
+from .. import settings
 from ..errors import CompileError
-from . import build
+from .compiler import build
 
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
@@ -55,7 +55,7 @@ def load_kernel(spec, device_index: int) -> Kernel:
             return kern
         binary = build(spec)
         problems = binary.report.problems()
-        if problems and not os.environ.get("FLASHGEN_ALLOW_SPILLS"):  # study only: time a spilling tile
+        if problems and not settings.allow_spills():  # study only: time a spilling tile
             raise CompileError(f"{spec.name}: refused by its resource report: {'; '.join(problems)}", log=binary.log)
         import cupy
         from cupy_backends.cuda.api import driver

@@ -34,16 +34,14 @@ from __future__ import annotations
 import heapq
 import math
 
-from .. import iomodel
+from .. import families, iomodel
 from ..iomodel import flops  # noqa: F401  (re-exported: the convention's FLOPs)
 from ..spec import DTYPE_BYTES
 
 # Fraction of the datasheet tensor rate mma.sync m16n8k16 sustains, per arch
 # (Hopper's datasheet rate is wgmma's; FA2 measures ~45 % of it on an H100/H200).
 MMA_FRACTION = {"sm_80": 0.75, "sm_86": 0.7, "sm_89": 0.7, "sm_90a": 0.5}
-# Families that issue wgmma instead (sm_90a): the fraction of the datasheet rate FlashAttention-3
-# reports with warp specialization (661 of 989 TFLOP/s at d = 128; arXiv 2407.08608), not fitted.
-FAMILY_TENSOR_FRACTION = {"fwd_sm90": 0.67}
+# Families that issue wgmma instead (sm_90a) carry their own fraction (``Family.tensor_fraction``).
 SFU_PER_CLK_PER_SM = 16        # MUFU.EX2 per clock per SM
 FP32_PER_CLK_PER_SM = 128
 SOFTMAX_FP32_OPS = 6           # scale/subtract, max, sum, convert ... per score
@@ -93,14 +91,14 @@ def _busy(spec, res, step_tensor, step_alu):
 
 def _tensor_per_clk(spec, profile) -> float:
     clock = CLOCK_HZ.get(spec.arch, 1.5e9)
-    fraction = FAMILY_TENSOR_FRACTION.get(spec.kind) or MMA_FRACTION.get(spec.arch, 0.6)
+    fraction = families.family(spec.kind).tensor_fraction or MMA_FRACTION.get(spec.arch, 0.6)
     return profile.peak_flops / profile.sms / clock * fraction
 
 
 def estimate(spec, shape, profile, registers: int) -> float:
     """Modelled seconds for one launch of ``spec`` on ``shape`` = (batch, heads, seqlen, d)
     (for a backward kernel: of the whole backward it is tuned in, ``estimate_backward``)."""
-    if spec.kind.startswith("bwd_"):
+    if families.family(spec.kind).gemms > 2:  # a backward kernel
         return estimate_backward(spec, shape, profile, registers)
     b, h, n, d_in = shape
     res = residency(spec, registers, profile)
@@ -140,10 +138,11 @@ def estimate_backward(spec, shape, profile, registers: int) -> float:
         return math.inf
     d, eb = spec.head_dim, DTYPE_BYTES[spec.dtype]
     clock = CLOCK_HZ.get(spec.arch, 1.5e9)
-    dq_kernel = spec.kind == "bwd_dq"
+    fam = families.family(spec.kind)
+    dq_kernel = fam.query_outer
     # The CTA's own rows (outer) and the rows it walks per step (inner).
     outer, inner = (spec.block_m, spec.block_n) if dq_kernel else (spec.block_n, spec.block_m)
-    gemms = 3 if dq_kernel else 4 if spec.kind == "bwd_dkdv_nodq" else 5
+    gemms = fam.gemms
     step_tensor = 2.0 * gemms * outer * inner * d / _tensor_per_clk(spec, profile)
     scores = outer * inner
     step_alu = scores / SFU_PER_CLK_PER_SM + scores * BWD_FP32_OPS / FP32_PER_CLK_PER_SM

@@ -14,7 +14,7 @@ needs no GPU: it compiles for the target arch and asks the cost model.
 
 A forward key's trial checks and times ``flashgen.attention`` with the spec
 forced; a backward key's (``space.is_backward``) checks and times the whole
-``flashgen.backward.attention_backward`` (preprocess, dK/dV, dQ kernel or
+``flashgen.api.backward.attention_backward`` (preprocess, dK/dV, dQ kernel or
 convert) in the key's dQ mode (``space.BWD_KEY_MODES``) with the spec forced for
 its kind and dispatch's picks for the other kernels, on the output and LSE of
 the default forward.
@@ -25,7 +25,10 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
+from ..bench.timing import time_ms
+from ..codegen import build
 from ..errors import CompileError
+from ..reference import grad_tolerance, tolerance
 from . import cost, space
 
 STATUSES = ("ok", "constraint", "compile_error", "launch_error", "wrong")
@@ -47,8 +50,6 @@ class Outcome:
 
 
 def _default_build(spec):
-    from ..codegen import build
-
     return build(spec)
 
 
@@ -91,8 +92,6 @@ TIMING = {"budget_s": 0.05, "min_reps": 5, "max_reps": 30, "warmup": 2}
 
 def median_ms(fn) -> float:
     """Median time of ``fn`` in ms from CUDA events: a short budget per trial (the shared timer)."""
-    from ..bench.timing import time_ms
-
     return time_ms(fn, **TIMING)["ms"]
 
 
@@ -157,8 +156,7 @@ class MeasuredObjective:
         """'' when ``spec`` meets the 2x rule on fresh random odd-sized inputs, else why not."""
         import torch
 
-        import flashgen
-        from ..reference import tolerance
+        from ..api import attention
 
         if space.is_backward(spec.kind):
             return self._check_backward(spec)
@@ -168,7 +166,7 @@ class MeasuredObjective:
         for nq, nk in ((203, 317), (317, 203), (1, 77)):
             q = torch.randn(2, 4, nq, d, device=dev, dtype=dtype)
             k, v = (torch.randn(2, 2, nk, d, device=dev, dtype=dtype) for _ in range(2))
-            out = flashgen.attention(q, k, v, causal=spec.causal, spec=spec)
+            out = attention(q, k, v, causal=spec.causal, spec=spec)
             ref, tol = tolerance(q, k, v, spec.causal, d ** -0.5)
             err = (out.float() - ref).abs().max().item()
             if not err <= tol:  # NaN fails too
@@ -180,19 +178,16 @@ class MeasuredObjective:
         on fresh random odd-sized GQA inputs, else why not."""
         import torch
 
-        import flashgen
-        from ..backward import attention_backward
-        from ..dispatch import problem_kind
-        from ..reference import grad_tolerance
+        from ..api import attention, attention_backward
 
-        kind = problem_kind(spec.kind)
+        kind = space.problem_of(spec.kind)
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[spec.dtype]
         dev = self.device
         d = spec.head_dim - 8 if spec.head_dim > 32 else spec.head_dim  # a masked head-dim tail too
         for nq, nk in ((203, 317), (317, 203), (1, 77)):
             q, dout = (torch.randn(2, 4, nq, d, device=dev, dtype=dtype) for _ in range(2))
             k, v = (torch.randn(2, 2, nk, d, device=dev, dtype=dtype) for _ in range(2))
-            out, lse = flashgen.attention(q, k, v, causal=spec.causal, return_lse=True)
+            out, lse = attention(q, k, v, causal=spec.causal, return_lse=True)
             grads = attention_backward(dout, q, k, v, out, lse, spec.causal, d ** -0.5,
                                        dq_mode=space.BWD_KEY_MODES[kind], specs={kind: spec})
             refs, tols = grad_tolerance(q, k, v, dout, spec.causal, d ** -0.5)
@@ -205,7 +200,7 @@ class MeasuredObjective:
     def _time_on_gpu(self, key, spec) -> float:
         import torch
 
-        import flashgen
+        from ..api import attention
 
         if space.is_backward(key.kind):
             return self._time_backward(key, spec)
@@ -217,14 +212,13 @@ class MeasuredObjective:
             self._inputs[sig] = tuple(torch.randn(b, h, n, d, device=self.device, dtype=dtype)
                                       for _ in range(3))
         q, k, v = self._inputs[sig]
-        return median_ms(lambda: flashgen.attention(q, k, v, causal=key.causal, spec=spec))
+        return median_ms(lambda: attention(q, k, v, causal=key.causal, spec=spec))
 
     def _time_backward(self, key, spec) -> float:
         """One whole backward at the key's shape, ``spec`` forced for the key's kind."""
         import torch
 
-        import flashgen
-        from ..backward import attention_backward
+        from ..api import attention, attention_backward
 
         b, h, n, d = space.problem_shape(key)
         sig = ("bwd", key.dtype, b, h, n, d, key.causal)
@@ -233,7 +227,7 @@ class MeasuredObjective:
             dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[key.dtype]
             q, k, v, dout = (torch.randn(b, h, n, d, device=self.device, dtype=dtype)
                              for _ in range(4))
-            out, lse = flashgen.attention(q, k, v, causal=key.causal, return_lse=True)
+            out, lse = attention(q, k, v, causal=key.causal, return_lse=True)
             self._inputs[sig] = (q, k, v, dout, out, lse)
         q, k, v, dout, out, lse = self._inputs[sig]
         mode, forced = space.BWD_KEY_MODES[key.kind], {key.kind: spec}

@@ -25,20 +25,19 @@ import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from .. import gpus
-from ..dispatch import BUCKETS
-from ..errors import FlashgenError
+from .. import dispatch, families, gpus, settings, tables
+from ..codegen import build
+from ..errors import CompileError, FlashgenError
+from ..problem import BUCKETS
+from ..spec import DTYPES, KernelSpec
 from . import space, store, study
+from .objective import MeasuredObjective, ModelObjective, timing_calls
 
 DEFAULT_TRIALS = 100
 
 
 def _build_one(record):
     """Worker-process side of the parallel precompile: (name, problems or error)."""
-    from ..codegen import build
-    from ..errors import CompileError
-    from ..spec import KernelSpec
-
     spec = KernelSpec.from_dict(record)
     try:
         return spec.name, build(spec).report.problems()
@@ -103,9 +102,6 @@ def parse_scope(args):
     ``--kind bwd`` tunes the backward's main kernel per head dim (``space.problem_keys``);
     ``bwd_dkdv``, ``bwd_dkdv_nodq`` or ``bwd_dq`` that key kind.
     """
-    from ..dispatch import families_for, problem_kind
-    from ..spec import DTYPES
-
     profile = gpus.get(args.gpu)
     try:
         profile = gpus.with_smem(profile, args.smem)
@@ -115,8 +111,9 @@ def parse_scope(args):
     if args.kind not in known:
         raise FlashgenError(f"--kind {args.kind!r}: known kinds {list(known)} (the other kernels are not "
                             "tuned: their default rule serves)")
-    only = None if args.kind == "bwd" or problem_kind(args.kind) == args.kind else (args.kind,)
-    if args.kind != "bwd" and not families_for(args.kind, profile.arch):
+    only = None if args.kind == "bwd" or space.problem_of(args.kind) == args.kind else (args.kind,)
+    if args.kind != "bwd" and not (families.serving(args.kind, profile.arch) if only is None
+                                   else families.family(args.kind).runs_on(profile.arch)):
         raise FlashgenError(f"--kind {args.kind}: no kernel family serves it on {profile.name} ({profile.arch})")
     ds = _csv(args.d, int, "d")
     for d in ds:
@@ -140,7 +137,7 @@ def parse_scope(args):
 
 # For the time estimate only: the fraction of the datasheet tensor rate the searched kernels run
 # at, on the slow side (H200 measurements: the forward's candidates 30-60 %, the backward's
-# 11-25 %, bench/NOTES.md), and the seconds of a trial besides its timed calls.
+# 11-25 %, docs/perf/tuner.md), and the seconds of a trial besides its timed calls.
 ESTIMATE_RATE = {"fwd": 0.3, "bwd": 0.12}
 ESTIMATE_TRIAL_S = 0.02
 ESTIMATE_CHECK_S = 0.3      # one correctness check (once per spec)
@@ -157,8 +154,6 @@ def estimate_seconds(keys, cands, trials: int, profile, jobs: int = 1, confirm: 
     An overestimate when most candidates run near the best; the ptxas refusals (never launched)
     make it one too.
     """
-    from .objective import timing_calls
-
     timed = 0.0
     for key in keys:
         rate = profile.peak_flops * ESTIMATE_RATE["bwd" if space.is_backward(key.kind) else "fwd"]
@@ -215,7 +210,7 @@ def run_keys(keys, cands, objective, args, storage, worker_index=0, progress=Non
 
 def _visible_devices(n: int) -> list[str]:
     """The device each of ``n`` workers takes: the i-th of this process's CUDA_VISIBLE_DEVICES, or i."""
-    mask = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    mask = settings.visible_devices()
     return [mask[i] if i < len(mask) else str(i) for i in range(n)]
 
 
@@ -226,9 +221,7 @@ def _start_workers(argv, n, mode, storage_url) -> list:
     devices = _visible_devices(n)
     procs = []
     for i in range(1, n):
-        env = dict(os.environ)
-        if mode == "measured":
-            env["CUDA_VISIBLE_DEVICES"] = devices[i]
+        env = settings.child_environment(**({"CUDA_VISIBLE_DEVICES": devices[i]} if mode == "measured" else {}))
         cmd = [sys.executable, "-m", "flashgen.cli", "tune", *argv, "--worker-index", str(i),
                "--storage", storage_url, "--workers", "1", "--worker-only", "--jobs", "1", "--gate"]
         procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE))
@@ -338,8 +331,6 @@ def tune(args, argv) -> int:
             # Exhaustive keys: every candidate runs, so compile them all now; TPE keys compile on demand.
             specs = [s for key in keys for s in (cands[key] if len(cands[key]) <= args.trials else cands[key][:1])]
             precompile(specs, args.jobs, log)
-        from .objective import MeasuredObjective, ModelObjective
-
         objective = MeasuredObjective(profile) if mode == "measured" else ModelObjective(profile)
         storage = study.open_storage(storage_url)
     except BaseException:
@@ -362,18 +353,16 @@ def tune(args, argv) -> int:
     if mode == "measured" and not args.no_confirm:
         results = [study.confirm_finalists(r, objective) for r in results]
     rows = summarize(results, mode)
-    new = store.Table(meta=store.make_meta(profile, mode, why if mode == "measured" else None))
+    new = tables.Table(meta=tables.make_meta(profile, mode, why if mode == "measured" else None))
     for r in results:
         if r.best is None:
             log(f"{space.key_name(r.key)}: no candidate passed ({r.failures()}); not written")
             continue
         new.entries[r.key] = store.entry_from_result(r, mode)
-    out = args.out or store.default_path(profile.name)
-    old = store.load(out, gpu=profile.name) if os.path.exists(out) else None
-    path = store.save(store.merge(old, new), out)
-    from .. import tables
-
-    tables.clear()
+    out = args.out or tables.default_path(profile.name)
+    old = tables.load(out, gpu=profile.name) if os.path.exists(out) else None
+    path = tables.save(tables.merge(old, new), out)
+    dispatch.clear()
     wall = time.monotonic() - t_start
     if args.report:
         report = {"meta": new.meta, "mode": mode, "gpu_profile": profile.name, "argv": argv, "wall_s": wall,
@@ -427,7 +416,7 @@ def add_arguments(p) -> None:
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles (default: CPUs)")
     p.add_argument("--seed", type=int, default=0, help="TPE seed (default 0)")
     p.add_argument("--space", nargs="+", default=None, metavar="KNOB=V1,V2",
-                   help="narrow the searched space on these knobs (e.g. sepkv=false block_n=64,128); values "
+                   help="narrow the searched space on these knobs (e.g. early_k_release=false block_n=64,128); values "
                         "must be in the family's tune space")
     p.add_argument("--no-confirm", action="store_true",
                    help="measured mode: keep the screening times (default: re-time the 3 fastest and the "

@@ -1,14 +1,14 @@
 """The search space: problem keys, the feasible specs of a key, and the paper-rule baseline.
 
 A problem key is (kind, arch, dtype, head-dim tile, causal, seqlen bucket),
-``flashgen.dispatch.ProblemKey``. The families searched for a key are those
-that serve its kind on its arch (``dispatch.families_for``: for "fwd" on
-sm_90a both fwd_v2 and fwd_sm90, elsewhere fwd_v2), optionally restricted
+``flashgen.problem.ProblemKey``. The families searched for a key are those
+that serve its kind on its arch (``families.serving``: for "fwd" on sm_90a
+both fwd_sm90 and fwd_v2, elsewhere fwd_v2), optionally restricted
 (``--kind fwd_v2`` / ``fwd_sm90``). Its candidates are every combination of
 each family's tunable knobs (``Family.tune_space``) that the family accepts
 (``validate``: sizes it supports, warp layout dividing the tile) and searches
-(``Family.searched``: fwd_sm90 tries its softmax flags only with warpspec, emu
-only at d = 64) and that the GPU can hold (``KernelSpec.check``: shared memory
+(``Family.searched``: fwd_sm90 tries its softmax techniques only with warp
+specialization, fma_exp2 only at d = 64) and that the GPU can hold (``KernelSpec.check``: shared memory
 within the budget M, fp32 accumulators per thread within what the register file
 plausibly keeps). The
 ptxas report decides the rest at compile time (a spilling tile is a recorded
@@ -16,23 +16,26 @@ constraint violation, never launched).
 
 The backward (``--kind bwd``) is tuned through the same keys dispatch reads for
 it: ProblemKey(bwd_dkdv | bwd_dkdv_nodq | bwd_dq, arch, dtype,
-``bwd_head_dim_tile(d)``, causal, bucket). Each such key kind runs in one dQ mode
+``problem.bwd_head_dim_tile(d)``, causal, bucket). Each such key kind runs in one dQ mode
 (``BWD_KEY_MODES``): a bwd_dkdv spec in the "atomic" backward (preprocess,
 dK/dV with dQ atomics, convert), a bwd_dkdv_nodq or bwd_dq spec in the
 "separate" one (preprocess, dK/dV, dQ kernel). ``--kind bwd`` is the main kernel
-of the mode the default backward uses for the head dim (``dispatch.BWD_DQ_MODE``:
+of the mode the default backward uses for the head dim (``families.bwd.DQ_MODE``:
 bwd_dkdv where it is "atomic", bwd_dkdv_nodq where "separate"); naming a key
 kind tunes that one (bwd_dkdv_nodq and bwd_dq also serve ``deterministic=True``).
 The dQ mode itself is not a knob: it is a per-head-dim rule of dispatch, and a
 table entry holds one spec for one key. The baseline of a backward key is
-dispatch's default rule (``BWD_TILES``), not the paper's forward rule.
+its family's default rule, not the paper's forward rule.
 """
 from __future__ import annotations
 
 import itertools
 
+from .. import families as registry
 from .. import iomodel
-from ..dispatch import BUCKETS, ProblemKey
+from ..errors import UnsupportedError
+from ..families import bwd
+from ..problem import BUCKETS, ProblemKey, bwd_head_dim_tile, head_dim_tile
 from ..spec import DTYPE_BYTES, KernelSpec
 
 
@@ -41,40 +44,39 @@ from ..spec import DTYPE_BYTES, KernelSpec
 BWD_KEY_MODES = {"bwd_dkdv": "atomic", "bwd_dkdv_nodq": "separate", "bwd_dq": "separate"}
 
 
+TUNED_PROBLEMS = ("fwd", *BWD_KEY_MODES)
+
+
+def problem_of(kind: str) -> str:
+    """The problem a ``--kind`` names: itself for a problem, the problem a family serves for a family."""
+    return kind if kind in registry.PROBLEMS else registry.family(kind).serves
+
+
 def is_backward(kind: str) -> bool:
     """Whether a key kind (or a family serving one) is a backward key the tuner times."""
-    from ..dispatch import problem_kind
-
-    return problem_kind(kind) in BWD_KEY_MODES
+    return kind in registry.FAMILIES and problem_of(kind) in BWD_KEY_MODES
 
 
 def tune_kinds() -> tuple:
     """What ``flashgen tune --kind`` accepts: the problems ("fwd", "bwd" and the backward's key
     kinds) and every family that serves one of them (which restricts the search to it)."""
-    from ..dispatch import FORWARD_FAMILIES, problem_kind
-    from ..families import FAMILIES
-
-    problems = (*FORWARD_FAMILIES, *BWD_KEY_MODES)
-    return ("bwd", *problems, *(f for f in FAMILIES if f not in problems and problem_kind(f) in problems))
+    return ("bwd", *TUNED_PROBLEMS, *(k for p in TUNED_PROBLEMS for k in registry.PROBLEMS.get(p, ())
+                                      if k not in TUNED_PROBLEMS))
 
 
 def bwd_main_kind(tile: int) -> str:
     """The key kind of the backward's main kernel for a head-dim tile in the default dQ mode."""
-    from ..dispatch import bwd_dq_mode
-
-    return "bwd_dkdv" if bwd_dq_mode(tile) == "atomic" else "bwd_dkdv_nodq"
+    return "bwd_dkdv" if bwd.dq_mode(tile) == "atomic" else "bwd_dkdv_nodq"
 
 
 def problem_keys(kind: str, arch: str, dtypes, head_dims, causals, buckets=BUCKETS) -> list[ProblemKey]:
     """The keys of ``kind`` (a forward family's name gives "fwd" keys: restrict with ``families``;
     "bwd" gives each head dim's ``bwd_main_kind``; a backward key kind its own keys)."""
-    from ..dispatch import bwd_head_dim_tile, head_dim_tile, problem_kind
-
     if kind == "bwd" or is_backward(kind):
-        kinds = {t: bwd_main_kind(t) if kind == "bwd" else problem_kind(kind)
+        kinds = {t: bwd_main_kind(t) if kind == "bwd" else problem_of(kind)
                  for t in sorted({bwd_head_dim_tile(d) for d in head_dims})}
     else:
-        kinds = {t: problem_kind(kind) for t in sorted({head_dim_tile(d) for d in head_dims})}
+        kinds = {t: problem_of(kind) for t in sorted({head_dim_tile(d) for d in head_dims})}
     return [ProblemKey(k, arch, dt, d, c, n)
             for dt in dtypes for d, k in kinds.items() for c in causals for n in buckets]
 
@@ -87,7 +89,7 @@ def problem_shape(key: ProblemKey) -> tuple[int, int, int, int]:
 def key_flops(key: ProblemKey) -> float:
     """The work one timed call of ``key`` does: the forward's matmul FLOPs at ``problem_shape``,
     2.5 times that for a backward key (its five GEMMs against the forward's two: the papers'
-    convention, also bench/bench_bwd.py's)."""
+    convention, also ``flashgen bench bwd``'s)."""
     b, h, n, d = problem_shape(key)
     return iomodel.flops(b, h, n, n, d, key.causal) * (2.5 if is_backward(key.kind) else 1.0)
 
@@ -99,10 +101,8 @@ def key_name(key: ProblemKey) -> str:
 
 
 def families(key: ProblemKey, only=None) -> tuple:
-    """The families searched for ``key``, default first; ``only``: keep just these (``--kind fwd_v2``)."""
-    from ..dispatch import families_for
-
-    fams = families_for(key.kind, key.arch)
+    """The families searched for ``key``, in preference order; ``only``: keep just these (``--kind fwd_v2``)."""
+    fams = registry.serving(key.kind, key.arch)
     if only is not None:
         fams = tuple(f for f in fams if f in only)
     if not fams:
@@ -113,17 +113,14 @@ def families(key: ProblemKey, only=None) -> tuple:
 
 def make_spec(key: ProblemKey, kind: str, **knobs) -> KernelSpec:
     """The ``kind`` spec of ``key`` at one point of that family's ``tune_space`` (not validated)."""
-    from ..dispatch import spec_tile
-    from ..families import family
-
-    return KernelSpec(kind=kind, arch=key.arch, dtype=key.dtype, head_dim=spec_tile(kind, key), causal=key.causal,
-                      **family(kind).complete(knobs))
+    fam = registry.family(kind)
+    return KernelSpec(kind=kind, arch=key.arch, dtype=key.dtype, head_dim=fam.tile(key), causal=key.causal,
+                      **fam.complete(knobs))
 
 
-def _spec(key: ProblemKey, **knobs) -> KernelSpec:
-    from ..dispatch import FORWARD_FAMILIES, problem_kind
-
-    return make_spec(key, FORWARD_FAMILIES.get(problem_kind(key.kind), (key.kind,))[0], **knobs)
+def _paper_family(key: ProblemKey) -> str:
+    """The family the paper's rule is sized for: the problem's portable fallback (fwd_v2 for "fwd")."""
+    return registry.fallback_family(key.kind, key.arch)
 
 
 def _ok(spec: KernelSpec, profile) -> bool:
@@ -143,10 +140,8 @@ def paper_baseline(key: ProblemKey, profile) -> KernelSpec:
     A forward key's baseline is always fwd_v2's (the paper's algorithm), also
     when fwd_sm90 is searched beside it or alone: the gain is reported against it.
     """
-    from ..dispatch import FORWARD_FAMILIES, problem_kind
-    from ..families import family
-
-    fam = family(FORWARD_FAMILIES.get(problem_kind(key.kind), (key.kind,))[0])
+    kind = _paper_family(key)
+    fam = registry.family(kind)
     b_r, b_c = iomodel.paper_block_sizes(profile.smem_per_block, key.head_dim, DTYPE_BYTES[key.dtype])
 
     def nearest(value, allowed):
@@ -159,7 +154,7 @@ def paper_baseline(key: ProblemKey, profile) -> KernelSpec:
         for w in sorted(fam.warps):
             if bm % (16 * w) or w < 4 and bm >= 64:
                 continue
-            spec = _spec(key, block_m=bm, block_n=bn, warps=w, stages=2, refill=0)
+            spec = make_spec(key, kind, block_m=bm, block_n=bn, warps=w, stages=2, refill=0)
             if _ok(spec, profile):
                 return spec
         if bn >= bm and bn > bns[0]:   # step the larger of the two down
@@ -179,11 +174,8 @@ def baseline(key: ProblemKey, profile) -> KernelSpec | None:
     default rule has no tile that fits the budget (e.g. bwd_dkdv at d=128 in an L4's 99 KB):
     ``candidates`` then puts its first feasible spec in that place."""
     if is_backward(key.kind):
-        from ..dispatch import default_spec
-        from ..errors import UnsupportedError
-
         try:
-            return default_spec(key, profile.smem_per_block)
+            return registry.default_spec(key, profile.smem_per_block)
         except UnsupportedError:
             return None
     return paper_baseline(key, profile)
@@ -197,11 +189,9 @@ def parse_restrict(items, kinds) -> dict:
     """``--space`` arguments (``KNOB=V1,V2``) as {knob: allowed values}: each knob must be in the tune space
     of one of ``kinds`` and each value among that space's values (ints; true/false or 1/0 for flags).
     ``ValueError`` says what is wrong."""
-    from ..families import family
-
     spaces: dict = {}
     for kind in kinds:
-        for name, values in family(kind).tune_space:
+        for name, values in registry.family(kind).tune_space:
             spaces.setdefault(name, set()).update(values)
     out: dict = {}
     for item in items or ():
@@ -223,12 +213,10 @@ def candidates(key: ProblemKey, profile, only=None, restrict=None) -> list[Kerne
     """The statically feasible specs of ``key`` on ``profile``: the baseline first (``baseline``),
     then each family's (``families(key, only)``, default family first). ``restrict`` ({knob: allowed
     values}, ``parse_restrict``) narrows each family's tune space on the knobs it names."""
-    from ..families import family
-
     base = baseline(key, profile)
     out = [] if base is None else [base]
     for kind in families(key, only):
-        fam = family(kind)
+        fam = registry.family(kind)
         names = [n for n, _ in fam.tune_space]
         space = [[x for x in v if n not in (restrict or {}) or x in restrict[n]] for n, v in fam.tune_space]
         for values in itertools.product(*space):
@@ -247,10 +235,8 @@ def knob_choices(key: ProblemKey, specs) -> dict[str, dict[str, list]]:
     """Per family among ``specs`` (in order of first appearance), per tunable knob of that family,
     the values that occur among its specs: the TPE search dimensions (a ``family`` choice first
     when there are several, then that family's knobs)."""
-    from ..families import family
-
     out: dict = {}
     for s in specs:
         out.setdefault(s.kind, []).append(s)
-    return {kind: {n: sorted({getattr(s, n) for s in group}) for n, _ in family(kind).tune_space}
+    return {kind: {n: sorted({getattr(s, n) for s in group}) for n, _ in registry.family(kind).tune_space}
             for kind, group in out.items()}

@@ -29,8 +29,10 @@ import socket
 import time
 from dataclasses import dataclass, field
 
+from .. import settings
 from ..spec import KernelSpec
 from . import space
+from .objective import Outcome
 
 _MAX_PROPOSALS = 5  # TPE: stop after this many proposals per evaluated trial (a small space is exhausted)
 
@@ -53,7 +55,7 @@ def open_storage(url: str | None):
 
 
 def worker_name() -> str:
-    gpu = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpu = ",".join(settings.visible_devices())
     return f"{socket.gethostname()}:{os.getpid()}" + (f":gpu{gpu}" if gpu else "")
 
 
@@ -160,8 +162,6 @@ def run_study(key, objective, specs, *, n_trials: int, time_budget: float | None
     Returns the storage (pass it to ``collect``).
     """
     import optuna
-
-    from .objective import Outcome
 
     storage = open_storage(storage)
     worker = worker or worker_name()

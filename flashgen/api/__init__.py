@@ -1,0 +1,20 @@
+"""The torch layer: input checks, one plan cache per entry point, launches, autograd.
+
+- ``attention`` (``api.entry``: the forward is ``api.forward``, the study
+  algorithms ``api.baselines``), differentiable through the custom ops of
+  ``api.autograd`` whose backward is ``api.backward``;
+- ``decode`` (``api.decoding``): Flash-Decoding over a contiguous or paged KV cache.
+
+(No submodule is named after a function this package exports, so ``flashgen.api.X`` is never
+ambiguous.)
+
+Every entry point checks its inputs and raises before anything is launched;
+launches go to torch's current stream with raw pointers (CUDA-graph safe).
+"""
+from __future__ import annotations
+
+from .entry import attention
+from .backward import attention_backward
+from .decoding import decode
+
+__all__ = ["attention", "attention_backward", "decode"]

@@ -1,0 +1,183 @@
+"""The backward pass: dQ, dK, dV of ``flashgen.attention`` from its saved tensors.
+
+Four launches on torch's current stream (FlashAttention-2's algorithm,
+families/bwd.py): ``bwd_preprocess`` (D = rowsum(dO * O) - dLSE, LSE * log2 e,
+zeroes the dQ accumulator), the dK/dV kernel (K/V outer; dQ by fp32 atomics
+into the accumulator), ``bwd_convert`` (accumulator * scale -> dQ). With
+``deterministic=True`` the dK/dV kernel skips dQ (``bwd_dkdv_nodq``) and a
+query-outer ``bwd_dq`` kernel computes dQ without atomics, so the result does
+not depend on the order in which blocks run. The non-deterministic backward
+uses that pair too for the head dims where it is faster (``bwd.DQ_MODE``).
+
+The dK/dV kernel is the ``bwd_dkdv`` problem's pick: on sm_90a ``bwd_sm90``
+where it serves the call (TMA + wgmma, dQ into the same accumulator; head-dim
+tiles 64 and 128, strides its tensor maps can step), else the mma.sync
+``bwd_dkdv``. ``FLASHGEN_BWD_FAMILY=bwd_dkdv`` (or ``=bwd_sm90``) forces one
+family for study; ``specs={"bwd_dkdv": <KernelSpec>}`` forces one kernel.
+
+Used by the autograd op in ``flashgen.api.autograd``; callable directly for study.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import dispatch, families, settings
+from ..codegen import load
+from ..families import bwd
+from ..families.base import stride_values
+from ..problem import ProblemKey, bucket_of, bwd_head_dim_tile
+from .checks import DTYPES, dims
+from .device import Device, index_of, launch_all
+
+# The dK/dV kernel spec of the last backward launched per device (study and tests: which family ran).
+last_specs: dict = {}
+
+
+def _ok_for_kernel(t: torch.Tensor, layout: str) -> bool:
+    """Contiguous last dim, 16-byte aligned start and row strides (the kernels' 16-byte loads)."""
+    if t.stride(-1) != 1 or t.data_ptr() % 16:
+        return False
+    return all(s % 8 == 0 for s in dims(t, layout)[1])
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """The TMA's rules for a tensor map: 16-byte aligned start, byte strides multiples of 16
+    (stricter than _ok_for_kernel only for strides of size-1 dims, which tma.tensor_dims repacks)."""
+    return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 or n == 1
+                                          for s, n in zip(t.stride()[:-1], t.shape[:-1]))
+
+
+def _select(kind: str, dev, dtype: str, d_tile: int, causal: bool, nq: int, specs=None):
+    if specs and kind in specs:
+        return specs[kind]
+    key = ProblemKey(kind, dev.arch, dtype, d_tile, causal, bucket_of(nq))
+    return dispatch.select(key, dev.gpu, dev.smem_budget, verify=True)
+
+
+def dkdv_family(key: ProblemKey, tensors=()) -> str | None:
+    """The family the dK/dV launch of ``key`` (a ``bwd_dkdv`` key) must be of, or None for dispatch's
+    pick (tuned table, else the default rule). ``FLASHGEN_BWD_FAMILY`` forces one where it serves;
+    the problem's fallback (the mma.sync kernel) serves where the default family is not the one the
+    rule takes for the key, or where a tensor of ``tensors`` has strides its tensor maps cannot step."""
+    want = settings.bwd_family()
+    kinds = families.PROBLEMS["bwd_dkdv"]
+    if want is not None and want not in kinds:
+        raise ValueError(f"FLASHGEN_BWD_FAMILY must be one of {kinds}, got {want!r}")
+    fallback = families.fallback_family("bwd_dkdv", key.arch)
+    if families.default_family(key) == fallback:
+        return fallback
+    if not all(_tma_ok(t) for t in tensors):
+        return fallback  # strides the TMA cannot step (a forced spec: the map encoder says why)
+    return want
+
+
+def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float, layout: str = "bhsd",
+                       deterministic: bool = False, dlse=None, dq_mode: str | None = None, specs=None):
+    """(dq, dk, dv) for ``out, lse = attention(q, k, v, causal, softmax_scale, layout, return_lse=True)``.
+
+    q, k, v, out, lse are the forward's inputs and outputs (already checked by
+    it); ``dout`` is the gradient of ``out`` (any strides; copied only when its
+    last dimension is not contiguous or its rows are not 16-byte aligned),
+    ``dlse`` the optional gradient of ``lse``. The gradients come back
+    contiguous in the shapes (and layout) of q, k, v; dK and dV are summed over
+    each KV head's group of query heads (GQA).
+
+    For study and tuning: ``dq_mode`` ("atomic" or "separate", see
+    ``families.bwd.DQ_MODE``; default: the rule, and always "separate" when
+    deterministic) and ``specs``, a dict kind -> KernelSpec that replaces
+    dispatch's choice for those kinds (key "bwd_dkdv" may hold a bwd_sm90 spec).
+    """
+    if dout.shape != q.shape:
+        raise ValueError(f"dout must have the shape of q {tuple(q.shape)}, got {tuple(dout.shape)}")
+    if dout.dtype != q.dtype:
+        dout = dout.to(q.dtype)
+    if not _ok_for_kernel(dout, layout):
+        dout = dout.contiguous()
+    (b, h, nq, d), sq = dims(q, layout)
+    (_, hk, nk, _), sk = dims(k, layout)
+    sv, so, sdo = (dims(t, layout)[1] for t in (v, out, dout))
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if not (b and h and nq and nk):
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    sdq, sdk, sdv = (dims(t, layout)[1] for t in (dq, dk, dv))
+
+    index = index_of(q)
+    dev = Device.of(index)
+    dtype = DTYPES[q.dtype]
+    d_tile = bwd_head_dim_tile(d)
+    nq_pad = -(-nq // bwd.ROW_PAD) * bwd.ROW_PAD
+    lse = lse.contiguous()
+    if dlse is not None:
+        dlse = dlse.to(torch.float32).contiguous()
+    dsum = torch.empty((b, h, nq_pad), dtype=torch.float32, device=q.device)
+    lse2 = torch.empty((b, h, nq_pad), dtype=torch.float32, device=q.device)
+    key = ProblemKey("bwd_dkdv", dev.arch, dtype, d_tile, causal, bucket_of(nq))
+    forced = specs.get("bwd_dkdv") if specs else None
+    if forced is not None and forced.kind != bwd.DKDV.kind:  # a Hopper kernel: dQ always into the accumulator
+        if deterministic or dq_mode == "separate":
+            raise ValueError(f"a {forced.kind} spec computes dQ by atomic adds: not with deterministic=True or "
+                             "dq_mode='separate'")
+        if forced.head_dim != d_tile:
+            raise ValueError(f"spec {forced.name} has head-dim tile {forced.head_dim}, this call needs {d_tile}")
+        dq_mode = "atomic"
+    if deterministic:
+        dq_mode = "separate"
+    elif dq_mode is None:
+        dq_mode = bwd.dq_mode(d_tile)
+    elif dq_mode not in bwd.DQ_MODES:
+        raise ValueError(f"dq_mode must be one of {bwd.DQ_MODES}, got {dq_mode!r}")
+    if forced is not None:
+        kv_spec = forced
+    elif dq_mode == "separate":
+        kv_spec = None  # bwd_dkdv_nodq, below
+    else:
+        family = dkdv_family(key, (q, k, v, dout))
+        kv_spec = dispatch.select(key, dev.gpu, dev.smem_budget, verify=True, family=family)
+    kv_fam = families.family(kv_spec.kind) if kv_spec is not None else bwd.DKDV
+    if kv_fam is bwd.DKDV and dq_mode == "atomic" and b * h * nq * d_tile >= 2**32:
+        # bwd_dkdv addresses the fp32 dQ accumulator by 32-bit element offsets.
+        dq_mode = "separate"
+    separate = dq_mode == "separate"
+    dq_acc = None if separate else torch.empty((b, h, nq, d_tile), dtype=torch.float32, device=q.device)
+    scale = float(softmax_scale)
+    common = bwd.common_values(nq, nk, nq_pad, h, hk, d, scale)
+
+    launches = []
+    pre = load(_select("bwd_preprocess", dev, dtype, d_tile, False, nq, specs), index)
+    launches.append((pre, (nq_pad // pre.spec.block_m, h, b), pre.params(
+        o=out.data_ptr(), dout=dout.data_ptr(), lse=lse.data_ptr(), dlse=dlse.data_ptr() if dlse is not None else 0,
+        dsum=dsum.data_ptr(), lse2=lse2.data_ptr(), dq_acc=dq_acc.data_ptr() if dq_acc is not None else 0,
+        **stride_values("o", so), **stride_values("dout", sdo), nq=nq, nq_pad=nq_pad, heads=h, d=d)))
+
+    if kv_fam is not bwd.DKDV and not separate:  # bwd_sm90: Q, K, V, dO and dQ through tensor maps
+        kv = load(kv_spec, index)
+        params = kv.params(lse2=lse2.data_ptr(), dsum=dsum.data_ptr(), dq_acc=dq_acc.data_ptr(), dk=dk.data_ptr(),
+                           dv=dv.data_ptr(), **stride_values("dk", sdk), **stride_values("dv", sdv), **common)
+        kv_fam.write_maps(params, kv.spec, (b, h, hk, nq, nk, d, d_tile), {
+            "q": (q.data_ptr(), sq), "k": (k.data_ptr(), sk), "v": (v.data_ptr(), sv), "dout": (dout.data_ptr(), sdo),
+            "dq_acc": (dq_acc.data_ptr(), (h * nq * d_tile, nq * d_tile, d_tile))})
+        launches.append((kv, (-(-nk // kv.spec.block_n), hk, b), params))
+    else:
+        kv = load(_select("bwd_dkdv_nodq", dev, dtype, d_tile, causal, nq, specs) if separate else kv_spec, index)
+        launches.append((kv, (-(-nk // kv.spec.block_n), hk, b), kv.params(
+            q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), dout=dout.data_ptr(), lse2=lse2.data_ptr(),
+            dsum=dsum.data_ptr(), dq_acc=dq_acc.data_ptr() if dq_acc is not None else 0, dk=dk.data_ptr(),
+            dv=dv.data_ptr(), **stride_values("q", sq), **stride_values("k", sk), **stride_values("v", sv),
+            **stride_values("dout", sdo), **stride_values("dk", sdk), **stride_values("dv", sdv), **common)))
+    last_specs[index] = kv.spec
+
+    if separate:
+        dqk = load(_select("bwd_dq", dev, dtype, d_tile, causal, nq, specs), index)
+        launches.append((dqk, (-(-nq // dqk.spec.block_m), h, b), dqk.params(
+            q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), dout=dout.data_ptr(), lse2=lse2.data_ptr(),
+            dsum=dsum.data_ptr(), dq=dq.data_ptr(), **stride_values("q", sq), **stride_values("k", sk),
+            **stride_values("v", sv), **stride_values("dout", sdo), **stride_values("dq", sdq), **common)))
+    else:
+        cv = load(_select("bwd_convert", dev, dtype, d_tile, False, nq, specs), index)
+        launches.append((cv, (-(-nq // cv.spec.block_m), h, b), cv.params(
+            dq_acc=dq_acc.data_ptr(), dq=dq.data_ptr(), **stride_values("dq", sdq), nq=nq, heads=h, d=d, scale=scale)))
+
+    launch_all(index, launches)
+    return dq, dk, dv

@@ -1,0 +1,119 @@
+"""Input checks the torch layer's entry points share; each raises before anything is launched.
+
+Mistakes raise ``TypeError``/``ValueError`` naming the argument and the value;
+valid requests the kernels cannot serve raise ``UnsupportedError``.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from ..errors import UnsupportedError
+from ..spec import KernelSpec
+
+DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+LAYOUTS = ("bhsd", "bshd")
+MAX_GRID_YZ = 65535
+
+
+def dims(t: torch.Tensor, layout: str):
+    """(batch, heads, seqlen, d) and the matching element strides (batch, head, seq)."""
+    s = t.stride()
+    if layout == "bhsd":
+        b, h, n, d = t.shape
+        return (b, h, n, d), (s[0], s[1], s[2])
+    b, n, h, d = t.shape
+    return (b, h, n, d), (s[0], s[2], s[1])
+
+
+def contiguous_strides(shape, layout: str):
+    """The (batch, head, seq) element strides of a contiguous tensor of ``shape`` in ``layout`` (how
+    the outputs are allocated: like q)."""
+    return dims(torch.empty(shape, device="meta"), layout)[1]
+
+
+def checked_scale(softmax_scale, d: int) -> float:
+    """The softmax scale: ``1/sqrt(d)`` by default, else a finite positive real."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a real number, got {softmax_scale!r}")
+    scale = float(softmax_scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"softmax_scale must be finite and positive, got {softmax_scale!r}")
+    return scale
+
+
+def check_flag(name: str, value) -> None:
+    """``TypeError`` unless ``value`` is a bool (1 and 0 are not)."""
+    if type(value) is not bool:
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+def check_heads_and_dim(hq: int, hk: int, d: int, batch: int, grid_heads: int, kv_name: str,
+                        heads_name: str) -> None:
+    """GQA grouping, a supported head dim, and a grid that fits."""
+    if hk == 0 or hq % hk:
+        raise ValueError(f"heads of q ({hq}) must be a multiple of heads of {kv_name} ({hk})")
+    if d % 8 or not 8 <= d <= 256:
+        raise UnsupportedError(f"head dim {d} is not supported: flashgen takes multiples of 8 from 8 to 256")
+    if grid_heads > MAX_GRID_YZ or batch > MAX_GRID_YZ:
+        raise UnsupportedError(f"batch ({batch}) and {heads_name} ({grid_heads}) must each be at most "
+                               f"{MAX_GRID_YZ}")
+
+
+def check_attention_inputs(q, k, v, causal, softmax_scale, layout):
+    """Everything ``flashgen.attention`` checks of its tensors: ((b, hq, nq, d), q strides, (hk, nk),
+    k strides, v strides, scale)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    check_flag("causal", causal)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D ({layout}), got shape {tuple(t.shape)}")
+        if t.device.type != "cuda":
+            raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
+        if t.dtype not in DTYPES:
+            raise TypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    (bq, hq, nq, d), sq = dims(q, layout)
+    (bk, hk, nk, dk), sk = dims(k, layout)
+    (bv, hv, nv, dv), sv = dims(v, layout)
+    if (bk, hk, nk, dk) != (bv, hv, nv, dv):
+        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if bq != bk:
+        raise ValueError(f"q and k must have one batch size, got {bq} and {bk} ({layout})")
+    if d != dk:
+        raise ValueError(f"q and k must have one head dim, got {d} and {dk}")
+    check_heads_and_dim(hq, hk, d, bq, hq, "k/v", "heads")
+    for name, t, strides in (("q", q, sq), ("k", k, sk), ("v", v, sv)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
+        if t.data_ptr() % 16 or any(x % 8 for x in strides):
+            raise ValueError(f"{name} must be 16-byte aligned with strides that are multiples of 8 elements "
+                             f"(16-byte loads), got strides {t.stride()} at address {t.data_ptr():#x}")
+    return (bq, hq, nq, d), sq, (hk, nk), sk, sv, checked_scale(softmax_scale, d)
+
+
+def check_forced_spec(spec, want: dict, d: int, smem_budget: int) -> None:
+    """A ``spec=`` a caller forces must be a valid KernelSpec matching ``want`` (field -> value, or
+    field -> tuple of allowed values), with a head-dim tile that covers ``d`` and shared memory within
+    the device's budget."""
+    if not isinstance(spec, KernelSpec):
+        raise TypeError(f"spec must be a KernelSpec, got {type(spec).__name__}")
+    spec.validate()
+    wrong = {f: getattr(spec, f) for f, v in want.items()
+             if getattr(spec, f) not in (v if isinstance(v, tuple) else (v,))}
+    if wrong or spec.head_dim < d:
+        raise ValueError(f"spec {spec.name} does not fit this problem ({want}, d={d})")
+    if spec.smem_bytes() > smem_budget:
+        raise UnsupportedError(f"spec {spec.name} needs {spec.smem_bytes()} B of shared memory, over the "
+                               f"device's {smem_budget} B")

@@ -1,0 +1,383 @@
+"""The torch layer of Flash-Decoding: ``flashgen.decode``.
+
+Checks the inputs and raises before any launch, plans once per signature
+(shapes, strides, dtypes, devices, flags -> kernels, grids, split count,
+packed parameter templates), and launches on torch's current stream with raw
+pointers: no host syncs except the optional value check; one launch per call
+(the split kernel merges its splits itself, FUSED_COMBINE); the split
+workspace is reused per stream, and inside a CUDA graph capture comes from
+torch's allocator (the graph's pool), hence capture and replay work.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from threading import get_ident
+
+import torch
+
+from .. import dispatch
+from ..codegen import load
+from ..errors import UnsupportedError
+from ..families import decode as dk
+from ..problem import ProblemKey, bucket_of, smallest_tile
+from .checks import DTYPES, check_flag, check_forced_spec, check_heads_and_dim, checked_scale
+from .device import Device, current_device, current_stream, index_of
+from .device import is_capturing as _capturing
+from .plans import PlanCache
+
+_plans = PlanCache("decode")
+
+# Merge the splits inside decode_split (the CTA that draws its group's last ticket) instead of launching
+# decode_combine: one launch per call. Read when a call is planned: after changing it, clear _plans.
+FUSED_COMBINE = True
+
+# Split workspaces (fp32 partials + LSEs, and the in-kernel merge's counters) kept per (device, stream,
+# thread) and grown as needed: launches on one stream run in order, so one buffer serves every call
+# there; the thread is in the key because two threads may interleave their launches on one stream.
+# While a CUDA graph is being captured the buffers come from torch's allocator (the graph's pool).
+_workspaces: dict = {}
+
+
+def _tsig(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
+
+
+def decode(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None, v_new=None,
+           softmax_scale=None, num_splits=None, return_lse=False, check_values=True, spec=None):
+    """Attention of new query tokens to a KV cache, split over the keys (Flash-Decoding).
+
+    q: (batch, seqlen_q, heads_q, d); the new tokens are causal among themselves
+    and see the whole cache (bottom-right alignment: token i sees keys
+    j <= i + L - seqlen_q, L the sequence's length including appended tokens).
+    k_cache, v_cache: contiguous (batch, max_len, heads_kv, d), or paged
+    (num_pages, page_size, heads_kv, d) with ``block_table`` int32 (batch,
+    max_pages) naming sequence b's page for keys [p*page_size, (p+1)*page_size);
+    page sizes 16, 32, 64, 128, 256. heads_kv divides heads_q (GQA/MQA).
+    ``cache_seqlens`` int32 (batch,): each sequence's cached length (0 allowed:
+    with no k_new its rows get output 0 and LSE -inf); None means the whole
+    cache (max_len, or max_pages * page_size). ``k_new``/``v_new`` (batch,
+    seqlen_q, heads_kv, d): written into the cache at positions
+    cache_seqlens[b] .. + seqlen_q (in place, exactly) and attended to; they
+    need ``cache_seqlens``. fp16 or bf16, one CUDA device, contiguous last
+    dimension, 16-byte aligned; d any multiple of 8 up to 256.
+
+    ``num_splits``: how many pieces each sequence's keys are split into (None:
+    ``flashgen.families.decode.num_splits_heuristic`` from the SM count, batch, KV heads
+    and the cache's capacity). ``check_values`` (default True) copies
+    cache_seqlens and block_table to the host (one device sync) and refuses
+    lengths past the cache and block-table entries outside [0, num_pages) for
+    pages in use; it is skipped while a CUDA graph is being captured (values
+    are not checked then) -- pass False in a hot loop whose inputs you trust.
+
+    Returns the output (batch, seqlen_q, heads_q, d) in q's dtype and, with
+    ``return_lse``, the log-sum-exp of the scaled scores, fp32 (batch, heads_q,
+    seqlen_q). TypeError/ValueError on bad inputs, UnsupportedError on requests
+    the kernels do not serve, always before anything is launched.
+    """
+    try:
+        # Flat on purpose: this tuple is built and hashed on every call (host overhead).
+        sig = (q.shape, q.stride(), q.dtype, q.get_device(), k_cache.shape, k_cache.stride(), k_cache.dtype,
+               k_cache.get_device(), v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.get_device(),
+               None if cache_seqlens is None else _tsig(cache_seqlens),
+               None if block_table is None else _tsig(block_table),
+               None if k_new is None else (_tsig(k_new), _tsig(v_new)),
+               softmax_scale, num_splits, return_lse, check_values, spec, type(softmax_scale),
+               type(num_splits), type(return_lse), type(check_values))  # 1 == True: the types keep checks honest
+        plan = _plans.get(sig)
+    except (AttributeError, TypeError):  # not tensors, or unhashable: the full check says why
+        sig = plan = None
+    if plan is None:
+        plan = _plan(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax_scale, num_splits,
+                     return_lse, check_values, spec)
+        _plans.put(sig, plan)
+    qp, kp, vp = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
+    has_new = k_new is not None
+    knp, vnp = (k_new.data_ptr(), v_new.data_ptr()) if has_new else (0, 0)
+    if (qp | kp | vp | knp | vnp) & 15:
+        raise ValueError("q, k_cache, v_cache, k_new, v_new must be 16-byte aligned (16-byte loads)")
+    if check_values and plan.kernel is not None and not _capturing():
+        check_cache_values(plan.limits, cache_seqlens, block_table)
+    out = q.new_empty(q.shape)  # contiguous, q's dtype and device (cheaper than torch.empty on the host)
+    lse = q.new_empty(plan.lse_shape, dtype=torch.float32) if return_lse else None
+    if plan.kernel is None:
+        if lse is not None:
+            lse.fill_(-math.inf)
+        return (out, lse) if return_lse else out
+    params = plan.params()
+    params.q, params.k, params.v, params.o = qp, kp, vp, out.data_ptr()
+    if has_new:
+        params.knew, params.vnew = knp, vnp
+    if cache_seqlens is not None:
+        params.seqlens = cache_seqlens.data_ptr()
+    if block_table is not None:
+        params.block_table = block_table.data_ptr()
+    lse_ptr = lse.data_ptr() if lse is not None else 0
+    idx = plan.device_index
+    if idx != current_device():
+        with torch.cuda.device(idx):
+            return _launch(plan, params, lse_ptr, current_stream(idx), out, lse, return_lse)
+    return _launch(plan, params, lse_ptr, current_stream(idx), out, lse, return_lse)
+
+
+def _launch(plan, params, lse_ptr, stream, out, lse, return_lse):
+    params.lse = lse_ptr
+    if plan.splits > 1:
+        ws, ctr = _workspace(plan, stream)
+        params.o_ws = ws_ptr = ws.data_ptr()
+        params.lse_ws = ws_lse = ws_ptr + plan.ws_lse_offset
+        if plan.combine is None:
+            params.counters = ctr.data_ptr()
+            plan.kernel.launch(plan.grid, params, stream)
+        else:
+            cparams = plan.combine_params()
+            cparams.o_ws, cparams.lse_ws, cparams.o, cparams.lse = ws_ptr, ws_lse, params.o, lse_ptr
+            plan.kernel.launch(plan.grid, params, stream)
+            plan.combine.launch(plan.combine_grid, cparams, stream)
+    else:
+        plan.kernel.launch(plan.grid, params, stream)
+    return (out, lse) if return_lse else out
+
+
+def _workspace(plan, stream):
+    """(fp32 workspace of at least plan.ws_numel, int32 tickets of at least plan.ctr_numel, zero)."""
+    if _capturing():
+        dev = torch.device("cuda", plan.device_index)
+        return (torch.empty(plan.ws_numel, dtype=torch.float32, device=dev),
+                torch.zeros(max(1, plan.ctr_numel), dtype=torch.int32, device=dev))
+    key = (plan.device_index, stream, get_ident())
+    entry = _workspaces.get(key)
+    if entry is None or entry[0].numel() < plan.ws_numel or entry[1].numel() < plan.ctr_numel:
+        dev = torch.device("cuda", plan.device_index)
+        if len(_workspaces) > 64:  # streams or threads come and go: start over rather than grow forever
+            _workspaces.clear()
+        old = entry or (None, None)
+        ws = old[0] if old[0] is not None and old[0].numel() >= plan.ws_numel else \
+            torch.empty(max(plan.ws_numel, 1 << 16), dtype=torch.float32, device=dev)
+        # Tickets start at zero and every launch leaves them at zero, so they are zeroed only here.
+        ctr = old[1] if old[1] is not None and old[1].numel() >= plan.ctr_numel else \
+            torch.zeros(max(plan.ctr_numel, 1024), dtype=torch.int32, device=dev)
+        entry = _workspaces[key] = (ws, ctr)
+    return entry
+
+
+class _Limits:
+    """What the value check needs: capacity, appended tokens, paging."""
+
+    __slots__ = ("capacity", "n_new", "page_size", "num_pages")
+
+    def __init__(self, capacity, n_new, page_size, num_pages):
+        self.capacity, self.n_new, self.page_size, self.num_pages = capacity, n_new, page_size, num_pages
+
+
+def check_cache_values(limits: _Limits, cache_seqlens, block_table) -> None:
+    """Refuse lengths past the cache and out-of-range block-table entries (ValueError).
+
+    Copies ``cache_seqlens`` and ``block_table`` to the host: one device sync.
+    Entries of pages no sequence uses (past its length) are not looked at, so
+    tables padded with -1 are fine.
+    """
+    if cache_seqlens is not None:
+        lens = cache_seqlens.to("cpu").long()
+        total = lens + limits.n_new
+        bad = (lens < 0) | (total > limits.capacity)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(f"cache_seqlens[{i}] = {int(lens[i])}" + (f" (+ {limits.n_new} new tokens)"
+                             if limits.n_new else "") + f" is negative or past the cache's capacity of "
+                             f"{limits.capacity} keys")
+    else:
+        total = None
+    if block_table is not None:
+        bt = block_table.to("cpu")
+        ps = limits.page_size
+        if total is None:
+            total = torch.full((bt.shape[0],), limits.capacity, dtype=torch.long)
+        need = (total + ps - 1) // ps
+        used = torch.arange(bt.shape[1])[None, :] < need[:, None]
+        bad = used & ((bt < 0) | (bt >= limits.num_pages))
+        if bool(bad.any()):
+            i, j = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(f"block_table[{i}, {j}] = {int(bt[i, j])} is out of range: the cache has "
+                             f"{limits.num_pages} pages (sequence {i} uses its first {int(need[i])} entries)")
+
+
+class _Plan:
+    """Everything about a call that depends only on its signature (see ``api.plans``)."""
+
+    __slots__ = ("kernel", "grid", "combine", "combine_grid", "device_index", "lse_shape", "ws_numel",
+                 "ws_lse_offset", "ctr_numel", "splits", "limits", "spec", "_template", "_struct", "_ctemplate",
+                 "_cstruct")
+
+    def __init__(self, device_index, lse_shape, limits):
+        self.device_index, self.lse_shape, self.limits = device_index, lse_shape, limits
+        self.kernel = self.grid = self.combine = self.combine_grid = self.spec = None
+        self.ws_numel = self.ws_lse_offset = self.ctr_numel = 0
+        self.splits = 1
+        self._template = self._struct = self._ctemplate = self._cstruct = None
+
+    def params(self):
+        return self._struct.from_buffer_copy(self._template)
+
+    def combine_params(self):
+        return self._cstruct.from_buffer_copy(self._ctemplate)
+
+
+def _need_tensor(name, t, optional=False):
+    if t is None and optional:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor{' or None' if optional else ''}, got {type(t).__name__}")
+
+
+def _check_strides(name, t):
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
+    if any(s % 8 for s in t.stride()[:-1]):
+        raise ValueError(f"{name} must have strides that are multiples of 8 elements (16-byte loads), "
+                         f"got strides {t.stride()}")
+
+
+def _check(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax_scale, num_splits, return_lse,
+           check_values):
+    """All shape/dtype/device/flag checks; returns the facts the plan needs."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _need_tensor(name, t)
+    for name, t in (("cache_seqlens", cache_seqlens), ("block_table", block_table), ("k_new", k_new),
+                    ("v_new", v_new)):
+        _need_tensor(name, t, optional=True)
+    for name, flag in (("return_lse", return_lse), ("check_values", check_values)):
+        check_flag(name, flag)
+    given = [(n, t) for n, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
+                                 ("cache_seqlens", cache_seqlens), ("block_table", block_table),
+                                 ("k_new", k_new), ("v_new", v_new)) if t is not None]
+    for name, t in given:
+        if t.device.type != "cuda":
+            raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
+    if len({t.device for _, t in given}) > 1:
+        raise ValueError("all tensors must be on one device, got " + ", ".join(f"{n}: {t.device}" for n, t in given))
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new)):
+        if t is None:
+            continue
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D, got shape {tuple(t.shape)}")
+        if t.dtype not in DTYPES:
+            raise TypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+    b, nq, hq, d = q.shape
+    if nq < 1:
+        raise ValueError(f"q must have at least one token (seqlen_q >= 1), got shape {tuple(q.shape)}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    paged = block_table is not None
+    if paged:
+        num_pages, page_size, hk, dkk = k_cache.shape
+        if page_size not in dk.PAGE_SIZES:
+            raise ValueError(f"page size (k_cache.shape[1]) must be one of {dk.PAGE_SIZES}, got {page_size}")
+        if block_table.dtype != torch.int32:
+            raise TypeError(f"block_table must be int32, got {block_table.dtype}")
+        if block_table.dim() != 2 or block_table.shape[0] != b:
+            raise ValueError(f"block_table must be (batch={b}, max_pages), got shape {tuple(block_table.shape)}")
+        if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+            raise ValueError(f"block_table must be contiguous in its last dimension, got strides "
+                             f"{block_table.stride()}")
+        capacity = block_table.shape[1] * page_size
+    else:
+        bk, capacity, hk, dkk = k_cache.shape
+        num_pages = page_size = None
+        if bk != b:
+            raise ValueError(f"k_cache must be (batch={b}, max_len, heads_kv, d) (or pass block_table for a paged "
+                             f"cache), got shape {tuple(k_cache.shape)}")
+    if dkk != d:
+        raise ValueError(f"q and k_cache must have one head dim, got {d} and {dkk}")
+    check_heads_and_dim(hq, hk, d, b, hk, "k_cache/v_cache", "heads_kv")
+    if cache_seqlens is not None:
+        if cache_seqlens.dtype != torch.int32:
+            raise TypeError(f"cache_seqlens must be int32, got {cache_seqlens.dtype}")
+        if tuple(cache_seqlens.shape) != (b,):
+            raise ValueError(f"cache_seqlens must be (batch={b},), got shape {tuple(cache_seqlens.shape)}")
+        if b > 1 and cache_seqlens.stride(0) != 1:
+            raise ValueError(f"cache_seqlens must be contiguous, got stride {cache_seqlens.stride()}")
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new go together: pass both or neither")
+    if k_new is not None:
+        if cache_seqlens is None:
+            raise ValueError("k_new/v_new need cache_seqlens (the positions to append at)")
+        want = (b, nq, hk, d)
+        for name, t in (("k_new", k_new), ("v_new", v_new)):
+            if tuple(t.shape) != want:
+                raise ValueError(f"{name} must be (batch, seqlen_q, heads_kv, d) = {want}, got {tuple(t.shape)}")
+        if nq > capacity:
+            raise ValueError(f"{nq} new tokens do not fit a cache of {capacity} keys")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new)):
+        if t is not None:
+            _check_strides(name, t)
+    if capacity + nq >= 2 ** 31:
+        raise UnsupportedError(f"a cache of {capacity} keys is past the kernels' 32-bit key index")
+    scale = checked_scale(softmax_scale, d)
+    if num_splits is not None:
+        if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
+            raise TypeError(f"num_splits must be an int or None, got {num_splits!r}")
+        if not 1 <= num_splits <= dk.MAX_SPLITS_USER:
+            raise ValueError(f"num_splits must be in [1, {dk.MAX_SPLITS_USER}], got {num_splits}")
+        num_splits = int(num_splits)
+    limits = _Limits(capacity, nq if k_new is not None else 0, page_size, num_pages)
+    return (b, nq, hq, hk, d), scale, num_splits, limits
+
+
+def _plan(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax_scale, num_splits, return_lse,
+          check_values, spec) -> _Plan:
+    (b, nq, hq, hk, d), scale, num_splits, limits = _check(q, k_cache, v_cache, cache_seqlens, block_table, k_new,
+                                                           v_new, softmax_scale, num_splits, return_lse,
+                                                           check_values)
+    index = index_of(q)
+    plan = _Plan(index, (b, hq, nq), limits)
+    if b == 0 or hq == 0:
+        return plan
+    dev = Device.of(index)
+    dtype = DTYPES[q.dtype]
+    tile = smallest_tile(d, dk.DECODE_HEAD_DIMS)
+    group = hq // hk
+    rows = nq * group
+    m_blocks = -(-rows // dk.ROWS)
+    if spec is None:  # (verify: a tile this NVRTC would refuse gives way to the rule's next one)
+        key = ProblemKey(dk.SPLIT.kind, dev.arch, dtype, tile, True, bucket_of(limits.capacity))
+        spec = dispatch.select(key, dev.gpu, dev.smem_budget, verify=True,
+                               regime=dk.decode_regime(b * hk * m_blocks, dev.sms))
+    else:
+        check_forced_spec(spec, {"kind": dk.SPLIT.kind, "dtype": dtype, "arch": dev.arch}, d, dev.smem_budget)
+    kern = load(spec, index)
+    if num_splits is None:
+        occ = dk.ctas_per_sm(spec.smem_bytes(), spec.warps * 32, kern.binary.report.registers or 255, dev.smem_per_sm)
+        num_splits = dk.num_splits_heuristic(b, hk, m_blocks, limits.capacity, spec.block_n, dev.sms, occ)
+    total_rows = b * nq * hq
+    plan.kernel, plan.spec, plan.splits = kern, spec, num_splits
+    plan.grid = (num_splits * m_blocks, hk, b)
+    s_new = k_new.stride() if k_new is not None else (0, 0, 0)
+    s_vnew = v_new.stride() if v_new is not None else (0, 0, 0)
+    ks, vs, qs = k_cache.stride(), v_cache.stride(), q.stride()
+    template = kern.params(
+        q_sb=qs[0], q_ss=qs[1], q_sh=qs[2], k_sb=ks[0], k_ss=ks[1], k_sh=ks[2], v_sb=vs[0], v_ss=vs[1], v_sh=vs[2],
+        knew_sb=s_new[0], knew_ss=s_new[1], knew_sh=s_new[2], vnew_sb=s_vnew[0], vnew_ss=s_vnew[1],
+        vnew_sh=s_vnew[2], o_sb=nq * hq * d, o_ss=hq * d, o_sh=d,
+        bt_sb=block_table.stride(0) if block_table is not None else 0, total_rows=total_rows,
+        nq=nq, heads_q=hq, group=group, rows=rows, d=d, seqlen_k=limits.capacity,
+        page_shift=(limits.page_size.bit_length() - 1) if limits.page_size else 0, num_splits=num_splits,
+        scale=scale, scale_log2=scale * math.log2(math.e),
+    )
+    plan._template, plan._struct = bytes(template), type(template)
+    if num_splits > 1:
+        plan.ws_numel = num_splits * total_rows * (d + 1)
+        plan.ws_lse_offset = num_splits * total_rows * d * 4  # bytes: the LSEs follow the partial outputs
+        plan.ctr_numel = 2 * b * hk * m_blocks                # a ticket and a count per (batch, KV head, m-block)
+        if not FUSED_COMBINE:
+            cspec = dk.COMBINE.spec_for(dev.arch, dtype, spec.head_dim)
+            ckern = load(cspec, index)
+            per_cta = cspec.warps * 32 // (cspec.head_dim // 4)
+            plan.combine = ckern
+            plan.combine_grid = (-(-total_rows // per_cta), 1, 1)
+            ctemplate = ckern.params(total_rows=total_rows, nq=nq, heads_q=hq, d=d, num_splits=num_splits)
+            plan._ctemplate, plan._cstruct = bytes(ctemplate), type(ctemplate)
+    return plan

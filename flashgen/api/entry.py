@@ -1,0 +1,62 @@
+"""``flashgen.attention``: the forward, or the custom op when a gradient is needed.
+
+The forward itself is ``api.forward``; the differentiable path (and the one
+torch.compile traces) is the ``flashgen::attn_fwd`` custom op of ``api.autograd``.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import UnsupportedError
+from .autograd import attention_op
+from .checks import check_flag
+from .device import is_compiling
+from .forward import ALGORITHMS, forward
+
+
+def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, layout: str = "bhsd",
+              return_lse: bool = False, spec=None, algorithm: str = "v2", deterministic: bool = False):
+    """Scaled dot-product attention, softmax(scale * q k^T) v, by a generated kernel.
+
+    q: (batch, heads, seqlen_q, d) for ``layout="bhsd"`` (torch's order) or
+    (batch, seqlen_q, heads, d) for ``"bshd"``; k, v likewise with heads_kv
+    dividing heads (GQA/MQA, no copies). fp16 or bf16 on one CUDA device; any
+    strides with a contiguous last dimension (16-byte aligned). ``d`` any
+    multiple of 8 up to 256. ``causal`` masks bottom-right aligned: query i sees
+    keys j <= i + seqlen_k - seqlen_q; a row that sees no key gives 0 (LSE -inf).
+
+    ``spec`` forces one KernelSpec instead of dispatch's pick (for the tuner
+    and for study); it must match the problem (a forward family the GPU runs:
+    ``fwd_v2``, or ``fwd_sm90`` on sm_90a; dtype, causal, arch, and a head-dim
+    tile that covers d). Dispatch's pick, too, may be of either family (a tuned
+    table's entry for the "fwd" key); the spec's family decides the launch.
+
+    ``algorithm`` picks the kernel family: ``"v2"`` (FlashAttention-2, the
+    default and the fast one), ``"v1"`` (FlashAttention V1's loop order: K/V
+    blocks outside, O/m/l through HBM) or ``"standard"`` (three passes with S
+    and P in HBM; ``UnsupportedError`` when that N x N buffer does not fit in
+    free GPU memory). The last two are for study and comparison; with them,
+    ``spec`` is a ``fwd_v1`` spec, or a tuple of the three ``standard_*`` specs.
+
+    Returns the output in q's layout and dtype, and with ``return_lse`` also the
+    log-sum-exp of the scaled scores, fp32 (batch, heads, seqlen_q).
+    Raises TypeError/ValueError on bad inputs and UnsupportedError for requests
+    outside what the kernels serve, always before launching anything.
+
+    Differentiable: when q, k or v requires grad (or under torch.compile) the
+    call goes through the ``flashgen::attn_fwd`` custom op, whose backward runs
+    flashgen's backward kernels (``flashgen.api.autograd``). ``deterministic=True``
+    makes dQ independent of the order of atomic adds (a separate query-outer
+    dQ kernel, somewhat slower); dK and dV are deterministic either way.
+    """
+    check_flag("deterministic", deterministic)
+    if is_compiling() or (torch.is_grad_enabled() and (getattr(q, "requires_grad", False) or
+                                                        getattr(k, "requires_grad", False) or
+                                                        getattr(v, "requires_grad", False))):
+        if algorithm != "v2":
+            if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
+                raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+            raise UnsupportedError(f"algorithm={algorithm!r} is forward-only (for study); gradients need "
+                                   "algorithm='v2'")
+        return attention_op(q, k, v, causal, softmax_scale, layout, return_lse, deterministic, spec)
+    return forward(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm)

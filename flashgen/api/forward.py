@@ -1,0 +1,123 @@
+"""The forward launch: checks, the problem key, dispatch, the family's packed arguments, the plan cache.
+
+Checks the inputs and raises before any launch, builds the problem key, asks
+dispatch for a spec, and launches the compiled kernel on torch's current
+stream with raw pointers and strides (no copies, CUDA-graph safe). The spec's
+family packs the kernel's arguments (``launch`` of ``families.fwd_v2`` /
+``families.fwd_sm90``); a plan keeps them per call signature.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import dispatch, families
+from ..codegen import load
+from ..errors import UnsupportedError
+from ..problem import ProblemKey, bucket_of, head_dim_tile
+from . import baselines
+from .checks import DTYPES, check_attention_inputs, check_flag, check_forced_spec, contiguous_strides
+from .device import Device, current_device, current_stream, index_of, is_capturing
+from .plans import PlanCache
+
+ALGORITHMS = ("v2", "v1", "standard")
+
+_plans = PlanCache("attention")
+
+
+def forward(q, k, v, causal, softmax_scale, layout, return_lse, spec=None, algorithm="v2"):
+    """The forward launch behind ``attention`` (no autograd)."""
+    try:
+        sig = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+               q.device, k.device, v.device, causal, softmax_scale, layout, return_lse, spec,
+               type(causal), type(softmax_scale), type(return_lse), algorithm)  # 1 == True: the types keep checks honest
+        plan = _plans.get(sig)
+    except (AttributeError, TypeError):  # not tensors, or an unhashable argument: the full check says why
+        sig = plan = None
+    if plan is None:
+        plan = _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm)
+        _plans.put(sig, plan)
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+        raise ValueError("q, k, v must be 16-byte aligned (16-byte loads), got addresses "
+                         f"{q.data_ptr():#x}, {k.data_ptr():#x}, {v.data_ptr():#x}")
+    if type(plan) is not _Plan:  # algorithm="v1"/"standard": several kernels and buffers (baselines)
+        return plan.run(q, k, v, return_lse)
+    out = q.new_empty(q.shape)  # contiguous, q's dtype and device (cheaper than torch.empty on the host)
+    lse = q.new_empty(plan.lse_shape, dtype=torch.float32) if return_lse else None
+    if plan.kernel is not None:
+        params = plan.params_for(q.data_ptr(), k.data_ptr(), v.data_ptr())
+        params.o = out.data_ptr()
+        params.lse = lse.data_ptr() if lse is not None else 0
+        if plan.counters:
+            params.sched = _tile_counters(plan.device_index)
+        plan.launch(params)
+    return (out, lse) if return_lse else out
+
+
+class _Plan:
+    """A checked forward call: the kernel, its grid, and ``params_for(q, k, v addresses)``, the family's
+    packed parameter block with the inputs filled in (fwd_sm90: their tensor maps, cached per address
+    triple); ``counters``: the launch takes the stream's tile counters (a persistent kernel)."""
+
+    __slots__ = ("kernel", "grid", "device_index", "lse_shape", "params_for", "counters")
+
+    def __init__(self, kernel, grid, device_index, lse_shape, params_for=None, counters=False):
+        self.kernel, self.grid, self.device_index, self.lse_shape = kernel, grid, device_index, lse_shape
+        self.params_for, self.counters = params_for, counters
+
+    def launch(self, params) -> None:
+        idx = self.device_index
+        if idx == current_device():
+            self.kernel.launch(self.grid, params, current_stream(idx))
+        else:
+            with torch.cuda.device(idx):
+                self.kernel.launch(self.grid, params, current_stream(idx))
+
+
+def _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm="v2"):
+    if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    (b, h, nq, d), sq, (hk, nk), sk, sv, scale = check_attention_inputs(q, k, v, causal, softmax_scale, layout)
+    check_flag("return_lse", return_lse)
+    index = index_of(q)
+    if not (nq and b and h):
+        return _Plan(None, None, index, (b, h, nq))
+    dev = Device.of(index)
+    dims = (b, h, hk, nq, nk, d)
+    o_strides = contiguous_strides(q.shape, layout)  # the output is allocated like q
+    if algorithm != "v2":
+        return baselines.plan(algorithm, spec, causal, dev, DTYPES[q.dtype], dims, (sq, sk, sv), o_strides, scale)
+    # One problem key for the forward; the spec (tuned table, default rule or spec=) may be of any
+    # forward family the arch runs, and its family decides the launch.
+    key = ProblemKey("fwd", dev.arch, DTYPES[q.dtype], head_dim_tile(d), causal, bucket_of(nq))
+    serving = families.serving("fwd", dev.arch)
+    if spec is None:
+        spec = dispatch.select(key, dev.gpu, dev.smem_budget, verify=True)
+    else:
+        if getattr(spec, "kind", None) in families.PROBLEMS["fwd"] and spec.kind not in serving:
+            raise UnsupportedError(f"{spec.kind} does not run on {dev.arch} (this device); the forward here runs "
+                                   f"{', '.join(serving)}: use such a spec or none")
+        check_forced_spec(spec, {"kind": serving, "dtype": key.dtype, "causal": causal, "arch": dev.arch}, d,
+                          dev.smem_budget)
+    kern = load(spec, dev.index)
+    fam = families.family(spec.kind)
+    grid, params_for = fam.launch(kern, dims, (sq, sk, sv), o_strides, scale, dev)
+    return _Plan(kern, grid, dev.index, (b, h, nq), params_for, fam.needs_tile_counters(spec))
+
+
+_counters: dict = {}
+
+
+def _tile_counters(idx: int) -> int:
+    """The address of two zeroed int32 tile counters for a persistent fwd_sm90 launch on the current stream
+    of device ``idx``: one pair per stream (launches on one stream run one after another, and each leaves
+    the pair zeroed), a fresh pair inside a CUDA graph capture (zeroed by the graph itself on replay)."""
+    stream = current_stream(idx)
+    if is_capturing():
+        t = torch.zeros(2, dtype=torch.int32, device=torch.device("cuda", idx))
+        return t.data_ptr()
+    t = _counters.get((idx, stream))
+    if t is None:
+        if len(_counters) > 256:  # streams come and go
+            _counters.clear()
+        t = _counters[(idx, stream)] = torch.zeros(2, dtype=torch.int32, device=torch.device("cuda", idx))
+    return t.data_ptr()

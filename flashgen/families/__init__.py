@@ -1,0 +1,124 @@
+"""Kernel families: one module per family, behind this registry.
+
+A family module owns everything about its kernels: which problems they serve
+(arch, head dims), validation of their spec fields, the shared-memory formula,
+the template context, the default tiles per GPU (``rule``), the tuning space and
+how their arguments are packed for a launch (TMA descriptors included).
+Dispatch, the tuner and the CLI ask the registry below; they never compare
+kind strings themselves.
+
+- ``fwd_sm90``, ``fwd_v2``: the forward ("fwd" problem), Hopper first;
+- ``decode``: Flash-Decoding (``decode_split``, ``decode_combine``);
+- ``bwd_sm90``, ``bwd``: the backward (``bwd_dkdv`` problem: Hopper first, then the mma.sync
+  kernel; ``bwd_preprocess``, ``bwd_dkdv_nodq``, ``bwd_dq``, ``bwd_convert``);
+- ``standard``, ``fwd_v1``: the study families (standard attention's three passes, FlashAttention V1).
+
+Importing this package registers every kind with ``flashgen.spec``.
+"""
+from __future__ import annotations
+
+from ..errors import UnsupportedError
+from ..problem import ProblemKey, bucket_of
+from ..spec import KernelSpec, family_of, register_family
+from . import bwd, bwd_sm90, decode, fwd_sm90, fwd_v1, fwd_v2, standard
+from .base import Family, first_clean
+
+# In preference order within each problem: the first family whose ``default_for`` holds for a key
+# serves it by default; the last one that runs on the arch is the problem's fallback.
+FAMILIES: dict[str, Family] = {}
+for _fam in (fwd_sm90.FAMILY, fwd_v2.FAMILY, *decode.FAMILIES, bwd_sm90.FAMILY, *bwd.FAMILIES,
+             *standard.FAMILIES, fwd_v1.FAMILY):
+    register_family(_fam)
+    FAMILIES[_fam.kind] = _fam
+
+# Problem kind -> the kinds that serve it, in preference order.
+PROBLEMS: dict[str, tuple] = {}
+for _fam in FAMILIES.values():
+    PROBLEMS[_fam.serves] = PROBLEMS.get(_fam.serves, ()) + (_fam.kind,)
+
+# Problems whose fallback family the torch layer takes where the preferred one cannot serve a call
+# (the backward: bwd_sm90's tensor maps cannot step every stride; the separate-dQ mode): their
+# fallback's rule is reachable where another family is the default.
+FALLBACK_REACHABLE = ("bwd_dkdv",)
+
+
+def family(kind: str) -> Family:
+    """The family of ``kind``; ``ValueError`` naming the known kinds otherwise."""
+    return family_of(kind)
+
+
+def problems() -> tuple:
+    """Every problem kind a key (and a tuned table's entry) may have."""
+    return tuple(PROBLEMS)
+
+
+def serving(problem: str, arch: str) -> tuple:
+    """The kinds that serve ``problem`` on ``arch``, in preference order (() when none does)."""
+    return tuple(k for k in PROBLEMS.get(problem, ()) if FAMILIES[k].runs_on(arch))
+
+
+def default_family(key: ProblemKey) -> str:
+    """The kind the default rule uses for ``key``: the first serving family that takes it by
+    default, else the last one that runs on the arch. ``UnsupportedError`` when none runs there."""
+    kinds = serving(key.kind, key.arch)
+    if not kinds:
+        raise UnsupportedError(f"no kernel family serves {key.kind} on {key.arch}")
+    return next((k for k in kinds if FAMILIES[k].default_for(key)), kinds[-1])
+
+
+def problem_key(problem: str, arch: str, dtype: str, d: int, causal: bool, seqlen: int) -> ProblemKey:
+    """The key of ``problem`` for an input head dim ``d`` and query length ``seqlen``: its head-dim
+    tile and bucket."""
+    kinds = PROBLEMS.get(problem)
+    if not kinds:
+        raise ValueError(f"unknown problem {problem!r}; known: {sorted(PROBLEMS)}")
+    return ProblemKey(problem, arch, dtype, FAMILIES[kinds[0]].key_tile(d), causal, bucket_of(seqlen))
+
+
+def fallback_family(problem: str, arch: str) -> str:
+    kinds = serving(problem, arch)
+    if not kinds:
+        raise UnsupportedError(f"no kernel family serves {problem} on {arch}")
+    return kinds[-1]
+
+
+def default_spec(key: ProblemKey, budget: int, check=None, family: str | None = None, **rule_args) -> KernelSpec:
+    """The default rule's spec for ``key`` under ``budget`` bytes of shared memory per block.
+
+    The family's rule lists tiles in order of preference; the first that fits is
+    taken. With ``check`` (spec -> list of problems, e.g. dispatch.resource_problems)
+    a fitting tile that ``check`` refuses is skipped for the next fitting one: a tile
+    the device's NVRTC compiles spill-free may spill under another NVRTC version, and
+    the rule's later tiles are the fallback. ``family`` takes that family's rule
+    instead of the default family's (it must serve the key's problem).
+    """
+    kind = default_family(key) if family is None else family
+    fam = FAMILIES.get(kind)
+    if fam is None or fam.serves != key.kind:
+        raise ValueError(f"{kind} does not serve {key.kind} (families: {PROBLEMS.get(key.kind, ())})")
+    return first_clean(fam.rule(key, budget, **rule_args), check)
+
+
+def rule_specs(arch: str, budget: int) -> list:
+    """Every spec a default rule can give dispatch on ``arch`` under ``budget``: per family, its rule's
+    first fitting tile at every key where it is the default family (or a reachable fallback) and some
+    tile fits; the decode families' at every regime. For the compile tier and the cubin comparison."""
+    out = []
+    for fam in FAMILIES.values():
+        if hasattr(fam, "rule_specs"):
+            specs = fam.rule_specs(arch, budget) if fam.runs_on(arch) else []
+        else:
+            specs = []
+            for key in fam.rule_keys(arch):
+                if default_family(key) == fam.kind or (key.kind in FALLBACK_REACHABLE
+                                                       and fallback_family(key.kind, arch) == fam.kind):
+                    try:
+                        specs.append(fam.rule(key, budget)[0])
+                    except UnsupportedError:  # no tile of the rule fits this budget: nothing to pick
+                        continue
+        out += [s for s in specs if s not in out]
+    return out
+
+
+__all__ = ["FAMILIES", "PROBLEMS", "Family", "family", "problems", "serving", "default_family", "fallback_family",
+           "default_spec", "rule_specs", "problem_key", "bwd", "bwd_sm90", "decode", "fwd_sm90", "fwd_v1", "fwd_v2", "standard"]

@@ -1,0 +1,257 @@
+"""What every kernel family shares: the ``Family`` base class and the parameter-block helpers.
+
+A family says which field values its template supports, how much shared
+memory a spec needs, which specs are implausible on a GPU, the extra template
+variables, the kernel's by-value parameter block, its default rule (the tiles
+dispatch takes without a tuned table) and its tuning space. The parameter
+block is declared once, as (name, C type, ctypes type) rows: the template
+emits the C struct from it and the launcher packs the same rows with ctypes,
+so the two sides cannot drift.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass, field
+
+from ..errors import UnsupportedError
+from ..problem import HEAD_DIM_TILES, ProblemKey, head_dim_tile
+from ..settings import logger
+from ..spec import DTYPES, KernelSpec
+
+PTR = ctypes.c_void_p
+I64 = ctypes.c_int64
+I32 = ctypes.c_int32
+F32 = ctypes.c_float
+
+
+class TMAP(ctypes.Structure):
+    """A CUtensorMap's 128 opaque bytes (built by flashgen.tma)."""
+
+    _fields_ = [("v", ctypes.c_uint64 * 16)]
+
+
+def strides(*tensors) -> tuple:
+    """Parameter rows of the (batch, head, seq) element strides of each named tensor."""
+    return tuple((f"{t}_s{ax}", "long long", I64) for t in tensors for ax in "bhs")
+
+
+def stride_values(name: str, s) -> dict:
+    """``{name_sb, name_sh, name_ss}`` from (batch, head, seq) strides: the values of ``strides(name)``."""
+    return {f"{name}_sb": s[0], f"{name}_sh": s[1], f"{name}_ss": s[2]}
+
+
+# The forward's parameter block (fwd_v2, fwd_v1 adds its buffers): pointers, (batch, head, seq) strides
+# of q, k, v, o, the sizes, and the scale twice (natural and log2-based, for exp2).
+FWD_PARAMS = (
+    ("q", "const elem_t*", PTR), ("k", "const elem_t*", PTR), ("v", "const elem_t*", PTR),
+    ("o", "elem_t*", PTR), ("lse", "float*", PTR),
+    *strides("q", "k", "v", "o"),
+    ("nq", "int", I32), ("nk", "int", I32), ("heads", "int", I32), ("group", "int", I32),
+    ("d", "int", I32), ("scale", "float", F32), ("scale_log2", "float", F32),
+)
+
+
+def forward_values(dims, strides_bhs, o_strides, scale: float) -> dict:
+    """The parameter values every forward kernel of q (b, h, nq, d), k/v (b, hk, nk, d) takes:
+    strides of q, k, v, o and the sizes; ``dims`` = (b, h, hk, nq, nk, d)."""
+    b, h, hk, nq, nk, d = dims
+    sq, sk, sv = strides_bhs
+    return {**stride_values("q", sq), **stride_values("k", sk), **stride_values("v", sv),
+            **stride_values("o", o_strides), "nq": nq, "nk": nk, "heads": h, "group": h // hk, "d": d,
+            "scale": scale, "scale_log2": scale * math.log2(math.e)}
+
+
+def first_clean(candidates, check):
+    """The first of ``candidates`` (a rule's fitting specs, in its order) that ``check`` (spec -> list
+    of problems, e.g. dispatch.resource_problems) finds nothing wrong with; the last one unchecked
+    (nothing is left to fall back to: the load reports its problems). ``check`` None: the first."""
+    for i, spec in enumerate(candidates):
+        if check is None or i == len(candidates) - 1:
+            return spec
+        problems = check(spec)
+        if not problems:
+            return spec
+        logger().debug("dispatch: skipping %s (%s) for the next tile of the rule", spec.name, "; ".join(problems))
+    raise UnsupportedError("the rule has no candidate")
+
+
+@dataclass(frozen=True)
+class Family:
+    """One kernel kind's rules. ``problem`` is what it serves (its own kind unless several families
+    serve one problem, e.g. "fwd"); ``template`` its entry template under flashgen/templates."""
+
+    kind: str
+    template: str                       # entry template, relative to flashgen/templates
+    params: tuple                       # ((name, C declaration type, ctypes type), ...)
+    problem: str = ""                   # the problem kind it serves ("" -> its own kind)
+    head_dims: tuple = HEAD_DIM_TILES
+    block_ms: tuple = (16, 32, 48, 64, 96, 128, 192, 256)
+    block_ns: tuple = (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256)
+    warps: tuple = (1, 2, 4, 8)
+    stages: tuple = (2, 3, 4)
+    max_acc_floats: int = 200           # fp32 accumulators per thread before spilling is likely
+    archs: tuple = ("sm_80", "sm_86", "sm_89", "sm_90a")  # compile targets the family runs on
+    # The knobs the tuner searches and the values it tries (a subset of the supported values: the
+    # sizes that can win, not every legal one); () for a kind that is not tuned.
+    tune_space: tuple = ()
+    # What the cost model (tuner/cost.py) needs of the kernel: its GEMMs per step (2 in the forward: QK^T
+    # and PV; the backward's 3-5), whether a CTA owns query rows (else key rows), and the fraction of the
+    # datasheet tensor rate it is credited with (None: the arch's mma.sync fraction).
+    gemms: int = 2
+    query_outer: bool = True
+    tensor_fraction: float | None = None
+    # The default rule: per head-dim tile, tile tuples in order of preference (each family reads its
+    # own tuple shape in ``rule``).
+    tiles: dict = field(default_factory=dict, compare=False, repr=False)
+    _struct: list = field(default_factory=list, compare=False, repr=False)
+
+    @property
+    def serves(self) -> str:
+        """The problem kind this family serves."""
+        return self.problem or self.kind
+
+    # -- spec rules ---------------------------------------------------------
+    def require(self, spec, rules) -> None:
+        """``ValueError`` unless every (field, allowed values) rule holds for ``spec``."""
+        for fname, allowed in rules:
+            if getattr(spec, fname) not in allowed:
+                raise ValueError(f"{self.kind}: {fname}={getattr(spec, fname)} not in {allowed}")
+
+    def value_rules(self) -> tuple:
+        """The (field, allowed values) rules every spec of this family meets."""
+        return (("head_dim", self.head_dims), ("block_m", self.block_ms), ("block_n", self.block_ns),
+                ("warps", self.warps), ("stages", self.stages), ("arch", self.archs))
+
+    def validate(self, spec) -> None:
+        self.require(spec, self.value_rules())
+        if spec.block_m % (16 * spec.warps):
+            raise ValueError(f"{self.kind}: block_m={spec.block_m} must split into 16-row slices "
+                             f"over {spec.warps} warps")
+
+    def complete(self, knobs: dict) -> dict:
+        """A point of ``tune_space`` as KernelSpec fields: the knobs plus any field they imply (none here)."""
+        return dict(knobs)
+
+    def searched(self, spec) -> bool:
+        """Whether the tuner tries this valid point of ``tune_space`` (all of them here)."""
+        return True
+
+    def smem_bytes(self, spec) -> int:
+        return 2 * spec.head_dim * (spec.block_m + 2 * spec.stages * spec.block_n)
+
+    def acc_floats(self, spec) -> int:
+        """fp32 accumulators per thread: O (rows x head_dim) and S (rows x block_n)."""
+        slices = spec.block_m // spec.warps // 16
+        return slices * (spec.head_dim // 8 + spec.block_n // 8) * 4
+
+    def extra_checks(self, spec, profile) -> list[str]:
+        reasons = []
+        if self.acc_floats(spec) > self.max_acc_floats:
+            reasons.append(f"{self.acc_floats(spec)} fp32 accumulators per thread > {self.max_acc_floats}"
+                           " (would spill)")
+        return reasons
+
+    def context(self, spec) -> dict:
+        return {"params": [(n, c) for n, c, _ in self.params]}
+
+    def threads(self, spec) -> int:
+        """Threads per CTA."""
+        return spec.warps * 32
+
+    # -- problems and tiles -------------------------------------------------
+    def key_tile(self, d: int) -> int:
+        """The head-dim tile of the problem key for an input head dim ``d`` (the families of one
+        problem agree on it)."""
+        return head_dim_tile(d)
+
+    def tile(self, key: ProblemKey) -> int:
+        """The head-dim tile this family's spec for ``key`` has (the key's own by default)."""
+        return key.head_dim
+
+    def runs_on(self, arch: str) -> bool:
+        return arch in self.archs
+
+    def default_for(self, key: ProblemKey) -> bool:
+        """Whether the problem's default rule takes this family for ``key`` (families are asked in
+        their registry order; the last one that runs on the arch is the fallback)."""
+        return True
+
+    def spec(self, key: ProblemKey, **fields) -> KernelSpec:
+        """The spec of this kind for ``key`` with the given tile fields (not validated)."""
+        return KernelSpec(kind=self.kind, arch=key.arch, dtype=key.dtype, head_dim=self.tile(key),
+                          causal=key.causal, **fields)
+
+    def rule(self, key: ProblemKey, budget: int) -> list:
+        """The default rule's specs for ``key`` that fit ``budget`` bytes of shared memory per block, in
+        order of preference (dispatch takes the first its resource check does not refuse). Reads
+        ``tiles[head-dim tile]`` as (block_m, block_n, warps, stages, causal, arch) rows, None meaning
+        any causal / arch."""
+        if not self.runs_on(key.arch):
+            raise UnsupportedError(f"{self.kind} does not run on {key.arch} (it runs on {', '.join(self.archs)})")
+        d = self.tile(key)
+        if d not in self.tiles:
+            raise UnsupportedError(f"{self.kind} has no head-dim tile {d} (its tiles: {sorted(self.tiles)})")
+        out = []
+        for row in self.tiles[d]:
+            bm, bn, w, st, causal, arch = row
+            if (causal is not None and causal != key.causal) or (arch is not None and arch != key.arch):
+                continue
+            self._fit(out, self.spec(key, block_m=bm, block_n=bn, warps=w, stages=st), budget)
+        return self._fitting(out, key, budget)
+
+    def _fit(self, out: list, spec: KernelSpec, budget: int) -> None:
+        """Append ``spec`` (validated) to ``out`` when it fits ``budget`` and is not there yet."""
+        if spec.validate().smem_bytes() <= budget and spec not in out:
+            out.append(spec)
+
+    def _fitting(self, out: list, key: ProblemKey, budget: int) -> list:
+        if not out:
+            raise UnsupportedError(f"no default {self.kind} tile fits {budget} B of shared memory for "
+                                   f"d={self.tile(key)}")
+        return out
+
+    def rule_keys(self, arch: str) -> list:
+        """Every key the default rule may be asked for on ``arch`` (for the compile tier)."""
+        if not self.runs_on(arch):
+            return []
+        dims = sorted(self.tiles) if self.tiles else self.head_dims
+        return [ProblemKey(self.serves, arch, dt, d, c, 512) for d in dims for dt in DTYPES for c in (False, True)]
+
+    # -- launch -------------------------------------------------------------
+    def needs_tile_counters(self, spec) -> bool:
+        """Whether a launch takes the stream's two zeroed tile counters (a persistent kernel's ``sched``)."""
+        return False
+
+    def param_struct(self):
+        """The ctypes Structure matching the emitted C parameter struct."""
+        if not self._struct:
+            self._struct.append(type(f"{self.kind}_params", (ctypes.Structure,),
+                                     {"_fields_": [(n, t) for n, _, t in self.params]}))
+        return self._struct[0]
+
+
+def aligned_struct(fam: Family):
+    """A family's ctypes struct padded to the C struct's alignas(64) size (ctypes here has no _align_):
+    the Hopper families, whose blocks start with 64-byte-aligned tensor maps."""
+    if not fam._struct:
+        rows = fam.params
+        base = type(f"{fam.kind}_params_base", (ctypes.Structure,), {"_fields_": [(n, t) for n, _, t in rows]})
+        pad = -ctypes.sizeof(base) % 64
+        fields = [(n, t) for n, _, t in rows] + ([("_pad", ctypes.c_ubyte * pad)] if pad else [])
+        fam._struct.append(type(f"{fam.kind}_params", (ctypes.Structure,), {"_fields_": fields}))
+    return fam._struct[0]
+
+
+def hopper_checks(fam, spec, profile, reserved: str) -> list[str]:
+    """The checks the Hopper families (fwd_sm90, bwd_sm90) share: sm_90a only, and the fp32 values a
+    consumer thread keeps live (``fam.acc_floats``) within its registers after setmaxnreg
+    (``fam.regs``; without warp specialization the launch's share) less 32 for ``reserved``."""
+    reasons = []
+    if profile.arch != "sm_90a":
+        reasons.append(f"{fam.kind} needs sm_90a (wgmma, TMA), {profile.name} is {profile.arch}")
+    budget = fam.regs(spec)[1] or min(255, 65536 // (spec.warps * 32) // 8 * 8)
+    if fam.acc_floats(spec) > budget - 32:
+        reasons.append(f"{fam.acc_floats(spec)} fp32 values per consumer thread > {budget - 32} "
+                       f"({budget} registers less {reserved}; would spill)")
+    return reasons

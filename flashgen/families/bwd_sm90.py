@@ -1,0 +1,146 @@
+"""bwd_sm90: the backward's dK/dV kernel (dQ into the fp32 accumulator) on Hopper: TMA, mbarriers, wgmma,
+a producer warpgroup (templates/bwd_sm90/), sm_90a only. It serves the ``bwd_dkdv`` problem beside the
+mma.sync ``bwd_dkdv`` kernel and runs between the same preprocess and convert kernels (families/bwd.py).
+
+block_n = 64 x consumer warpgroups (each owns 64 keys); block_m = 64 queries per step; warps = 4 x
+(consumer warpgroups + the producer warpgroup); stages: the Q/dO ring; ``dq_write``: how dQ reaches
+the accumulator (DQ_WRITES). Always warp-specialized (the producer is not a field here).
+"""
+from __future__ import annotations
+
+import ctypes
+
+from .. import tma
+from ..errors import UnsupportedError
+from ..problem import ProblemKey, bwd_head_dim_tile
+from .base import F32, I32, PTR, TMAP, Family, aligned_struct, hopper_checks, strides
+
+# The parameter block: tensor maps first (64-byte aligned, as the C struct's alignas(64) wants),
+# Q/K/V/dO in the input dtype with 64-column boxes, and the fp32 dQ accumulator (b, h, nq, head-dim
+# tile) with 32-column boxes (the TMA's reduce-add target).
+SM90_BWD_PARAMS = (
+    ("tm_q", "fg_tmap", TMAP), ("tm_k", "fg_tmap", TMAP), ("tm_v", "fg_tmap", TMAP), ("tm_do", "fg_tmap", TMAP),
+    ("tm_dq", "fg_tmap", TMAP),
+    ("lse2", "const float*", PTR), ("dsum", "const float*", PTR), ("dq_acc", "float*", PTR),
+    ("dk", "elem_t*", PTR), ("dv", "elem_t*", PTR),
+    *strides("dk", "dv"),
+    ("nq", "int", I32), ("nk", "int", I32), ("nq_pad", "int", I32), ("heads", "int", I32), ("group", "int", I32),
+    ("d", "int", I32), ("scale", "float", F32), ("scale_log2", "float", F32),
+)
+
+# How dQ reaches the fp32 accumulator (KernelSpec.dq_write).
+DQ_WRITES = {0: "TMA reduce-add from a shared-memory staging tile", 1: "red.global.add.v2.f32 from registers"}
+
+# The default rule: head-dim tile -> (block_n, stages, dq_write) in order of preference; block_m is 64
+# and warps = 4 (block_n / 64 + 1). FA3's shape: two consumer warpgroups of 64 keys and a producer.
+# d=64 takes a 3-stage Q/dO ring (shared memory to spare, one CTA per SM either way); d=128 two (three
+# fit: 231936 + 64 B of 232448, measured as a variant). Measured 1.6-1.9x the mma.sync kernel's
+# backward on the H200 (docs/perf/backward.md), hence the default where it has a tile.
+BWD_SM90_TILES = {
+    64: ((128, 3, 0), (128, 2, 0)),
+    128: ((128, 2, 0),),
+}
+
+
+class Bwd90Family(Family):
+    def consumers(self, spec) -> int:
+        return spec.block_n // 64
+
+    def dq_cols(self, spec) -> int:
+        """dQ columns each consumer warpgroup computes (its share of the head dim)."""
+        return spec.head_dim // self.consumers(spec)
+
+    def validate(self, spec) -> None:
+        self.require(spec, (("head_dim", self.head_dims), ("block_m", self.block_ms), ("block_n", self.block_ns),
+                            ("stages", self.stages), ("arch", self.archs), ("dq_write", tuple(DQ_WRITES))))
+        want = 4 * (self.consumers(spec) + 1)
+        if spec.warps != want:
+            raise ValueError(f"{self.kind}: block_n={spec.block_n} means {self.consumers(spec)} consumer "
+                             f"warpgroup(s) and a producer: warps={want}, got {spec.warps}")
+        if self.dq_cols(spec) % 32:
+            raise ValueError(f"{self.kind}: head_dim={spec.head_dim} does not split into 32-column dQ panels "
+                             f"over {self.consumers(spec)} warpgroups")
+
+    def complete(self, knobs: dict) -> dict:
+        """block_m is fixed (64) and warps follows from block_n: neither is a knob."""
+        out = dict(knobs)
+        out.setdefault("block_m", 64)
+        if "warps" not in out and "block_n" in out:
+            out["warps"] = 4 * (out["block_n"] // 64 + 1)
+        return out
+
+    def staging_bytes(self, spec) -> int:
+        return 4 * spec.block_m * spec.head_dim if spec.dq_write == 0 else 0
+
+    def smem_bytes(self, spec) -> int:
+        # K, V (once); Q, dO (ring); two dS^T buffers; the fp32 dQ staging tile (dq_write 0);
+        # LSE2 and D rows (ring, fp32); 1 KB to align the tiles to 1024 bytes. Barriers are static.
+        bm, bn, d, st = spec.block_m, spec.block_n, spec.head_dim, spec.stages
+        return 2 * d * (2 * bn + 2 * st * bm) + 4 * bn * bm + self.staging_bytes(spec) + 8 * st * bm + 1024
+
+    def regs(self, spec) -> tuple[int, int]:
+        """(producer, consumer) registers per thread after setmaxnreg (two or more consumers)."""
+        return {2: (24, 240), 3: (24, 160)}.get(self.consumers(spec), (0, 0))
+
+    def acc_floats(self, spec) -> int:
+        """fp32 values live per consumer thread at the peak: dK and dV (head_dim / 2 each) plus
+        S^T and dP^T (block_m / 2 each), or plus packed P^T, dS^T and the dQ part."""
+        d, bm = spec.head_dim, spec.block_m
+        return d + max(bm, bm // 2 + self.dq_cols(spec) // 2)
+
+    def extra_checks(self, spec, profile) -> list[str]:
+        return hopper_checks(self, spec, profile, "addressing")
+
+    def context(self, spec) -> dict:
+        producer, consumer = self.regs(spec)
+        return {"params": [(n, c) for n, c, _ in self.params], "param_bytes": ctypes.sizeof(self.param_struct()),
+                "producer_regs": producer or 24, "consumer_regs": consumer or 240, "dq_n": self.dq_cols(spec),
+                "staging_bytes": self.staging_bytes(spec), "dq_write_how": DQ_WRITES[spec.dq_write]}
+
+    def param_struct(self):
+        return aligned_struct(self)
+
+    # -- problems and rule ----------------------------------------------------
+    def key_tile(self, d: int) -> int:
+        return bwd_head_dim_tile(d)
+
+    def default_for(self, key: ProblemKey) -> bool:
+        return key.arch == "sm_90a" and key.head_dim in BWD_SM90_TILES
+
+    def rule(self, key: ProblemKey, budget: int) -> list:
+        if not self.runs_on(key.arch):
+            raise UnsupportedError(f"bwd_sm90 (wgmma + TMA) needs an sm_90a GPU (H100/H200), not {key.arch}")
+        if key.head_dim not in BWD_SM90_TILES:
+            raise UnsupportedError(f"bwd_sm90 has no head-dim tile {key.head_dim} (it serves "
+                                   f"{sorted(BWD_SM90_TILES)})")
+        out = []
+        for bn, st, dq_write in BWD_SM90_TILES[key.head_dim]:
+            self._fit(out, self.spec(key, block_m=64, block_n=bn, warps=4 * (bn // 64 + 1), stages=st,
+                                     dq_write=dq_write), budget)
+        return self._fitting(out, key, budget)
+
+    # -- launch ---------------------------------------------------------------
+    def write_maps(self, params, spec, dims, tensors) -> None:
+        """Write the five tensor maps into the parameter block (built by the driver, cached per
+        address/shape/strides in flashgen.tma). ``dims``: (b, h, hk, nq, nk, d, d_tile); ``tensors``:
+        name -> (data_ptr, element strides (batch, head, seq)) for q, k, v, dout and the fp32 dq_acc."""
+        b, h, hk, nq, nk, d, d_tile = dims
+        struct = type(params)
+        base = ctypes.addressof(params)
+        rows = {"q": (nq, h, spec.block_m), "dout": (nq, h, spec.block_m), "k": (nk, hk, spec.block_n),
+                "v": (nk, hk, spec.block_n)}
+        for name, fld in (("q", "tm_q"), ("k", "tm_k"), ("v", "tm_v"), ("dout", "tm_do")):
+            ptr, st = tensors[name]
+            n, heads, box = rows[name]
+            dims4, strides4 = tma.tensor_dims(d, n, heads, b, st[::-1])
+            ctypes.memmove(base + getattr(struct, fld).offset,
+                           tma.encode(ptr, spec.dtype, dims4, strides4, (64, box, 1, 1)), 128)
+        ptr, st = tensors["dq_acc"]
+        dims4, strides4 = tma.tensor_dims(d_tile, nq, h, b, st[::-1], elem_bytes=4)
+        ctypes.memmove(base + struct.tm_dq.offset, tma.encode(ptr, "fp32", dims4, strides4, (32, spec.block_m, 1, 1)),
+                       128)
+
+
+FAMILY = Bwd90Family("bwd_sm90", "bwd_sm90/bwd_sm90.cu.j2", SM90_BWD_PARAMS, problem="bwd_dkdv", head_dims=(64, 128),
+                     block_ms=(64,), block_ns=(64, 128), warps=(8, 12), stages=(2, 3), archs=("sm_90a",),
+                     tiles=BWD_SM90_TILES, gemms=5, query_outer=False, tune_space=(("block_n", (64, 128)), ("stages", (2, 3)), ("dq_write", (0, 1))))

@@ -1,0 +1,390 @@
+"""decode: Flash-Decoding over a contiguous or paged KV cache (templates/decode/).
+
+Generation attends with one (or a few) new query tokens per sequence to a long
+KV cache. The ``decode_split`` kernel splits each sequence's keys across CTAs;
+each CTA packs the query heads that share one KV head (times the new tokens)
+into the 16 rows of one mma tile, so every K/V block is read once per group,
+and writes a normalised fp32 partial output and its log-sum-exp into a
+workspace; the last CTA of a group to finish merges the group's partials in
+split order inside the same launch (``merge_splits``), or, where the caller
+asks for it, ``decode_combine`` merges them in a second launch. With one split
+the split kernel writes the output itself.
+
+The pure-Python helpers at the end mirror the kernels' index arithmetic (split
+ranges, page lookup, causal limits, the merge) so that it is tested without a GPU.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..gpus import ARCH_SMEM_PER_BLOCK
+from ..problem import ProblemKey, smallest_tile
+from ..spec import DTYPES, KernelSpec
+from .base import F32, I32, I64, PTR, Family, first_clean, strides
+
+PAGE_SIZES = (16, 32, 64, 128, 256)
+MAX_SPLITS = 128          # the heuristic's ceiling (num_splits= may go higher, up to MAX_SPLITS_USER)
+MAX_SPLITS_USER = 1024
+ROWS = 16                 # packed query rows per CTA (one m16n8k16 tile)
+COMBINE_WARPS = 4
+# Head-dim tiles of the decode kernels: inputs with a smaller d are rounded up to the next (chunks
+# past d are zero-filled without reading memory).
+DECODE_HEAD_DIMS = (32, 64, 128, 256)
+
+# decode_split's K/V load flavours, KernelSpec.kv_load.
+KV_LOADS = {0: "cp.async.cg", 1: "cp.async.cg + L2::256B prefetch", 2: "cp.async.cg + L2 evict_first",
+            3: "cp.async.cg + L2 evict_first + L2::256B prefetch",
+            4: "cp.async.bulk rows + per-warp mbarriers (sm_90a)",
+            5: "cp.async.bulk rows + per-warp mbarriers + L2 evict_first (sm_90a)"}
+# The bulk loader's flavours (sm_90a only), each with the cp.async flavour that stands in for it elsewhere.
+BULK_LOADS = {4: 0, 5: 2}
+
+
+def kv_load_for(arch: str, kv_load: int) -> int:
+    """``kv_load`` where ``arch`` runs it, else its cp.async stand-in (a bulk flavour off sm_90a)."""
+    return BULK_LOADS[kv_load] if kv_load in BULK_LOADS and arch != "sm_90a" else kv_load
+
+
+DECODE_PARAMS = (
+    ("q", "const elem_t*", PTR), ("k", "const elem_t*", PTR), ("v", "const elem_t*", PTR),
+    ("knew", "const elem_t*", PTR), ("vnew", "const elem_t*", PTR),
+    ("o", "elem_t*", PTR), ("lse", "float*", PTR), ("o_ws", "float*", PTR), ("lse_ws", "float*", PTR),
+    ("seqlens", "const int*", PTR), ("block_table", "const int*", PTR),
+    # The in-kernel merge's counters, two ints per (batch, KV head, m-block): a ticket and a count of
+    # stored partials, zero between launches (the merging CTA resets its group's); null: the splits only
+    # write the workspace (decode_combine merges).
+    ("counters", "int*", PTR),
+    # (batch or page, seq, head) strides; for a paged cache "_sb" is the page stride.
+    *strides("q", "k", "v", "knew", "vnew", "o"),
+    ("bt_sb", "long long", I64), ("total_rows", "long long", I64),
+    ("nq", "int", I32), ("heads_q", "int", I32), ("group", "int", I32), ("rows", "int", I32),
+    ("d", "int", I32), ("seqlen_k", "int", I32), ("page_shift", "int", I32), ("num_splits", "int", I32),
+    ("scale", "float", F32), ("scale_log2", "float", F32),
+)
+
+COMBINE_PARAMS = (
+    ("o_ws", "const float*", PTR), ("lse_ws", "const float*", PTR), ("o", "elem_t*", PTR), ("lse", "float*", PTR),
+    ("total_rows", "long long", I64), ("nq", "int", I32), ("heads_q", "int", I32), ("d", "int", I32),
+    ("num_splits", "int", I32),
+)
+
+# ----------------------------------------------------------------- default rule
+
+# Per head-dim tile: (block_n, warps, stages, kv_load) in order of preference; the first whose shared
+# memory fits the device's per-block budget is used (a bulk flavour, 4 or 5, runs as its cp.async
+# stand-in off sm_90a: kv_load_for). d=128 is measured on the H200 (docs/perf/decode.md, "Tiles"):
+# n128 w4 s2 with the evict_first flavour (135 KB: one CTA per SM, 64 KB of K/V in flight) was the best
+# or within noise of the best of 10 tiles on every case in two interleaved A/Bs with cuDNN (b1/hk32
+# 1.006x/1.005x cuDNN at L=32k/128k, b8/hk8/L128k 1.009x, b32 1.011-1.026x), where per-case tiles
+# (n64 w4 s3 h2, two per SM; n64 w4 s2, three per SM) stayed at 0.989-0.998x on three of them. The
+# other head dims keep the first rule's tiles (not measured).
+DEFAULT_DECODE_TILES = {
+    32: ((64, 2, 4, 0), (32, 2, 2, 0)),
+    64: ((64, 4, 4, 0), (32, 2, 2, 0)),
+    128: ((128, 4, 2, 2), (64, 4, 3, 2), (64, 4, 2, 0), (32, 2, 4, 0), (32, 2, 2, 0)),
+    256: ((32, 2, 3, 0), (32, 2, 2, 0)),
+}
+# Per-regime tiles tried before DEFAULT_DECODE_TILES[d] (decode_regime picks the regime): "few" (so
+# few batch x KV head x m-block groups that a 2-CTA/SM tile would need more than MERGE_SPLITS splits
+# to fill the GPU), "some", "full" (the groups alone give every SM a CTA, but at most two) and "many"
+# (more than two per SM). "some": a third ring stage (196 KB, still one CTA per SM, two blocks in
+# flight) gained 0.2-0.9 % in two interleaved A/Bs on the one-wave cases of 2-4 splits (b1/hk32,
+# b8/hk8 at 32k and 128k keys) and lost 1-2 % on b32 (two waves, no split) and 0.5-1 % on "few"
+# (16 splits); it needs sm_90's per-block budget. "full": n64 w4 s2 (68 KB, three CTAs per SM) runs
+# every group in one wave, where the one-CTA-per-SM tile runs a second wave a few CTAs short of
+# filling HBM when the groups barely exceed the SMs: 160 groups (b5/hk32, b20/hk8) 4.38-4.39 TB/s
+# against 3.81 (+15 %), 256 groups -0.1 to +0.4 %; with more than two groups per SM ("many", b48/hk8,
+# b64/hk8) it lost 0.6 % and 8 %, so those keep n128 w4 s2. These tiles were measured on the H200
+# only: other archs take DEFAULT_DECODE_TILES (on sm_80 the 3-CTA/SM n64 tile spills under its
+# launch bounds).
+DECODE_TILES_BY_REGIME: dict = {128: {"some": ((128, 4, 3, 2),), "full": ((64, 4, 2, 2),)}}
+REGIME_TILE_ARCHS = ("sm_90a",)
+REGIMES = ("few", "some", "full", "many")
+# More splits than this only where one CTA per SM needs them (num_splits_heuristic): each split adds
+# a partial (fp32 O + LSE) to write and merge, and the merge is the kernel's tail.
+MERGE_SPLITS = 16
+
+
+def decode_regime(work: int, sms: int) -> str:
+    """Which per-regime tile serves ``work`` = batch * heads_kv * m_blocks CTAs (before splitting) on a
+    GPU of ``sms`` SMs: "many" when they give every SM more than two CTAs, "full" when they give every
+    SM one or two, "few" when a tile of two CTAs per SM would need more than MERGE_SPLITS splits to
+    fill the GPU, else "some"."""
+    work = max(1, work)
+    if work > 2 * sms:
+        return "many"
+    if work >= sms:
+        return "full"
+    if 2 * sms // work > MERGE_SPLITS:
+        return "few"
+    return "some"
+
+
+@dataclass(frozen=True)
+class DecodeSplitFamily(Family):
+    """One split of the keys (templates/decode/decode_split.cuh).
+
+    One CTA owns 16 packed query rows (the query heads of one KV head times the
+    new tokens) and one split of one sequence's keys; its warps share those rows
+    and each takes block_n / warps keys of every block_n-key block. Fixed
+    fields: block_m = 16, causal = True (bottom-right aligned). ``kv_load``
+    picks the K/V load flavour (KV_LOADS): 0 plain ``cp.async.cg``, 1 with the
+    ``.L2::256B`` prefetch hint, 2 with an evict_first L2 cache policy, 3 both;
+    4 and 5 (sm_90a only) the bulk loader: one ``cp.async.bulk`` per K/V row
+    into rows padded by 16 bytes, per-warp mbarriers (5 with evict_first).
+    """
+
+    def validate(self, spec) -> None:
+        self.require(spec, (*self.value_rules(), ("causal", (True,)), ("kv_load", tuple(KV_LOADS))))
+        if spec.block_n % (16 * spec.warps):
+            raise ValueError(f"{self.kind}: block_n={spec.block_n} must split into 16-key slices over "
+                             f"{spec.warps} warps")
+        # The K/V loader covers 32*warps / (head_dim/8) rows per pass; a pass must
+        # stay inside one 16-row group (one page of a paged cache).
+        step = 32 * spec.warps * 8 // spec.head_dim
+        if (32 * spec.warps * 8) % spec.head_dim or step == 0 or 16 % step:
+            raise ValueError(f"{self.kind}: {spec.warps} warps do not tile head_dim={spec.head_dim} rows "
+                             "(rows per load pass must divide 16)")
+        if spec.kv_load in BULK_LOADS and spec.arch != "sm_90a":
+            raise ValueError(f"{self.kind}: kv_load={spec.kv_load} (cp.async.bulk) needs sm_90a, not {spec.arch}")
+
+    def smem_bytes(self, spec) -> int:
+        # Q tile (16 rows) + K and V rings; the cross-warp reduction reuses both. The bulk loader pads
+        # each ring row by 16 bytes (its copies cannot swizzle) and adds 2 * stages * warps mbarriers.
+        # decode_smem_bytes() in the template is the same formula (static_assert).
+        bulk = spec.kv_load in BULK_LOADS
+        row = 2 * spec.head_dim + (16 if bulk else 0)
+        return 2 * spec.head_dim * 16 + 2 * spec.stages * spec.block_n * row + (16 * spec.stages * spec.warps if bulk else 0)
+
+    def acc_floats(self, spec) -> int:
+        return (spec.head_dim // 8 + spec.block_n // spec.warps // 8) * 4
+
+    def context(self, spec) -> dict:
+        """Adds ``min_ctas``, the bulk loader's __launch_bounds__ minimum: the CTAs an sm_90a SM holds by
+        shared memory (plus the driver's 1 KB each). Without it ptxas caps those kernels at 128 registers
+        and the n128 tile spills; with it ptxas may use what that residency leaves. 0: no minimum given
+        (the cp.async kernels keep their plain bounds)."""
+        ctx = super().context(spec)
+        per_sm = ARCH_SMEM_PER_BLOCK["sm_90a"] + 1024
+        ctx["min_ctas"] = max(1, per_sm // (self.smem_bytes(spec) + 1024)) if spec.kv_load in BULK_LOADS else 0
+        return ctx
+
+    def key_tile(self, d: int) -> int:
+        return smallest_tile(d, DECODE_HEAD_DIMS)
+
+    def rule(self, key: ProblemKey, budget: int, regime: str = "some") -> list:
+        """The rule's tiles for the regime (``decode_regime``) that fit ``budget``, in order."""
+        if regime not in REGIMES:
+            raise ValueError(f"regime {regime!r} not in {REGIMES}")
+        d = key.head_dim
+        tiles = DECODE_TILES_BY_REGIME.get(d, {}).get(regime, ()) if key.arch in REGIME_TILE_ARCHS else ()
+        out = []
+        for bn, w, st, load in tiles + DEFAULT_DECODE_TILES[d]:
+            self._fit(out, self.spec(key, block_m=ROWS, block_n=bn, warps=w, stages=st,
+                                     kv_load=kv_load_for(key.arch, load)).replace(causal=True), budget)
+        return self._fitting(out, key, budget)
+
+    def rule_specs(self, arch: str, budget: int) -> list:
+        """Every spec the rule can pick on ``arch`` under ``budget`` (for the compile tier)."""
+        out = []
+        for d in DECODE_HEAD_DIMS:
+            for dtype in DTYPES:
+                key = ProblemKey(self.kind, arch, dtype, d, True, 512)
+                for regime in REGIMES:
+                    spec = self.rule(key, budget, regime)[0]
+                    if spec not in out:
+                        out.append(spec)
+        return out
+
+
+@dataclass(frozen=True)
+class DecodeCombineFamily(Family):
+    """Merges the splits' partial outputs by their log-sum-exps (templates/decode/decode_combine.cuh).
+
+    Tunable: warps only. The tile fields it does not use are fixed (block_m =
+    block_n = 16, stages = 2, causal = False) so one kernel has one name.
+    """
+
+    def validate(self, spec) -> None:
+        self.require(spec, (("head_dim", self.head_dims), ("warps", self.warps), ("block_m", (16,)),
+                            ("block_n", (16,)), ("stages", (2,)), ("causal", (False,)), ("arch", self.archs)))
+        if spec.head_dim // 4 > 32 * spec.warps:
+            raise ValueError(f"{self.kind}: a row of head_dim={spec.head_dim} needs {spec.head_dim // 4} threads, "
+                             f"more than {spec.warps} warps")
+
+    def smem_bytes(self, spec) -> int:
+        return 0
+
+    def acc_floats(self, spec) -> int:
+        return 4
+
+    def key_tile(self, d: int) -> int:
+        return smallest_tile(d, DECODE_HEAD_DIMS)
+
+    def spec_for(self, arch: str, dtype: str, head_dim: int) -> KernelSpec:
+        """The one combine kernel of a (arch, dtype, head-dim tile)."""
+        return KernelSpec(kind=self.kind, arch=arch, dtype=dtype, head_dim=head_dim, block_m=16, block_n=16,
+                          warps=COMBINE_WARPS, stages=2, causal=False).validate()
+
+    def rule_specs(self, arch: str, budget: int) -> list:
+        return [self.spec_for(arch, dt, d) for d in DECODE_HEAD_DIMS for dt in DTYPES]
+
+
+SPLIT = DecodeSplitFamily("decode_split", "decode/decode_split.cu.j2", DECODE_PARAMS, head_dims=DECODE_HEAD_DIMS,
+                          block_ms=(ROWS,), block_ns=(16, 32, 48, 64, 96, 128), stages=(2, 3, 4, 5, 6, 8, 10, 12))
+COMBINE = DecodeCombineFamily("decode_combine", "decode/decode_combine.cu.j2", COMBINE_PARAMS,
+                              head_dims=DECODE_HEAD_DIMS)
+FAMILIES = (SPLIT, COMBINE)
+
+
+def first_rule_spec(key: ProblemKey, budget: int, regime: str = "some", check=None) -> KernelSpec:
+    """The rule's first tile for the regime that fits ``budget``; with ``check`` (spec -> problems) a
+    fitting tile the local NVRTC would refuse gives way to the next fitting one."""
+    return first_clean(SPLIT.rule(key, budget, regime), check)
+
+
+# ----------------------------------------------------------------- split heuristic
+
+
+def num_splits_heuristic(batch: int, heads_kv: int, m_blocks: int, seqlen_k: int, block_n: int, sms: int,
+                         ctas_per_sm: int = 1, max_splits: int = MAX_SPLITS) -> int:
+    """How many splits of the keys to launch: fill one wave of SM slots, but past MERGE_SPLITS
+    splits only as far as one CTA per SM.
+
+    ``work`` = batch * heads_kv * m_blocks CTAs without splitting, ``slots`` =
+    sms * ctas_per_sm CTAs resident at once. No split when work already fills
+    80 % of the slots (as FlashAttention-2's rule, KERNELS.md section 4).
+    Otherwise the split kernel is memory-bound and its bandwidth grows with the
+    CTAs in flight, so s goes as high as one wave of slots allows (work * s <=
+    slots, s <= max_splits and <= the key blocks) -- except that more than
+    MERGE_SPLITS splits are taken only up to one CTA per SM (work * s <= sms):
+    every split is one more partial to write and merge, and the merge is the
+    kernel's tail. Then s goes down to the fewest splits with the same critical
+    path ceil(blocks / s) (fewer partials to merge).
+
+    Measured on the H200 (docs/perf/decode.md, "The split heuristic"):
+    with two CTAs per SM (n64 w4 s3) b1/hk8/L128k ran 4.04 TB/s at 16 splits
+    and 3.95 at 33 (one full wave of slots), b8/hk8 4.48-4.50 at 4 (a full
+    wave) and 4.45 at 2; with one CTA per SM (n128 w4 s2) b1/hk8 4.05 at 16,
+    b8/hk8/L4k 3.20 at 2 (2.92 at 4).
+    ``seqlen_k`` is the longest key length the call can see (the cache's
+    capacity plus new tokens: actual lengths live on the GPU).
+    """
+    slots = max(1, sms * ctas_per_sm)
+    work = max(1, batch * heads_kv * m_blocks)
+    n_blocks = max(1, -(-seqlen_k // block_n))
+    if work >= 0.8 * slots:
+        return 1
+    top = min(max_splits, n_blocks, slots // work)
+    if top > MERGE_SPLITS:
+        top = min(top, max(MERGE_SPLITS, sms // work))
+    top = max(1, top)
+    per = -(-n_blocks // top)
+    return -(-n_blocks // per)  # the fewest splits of `per` blocks that cover them
+
+
+def ctas_per_sm(smem_bytes: int, threads: int, registers: int, smem_per_sm: int, regs_per_sm: int = 65536,
+                max_threads: int = 2048) -> int:
+    """Resident CTAs per SM from shared memory (plus the 1 KB the driver reserves per CTA), registers
+    (allocated per warp in units of 256) and threads."""
+    by_smem = smem_per_sm // (smem_bytes + 1024) if smem_bytes else 32
+    regs_warp = -(-max(registers, 1) * 32 // 256) * 256
+    by_regs = regs_per_sm // (regs_warp * (threads // 32))
+    return max(1, min(by_smem, by_regs, max_threads // threads, 32))
+
+
+# ----------------------------------------------------------------- index arithmetic (mirrors the kernel)
+
+
+def split_range(length: int, num_splits: int, split: int, block_n: int) -> tuple[int, int]:
+    """Keys [begin, end) of split ``split`` of a sequence of ``length`` keys: whole blocks of
+    ``block_n``, ceil(blocks / num_splits) per split; an empty range has end <= begin."""
+    blocks = -(-length // block_n)
+    per = -(-blocks // num_splits)
+    return split * per * block_n, min(length, (split + 1) * per * block_n)
+
+
+def key_limit(row: int, group: int, length: int, nq: int) -> int:
+    """Exclusive key limit of packed row ``row`` (token row // group): bottom-right causal."""
+    return min(length, row // group + length - nq + 1)
+
+
+def kv_source(key: int, len_cache: int, page_size: int | None, block_table_row=None):
+    """Where the kernel reads key ``key`` of a sequence with ``len_cache`` cached keys:
+    ``("new", i)`` (row i of k_new/v_new), ``("cache", page, row)`` for a paged cache or
+    ``("cache", None, key)`` for a contiguous one."""
+    if key >= len_cache:
+        return ("new", key - len_cache)
+    if page_size is None:
+        return ("cache", None, key)
+    shift = page_size.bit_length() - 1
+    return ("cache", int(block_table_row[key >> shift]), key & (page_size - 1))
+
+
+def window_pages(table_row, n_begin: int, n_blocks: int, n_end: int, len_cache: int, block_n: int,
+                 page_size: int) -> list:
+    """The pages decode_split's loader uses for each 16-row group of blocks 0..n_blocks of a split (one
+    past the last, as the kernel's lookahead does), through its per-warp block-table window: 64
+    entries in two 32-lane registers, stepped by 32 when a block starts past the lower half. Mirrors
+    ``fetch_pages`` in templates/decode/decode_split.cuh; raises AssertionError where the kernel's shuffle
+    index would leave the window. Unused groups (past n_end or the cached length) get 0."""
+    shift = page_size.bit_length() - 1
+    tab_len = len(table_row)
+
+    def load(start):
+        return [table_row[start + i] if start + i < tab_len else 0 for i in range(32)]
+
+    wb = n_begin >> shift
+    lo, hi = load(wb), load(wb + 32)
+    out = []
+    for jb in range(n_blocks + 1):
+        n0 = n_begin + jb * block_n
+        if (n0 >> shift) - wb >= 32:
+            wb += 32
+            lo, hi = hi, load(wb + 32)
+        pages = []
+        for e in range(block_n // 16):
+            key0 = n0 + e * 16
+            idx = (key0 >> shift) - wb
+            assert 0 <= idx < 64, (n0, key0, wb, idx)
+            pages.append((lo if idx < 32 else hi)[idx & 31] if key0 < n_end and key0 < len_cache else 0)
+        out.append(pages)
+    return out
+
+
+def merge_chunk(num_splits: int) -> int:
+    """Splits the merge reads per round trip (CH of merge_splits, templates/decode/decode_merge.cuh): 4, 8 or 16,
+    no more loads and exponentials than the split count needs."""
+    return 4 if num_splits <= 4 else 8 if num_splits <= 8 else 16
+
+
+def merge_chunked(lses, outs, chunk: int | None = None):
+    """Mirror of the split merge (merge_splits: decode_split's in-kernel merge and decode_combine) for
+    one (row, columns) item: ``lses`` the splits' LSEs (floats, -inf for an empty split), ``outs`` their
+    normalised partial outputs (float lists). Reads ``chunk`` splits at a time (default: the kernels'
+    merge_chunk; indices past the last clamped and weighted 0) with a running max,
+    exactly as the kernel orders its arithmetic; returns (out, lse) -- zeros and -inf when every split
+    is empty. Needs math only, so the CPU tests check the kernel's formula and its edge cases."""
+    n = len(lses)
+    chunk = merge_chunk(n) if chunk is None else chunk
+    width = len(outs[0]) if outs else 0
+    m, total, acc = -math.inf, 0.0, [0.0] * width
+    for s0 in range(0, n, chunk):
+        idx = [min(s0 + k, n - 1) for k in range(chunk)]
+        ls = [lses[i] for i in idx]
+        mc = m
+        for k in range(chunk):
+            mc = max(mc, ls[k] if s0 + k < n else -math.inf)
+        mref = 0.0 if mc == -math.inf else mc
+        a = math.exp(m - mref)
+        total *= a
+        acc = [x * a for x in acc]
+        for k in range(chunk):
+            used = s0 + k < n and ls[k] != -math.inf
+            w = math.exp(ls[k] - mref) if used else 0.0
+            total += w
+            acc = [x + (w * y if used else 0.0) for x, y in zip(acc, outs[idx[k]])]
+        m = mc
+    inv = 1.0 / total if total > 0 else 0.0
+    return [x * inv for x in acc], (m + math.log(total) if total > 0 else -math.inf)

@@ -1,0 +1,315 @@
+"""fwd_sm90: FlashAttention's forward on Hopper, TMA + mbarriers + wgmma (sm_90a only). templates/fwd_sm90/.
+
+block_m = 64 x consumer warpgroups; warps = 4 x (consumer warpgroups + a
+producer warpgroup when warp_specialized). Its own fields: warp_specialized,
+pingpong (needs warp_specialized and two or three consumers: they take
+turns), softmax_overlap, fma_exp2 (FMA_EXP2S: eighths of S's columns whose exp2
+runs on the FMA pipe), early_k_release (needs warp_specialized: separate K and V
+empty barriers), lean_softmax, persistent (needs warp_specialized: the grid
+sized to the SMs). The grid is 1-D over the tiles, walked in sections of
+(batch, head) pairs whose K/V fit in a share of the L2 (causal: longest rows
+first, ``tile_sections``). Q, K and V reach the kernel through TMA descriptors
+(``launch``), O and the LSE through pointers.
+"""
+from __future__ import annotations
+
+import ctypes
+
+from .. import settings, tma
+from ..errors import UnsupportedError
+from ..problem import ProblemKey, smallest_tile
+from ..spec import KernelSpec
+from .base import F32, I32, PTR, TMAP, Family, aligned_struct, forward_values, hopper_checks, strides, stride_values
+
+# The parameter block: the three tensor maps first (each at a 64-byte-aligned offset, as the C
+# struct's alignas(64) wants), then what the epilogue and the masks need.
+SM90_PARAMS = (
+    ("tm_q", "fg_tmap", TMAP), ("tm_k", "fg_tmap", TMAP), ("tm_v", "fg_tmap", TMAP),
+    ("o", "elem_t*", PTR), ("lse", "float*", PTR),
+    ("dbg_s", "float*", PTR),  # debug only (null in every normal call): S of the first K block
+    *strides("o"),
+    ("nq", "int", I32), ("nk", "int", I32), ("heads", "int", I32), ("group", "int", I32),
+    ("d", "int", I32), ("scale", "float", F32), ("scale_log2", "float", F32),
+    # The tile walk (tile_coords in the template): the persistent kernel's two tile counters (next
+    # tile, CTAs done; zero between launches; null otherwise), the tile count (m-blocks x heads x
+    # batch), the m-blocks per (batch, head), and the L2 sections of (batch, head) pairs: sec_big of
+    # sec + 1, then sections of sec (tile_sections).
+    ("sched", "int*", PTR), ("tiles", "int", I32), ("m_blocks", "int", I32), ("sec", "int", I32),
+    ("sec_big", "int", I32),
+)
+
+SM90_HEAD_DIMS = (64, 128, 256)
+
+# The default rule: head-dim tile -> (block_m, block_n, stages, name tokens) in order of preference.
+# From tuning over both forward families on the H200 (docs/perf/forward-hopper.md): fwd_sm90 won every
+# bf16 key; at N >= 2k the winners are 192x128 with warp specialization (d=64; 2 or 3 stages) and
+# 128x128, 3 stages, warp specialization and softmax overlap (d=128, most keys; the rest within a few
+# per cent). The second tile of each fits every sm_90a budget.
+SM90_TILES = {
+    64: ((192, 128, 3, "ws"), (128, 128, 2, "ws")),
+    128: ((128, 128, 3, "ws_ov"), (128, 128, 2, "ws")),
+    256: ((128, 64, 2, "ws"),),
+}
+# The forward's default family on sm_90a when its head-dim tile pads the head dim by at most a third
+# (64, 96-128, 192-256: it ran ~1.4-2x fwd_v2's speed at d=64/128, so a third more work still wins);
+# fwd_v2 elsewhere (d=32, d=160 on the 256 tile, every other arch).
+SM90_MAX_PAD = 4 / 3
+
+# The variants bench's ablation times per head dim (hidden 2048, N = 8k, causal both) and the compile
+# tier builds, as name tokens over a 128x128 (d=256: 128x64), two-stage spec: the ladder of the
+# Hopper techniques, then each later technique alone and together (early K release, lean softmax, FMA
+# exp2 1/2/4), deeper rings, and at d = 64 the 192-row (three consumers) and 192-key tiles.
+ABLATION = {
+    64: ("", "ws", "ws_pp", "ws_pp_ov", "ws_s3", "ws_pp_s3", "ws_pp_ov_s3",
+         "ws_kr", "ws_pp_kr", "ws_pp_ov_kr", "ws_pp_kr_s3", "ws_pp_ov_kr_s3", "ws_pp_kr_ls_s3",
+         "ws_pp_fx1_kr_s3", "ws_pp_fx2_kr_s3", "ws_pp_fx4_kr_s3", "ws_pp_fx1_kr_ls_s3", "ws_pp_fx2_kr_ls_s3",
+         "ws_pp_ov_fx1_kr_ls_s3", "ws_fx1_kr_ls_s3", "ws_pp_fx1_kr_ls_s4",
+         "ws_s3_m192", "ws_pp_kr_s3_m192", "ws_pp_fx1_kr_ls_s3_m192", "ws_pp_ov_fx1_kr_ls_s3_m192",
+         "ws_pp_fx1_kr_ls_s3_n192"),
+    128: ("", "ws", "ws_pp", "ws_pp_ov", "ws_s3", "ws_pp_s3", "ws_ov_s3", "ws_pp_ov_s3",
+          "ws_kr", "ws_pp_kr", "ws_pp_ov_kr", "ws_pp_kr_s3", "ws_pp_ov_kr_s3", "ws_pp_kr_ls_s3",
+          "ws_pp_fx1_kr_s3", "ws_pp_fx2_kr_s3", "ws_pp_fx4_kr_s3", "ws_pp_fx1_kr_ls_s3", "ws_pp_ov_kr_ls_s3",
+          "ws_kr_ls_s3"),
+}
+
+
+def warps_for(block_m: int, warp_specialized: bool) -> int:
+    """4 warps per consumer warpgroup (64 rows each), 4 more for the producer warpgroup."""
+    return 4 * (block_m // 64 + int(warp_specialized))
+
+
+def variant(head_dim: int, causal: bool, tokens: str = "ws", dtype: str = "bf16", **fields) -> KernelSpec:
+    """The fwd_sm90 spec of the name tokens ``tokens`` ("ws_pp_kr_s3_m192"; "" for no technique) over
+    block_m 128, block_n 128 (64 at d = 256) and 2 stages, ``fields`` last; warps follow from block_m and
+    warp_specialized. Validated."""
+    base = KernelSpec(kind="fwd_sm90", arch="sm_90a", dtype=dtype, head_dim=head_dim, causal=causal,
+                      block_m=128, block_n=64 if head_dim == 256 else 128, stages=2)
+    spec = base.with_tokens(tokens).replace(**fields)
+    return spec.replace(warps=warps_for(spec.block_m, spec.warp_specialized)).validate()
+
+
+def tile_sections(pairs: int, kv_bytes: int, l2_bytes: int, per: int | None = None,
+                  causal: bool = False) -> tuple[int, int]:
+    """The tile order's sections: (sec, sec_big) = ``pairs`` (batch, head) pairs split into as few even
+    sections (sec_big of sec + 1 pairs, the rest of sec) as keep each at most ``per`` pairs; by default
+    ``per`` is what keeps a section's K/V (``kv_bytes`` per pair) within a quarter of the L2 (Hopper's L2
+    is two partitions, and data every SM reads may be held in both: half the L2, halved again for what
+    else stays there; with half of it the persistent kernel at d = 128, N = 2k ran 6 % slower than pair
+    after pair), causal within half of it: its tiles are unequal, and more pairs per section balance the
+    SMs better (causal +0.4 to +5.9 % at d = 128, +0.4 to +0.8 % at d = 64 in interleaved rounds on the
+    H200, while non-causal with half read -1.7 to +1 %). Inside a section the kernel walks m-block by
+    m-block over every pair (causal: longest rows first, so the short tiles fill the tail); the hardware
+    hands tiles to SMs in that order (docs/perf/forward-hopper.md, "Tile order")."""
+    if per is None:
+        per = (l2_bytes // (2 if causal else 4)) // max(1, kv_bytes)
+    sections = -(-pairs // max(1, per))
+    return pairs // sections, pairs % sections
+
+
+def persist_ctas_per_sm(spec, report, smem_per_sm: int) -> int:
+    """CTAs of a persistent kernel one SM holds at once: by shared memory (dynamic + static + the 1 KB
+    the driver reserves per block) and by registers (ptxas's count, allocated per warp in units of 8 per
+    thread); at least 1. 1 for every tile measured so far (the launch bound is 1)."""
+    threads = spec.warps * 32
+    by_smem = smem_per_sm // (spec.smem_bytes() + report.static_smem + 1024)
+    regs = (max(report.registers, 1) + 7) // 8 * 8
+    by_regs = 65536 // (threads * regs)
+    return max(1, min(by_smem, by_regs))
+
+
+class Sm90Family(Family):
+    FMA_EXP2S = (0, 1, 2, 4)
+    # Dynamic + static shared memory one sm_90a block may use, and what the mbarriers (static) may take.
+    SMEM_LIMIT, STATIC_RESERVE = 232448, 256
+
+    def consumers(self, spec) -> int:
+        return spec.block_m // 64
+
+    def validate(self, spec) -> None:
+        self.require(spec, (("head_dim", self.head_dims), ("block_m", self.block_ms),
+                            ("block_n", self.block_ns), ("stages", self.stages), ("arch", self.archs),
+                            ("fma_exp2", self.FMA_EXP2S)))
+        want = warps_for(spec.block_m, spec.warp_specialized)
+        if spec.warps != want:
+            raise ValueError(f"{self.kind}: block_m={spec.block_m} with warp_specialized={spec.warp_specialized} "
+                             f"means warps={want}, got {spec.warps}")
+        if spec.pingpong and not (spec.warp_specialized and self.consumers(spec) >= 2):
+            raise ValueError(f"{self.kind}: pingpong needs warp_specialized and two or three consumer "
+                             "warpgroups (block_m=128 or 192)")
+        if spec.early_k_release and not spec.warp_specialized:
+            raise ValueError(f"{self.kind}: early_k_release needs warp_specialized (the producer warpgroup waits "
+                             "on the K and V barriers)")
+        if spec.persistent and not spec.warp_specialized:
+            raise ValueError(f"{self.kind}: persistent needs warp_specialized (the producer warpgroup runs ahead "
+                             "into the next tile; without it the loads are issued in line by a consumer)")
+
+    def complete(self, knobs: dict) -> dict:
+        """warps follows from block_m and warp_specialized: not a knob."""
+        out = dict(knobs)
+        if "warps" not in out and "block_m" in out:
+            out["warps"] = warps_for(out["block_m"], out.get("warp_specialized", False))
+        return out
+
+    def searched(self, spec) -> bool:
+        """The softmax techniques (fma_exp2, lean_softmax) only with warp specialization: without a
+        producer warpgroup the kernel is the plain baseline, slower at every measured point; fma_exp2 only
+        at d = 64, the one head dim where the exp2s take as long as the GEMMs (at 128 and 256 they take
+        half or less)."""
+        return ((spec.warp_specialized or not (spec.fma_exp2 or spec.lean_softmax))
+                and (spec.head_dim == 64 or not spec.fma_exp2))
+
+    def q_pieces(self, spec) -> int:
+        """Q pieces in shared memory: one per consumer warpgroup (64 rows each); a persistent kernel gets
+        a ring of twice that where it fits (the next tile's Q loads during this tile), else one spare
+        piece (the first warpgroup's next Q loads while the last finishes this tile), else none."""
+        nwg = self.consumers(spec)
+        if spec.persistent:
+            for pieces in (2 * nwg, nwg + 1):
+                if self._smem(spec, pieces) + self.STATIC_RESERVE <= self.SMEM_LIMIT:
+                    return pieces
+        return nwg
+
+    @staticmethod
+    def _smem(spec, pieces) -> int:
+        # Q pieces of 64 rows, K and V rings, and 1 KB to align the tiles to 1024 bytes (the
+        # 128-byte swizzle's period); the mbarriers are static shared memory.
+        return 2 * spec.head_dim * (pieces * 64 + 2 * spec.stages * spec.block_n) + 1024
+
+    def smem_bytes(self, spec) -> int:
+        return self._smem(spec, self.q_pieces(spec))
+
+    def regs(self, spec) -> tuple[int, int]:
+        """(producer, consumer) registers per thread after setmaxnreg (only with warp specialization and
+        two or three consumers). persistent: the producer's tile loop (fetching tiles, the Q ring)
+        spilled at 24 (NVRTC 13.5: 4-8 bytes), so it keeps 40 (two consumers, 232 each) or 32 (three,
+        160 each); 128 x 40 + 256 x 232 = 64512 and 128 x 32 + 384 x 160 = 65536 registers."""
+        if not spec.warp_specialized:
+            return (0, 0)
+        if spec.persistent:
+            return {2: (40, 232), 3: (32, 160)}.get(self.consumers(spec), (0, 0))
+        return {2: (24, 240), 3: (24, 160)}.get(self.consumers(spec), (0, 0))
+
+    def acc_floats(self, spec) -> int:
+        """Per consumer thread: O (head_dim / 2), S (block_n / 2) and packed P (block_n / 4)."""
+        return spec.head_dim // 2 + spec.block_n // 2 + spec.block_n // 4
+
+    def extra_checks(self, spec, profile) -> list[str]:
+        return hopper_checks(self, spec, profile, "addressing and softmax state")
+
+    def context(self, spec) -> dict:
+        producer, consumer = self.regs(spec)
+        return {"params": [(n, c) for n, c, _ in self.params],
+                "param_bytes": ctypes.sizeof(self.param_struct()),
+                "producer_regs": producer or 24, "consumer_regs": consumer or 240,
+                "q_pieces": self.q_pieces(spec)}
+
+    def param_struct(self):
+        return aligned_struct(self)
+
+    # -- problems and rule ----------------------------------------------------
+    def tile(self, key: ProblemKey) -> int:
+        """64, 128 or 256: rows are whole 128-byte swizzle panels."""
+        return smallest_tile(key.head_dim, SM90_HEAD_DIMS)
+
+    def default_for(self, key: ProblemKey) -> bool:
+        return (key.arch == "sm_90a" and key.head_dim >= 64
+                and self.tile(key) <= SM90_MAX_PAD * key.head_dim)
+
+    def rule(self, key: ProblemKey, budget: int) -> list:
+        if not self.runs_on(key.arch):
+            raise UnsupportedError(f"fwd_sm90 (wgmma + TMA) needs an sm_90a GPU (H100/H200), not {key.arch}")
+        out = []
+        for bm, bn, st, tokens in SM90_TILES[self.tile(key)]:
+            spec = self.spec(key, block_m=bm, block_n=bn, stages=st).with_tokens(tokens)
+            self._fit(out, spec.replace(warps=warps_for(bm, spec.warp_specialized)), budget)
+        return self._fitting(out, key, budget)
+
+    def rule_keys(self, arch: str) -> list:
+        if not self.runs_on(arch):
+            return []
+        return [ProblemKey("fwd", arch, dt, d, c, 512) for d in SM90_HEAD_DIMS for dt in ("fp16", "bf16")
+                for c in (False, True)]
+
+    # -- launch ---------------------------------------------------------------
+    def needs_tile_counters(self, spec) -> bool:
+        return spec.persistent
+
+    def launch(self, kern, dims, strides_bhs, o_strides, scale, dev):
+        """(grid, params_for) of one launch: ``params_for(q_ptr, k_ptr, v_ptr)`` gives the parameter
+        block with the three tensor maps filled in (built by the driver, flashgen.tma), kept per address
+        triple, so a call that reuses its buffers -- the caching allocator hands the same addresses
+        back -- costs one dict lookup and one copy. ``dev``: the device's ``l2_bytes``, ``sms`` and
+        ``smem_per_sm``. The persistent kernel's tile counters (``sched``, ``needs_tile_counters``) are
+        the caller's to set: they belong to its stream."""
+        spec = kern.spec
+        b, h, hk, nq, nk, d = dims
+        sq, sk, sv = strides_bhs
+        values = forward_values(dims, strides_bhs, o_strides, scale)
+        template = kern.params(**stride_values("o", o_strides),
+                               **{n: values[n] for n in ("nq", "nk", "heads", "group", "d", "scale", "scale_log2")})
+        m_blocks = (nq + spec.block_m - 1) // spec.block_m
+        tiles = m_blocks * h * b
+        template.tiles, template.m_blocks = tiles, m_blocks
+        kv_bytes = 2 * nk * spec.head_dim * 2 // (h // hk)  # K and V per query head (GQA: shared)
+        template.sec, template.sec_big = tile_sections(b * h, kv_bytes, dev.l2_bytes, settings.tile_section(),
+                                                       causal=spec.causal)
+        struct = type(template)
+        off_q, off_k, off_v = struct.tm_q.offset, struct.tm_k.offset, struct.tm_v.offset
+        # (batch, head, seq) strides reversed: the map's order is (seq, head, batch), innermost first.
+        # Passing them unreordered made the map step rows by the batch stride: garbage rows, NaN, and
+        # illegal addresses on the first H200 run.
+        q_dims, q_str = tma.tensor_dims(d, nq, h, b, sq[::-1])
+        if nk:
+            k_dims, k_str = tma.tensor_dims(d, nk, hk, b, sk[::-1])
+            v_dims, v_str = tma.tensor_dims(d, nk, hk, b, sv[::-1])
+        box_q, box_kv = (64, 64, 1, 1), (64, spec.block_n, 1, 1)  # Q: one 64-row piece per consumer warpgroup
+        dtype, encode, memmove = spec.dtype, tma.encode, ctypes.memmove
+
+        def fill(params, q_ptr, k_ptr, v_ptr):
+            base = ctypes.addressof(params)
+            memmove(base + off_q, encode(q_ptr, dtype, q_dims, q_str, box_q), 128)
+            if nk:
+                memmove(base + off_k, encode(k_ptr, dtype, k_dims, k_str, box_kv), 128)
+                memmove(base + off_v, encode(v_ptr, dtype, v_dims, v_str, box_kv), 128)
+            else:  # no K/V block is ever loaded; a valid map keeps the prefetch harmless
+                memmove(base + off_k, base + off_q, 128)
+                memmove(base + off_v, base + off_q, 128)
+
+        blank, filled = bytes(template), {}
+
+        def params_for(q_ptr, k_ptr, v_ptr):
+            blob = filled.get((q_ptr, k_ptr, v_ptr))
+            if blob is None:
+                params = struct.from_buffer_copy(blank)
+                fill(params, q_ptr, k_ptr, v_ptr)
+                blob = bytes(params)
+                if len(filled) >= 64:  # addresses churn (fresh tensors every call): keep the cache small
+                    filled.clear()
+                filled[(q_ptr, k_ptr, v_ptr)] = blob
+            return struct.from_buffer_copy(blob)
+
+        if spec.persistent:
+            ctas = dev.sms * persist_ctas_per_sm(spec, kern.binary.report, dev.smem_per_sm)
+            cap = settings.persist_ctas()  # tests and study: fewer CTAs, more tiles each
+            grid = (min(tiles, ctas, cap or ctas), 1, 1)
+        else:
+            grid = (tiles, 1, 1)
+        return grid, params_for
+
+
+FAMILY = Sm90Family(
+    "fwd_sm90", "fwd_sm90/fwd_sm90.cu.j2", SM90_PARAMS, problem="fwd", head_dims=SM90_HEAD_DIMS,
+    block_ms=(64, 128, 192), block_ns=(64, 80, 96, 112, 128, 144, 160, 176, 192), warps=(4, 8, 12, 16),
+    stages=(2, 3, 4), archs=("sm_90a",), tiles=SM90_TILES,
+    # wgmma with warp specialization: the fraction of the datasheet rate FlashAttention-3 reports (661 of
+    # 989 TFLOP/s at d = 128; arXiv 2407.08608), for the cost model; not fitted.
+    tensor_fraction=0.67,
+    # warps is implied by block_m and warp_specialized (complete), not searched. fma_exp2 2 and 4 (a
+    # quarter / half of the exp2s on the FMA pipe) are not searched: both lost at every H200 ablation
+    # cell; fma_exp2 1 (-1/+2 % at d=64) and lean_softmax (-7..+3 %) are mixed, so the tuner decides per
+    # key. persistent won 2-5 % at N = 2k-4k and lost up to 10 % at 16k: the tuner decides per key
+    # (docs/perf/forward-hopper.md).
+    tune_space=(("block_m", (64, 128, 192)), ("block_n", (64, 80, 96, 112, 128, 160, 176, 192)),
+                ("stages", (2, 3, 4)), ("warp_specialized", (False, True)), ("pingpong", (False, True)),
+                ("softmax_overlap", (False, True)), ("early_k_release", (False, True)),
+                ("lean_softmax", (False, True)), ("fma_exp2", (0, 1)), ("persistent", (False, True))))

@@ -1,0 +1,73 @@
+"""What dispatch and the tuned tables key on: ``ProblemKey``, sequence-length buckets, head-dim tiles.
+
+A key names a *problem* (``kind``: "fwd" for the forward, "bwd_dkdv" for the
+backward's dK/dV kernel with dQ by atomics, "decode_split", ...), never a
+kernel family: several families may serve one problem (``flashgen.families``
+says which), and the tables store problem keys only. ``head_dim`` is the key's
+head-dim tile (``head_dim_tile``, or ``bwd_head_dim_tile`` for the backward's
+kinds); each family maps it to its own tile.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import UnsupportedError
+
+# Seqlen buckets the tuner measures at; any length maps to the nearest one at or above it.
+BUCKETS = (512, 1024, 2048, 4096, 8192, 16384)
+
+# Head-dim tiles of the keys (and of the mma.sync templates: 16-byte chunks per row must be a
+# multiple of 4 for the shared-memory swizzle, templates/common/tile.cuh).
+HEAD_DIM_TILES = (32, 64, 96, 128, 160, 192, 224, 256)
+
+
+@dataclass(frozen=True)
+class ProblemKey:
+    """One problem: kind, compile target, dtype, head-dim tile, causal, bucket of the query length."""
+
+    kind: str
+    arch: str
+    dtype: str
+    head_dim: int
+    causal: bool
+    bucket: int
+
+    def replace(self, **changes) -> "ProblemKey":
+        from dataclasses import replace
+
+        return replace(self, **changes)
+
+
+def bucket_of(seqlen: int) -> int:
+    for b in BUCKETS:
+        if seqlen <= b:
+            return b
+    return BUCKETS[-1]
+
+
+def check_head_dim(d: int) -> None:
+    """``UnsupportedError`` unless ``d`` is a multiple of 8 from 8 to 256: the kernels load rows in
+    8-element (16-byte) chunks, so a d of 12 must not map to the 32 tile."""
+    if type(d) is not int or d < 8 or d % 8 or d > 256:
+        raise UnsupportedError(f"head dim {d} is not supported (supported: multiples of 8 up to 256)")
+
+
+def smallest_tile(d: int, tiles) -> int:
+    """The smallest of ``tiles`` that holds head dim ``d`` (checked by ``check_head_dim``)."""
+    check_head_dim(d)
+    for tile in tiles:
+        if d <= tile:
+            return tile
+    raise UnsupportedError(f"head dim {d} is not supported (largest tile {max(tiles)})")
+
+
+def head_dim_tile(d: int) -> int:
+    """The key's head-dim tile for an input head dim (forward, decode and the study families)."""
+    return smallest_tile(d, HEAD_DIM_TILES)
+
+
+def bwd_head_dim_tile(d: int) -> int:
+    """The backward keys' head-dim tile: ``head_dim_tile`` with 224 taken by 256 (no 224 tile in the
+    backward: every warp split of a 224-wide head dim spills its dK/dV accumulators)."""
+    tile = head_dim_tile(d)
+    return 256 if tile == 224 else tile

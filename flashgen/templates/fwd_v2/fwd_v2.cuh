@@ -1,0 +1,255 @@
+// FlashAttention-2 forward on mma.sync (sm_80+).
+//
+// One CTA owns BM query rows of one (batch, head); its warps split those rows
+// (split-Q: warp w owns rows [w*RW, (w+1)*RW), so no warp ever needs another's
+// softmax state). K/V blocks of BN rows stream through an ST-stage cp.async
+// ring. Per block: S = Q K^T in registers, mask only where the block crosses
+// the sequence end or the causal diagonal, online softmax with the scale folded
+// into exp2, P packed straight from the S accumulators into A fragments, O += P V.
+// Normalisation by the row sum happens once, at the end.
+#pragma once
+
+template <int D, int BM, int BN, int NW, int ST, int REFILL, bool CAUSAL, bool BF16, typename Params>
+FG_DEVICE void fwd_v2_body(const Params& p) {
+  constexpr int NT = NW * 32;
+  constexpr int RW = BM / NW;  // query rows per warp
+  constexpr int MI = RW / 16;  // 16-row slices per warp
+  constexpr int NJ = BN / 8;   // n8 tiles of S per slice
+  constexpr int DJ = D / 8;    // n8 tiles of O per slice
+  using TQ = Tile<D>;
+  static_assert(RW % 16 == 0 && BN % 16 == 0 && D % 32 == 0 && ST >= 2, "bad tile shape");
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  const fg_u32 sQ = smem_addr(smem);
+  const fg_u32 sK = sQ + BM * D * 2;
+  const fg_u32 sV = sK + ST * BN * D * 2;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  // Causal: the longest rows (highest query blocks) launch first.
+  const int m_block = CAUSAL ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
+  // grid = (query blocks, heads, batch)
+  const int b = blockIdx.z, hq = blockIdx.y, hk = hq / p.group;
+  const int bh = b * p.heads + hq;
+  const int m0 = m_block * BM;
+  const elem_t* q = p.q + b * p.q_sb + hq * p.q_sh;
+  const elem_t* k = p.k + b * p.k_sb + hk * p.k_sh;
+  const elem_t* v = p.v + b * p.v_sb + hk * p.v_sh;
+  // Bottom-right causal alignment: query i sees keys j <= i + diag.
+  const int diag = p.nk - p.nq;
+
+  int n_blocks = ceil_div(p.nk, BN);
+  if constexpr (CAUSAL) {
+    const int limit = m0 + BM + diag;  // keys below this can be seen by some row of the block
+    n_blocks = limit <= 0 ? 0 : min(n_blocks, ceil_div(limit, BN));
+  }
+
+  // Prologue: Q (its own group), then K/V blocks 0 .. ST-2.
+  TQ::template load<BM, NT>(sQ, q, p.q_ss, m0, p.nq, p.d);
+  cp_async_commit();
+#pragma unroll
+  for (int s = 0; s < ST - 1; ++s) {
+    if (s < n_blocks) {
+      TQ::template load<BN, NT>(sK + s * BN * D * 2, k, p.k_ss, s * BN, p.nk, p.d);
+      TQ::template load<BN, NT>(sV + s * BN * D * 2, v, p.v_ss, s * BN, p.nk, p.d);
+    }
+    cp_async_commit();
+  }
+
+  float acc_o[MI][DJ][4];
+  float row_max[MI][2], row_sum[MI][2];
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+    for (int dj = 0; dj < DJ; ++dj)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[mi][dj][e] = 0.f;
+    row_max[mi][0] = row_max[mi][1] = -INFINITY;
+    row_sum[mi][0] = row_sum[mi][1] = 0.f;
+  }
+
+  // Per-lane ldmatrix coordinates (KERNELS.md section 2):
+  //  Q as A:          row warp*RW + mi*16 + (lane & 15),       chunk 2*kk + (lane >> 4)
+  //  K as B:          row nj2*16 + (lane >> 4)*8 + (lane & 7), chunk 2*kk + ((lane >> 3) & 1)
+  //  V as B (.trans): row kk*16 + (lane & 15),                 chunk 2*dj2 + (lane >> 4)
+  const int q_row = warp * RW + (lane & 15);
+  const int k_row = ((lane >> 4) << 3) + (lane & 7);
+  const int v_row = lane & 15;
+  const typename TQ::Cols q_cols(q_row, lane >> 4);
+  const typename TQ::Cols k_cols(k_row, (lane >> 3) & 1);
+  const fg_u32 q_base = sQ + q_row * TQ::ROW_BYTES;  // V rows share q_cols: same r % 8, same c0
+
+  for (int j = 0; j < n_blocks; ++j) {
+    cp_async_wait<ST - 2>();
+    __syncthreads();
+    // Refill the stage block j-1 used with block j+ST-1. Where in the iteration
+    // the copy is issued (REFILL: 0 before S = QK^T, 1 before the softmax, 2
+    // before O += PV) changes nothing but the schedule and the registers ptxas
+    // needs, and so which tiles compile without spilling: a tuning knob.
+    auto refill = [&]() {
+      const int jn = j + ST - 1;
+      if (jn < n_blocks) {
+        const int sn = jn % ST;
+        TQ::template load<BN, NT>(sK + sn * BN * D * 2, k, p.k_ss, jn * BN, p.nk, p.d);
+        TQ::template load<BN, NT>(sV + sn * BN * D * 2, v, p.v_ss, jn * BN, p.nk, p.d);
+      }
+      cp_async_commit();
+    };
+    if constexpr (REFILL == 0) refill();
+    const int stage = j % ST;
+    const fg_u32 sKj = sK + stage * BN * D * 2;
+    const fg_u32 sVj = sV + stage * BN * D * 2;
+
+    // ---- S = Q K^T ----------------------------------------------------------
+    float acc_s[MI][NJ][4];
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int nj = 0; nj < NJ; ++nj)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_s[mi][nj][e] = 0.f;
+
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      fg_u32 a[MI][4];
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) {
+        ldmatrix_x4(a[mi], q_base + mi * 16 * TQ::ROW_BYTES + q_cols.col(kk));
+      }
+#pragma unroll
+      for (int nj2 = 0; nj2 < NJ / 2; ++nj2) {
+        fg_u32 bfrag[4];
+        ldmatrix_x4(bfrag, sKj + (nj2 * 16 + k_row) * TQ::ROW_BYTES + k_cols.col(kk));
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) {
+          mma_16816<BF16>(acc_s[mi][2 * nj2], a[mi], bfrag[0], bfrag[1]);
+          mma_16816<BF16>(acc_s[mi][2 * nj2 + 1], a[mi], bfrag[2], bfrag[3]);
+        }
+      }
+    }
+
+    if constexpr (REFILL == 1) refill();
+
+    // ---- mask (only blocks that cross the sequence end or the diagonal) -----
+    const int n0 = j * BN;
+    const bool crosses_end = n0 + BN > p.nk;
+    const bool crosses_diag = CAUSAL && (n0 + BN - 1 > m0 + diag);
+    if (crosses_end || crosses_diag) {
+      // Columns at or past `limit` are hidden for this thread's row; compare
+      // against one per-row bound instead of building row and column indices.
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          int limit = p.nk;
+          if constexpr (CAUSAL) limit = min(limit, m0 + warp * RW + mi * 16 + g + 8 * h + diag + 1);
+          limit -= n0 + 2 * t;
+#pragma unroll
+          for (int nj = 0; nj < NJ; ++nj)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              if (nj * 8 + e >= limit) acc_s[mi][nj][2 * h + e] = -INFINITY;
+        }
+    }
+
+    // ---- online softmax: new row max, rescale O and the row sum, P = exp2 ----
+    // (Skipping the O rescale when no row max grew was tried: a warp vote and
+    // branch per block cost more than the multiplies; docs/perf/forward-mma.md.)
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = row_max[mi][h];
+#pragma unroll
+        for (int nj = 0; nj < NJ; ++nj) mx = fmaxf(mx, fmaxf(acc_s[mi][nj][2 * h], acc_s[mi][nj][2 * h + 1]));
+        mx = quad_max(mx);
+        // A row that has seen only masked keys keeps max -inf: use 0 so that
+        // exp2(-inf - 0) = 0 instead of NaN.
+        const float m_scaled = (mx == -INFINITY ? 0.f : mx) * p.scale_log2;
+        const float alpha = fast_exp2(row_max[mi][h] * p.scale_log2 - m_scaled);
+        row_max[mi][h] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int nj = 0; nj < NJ; ++nj)
+#pragma unroll
+          for (int e = 2 * h; e < 2 * h + 2; ++e) {
+            const float pe = fast_exp2(fmaf(acc_s[mi][nj][e], p.scale_log2, -m_scaled));
+            acc_s[mi][nj][e] = pe;
+            sum += pe;
+          }
+        row_sum[mi][h] = row_sum[mi][h] * alpha + sum;  // per-thread partial; quad-summed at the end
+#pragma unroll
+        for (int dj = 0; dj < DJ; ++dj) {
+          acc_o[mi][dj][2 * h] *= alpha;
+          acc_o[mi][dj][2 * h + 1] *= alpha;
+        }
+      }
+
+    if constexpr (REFILL == 2) refill();
+
+    // ---- O += P V, P taken from the S accumulators as A fragments ------------
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      fg_u32 a[MI][4];
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) {
+        a[mi][0] = pack2<BF16>(acc_s[mi][2 * kk][0], acc_s[mi][2 * kk][1]);
+        a[mi][1] = pack2<BF16>(acc_s[mi][2 * kk][2], acc_s[mi][2 * kk][3]);
+        a[mi][2] = pack2<BF16>(acc_s[mi][2 * kk + 1][0], acc_s[mi][2 * kk + 1][1]);
+        a[mi][3] = pack2<BF16>(acc_s[mi][2 * kk + 1][2], acc_s[mi][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int dj2 = 0; dj2 < DJ / 2; ++dj2) {
+        fg_u32 bfrag[4];
+        ldmatrix_x4_trans(bfrag, sVj + (kk * 16 + v_row) * TQ::ROW_BYTES + q_cols.col(dj2));
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) {
+          mma_16816<BF16>(acc_o[mi][2 * dj2], a[mi], bfrag[0], bfrag[1]);
+          mma_16816<BF16>(acc_o[mi][2 * dj2 + 1], a[mi], bfrag[2], bfrag[3]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+  // Q chunks were copied by all threads; when no K/V block ran (fully masked
+  // or empty key range) nothing has synchronised since, and the O staging
+  // below reuses the Q rows.
+  __syncthreads();
+
+  // ---- epilogue: normalise, stage O through this warp's own Q rows, store ----
+  const fg_i64 lse_base = static_cast<fg_i64>(bh) * p.nq;
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float l = quad_sum(row_sum[mi][h]);
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const int r_local = warp * RW + mi * 16 + g + 8 * h;
+#pragma unroll
+      for (int dj = 0; dj < DJ; ++dj) {
+        const fg_u32 packed = pack2<BF16>(acc_o[mi][dj][2 * h] * inv, acc_o[mi][dj][2 * h + 1] * inv);
+        const fg_u32 addr = sQ + TQ::offset(r_local, dj) + 4 * t;
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(packed));
+      }
+      const int row = m0 + r_local;
+      if (p.lse != nullptr && t == 0 && row < p.nq)
+        p.lse[lse_base + row] = l > 0.f ? row_max[mi][h] * p.scale + logf(l) : -INFINITY;
+    }
+  __syncwarp();
+  elem_t* o = p.o + b * p.o_sb + hq * p.o_sh;
+  constexpr int CH = RW * (D / 8);
+#pragma unroll
+  for (int it = 0; it < (CH + 31) / 32; ++it) {
+    const int i = it * 32 + lane;
+    if (CH % 32 != 0 && i >= CH) break;
+    const int r_local = warp * RW + i / (D / 8), c = i % (D / 8);
+    const int row = m0 + r_local;
+    if (row < p.nq && c * 8 < p.d) {
+      fg_u32x4 val;
+      asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                   : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
+                   : "r"(sQ + TQ::offset(r_local, c)));
+      *reinterpret_cast<fg_u32x4*>(o + static_cast<fg_i64>(row) * p.o_ss + c * 8) = val;
+    }
+  }
+}

@@ -1,0 +1,135 @@
+"""Helpers the GPU-tier tests share (tests/test_gpu_*.py): inputs, the forward's correctness check, the
+parallel precompile step.
+
+The forward's rule (the FlashAttention repository's): flashgen's max error against the fp32 reference
+on upcast inputs must be at most 2x the max error of the same reference computed in the input dtype,
++ 1e-5 (``flashgen.reference``). Imported by the GPU test modules after their
+``pytest.importorskip("torch")``; nothing here runs at import but the definitions.
+"""
+from __future__ import annotations
+
+import math
+from multiprocessing.pool import ThreadPool
+
+import pytest
+import torch
+
+from flashgen.reference import reference
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Odd and even seqlen pairs, nq > nk and nq < nk, one query, one key.
+SEQLENS = [(113, 203), (128, 217), (108, 256), (256, 512), (512, 256), (1023, 1024), (1024, 1023),
+           (2048, 2048), (1, 239), (239, 1)]
+
+
+def is_sm90() -> bool:
+    """Whether the current CUDA device is an sm_90 GPU (H100/H200: the Hopper families run there)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def make_inputs(b, hq, hk, nq, nk, d, dtype, layout="bhsd", scale=1.0):
+    """Fresh random normal q, k, v (times ``scale``) on the GPU, in ``layout`` ("bhsd" or "bshd")."""
+    def rnd(h, n):
+        shape = (b, h, n, d) if layout == "bhsd" else (b, n, h, d)
+        return (torch.randn(shape, device="cuda", dtype=torch.float32) * scale).to(dtype)
+
+    return rnd(hq, nq), rnd(hk, nk), rnd(hk, nk)
+
+
+def to_bhsd(t, layout):
+    return t if layout == "bhsd" else t.transpose(1, 2)
+
+
+def poison_output(like):
+    """Fill a block the size of ``like`` with NaN and free it, just before a call allocates its output
+    (the first allocation of every forward path): the caching allocator hands that block back, so an
+    element the kernel never writes shows as non-finite. Best effort: the allocator may pick another
+    free block of that size, whose stale values (another call's) would then most likely fail the
+    tolerance instead."""
+    junk = torch.full(like.shape, float("nan"), device=like.device, dtype=like.dtype)
+    del junk
+
+
+def check(b, hq, hk, nq, nk, d, dtype_name, causal, layout="bhsd", magnitude=1.0, spec=None, algorithm="v2",
+          poison=True):
+    """One ``flashgen.attention`` call against the rule; returns (out, lse).
+
+    The output is poisoned first (``poison_output``); it must have q's shape and dtype, be finite
+    everywhere and meet the 2x rule. The LSE must be -inf exactly where the row sees no key and
+    elsewhere within 1e-3 (relative to its magnitude, at least 1) of the fp32 reference's
+    (``algorithm="standard"``, which stores S in the input dtype: the 2x rule, if looser)."""
+    import flashgen
+
+    dtype = DTYPES[dtype_name]
+    q, k, v = make_inputs(b, hq, hk, nq, nk, d, dtype, layout, magnitude)
+    scale = 1.0 / math.sqrt(d)
+    if poison:
+        poison_output(q)
+    out, lse = flashgen.attention(q, k, v, causal=causal, layout=layout, return_lse=True, spec=spec,
+                                  algorithm=algorithm)
+    torch.cuda.synchronize()
+    qb, kb, vb = (to_bhsd(t, layout) for t in (q, k, v))
+    ref, ref_lse = reference(qb, kb, vb, causal, scale, torch.float32)
+    low, low_lse = reference(qb, kb, vb, causal, scale, dtype)
+    got = to_bhsd(out, layout).float()
+    assert out.shape == q.shape and out.dtype == dtype
+    assert torch.isfinite(got).all(), "non-finite output (unwritten or NaN)"
+    err = (got - ref).abs().max().item()
+    tol = 2 * (low - ref).abs().max().item() + 1e-5
+    assert err <= tol, f"max err {err:.3e} > tol {tol:.3e}"
+    # LSE: -inf exactly where the row sees no key, else close to the fp32 reference.
+    masked = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), masked)
+    if (~masked).any():
+        lse_err = (lse[~masked] - ref_lse[~masked]).abs().max().item()
+        lse_tol = 1e-3 * max(1.0, ref_lse[~masked].abs().max().item())
+        if algorithm == "standard":  # S is stored in the input dtype: the 2x rule, as for the output
+            lse_tol = max(lse_tol, 2 * (low_lse[~masked] - ref_lse[~masked]).abs().max().item() + 1e-5)
+        assert lse_err <= lse_tol, f"lse err {lse_err:.3e} > tol {lse_tol:.3e}"
+    return out, lse
+
+
+def precompile_skipped(request) -> bool:
+    """Whether the GPU modules skip their parallel precompile step (conftest's ``--no-precompile``: a
+    ``-k`` subset compiles lazily; False where the option is not registered, e.g. ``--noconftest``)."""
+    return bool(request.config.getoption("--no-precompile", default=False))
+
+
+def warm(specs, tmp_path_factory, pick=None) -> None:
+    """Compile ``specs`` in parallel (NVRTC releases the GIL) and load them into the process's kernel
+    cache, so the tests only find them there. The compiles go to a private FLASHGEN_HOME: a module
+    fixture runs before conftest gives each test its own empty one, and a binary left in the caller's
+    home would be compiled again by the first test that loads it.
+
+    ``pick(verify)``: a callable returning more specs, dispatch's picks for the module's calls. It runs
+    twice in that home: unverified first (compiled in parallel with ``specs``), then as the launch paths
+    ask (``verify=True``: dispatch's resource check compiles, now from the cache; a tile it refuses
+    gives way to the rule's next one, compiled then). A spec that fails to build or load is left to the
+    test that uses it to report."""
+    from flashgen.codegen import build, load
+
+    def one(spec):
+        try:
+            build(spec)
+        except Exception:  # noqa: BLE001 -- the test that uses it reports it
+            pass
+
+    def build_all(todo):
+        with ThreadPool(8) as pool:
+            pool.map(one, sorted(todo, key=lambda s: s.name))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FLASHGEN_HOME", str(tmp_path_factory.mktemp("gpu_warm")))
+        mp.delenv("FLASHGEN_NO_COMPILE", raising=False)
+        done = set(specs) | (set(pick(False)) if pick is not None else set())
+        build_all(done)
+        if pick is not None:
+            verified = set(pick(True))
+            build_all(verified - done)
+            done |= verified
+        index = torch.cuda.current_device()
+        for spec in sorted(done, key=lambda s: s.name):
+            try:
+                load(spec, index)
+            except Exception:  # noqa: BLE001 -- as above
+                pass
