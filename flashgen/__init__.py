@@ -1,11 +1,10 @@
 """flashgen: FlashAttention kernels generated per problem, compiled with NVRTC, tuned per GPU."""
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
-from . import families  # noqa: E402,F401 -- registers every kernel kind with flashgen.spec
-from .errors import CompileError, ConfigError, FlashgenError, UnsupportedError  # noqa: E402
-from .spec import KernelSpec  # noqa: E402
+from . import families  # noqa: F401 -- registers every kernel kind with flashgen.spec
+from .errors import CompileError, ConfigError, FlashgenError, UnsupportedError
+from .spec import KernelSpec
+from .version import __version__
 
 
 def __getattr__(name):

@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from . import __version__, dispatch, families, gpus, tables
+from . import dispatch, families, gpus, tables
 from .bench.cli import add_parser as add_bench
 from .codegen import build, render
 from .errors import FlashgenError
@@ -21,6 +21,7 @@ from .explain import add_parser as add_explain
 from .tuner import space
 from .tuner.run import add_arguments as add_tune_arguments
 from .tuner.run import tune
+from .version import __version__
 from .spec import ARCHS, DTYPES
 
 

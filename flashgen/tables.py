@@ -45,11 +45,12 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import __version__, families, gpus, settings
+from . import families, gpus, settings
 from .codegen.compiler import nvrtc_version
 from .errors import ConfigError
 from .problem import BUCKETS, ProblemKey
 from .spec import ARCHS, DTYPES, KernelSpec, fields_of
+from .version import __version__
 
 FORMAT = 3
 SOURCES = ("measured", "model")

@@ -157,14 +157,14 @@ def check_fwd(spec, d: int, causal: bool) -> str | None:
     """None when ``spec`` computes attention within the rule on a ragged (1, 4, 1000, d) case, else why."""
     import torch
 
-    import flashgen
+    from .. import api
 
     gen = torch.Generator(device="cuda").manual_seed(7)
     dtype = options.dtype_of(spec.dtype)
     q, k, v = (torch.randn(1, 4, 1000, d, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
     scale = 1 / math.sqrt(d)
     ref = _reference(q, k, v, causal, scale)
-    out = flashgen.attention(q, k, v, causal=causal, spec=spec).float()
+    out = api.attention(q, k, v, causal=causal, spec=spec).float()
     err, tol = (out - ref).abs().max().item(), _tolerance(q, k, v, causal, scale, ref)
     return None if err <= tol else f"d={d} causal={causal}: max error {err:.3e} > {tol:.3e}"
 
@@ -174,7 +174,7 @@ def check_decode(spec, d: int, splits=None) -> str | None:
     split by the heuristic, not at all, 7 ways and ``splits``), else why."""
     import torch
 
-    import flashgen
+    from .. import api
 
     gen = torch.Generator(device="cuda").manual_seed(11)
     dtype = options.dtype_of(spec.dtype)
@@ -202,7 +202,7 @@ def check_decode(spec, d: int, splits=None) -> str | None:
         for ns in dict.fromkeys((None, 1, 7, splits)):
             for paged in (False, True):
                 args = (kp, vp, lens, table) if paged else (k, v, lens)
-                out = flashgen.decode(q, *args, num_splits=ns, spec=spec)[i:i + 1].transpose(1, 2).float()
+                out = api.decode(q, *args, num_splits=ns, spec=spec)[i:i + 1].transpose(1, 2).float()
                 err = (out - ref).abs().max().item()
                 if not err <= tol:
                     return (f"sequence {i} ({n} keys), {'paged' if paged else 'contiguous'}, num_splits={ns}: "
@@ -279,7 +279,7 @@ def _check_all(settings, progress) -> dict:
 def _fwd_rows(settings, dev, usable, progress, checkpoint) -> list:
     import torch
 
-    import flashgen
+    from .. import api
 
     dtype = options.dtype_of(settings["dtype"])
     rows = []
@@ -299,7 +299,7 @@ def _fwd_rows(settings, dev, usable, progress, checkpoint) -> list:
                         raise Skipped(why)
                 else:
                     used[label] = pick(dev, settings["dtype"], d, causal, n).name
-                return lambda: flashgen.attention(q, k, v, causal=causal, spec=spec)
+                return lambda: api.attention(q, k, v, causal=causal, spec=spec)
             makers[label] = make
         makers["sdpa_cudnn"] = lambda: baselines.sdpa("sdpa_cudnn", q, k, v, causal)
         cells = with_tflops(time_cell(makers, settings["rounds"], measure_ms(settings["budget"])), f)

@@ -103,7 +103,7 @@ def _twin(spec):
 def run(args, progress) -> dict:
     import torch
 
-    import flashgen
+    from .. import api
 
     from ..api.device import Device
 
@@ -139,13 +139,13 @@ def run(args, progress) -> dict:
             for n in settings["seqlens"]:
                 b, h, q, k, v = inputs(n, d, dtype, seed=n * 1000 + d * 2 + causal)
                 f = flops(b, h, n, n, d, causal)
-                makers = {name: (lambda s: lambda: (lambda: flashgen.attention(q, k, v, causal=causal, spec=s)))(
+                makers = {name: (lambda s: lambda: (lambda: api.attention(q, k, v, causal=causal, spec=s)))(
                     specs[(d, causal, name)]) for name in names}
-                makers["default"] = lambda: (lambda: flashgen.attention(q, k, v, causal=causal))
+                makers["default"] = lambda: (lambda: api.attention(q, k, v, causal=causal))
                 twin_name, twin = twins.get((d, causal, n), (None, None))
                 if twin is not None:
                     specs[(d, causal, twin_name)] = twin
-                    makers[twin_name] = lambda: (lambda: flashgen.attention(q, k, v, causal=causal, spec=twin))
+                    makers[twin_name] = lambda: (lambda: api.attention(q, k, v, causal=causal, spec=twin))
                 makers["sdpa_cudnn"] = lambda: baselines.sdpa("sdpa_cudnn", q, k, v, causal)
                 cells = with_tflops(time_cell(makers, settings["rounds"], measure_ms(settings["budget"])), f)
                 cudnn = cells.pop("sdpa_cudnn")

@@ -110,7 +110,7 @@ def _makers(settings, dev, mode, tensors, d, causal, n):
     """{impl: maker} of one cell and mode; and {forward name: maker} (fwd+bwd mode with the split)."""
     import torch
 
-    import flashgen
+    from .. import api
     from flashgen.api import attention_backward
 
     q, k, v, dout = tensors
@@ -130,7 +130,7 @@ def _makers(settings, dev, mode, tensors, d, causal, n):
 
     def saved():
         with torch.no_grad():
-            return flashgen.attention(qd, kd, vd, causal=causal, return_lse=True)
+            return api.attention(qd, kd, vd, causal=causal, return_lse=True)
 
     makers = {}
     for impl in settings["impls"]:
@@ -138,7 +138,7 @@ def _makers(settings, dev, mode, tensors, d, causal, n):
         if impl in ("flashgen", "flashgen_det"):
             if mode == "fwd+bwd":
                 makers[impl] = (lambda det: lambda: (
-                    lambda: grads(flashgen.attention(q, k, v, causal=causal, deterministic=det))))(det)
+                    lambda: grads(api.attention(q, k, v, causal=causal, deterministic=det))))(det)
             else:
                 def make(det=det):
                     out, lse = saved()
@@ -149,7 +149,7 @@ def _makers(settings, dev, mode, tensors, d, causal, n):
                 specs = {"bwd_dkdv": family_spec(fam)}
                 if mode == "fwd+bwd":
                     def run():
-                        out, lse = flashgen.attention(qd, kd, vd, causal=causal, return_lse=True)
+                        out, lse = api.attention(qd, kd, vd, causal=causal, return_lse=True)
                         return attention_backward(dout, qd, kd, vd, out, lse, causal, scale, specs=specs)
                     return run
                 out, lse = saved()
@@ -170,7 +170,7 @@ def _makers(settings, dev, mode, tensors, d, causal, n):
             if name in forwards:
                 continue
             if name == "flashgen":
-                forwards[name] = lambda: (lambda: flashgen.attention(qd, kd, vd, causal=causal))
+                forwards[name] = lambda: (lambda: api.attention(qd, kd, vd, causal=causal))
             else:
                 forwards[name] = (lambda nm: lambda: baselines.sdpa(nm, qd, kd, vd, causal))(name)
     return makers, forwards

@@ -150,10 +150,10 @@ class Case:
 
     def flashgen(self, spec=None, num_splits=None):
         """(callable(i), plan facts) of flashgen.decode on this case, planned now."""
-        import flashgen
+        from .. import api
 
         def fn(i):
-            return flashgen.decode(self.qs[i], self.kc[i], self.vc[i], self.lens, num_splits=num_splits,
+            return api.decode(self.qs[i], self.kc[i], self.vc[i], self.lens, num_splits=num_splits,
                                    check_values=False, spec=spec)
         return fn, plan_facts(fn)
 
@@ -203,7 +203,6 @@ def timed(makers: dict, settings, copies, nbytes) -> dict:
     return cells
 
 
-_timed = timed  # the name tests/test_decode.py calls it by
 
 
 def main_rows(settings, dtype, progress, checkpoint=None, rows=None) -> list:
@@ -232,7 +231,7 @@ def paged_rows(settings, dtype, progress) -> list:
     timed in interleaved rounds; ``page<P>/contig`` is the ratio of the medians."""
     import torch
 
-    import flashgen
+    from .. import api
 
     rows = []
     d = settings["d"]
@@ -244,7 +243,7 @@ def paged_rows(settings, dtype, progress) -> list:
         lens = torch.full((b,), L, dtype=torch.int32, device="cuda")
         kc = [torch.randn(b, L, hk, d, device="cuda", dtype=dtype, generator=gen) for _ in range(copies)]
         vc = [torch.randn_like(k) for k in kc]
-        makers = {"contiguous": lambda: (lambda i: flashgen.decode(qs[i], kc[i], vc[i], lens, check_values=False))}
+        makers = {"contiguous": lambda: (lambda i: api.decode(qs[i], kc[i], vc[i], lens, check_values=False))}
         keep = []
         for ps in settings["page_sizes"]:
             pages = b * L // ps
@@ -255,8 +254,8 @@ def paged_rows(settings, dtype, progress) -> list:
             keep.append((kp, vp, bts))
 
             def make(kp=kp, vp=vp, bts=bts):
-                flashgen.decode(qs[0], kp[0], vp[0], lens, bts[0])  # value-checked once
-                return lambda i: flashgen.decode(qs[i], kp[i], vp[i], lens, bts[i], check_values=False)
+                api.decode(qs[0], kp[0], vp[0], lens, bts[0])  # value-checked once
+                return lambda i: api.decode(qs[i], kp[i], vp[i], lens, bts[i], check_values=False)
             makers[f"page{ps}"] = make
 
         def with_facts(make):
@@ -315,15 +314,15 @@ def host_rows(calls=200, rounds=20, warmup=1000, progress=print) -> list:
     """Per-call host time of flashgen.decode with a cached plan: split (the heuristic's count), one split,
     paged, with the value checks (a device sync and two small host copies); SDPA flash with enable_gqa on
     the same shape for scale."""
-    import flashgen
+    from .. import api
 
     q, k, lens, kp, bt = host_inputs()
     qh, kh = q.transpose(1, 2), k.transpose(1, 2).contiguous()
     cases = {
-        "split": lambda: flashgen.decode(q, k, k, lens, check_values=False),
-        "nosplit": lambda: flashgen.decode(q, k, k, lens, num_splits=1, check_values=False),
-        "paged": lambda: flashgen.decode(q, kp, kp, lens, bt, check_values=False),
-        "checked": lambda: flashgen.decode(q, k, k, lens),
+        "split": lambda: api.decode(q, k, k, lens, check_values=False),
+        "nosplit": lambda: api.decode(q, k, k, lens, num_splits=1, check_values=False),
+        "paged": lambda: api.decode(q, kp, kp, lens, bt, check_values=False),
+        "checked": lambda: api.decode(q, k, k, lens),
         "sdpa_flash": baselines.sdpa("sdpa_flash", qh, kh, kh, enable_gqa=True),
     }
     rows = []

@@ -104,7 +104,7 @@ def with_tflops(cells: dict, flops: float) -> dict:
 
 
 def _makers(settings, dev, q, k, v, d, causal, n):
-    import flashgen
+    from .. import api
 
     dtype = settings["dtype"]
 
@@ -113,7 +113,7 @@ def _makers(settings, dev, q, k, v, d, causal, n):
             if fam not in families.serving("fwd", dev.arch):
                 raise Skipped(f"{fam} does not run on {dev.arch}")
             spec = pick(dev, dtype, d, causal, n, family=fam)
-            return lambda: flashgen.attention(q, k, v, causal=causal, spec=spec)
+            return lambda: api.attention(q, k, v, causal=causal, spec=spec)
         return make
 
     def math_make():
@@ -124,12 +124,12 @@ def _makers(settings, dev, q, k, v, d, causal, n):
     makers = {}
     for impl in settings["impls"]:
         if impl == "flashgen":
-            makers[impl] = lambda: (lambda: flashgen.attention(q, k, v, causal=causal))
+            makers[impl] = lambda: (lambda: api.attention(q, k, v, causal=causal))
         elif impl in FAMILY_IMPLS:
             makers[impl] = flashgen_family(impl[len("flashgen_"):])
         elif impl in ("flashgen_v1", "flashgen_standard"):
             algorithm = impl.split("_", 1)[1]
-            makers[impl] = (lambda a: lambda: (lambda: flashgen.attention(q, k, v, causal=causal, algorithm=a)))(
+            makers[impl] = (lambda a: lambda: (lambda: api.attention(q, k, v, causal=causal, algorithm=a)))(
                 algorithm)
         elif impl == "sdpa_math":
             makers[impl] = math_make
@@ -171,7 +171,7 @@ def memory_rows(settings, progress) -> list:
     causal): the forward keeps no N x N buffer, so this stays at the allocator's rounding."""
     import torch
 
-    import flashgen
+    from .. import api
 
     rows = []
     for n in settings["memory"]:
@@ -181,11 +181,11 @@ def memory_rows(settings, progress) -> list:
             torch.cuda.empty_cache()
             q, k, v = (torch.randn(1, 16, n, 128, device="cuda", dtype=options.dtype_of(settings["dtype"]))
                        for _ in range(3))
-            flashgen.attention(q, k, v, causal=True, return_lse=True)  # plan and load outside the count
+            api.attention(q, k, v, causal=True, return_lse=True)  # plan and load outside the count
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            out, lse = flashgen.attention(q, k, v, causal=True, return_lse=True)
+            out, lse = api.attention(q, k, v, causal=True, return_lse=True)
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() - base
             kept = out.numel() * out.element_size() + lse.numel() * lse.element_size()

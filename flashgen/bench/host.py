@@ -55,7 +55,7 @@ def attention_rows(calls=200, rounds=20, warmup=1000, progress=print) -> list:
     """The forward: default path, each forward family forced, SDPA flash (1 x 2 x 128 x 64, bf16)."""
     import torch
 
-    import flashgen
+    from .. import api
 
     from ..api.device import Device
 
@@ -66,7 +66,7 @@ def attention_rows(calls=200, rounds=20, warmup=1000, progress=print) -> list:
         default = pick(dev, "bf16", 64, False, 128).name
     except Exception:  # noqa: BLE001
         default = "?"
-    rows.append(host_row("attention", "default", lambda: flashgen.attention(q, q, q), calls, rounds, warmup,
+    rows.append(host_row("attention", "default", lambda: api.attention(q, q, q), calls, rounds, warmup,
                          spec=default))
     for fam in families.serving("fwd", dev.arch):
         try:
@@ -75,7 +75,7 @@ def attention_rows(calls=200, rounds=20, warmup=1000, progress=print) -> list:
             rows.append({"entry": "attention", "call": fam, "spec": "",
                          "results": {"host": {"error": error_text(exc)}}})
             continue
-        rows.append(host_row("attention", fam, lambda s=spec: flashgen.attention(q, q, q, spec=s), calls, rounds,
+        rows.append(host_row("attention", fam, lambda s=spec: api.attention(q, q, q, spec=s), calls, rounds,
                              warmup, spec=spec.name))
     rows.append(host_row("attention", "sdpa_flash", baselines.sdpa("sdpa_flash", q, q, q), calls, rounds, warmup,
                          spec=""))
@@ -88,11 +88,11 @@ def part_rows(calls=200, rounds=20, progress=print) -> list:
     """An unsplit decode call taken apart (cached plan and kernel): each part timed like the whole call."""
     import torch
 
-    import flashgen
+    from .. import api
     from flashgen.api import device as api_device
 
     q, k, lens, _, _ = host_inputs()
-    whole = lambda: flashgen.decode(q, k, k, lens, num_splits=1, check_values=False)  # noqa: E731
+    whole = lambda: api.decode(q, k, k, lens, num_splits=1, check_values=False)  # noqa: E731
     plans = testing.plans("decode")
     plans.clear()
     whole()
@@ -134,14 +134,14 @@ def profile_notes(top: int) -> list:
 
     import torch
 
-    import flashgen
+    from .. import api
 
     q, k, lens, _, _ = host_inputs()
-    flashgen.decode(q, k, k, lens, check_values=False)
+    api.decode(q, k, k, lens, check_values=False)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(2000):
-        flashgen.decode(q, k, k, lens, check_values=False)
+        api.decode(q, k, k, lens, check_values=False)
     prof.disable()
     torch.cuda.synchronize()
     buf = io.StringIO()

@@ -22,10 +22,11 @@ import time
 from multiprocessing.pool import ThreadPool
 from pathlib import Path
 
-from .. import __version__, settings
+from .. import settings
 from ..codegen import build
 from ..codegen.compiler import nvrtc_version
 from ..errors import FlashgenError
+from ..version import __version__
 from .report import save
 
 

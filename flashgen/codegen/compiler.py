@@ -19,8 +19,9 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .. import __version__, settings
+from .. import settings
 from ..errors import CompileError
+from ..version import __version__
 from .elf import whole_elf
 from .render import render
 

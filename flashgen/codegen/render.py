@@ -15,7 +15,7 @@ from importlib import resources
 
 import jinja2
 
-from .. import __version__
+from ..version import __version__
 
 _HEADER = re.compile(r"^[a-z0-9_]+/[a-z0-9_]+\.cuh$")
 
