@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 
-from . import dispatch, families, gpus, tables
+from . import dispatch, families, gpus, settings, tables
 from .bench.cli import add_parser as add_bench
 from .codegen import build, render
 from .errors import FlashgenError
@@ -92,17 +93,26 @@ def cmd_tune(args) -> int:
 
 def cmd_show(args) -> int:
     if args.config:
-        sources = [("file", tables.load(args.config, gpu=args.gpu))]
-    else:
-        gpu = args.gpu or (gpus.detect().name if gpus.detect() else None)
-        if gpu is None:
-            raise FlashgenError("no known GPU here: name one with --gpu, or a file with --config")
-        sources = tables.tables(gpus.get(gpu).name)
+        _show([("file", tables.load(args.config, gpu=args.gpu))], None)
+        return 0
+    detected = None if args.gpu else gpus.detect()
+    names = [gpus.get(args.gpu).name] if args.gpu else [detected.name] if detected else tables.shipped_gpus()
+    if not (args.gpu or detected):
+        print(f"# no known GPU here: the tables of every GPU a table is shipped for ({', '.join(names)}); "
+              "--gpu NAME shows one")
+    for gpu in names:
+        sources = tables.tables(gpu)
         if not sources:
             print(f"no tuned tables for {gpu}: dispatch uses the default rule "
                   f"(looked in {tables.default_path(gpu)} and {tables.shipped_path(gpu)})")
-            return 0
-    seen = set()
+            continue
+        _show(sources, gpu)
+    return 0
+
+
+def _show(sources, gpu) -> None:
+    """Print each table of ``sources`` ((origin, Table)); with ``gpu``, mark the entry dispatch uses for
+    a key ('user' / 'shipped') and the one it passes over ('shadowed')."""
     for origin, table in sources:
         m = table.meta
         print(f"# {origin}: {table.path}\n#   gpu {m['gpu']} ({m.get('device_name', '')}), {m['arch']}, "
@@ -111,13 +121,11 @@ def cmd_show(args) -> int:
         print(f"{'key':42s} {'spec':44s} {'ms':>8s} {'TFLOP/s':>8s} {'gain':>6s} {'from':>8s}")
         for key in sorted(table.entries, key=lambda k: (k.kind, k.dtype, k.head_dim, k.causal, k.bucket)):
             e = table.entries[key]
-            used = "shadowed" if key in seen else origin
-            seen.add(key)
+            used = origin if gpu is None or tables.lookup_entry(gpu, key)[1] is e else "shadowed"
             gain = f"{e['speedup']:.2f}x" if e.get("speedup") else "-"
             tf = f"{e['tflops']:.0f}" if e.get("tflops") else "-"
             print(f"{space.key_name(key):42s} {e['spec'].name:44s} {e['time_ms']:8.3f} {tf:>8s} {gain:>6s} "
                   f"{used:>8s}")
-    return 0
 
 
 def main(argv=None) -> int:
@@ -143,11 +151,29 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.argv = argv[1:] if argv and argv[0] == "tune" else argv
-    try:
-        return args.func(args)
-    except FlashgenError as exc:
-        print(f"flashgen: error: {exc}", file=sys.stderr)
-        return 2
+    with warnings.catch_warnings():
+        warnings.showwarning = _one_line_warning
+        try:
+            return args.func(args)
+        except FlashgenError as exc:
+            return _error(exc, getattr(exc, "source_path", None))
+        except (ValueError, TypeError, OSError) as exc:  # a value a check above missed: still one line
+            return _error(exc)
+        except Exception as exc:  # noqa: BLE001 -- a command-line error is one line, never a traceback
+            settings.logger().debug("flashgen: %s", "internal error", exc_info=True)
+            return _error(f"internal error ({type(exc).__name__}: {exc}); FLASHGEN_LOG=debug shows the traceback")
+
+
+def _error(exc, source_path=None) -> int:
+    """Print ``exc`` as one line (a compile error's log stays in its file) and return exit status 2."""
+    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+    text = lines[0] + (f" (source: {source_path})" if source_path and len(lines) > 1 else "")
+    print(f"flashgen: error: {text}", file=sys.stderr)
+    return 2
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None):
+    print(f"flashgen: warning: {str(message).removeprefix('flashgen: ')}", file=sys.stderr)
 
 
 if __name__ == "__main__":

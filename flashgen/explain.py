@@ -50,6 +50,9 @@ def analyse(gpu: str, d: int, seqlen: int, causal: bool = False, batch: int | No
     if d % 8 or d > 256:
         raise ValueError(f"--d {d}: head dims are multiples of 8 up to 256")
     b0, h0 = iomodel.hidden2048(seqlen, d)
+    for name, value in (("batch", batch), ("heads", heads)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ValueError(f"--{name} must be a positive integer, got {value!r}")
     b, h = batch or b0, heads or h0
     if b <= 0 or h <= 0:
         raise ValueError(f"--batch and --heads must be positive, got {b}, {h}")

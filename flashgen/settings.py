@@ -12,6 +12,7 @@ naming the variable, never a silent default.
 | ``FLASHGEN_LOG`` | level | ``debug``, ``info``, ``warning`` (default ``warning``) |
 | ``FLASHGEN_NO_COMPILE`` | flag | any cache miss raises ``CompileError`` instead of compiling (runs that must only use cached kernels) |
 | ``FLASHGEN_ALLOW_SPILLS`` | flag | study only: load a kernel whose ptxas report shows spills (normally refused) |
+| ``FLASHGEN_PREFER_MODEL`` | flag | a user table's entries ranked by the cost model win over measured shipped ones for the same key (normally a measured entry wins) |
 | ``FLASHGEN_BWD_FAMILY`` | kind | force the backward's dK/dV family: ``bwd_dkdv`` (mma.sync) or ``bwd_sm90`` (Hopper, where it serves the call) |
 | ``FLASHGEN_TILE_SECTION`` | int | study: fwd_sm90's (batch, head) pairs per tile section (``1``: one pair's m-blocks after another); read when a call's plan is made |
 | ``FLASHGEN_PERSIST_CTAS`` | int | study and tests: cap a persistent fwd_sm90 grid at this many CTAs (more tiles each); read when a plan is made |
@@ -37,6 +38,7 @@ VARIABLES = {
     "FLASHGEN_LOG": ("level", "log level: debug, info, warning"),
     "FLASHGEN_NO_COMPILE": ("flag", "a cache miss raises CompileError instead of compiling"),
     "FLASHGEN_ALLOW_SPILLS": ("flag", "study: load kernels whose ptxas report shows spills"),
+    "FLASHGEN_PREFER_MODEL": ("flag", "model-ranked user entries win over measured shipped ones"),
     "FLASHGEN_BWD_FAMILY": ("kind", "force the backward's dK/dV family (bwd_dkdv or bwd_sm90)"),
     "FLASHGEN_TILE_SECTION": ("int", "study: fwd_sm90's (batch, head) pairs per tile section"),
     "FLASHGEN_PERSIST_CTAS": ("int", "study and tests: cap a persistent fwd_sm90 grid at this many CTAs"),
@@ -95,6 +97,10 @@ def no_compile() -> bool:
 
 def allow_spills() -> bool:
     return _flag("FLASHGEN_ALLOW_SPILLS")
+
+
+def prefer_model() -> bool:
+    return _flag("FLASHGEN_PREFER_MODEL")
 
 
 def bwd_family() -> str | None:

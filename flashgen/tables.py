@@ -22,7 +22,16 @@ and validated once per process (``clear()`` forgets them). Reading uses
 ``yaml.safe_load`` only and validates every value (types, enums, ranges, the
 spec against its key and the GPU's shared memory) before anything is used,
 raising ``ConfigError(path, reason)``: never a silent fallback to another
-table. A file written for another GPU is refused.
+table. A file written for another GPU is refused, and so is anything that is not
+a regular file of at most ``MAX_BYTES`` bytes of UTF-8 YAML without aliases (an
+alias bomb or ``/dev/zero`` as a table costs nothing), a field the format does not
+know, or a key of another arch.
+
+Writers merge under a lock: ``update(path, table)`` takes an exclusive lock on the
+table's folder, reads what is there, merges and writes atomically, so concurrent
+tuning runs lose no entry. Where the user's table and the shipped one both have a
+key, a measured entry wins over one ranked by the cost model (``source: model``)
+unless ``FLASHGEN_PREFER_MODEL`` is set; otherwise the user's entry wins.
 
 Format 3 (this one) records a spec by the fields its kind uses, with
 descriptive names (``warp_specialized``, ``fma_exp2``, ``kv_load``,
@@ -39,13 +48,12 @@ import dataclasses
 import datetime
 import math
 import os
-import tempfile
 import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import families, gpus, settings
+from . import families, files, gpus, settings
 from .codegen.compiler import nvrtc_version
 from .errors import ConfigError
 from .problem import BUCKETS, ProblemKey
@@ -57,7 +65,13 @@ SOURCES = ("measured", "model")
 _KEY_FIELDS = {"kind": str, "arch": str, "dtype": str, "head_dim": int, "causal": bool, "bucket": int}
 _META_FIELDS = {"format": int, "gpu": str, "arch": str, "sms": int, "smem_per_block": int, "source": str,
                 "date": str, "versions": dict}
+_META_OPTIONAL = {"device_name": str}
 _ENTRY_REQUIRED = ("key", "spec", "time_ms", "source")
+_ENTRY_FIELDS = frozenset((*_ENTRY_REQUIRED, "tflops", "baseline", "speedup", "runners_up", "trials", "candidates",
+                           "failures"))
+# A tuned table is a few hundred kilobytes (the shipped H200 table: 64 entries, 90 KB); a file far larger
+# than any table can be is refused before it is parsed.
+MAX_BYTES = 8 << 20
 
 
 @dataclass
@@ -171,6 +185,9 @@ def _entry(where, record, profile) -> tuple[ProblemKey, dict]:
     missing = [f for f in _ENTRY_REQUIRED if f not in record]
     if missing:
         raise ConfigError(where, f"entry is missing {', '.join(missing)}")
+    unknown = sorted(map(str, set(record) - _ENTRY_FIELDS))
+    if unknown:
+        raise ConfigError(where, f"unknown entry field(s): {', '.join(unknown)}")
     key = _key(where, record["key"], profile.arch)
     entry = dict(record)
     entry["spec"] = _spec(where, record["spec"], key, profile)
@@ -199,19 +216,49 @@ def _entry(where, record, profile) -> tuple[ProblemKey, dict]:
     return key, entry
 
 
-def load(path, gpu: str | None = None) -> Table:
-    """Read and validate a table; ``gpu`` given: refuse a file written for another GPU."""
+def _no_aliases(loader_class):
+    """A SafeLoader that refuses YAML aliases (``*name``): a table never needs one, and nested aliases
+    expand exponentially (a few hundred bytes can ask for gigabytes)."""
+    class Loader(loader_class):
+        def compose_node(self, parent, index):
+            import yaml
+
+            if self.check_event(yaml.AliasEvent):
+                event = self.peek_event()
+                raise yaml.YAMLError(f"line {event.start_mark.line + 1}: YAML aliases (*{event.anchor}) are not "
+                                     "allowed in a tuned table")
+            return super().compose_node(parent, index)
+    return Loader
+
+
+def read_document(path):
+    """The YAML document of the file at ``path`` (a regular file of at most MAX_BYTES bytes of UTF-8, no
+    aliases); ``ConfigError`` naming the path and the reason otherwise."""
     import yaml
 
     where = str(path)
     try:
-        text = Path(path).read_text()
+        data = files.read_regular(path, MAX_BYTES)
+    except files.NotARegularFile:
+        raise ConfigError(where, "not a regular file (a tuned table is a YAML file)") from None
+    except files.TooLarge:
+        raise ConfigError(where, f"larger than {MAX_BYTES} bytes: not a tuned table") from None
     except OSError as exc:
         raise ConfigError(where, f"cannot read: {exc.strerror or exc}") from None
     try:
-        doc = yaml.safe_load(text)
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(where, f"not UTF-8 text (byte {exc.start})") from None
+    try:
+        return yaml.load(text, Loader=_no_aliases(yaml.SafeLoader))  # noqa: S506 -- SafeLoader, no aliases
     except yaml.YAMLError as exc:
         raise ConfigError(where, f"not valid YAML: {str(exc).splitlines()[0]}") from None
+
+
+def load(path, gpu: str | None = None) -> Table:
+    """Read and validate a table; ``gpu`` given: refuse a file written for another GPU."""
+    where = str(path)
+    doc = read_document(path)
     if not isinstance(doc, dict) or set(doc) != {"meta", "entries"}:
         raise ConfigError(where, "a tuned table is a mapping with exactly 'meta' and 'entries'")
     meta = doc["meta"]
@@ -221,6 +268,12 @@ def load(path, gpu: str | None = None) -> Table:
         if name not in meta:
             raise ConfigError(where, f"meta is missing {name}")
         _typed(where, f"meta.{name}", meta[name], want)
+    for name, want in _META_OPTIONAL.items():
+        if name in meta:
+            _typed(where, f"meta.{name}", meta[name], want)
+    unknown = sorted(map(str, set(meta) - set(_META_FIELDS) - set(_META_OPTIONAL)))
+    if unknown:
+        raise ConfigError(where, f"unknown meta field(s): {', '.join(unknown)}")
     entries = doc["entries"]
     if meta["format"] in (1, 2):
         entries = _migrate_entries(where, entries, meta["format"])
@@ -355,6 +408,19 @@ def _plain(entry: dict) -> dict:
     return out
 
 
+class _Dumper:
+    """safe_dump's Dumper without anchors and aliases (the reader refuses them)."""
+
+    @staticmethod
+    def get():
+        import yaml
+
+        class Dumper(yaml.SafeDumper):
+            def ignore_aliases(self, data):
+                return True
+        return Dumper
+
+
 def dump(table: Table) -> str:
     import yaml
 
@@ -362,24 +428,45 @@ def dump(table: Table) -> str:
     for key in sorted(table.entries, key=lambda k: (k.kind, k.arch, k.dtype, k.head_dim, k.causal, k.bucket)):
         entry = {"key": {f: getattr(key, f) for f in _KEY_FIELDS}, **_plain(table.entries[key])}
         entries.append(entry)
-    return yaml.safe_dump({"meta": {**table.meta, "format": FORMAT}, "entries": entries}, sort_keys=False,
-                          default_flow_style=None, width=120)
+    return yaml.dump({"meta": {**table.meta, "format": FORMAT}, "entries": entries}, Dumper=_Dumper.get(),
+                     sort_keys=False, default_flow_style=None, width=120)
 
 
 def save(table: Table, path) -> Path:
-    """Write ``table`` to ``path`` atomically (readers never see half a file)."""
+    """Write ``table`` to ``path`` atomically (readers never see half a file); the file's mode follows
+    the umask."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(dump(table))
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    return files.atomic_write(path, dump(table).encode())
+
+
+def check_writable(path, gpu: str) -> None:
+    """``ConfigError`` unless ``path`` can take a table of ``gpu``: not a directory, its folder
+    writable (or creatable), and an existing file a valid table of that GPU (so a tuning run learns
+    it before the search, not after)."""
+    path = Path(path)
+    where = str(path)
+    if path.is_dir():
+        raise ConfigError(where, "is a directory; name a YAML file")
+    if os.path.lexists(path):
+        load(path, gpu=gpu)
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(where, f"cannot write there ({parent} is not a writable folder)")
+
+
+def update(path, table: Table) -> Table:
+    """Merge ``table`` into the one at ``path`` (if any) and write the result, under an exclusive lock
+    on the folder: concurrent writers each merge into what the previous one wrote, so no entry is lost.
+    Returns the merged table."""
+    path = Path(path)
+    with files.locked(path.parent):
+        old = load(path, gpu=table.meta["gpu"]) if os.path.lexists(path) else None
+        merged = merge(old, table)
+        save(merged, path)
+    return merged
 
 
 def merge(old: Table | None, new: Table) -> Table:
@@ -401,25 +488,33 @@ _lock = threading.Lock()
 
 
 def tables(gpu: str) -> list:
-    """[(origin, Table)] for ``gpu`` in lookup order; origin is 'user' or 'shipped'."""
+    """[(origin, Table)] for ``gpu`` in lookup order; origin is 'user' or 'shipped'. A path that exists
+    but is not a valid table (a directory, a FIFO, a dangling link, a bad file) is a ``ConfigError``."""
     with _lock:
         found = _cache.get(gpu)
         if found is None:
             found = []
             for origin, path in (("user", default_path(gpu)), ("shipped", shipped_path(gpu))):
-                if path.is_file():
+                if os.path.lexists(path):
                     found.append((origin, load(path, gpu=gpu)))
             _cache[gpu] = found
         return found
 
 
+def ranked(gpu: str, key) -> list:
+    """[(origin, entry)] of every table that has ``key``, the one dispatch uses first: measured
+    entries before model-ranked ones (unless ``FLASHGEN_PREFER_MODEL``), then the user's table before
+    the shipped one."""
+    hits = [(origin, table.entries[key]) for origin, table in tables(gpu) if key in table.entries]
+    if settings.prefer_model():
+        return hits
+    return sorted(hits, key=lambda hit: hit[1]["source"] != "measured")  # stable: user first among equals
+
+
 def lookup_entry(gpu: str, key):
-    """(origin, entry) of the first table that has ``key``, or None."""
-    for origin, table in tables(gpu):
-        entry = table.entries.get(key)
-        if entry is not None:
-            return origin, entry
-    return None
+    """(origin, entry) of the table entry dispatch uses for ``key`` (``ranked``), or None."""
+    hits = ranked(gpu, key)
+    return hits[0] if hits else None
 
 
 def lookup(gpu: str, key):

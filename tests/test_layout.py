@@ -19,7 +19,7 @@ PACKAGE = ROOT / "flashgen"
 
 # Bottom up. A module's layer is the first pattern that matches its dotted name.
 LAYERS = (
-    ("base", ("flashgen.version", "flashgen.errors", "flashgen.settings", "flashgen.gpus", "flashgen.reference",
+    ("base", ("flashgen.version", "flashgen.errors", "flashgen.settings", "flashgen.files", "flashgen.gpus", "flashgen.reference",
               "flashgen.iomodel", "flashgen.tma")),
     ("spec", ("flashgen.spec", "flashgen.problem")),
     ("families, codegen, tables", ("flashgen.families", "flashgen.codegen", "flashgen.tables")),

@@ -41,9 +41,10 @@ def _ok_for_kernel(t: torch.Tensor, layout: str) -> bool:
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
-    """The TMA's rules for a tensor map: 16-byte aligned start, byte strides multiples of 16
-    (stricter than _ok_for_kernel only for strides of size-1 dims, which tma.tensor_dims repacks)."""
-    return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 or n == 1
+    """The TMA's rules for a tensor map: 16-byte aligned start, positive byte strides that are multiples of
+    16 (a stride-0 dimension, an expanded tensor, cannot be stepped by a map; size-1 dims are repacked by
+    tma.tensor_dims)."""
+    return t.data_ptr() % 16 == 0 and all(n == 1 or (s > 0 and s * t.element_size() % 16 == 0)
                                           for s, n in zip(t.stride()[:-1], t.shape[:-1]))
 
 

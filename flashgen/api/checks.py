@@ -5,6 +5,7 @@ valid requests the kernels cannot serve raise ``UnsupportedError``.
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import numbers
 
@@ -16,6 +17,7 @@ from ..spec import KernelSpec
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 LAYOUTS = ("bhsd", "bshd")
 MAX_GRID_YZ = 65535
+INT32_MAX = 2**31 - 1  # the kernels take sizes, tile counts and key indices as 32-bit ints
 
 
 def dims(t: torch.Tensor, layout: str):
@@ -35,15 +37,37 @@ def contiguous_strides(shape, layout: str):
 
 
 def checked_scale(softmax_scale, d: int) -> float:
-    """The softmax scale: ``1/sqrt(d)`` by default, else a finite positive real."""
+    """The softmax scale: ``1/sqrt(d)`` by default, else a real that is finite and positive as the
+    float32 the kernels get (1e300 would reach them as inf, 1e-46 as 0), and whose log2-based form
+    (scale * log2(e), the exp2 argument's factor) is too."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(d)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"softmax_scale must be a real number, got {softmax_scale!r}")
     scale = float(softmax_scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"softmax_scale must be finite and positive, got {softmax_scale!r}")
+    as_f32 = ctypes.c_float(scale).value if math.isfinite(scale) else scale
+    log2_f32 = ctypes.c_float(scale * math.log2(math.e)).value if math.isfinite(scale) else scale
+    if not (math.isfinite(as_f32) and as_f32 > 0 and math.isfinite(log2_f32) and log2_f32 > 0):
+        raise ValueError(f"softmax_scale must be finite and positive as a float32, got {softmax_scale!r}")
     return scale
+
+
+def check_int32(what: str, value: int) -> None:
+    """``UnsupportedError`` naming the limit when a size the kernels take as int32 is past it."""
+    if value > INT32_MAX:
+        raise UnsupportedError(f"{what} is {value}, past the kernels' 32-bit limit of {INT32_MAX}")
+
+
+def extent_bytes(t: torch.Tensor) -> int:
+    """Bytes from a tensor's first element to one past its last (0 for an empty tensor)."""
+    if t.numel() == 0:
+        return 0
+    return (sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 1) + 1) * t.element_size()
+
+
+def overlap(a: tuple, b: tuple) -> bool:
+    """Whether two (address, extent) byte ranges share a byte."""
+    return a[1] > 0 and b[1] > 0 and a[0] < b[0] + b[1] and b[0] < a[0] + a[1]
 
 
 def check_flag(name: str, value) -> None:
@@ -93,7 +117,13 @@ def check_attention_inputs(q, k, v, causal, softmax_scale, layout):
         raise ValueError(f"q and k must have one batch size, got {bq} and {bk} ({layout})")
     if d != dk:
         raise ValueError(f"q and k must have one head dim, got {d} and {dk}")
+    if hk > 1 and sk[1] == 0 and sv[1] == 0:
+        # K and V expanded over their heads (stride 0): one KV head serves every query head, which is
+        # exactly MQA, whatever the shape says; the kernels then read it as such on every family.
+        hk = 1
     check_heads_and_dim(hq, hk, d, bq, hq, "k/v", "heads")
+    check_int32("seqlen_q", nq)
+    check_int32("seqlen_k", nk)
     for name, t, strides in (("q", q, sq), ("k", k, sk), ("v", v, sv)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")

@@ -21,7 +21,7 @@ from ..codegen import load
 from ..errors import UnsupportedError
 from ..families import decode as dk
 from ..problem import ProblemKey, bucket_of, smallest_tile
-from .checks import DTYPES, check_flag, check_forced_spec, check_heads_and_dim, checked_scale
+from .checks import DTYPES, check_flag, check_forced_spec, check_heads_and_dim, checked_scale, extent_bytes, overlap
 from .device import Device, current_device, current_stream, index_of
 from .device import is_capturing as _capturing
 from .plans import PlanCache
@@ -96,6 +96,11 @@ def decode(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None
     knp, vnp = (k_new.data_ptr(), v_new.data_ptr()) if has_new else (0, 0)
     if (qp | kp | vp | knp | vnp) & 15:
         raise ValueError("q, k_cache, v_cache, k_new, v_new must be 16-byte aligned (16-byte loads)")
+    if has_new:  # the append writes the caches in place: nothing it writes may be read or written twice
+        _check_append_aliasing(plan.extents, kp, vp, knp, vnp)
+    if (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad) and torch.is_grad_enabled():
+        raise UnsupportedError("flashgen.decode has no backward: call it under torch.no_grad() (or pass tensors "
+                               "that do not require grad); for a differentiable attention use flashgen.attention")
     if check_values and plan.kernel is not None and not _capturing():
         check_cache_values(plan.limits, cache_seqlens, block_table)
     out = q.new_empty(q.shape)  # contiguous, q's dtype and device (cheaper than torch.empty on the host)
@@ -202,15 +207,30 @@ def check_cache_values(limits: _Limits, cache_seqlens, block_table) -> None:
                              f"{limits.num_pages} pages (sequence {i} uses its first {int(need[i])} entries)")
 
 
+def _check_append_aliasing(extents, kp, vp, knp, vnp) -> None:
+    """With k_new/v_new appended in place, k_cache, v_cache, k_new and v_new must not share memory: one
+    cache as both (``k_cache is v_cache``), a new token viewing the cache, or new tokens viewing each
+    other would make the append race with the reads (``extents``: their byte extents, from the plan)."""
+    ranges = {"k_cache": (kp, extents[0]), "v_cache": (vp, extents[1]), "k_new": (knp, extents[2]),
+              "v_new": (vnp, extents[3])}
+    names = list(ranges)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            if overlap(ranges[a], ranges[b]):
+                raise ValueError(f"{a} and {b} share memory: with k_new/v_new the caches are written in place, "
+                                 "so the caches and the new tokens must be four separate buffers")
+
+
 class _Plan:
     """Everything about a call that depends only on its signature (see ``api.plans``)."""
 
     __slots__ = ("kernel", "grid", "combine", "combine_grid", "device_index", "lse_shape", "ws_numel",
-                 "ws_lse_offset", "ctr_numel", "splits", "limits", "spec", "_template", "_struct", "_ctemplate",
-                 "_cstruct")
+                 "ws_lse_offset", "ctr_numel", "splits", "limits", "spec", "extents", "_template", "_struct",
+                 "_ctemplate", "_cstruct")
 
-    def __init__(self, device_index, lse_shape, limits):
+    def __init__(self, device_index, lse_shape, limits, extents=(0, 0, 0, 0)):
         self.device_index, self.lse_shape, self.limits = device_index, lse_shape, limits
+        self.extents = extents
         self.kernel = self.grid = self.combine = self.combine_grid = self.spec = None
         self.ws_numel = self.ws_lse_offset = self.ctr_numel = 0
         self.splits = 1
@@ -305,6 +325,10 @@ def _check(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softma
     if k_new is not None:
         if cache_seqlens is None:
             raise ValueError("k_new/v_new need cache_seqlens (the positions to append at)")
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape)):
+                raise ValueError(f"{name} is expanded (a stride of 0, strides {t.stride()}): appending k_new/v_new "
+                                 "would write one row for several; pass a cache with its own memory")
         want = (b, nq, hk, d)
         for name, t in (("k_new", k_new), ("v_new", v_new)):
             if tuple(t.shape) != want:
@@ -333,7 +357,8 @@ def _plan(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax
                                                            v_new, softmax_scale, num_splits, return_lse,
                                                            check_values)
     index = index_of(q)
-    plan = _Plan(index, (b, hq, nq), limits)
+    extents = tuple(extent_bytes(t) if t is not None else 0 for t in (k_cache, v_cache, k_new, v_new))
+    plan = _Plan(index, (b, hq, nq), limits, extents)
     if b == 0 or hq == 0:
         return plan
     dev = Device.of(index)

@@ -4,22 +4,21 @@ This module alone talks to NVRTC. ``compile_source`` turns source into a cubin
 for any target without a GPU; ``get_binary`` adds the cache under
 ``$FLASHGEN_HOME/kernels/<spec name>-<key>/``, where the key hashes everything
 that can change the binary (source, options, arch, NVRTC version, flashgen
-version). Cache writes are atomic (temp file + ``os.replace``) and serialized
-by a file lock with a second look after the lock is taken.
+version). Cache writes are atomic (temp file + ``os.replace``, modes from the umask) and
+serialized by a lock on the entry's folder with a second look after the lock is
+taken; malformed or edited metadata is a miss.
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
 import re
-import tempfile
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .. import settings
+from .. import files, settings
 from ..errors import CompileError
 from ..version import __version__
 from .elf import whole_elf
@@ -151,69 +150,91 @@ def cache_key(source: str, arch: str) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+_REPORT_INTS = ("registers", "spill_stores", "spill_loads", "stack_frame", "static_smem")
+_META_BYTES = 16 << 20  # a meta.json holds the ptxas log of one kernel: a few kilobytes
 
 
-@contextlib.contextmanager
-def _locked(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+def _meta_digest(meta: dict) -> str:
+    """The checksum a meta.json carries over everything a hit trusts (key, name, arch, the cubin's hash,
+    the ptxas report and log): an edited report (say, spills set to 0) is a miss, not a hidden spill."""
+    body = {k: meta.get(k) for k in ("key", "name", "arch", "cubin_sha256", "report", "log")}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _report_of(record) -> Report | None:
+    """The Report of a meta.json's ``report`` record, or None when any field is missing or mistyped."""
+    if not isinstance(record, dict) or set(record) != {*_REPORT_INTS, "warnings"}:
+        return None
+    if any(type(record[k]) is not int or record[k] < 0 for k in _REPORT_INTS):
+        return None
+    warns = record["warnings"]
+    if not isinstance(warns, list) or any(type(w) is not str for w in warns):
+        return None
+    return Report(**{**record, "warnings": tuple(warns)})
 
 
 def _read_cached(folder: Path, key: str) -> Binary | None:
-    """The cached binary in ``folder`` if its recorded key and checksum match, else None."""
+    """The cached binary in ``folder`` if its metadata is well formed and its key, cubin checksum and
+    metadata checksum match; None (a miss: the caller compiles) for anything else."""
     try:
-        meta = json.loads((folder / "meta.json").read_text())
-        cubin = (folder / "kernel.cubin").read_bytes()
+        meta = json.loads(files.read_regular(folder / "meta.json", _META_BYTES))
+        cubin = files.read_regular(folder / "kernel.cubin", 1 << 30)
     except (OSError, ValueError):
         return None
-    if meta.get("key") != key or meta.get("cubin_sha256") != hashlib.sha256(cubin).hexdigest():
+    if not isinstance(meta, dict) or meta.get("key") != key or not isinstance(meta.get("log", ""), str):
         return None
-    try:
-        report = Report(**{**meta["report"], "warnings": tuple(meta["report"].get("warnings", ()))})
-        return Binary(name=meta["name"], arch=meta["arch"], key=key, cubin=cubin, log=meta.get("log", ""),
-                      report=report)
-    except (KeyError, TypeError):
+    if meta.get("cubin_sha256") != hashlib.sha256(cubin).hexdigest() or meta.get("meta_sha256") != _meta_digest(meta):
         return None
+    report = _report_of(meta.get("report"))
+    if report is None or type(meta.get("name")) is not str or type(meta.get("arch")) is not str:
+        return None
+    return Binary(name=meta["name"], arch=meta["arch"], key=key, cubin=cubin, log=meta.get("log", ""), report=report)
 
 
 def cache_dir(name: str, key: str) -> Path:
     return settings.home() / "kernels" / f"{name}-{key[:16]}"
 
 
+_warned: set = set()
+
+
+def _uncached(source: str, arch: str, name: str, folder: Path, exc: OSError) -> Binary:
+    """Compile without the disk cache where its folder cannot be used, with one warning per folder."""
+    root = folder.parent
+    if root not in _warned:
+        _warned.add(root)
+        warnings.warn(f"flashgen: the kernel cache {root} cannot be used ({exc.strerror or exc}); compiling in "
+                      "memory (set FLASHGEN_HOME to a writable folder to keep compiled kernels)", stacklevel=3)
+    return compile_source(source, arch, name)
+
+
 def get_binary(source: str, arch: str, name: str) -> tuple[Binary, bool]:
-    """(binary, hit): the cached binary for this exact source and arch, compiling on a miss."""
+    """(binary, hit): the cached binary for this exact source and arch, compiling on a miss.
+
+    A miss compiles under an exclusive lock on the entry's folder, looking again once the lock is held
+    (another process may have finished meanwhile); the metadata is written last and marks the entry
+    complete. A cache location that cannot be used (a file where a folder should be, no permission, a
+    read-only mount, a loop of links) gives a warning and an in-memory compile, never a traceback."""
     key = cache_key(source, arch)
     folder = cache_dir(name, key)
     hit = _read_cached(folder, key)
     if hit is not None:
         return hit, True
-    with _locked(folder.with_name(folder.name + ".lock")):
-        hit = _read_cached(folder, key)  # another process may have finished meanwhile
-        if hit is not None:
-            return hit, True
-        folder.mkdir(parents=True, exist_ok=True)
-        _atomic_write(folder / "kernel.cu", source.encode())
-        binary = compile_source(source, arch, name, source_path=str(folder / "kernel.cu"))
-        _atomic_write(folder / "kernel.cubin", binary.cubin)
-        meta = {"key": key, "name": name, "arch": arch, "cubin_sha256": hashlib.sha256(binary.cubin).hexdigest(),
-                "report": asdict(binary.report), "log": binary.log, "flashgen": __version__,
-                "nvrtc": list(nvrtc_version())}
-        _atomic_write(folder / "meta.json", json.dumps(meta, indent=1).encode())  # written last: marks complete
+    try:
+        with files.locked(folder):
+            hit = _read_cached(folder, key)
+            if hit is not None:
+                return hit, True
+            files.atomic_write(folder / "kernel.cu", source.encode())
+            binary = compile_source(source, arch, name, source_path=str(folder / "kernel.cu"))
+            files.atomic_write(folder / "kernel.cubin", binary.cubin)
+            meta = {"key": key, "name": name, "arch": arch, "cubin_sha256": hashlib.sha256(binary.cubin).hexdigest(),
+                    "report": {**asdict(binary.report), "warnings": list(binary.report.warnings)}, "log": binary.log,
+                    "flashgen": __version__, "nvrtc": list(nvrtc_version())}
+            meta["meta_sha256"] = _meta_digest(meta)
+            files.atomic_write(folder / "meta.json", json.dumps(meta, indent=1).encode())  # last: marks complete
+    except OSError as exc:
+        return _uncached(source, arch, name, folder, exc), False
     return binary, False
 
 

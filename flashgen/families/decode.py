@@ -222,6 +222,10 @@ class DecodeCombineFamily(Family):
     def key_tile(self, d: int) -> int:
         return smallest_tile(d, DECODE_HEAD_DIMS)
 
+    def rule(self, key: ProblemKey, budget: int) -> list:
+        """The one combine kernel of the key's (arch, dtype, head-dim tile): it needs no shared memory."""
+        return [self.spec_for(key.arch, key.dtype, key.head_dim)]
+
     def spec_for(self, arch: str, dtype: str, head_dim: int) -> KernelSpec:
         """The one combine kernel of a (arch, dtype, head-dim tile)."""
         return KernelSpec(kind=self.kind, arch=arch, dtype=dtype, head_dim=head_dim, block_m=16, block_n=16,

@@ -249,6 +249,8 @@ class Sm90Family(Family):
                                **{n: values[n] for n in ("nq", "nk", "heads", "group", "d", "scale", "scale_log2")})
         m_blocks = (nq + spec.block_m - 1) // spec.block_m
         tiles = m_blocks * h * b
+        if tiles > 2**31 - 1:
+            raise UnsupportedError(f"{tiles} tiles (m-blocks x heads x batch) are past the kernel's 32-bit tile count")
         template.tiles, template.m_blocks = tiles, m_blocks
         kv_bytes = 2 * nk * spec.head_dim * 2 // (h // hk)  # K and V per query head (GQA: shared)
         template.sec, template.sec_big = tile_sections(b * h, kv_bytes, dev.l2_bytes, settings.tile_section(),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import socket
 import subprocess
@@ -51,11 +52,26 @@ def precompile(specs, jobs: int, log=None) -> dict:
 
     unique = list(dict.fromkeys(specs))
     t0 = time.monotonic()
+    tty = log is not None and sys.stderr.isatty()
+    out = {}
+
+    def note(done):
+        if tty:
+            print(f"\rcompiling {done}/{len(unique)} kernels ({time.monotonic() - t0:.0f} s)", end="",
+                  file=sys.stderr, flush=True)
+
     if jobs <= 1 or len(unique) < 2:
-        out = dict(_build_one(s.to_dict()) for s in unique)
+        for i, s in enumerate(unique, 1):
+            name, problems = _build_one(s.to_dict())
+            out[name] = problems
+            note(i)
     else:
         with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            out = dict(pool.map(_build_one, [s.to_dict() for s in unique], chunksize=2))
+            for i, (name, problems) in enumerate(pool.map(_build_one, [s.to_dict() for s in unique], chunksize=2), 1):
+                out[name] = problems
+                note(i)
+    if tty:
+        print(file=sys.stderr)
     if log:
         bad = sum(1 for p in out.values() if p)
         log(f"compiled {len(unique)} kernels in {time.monotonic() - t0:.1f} s ({jobs} jobs); "
@@ -64,7 +80,9 @@ def precompile(specs, jobs: int, log=None) -> dict:
 
 
 def gpu_mode(profile, want_model: bool) -> tuple[str, str]:
-    """('measured' | 'model', why). Refuses measuring a GPU that is not ``profile``."""
+    """('measured' | 'model', why). Measured tuning needs the GPU it names: without one, or with another,
+    it refuses (``--model`` is the explicit way to rank without measuring: the table then says
+    ``source: model``, and its entries never shadow measured ones)."""
     if want_model:
         return "model", "--model"
     try:
@@ -74,7 +92,8 @@ def gpu_mode(profile, want_model: bool) -> tuple[str, str]:
     except Exception:  # noqa: BLE001
         have_gpu = False
     if not have_gpu:
-        return "model", "no CUDA GPU here"
+        raise FlashgenError(f"measured tuning for {profile.name} needs that GPU, and this machine has no CUDA GPU: "
+                            "add --model to rank candidates by the cost model instead")
     name = torch.cuda.get_device_name(0)
     if not name.startswith(profile.device_name):
         raise FlashgenError(f"the GPU here is {name!r}, not {profile.name} ({profile.device_name}): measured "
@@ -103,10 +122,22 @@ def parse_scope(args):
     ``bwd_dkdv``, ``bwd_dkdv_nodq`` or ``bwd_dq`` that key kind.
     """
     profile = gpus.get(args.gpu)
+    if args.smem is not None and not 0 < args.smem <= profile.smem_per_block:
+        raise FlashgenError(f"--smem {args.smem}: a budget from 1 to {profile.name}'s {profile.smem_per_block} B "
+                            "(smaller simulates a smaller GPU)")
     try:
         profile = gpus.with_smem(profile, args.smem)
     except ValueError as exc:
         raise FlashgenError(f"--smem: {exc}") from None
+    for name, value in (("trials", args.trials), ("workers", args.workers), ("jobs", args.jobs)):
+        if value < 1:
+            raise FlashgenError(f"--{name} must be at least 1, got {value}")
+    if args.seed < 0:
+        raise FlashgenError(f"--seed must be a non-negative integer, got {args.seed}")
+    if args.time_budget is not None and not args.time_budget > 0:
+        raise FlashgenError(f"--time-budget must be a positive number of seconds, got {args.time_budget}")
+    if not args.worker_only:  # where the winners go: checked now, not after the search
+        tables.check_writable(args.out or tables.default_path(profile.name), profile.name)
     known = space.tune_kinds()
     if args.kind not in known:
         raise FlashgenError(f"--kind {args.kind!r}: known kinds {list(known)} (the other kernels are not "
@@ -130,8 +161,6 @@ def parse_scope(args):
     for n in buckets:
         if n not in BUCKETS:
             raise FlashgenError(f"--seqlens {n}: tuned lengths are the buckets {BUCKETS}")
-    if args.trials < 1:
-        raise FlashgenError("--trials must be at least 1")
     return profile, space.problem_keys(args.kind, profile.arch, dtypes, ds, causals, buckets), only
 
 
@@ -183,11 +212,15 @@ class Progress:
     def __call__(self, key, st):
         if self.quiet or not self.tty:
             return
-        trials = st.get_trials(deepcopy=False)
+        trials = [t for t in st.get_trials(deepcopy=False) if study.evaluated(t)]
         ok = [t for t in trials if t.value is not None]
         best = min(ok, key=lambda t: t.value) if ok else None
-        line = (f"[{self.index}/{self.total}] {space.key_name(key)} trial {len(trials)}/{self.n_specs[key]}"
-                + (f" best {best.value:.3f} ms" if best else ""))
+        if key != getattr(self, "_key", None):
+            self._key, self._t0 = key, time.monotonic()
+        done, total = len(trials), self.n_specs[key]
+        rate = (time.monotonic() - self._t0) / max(1, done)
+        line = (f"[{self.index}/{self.total}] {space.key_name(key)} trial {done}/{total}"
+                + (f" best {best.value:.3f} ms" if best else "") + f", about {rate * max(0, total - done):.0f} s left")
         print("\r" + line[:150].ljust(150), end="", file=sys.stderr, flush=True)
 
 
@@ -197,7 +230,8 @@ def run_keys(keys, cands, objective, args, storage, worker_index=0, progress=Non
         if progress:
             progress.index = i
         study.run_study(key, objective, cands[key], n_trials=args.trials, time_budget=args.time_budget,
-                        storage=storage, seed=args.seed, worker_index=worker_index, progress=progress,
+                        storage=storage, seed=args.seed + _seed_offset(args), worker_index=worker_index,
+                        progress=progress,
                         worker=worker)
         if progress and not progress.quiet:  # one line per key also where stderr is not a terminal
             r = study.collect(key, storage, cands[key])
@@ -283,12 +317,33 @@ def print_summary(rows, out=None, baseline="paper-rule"):
               "the measured best", file=out)
 
 
+def require_optuna() -> None:
+    try:
+        import optuna  # noqa: F401
+    except ImportError:
+        raise FlashgenError("tuning needs Optuna, which is not installed: pip install -e \".[tune]\" "
+                            "(or pip install optuna)") from None
+
+
+def open_storage(url):
+    """The study storage of ``--storage`` (in memory for None), or a one-line FlashgenError."""
+    try:
+        return study.open_storage(url)
+    except Exception as exc:  # noqa: BLE001 -- Optuna and SQLAlchemy raise many kinds for a bad URL
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise FlashgenError(f"--storage {url!r}: cannot open it ({first[:200]}); use journal:PATH or an RDB URL "
+                            "such as postgresql://user@host/db or sqlite:///path.db") from None
+
+
 def tune(args, argv) -> int:
     t_start = time.monotonic()
     quiet = args.quiet
     log = lambda msg: _say(msg, quiet)  # noqa: E731
+    require_optuna()
     profile, keys, only = parse_scope(args)
     mode, why = gpu_mode(profile, args.model)
+    if args.storage is not None:
+        open_storage(args.storage)  # a bad URL is refused before anything is compiled
     kinds = list(dict.fromkeys(k.kind for k in keys))
     fams = list(dict.fromkeys(f for k in {k.kind: k for k in keys}.values() for f in space.families(k, only)))
     if not args.worker_only:
@@ -309,8 +364,6 @@ def tune(args, argv) -> int:
         log(f"estimate: ~{est['total']:.0f} s ({sum(min(args.trials, len(c)) for c in cands.values())} trials; "
             f"compile ~{est['compile']:.0f} s, checks ~{est['check']:.0f} s, timing ~{est['time']:.0f} s"
             + (f"; --time-budget caps each key at {args.time_budget:.0f} s" if args.time_budget else "") + ")")
-    if args.workers < 1:
-        raise FlashgenError("--workers must be at least 1")
     if args.workers > 1 and mode == "measured":
         import torch
 
@@ -321,6 +374,24 @@ def tune(args, argv) -> int:
     if args.workers > 1 and storage_url is None:
         tmpdir = tempfile.mkdtemp(prefix="flashgen-tune-")
         storage_url = f"journal:{os.path.join(tmpdir, 'studies.journal')}"
+    try:
+        return _tune(args, argv, t_start, log, profile, keys, only, mode, why, cands, storage_url)
+    finally:
+        if tmpdir is not None:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _seed_offset(args) -> int:
+    """Independent workers on one shared study (``--storage`` given to each, no coordinator) must not
+    propose the same points: each takes an offset from its process id. Coordinated workers
+    (``--workers N``) have their worker index; a private study keeps the seed as given."""
+    if args.storage is not None and args.workers == 1 and not args.worker_only:
+        return 7907 * (os.getpid() % 65521)
+    return 0
+
+
+def _tune(args, argv, t_start, log, profile, keys, only, mode, why, cands, storage_url) -> int:
+    quiet = args.quiet
     procs = []
     if args.workers > 1:  # started before the compile step, held at their gate until it is done
         passthrough = [a for a in argv if a not in ("--quiet",)]
@@ -332,14 +403,14 @@ def tune(args, argv) -> int:
             specs = [s for key in keys for s in (cands[key] if len(cands[key]) <= args.trials else cands[key][:1])]
             precompile(specs, args.jobs, log)
         objective = MeasuredObjective(profile) if mode == "measured" else ModelObjective(profile)
-        storage = study.open_storage(storage_url)
+        storage = open_storage(storage_url)
     except BaseException:
         for p in procs:  # never let a gated worker run after this process failed
             p.kill()
         raise
     if args.gate:
         sys.stdin.read()  # until the coordinator has compiled (or closed us because it stopped)
-    progress = Progress(len(keys), {k: len(v) for k, v in cands.items()}, quiet)
+    progress = Progress(len(keys), {k: min(args.trials, len(v)) for k, v in cands.items()}, quiet)
     if args.workers > 1:
         _run_workers(procs, args.workers, mode, log,
                      lambda label: run_keys(keys, cands, objective, args, storage, 0, progress, label))
@@ -359,9 +430,8 @@ def tune(args, argv) -> int:
             log(f"{space.key_name(r.key)}: no candidate passed ({r.failures()}); not written")
             continue
         new.entries[r.key] = store.entry_from_result(r, mode)
-    out = args.out or tables.default_path(profile.name)
-    old = tables.load(out, gpu=profile.name) if os.path.exists(out) else None
-    path = tables.save(tables.merge(old, new), out)
+    path = args.out or tables.default_path(profile.name)
+    tables.update(path, new)  # merged under a lock with what concurrent runs wrote meanwhile
     dispatch.clear()
     wall = time.monotonic() - t_start
     if args.report:

@@ -242,6 +242,17 @@ class _NoProfile:
     regs_per_sm = 65536
 
 
+def evaluated(trial) -> bool:
+    """Whether a trial stands for an evaluated spec: finished (complete or failed; a RUNNING trial of
+    another worker has no result yet), not a duplicate of an earlier one, not refused statically."""
+    import optuna
+
+    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
+    attrs = trial.user_attrs
+    return (trial.state in states and "spec" in attrs and attrs.get("duplicate_of") is None
+            and not attrs.get("static"))
+
+
 def collect(key, storage, specs) -> KeyResult:
     """The finished study of ``key`` as a KeyResult (one record per evaluated spec)."""
     import optuna
@@ -249,18 +260,23 @@ def collect(key, storage, specs) -> KeyResult:
     storage = open_storage(storage)
     study = optuna.load_study(study_name=space.key_name(key), storage=storage)
     records, seen = [], set()
+    finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
     for t in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number):
         attrs = t.user_attrs
-        if "spec" not in attrs or attrs.get("duplicate_of") is not None:
+        # A trial another worker is still running (or one it left RUNNING when it died) has no result:
+        # its user attributes may already be set while its value is not.
+        if "spec" not in attrs or attrs.get("duplicate_of") is not None or t.state not in finished:
             continue
         spec = KernelSpec(**attrs["spec"])  # not validated: infeasible proposals are recorded too
         if spec in seen:  # two workers raced on one TPE proposal: keep the first
             continue
         seen.add(spec)
-        ok = t.state == optuna.trial.TrialState.COMPLETE
-        records.append(TrialRecord(t.number, spec, attrs.get("status", "ok" if ok else "launch_error"),
-                                   t.value if ok else None, attrs.get("reason", ""), attrs.get("info", {}),
-                                   attrs.get("worker", "")))
+        ok = t.state == optuna.trial.TrialState.COMPLETE and t.value is not None
+        status = attrs.get("status", "ok" if ok else "launch_error")
+        if status == "ok" and not ok:  # recorded as a success, but never told a value
+            status = "launch_error"
+        records.append(TrialRecord(t.number, spec, status, t.value if ok else None, attrs.get("reason", ""),
+                                   attrs.get("info", {}), attrs.get("worker", "")))
     return KeyResult(key, len(specs), specs[0], records, study.user_attrs.get("mode", "exhaustive"))
 
 
