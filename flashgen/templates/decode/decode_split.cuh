@@ -15,11 +15,11 @@
 // by one pointer (one 64-bit multiply per block), a paged cache's has one base
 // pointer per 16-row group (its page); the last block of a split and blocks with
 // appended keys take the checked path. Q's mma fragments (D = 128) stay in
-// registers for the whole block loop. HINT picks the global-load flavour:
+// registers for the whole block loop. KV_LOAD picks the global-load flavour:
 // 0 plain cp.async.cg, 1 with the .L2::256B prefetch hint, 2 with an
 // evict_first L2 cache policy (the stream is read once), 3 both.
 //
-// HINT 4 and 5 (sm_90 only): the bulk loader. Each warp loads exactly the K/V
+// KV_LOAD 4 and 5 (sm_90 only): the bulk loader. Each warp loads exactly the K/V
 // rows it computes on (its block_n/NW-key slice), one cp.async.bulk per row
 // (d*2 bytes: 256 at d=128) issued by one lane, completing on the warp's own
 // mbarriers (one for K, one for V, per ring stage), 5 with the evict_first L2
@@ -77,14 +77,14 @@ __device__ unsigned long long fg_probe[FG_PROBE_CTAS * FG_PROBE_SLOTS];
 
 
 // 16-byte global->shared copy (src_bytes = 0: zeros, nothing read) in the
-// flavour HINT selects (see the top of this file); `policy` is used by 2 and 3.
-template <int HINT>
+// flavour KV_LOAD selects (see the top of this file); `policy` is used by 2 and 3.
+template <int KV_LOAD>
 FG_DEVICE void kv_copy_16(fg_u32 dst, const void* src, int src_bytes, fg_u64 policy) {
-  if constexpr (HINT == 0) {
+  if constexpr (KV_LOAD == 0) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-  } else if constexpr (HINT == 1) {
+  } else if constexpr (KV_LOAD == 1) {
     asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-  } else if constexpr (HINT == 2) {
+  } else if constexpr (KV_LOAD == 2) {
     asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
                  "r"(src_bytes), "l"(policy));
   } else {
@@ -93,24 +93,24 @@ FG_DEVICE void kv_copy_16(fg_u32 dst, const void* src, int src_bytes, fg_u64 pol
   }
 }
 
-template <int HINT>
+template <int KV_LOAD>
 FG_DEVICE fg_u64 kv_policy() {
   fg_u64 pol = 0;
-  if constexpr (HINT == 2 || HINT == 3 || HINT == 5)
+  if constexpr (KV_LOAD == 2 || KV_LOAD == 3 || KV_LOAD == 5)
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
   return pol;
 }
 
-// The bulk loader (HINT 4, 5: see the top of this file) and its padded ring rows.
-template <int HINT>
-__host__ __device__ constexpr bool kv_bulk() { return HINT >= 4; }
-template <int D, int HINT>
-__host__ __device__ constexpr int kv_row_bytes() { return kv_bulk<HINT>() ? 2 * D + 16 : 2 * D; }
+// The bulk loader (KV_LOAD 4, 5: see the top of this file) and its padded ring rows.
+template <int KV_LOAD>
+__host__ __device__ constexpr bool kv_bulk() { return KV_LOAD >= 4; }
+template <int D, int KV_LOAD>
+__host__ __device__ constexpr int kv_row_bytes() { return kv_bulk<KV_LOAD>() ? 2 * D + 16 : 2 * D; }
 // Dynamic shared memory: Q tile, K and V rings, and (bulk loader) 2 * ST * NW mbarriers.
 // KernelSpec.smem_bytes() must agree (static_assert in the entry template).
-template <int D, int BN, int NW, int ST, int HINT>
+template <int D, int BN, int NW, int ST, int KV_LOAD>
 __host__ __device__ constexpr int decode_smem_bytes() {
-  return 16 * D * 2 + 2 * ST * BN * kv_row_bytes<D, HINT>() + (kv_bulk<HINT>() ? 2 * ST * NW * 8 : 0);
+  return 16 * D * 2 + 2 * ST * BN * kv_row_bytes<D, KV_LOAD>() + (kv_bulk<KV_LOAD>() ? 2 * ST * NW * 8 : 0);
 }
 
 // The merge's handshake: a GPU-scope release increment (after a CTA barrier it publishes the stores
@@ -124,144 +124,188 @@ FG_DEVICE int ld_acquire(const int* ptr) {
   return v;
 }
 
-template <int D, int BN, int NW, int ST, bool BF16, int HINT, typename Params>
-FG_DEVICE void decode_split_body(const Params& p) {
-  constexpr int NT = NW * 32;
-  constexpr int KW = BN / NW;    // keys per warp per block
-  constexpr int NJ = KW / 8;     // n8 tiles of S per warp
-  constexpr int DJ = D / 8;      // n8 tiles of O
-  constexpr int C = D / 8;       // 16-byte chunks per row
-  constexpr int STEP = NT / C;   // rows one load pass covers
-  constexpr int IPG = 16 / STEP; // load passes per 16-row group
-  constexpr int G = BN / 16;     // 16-row groups (page lookups) per block
-  constexpr int OS = D + 4;      // fp32 row stride of the reduction scratch (bank spread)
-  constexpr bool BULK = kv_bulk<HINT>();
-  constexpr int KV_ROW = kv_row_bytes<D, HINT>();  // bytes per K/V ring row (padded for the bulk loader)
+
+// Code: decode_split_cta holds one CTA's state (the launch geometry, the sequence's key range, the
+// block-table window, this thread's load pointers: the constructor sets them up) and the stages of the
+// kernel as member functions: append, load_q, the producer (fetch_pages, load_kv or bulk_rows,
+// issue_block, prologue), the main loop (S = Q K^T, mask, softmax_step of softmax.cuh, O += P V) and
+// the epilogue (the merge of the warps, then the stores or the in-kernel merge of the splits).
+// decode_split_body runs them in order. Everything is inlined (FG_DEVICE), and where the state lives is
+// chosen so that the compiler emits the machine code it did when this was one function. The stages that
+// were the body's code take the parameters as an argument p (a reference parameter: the compiler may
+// read it ahead of a branch), the helpers use the member p. The register
+// state the main loop carries (O, the row max and sum, the pages of the next block) is its own locals,
+// and the epilogue, which reads it, is called from there; the block-table window is the body's
+// variables (as fields of the struct they would be ordered differently); an array member would keep the
+// whole struct in memory until the loops are unrolled.
+template <int D, int BN, int NW, int ST, bool BF16, int KV_LOAD, typename Params>
+struct decode_split_cta {
+  // (Enumerators, not static constexpr members: NVRTC emits such a member as a global object.)
+  enum : int {
+    NT = NW * 32,
+    KW = BN / NW,     // keys per warp per block
+    NJ = KW / 8,      // n8 tiles of S per warp
+    DJ = D / 8,       // n8 tiles of O
+    C = D / 8,        // 16-byte chunks per row
+    STEP = NT / C,    // rows one load pass covers
+    IPG = 16 / STEP,  // load passes per 16-row group
+    G = BN / 16,      // 16-row groups (page lookups) per block
+    OS = D + 4,       // fp32 row stride of the reduction scratch (bank spread)
+    BULK = kv_bulk<KV_LOAD>(),
+    KV_ROW = kv_row_bytes<D, KV_LOAD>(),  // bytes per K/V ring row (padded for the bulk loader)
+  };
   using TT = Tile<D>;
   static_assert(KW % 16 == 0 && NT % C == 0 && 16 % STEP == 0 && BN % 16 == 0 && ST >= 2, "bad tile shape");
   static_assert(NW * 16 * OS * 4 + 16 * D * 4 <= 2 * ST * BN * KV_ROW,
                 "reduction scratch and the merger's own partial must fit in the K/V ring");
   static_assert((2 * NW * 16 + 32) * 4 <= 16 * D * 2, "reduction scalars must fit in the Q tile");
 
-  extern __shared__ __align__(128) unsigned char smem[];
-  const fg_u32 sQ = smem_addr(smem);
-  const fg_u32 sK = sQ + 16 * D * 2;
-  const fg_u32 sV = sK + ST * BN * KV_ROW;
-  // Bulk loader: the full barriers of (K or V, stage, warp), after the rings (never used as scratch).
-  const fg_u32 sBar = sV + ST * BN * KV_ROW;
+  const Params& p;
+  fg_u32 sQ, sK, sV, sBar;
+  int warp, lane, g, t, split, mb, hk, b;
+  int len_cache;
+  bool has_new;
+  int len, diag, r0, n_begin, split_end, n_end, n_blocks, fast_end;
+  bool paged;
+  int page_mask;
+  const int* bt;
+  int tab_len;
+  int &wb, &win_lo, &win_hi;  // the block-table window (the body's variables; see the constructor)
+  int tid, lc, lr;
+  bool col_ok;
+  int col_bytes;
+  const elem_t *k_head, *v_head, *k_h, *v_h, *kn_h, *vn_h, *kn_head, *vn_head;
+  fg_u64 policy;
+  int* pages;  // [G]: the pages of the 16-row groups of the next block to load (main_loop's array)
+  int w_row;   // this warp's first key row within a block
 
-  FG_PROBE(0);
+  // ---- setup: shared memory, indices, the sequence's key range, the window, load pointers ----
+  FG_DEVICE decode_split_cta(const Params& p, int& wb, int& win_lo, int& win_hi)
+      : p(p), wb(wb), win_lo(win_lo), win_hi(win_hi) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    sQ = smem_addr(smem);
+    sK = sQ + 16 * D * 2;
+    sV = sK + ST * BN * KV_ROW;
+    // Bulk loader: the full barriers of (K or V, stage, warp), after the rings (never used as scratch).
+    sBar = sV + ST * BN * KV_ROW;
+
+    FG_PROBE(0);
 #ifdef FLASHGEN_PROBE
-  if (threadIdx.x == 0) {  // slot 7: the SM this CTA runs on
-    unsigned smid_;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid_));
-    const unsigned cta_ = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-    if (cta_ < FG_PROBE_CTAS) fg_probe[cta_ * FG_PROBE_SLOTS + 7] = smid_;
-  }
+    if (threadIdx.x == 0) {  // slot 7: the SM this CTA runs on
+      unsigned smid_;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(smid_));
+      const unsigned cta_ = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+      if (cta_ < FG_PROBE_CTAS) fg_probe[cta_ * FG_PROBE_SLOTS + 7] = smid_;
+    }
 #endif
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, t = lane % 4;
-  const int split = blockIdx.x % p.num_splits, mb = blockIdx.x / p.num_splits;
-  const int hk = blockIdx.y, b = blockIdx.z;
-  auto full_bar = [&](bool V, int stage) -> fg_u32 { return sBar + ((V * ST + stage) * NW + warp) * 8; };
-  if constexpr (BULK) {
-    // Each warp's own barriers, one arrival per phase (its lane 0's arrive.expect_tx).
-    if (lane == 0) {
+    warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    g = lane / 4, t = lane % 4;
+    split = blockIdx.x % p.num_splits, mb = blockIdx.x / p.num_splits;
+    hk = blockIdx.y, b = blockIdx.z;
+    if constexpr (BULK) {
+      // Each warp's own barriers, one arrival per phase (its lane 0's arrive.expect_tx).
+      if (lane == 0) {
 #pragma unroll
-      for (int i = 0; i < 2 * ST; ++i) mbar_init(full_bar(i >= ST, i % ST), 1);
-      mbar_init_fence();
-      fence_proxy_async_smem();
+        for (int i = 0; i < 2 * ST; ++i) mbar_init(full_bar(i >= ST, i % ST), 1);
+        mbar_init_fence();
+        fence_proxy_async_smem();
+      }
+      __syncwarp();
     }
-    __syncwarp();
+
+    len_cache = p.seqlens != nullptr ? p.seqlens[b] : p.seqlen_k;
+    // Split 0 starts at key 0 whatever the sequence's length: while that length is loading (the load
+    // above is in flight), warm L2 with the keys and values of its first ST - 1 blocks (contiguous cache;
+    // rows past the length but within the capacity are valid memory, at most that many wasted 128-byte
+    // lines).
+    if (p.seqlens != nullptr && p.block_table == nullptr && split == 0) {
+      constexpr int LINES = (2 * D + 127) / 128;  // 128-byte lines per row (a row may start mid-line: d < 64)
+      const int rows = min(p.seqlen_k, (ST - 1) * BN);
+      const fg_i64 row0 = static_cast<fg_i64>(b) * p.k_sb + hk * p.k_sh;
+      const fg_i64 vrow0 = static_cast<fg_i64>(b) * p.v_sb + hk * p.v_sh;
+      for (int i = threadIdx.x; i < rows * LINES; i += NW * 32) {
+        const int row = i / LINES, c = (i % LINES) * 64;
+        if (c >= p.d) continue;  // (d < D: never an address past the row, so never past the cache)
+        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p.k + row0 + row * p.k_ss + c));
+        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p.v + vrow0 + row * p.v_ss + c));
+      }
+    }
+    has_new = p.knew != nullptr;
+    len = len_cache + (has_new ? p.nq : 0);  // keys of this sequence after the append
+    diag = len - p.nq;                        // new token i sees keys j <= i + diag
+    r0 = mb * 16;
+    const int last_row = min(r0 + 15, p.rows - 1);
+    const int kv_end = max(0, min(len, last_row / p.group + diag + 1));  // no row of the tile sees past this
+    const int blocks = ceil_div(len, BN);
+    const int bps = ceil_div(blocks, p.num_splits);
+    n_begin = split * bps * BN;
+    split_end = min(len, (split + 1) * bps * BN);
+    n_end = min(kv_end, split_end);
+    n_blocks = n_end > n_begin ? ceil_div(n_end - n_begin, BN) : 0;
+    fast_end = min(n_end, len_cache);  // a block ending at or before this is whole and cached
+    FG_PROBE(1);  // (the seqlens load has returned)
+
+    paged = p.block_table != nullptr;
+    page_mask = (1 << p.page_shift) - 1;
+    bt = p.block_table + (paged ? b * p.bt_sb : 0);
+    // Block-table window: each warp holds 64 entries of its sequence's row in two registers (lane i:
+    // entries wb + i and wb + 32 + i), loaded with one coalesced 128-byte load per 32 pages, 32 pages
+    // before they are needed; a page lookup is then a shuffle, never a load in front of a copy. The
+    // first two loads go out here, before the Q gather and the append, to overlap their latency.
+    tab_len = paged ? (p.seqlen_k >> p.page_shift) : 0;  // entries in a row (capacity / page)
+    wb = paged ? (n_begin >> p.page_shift) : 0;
+    win_lo = 0, win_hi = 0;
+    if (paged) {
+      if (wb + lane < tab_len) win_lo = __ldg(bt + wb + lane);
+      if (wb + 32 + lane < tab_len) win_hi = __ldg(bt + wb + 32 + lane);
+    }
+    // Element offsets of (batch or page, seq) are added per row group; heads and chunk columns once.
+    tid = threadIdx.x;
+    lc = tid % C, lr = tid / C;
+    col_ok = lc * 8 < p.d;
+    col_bytes = col_ok ? 16 : 0;
+    k_head = p.k + hk * p.k_sh;
+    v_head = p.v + hk * p.v_sh;
+    k_h = k_head + lc * 8;
+    v_h = v_head + lc * 8;
+    kn_h = p.knew + (has_new ? b * p.knew_sb + hk * p.knew_sh + lc * 8 : 0);
+    vn_h = p.vnew + (has_new ? b * p.vnew_sb + hk * p.vnew_sh + lc * 8 : 0);
+    // (batch, head) bases of knew/vnew without this thread's column (the bulk loader's appended rows).
+    kn_head = p.knew + (has_new ? b * p.knew_sb + hk * p.knew_sh : 0);
+    vn_head = p.vnew + (has_new ? b * p.vnew_sb + hk * p.vnew_sh : 0);
+    policy = kv_policy<KV_LOAD>();
   }
 
-  const int len_cache = p.seqlens != nullptr ? p.seqlens[b] : p.seqlen_k;
-  // Split 0 starts at key 0 whatever the sequence's length: while that length is loading (the load above
-  // is in flight), warm L2 with the keys and values of its first ST - 1 blocks (contiguous cache; rows
-  // past the length but within the capacity are valid memory, at most that many wasted 128-byte lines).
-  if (p.seqlens != nullptr && p.block_table == nullptr && split == 0) {
-    constexpr int LINES = (2 * D + 127) / 128;  // 128-byte lines per row (a row may start mid-line: d < 64)
-    const int rows = min(p.seqlen_k, (ST - 1) * BN);
-    const fg_i64 row0 = static_cast<fg_i64>(b) * p.k_sb + hk * p.k_sh;
-    const fg_i64 vrow0 = static_cast<fg_i64>(b) * p.v_sb + hk * p.v_sh;
-    for (int i = threadIdx.x; i < rows * LINES; i += NW * 32) {
-      const int row = i / LINES, c = (i % LINES) * 64;
-      if (c >= p.d) continue;  // (d < D: never an address past the row, so never past the cache)
-      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p.k + row0 + row * p.k_ss + c));
-      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p.v + vrow0 + row * p.v_ss + c));
-    }
-  }
-  const bool has_new = p.knew != nullptr;
-  const int len = len_cache + (has_new ? p.nq : 0);  // keys of this sequence after the append
-  const int diag = len - p.nq;                        // new token i sees keys j <= i + diag
-  const int r0 = mb * 16;
-  const int last_row = min(r0 + 15, p.rows - 1);
-  const int kv_end = max(0, min(len, last_row / p.group + diag + 1));  // no row of the tile sees past this
-  const int blocks = ceil_div(len, BN);
-  const int bps = ceil_div(blocks, p.num_splits);
-  const int n_begin = split * bps * BN;
-  const int split_end = min(len, (split + 1) * bps * BN);
-  const int n_end = min(kv_end, split_end);
-  const int n_blocks = n_end > n_begin ? ceil_div(n_end - n_begin, BN) : 0;
-  const int fast_end = min(n_end, len_cache);  // a block ending at or before this is whole and cached
-  FG_PROBE(1);  // (the seqlens load has returned)
-
-  const bool paged = p.block_table != nullptr;
-  const int page_mask = (1 << p.page_shift) - 1;
-  const int* bt = p.block_table + (paged ? b * p.bt_sb : 0);
-  // Block-table window: each warp holds 64 entries of its sequence's row in two registers (lane i:
-  // entries wb + i and wb + 32 + i), loaded with one coalesced 128-byte load per 32 pages, 32 pages
-  // before they are needed; a page lookup is then a shuffle, never a load in front of a copy. The
-  // first two loads go out here, before the Q gather and the append, to overlap their latency.
-  const int tab_len = paged ? (p.seqlen_k >> p.page_shift) : 0;  // entries in a row (capacity / page)
-  int wb = paged ? (n_begin >> p.page_shift) : 0;
-  int win_lo = 0, win_hi = 0;
-  if (paged) {
-    if (wb + lane < tab_len) win_lo = __ldg(bt + wb + lane);
-    if (wb + 32 + lane < tab_len) win_hi = __ldg(bt + wb + 32 + lane);
-  }
-  // Element offsets of (batch or page, seq) are added per row group; heads and chunk columns once.
-  const int tid = threadIdx.x;
-  const int lc = tid % C, lr = tid / C;
-  const bool col_ok = lc * 8 < p.d;
-  const int col_bytes = col_ok ? 16 : 0;
-  const elem_t* const k_head = p.k + hk * p.k_sh;
-  const elem_t* const v_head = p.v + hk * p.v_sh;
-  const elem_t* k_h = k_head + lc * 8;
-  const elem_t* v_h = v_head + lc * 8;
-  const elem_t* kn_h = p.knew + (has_new ? b * p.knew_sb + hk * p.knew_sh + lc * 8 : 0);
-  const elem_t* vn_h = p.vnew + (has_new ? b * p.vnew_sb + hk * p.vnew_sh + lc * 8 : 0);
-  // (batch, head) bases of knew/vnew without this thread's column (the bulk loader's appended rows).
-  const elem_t* const kn_head = p.knew + (has_new ? b * p.knew_sb + hk * p.knew_sh : 0);
-  const elem_t* const vn_head = p.vnew + (has_new ? b * p.vnew_sb + hk * p.vnew_sh : 0);
-  const fg_u64 policy = kv_policy<HINT>();
+  FG_DEVICE fg_u32 full_bar(bool V, int stage) const { return sBar + ((V * ST + stage) * NW + warp) * 8; }
 
   // ---- append: m-block 0 copies the new rows its split covers into the cache ----
-  if (has_new && mb == 0) {
-    const int a0 = max(n_begin, len_cache), a1 = split_end;
-    for (int i = tid; i < (a1 - a0) * C; i += NT) {
-      const int key = a0 + i / C, c = i % C;
-      if (c * 8 >= p.d) continue;
-      fg_i64 ko, vo;
-      if (paged) {
-        const fg_i64 pg = bt[key >> p.page_shift];
-        ko = pg * p.k_sb + (key & page_mask) * p.k_ss;
-        vo = pg * p.v_sb + (key & page_mask) * p.v_ss;
-      } else {
-        ko = b * p.k_sb + static_cast<fg_i64>(key) * p.k_ss;
-        vo = b * p.v_sb + static_cast<fg_i64>(key) * p.v_ss;
+  FG_DEVICE void append(const Params& p) {
+    if (has_new && mb == 0) {
+      const int a0 = max(n_begin, len_cache), a1 = split_end;
+      for (int i = tid; i < (a1 - a0) * C; i += NT) {
+        const int key = a0 + i / C, c = i % C;
+        if (c * 8 >= p.d) continue;
+        fg_i64 ko, vo;
+        if (paged) {
+          const fg_i64 pg = bt[key >> p.page_shift];
+          ko = pg * p.k_sb + (key & page_mask) * p.k_ss;
+          vo = pg * p.v_sb + (key & page_mask) * p.v_ss;
+        } else {
+          ko = b * p.k_sb + static_cast<fg_i64>(key) * p.k_ss;
+          vo = b * p.v_sb + static_cast<fg_i64>(key) * p.v_ss;
+        }
+        const int rn = key - len_cache;
+        const fg_i64 co = c * 8 - lc * 8;  // the *_h pointers carry this thread's own column
+        *reinterpret_cast<fg_u32x4*>(const_cast<elem_t*>(k_h) + co + ko) =
+            *reinterpret_cast<const fg_u32x4*>(kn_h + co + rn * p.knew_ss);
+        *reinterpret_cast<fg_u32x4*>(const_cast<elem_t*>(v_h) + co + vo) =
+            *reinterpret_cast<const fg_u32x4*>(vn_h + co + rn * p.vnew_ss);
       }
-      const int rn = key - len_cache;
-      const fg_i64 co = c * 8 - lc * 8;  // the *_h pointers carry this thread's own column
-      *reinterpret_cast<fg_u32x4*>(const_cast<elem_t*>(k_h) + co + ko) =
-          *reinterpret_cast<const fg_u32x4*>(kn_h + co + rn * p.knew_ss);
-      *reinterpret_cast<fg_u32x4*>(const_cast<elem_t*>(v_h) + co + vo) =
-          *reinterpret_cast<const fg_u32x4*>(vn_h + co + rn * p.vnew_ss);
     }
   }
 
   // ---- Q: 16 packed rows gathered from (token, head) ----------------------------
-  {
+  FG_DEVICE void load_q(const Params& p) {
     const elem_t* q_b = p.q + b * p.q_sb;
 #pragma unroll
     for (int it = 0; it < (16 * C + NT - 1) / NT; ++it) {
@@ -277,26 +321,26 @@ FG_DEVICE void decode_split_body(const Params& p) {
     cp_async_commit();
   }
 
+  // ---- producer: pages, K/V loads into the ring ----------------------------------
   // Pages of the 16-row groups of the block starting at key n0 (0 where unused), from the window.
   // Called for consecutive blocks (n0 = n_begin, n_begin + BN, ...) by every thread: a block spans at
   // most BN/16 <= 8 pages, so one 32-entry step of the window per call keeps every index below 64.
-  int pages[G];
-  auto step_window = [&](int n0) {
+  FG_DEVICE void step_window(int n0) {
     if (paged && (n0 >> p.page_shift) - wb >= 32) {  // the upper half was loaded 32 pages ago
       wb += 32;
       win_lo = win_hi;
       win_hi = wb + 32 + lane < tab_len ? __ldg(bt + wb + 32 + lane) : 0;
     }
-  };
+  }
   // The page of `key` (a key of the block the window was last stepped for), by every lane of the warp
   // (a shuffle; lanes may ask for different keys).
-  auto page_of = [&](int key) -> int {
+  FG_DEVICE int page_of(int key) const {
     const int idx = (key >> p.page_shift) - wb;  // 0..63 for a key of the current block
     const int lo = __shfl_sync(0xffffffffu, win_lo, idx & 31);
     const int hi = __shfl_sync(0xffffffffu, win_hi, idx & 31);
     return idx < 32 ? lo : hi;
-  };
-  auto fetch_pages = [&](int n0) {
+  }
+  FG_DEVICE void fetch_pages(int n0) {
     if (!paged) {
 #pragma unroll
       for (int e = 0; e < G; ++e) pages[e] = 0;
@@ -311,11 +355,10 @@ FG_DEVICE void decode_split_body(const Params& p) {
         pages[e] = (key0 < n_end && key0 < len_cache) ? pg : 0;
       }
     }
-  };
-  // K or V of the block at key n0 into ring stage `stage`.
-  // (V is a plain bool: NVRTC 13.0 refuses generic lambdas in device code; every call passes a
-  // constant and the lambda is inlined, so the branches fold away as before.)
-  auto load_kv = [&](int n0, int stage, bool V) {  // V: false loads K, true loads V
+  }
+  // K or V of the block at key n0 into ring stage `stage` (every call passes a constant V, and the
+  // function is inlined, so the branches fold away).
+  FG_DEVICE void load_kv(int n0, int stage, bool V) {  // V: false loads K, true loads V
     const elem_t* const head = V ? v_h : k_h;
     const fg_i64 sb = V ? p.v_sb : p.k_sb, ss = V ? p.v_ss : p.k_ss;
     const fg_u32 dst = (V ? sV : sK) + stage * BN * D * 2;
@@ -326,7 +369,7 @@ FG_DEVICE void decode_split_body(const Params& p) {
       const fg_i64 step = STEP * ss;
 #pragma unroll
       for (int r = 0; r < BN; r += STEP) {
-        kv_copy_16<HINT>(dst + TT::offset(r + lr, lc), src, col_bytes, policy);
+        kv_copy_16<KV_LOAD>(dst + TT::offset(r + lr, lc), src, col_bytes, policy);
         src += step;
       }
     } else if (n0 + BN <= fast_end) {
@@ -337,7 +380,7 @@ FG_DEVICE void decode_split_body(const Params& p) {
         const elem_t* src = head + static_cast<fg_i64>(pages[e]) * sb + ((key0 & page_mask) + lr) * ss;
 #pragma unroll
         for (int i = 0; i < IPG; ++i) {
-          kv_copy_16<HINT>(dst + TT::offset(e * 16 + lr + i * STEP, lc), src, col_bytes, policy);
+          kv_copy_16<KV_LOAD>(dst + TT::offset(e * 16 + lr + i * STEP, lc), src, col_bytes, policy);
           src += STEP * ss;
         }
       }
@@ -360,16 +403,15 @@ FG_DEVICE void decode_split_body(const Params& p) {
             src = head + static_cast<fg_i64>(b) * sb + static_cast<fg_i64>(key) * ss;
           }
         }
-        kv_copy_16<HINT>(dst + TT::offset(row, lc), src, ok ? 16 : 0, policy);
+        kv_copy_16<KV_LOAD>(dst + TT::offset(row, lc), src, ok ? 16 : 0, policy);
       }
     }
-  };
+  }
   // Bulk loader: this warp's KW rows of K and of V of the block at key n0 into `stage`. Whole cached
   // rows: one cp.async.bulk each (lane i: copy i, K rows then V rows); other rows (past n_end: zeros;
   // appended keys: from knew/vnew) are stored by the lanes first, then lane 0 arrives on the stage's K
   // and V barriers expecting the bulk bytes, then the copies go out.
-  const int w_row = warp * KW;  // this warp's first key row within a block
-  auto bulk_rows = [&](int n0, int stage) {
+  FG_DEVICE void bulk_rows(int n0, int stage) {
     constexpr int COPIES = 2 * KW;
     const int key_w = n0 + w_row;
     const int n_bulk = max(0, min(KW, min(n_end, len_cache) - key_w));  // rows [0, n_bulk) are whole cached rows
@@ -411,17 +453,17 @@ FG_DEVICE void decode_split_body(const Params& p) {
                                  : static_cast<fg_i64>(b) * (V ? p.v_sb : p.k_sb) + static_cast<fg_i64>(key) * (V ? p.v_ss : p.k_ss);
         const fg_u32 dst = (V ? dst_v : dst_k) + row * KV_ROW;
         const fg_u32 bar = full_bar(V, stage);
-        if constexpr (HINT == 5) {
+        if constexpr (KV_LOAD == 5) {
           bulk_g2s_hint(dst, (V ? v_head : k_head) + off, row_bytes, bar, policy);
         } else {
           bulk_g2s(dst, (V ? v_head : k_head) + off, row_bytes, bar);
         }
       }
     }
-  };
+  }
   // Both halves of block jb into its stage: two commit groups (K, then V); past the end, two empty ones.
   // Bulk loader: this warp's rows of block jb (nothing past the end).
-  auto issue_block = [&](int jb) {
+  FG_DEVICE void issue_block(int jb) {
     if constexpr (BULK) {
       if (jb < n_blocks) {
         bulk_rows(n_begin + jb * BN, jb % ST);
@@ -439,319 +481,316 @@ FG_DEVICE void decode_split_body(const Params& p) {
         cp_async_commit();
       }
     }
-  };
-
-  if constexpr (BULK) {
-    // Columns [d, D) of every ring row: zero once (the copies bring d columns; K's must not be NaN).
-    if (p.d < D) {
-      for (int i = tid; i < 2 * ST * BN * C; i += NT) {
-        const int row = i / C, c = i % C;
-        if (c * 8 < p.d) continue;
-        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(sK + row * KV_ROW + c * 16), "r"(0u) : "memory");
-      }
-    }
   }
-  fetch_pages(n_begin);
-#pragma unroll
-  for (int s = 0; s < ST - 1; ++s) issue_block(s);
-  if constexpr (BULK) {
-    cp_async_wait<0>();
-    __syncthreads();  // Q (and the zeroed columns) visible to every warp; no CTA barrier in the block loop
-  }
-
-  float acc_o[DJ][4];
-#pragma unroll
-  for (int dj = 0; dj < DJ; ++dj)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc_o[dj][e] = 0.f;
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
-
-  // Per-row key limits (exclusive) of this thread's rows g and g+8; padded rows
-  // (r >= rows) get a limit too, their results are never stored.
-  int row_lim[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) row_lim[h] = min(n_end, (r0 + g + 8 * h) / p.group + diag + 1);
-  const int mask_from = min(n_end, r0 / p.group + diag + 1);  // the tile's smallest limit
-
-  const int q_row = lane & 15;
-  const int k_row = ((lane >> 4) << 3) + (lane & 7);
-  const typename TT::Cols q_cols(q_row, lane >> 4);
-  const typename TT::Cols k_cols(k_row, (lane >> 3) & 1);
-  const fg_u32 q_base = sQ + q_row * TT::ROW_BYTES;
-  // Lane offsets into a warp's K / V slice of a stage for ldmatrix: swizzled rows (TT) for cp.async,
-  // padded plain rows for the bulk loader (logical chunk c at byte 16 c).
-  const fg_u32 k_lane = k_row * KV_ROW + (BULK ? 16 * ((lane >> 3) & 1) : 0);
-  const fg_u32 v_lane = q_row * KV_ROW + (BULK ? 16 * (lane >> 4) : 0);
-  auto k_addr = [&](fg_u32 base, int nj2, int kk) -> fg_u32 {
-    if constexpr (BULK) return base + k_lane + nj2 * 16 * KV_ROW + kk * 32;
-    return base + (nj2 * 16 + k_row) * TT::ROW_BYTES + k_cols.col(kk);
-  };
-  auto v_addr = [&](fg_u32 base, int kk, int dj2) -> fg_u32 {
-    if constexpr (BULK) return base + v_lane + kk * 16 * KV_ROW + dj2 * 32;
-    return base + (kk * 16 + q_row) * TT::ROW_BYTES + q_cols.col(dj2);
-  };
-
-  // Q's A fragments stay in registers for the whole block loop (D = 128: 32 registers), instead of D / 16
-  // ldmatrix of the Q tile per block: Q's copy group is the oldest, so waiting for all but the prologue's
-  // K/V groups (then a CTA barrier) is enough. Measured at D = 128 only (docs/perf/decode.md); the
-  // other tiles keep their registers (the H200's NVRTC 13.0 once spilled the d = 32 tile with it).
-  constexpr bool QREG = D == 128;
-  fg_u32 qf[QREG ? D / 16 : 1][4];
-  if constexpr (QREG) {
-    if (!BULK && n_blocks > 0) {
-      cp_async_wait<2 * (ST - 1)>();
-      __syncthreads();
-    }
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(qf[kk], q_base + q_cols.col(kk));
-  }
-
-  for (int j = 0; j < n_blocks; ++j) {
-    const int stage = j % ST;
+  // The first ST - 1 blocks (and, bulk loader, the zeroed pad columns), before the block loop.
+  FG_DEVICE void prologue(const Params& p) {
+    w_row = warp * KW;
     if constexpr (BULK) {
-      issue_block(j + ST - 1);  // into stage (j-1) % ST: this warp finished its rows of block j-1 there
-      mbar_wait(full_bar(false, stage), (j / ST) & 1);
-    } else {
-      // Groups newer than K_j: V_j and both halves of blocks j+1 .. j+ST-2.
-      cp_async_wait<2 * ST - 3>();
-      __syncthreads();  // K_j visible to all; every warp is done with block j-1, whose stage is refilled next
-      issue_block(j + ST - 1);
+      // Columns [d, D) of every ring row: zero once (the copies bring d columns; K's must not be NaN).
+      if (p.d < D) {
+        for (int i = tid; i < 2 * ST * BN * C; i += NT) {
+          const int row = i / C, c = i % C;
+          if (c * 8 < p.d) continue;
+          asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(sK + row * KV_ROW + c * 16), "r"(0u) : "memory");
+        }
+      }
     }
+    fetch_pages(n_begin);
+#pragma unroll
+    for (int s = 0; s < ST - 1; ++s) issue_block(s);
+    if constexpr (BULK) {
+      cp_async_wait<0>();
+      __syncthreads();  // Q (and the zeroed columns) visible to every warp; no CTA barrier in the block loop
+    }
+  }
+
+  // ---- the main loop: per K/V block S = Q K^T, mask, online softmax, O += P V (per warp) ----
+  // The prologue's loads first, the epilogue at the end (see the top of the struct: the loop's register
+  // state is this function's).
+  FG_DEVICE void main_loop(const Params& p) {
+    int pages_[G];
+    pages = pages_;
+    prologue(p);
+
+    float acc_o[DJ][4];
+#pragma unroll
+    for (int dj = 0; dj < DJ; ++dj)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[dj][e] = 0.f;
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+
+    // Per-row key limits (exclusive) of this thread's rows g and g+8; padded rows
+    // (r >= rows) get a limit too, their results are never stored.
+    int row_lim[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) row_lim[h] = min(n_end, (r0 + g + 8 * h) / p.group + diag + 1);
+    const int mask_from = min(n_end, r0 / p.group + diag + 1);  // the tile's smallest limit
+
+    const int q_row = lane & 15;
+    const int k_row = ((lane >> 4) << 3) + (lane & 7);
+    const typename TT::Cols q_cols(q_row, lane >> 4);
+    const typename TT::Cols k_cols(k_row, (lane >> 3) & 1);
+    const fg_u32 q_base = sQ + q_row * TT::ROW_BYTES;
+    // Lane offsets into a warp's K / V slice of a stage for ldmatrix: swizzled rows (TT) for cp.async,
+    // padded plain rows for the bulk loader (logical chunk c at byte 16 c).
+    const fg_u32 k_lane = k_row * KV_ROW + (BULK ? 16 * ((lane >> 3) & 1) : 0);
+    const fg_u32 v_lane = q_row * KV_ROW + (BULK ? 16 * (lane >> 4) : 0);
+    auto k_addr = [&](fg_u32 base, int nj2, int kk) -> fg_u32 {
+      if constexpr (BULK) return base + k_lane + nj2 * 16 * KV_ROW + kk * 32;
+      return base + (nj2 * 16 + k_row) * TT::ROW_BYTES + k_cols.col(kk);
+    };
+    auto v_addr = [&](fg_u32 base, int kk, int dj2) -> fg_u32 {
+      if constexpr (BULK) return base + v_lane + kk * 16 * KV_ROW + dj2 * 32;
+      return base + (kk * 16 + q_row) * TT::ROW_BYTES + q_cols.col(dj2);
+    };
+
+    // Q's A fragments stay in registers for the whole block loop (D = 128: 32 registers), instead of D / 16
+    // ldmatrix of the Q tile per block: Q's copy group is the oldest, so waiting for all but the prologue's
+    // K/V groups (then a CTA barrier) is enough. Measured at D = 128 only (docs/perf/decode.md); the
+    // other tiles keep their registers (the H200's NVRTC 13.0 once spilled the d = 32 tile with it).
+    constexpr bool QREG = D == 128;
+    fg_u32 qf[QREG ? D / 16 : 1][4];
+    if constexpr (QREG) {
+      if (!BULK && n_blocks > 0) {
+        cp_async_wait<2 * (ST - 1)>();
+        __syncthreads();
+      }
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(qf[kk], q_base + q_cols.col(kk));
+    }
+
+    for (int j = 0; j < n_blocks; ++j) {
+      const int stage = j % ST;
+      if constexpr (BULK) {
+        issue_block(j + ST - 1);  // into stage (j-1) % ST: this warp finished its rows of block j-1 there
+        mbar_wait(full_bar(false, stage), (j / ST) & 1);
+      } else {
+        // Groups newer than K_j: V_j and both halves of blocks j+1 .. j+ST-2.
+        cp_async_wait<2 * ST - 3>();
+        __syncthreads();  // K_j visible to all; every warp is done with block j-1, whose stage is refilled next
+        issue_block(j + ST - 1);
+      }
 #ifdef FLASHGEN_PROBE
-    if (j == 0) FG_PROBE(2);  // the first K block has landed
+      if (j == 0) FG_PROBE(2);  // the first K block has landed
 #endif
-    const fg_u32 sKj = sK + stage * BN * KV_ROW + w_row * KV_ROW;
-    const fg_u32 sVj = sV + stage * BN * KV_ROW + w_row * KV_ROW;
+      const fg_u32 sKj = sK + stage * BN * KV_ROW + w_row * KV_ROW;
+      const fg_u32 sVj = sV + stage * BN * KV_ROW + w_row * KV_ROW;
 
-    // ---- S = Q K^T over this warp's KW keys ----
-    float acc_s[NJ][4];
-#pragma unroll
-    for (int nj = 0; nj < NJ; ++nj)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc_s[nj][e] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      fg_u32 a_ld[4];
-      if constexpr (!QREG) ldmatrix_x4(a_ld, q_base + q_cols.col(kk));
-      const fg_u32(&a)[4] = QREG ? qf[kk] : a_ld;
-#pragma unroll
-      for (int nj2 = 0; nj2 < NJ / 2; ++nj2) {
-        fg_u32 bfrag[4];
-        ldmatrix_x4(bfrag, k_addr(sKj, nj2, kk));
-        mma_16816<BF16>(acc_s[2 * nj2], a, bfrag[0], bfrag[1]);
-        mma_16816<BF16>(acc_s[2 * nj2 + 1], a, bfrag[2], bfrag[3]);
-      }
-    }
-
-    // ---- mask: the split end, the sequence end and the causal diagonal ----
-    const int n0 = n_begin + j * BN;
-    if (n0 + BN > mask_from) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int limit = row_lim[h] - (n0 + w_row + 2 * t);
-#pragma unroll
-        for (int nj = 0; nj < NJ; ++nj)
-#pragma unroll
-          for (int e = 0; e < 2; ++e)
-            if (nj * 8 + e >= limit) acc_s[nj][2 * h + e] = -INFINITY;
-      }
-    }
-
-    // ---- online softmax (per warp) ----
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = row_max[h];
-#pragma unroll
-      for (int nj = 0; nj < NJ; ++nj) mx = fmaxf(mx, fmaxf(acc_s[nj][2 * h], acc_s[nj][2 * h + 1]));
-      mx = quad_max(mx);
-      const float m_scaled = (mx == -INFINITY ? 0.f : mx) * p.scale_log2;
-      const float alpha = fast_exp2(row_max[h] * p.scale_log2 - m_scaled);
-      row_max[h] = mx;
-      float sum = 0.f;
+      // ---- S = Q K^T over this warp's KW keys ----
+      float acc_s[NJ][4];
 #pragma unroll
       for (int nj = 0; nj < NJ; ++nj)
 #pragma unroll
-        for (int e = 2 * h; e < 2 * h + 2; ++e) {
-          const float pe = fast_exp2(fmaf(acc_s[nj][e], p.scale_log2, -m_scaled));
-          acc_s[nj][e] = pe;
-          sum += pe;
+        for (int e = 0; e < 4; ++e) acc_s[nj][e] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        fg_u32 a_ld[4];
+        if constexpr (!QREG) ldmatrix_x4(a_ld, q_base + q_cols.col(kk));
+        const fg_u32(&a)[4] = QREG ? qf[kk] : a_ld;
+#pragma unroll
+        for (int nj2 = 0; nj2 < NJ / 2; ++nj2) {
+          fg_u32 bfrag[4];
+          ldmatrix_x4(bfrag, k_addr(sKj, nj2, kk));
+          mma_16816<BF16>(acc_s[2 * nj2], a, bfrag[0], bfrag[1]);
+          mma_16816<BF16>(acc_s[2 * nj2 + 1], a, bfrag[2], bfrag[3]);
         }
-      row_sum[h] = row_sum[h] * alpha + sum;
+      }
+
+      // ---- mask: the split end, the sequence end and the causal diagonal ----
+      const int n0 = n_begin + j * BN;
+      if (n0 + BN > mask_from) {
 #pragma unroll
-      for (int dj = 0; dj < DJ; ++dj) {
-        acc_o[dj][2 * h] *= alpha;
-        acc_o[dj][2 * h + 1] *= alpha;
+        for (int h = 0; h < 2; ++h) mask_row(acc_s, h, row_lim[h] - (n0 + w_row + 2 * t));
+      }
+
+      // ---- online softmax (per warp) ----
+#pragma unroll
+      for (int h = 0; h < 2; ++h) softmax_step(acc_s, acc_o, h, row_max[h], row_sum[h], p.scale_log2);
+
+      if constexpr (BULK) {
+        mbar_wait(full_bar(true, stage), (j / ST) & 1);
+      } else {
+        // Groups newer than V_j: both halves of blocks j+1 .. j+ST-1.
+        cp_async_wait<2 * ST - 2>();
+        __syncthreads();  // V_j visible to all
+      }
+
+      // ---- O += P V ----
+#pragma unroll
+      for (int kk = 0; kk < KW / 16; ++kk) {
+        fg_u32 a[4];
+        p_frag<BF16>(a, acc_s, kk);
+#pragma unroll
+        for (int dj2 = 0; dj2 < DJ / 2; ++dj2) {
+          fg_u32 bfrag[4];
+          ldmatrix_x4_trans(bfrag, v_addr(sVj, kk, dj2));
+          mma_16816<BF16>(acc_o[2 * dj2], a, bfrag[0], bfrag[1]);
+          mma_16816<BF16>(acc_o[2 * dj2 + 1], a, bfrag[2], bfrag[3]);
+        }
       }
     }
-
-    if constexpr (BULK) {
-      mbar_wait(full_bar(true, stage), (j / ST) & 1);
-    } else {
-      // Groups newer than V_j: both halves of blocks j+1 .. j+ST-1.
-      cp_async_wait<2 * ST - 2>();
-      __syncthreads();  // V_j visible to all
-    }
-
-    // ---- O += P V ----
-#pragma unroll
-    for (int kk = 0; kk < KW / 16; ++kk) {
-      fg_u32 a[4];
-      a[0] = pack2<BF16>(acc_s[2 * kk][0], acc_s[2 * kk][1]);
-      a[1] = pack2<BF16>(acc_s[2 * kk][2], acc_s[2 * kk][3]);
-      a[2] = pack2<BF16>(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
-      a[3] = pack2<BF16>(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
-#pragma unroll
-      for (int dj2 = 0; dj2 < DJ / 2; ++dj2) {
-        fg_u32 bfrag[4];
-        ldmatrix_x4_trans(bfrag, v_addr(sVj, kk, dj2));
-        mma_16816<BF16>(acc_o[2 * dj2], a, bfrag[0], bfrag[1]);
-        mma_16816<BF16>(acc_o[2 * dj2 + 1], a, bfrag[2], bfrag[3]);
-      }
-    }
+    epilogue(p, acc_o, row_max, row_sum);
   }
-  // In-kernel merge (see the top of this file): the ticket goes out now, its answer is used after the
-  // warp merge below (the round trip overlaps it).
-  const bool direct = p.num_splits == 1;
-  const bool fused = !direct && p.counters != nullptr;
-  int* const ctr = p.counters + 2 * ((static_cast<fg_i64>(b) * gridDim.y + hk) * (gridDim.x / p.num_splits) + mb);
-  int ticket = 0;
-  if (fused && tid == 0) ticket = atomicAdd(ctr, 1);
-  cp_async_wait<0>();
-  __syncthreads();  // every warp is done with the ring (and the Q copies have landed)
-  FG_PROBE(3);
-
-  // ---- merge the warps: per row max, sum; each warp's O scaled into scratch ----
-  // red: [NW][16] max, [NW][16] sum, [16] lse of this split, [1] merger flag
-  float* red = reinterpret_cast<float*>(smem);
-  float* s_o = reinterpret_cast<float*>(smem + 16 * D * 2);   // [NW][16][OS]
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const float l = quad_sum(row_sum[h]);
-    if (t == 0) {
-      red[warp * 16 + g + 8 * h] = row_max[h];
-      red[NW * 16 + warp * 16 + g + 8 * h] = l;
-    }
-  }
-  __syncthreads();
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = g + 8 * h;
-    float m_all = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) m_all = fmaxf(m_all, red[w * 16 + row]);
-    float l_all = 0.f;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) {
-      const float mw = red[w * 16 + row];
-      if (mw != -INFINITY) l_all += red[NW * 16 + w * 16 + row] * fast_exp2((mw - m_all) * p.scale_log2);
-    }
-    const float own = row_max[h] == -INFINITY ? 0.f : fast_exp2((row_max[h] - m_all) * p.scale_log2);
-    const float f = l_all > 0.f ? own / l_all : 0.f;
-    float* dst = s_o + (warp * 16 + row) * OS + 2 * t;
-#pragma unroll
-    for (int dj = 0; dj < DJ; ++dj) {
-      dst[dj * 8] = acc_o[dj][2 * h] * f;
-      dst[dj * 8 + 1] = acc_o[dj][2 * h + 1] * f;
-    }
-    if (warp == 0 && t == 0) red[2 * NW * 16 + row] = l_all > 0.f ? m_all * p.scale + logf(l_all) : -INFINITY;
-  }
-  // red[2 * NW * 16 + 16]: this CTA merges (it drew the last ticket of its group). Then thread 0 of the
-  // merger waits for the other splits' partials here, so the round trip overlaps the warp merge.
-  if (tid == 0) {
-    const bool last = fused && ticket == p.num_splits - 1;
-    reinterpret_cast<int*>(red)[2 * NW * 16 + 16] = last;
-    if (last) {
-      while (ld_acquire(ctr + 1) != p.num_splits - 1) __nanosleep(32);
-      ctr[0] = 0;  // both counters ready for the next launch (launches on one stream never overlap):
-      ctr[1] = 0;  // every other CTA of the group has taken its ticket and made its last increment
-    }
-  }
-  __syncthreads();  // (and the merger's acquire, passed on to every thread)
-  const bool merger = reinterpret_cast<const int*>(red)[2 * NW * 16 + 16] != 0;
 
   // Final stores of one packed row: O (4 columns from c4*4) in the input dtype, and its LSE.
-  auto store_o = [&](int r, int c4, float4 acc) {
+  FG_DEVICE void store_o(int r, int c4, float4 acc) const {
     const int tok = r / p.group, h = hk * p.group + (r - tok * p.group);
     uint2 packed;
     packed.x = pack2<BF16>(acc.x, acc.y);
     packed.y = pack2<BF16>(acc.z, acc.w);
     *reinterpret_cast<uint2*>(p.o + b * p.o_sb + tok * p.o_ss + h * p.o_sh + c4 * 4) = packed;
-  };
-  auto store_lse = [&](int r, float lse) {
+  }
+  FG_DEVICE void store_lse(int r, float lse) const {
     const int tok = r / p.group, h = hk * p.group + (r - tok * p.group);
     if (p.lse != nullptr) p.lse[(static_cast<fg_i64>(b) * p.heads_q + h) * p.nq + tok] = lse;
-  };
+  }
   // Workspace row of packed row r: (batch, token, query head).
-  auto ws_row = [&](int r) -> fg_i64 {
+  FG_DEVICE fg_i64 ws_row(int r) const {
     const int tok = r / p.group, h = hk * p.group + (r - tok * p.group);
     return (static_cast<fg_i64>(b) * p.nq + tok) * p.heads_q + h;
-  };
+  }
+  // ---- epilogue: merge the warps, then store (one split: the final O and LSE; else this split's
+  // partial into the workspace), or, in the CTA that drew its group's last ticket, merge the splits ----
+  FG_DEVICE void epilogue(const Params& p, const float (&acc_o)[DJ][4], const float (&row_max)[2],
+                          const float (&row_sum)[2]) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    // In-kernel merge (see the top of this file): the ticket goes out now, its answer is used after the
+    // warp merge below (the round trip overlaps it).
+    const bool direct = p.num_splits == 1;
+    const bool fused = !direct && p.counters != nullptr;
+    int* const ctr = p.counters + 2 * ((static_cast<fg_i64>(b) * gridDim.y + hk) * (gridDim.x / p.num_splits) + mb);
+    int ticket = 0;
+    if (fused && tid == 0) ticket = atomicAdd(ctr, 1);
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with the ring (and the Q copies have landed)
+    FG_PROBE(3);
 
-  // ---- store: 16 rows x D/4 float4 columns, summed over the warps ----
-  // The sum over the warps of this CTA's (scaled) O, 4 columns of packed row `row`.
-  auto own_o = [&](int row, int c4) -> float4 {
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    // ---- merge the warps: per row max, sum; each warp's O scaled into scratch ----
+    // red: [NW][16] max, [NW][16] sum, [16] lse of this split, [1] merger flag
+    float* red = reinterpret_cast<float*>(smem);
+    float* s_o = reinterpret_cast<float*>(smem + 16 * D * 2);   // [NW][16][OS]
 #pragma unroll
-    for (int w = 0; w < NW; ++w) {
-      const float4 x = *reinterpret_cast<const float4*>(s_o + (w * 16 + row) * OS + c4 * 4);
-      acc.x += x.x; acc.y += x.y; acc.z += x.z; acc.w += x.w;
+    for (int h = 0; h < 2; ++h) {
+      const float l = quad_sum(row_sum[h]);
+      if (t == 0) {
+        red[warp * 16 + g + 8 * h] = row_max[h];
+        red[NW * 16 + warp * 16 + g + 8 * h] = l;
+      }
     }
-    return acc;
-  };
-  if (!merger) {
+    __syncthreads();
+    // (Each warp's partial weighs exp2((m_w - m_all) scale_log2): a merge, not softmax.cuh's online step.)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = g + 8 * h;
+      float m_all = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < NW; ++w) m_all = fmaxf(m_all, red[w * 16 + row]);
+      float l_all = 0.f;
+#pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        const float mw = red[w * 16 + row];
+        if (mw != -INFINITY) l_all += red[NW * 16 + w * 16 + row] * fast_exp2((mw - m_all) * p.scale_log2);
+      }
+      const float own = row_max[h] == -INFINITY ? 0.f : fast_exp2((row_max[h] - m_all) * p.scale_log2);
+      const float f = l_all > 0.f ? own / l_all : 0.f;
+      float* dst = s_o + (warp * 16 + row) * OS + 2 * t;
+#pragma unroll
+      for (int dj = 0; dj < DJ; ++dj) {
+        dst[dj * 8] = acc_o[dj][2 * h] * f;
+        dst[dj * 8 + 1] = acc_o[dj][2 * h + 1] * f;
+      }
+      if (warp == 0 && t == 0) red[2 * NW * 16 + row] = row_lse(m_all, l_all, p.scale);
+    }
+    // red[2 * NW * 16 + 16]: this CTA merges (it drew the last ticket of its group). Then thread 0 of the
+    // merger waits for the other splits' partials here, so the round trip overlaps the warp merge.
+    if (tid == 0) {
+      const bool last = fused && ticket == p.num_splits - 1;
+      reinterpret_cast<int*>(red)[2 * NW * 16 + 16] = last;
+      if (last) {
+        while (ld_acquire(ctr + 1) != p.num_splits - 1) __nanosleep(32);
+        ctr[0] = 0;  // both counters ready for the next launch (launches on one stream never overlap):
+        ctr[1] = 0;  // every other CTA of the group has taken its ticket and made its last increment
+      }
+    }
+    __syncthreads();  // (and the merger's acquire, passed on to every thread)
+    const bool merger = reinterpret_cast<const int*>(red)[2 * NW * 16 + 16] != 0;
+    // The sum over the warps of this CTA's (scaled) O, 4 columns of packed row `row`.
+    auto own_o = [&](int row, int c4) -> float4 {
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        const float4 x = *reinterpret_cast<const float4*>(s_o + (w * 16 + row) * OS + c4 * 4);
+        acc.x += x.x; acc.y += x.y; acc.z += x.z; acc.w += x.w;
+      }
+      return acc;
+    };
+
+    // ---- store: 16 rows x D/4 float4 columns, summed over the warps ----
+    if (!merger) {
+      for (int i = tid; i < 16 * (D / 4); i += NT) {
+        const int row = i / (D / 4), c4 = i % (D / 4);
+        const int r = r0 + row;
+        if (r >= p.rows || c4 * 4 >= p.d) continue;
+        const float4 acc = own_o(row, c4);
+        if (direct) {
+          store_o(r, c4, acc);
+        } else {
+          *reinterpret_cast<float4*>(p.o_ws + (split * p.total_rows + ws_row(r)) * p.d + c4 * 4) = acc;
+        }
+      }
+      if (tid < 16 && r0 + tid < p.rows) {
+        const float lse = red[2 * NW * 16 + tid];
+        if (direct) {
+          store_lse(r0 + tid, lse);
+        } else {
+          p.lse_ws[split * p.total_rows + ws_row(r0 + tid)] = lse;
+        }
+      }
+      FG_PROBE(4);
+      if (!fused) return;
+      __syncthreads();  // every thread's partial stores, before the release below
+      if (tid == 0) red_release_add(ctr + 1, 1);
+      FG_PROBE(5);
+      return;
+    }
+
+    // ---- the merger (the others' partials are in: see above): merge them with its own ----
+    // Its own partial O, summed over the warps, goes to shared memory after the warps' scratch.
+    float* const s_own = s_o + NW * 16 * OS;  // [16][D]
+    for (int i = tid; i < 16 * (D / 4); i += NT) {
+      const int row = i / (D / 4), c4 = i % (D / 4);
+      if (r0 + row >= p.rows || c4 * 4 >= p.d) continue;
+      *reinterpret_cast<float4*>(s_own + row * D + c4 * 4) = own_o(row, c4);
+    }
+    __syncthreads();  // s_own written
+    FG_PROBE(5);
+    // Each thread merges one (row, 4 columns) item over every split (decode_merge.cuh: merge_splits).
+    const fg_i64 l_step = p.total_rows, o_step = static_cast<fg_i64>(p.total_rows) * p.d;
     for (int i = tid; i < 16 * (D / 4); i += NT) {
       const int row = i / (D / 4), c4 = i % (D / 4);
       const int r = r0 + row;
       if (r >= p.rows || c4 * 4 >= p.d) continue;
-      const float4 acc = own_o(row, c4);
-      if (direct) {
-        store_o(r, c4, acc);
-      } else {
-        *reinterpret_cast<float4*>(p.o_ws + (split * p.total_rows + ws_row(r)) * p.d + c4 * 4) = acc;
-      }
+      const fg_i64 wr = ws_row(r);
+      const float* const l_r = p.lse_ws + wr;
+      const float* const o_r = p.o_ws + wr * p.d + c4 * 4;
+      const float* const own_l = red + 2 * NW * 16 + row;
+      const float* const own = s_own + row * D + c4 * 4;
+      float4 o;
+      float lse;
+      merge_splits(o_r, l_r, o_step, l_step, p.num_splits, split, own, own_l, o, lse);
+      store_o(r, c4, o);
+      if (c4 == 0) store_lse(r, lse);
     }
-    if (tid < 16 && r0 + tid < p.rows) {
-      const float lse = red[2 * NW * 16 + tid];
-      if (direct) {
-        store_lse(r0 + tid, lse);
-      } else {
-        p.lse_ws[split * p.total_rows + ws_row(r0 + tid)] = lse;
-      }
-    }
-    FG_PROBE(4);
-    if (!fused) return;
-    __syncthreads();  // every thread's partial stores, before the release below
-    if (tid == 0) red_release_add(ctr + 1, 1);
-    FG_PROBE(5);
-    return;
+    FG_PROBE(6);
   }
+};
 
-  // ---- the merger (the others' partials are in: see above): merge them with its own ----
-  // Its own partial O, summed over the warps, goes to shared memory after the warps' scratch.
-  float* const s_own = s_o + NW * 16 * OS;  // [16][D]
-  for (int i = tid; i < 16 * (D / 4); i += NT) {
-    const int row = i / (D / 4), c4 = i % (D / 4);
-    if (r0 + row >= p.rows || c4 * 4 >= p.d) continue;
-    *reinterpret_cast<float4*>(s_own + row * D + c4 * 4) = own_o(row, c4);
-  }
-  __syncthreads();  // s_own written
-  FG_PROBE(5);
-  // Each thread merges one (row, 4 columns) item over every split (decode_merge.cuh: merge_splits).
-  const fg_i64 l_step = p.total_rows, o_step = static_cast<fg_i64>(p.total_rows) * p.d;
-  for (int i = tid; i < 16 * (D / 4); i += NT) {
-    const int row = i / (D / 4), c4 = i % (D / 4);
-    const int r = r0 + row;
-    if (r >= p.rows || c4 * 4 >= p.d) continue;
-    const fg_i64 wr = ws_row(r);
-    const float* const l_r = p.lse_ws + wr;
-    const float* const o_r = p.o_ws + wr * p.d + c4 * 4;
-    const float* const own_l = red + 2 * NW * 16 + row;
-    const float* const own = s_own + row * D + c4 * 4;
-    float4 o;
-    float lse;
-    merge_splits(o_r, l_r, o_step, l_step, p.num_splits, split, own, own_l, o, lse);
-    store_o(r, c4, o);
-    if (c4 == 0) store_lse(r, lse);
-  }
-  FG_PROBE(6);
+// The kernel: the stages of decode_split_cta in order.
+template <int D, int BN, int NW, int ST, bool BF16, int KV_LOAD, typename Params>
+FG_DEVICE void decode_split_body(const Params& p) {
+  int wb, win_lo, win_hi;  // the block-table window (decode_split_cta::step_window)
+  decode_split_cta<D, BN, NW, ST, BF16, KV_LOAD, Params> cta(p, wb, win_lo, win_hi);
+  cta.append(p);
+  cta.load_q(p);
+  cta.main_loop(p);  // (and the epilogue)
 }

@@ -32,14 +32,14 @@
 //            before the softmax when OVERLAP is off).
 //  OVERLAP   within a warpgroup, S(j+1) = Q K(j+1)^T and O += P(j) V(j) are
 //            issued together; the softmax of S(j+1) runs while P(j) V(j) does.
-//  EMU       exp2 of EMU/8 of each thread's S columns (n8 chunks spread over
+//  FMA_EXP2  exp2 of FMA_EXP2/8 of each thread's S columns (n8 chunks spread over
 //            the tile) by exp2_fma (FMA pipe) instead of MUFU.EX2, the rest
 //            on MUFU: both pipes work on the softmax.
-//  SEPKV     (with WS) a K and a V empty barrier per stage: K(j) is released
+//  EARLY_K   (with WS) a K and a V empty barrier per stage: K(j) is released
 //            as soon as S(j) has completed, V(j) after P(j)V(j), so the
 //            producer refills K while the softmax and P V still run.
 //            Without it one empty barrier per stage, released after P(j)V(j).
-//  LAZY      lean softmax: the row max by a tree (depth log2 of the columns,
+//  LEAN      lean softmax: the row max by a tree (depth log2 of the columns,
 //            not a chain), the row sum in two chains, and the running max
 //            moves only when a row's max grows by more than 2^8 in P units
 //            (FA4's conditional rescale): else P = 2^(s - m_old) <= 256 and
@@ -47,7 +47,7 @@
 //            rescale. O / l and the LSE (m_used + ln l) use the same m, so the
 //            result is exact up to rounding (P's relative rounding does not
 //            depend on its size).
-//  PERSIST   (with WS) a persistent kernel: gridDim.x CTAs (the host sizes it to the SMs)
+//  PERSISTENT (with WS) a persistent kernel: gridDim.x CTAs (the host sizes it to the SMs)
 //            take the p.tiles tiles in the order of tile_coords below (without it, one
 //            CTA per tile, blockIdx.x, in that order): tile blockIdx.x
 //            first, then each the next one not yet taken, gridDim.x + an atomicAdd on
@@ -65,65 +65,91 @@
 //
 // Q pieces: each consumer warpgroup's 64 Q rows are a piece of their own (a TMA
 // box of 64 rows, its own full barrier), so a warpgroup starts as soon as its
-// rows have landed. Without PERSIST there are NWG pieces, one per warpgroup.
-// PERSIST: a ring of QP pieces (NWG + 1 or 2 NWG where shared memory allows, else
+// rows have landed. Without PERSISTENT there are NWG pieces, one per warpgroup.
+// PERSISTENT: a ring of QP pieces (NWG + 1 or 2 NWG where shared memory allows, else
 // NWG); warpgroup w of the CTA's tile number qi takes piece (qi NWG + w) % QP,
 // with a 'Q empty' barrier per piece that the warpgroup's warps
 // arrive on once its epilogue has read its O rows back out of it (the epilogue
 // stages O in its Q rows). One spare piece lets the producer load the first
 // warpgroup's next Q while the last one still works on this tile. With QP = NWG
 // the producer issues the next tile's first K/V stages before waiting for Q empty.
+//
+// Code: fwd_sm90_cta holds one CTA's state, with its stages as member functions: the setup (shared
+// memory, the first tile), the producer (the TMA loads: produce_*), the consumer's main loop over one
+// tile's K/V blocks (consume_tile, calling issue_s / issue_pv, softmax, rescale_o, pack_p and the stage
+// releases) and its epilogue. fwd_sm90_body runs them: barrier setup, the warp roles, the tile loop.
+// Everything is inlined (FG_DEVICE), and where the state lives is chosen so that the compiler emits the
+// machine code it did when this was one function: the register arrays (O, S, P, the row state) are
+// locals of consume_tile, the function that holds the K/V loops, and reach the stages by reference
+// (an array member would keep the whole struct in memory until the loops are unrolled); consume_tile
+// works on a local copy of the struct, so that every field it reads in its loops is a register value.
 #pragma once
 
 template <int D, int BM, int BN, int ST, bool WS, bool PINGPONG, bool OVERLAP, bool CAUSAL, bool BF16,
-          int PRODUCER_REGS, int CONSUMER_REGS, int EMU, bool SEPKV, bool LAZY, bool PERSIST, int QP,
-          typename Params>
-FG_DEVICE void fwd_sm90_body(const Params& p) {
-  constexpr int NWG = BM / 64;                 // consumer warpgroups
-  constexpr int PANELS = D / 64;               // 128-byte panels per row
-  constexpr int QW_BYTES = 64 * D * 2;          // one consumer warpgroup's Q rows (a Q piece)
-  constexpr int KV_BYTES = BN * D * 2;         // one stage of K (or of V)
-  constexpr int NJ = BN / 8;                   // n8 chunks of S
-  constexpr int KV_STEPS = BN / 16;            // k16 steps of P V
-  static_assert(BM % 64 == 0 && D % 64 == 0 && BN % 16 == 0 && ST >= 2, "bad fwd_sm90 tile");
-  static_assert(!PINGPONG || NWG == 2 || NWG == 3, "ping-pong takes two or three consumer warpgroups");
-  static_assert(!SEPKV || WS, "separate K/V empty barriers need the producer warpgroup");
-  static_assert(EMU == 0 || EMU == 1 || EMU == 2 || EMU == 4, "emu: eighths of the columns (0, 1, 2, 4)");
-  static_assert(!PERSIST || WS, "the persistent kernel needs the producer warpgroup");
-  static_assert(QP == NWG || (PERSIST && QP > NWG && QP <= 2 * NWG), "Q pieces: NWG, or up to 2 NWG when persistent");
-  constexpr int NBAR = SEPKV ? 4 : 3;  // barriers per stage
+          int FMA_EXP2, bool EARLY_K, bool LEAN, bool PERSISTENT, int QP, typename Params>
+struct fwd_sm90_cta {
+  // (Enumerators, not static constexpr members: NVRTC emits such a member as a global object.)
+  enum : int {
+    NWG = BM / 64,                 // consumer warpgroups
+    PANELS = D / 64,               // 128-byte panels per row
+    QW_BYTES = 64 * D * 2,         // one consumer warpgroup's Q rows (a Q piece)
+    KV_BYTES = BN * D * 2,         // one stage of K (or of V)
+    NJ = BN / 8,                   // n8 chunks of S
+    KV_STEPS = BN / 16,            // k16 steps of P V
+    NBAR = EARLY_K ? 4 : 3,        // barriers per stage
+  };
 
-  extern __shared__ unsigned char smem_raw[];
-  // A full barrier per Q piece, then per stage: full K, full V, empty (K's with SEPKV), [empty V];
-  // then the never-written target of sched_pin; PERSIST: then an empty barrier per Q piece.
-  __shared__ __align__(8) fg_u64 bars[QP + NBAR * ST + 1 + (PERSIST ? QP : 0)];
-  // PERSIST: the tile of the CTA's tile number qi in tile_slot[qi % 2], -1 when none is left. Written once
-  // the tile's Q pieces are free, i.e. once every consumer is done with tile qi - 1 or qi - 2 (see
-  // produce_all): the slot it overwrites (qi - 2's) has been read by all. One slot per tile, not per
-  // piece, so that the tile (and every index the main loop derives from it) stays warp-uniform for the
-  // compiler: a per-warpgroup slot made the K/V stage, barrier and descriptor values per-thread, with
-  // 4 R->UR moves before every wgmma (SASS) and 8-15 % of the persistent kernel's speed lost (H200).
-  __shared__ int tile_slot[PERSIST ? 2 : 1];
-  const fg_u32 sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;  // 128B-swizzle tiles want 1024-byte alignment
-  const fg_u32 sK = sQ + QP * QW_BYTES;
-  const fg_u32 sV = sK + ST * KV_BYTES;
-  const fg_u32 bar0 = smem_addr(bars);
-  auto bar_qf = [&](int i) { return bar0 + 8u * i; };  // Q piece i full
-  auto bar_k = [&](int s) { return bar0 + 8u * (QP + s); };
-  auto bar_v = [&](int s) { return bar0 + 8u * (QP + ST + s); };
-  auto bar_e = [&](int s) { return bar0 + 8u * (QP + 2 * ST + s); };
-  auto bar_ev = [&](int s) { return SEPKV ? bar0 + 8u * (QP + 3 * ST + s) : bar_e(s); };  // V's empty barrier
-  const fg_u32 pin_slot = bar0 + 8u * (QP + NBAR * ST);
-  auto bar_qe = [&](int i) { return bar0 + 8u * (QP + NBAR * ST + 1 + i); };  // Q piece i empty
+  const Params& p;
+  int (&tile_slot)[PERSISTENT ? 2 : 1];  // PERSISTENT: the tile of tile number qi in tile_slot[qi % 2]
+  fg_u32 sQ, sK, sV, bar0, pin_slot;
+  int tid;
+  // The current tile and its coordinates (PERSISTENT moves them on: take_tile).
+  int tile, m_block, hq, b, hk, m0, n_blocks;
+  int diag;  // bottom-right alignment: query i sees keys j <= i + diag
+  // Consumer threads (set by the body once the warp roles are known): the warpgroup, this thread's index
+  // in it, its warp, lane, quad row and column.
+  int cw, ltid, wq, lane, g, t;
+  // The current tile's (consume_tile): this warpgroup's Q piece and its rows, the blocks it computes,
+  // this thread's first row, the descriptors.
+  int qp;
+  fg_u32 sQw;
+  int n_live, row_base;
+  fg_u64 desc_q, desc_k, desc_v;
 
-  const int tid = threadIdx.x;
+  // ---- setup: shared-memory carve-up, the first tile ----
+  FG_DEVICE fwd_sm90_cta(const Params& p, fg_u32 smem_base, fg_u32 bars, int (&tile_slot)[PERSISTENT ? 2 : 1])
+      : p(p), tile_slot(tile_slot) {
+    sQ = (smem_base + 1023u) & ~1023u;  // 128B-swizzle tiles want 1024-byte alignment
+    sK = sQ + QP * QW_BYTES;
+    sV = sK + ST * KV_BYTES;
+    bar0 = bars;
+    pin_slot = bar0 + 8u * (QP + NBAR * ST);
+    tid = threadIdx.x;
+    tile = static_cast<int>(blockIdx.x);
+    tile_coords(tile, m_block, hq, b);
+    hk = hq / p.group;
+    m0 = m_block * BM;
+    diag = p.nk - p.nq;
+    n_blocks = blocks_of(m0);
+  }
+
+  // A full barrier per Q piece, then per stage: full K, full V, empty (K's with EARLY_K), [empty V];
+  // then the never-written target of sched_pin; PERSISTENT: then an empty barrier per Q piece.
+  FG_DEVICE fg_u32 bar_qf(int i) const { return bar0 + 8u * i; }  // Q piece i full
+  FG_DEVICE fg_u32 bar_k(int s) const { return bar0 + 8u * (QP + s); }
+  FG_DEVICE fg_u32 bar_v(int s) const { return bar0 + 8u * (QP + ST + s); }
+  FG_DEVICE fg_u32 bar_e(int s) const { return bar0 + 8u * (QP + 2 * ST + s); }
+  // V's empty barrier (K's and V's are one without EARLY_K)
+  FG_DEVICE fg_u32 bar_ev(int s) const { return EARLY_K ? bar0 + 8u * (QP + 3 * ST + s) : bar_e(s); }
+  FG_DEVICE fg_u32 bar_qe(int i) const { return bar0 + 8u * (QP + NBAR * ST + 1 + i); }  // Q piece i empty
+
   // Tile t -> (m_block, head, batch): the (batch, head) pairs in consecutive sections whose K/V fit in
   // the host's share of the L2 (api.tile_sections: sizes p.sec + 1 for the first p.sec_big sections,
   // then p.sec), and inside a section m-block by m-block, every pair of the section in turn (so the CTAs
   // running at once share a few pairs' K/V, but no one K/V block is wanted by every SM at once). Causal:
   // the highest m-blocks (the longest rows) first, so the short tiles fill the tail; non-causal: the
   // lowest first (a partial last m-block, the cheapest tile, at the end).
-  auto tile_coords = [&](int t, int& mb, int& h, int& bb) {
+  FG_DEVICE void tile_coords(int t, int& mb, int& h, int& bb) const {
     const int mbs = p.m_blocks, big_tiles = p.sec_big * (p.sec + 1) * mbs;
     const bool big = t < big_tiles;
     const int sz = big ? p.sec + 1 : p.sec, u = big ? t : t - big_tiles;
@@ -132,9 +158,9 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
     const int pair = start + rem % sz;
     h = pair % p.heads;
     bb = pair / p.heads;
-  };
+  }
   // K/V blocks that query rows [r0, r0 + rows) need (none when r0 is past the queries).
-  auto blocks_for = [&](int r0, int rows) {
+  FG_DEVICE int blocks_for(int r0, int rows) const {
     if (r0 >= p.nq) return 0;
     int nb = ceil_div(p.nk, BN);
     if constexpr (CAUSAL) {
@@ -142,80 +168,73 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
       nb = limit <= 0 ? 0 : min(nb, ceil_div(limit, BN));
     }
     return nb;
-  };
-  auto blocks_of = [&](int m0_) { return blocks_for(m0_, BM); };
-  int tile = static_cast<int>(blockIdx.x);
-  int m_block, hq, b;
-  tile_coords(tile, m_block, hq, b);
-  int hk = hq / p.group;
-  int m0 = m_block * BM;
-  const int diag = p.nk - p.nq;  // bottom-right alignment: query i sees keys j <= i + diag
-  int n_blocks = blocks_of(m0);
-  // PERSIST: the same four for each next tile the CTA takes (`tile` set first).
-  auto take_tile = [&]() {
+  }
+  FG_DEVICE int blocks_of(int m0_) const { return blocks_for(m0_, BM); }
+  // PERSISTENT: the same four for each next tile the CTA takes (`tile` set first).
+  FG_DEVICE void take_tile() {
     tile_coords(tile, m_block, hq, b);
     hk = hq / p.group;
     m0 = m_block * BM;
     n_blocks = blocks_of(m0);
-  };
+  }
 
-  if (tid == 0) {
+  FG_DEVICE void init_barriers() {
     tma_prefetch_map(&p.tm_q);
     tma_prefetch_map(&p.tm_k);
     tma_prefetch_map(&p.tm_v);
 #pragma unroll
     for (int i = 0; i < QP; ++i) {
       mbar_init(bar_qf(i), 1);
-      if constexpr (PERSIST) mbar_init(bar_qe(i), 4);  // lane 0 of each of the warpgroup's warps
+      if constexpr (PERSISTENT) mbar_init(bar_qe(i), 4);  // lane 0 of each of the warpgroup's warps
     }
 #pragma unroll
     for (int s = 0; s < ST; ++s) {
       mbar_init(bar_k(s), 1);
       mbar_init(bar_v(s), 1);
       mbar_init(bar_e(s), 4 * NWG);  // lane 0 of every consumer warp
-      if constexpr (SEPKV) mbar_init(bar_ev(s), 4 * NWG);
+      if constexpr (EARLY_K) mbar_init(bar_ev(s), 4 * NWG);
     }
     mbar_init_fence();
   }
-  __syncthreads();
 
+  // ---- producer: the TMA loads (one thread) ----
   // Load K/V block j of this tile at ring position r (stage r % ST, use r / ST) once the consumers have
-  // released that stage. Without PERSIST r = j (one tile per CTA).
-  auto produce_at = [&](int r, int j) {
+  // released that stage. Without PERSISTENT r = j (one tile per CTA).
+  FG_DEVICE void produce_at(int r, int j) {
     const int s = r % ST;
     if (r >= ST) mbar_wait(bar_e(s), ((r / ST) + 1) & 1);
     mbar_expect_tx(bar_k(s), KV_BYTES);
 #pragma unroll
     for (int pn = 0; pn < PANELS; ++pn)
       tma_load_4d(sK + s * KV_BYTES + pn * BN * 128, &p.tm_k, bar_k(s), pn * 64, j * BN, hk, b);
-    if constexpr (SEPKV) {
+    if constexpr (EARLY_K) {
       if (r >= ST) mbar_wait(bar_ev(s), ((r / ST) + 1) & 1);
     }
     mbar_expect_tx(bar_v(s), KV_BYTES);
 #pragma unroll
     for (int pn = 0; pn < PANELS; ++pn)
       tma_load_4d(sV + s * KV_BYTES + pn * BN * 128, &p.tm_v, bar_v(s), pn * 64, j * BN, hk, b);
-  };
-  auto produce = [&](int j) { produce_at(j, j); };
+  }
+  FG_DEVICE void produce(int j) { produce_at(j, j); }
   // Warpgroup w's Q rows of the current tile into piece i (a box of 64 rows: rows past nq read zero).
-  auto produce_q_piece = [&](int i, int w) {
+  FG_DEVICE void produce_q_piece(int i, int w) {
     mbar_expect_tx(bar_qf(i), QW_BYTES);
 #pragma unroll
     for (int pn = 0; pn < PANELS; ++pn)
       tma_load_4d(sQ + i * QW_BYTES + pn * 64 * 128, &p.tm_q, bar_qf(i), pn * 64, m0 + 64 * w, hq, b);
-  };
-  auto produce_q = [&]() {
+  }
+  FG_DEVICE void produce_q() {
 #pragma unroll
     for (int w = 0; w < NWG; ++w) produce_q_piece(w, w);
-  };
-  // PERSIST's producer: every tile of this CTA. `it` is the ring position of K/V block j of the tile
+  }
+  // PERSISTENT's producer: every tile of this CTA. `it` is the ring position of K/V block j of the tile
   // (counted on across tiles: stage it % ST, use it / ST), `qi` the tile's number in this CTA; use u of
   // Q piece i waits for use u - 1's 'Q empty' phase.
-  auto piece_free = [&](int u) {  // u = qi * NWG + w: the u-th piece use of this CTA
+  FG_DEVICE void piece_free(int u) {  // u = qi * NWG + w: the u-th piece use of this CTA
     if (u >= QP) mbar_wait(bar_qe(u % QP), ((u / QP) + 1) & 1);
-  };
-  auto produce_all = [&]() {
-    if constexpr (PERSIST) {
+  }
+  FG_DEVICE void produce_all() {
+    if constexpr (PERSISTENT) {
     int it = 0;
     for (int qi = 0;; ++qi) {
       if (qi > 0) tile = static_cast<int>(gridDim.x) + atomicAdd(p.sched, 1);
@@ -234,6 +253,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
         if (j == q_after) {
 #pragma unroll 1
           for (int w = 0; w < NWG; ++w) piece_free(qi * NWG + w);
+          // The tile (one slot per tile, not per piece: see fwd_sm90_body) once its Q pieces are free.
           tile_slot[qi % 2] = tile;
 #pragma unroll 1
           for (int w = 0; w < NWG; ++w) produce_q_piece((qi * NWG + w) % QP, w);
@@ -250,7 +270,390 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
       p.sched[1] = 0;
     }
     }
-  };
+  }
+
+  // ---- consumer: the main loop over one tile's K/V blocks ----
+  // Offsets (in 16-byte units) for k16 step kk inside a tile of `rows` rows.
+  static FG_DEVICE fg_u64 kmajor_off(int kk, int rows) {
+    return static_cast<fg_u64>(((kk / 4) * rows * 128 + (kk % 4) * 32) >> 4);
+  }
+
+  // Ping-pong: each warpgroup's GEMM issues form "sections"; consumer 0 goes
+  // first, then they take turns (0, 1[, 2], 0, ...). All run the same number of
+  // sections per tile. One tile per CTA: the last arrive of the last consumer is
+  // skipped so every barrier phase completes. PERSISTENT: the turns run on into the
+  // next tile (consumer 0 starts it while the others finish this one), and
+  // consumer 0 takes the last one when no tile is left.
+  FG_DEVICE void pp_begin() const {
+    if constexpr (PINGPONG) named_sync(6 + cw, 256);
+  }
+  FG_DEVICE void pp_end(bool last) const {
+    if constexpr (PINGPONG) {
+      if (PERSISTENT || !(last && cw == NWG - 1)) named_arrive(6 + (NWG == 2 ? (cw ^ 1) : (cw + 1) % NWG), 256);
+    }
+  }
+
+  FG_DEVICE void issue_s(float (&acc_s)[BN / 2], int s) const {
+    const fg_u64 dk = desc_k + static_cast<fg_u64>((s * KV_BYTES) >> 4);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) fg_wgmma_qk(acc_s, desc_q + kmajor_off(kk, 64), dk + kmajor_off(kk, BN), kk);
+  }
+  FG_DEVICE void issue_pv(float (&acc_o)[D / 2], const fg_u32 (&pa)[KV_STEPS][4], int s) const {
+    const fg_u64 dv = desc_v + static_cast<fg_u64>((s * KV_BYTES) >> 4);
+#pragma unroll
+    for (int kk = 0; kk < KV_STEPS; ++kk) fg_wgmma_pv(acc_o, pa[kk], dv + static_cast<fg_u64>((kk * 16 * 128) >> 4));
+  }
+
+  // LEAN's row max: a tree, depth ~log2(NJ) + 1 instead of the chain of fold_row_max (softmax.cuh).
+  static FG_DEVICE float tree_row_max(float (&s)[BN / 2], int h, float m) {
+    float v[NJ];
+#pragma unroll
+    for (int nj = 0; nj < NJ; ++nj) v[nj] = fmaxf(s[4 * nj + 2 * h], s[4 * nj + 2 * h + 1]);
+#pragma unroll
+    for (int w = 1; w < NJ; w *= 2)
+#pragma unroll
+      for (int i = 0; i + w < NJ; i += 2 * w) v[i] = fmaxf(v[i], v[i + w]);
+    return fmaxf(m, v[0]);
+  }
+  // P = exp2(s scale_log2 - m_scaled) in place for row half h, its sum added to sum[0]: exp2_row
+  // (softmax.cuh) but with FMA_EXP2 of every 8 n8 chunks on the FMA pipe and, LEAN, two partial sums
+  // (sum[e] for the even / odd column of each pair: half the dependent FADD chain). Local to this
+  // kernel: its arithmetic differs.
+  static FG_DEVICE void exp2_row_mixed(float (&s)[BN / 2], int h, float scale_log2, float m_scaled, float (&sum)[2]) {
+#pragma unroll
+    for (int nj = 0; nj < NJ; ++nj)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float x = fmaf(s[4 * nj + 2 * h + e], scale_log2, -m_scaled);
+        // FMA_EXP2 of every 8 n8 chunks (nj = 7; 3, 7; odd) on the FMA pipe; nj is a constant once unrolled.
+        const float pe = (nj * FMA_EXP2) % 8 >= 8 - FMA_EXP2 ? exp2_fma(x) : fast_exp2(x);
+        s[4 * nj + 2 * h + e] = pe;
+        sum[LEAN ? e : 0] += pe;
+      }
+  }
+  // Mask (only where block j crosses the key end or this warpgroup's diagonal),
+  // then the online-softmax update: acc_s becomes P (fp32), alpha the factor
+  // by which O must be rescaled (applied by the caller when O is not in flight).
+  FG_DEVICE void softmax(int j, float (&acc_s)[BN / 2], float (&row_max)[2], float (&row_sum)[2],
+                         float (&alpha)[2]) const {
+    const int n0 = j * BN;
+    if (n0 + BN > p.nk || (CAUSAL && n0 + BN - 1 > m0 + cw * 64 + diag)) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        int limit = p.nk;
+        if constexpr (CAUSAL) limit = min(limit, row_base + 8 * h + diag + 1);
+        mask_row(acc_s, h, limit - (n0 + 2 * t));
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx;
+      if constexpr (LEAN)
+        mx = tree_row_max(acc_s, h, row_max[h]);
+      else
+        mx = fold_row_max(acc_s, h, row_max[h]);
+      mx = quad_max(mx);
+      // LEAN: keep the old max unless this one is more than 2^8 above it (in P = 2^(scaled s - m)). The
+      // scale is positive (api.checked_scale): a first finite max over -inf reads +inf and moves; both -inf
+      // reads NaN and stays.
+      if constexpr (LEAN) mx = (mx - row_max[h]) * p.scale_log2 > 8.f ? mx : row_max[h];
+      const float m_scaled = max_scaled(mx, p.scale_log2);  // all masked so far: no NaN
+      if constexpr (LEAN)  // exactly 1 where the max stayed (O, l are 0 while it is -inf: any factor does)
+        alpha[h] = mx == row_max[h] ? 1.f : rescale_factor(row_max[h], m_scaled, p.scale_log2);
+      else
+        alpha[h] = rescale_factor(row_max[h], m_scaled, p.scale_log2);
+      row_max[h] = mx;
+      float sum[2] = {0.f, 0.f};
+      exp2_row_mixed(acc_s, h, p.scale_log2, m_scaled, sum);
+      // per-thread partial; quad-summed at the end
+      row_sum[h] = row_sum[h] * alpha[h] + (LEAN ? sum[0] + sum[1] : sum[0]);
+    }
+  }
+  // O times alpha, both rows in one pass (softmax.cuh's rescale_row once per row does the same multiplies
+  // in another order, which the compiler schedules differently).
+  FG_DEVICE void rescale_o(float (&acc_o)[D / 2], const float (&alpha)[2]) const {
+    // LEAN: alpha is exactly 1 for a row whose max did not move; skip when that holds for the warp.
+    if constexpr (LEAN) {
+      if (!__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) return;
+    }
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      acc_o[4 * i] *= alpha[0];
+      acc_o[4 * i + 1] *= alpha[0];
+      acc_o[4 * i + 2] *= alpha[1];
+      acc_o[4 * i + 3] *= alpha[1];
+    }
+  }
+  // P as A fragments: k16 step kk takes n8 chunks 2kk and 2kk+1 of S.
+  static FG_DEVICE void pack_p(fg_u32 (&pa)[KV_STEPS][4], float (&acc_s)[BN / 2]) {
+#pragma unroll
+    for (int kk = 0; kk < KV_STEPS; ++kk) p_frag<BF16>(pa[kk], acc_s, kk);
+  }
+  // Debug (p.dbg_s != null, bench/smoke_sm90.py --isolated): the raw S = Q K^T of key block 0 of
+  // query block 0 (batch 0, head 0), unscaled and unmasked, as fp32 [BM][BN] rows.
+  FG_DEVICE void dump_s(const float (&acc_s)[BN / 2]) const {
+    if (p.dbg_s != nullptr && m_block == 0 && hq == 0 && b == 0) {
+      const int r = cw * 64 + wq * 16 + g;
+#pragma unroll
+      for (int nj = 0; nj < NJ; ++nj)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) p.dbg_s[(r + 8 * h) * BN + nj * 8 + 2 * t + e] = acc_s[4 * nj + 2 * h + e];
+    }
+  }
+  // K of block j once S(j) has completed (EARLY_K only; else K goes with V in release). release_k and
+  // release take the block's ring position (kv0 + j; j itself without PERSISTENT).
+  FG_DEVICE void release_k(int j) const {
+    if constexpr (EARLY_K) {
+      if (lane == 0) mbar_arrive(bar_e(j % ST));
+    }
+  }
+  // V (and, without EARLY_K, K) of block j once P(j) V(j) has completed.
+  FG_DEVICE void release(int j) {
+    if (lane == 0) mbar_arrive(bar_ev(j % ST));
+    if constexpr (!WS) {
+      // (& rather than &&: the same code as when this was inline; as a function, && came out as two branches.)
+      if ((tid == 0) & (j + ST < n_blocks)) produce(j + ST);
+    }
+  }
+
+  // This tile's main loop (consumer warpgroup cw, Q piece qp, kv0 the ring position of the tile's first
+  // K/V block), then its epilogue. s_carry: S's registers, which the body keeps across tiles, copied in
+  // and out (wgmma reads its accumulators: in a PERSISTENT kernel the previous tile's S flows into the
+  // next tile's first S = Q K^T, as it did when this was inline; with a fresh array the compiler
+  // allocates the registers differently).
+  static FG_DEVICE void consume_tile(const fwd_sm90_cta& cta, const Params& p, int qp, int kv0,
+                                     float (&s_carry)[BN / 2]) {
+    // c: this tile's copy of the CTA's state, a local (so the compiler keeps its fields in registers
+    // through the loops below, as it did before the split), with the tile's own values added.
+    fwd_sm90_cta c = cta;
+    c.qp = qp;
+    c.sQw = c.sQ + qp * QW_BYTES;  // this warpgroup's Q rows
+    // The CTA's loop runs n_blocks K/V blocks (every stage's barriers go through all of them); this
+    // warpgroup computes only the first n_live: none when its 64 rows are all past the queries (the last
+    // m-block of a 192-row tile at N = 2k), and under causal masking not the blocks wholly above its own
+    // diagonal (they would add exp2(-inf) = 0). A skipped block issues no wgmma and runs no softmax.
+    c.n_live = c.blocks_for(c.m0 + c.cw * 64, 64);
+    c.row_base = c.m0 + c.cw * 64 + c.wq * 16 + c.g;  // this thread's rows: row_base and row_base + 8
+
+    // Descriptors: K-major SW128 (LBO 16 B, unused; SBO 1024 B) for Q and K,
+    // MN-major SW128 (LBO = panel stride, SBO = 1024 B) for V.
+    c.desc_q = sw128_desc(c.sQw, 16, 1024);
+    c.desc_k = sw128_desc(c.sK, 16, 1024);
+    c.desc_v = sw128_desc(c.sV, BN * 128, 1024);
+
+    float acc_o[D / 2];
+    float acc_s[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc_s[i] = s_carry[i];
+    fg_u32 pa[KV_STEPS][4];
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f}, alpha[2] = {1.f, 1.f};
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) acc_o[i] = 0.f;
+
+    if constexpr (PINGPONG && !PERSISTENT) {
+      if (c.cw == NWG - 1 && c.n_blocks > 0) named_arrive(6, 256);
+    }
+
+    // Always (PERSISTENT: at the top): the epilogue reuses the Q rows, so the Q copy must have landed.
+    if constexpr (!PERSISTENT) mbar_wait(c.bar_qf(qp), 0);
+
+    // Two loop shapes. Without overlap or ping-pong: S(j), softmax, P(j)V(j), each GEMM waited on.
+    // With either: one GEMM section per iteration, S(j) and P(j-1)V(j-1) issued together (one named-
+    // barrier turn per iteration under ping-pong, so the other warpgroup's section runs during this
+    // one's softmax). OVERLAP then runs softmax(j) between the two waits (P(j-1)V(j-1) in flight);
+    // without it both GEMMs are waited on first.
+    if constexpr (!OVERLAP && !PINGPONG) {
+      for (int j = 0; j < c.n_live; ++j) {
+        const int s = (kv0 + j) % ST, ph = ((kv0 + j) / ST) & 1;
+        mbar_wait(c.bar_k(s), ph);
+        c.pp_begin();
+        wgmma_fence();
+        c.issue_s(acc_s, s);
+        wgmma_commit();
+        c.pp_end(false);
+        wgmma_wait<0>();
+        reg_fence(acc_s);
+        c.release_k(kv0 + j);
+        if (j == 0) c.dump_s(acc_s);
+        c.softmax(j, acc_s, row_max, row_sum, alpha);
+        c.rescale_o(acc_o, alpha);
+        c.pack_p(pa, acc_s);
+        mbar_wait(c.bar_v(s), ph);
+        c.pp_begin();
+        reg_fence(acc_o);
+        wgmma_fence();
+        c.issue_pv(acc_o, pa, s);
+        wgmma_commit();
+        c.pp_end(j == c.n_blocks - 1);
+        wgmma_wait<0>();
+        reg_fence(acc_o);
+        c.release(kv0 + j);
+      }
+    } else if (c.n_live > 0) {
+      mbar_wait(c.bar_k(kv0 % ST), (kv0 / ST) & 1);
+      c.pp_begin();
+      wgmma_fence();
+      c.issue_s(acc_s, kv0 % ST);
+      wgmma_commit();
+      c.pp_end(false);
+      wgmma_wait<0>();
+      reg_fence(acc_s);
+      c.release_k(kv0);
+      c.dump_s(acc_s);
+      c.softmax(0, acc_s, row_max, row_sum, alpha);  // O is still zero: no rescale needed
+      for (int j = 1; j < c.n_live; ++j) {
+        const int r = kv0 + j, s = r % ST, sp = (r - 1) % ST;
+        c.pack_p(pa, acc_s);  // P(j-1)
+        mbar_wait(c.bar_k(s), (r / ST) & 1);
+        mbar_wait(c.bar_v(sp), ((r - 1) / ST) & 1);
+        c.pp_begin();
+        reg_fence(acc_o);
+        wgmma_fence();
+        c.issue_s(acc_s, s);
+        wgmma_commit();
+        c.issue_pv(acc_o, pa, sp);
+        wgmma_commit();
+        c.pp_end(false);
+        if constexpr (OVERLAP) {
+          wgmma_wait<1>();  // S(j) done; P(j-1) V(j-1) may still run
+          reg_fence(acc_s);
+          c.release_k(r);
+          c.softmax(j, acc_s, row_max, row_sum, alpha);
+          // ptxas schedules WARPGROUP.DEPBAR as early as it may: without this pin the wait below
+          // lands before the softmax's exp2s (SASS), and P(j-1)V(j-1) never overlaps them.
+          sched_pin(row_sum[0] + row_sum[1], c.pin_slot);
+          wgmma_wait<0>();
+          reg_fence(acc_o);
+          c.release(r - 1);
+        } else {
+          wgmma_wait<0>();
+          reg_fence(acc_o);
+          c.release_k(r);
+          c.release(r - 1);  // stage j-1 is free before the softmax, not after it
+          reg_fence(acc_s);
+          c.softmax(j, acc_s, row_max, row_sum, alpha);
+        }
+        c.rescale_o(acc_o, alpha);
+      }
+      const int jl = kv0 + c.n_live - 1, sl = jl % ST;
+      c.pack_p(pa, acc_s);
+      mbar_wait(c.bar_v(sl), (jl / ST) & 1);
+      c.pp_begin();
+      reg_fence(acc_o);
+      wgmma_fence();
+      c.issue_pv(acc_o, pa, sl);
+      wgmma_commit();
+      c.pp_end(c.n_live == c.n_blocks);
+      wgmma_wait<0>();
+      reg_fence(acc_o);
+      c.release(jl);
+    }
+
+    // The blocks past n_live: waited on and released like the others, and under ping-pong one turn each
+    // (every consumer takes n_blocks + 1 turns per tile: with none live, one more for the S(0) turn).
+    if (c.n_live < c.n_blocks) {
+      if (c.n_live == 0) {
+        c.pp_begin();
+        c.pp_end(false);
+      }
+      for (int j = c.n_live; j < c.n_blocks; ++j) {
+        const int r = kv0 + j, s = r % ST, ph = (r / ST) & 1;
+        mbar_wait(c.bar_k(s), ph);
+        mbar_wait(c.bar_v(s), ph);
+        c.pp_begin();
+        c.pp_end(j == c.n_blocks - 1);
+        c.release_k(r);
+        c.release(r);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) s_carry[i] = acc_s[i];
+    c.epilogue(p, acc_o, row_max, row_sum);
+  }
+
+  // ---- epilogue: normalise, stage O in this warpgroup's own Q rows, store ---
+  FG_DEVICE void epilogue(const Params& p, const float (&acc_o)[D / 2], const float (&row_max)[2],
+                          const float (&row_sum)[2]) const {
+    // PERSISTENT: the thread index through an opaque move, so that the compiler cannot compute the O store
+    // loop's row / chunk / swizzle indices (tile-invariant) once before the tile loop and keep them live
+    // through every main loop (it did: 56 B of spills at d=128 192x80, 160 registers per consumer thread).
+    int ltid_e = ltid;
+    if constexpr (PERSISTENT) asm volatile("mov.b32 %0, %0;\n" : "+r"(ltid_e));
+    named_sync(2 + cw, 128);  // every warp of this warpgroup is done reading its Q rows
+    const fg_i64 lse_base = (static_cast<fg_i64>(b) * p.heads + hq) * p.nq;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float l = quad_sum(row_sum[h]);
+      const float inv = row_inv(l);
+      const int r = wq * 16 + g + 8 * h;  // row within this warpgroup's piece
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i) {
+        const fg_u32 packed = pack2<BF16>(acc_o[4 * i + 2 * h] * inv, acc_o[4 * i + 2 * h + 1] * inv);
+        const fg_u32 addr = sQw + (i / 8) * 64 * 128 + r * 128 + (((i % 8) ^ (r % 8)) * 16) + 4 * t;
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(packed) : "memory");
+      }
+      const int row = row_base + 8 * h;
+      // (The LSE written out, not softmax.cuh's row_lse: row_max is memory here, and row_lse's arguments
+      // would be loaded before the test of l, which changes the code.)
+      if (p.lse != nullptr && t == 0 && row < p.nq)
+        p.lse[lse_base + row] = l > 0.f ? row_max[h] * p.scale + logf(l) : -INFINITY;
+    }
+    named_sync(2 + cw, 128);
+    elem_t* o = p.o + b * p.o_sb + hq * p.o_sh;
+    constexpr int CH = 64 * (D / 8);  // 16-byte chunks of this warpgroup's 64 rows
+#pragma unroll
+    for (int it = 0; it < CH / 128; ++it) {
+      const int i = it * 128 + ltid_e;
+      const int rl = i / (D / 8), c = i % (D / 8);
+      const int row = m0 + cw * 64 + rl;
+      if (row < p.nq && c * 8 < p.d) {
+        fg_u32x4 val;
+        asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
+                     : "r"(sQw + (c / 8) * 64 * 128 + rl * 128 + (((c % 8) ^ (rl % 8)) * 16))
+                     : "memory");
+        *reinterpret_cast<fg_u32x4*>(o + static_cast<fg_i64>(row) * p.o_ss + c * 8) = val;
+      }
+    }
+  }
+};
+
+// The kernel: the shared memory, the barriers, the warp roles (producer, consumers) and the consumers'
+// tile loop; the stages are fwd_sm90_cta's.
+template <int D, int BM, int BN, int ST, bool WS, bool PINGPONG, bool OVERLAP, bool CAUSAL, bool BF16,
+          int PRODUCER_REGS, int CONSUMER_REGS, int FMA_EXP2, bool EARLY_K, bool LEAN, bool PERSISTENT, int QP,
+          typename Params>
+FG_DEVICE void fwd_sm90_body(const Params& p) {
+  constexpr int NWG = BM / 64;  // consumer warpgroups
+  static_assert(BM % 64 == 0 && D % 64 == 0 && BN % 16 == 0 && ST >= 2, "bad fwd_sm90 tile");
+  static_assert(!PINGPONG || NWG == 2 || NWG == 3, "ping-pong takes two or three consumer warpgroups");
+  static_assert(!EARLY_K || WS, "separate K/V empty barriers need the producer warpgroup");
+  static_assert(FMA_EXP2 == 0 || FMA_EXP2 == 1 || FMA_EXP2 == 2 || FMA_EXP2 == 4,
+                "fma_exp2: eighths of the columns (0, 1, 2, 4)");
+  static_assert(!PERSISTENT || WS, "the persistent kernel needs the producer warpgroup");
+  static_assert(QP == NWG || (PERSISTENT && QP > NWG && QP <= 2 * NWG),
+                "Q pieces: NWG, or up to 2 NWG when persistent");
+  constexpr int NBAR = EARLY_K ? 4 : 3;  // barriers per stage
+
+  extern __shared__ unsigned char smem_raw[];
+  // The barriers (fwd_sm90_cta::bar_*): per Q piece, per stage, the sched_pin target, per Q piece.
+  __shared__ __align__(8) fg_u64 bars[QP + NBAR * ST + 1 + (PERSISTENT ? QP : 0)];
+  // PERSISTENT: the tile of the CTA's tile number qi in tile_slot[qi % 2], -1 when none is left. Written once
+  // the tile's Q pieces are free, i.e. once every consumer is done with tile qi - 1 or qi - 2 (see
+  // produce_all): the slot it overwrites (qi - 2's) has been read by all. One slot per tile, not per
+  // piece, so that the tile (and every index the main loop derives from it) stays warp-uniform for the
+  // compiler: a per-warpgroup slot made the K/V stage, barrier and descriptor values per-thread, with
+  // 4 R->UR moves before every wgmma (SASS) and 8-15 % of the persistent kernel's speed lost (H200).
+  __shared__ int tile_slot[PERSISTENT ? 2 : 1];
+  using cta_t = fwd_sm90_cta<D, BM, BN, ST, WS, PINGPONG, OVERLAP, CAUSAL, BF16, FMA_EXP2, EARLY_K, LEAN,
+                             PERSISTENT, QP, Params>;
+  cta_t cta(p, smem_addr(smem_raw), smem_addr(bars), tile_slot);
+  const int tid = cta.tid;
+
+  if (tid == 0) cta.init_barriers();
+  __syncthreads();
 
   // The consumer warpgroup index, and below each tile number, pass through __shfl_sync from lane 0: the
   // compiler then knows them warp-uniform, and so every K/V stage, mbarrier address and wgmma descriptor
@@ -263,11 +666,11 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
     if (wg == 0) {
       if constexpr (NWG >= 2) regs_dec<PRODUCER_REGS>();
       if (tid == 0) {
-        if constexpr (PERSIST) {
-          produce_all();
+        if constexpr (PERSISTENT) {
+          cta.produce_all();
         } else {
-          produce_q();
-          for (int j = 0; j < n_blocks; ++j) produce(j);
+          cta.produce_q();
+          for (int j = 0; j < cta.n_blocks; ++j) cta.produce(j);
         }
       }
       return;
@@ -277,361 +680,48 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   } else {
     cw = __shfl_sync(0xffffffffu, tid / 128, 0);
     if (tid == 0) {
-      produce_q();
-      for (int j = 0; j < ST && j < n_blocks; ++j) produce(j);
+      cta.produce_q();
+      for (int j = 0; j < ST && j < cta.n_blocks; ++j) cta.produce(j);
     }
   }
 
-  const int ltid = tid % 128, wq = ltid / 32, lane = tid % 32;
-  const int g = lane / 4, t = lane % 4;
-  // PERSIST: the ring position of this tile's first K/V block, and the tile's position in the Q ring
+  cta.cw = cw;
+  cta.ltid = tid % 128, cta.wq = cta.ltid / 32, cta.lane = tid % 32;
+  cta.g = cta.lane / 4, cta.t = cta.lane % 4;
+  // PERSISTENT: the ring position of this tile's first K/V block, and the tile's position in the Q ring
   // (both stay 0 without it: one tile per CTA).
   int kv0 = 0, qi = 0;
-  // PERSIST + PINGPONG: the turns run on across tiles (see pp_end); the first turn is given here once.
-  if constexpr (PERSIST && PINGPONG) {
+  // PERSISTENT + PINGPONG: the turns run on across tiles (see pp_end); the first turn is given here once.
+  if constexpr (PERSISTENT && PINGPONG) {
     if (cw == NWG - 1) named_arrive(6, 256);
   }
   while (true) {  // tiles of this CTA (one pass when not persistent)
-  const int qp = (qi * NWG + cw) % QP;  // this warpgroup's Q piece for this tile
-  if constexpr (PERSIST) {  // the next tile, from the producer (with its Q)
-    mbar_wait(bar_qf(qp), ((qi * NWG + cw) / QP) & 1);
-    tile = __shfl_sync(0xffffffffu, tile_slot[qi % 2], 0);
-    if (tile < 0) {
-      // Ping-pong: the last consumer's last turn went to the first one, who takes it here so that
-      // every named-barrier phase completes.
-      if constexpr (PINGPONG) {
-        if (cw == 0) named_sync(6, 256);
+    const int qp = (qi * NWG + cw) % QP;  // this warpgroup's Q piece for this tile
+    if constexpr (PERSISTENT) {  // the next tile, from the producer (with its Q)
+      mbar_wait(cta.bar_qf(qp), ((qi * NWG + cw) / QP) & 1);
+      cta.tile = __shfl_sync(0xffffffffu, tile_slot[qi % 2], 0);
+      if (cta.tile < 0) {
+        // Ping-pong: the last consumer's last turn went to the first one, who takes it here so that
+        // every named-barrier phase completes.
+        if constexpr (PINGPONG) {
+          if (cw == 0) named_sync(6, 256);
+        }
+        break;
       }
+      if (qi > 0) cta.take_tile();
+    }
+    float acc_s[BN / 2];  // (consume_tile: s_carry)
+    cta_t::consume_tile(cta, p, qp, kv0, acc_s);
+    if constexpr (PERSISTENT) {
+      // This warp has read its O rows back out of the Q buffer: the producer may refill it (the proxy
+      // fence orders this thread's generic st.shared before the TMA's async-proxy write of the next Q).
+      fence_proxy_async_smem();
+      __syncwarp();
+      if (cta.lane == 0) mbar_arrive(cta.bar_qe(qp));
+      kv0 += cta.n_blocks;
+      ++qi;
+    } else {
       break;
     }
-    if (qi > 0) take_tile();
-  }
-  const fg_u32 sQw = sQ + qp * QW_BYTES;  // this warpgroup's Q rows
-  // The CTA's loop runs n_blocks K/V blocks (every stage's barriers go through all of them); this
-  // warpgroup computes only the first n_live: none when its 64 rows are all past the queries (the last
-  // m-block of a 192-row tile at N = 2k), and under causal masking not the blocks wholly above its own
-  // diagonal (they would add exp2(-inf) = 0). A skipped block issues no wgmma and runs no softmax.
-  const int n_live = blocks_for(m0 + cw * 64, 64);
-  const int row_base = m0 + cw * 64 + wq * 16 + g;  // this thread's rows: row_base and row_base + 8
-
-  // Descriptors: K-major SW128 (LBO 16 B, unused; SBO 1024 B) for Q and K,
-  // MN-major SW128 (LBO = panel stride, SBO = 1024 B) for V.
-  const fg_u64 desc_q = sw128_desc(sQw, 16, 1024);
-  const fg_u64 desc_k = sw128_desc(sK, 16, 1024);
-  const fg_u64 desc_v = sw128_desc(sV, BN * 128, 1024);
-  // Offsets (in 16-byte units) for k16 step kk inside a tile of `rows` rows.
-  auto kmajor_off = [](int kk, int rows) { return static_cast<fg_u64>(((kk / 4) * rows * 128 + (kk % 4) * 32) >> 4); };
-
-  float acc_o[D / 2];
-  float acc_s[BN / 2];
-  fg_u32 pa[KV_STEPS][4];
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f}, alpha[2] = {1.f, 1.f};
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) acc_o[i] = 0.f;
-
-  // Ping-pong: each warpgroup's GEMM issues form "sections"; consumer 0 goes
-  // first, then they take turns (0, 1[, 2], 0, ...). All run the same number of
-  // sections per tile. One tile per CTA: the last arrive of the last consumer is
-  // skipped so every barrier phase completes. PERSIST: the turns run on into the
-  // next tile (consumer 0 starts it while the others finish this one), and
-  // consumer 0 takes the last one when no tile is left.
-  auto pp_begin = [&]() {
-    if constexpr (PINGPONG) named_sync(6 + cw, 256);
-  };
-  auto pp_end = [&](bool last) {
-    if constexpr (PINGPONG) {
-      if (PERSIST || !(last && cw == NWG - 1)) named_arrive(6 + (NWG == 2 ? (cw ^ 1) : (cw + 1) % NWG), 256);
-    }
-  };
-  if constexpr (PINGPONG && !PERSIST) {
-    if (cw == NWG - 1 && n_blocks > 0) named_arrive(6, 256);
-  }
-
-  auto issue_s = [&](int s) {
-    const fg_u64 dk = desc_k + static_cast<fg_u64>((s * KV_BYTES) >> 4);
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) fg_wgmma_qk(acc_s, desc_q + kmajor_off(kk, 64), dk + kmajor_off(kk, BN), kk);
-  };
-  auto issue_pv = [&](int s) {
-    const fg_u64 dv = desc_v + static_cast<fg_u64>((s * KV_BYTES) >> 4);
-#pragma unroll
-    for (int kk = 0; kk < KV_STEPS; ++kk) fg_wgmma_pv(acc_o, pa[kk], dv + static_cast<fg_u64>((kk * 16 * 128) >> 4));
-  };
-  // Mask (only where block j crosses the key end or this warpgroup's diagonal),
-  // then the online-softmax update: acc_s becomes P (fp32), alpha the factor
-  // by which O must be rescaled (applied by the caller when O is not in flight).
-  auto softmax = [&](int j) {
-    const int n0 = j * BN;
-    if (n0 + BN > p.nk || (CAUSAL && n0 + BN - 1 > m0 + cw * 64 + diag)) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        int limit = p.nk;
-        if constexpr (CAUSAL) limit = min(limit, row_base + 8 * h + diag + 1);
-        limit -= n0 + 2 * t;
-#pragma unroll
-        for (int nj = 0; nj < NJ; ++nj)
-#pragma unroll
-          for (int e = 0; e < 2; ++e)
-            if (nj * 8 + e >= limit) acc_s[4 * nj + 2 * h + e] = -INFINITY;
-      }
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = row_max[h];
-      if constexpr (LAZY) {  // a tree: depth ~log2(NJ) + 1 instead of a chain of NJ
-        float v[NJ];
-#pragma unroll
-        for (int nj = 0; nj < NJ; ++nj) v[nj] = fmaxf(acc_s[4 * nj + 2 * h], acc_s[4 * nj + 2 * h + 1]);
-#pragma unroll
-        for (int w = 1; w < NJ; w *= 2)
-#pragma unroll
-          for (int i = 0; i + w < NJ; i += 2 * w) v[i] = fmaxf(v[i], v[i + w]);
-        mx = fmaxf(mx, v[0]);
-      } else {
-#pragma unroll
-        for (int nj = 0; nj < NJ; ++nj) mx = fmaxf(mx, fmaxf(acc_s[4 * nj + 2 * h], acc_s[4 * nj + 2 * h + 1]));
-      }
-      mx = quad_max(mx);
-      // LAZY: keep the old max unless this one is more than 2^8 above it (in P = 2^(scaled s - m)). The
-      // scale is positive (api.checked_scale): a first finite max over -inf reads +inf and moves; both -inf
-      // reads NaN and stays.
-      if constexpr (LAZY) mx = (mx - row_max[h]) * p.scale_log2 > 8.f ? mx : row_max[h];
-      const float m_scaled = (mx == -INFINITY ? 0.f : mx) * p.scale_log2;  // all masked so far: no NaN
-      if constexpr (LAZY)  // exactly 1 where the max stayed (O, l are 0 while it is -inf: any factor does)
-        alpha[h] = mx == row_max[h] ? 1.f : fast_exp2(row_max[h] * p.scale_log2 - m_scaled);
-      else
-        alpha[h] = fast_exp2(row_max[h] * p.scale_log2 - m_scaled);
-      row_max[h] = mx;
-      // LAZY: two partial sums (even / odd column of each pair), half the dependent FADD chain.
-      float sum[2] = {0.f, 0.f};
-#pragma unroll
-      for (int nj = 0; nj < NJ; ++nj)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float x = fmaf(acc_s[4 * nj + 2 * h + e], p.scale_log2, -m_scaled);
-          // EMU of every 8 n8 chunks (nj = 7; 3, 7; odd) on the FMA pipe; nj is a constant once unrolled.
-          const float pe = (nj * EMU) % 8 >= 8 - EMU ? exp2_fma(x) : fast_exp2(x);
-          acc_s[4 * nj + 2 * h + e] = pe;
-          sum[LAZY ? e : 0] += pe;
-        }
-      // per-thread partial; quad-summed at the end
-      row_sum[h] = row_sum[h] * alpha[h] + (LAZY ? sum[0] + sum[1] : sum[0]);
-    }
-  };
-  auto rescale_o = [&]() {
-    // LAZY: alpha is exactly 1 for a row whose max did not move; skip when that holds for the warp.
-    if constexpr (LAZY) {
-      if (!__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) return;
-    }
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      acc_o[4 * i] *= alpha[0];
-      acc_o[4 * i + 1] *= alpha[0];
-      acc_o[4 * i + 2] *= alpha[1];
-      acc_o[4 * i + 3] *= alpha[1];
-    }
-  };
-  // P as A fragments: k16 step kk takes n8 chunks 2kk and 2kk+1 of S.
-  auto pack_p = [&]() {
-#pragma unroll
-    for (int kk = 0; kk < KV_STEPS; ++kk) {
-      pa[kk][0] = pack2<BF16>(acc_s[8 * kk + 0], acc_s[8 * kk + 1]);
-      pa[kk][1] = pack2<BF16>(acc_s[8 * kk + 2], acc_s[8 * kk + 3]);
-      pa[kk][2] = pack2<BF16>(acc_s[8 * kk + 4], acc_s[8 * kk + 5]);
-      pa[kk][3] = pack2<BF16>(acc_s[8 * kk + 6], acc_s[8 * kk + 7]);
-    }
-  };
-  // Debug (p.dbg_s != null, bench/smoke_sm90.py --isolated): the raw S = Q K^T of key block 0 of
-  // query block 0 (batch 0, head 0), unscaled and unmasked, as fp32 [BM][BN] rows.
-  auto dump_s = [&]() {
-    if (p.dbg_s != nullptr && m_block == 0 && hq == 0 && b == 0) {
-      const int r = cw * 64 + wq * 16 + g;
-#pragma unroll
-      for (int nj = 0; nj < NJ; ++nj)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) p.dbg_s[(r + 8 * h) * BN + nj * 8 + 2 * t + e] = acc_s[4 * nj + 2 * h + e];
-    }
-  };
-  // K of block j once S(j) has completed (SEPKV only; else K goes with V in release). release_k and
-  // release take the block's ring position (kv0 + j; j itself without PERSIST).
-  auto release_k = [&](int j) {
-    if constexpr (SEPKV) {
-      if (lane == 0) mbar_arrive(bar_e(j % ST));
-    }
-  };
-  // V (and, without SEPKV, K) of block j once P(j) V(j) has completed.
-  auto release = [&](int j) {
-    if (lane == 0) mbar_arrive(bar_ev(j % ST));
-    if constexpr (!WS) {
-      if (tid == 0 && j + ST < n_blocks) produce(j + ST);
-    }
-  };
-
-  // Always (PERSIST: at the top): the epilogue reuses the Q rows, so the Q copy must have landed.
-  if constexpr (!PERSIST) mbar_wait(bar_qf(qp), 0);
-
-  // Two loop shapes. Without overlap or ping-pong: S(j), softmax, P(j)V(j), each GEMM waited on.
-  // With either: one GEMM section per iteration, S(j) and P(j-1)V(j-1) issued together (one named-
-  // barrier turn per iteration under ping-pong, so the other warpgroup's section runs during this
-  // one's softmax). OVERLAP then runs softmax(j) between the two waits (P(j-1)V(j-1) in flight);
-  // without it both GEMMs are waited on first.
-  if constexpr (!OVERLAP && !PINGPONG) {
-    for (int j = 0; j < n_live; ++j) {
-      const int s = (kv0 + j) % ST, ph = ((kv0 + j) / ST) & 1;
-      mbar_wait(bar_k(s), ph);
-      pp_begin();
-      wgmma_fence();
-      issue_s(s);
-      wgmma_commit();
-      pp_end(false);
-      wgmma_wait<0>();
-      reg_fence(acc_s);
-      release_k(kv0 + j);
-      if (j == 0) dump_s();
-      softmax(j);
-      rescale_o();
-      pack_p();
-      mbar_wait(bar_v(s), ph);
-      pp_begin();
-      reg_fence(acc_o);
-      wgmma_fence();
-      issue_pv(s);
-      wgmma_commit();
-      pp_end(j == n_blocks - 1);
-      wgmma_wait<0>();
-      reg_fence(acc_o);
-      release(kv0 + j);
-    }
-  } else if (n_live > 0) {
-    mbar_wait(bar_k(kv0 % ST), (kv0 / ST) & 1);
-    pp_begin();
-    wgmma_fence();
-    issue_s(kv0 % ST);
-    wgmma_commit();
-    pp_end(false);
-    wgmma_wait<0>();
-    reg_fence(acc_s);
-    release_k(kv0);
-    dump_s();
-    softmax(0);  // O is still zero: no rescale needed
-    for (int j = 1; j < n_live; ++j) {
-      const int r = kv0 + j, s = r % ST, sp = (r - 1) % ST;
-      pack_p();  // P(j-1)
-      mbar_wait(bar_k(s), (r / ST) & 1);
-      mbar_wait(bar_v(sp), ((r - 1) / ST) & 1);
-      pp_begin();
-      reg_fence(acc_o);
-      wgmma_fence();
-      issue_s(s);
-      wgmma_commit();
-      issue_pv(sp);
-      wgmma_commit();
-      pp_end(false);
-      if constexpr (OVERLAP) {
-        wgmma_wait<1>();  // S(j) done; P(j-1) V(j-1) may still run
-        reg_fence(acc_s);
-        release_k(r);
-        softmax(j);
-        // ptxas schedules WARPGROUP.DEPBAR as early as it may: without this pin the wait below
-        // lands before the softmax's exp2s (SASS), and P(j-1)V(j-1) never overlaps them.
-        sched_pin(row_sum[0] + row_sum[1], pin_slot);
-        wgmma_wait<0>();
-        reg_fence(acc_o);
-        release(r - 1);
-      } else {
-        wgmma_wait<0>();
-        reg_fence(acc_o);
-        release_k(r);
-        release(r - 1);  // stage j-1 is free before the softmax, not after it
-        reg_fence(acc_s);
-        softmax(j);
-      }
-      rescale_o();
-    }
-    const int jl = kv0 + n_live - 1, sl = jl % ST;
-    pack_p();
-    mbar_wait(bar_v(sl), (jl / ST) & 1);
-    pp_begin();
-    reg_fence(acc_o);
-    wgmma_fence();
-    issue_pv(sl);
-    wgmma_commit();
-    pp_end(n_live == n_blocks);
-    wgmma_wait<0>();
-    reg_fence(acc_o);
-    release(jl);
-  }
-
-  // The blocks past n_live: waited on and released like the others, and under ping-pong one turn each
-  // (every consumer takes n_blocks + 1 turns per tile: with none live, one more for the S(0) turn).
-  if (n_live < n_blocks) {
-    if (n_live == 0) {
-      pp_begin();
-      pp_end(false);
-    }
-    for (int j = n_live; j < n_blocks; ++j) {
-      const int r = kv0 + j, s = r % ST, ph = (r / ST) & 1;
-      mbar_wait(bar_k(s), ph);
-      mbar_wait(bar_v(s), ph);
-      pp_begin();
-      pp_end(j == n_blocks - 1);
-      release_k(r);
-      release(r);
-    }
-  }
-
-  // ---- epilogue: normalise, stage O in this warpgroup's own Q rows, store ---
-  // PERSIST: the thread index through an opaque move, so that the compiler cannot compute the O store
-  // loop's row / chunk / swizzle indices (tile-invariant) once before the tile loop and keep them live
-  // through every main loop (it did: 56 B of spills at d=128 192x80, 160 registers per consumer thread).
-  int ltid_e = ltid;
-  if constexpr (PERSIST) asm volatile("mov.b32 %0, %0;\n" : "+r"(ltid_e));
-  named_sync(2 + cw, 128);  // every warp of this warpgroup is done reading its Q rows
-  const fg_i64 lse_base = (static_cast<fg_i64>(b) * p.heads + hq) * p.nq;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const float l = quad_sum(row_sum[h]);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    const int r = wq * 16 + g + 8 * h;  // row within this warpgroup's piece
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      const fg_u32 packed = pack2<BF16>(acc_o[4 * i + 2 * h] * inv, acc_o[4 * i + 2 * h + 1] * inv);
-      const fg_u32 addr = sQw + (i / 8) * 64 * 128 + r * 128 + (((i % 8) ^ (r % 8)) * 16) + 4 * t;
-      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(packed) : "memory");
-    }
-    const int row = row_base + 8 * h;
-    if (p.lse != nullptr && t == 0 && row < p.nq)
-      p.lse[lse_base + row] = l > 0.f ? row_max[h] * p.scale + logf(l) : -INFINITY;
-  }
-  named_sync(2 + cw, 128);
-  elem_t* o = p.o + b * p.o_sb + hq * p.o_sh;
-  constexpr int CH = 64 * (D / 8);  // 16-byte chunks of this warpgroup's 64 rows
-#pragma unroll
-  for (int it = 0; it < CH / 128; ++it) {
-    const int i = it * 128 + ltid_e;
-    const int rl = i / (D / 8), c = i % (D / 8);
-    const int row = m0 + cw * 64 + rl;
-    if (row < p.nq && c * 8 < p.d) {
-      fg_u32x4 val;
-      asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-                   : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
-                   : "r"(sQw + (c / 8) * 64 * 128 + rl * 128 + (((c % 8) ^ (rl % 8)) * 16))
-                   : "memory");
-      *reinterpret_cast<fg_u32x4*>(o + static_cast<fg_i64>(row) * p.o_ss + c * 8) = val;
-    }
-  }
-  if constexpr (PERSIST) {
-    // This warp has read its O rows back out of the Q buffer: the producer may refill it (the proxy
-    // fence orders this thread's generic st.shared before the TMA's async-proxy write of the next Q).
-    fence_proxy_async_smem();
-    __syncwarp();
-    if (lane == 0) mbar_arrive(bar_qe(qp));
-    kv0 += n_blocks;
-    ++qi;
-  } else {
-    break;
-  }
   }  // tiles
 }

@@ -157,12 +157,7 @@ FG_DEVICE void fwd_v1_body(const Params& p) {
         for (int h = 0; h < 2; ++h) {
           int limit = p.nk;
           if constexpr (CAUSAL) limit = min(limit, m0 + warp * RW + mi * 16 + g + 8 * h + diag + 1);
-          limit -= n0 + 2 * t;
-#pragma unroll
-          for (int nj = 0; nj < NJ; ++nj)
-#pragma unroll
-            for (int e = 0; e < 2; ++e)
-              if (nj * 8 + e >= limit) acc_s[mi][nj][2 * h + e] = -INFINITY;
+          mask_row(acc_s[mi], h, limit - (n0 + 2 * t));
         }
     }
 
@@ -170,42 +165,14 @@ FG_DEVICE void fwd_v1_body(const Params& p) {
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float mx = row_max[mi][h];
-#pragma unroll
-        for (int nj = 0; nj < NJ; ++nj) mx = fmaxf(mx, fmaxf(acc_s[mi][nj][2 * h], acc_s[mi][nj][2 * h + 1]));
-        mx = quad_max(mx);
-        const float m_scaled = (mx == -INFINITY ? 0.f : mx) * p.scale_log2;
-        const float alpha = fast_exp2(row_max[mi][h] * p.scale_log2 - m_scaled);
-        row_max[mi][h] = mx;
-        float sum = 0.f;
-#pragma unroll
-        for (int nj = 0; nj < NJ; ++nj)
-#pragma unroll
-          for (int e = 2 * h; e < 2 * h + 2; ++e) {
-            const float pe = fast_exp2(fmaf(acc_s[mi][nj][e], p.scale_log2, -m_scaled));
-            acc_s[mi][nj][e] = pe;
-            sum += pe;
-          }
-        row_sum[mi][h] = row_sum[mi][h] * alpha + sum;
-#pragma unroll
-        for (int dj = 0; dj < DJ; ++dj) {
-          acc_o[mi][dj][2 * h] *= alpha;
-          acc_o[mi][dj][2 * h + 1] *= alpha;
-        }
-      }
+      for (int h = 0; h < 2; ++h) softmax_step(acc_s[mi], acc_o[mi], h, row_max[mi][h], row_sum[mi][h], p.scale_log2);
 
     // ---- O += P V_j ----------------------------------------------------------------
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
       fg_u32 a[MI][4];
 #pragma unroll
-      for (int mi = 0; mi < MI; ++mi) {
-        a[mi][0] = pack2<BF16>(acc_s[mi][2 * kk][0], acc_s[mi][2 * kk][1]);
-        a[mi][1] = pack2<BF16>(acc_s[mi][2 * kk][2], acc_s[mi][2 * kk][3]);
-        a[mi][2] = pack2<BF16>(acc_s[mi][2 * kk + 1][0], acc_s[mi][2 * kk + 1][1]);
-        a[mi][3] = pack2<BF16>(acc_s[mi][2 * kk + 1][2], acc_s[mi][2 * kk + 1][3]);
-      }
+      for (int mi = 0; mi < MI; ++mi) p_frag<BF16>(a[mi], acc_s[mi], kk);
 #pragma unroll
       for (int dj2 = 0; dj2 < DJ / 2; ++dj2) {
         fg_u32 bfrag[4];
@@ -241,7 +208,7 @@ FG_DEVICE void fwd_v1_body(const Params& p) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const float l = quad_sum(row_sum[mi][h]);
-          const float inv = l > 0.f ? 1.f / l : 0.f;
+          const float inv = row_inv(l);
           const int r_local = warp * RW + mi * 16 + g + 8 * h;
 #pragma unroll
           for (int dj = 0; dj < DJ; ++dj) {
@@ -250,7 +217,7 @@ FG_DEVICE void fwd_v1_body(const Params& p) {
           }
           const int row = m0 + r_local;
           if (p.lse != nullptr && t == 0 && row < p.nq)
-            p.lse[row_base + row] = l > 0.f ? row_max[mi][h] * p.scale + logf(l) : -INFINITY;
+            p.lse[row_base + row] = row_lse(row_max[mi][h], l, p.scale);
         }
       __syncwarp();
       elem_t* o = p.o + b * p.o_sb + hq * p.o_sh;
