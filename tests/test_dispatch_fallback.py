@@ -63,6 +63,18 @@ def test_the_last_tile_is_returned_unchecked():
     assert checked == cands[:-1]  # the last is never checked: load() reports its problems
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_the_v1_baseline_falls_back_to_a_smaller_tile(d):
+    """fwd_v1's rule keeps the paper's tile first and every other fitting tile after it (the H200 image's
+    NVRTC spills m128 n128 w8 at d = 128): a refused first tile gives the next, still in budget."""
+    key = ProblemKey("fwd_v1", "sm_90a", "bf16", d, False, 2048)
+    rule = families.family("fwd_v1").rule(key, H200_SMEM)
+    assert len(rule) >= 2 and len(set(rule)) == len(rule)
+    assert all(s.smem_bytes() <= H200_SMEM for s in rule)
+    got = families.default_spec(key, H200_SMEM, check=lambda s: ["spills: 16 B stored"] if s == rule[0] else [])
+    assert got == rule[1] and got != rule[0]
+
+
 def test_single_tile_rules_are_never_compiled():
     key = ProblemKey("bwd_preprocess", "sm_90a", "bf16", 128, False, 2048)
     calls = []
