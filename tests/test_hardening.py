@@ -190,6 +190,8 @@ def test_files_honour_the_umask(tmp_path):
     (["--smem", "99999999999"], "--smem 99999999999"),
     (["--seed", "-1"], "--seed"),
     (["--time-budget", "-5"], "--time-budget"),
+    (["--stale-after", "0"], "--stale-after"),
+    (["--stale-after", "inf"], "--stale-after"),
     (["--storage", "bogus://x"], "--storage 'bogus://x'"),
 ])
 def test_tune_refuses_bad_options_before_any_work(capsys, tmp_path, extra, message):

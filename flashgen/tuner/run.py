@@ -136,6 +136,8 @@ def parse_scope(args):
         raise FlashgenError(f"--seed must be a non-negative integer, got {args.seed}")
     if args.time_budget is not None and not args.time_budget > 0:
         raise FlashgenError(f"--time-budget must be a positive number of seconds, got {args.time_budget}")
+    if not 0 < args.stale_after < float("inf"):
+        raise FlashgenError(f"--stale-after must be a positive number of seconds, got {args.stale_after}")
     if not args.worker_only:  # where the winners go: checked now, not after the search
         tables.check_writable(args.out or tables.default_path(profile.name), profile.name)
     known = space.tune_kinds()
@@ -231,8 +233,7 @@ def run_keys(keys, cands, objective, args, storage, worker_index=0, progress=Non
             progress.index = i
         study.run_study(key, objective, cands[key], n_trials=args.trials, time_budget=args.time_budget,
                         storage=storage, seed=args.seed + _seed_offset(args), worker_index=worker_index,
-                        progress=progress,
-                        worker=worker)
+                        progress=progress, worker=worker, stale_after=args.stale_after)
         if progress and not progress.quiet:  # one line per key also where stderr is not a terminal
             r = study.collect(key, storage, cands[key])
             best = r.best
@@ -480,6 +481,9 @@ def add_arguments(p) -> None:
     p.add_argument("--model", action="store_true", help="rank by the cost model, no measuring (also without a GPU)")
     p.add_argument("--storage", default=None, help="Optuna storage shared by workers: journal:PATH, *.log or an "
                                                    "RDB URL (default: in memory)")
+    p.add_argument("--stale-after", type=float, default=study.STALE_AFTER,
+                   help="shared exhaustive studies: seconds another worker's trial may go without a heartbeat "
+                        f"before it counts as dead and its candidate runs again (default {study.STALE_AFTER:.0f})")
     p.add_argument("--workers", type=int, default=1, help="worker processes, one per visible GPU (default 1)")
     p.add_argument("--out", default=None, help="YAML to write/merge (default $FLASHGEN_HOME/configs/<gpu>.yaml)")
     p.add_argument("--report", default=None, help="also write every trial as JSON here")

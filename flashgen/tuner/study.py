@@ -6,8 +6,15 @@ processes (on several GPUs or hosts) can share one study per key:
 
 - **exhaustive** (the feasible set is no larger than the trial budget): trial
   number i evaluates candidate i. Optuna numbers the trials of a study
-  uniquely across every process sharing it, so each candidate is evaluated
-  exactly once, by whichever worker asks first; nothing is lost or repeated.
+  uniquely across every process sharing it, so each candidate is taken by
+  exactly one worker. A worker beats a counter on the trial it runs; a running
+  trial whose counter stands still for ``stale_after`` seconds (its worker was
+  killed) is failed by whichever worker notices first, and its candidate is
+  queued again as a waiting trial (popping one is atomic too). A popped trial
+  whose candidate another trial already holds (finished, or running since
+  earlier) is dropped as a duplicate, so a rare double queueing never
+  evaluates twice. A worker stops only when every candidate has a result, so
+  every worker collects the same study.
 - **TPE** (larger sets): a seeded ``TPESampler`` over the family's knobs
   (each worker offsets the seed, so workers do not propose the same points).
   When the candidates hold several families (``fwd`` on sm_90a: fwd_v2 and
@@ -22,10 +29,12 @@ objective's extra information (registers, modelled time) and the worker.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -35,6 +44,7 @@ from . import space
 from .objective import Outcome
 
 _MAX_PROPOSALS = 5  # TPE: stop after this many proposals per evaluated trial (a small space is exhausted)
+STALE_AFTER = 120.0  # seconds a running trial's heartbeat may stand still before its worker counts as dead
 
 
 def open_storage(url: str | None):
@@ -153,29 +163,23 @@ def _tell(study, trial, spec, outcome, worker):
 
 
 def run_study(key, objective, specs, *, n_trials: int, time_budget: float | None = None, storage=None,
-              seed: int = 0, worker: str | None = None, worker_index: int = 0, progress=None):
+              seed: int = 0, worker: str | None = None, worker_index: int = 0, progress=None,
+              stale_after: float = STALE_AFTER):
     """Evaluate specs of ``key`` until the study holds ``n_trials`` evaluated trials, every
     candidate is done, or ``time_budget`` seconds pass. ``specs[0]`` is the baseline.
 
     ``objective(key, spec) -> Outcome`` never raises for a bad spec (its failures are
     outcomes); an exception escaping it is recorded as a ``launch_error`` and the run goes on.
-    Returns the storage (pass it to ``collect``).
+    ``stale_after``: exhaustive studies, seconds after which another worker's running trial
+    with a still heartbeat is failed and its candidate queued again. Returns the storage (pass
+    it to ``collect``).
     """
     import optuna
 
     storage = open_storage(storage)
     worker = worker or worker_name()
     exhaustive = len(specs) <= n_trials
-    sampler = None if exhaustive else optuna.samplers.TPESampler(seed=seed + 7919 * worker_index)
-    study = _study(key, storage, sampler)
-    study.set_user_attr("mode", "exhaustive" if exhaustive else "tpe")
     deadline = None if time_budget is None else time.monotonic() + time_budget
-    choices = space.knob_choices(key, specs)
-    feasible = set(specs)
-    if not exhaustive and not study.get_trials(deepcopy=False):
-        study.enqueue_trial(_params(specs[0], choices))  # the baseline is the first trial
-    proposals = 0
-    rng = random.Random(seed + 7919 * worker_index)
 
     def evaluate(spec):
         try:
@@ -183,53 +187,180 @@ def run_study(key, objective, specs, *, n_trials: int, time_budget: float | None
         except Exception as exc:  # noqa: BLE001 — a broken trial must not stop the run
             return Outcome("launch_error", reason=f"{type(exc).__name__}: {str(exc)[:300]}")
 
+    if exhaustive:
+        _run_exhaustive(key, specs, storage, evaluate, worker, deadline, progress, stale_after)
+        return storage
+    sampler = optuna.samplers.TPESampler(seed=seed + 7919 * worker_index)
+    study = _study(key, storage, sampler)
+    study.set_user_attr("mode", "tpe")
+    choices = space.knob_choices(key, specs)
+    feasible = set(specs)
+    if not study.get_trials(deepcopy=False):
+        study.enqueue_trial(_params(specs[0], choices))  # the baseline is the first trial
+    proposals = 0
+    rng = random.Random(seed + 7919 * worker_index)
+
     while deadline is None or time.monotonic() < deadline:
         trials = study.get_trials(deepcopy=False)
         done = {KernelSpec(**t.user_attrs["spec"]) for t in trials
                 if "spec" in t.user_attrs and t.user_attrs.get("duplicate_of") is None}
-        if exhaustive:
-            if len(trials) >= len(specs):
-                break
-            trial = study.ask()
-            if trial.number >= len(specs):  # another worker took the last one meanwhile
+        evaluated = sum(1 for t in trials if "spec" in t.user_attrs and t.user_attrs.get("duplicate_of") is None
+                        and not t.user_attrs.get("static"))
+        if evaluated >= min(n_trials, len(specs)) or proposals >= _MAX_PROPOSALS * n_trials:
+            break
+        proposals += 1
+        trial = study.ask()
+        spec = _suggest(key, trial, choices)
+        if spec in done or spec not in feasible:
+            # A wasted proposal: queue an untried candidate (seeded choice) for the next ask,
+            # so a small or oddly shaped space is still covered within the budget.
+            untried = [s for s in specs if s not in done and s != spec]
+            if untried:
+                pick = untried[rng.randrange(len(untried))]
+                study.enqueue_trial(_params(pick, choices))
+        if spec in done:  # the sampler proposed a spec already evaluated: reuse its result
+            prior = next(t for t in trials if t.user_attrs.get("spec") == spec.to_dict()
+                         and t.user_attrs.get("duplicate_of") is None)
+            trial.set_user_attr("duplicate_of", prior.number)
+            if prior.state == optuna.trial.TrialState.COMPLETE:
+                study.tell(trial, prior.value)
+            else:
                 study.tell(trial, state=optuna.trial.TrialState.FAIL)
-                break
-            spec = specs[trial.number]
-            _tell(study, trial, spec, evaluate(spec), worker)
-        else:
-            evaluated = sum(1 for t in trials if "spec" in t.user_attrs and t.user_attrs.get("duplicate_of") is None
-                            and not t.user_attrs.get("static"))
-            if evaluated >= min(n_trials, len(specs)) or proposals >= _MAX_PROPOSALS * n_trials:
-                break
-            proposals += 1
-            trial = study.ask()
-            spec = _suggest(key, trial, choices)
-            if spec in done or spec not in feasible:
-                # A wasted proposal: queue an untried candidate (seeded choice) for the next ask,
-                # so a small or oddly shaped space is still covered within the budget.
-                untried = [s for s in specs if s not in done and s != spec]
-                if untried:
-                    pick = untried[rng.randrange(len(untried))]
-                    study.enqueue_trial(_params(pick, choices))
-            if spec in done:  # the sampler proposed a spec already evaluated: reuse its result
-                prior = next(t for t in trials if t.user_attrs.get("spec") == spec.to_dict()
-                             and t.user_attrs.get("duplicate_of") is None)
-                trial.set_user_attr("duplicate_of", prior.number)
-                if prior.state == optuna.trial.TrialState.COMPLETE:
-                    study.tell(trial, prior.value)
-                else:
-                    study.tell(trial, state=optuna.trial.TrialState.FAIL)
-                continue
-            if spec not in feasible:
-                reasons = "; ".join(spec.check(_profile_of(objective))) or "outside the feasible set"
-                trial.set_user_attr("static", True)  # refused without compiling; not an evaluated trial
-                _tell(study, trial, spec, Outcome("constraint", reason=f"statically infeasible: {reasons}"),
-                      worker)
-                continue
-            _tell(study, trial, spec, evaluate(spec), worker)
+            continue
+        if spec not in feasible:
+            reasons = "; ".join(spec.check(_profile_of(objective))) or "outside the feasible set"
+            trial.set_user_attr("static", True)  # refused without compiling; not an evaluated trial
+            _tell(study, trial, spec, Outcome("constraint", reason=f"statically infeasible: {reasons}"),
+                  worker)
+            continue
+        _tell(study, trial, spec, evaluate(spec), worker)
         if progress is not None:
             progress(key, study)
     return storage
+
+
+def _enqueue(study, candidates, retry_of=None) -> None:
+    for c in candidates:
+        attrs = {"candidate": c} if retry_of is None else {"candidate": c, "retry_of": retry_of}
+        study.enqueue_trial({}, user_attrs=attrs)
+
+
+@contextlib.contextmanager
+def _heartbeat(trial, interval: float):
+    """Beat a counter (user attribute ``beat``) on ``trial`` every ``interval`` s while the body runs."""
+    stop = threading.Event()
+
+    def beat():
+        n = 0
+        while not stop.wait(interval):
+            n += 1
+            try:
+                trial.set_user_attr("beat", n)
+            except Exception:  # noqa: BLE001 — finished meanwhile (failed as stale): nothing to beat
+                return
+
+    thread = threading.Thread(target=beat, name="flashgen-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _candidate(trial, n: int):
+    """The candidate index a trial of an exhaustive study holds: a queued retry names it, a fresh
+    trial numbered below ``n`` is that candidate, anything else (an idle ask) holds none."""
+    c = trial.user_attrs.get("candidate")
+    if c is None and trial.number < n and "retry_of" not in trial.user_attrs and not trial.user_attrs.get("idle"):
+        return trial.number
+    return c
+
+
+def _run_exhaustive(key, specs, storage, evaluate, worker, deadline, progress, stale_after):
+    """Every candidate of ``key`` once over all workers sharing ``storage`` (see the module notes).
+
+    The fast path asks and evaluates without reading the study: fresh trial i is candidate i (the
+    storages number a study's trials uniquely). Once an ask comes back past the last candidate,
+    the worker reads the study each ``poll``: it stops when every candidate has a result, fails
+    trials whose heartbeat stands still, queues again the candidates no trial holds (a stale one's,
+    or one whose number a queued retry took), and asks again while something waits. A study where
+    anything was queued checks every queued pop for a duplicate."""
+    import optuna
+
+    TS = optuna.trial.TrialState
+    n = len(specs)
+    study = _study(key, storage)
+    study.set_user_attr("mode", "exhaustive")
+    interval = max(0.05, stale_after / 4)
+    poll = min(0.5, interval)
+    study_id = storage.get_study_id_from_name(space.key_name(key))
+    beats: dict = {}  # another worker's running trial -> (its beat, when this worker first saw that beat)
+
+    def requeue(candidates, retry_of=None):
+        if candidates:
+            study.set_user_attr("requeued", True)  # before the trials exist: every later pop sees it
+            _enqueue(study, candidates, retry_of)
+
+    fast = True
+    while deadline is None or time.monotonic() < deadline:
+        if not fast:
+            trials = study.get_trials(deepcopy=False)
+            done = {_candidate(t, n) for t in trials if evaluated(t)}
+            if len(done - {None}) >= n:
+                break
+            now = time.monotonic()
+            for t in trials:
+                if t.state != TS.RUNNING or _candidate(t, n) is None:
+                    continue
+                seen = beats.get(t.number)
+                if seen is None or seen[0] != t.user_attrs.get("beat"):
+                    beats[t.number] = (t.user_attrs.get("beat"), now)
+                elif now - seen[1] >= stale_after:  # its worker stopped beating: killed, or its host lost
+                    del beats[t.number]
+                    try:
+                        storage.set_trial_state_values(
+                            storage.get_trial_id_from_study_id_trial_number(study_id, t.number), TS.FAIL)
+                    except RuntimeError:  # finished meanwhile, or another worker failed it first
+                        continue
+                    if _candidate(t, n) not in done:
+                        requeue([_candidate(t, n)], retry_of=t.number)
+            live = study.get_trials(deepcopy=False, states=(TS.WAITING, TS.RUNNING))
+            held = done | {_candidate(t, n) for t in live}
+            if max((t.number for t in trials), default=-1) >= n - 1:  # every number below n was handed out
+                requeue([c for c in range(n) if c not in held])
+            if not any(t.state == TS.WAITING for t in live):
+                time.sleep(poll)  # the rest runs on other workers: wait for their results (or their death)
+                continue
+        trial = study.ask()
+        c = _candidate(trial, n)
+        if c is None:  # past the last candidate, nothing queued: from now on, read the study first
+            trial.set_user_attr("idle", True)
+            study.tell(trial, state=TS.FAIL)
+            fast = False
+            continue
+        if "retry_of" in trial.user_attrs or "candidate" in trial.user_attrs:
+            # A queued candidate may be held twice: the earlier claim evaluates it.
+            mine = study.get_trials(deepcopy=False)
+            me = next(t for t in mine if t.number == trial.number)
+            first = next((t for t in mine if t.number != trial.number and _candidate(t, n) == c
+                          and t.user_attrs.get("duplicate_of") is None
+                          and (evaluated(t) or (t.state == TS.RUNNING and
+                                                (t.datetime_start, t.number) < (me.datetime_start, me.number)))),
+                         None)
+            if first is not None:
+                trial.set_user_attr("duplicate_of", first.number)
+                study.tell(trial, state=TS.FAIL)
+                continue
+        spec = specs[c]
+        with _heartbeat(trial, interval):
+            outcome = evaluate(spec)
+        try:
+            _tell(study, trial, spec, outcome, worker)
+        except RuntimeError:  # failed as stale by another worker meanwhile: its retry stands instead
+            pass
+        if progress is not None:
+            progress(key, study)
 
 
 def _profile_of(objective):
@@ -243,14 +374,17 @@ class _NoProfile:
 
 
 def evaluated(trial) -> bool:
-    """Whether a trial stands for an evaluated spec: finished (complete or failed; a RUNNING trial of
-    another worker has no result yet), not a duplicate of an earlier one, not refused statically."""
+    """Whether a trial stands for an evaluated spec: complete, or failed with a recorded failure
+    (a RUNNING trial of another worker has no result yet; a trial failed as stale after recording
+    success never told its time), not a duplicate of an earlier one, not refused statically."""
     import optuna
 
-    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
     attrs = trial.user_attrs
-    return (trial.state in states and "spec" in attrs and attrs.get("duplicate_of") is None
-            and not attrs.get("static"))
+    if "spec" not in attrs or attrs.get("duplicate_of") is not None or attrs.get("static"):
+        return False
+    if trial.state == optuna.trial.TrialState.COMPLETE:
+        return True
+    return trial.state == optuna.trial.TrialState.FAIL and attrs.get("status", "ok") != "ok"
 
 
 def collect(key, storage, specs) -> KeyResult:
@@ -267,14 +401,14 @@ def collect(key, storage, specs) -> KeyResult:
         # its user attributes may already be set while its value is not.
         if "spec" not in attrs or attrs.get("duplicate_of") is not None or t.state not in finished:
             continue
+        if t.state == optuna.trial.TrialState.FAIL and attrs.get("status", "ok") == "ok":
+            continue  # failed as stale before its result was told: its candidate was queued again
         spec = KernelSpec(**attrs["spec"])  # not validated: infeasible proposals are recorded too
         if spec in seen:  # two workers raced on one TPE proposal: keep the first
             continue
         seen.add(spec)
         ok = t.state == optuna.trial.TrialState.COMPLETE and t.value is not None
-        status = attrs.get("status", "ok" if ok else "launch_error")
-        if status == "ok" and not ok:  # recorded as a success, but never told a value
-            status = "launch_error"
+        status = attrs.get("status", "ok")
         records.append(TrialRecord(t.number, spec, status, t.value if ok else None, attrs.get("reason", ""),
                                    attrs.get("info", {}), attrs.get("worker", "")))
     return KeyResult(key, len(specs), specs[0], records, study.user_attrs.get("mode", "exhaustive"))
