@@ -550,13 +550,16 @@ struct decode_split_cta {
     // other tiles keep their registers (the H200's NVRTC 13.0 once spilled the d = 32 tile with it).
     constexpr bool QREG = D == 128;
     fg_u32 qf[QREG ? D / 16 : 1][4];
+    // A split with no block reads nothing: its Q copy may still be in flight (the epilogue waits for it).
     if constexpr (QREG) {
-      if (!BULK && n_blocks > 0) {
-        cp_async_wait<2 * (ST - 1)>();
-        __syncthreads();
-      }
+      if (n_blocks > 0) {
+        if constexpr (!BULK) {
+          cp_async_wait<2 * (ST - 1)>();
+          __syncthreads();
+        }
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(qf[kk], q_base + q_cols.col(kk));
+        for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(qf[kk], q_base + q_cols.col(kk));
+      }
     }
 
     for (int j = 0; j < n_blocks; ++j) {
