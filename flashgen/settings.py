@@ -139,6 +139,15 @@ def child_environment(**overrides) -> dict:
     return {**os.environ, **overrides}
 
 
+def toolchain_environment() -> dict:
+    """What decides which NVRTC library this process loads: the Python prefix (pip's CUDA wheels) and the
+    variables CuPy and the dynamic loader search by."""
+    import sys
+
+    return {"prefix": sys.prefix, **{v: os.environ.get(v, "") for v in ("LD_LIBRARY_PATH", "CUDA_PATH", "CUDA_HOME",
+                                                                          "PATH")}}
+
+
 def disable_cuda_compute_cache() -> None:
     """Turn off the CUDA compute cache for this process unless the caller set ``CUDA_CACHE_DISABLE``:
     NVRTC 13.0 returns a cubin it found there with an empty program log, and a binary without its ptxas

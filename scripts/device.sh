@@ -7,7 +7,7 @@
 #
 # Steps run in the order given: `tests` is the GPU test suite (pytest -m gpu tests/; "tests ARGS"
 # runs pytest -m gpu ARGS instead, e.g. "tests tests/test_gpu_decode.py -x"), every other
-# word is a `flashgen bench` suite (fwd, bwd, decode, ablation, ab, host, sass), optionally quoted
+# word is a `flashgen bench` suite (fwd, bwd, decode, ablation, ab, host, startup, sass), optionally quoted
 # together with its options. Each step writes into its own folder, packed as $OUT/<step>.tgz as soon
 # as the step ends (a step stopped by its timeout is packed with what it wrote so far: a suite's
 # <suite>.partial.json): the table (table.txt), the progress log, the JSON and the PNG of a suite;
@@ -43,7 +43,7 @@ export FLASHGEN_COMMIT=$COMMIT
 # Seconds per step unless TIMEOUT or TIMEOUT_<STEP> says otherwise; a device call has 600 s in all.
 default_timeout() {
   case $1 in
-    tests) echo 300 ;; host) echo 120 ;; sass) echo 500 ;; *) echo 420 ;;
+    tests) echo 300 ;; host|startup) echo 120 ;; sass) echo 500 ;; *) echo 420 ;;
   esac
 }
 

@@ -100,6 +100,11 @@ def test_load_refuses_a_non_result(tmp_path):
     (["bench", "host", "--entries", "attn"], "unknown attn"),
     (["bench", "host", "--calls", "0"], "--calls"),
     (["bench", "host", "--warmup", "-1"], "negative"),
+    (["bench", "startup", "--runs", "0"], "--runs"),
+    (["bench", "startup", "--shape", "1,2,3"], "--shape"),
+    (["bench", "startup", "--shape", "1,2,128,100"], "multiple of 8"),
+    (["bench", "startup", "--max-warm", "-1"], "--max-warm"),
+    (["bench", "startup", "--package", "/nonexistent"], "no flashgen package"),
     (["bench", "sass", "--archs", "sm_70"], "unknown sm_70"),
     (["bench", "sass", "--kernels", "nope"], "not a kernel name"),
     (["bench", "sass", "--strict"], "needs --compare"),
@@ -122,6 +127,7 @@ def test_cli_errors_are_clean(capsys, argv, message):
     ["bench", "ablation", "--d", "64", "--variants", "plain,ws"],
     ["bench", "ab", "--cands", "default", "--shapes", "1,2,128,64"],
     ["bench", "host"],
+    ["bench", "startup", "--runs", "1"],
 ])
 def test_good_options_without_a_gpu(capsys, argv):
     """Valid options get as far as the device check: one line, exit 2, no traceback."""
@@ -369,8 +375,15 @@ def _host_result():
             "fields": ["spec"], "impls": ["host"], "rows": rows, "convention": "host"}
 
 
+def _startup_result():
+    rows = [{"cache": c, "phase": p, "results": {"first": {"s": v, "runs": [v]}}}
+            for c, p, v in (("warm", "total", 0.22), ("warm", "part: build", 0.05), ("cold", "total", 1.44))]
+    return {"suite": "startup", "meta": {}, "metric": "s", "precision": 3, "x": "phase", "panels": ["cache"],
+            "impls": ["first"], "rows": rows, "convention": "startup"}
+
+
 SYNTHETIC = {"fwd": _fwd_result, "bwd": _bwd_result, "decode": _decode_result, "ablation": _ablation_result,
-             "ab": _ab_result, "host": _host_result}
+             "ab": _ab_result, "host": _host_result, "startup": _startup_result}
 
 
 @pytest.mark.parametrize("suite", sorted(SYNTHETIC))
@@ -533,6 +546,7 @@ GPU_RUNS = {
                "--split-cases", "1,8,2,2048", "--splits", "1,4"],
     "ab": ["--cands", "default", "--shapes", "1,2,256,64,1", "--rounds", "2", "--budget", "0.01"],
     "host": ["--calls", "5", "--rounds", "2", "--warmup", "5"],
+    "startup": ["--runs", "1", "--shape", "1,2,128,64"],
 }
 
 

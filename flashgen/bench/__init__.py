@@ -8,6 +8,7 @@ Suites (one module each, registered with ``register(Suite(...))`` when imported)
 - ``ablation``: the Hopper forward's techniques one by one (``families.fwd_sm90.ABLATION``) beside cuDNN;
 - ``ab``: candidate kernels (full names) side by side on given shapes, cuDNN as the anchor;
 - ``host``: per-call host time of ``flashgen.attention`` / ``flashgen.decode`` with cached plans;
+- ``startup``: time to the first ``flashgen.attention`` result of a new process (warm and cold cache);
 - ``sass``: no GPU: ptxas reports and SASS instruction counts of every kernel dispatch can pick.
 
 A suite (``registry.Suite``) adds its options to the ``bench`` parser, checks them before touching
@@ -33,11 +34,11 @@ from .registry import SUITES, Suite, register
 
 __all__ = ["SUITES", "Suite", "register", "suites", "BUILT_IN"]
 
-BUILT_IN = ("fwd", "bwd", "decode", "ablation", "ab", "host", "sass")
+BUILT_IN = ("fwd", "bwd", "decode", "ablation", "ab", "host", "startup", "sass")
 
 
 def suites() -> dict[str, Suite]:
     """Every registered suite (importing the built-in ones first; none of them imports torch at import)."""
-    from . import ab, ablation, bwd, decode, fwd, host, sass  # noqa: F401 -- each registers itself
+    from . import ab, ablation, bwd, decode, fwd, host, sass, startup  # noqa: F401 -- each registers itself
 
     return SUITES

@@ -93,10 +93,80 @@ def parse_ptxas_log(log: str, name: str | None = None) -> Report:
     )
 
 
-def nvrtc_version() -> tuple[int, int]:
-    from cupy_backends.cuda.libs import nvrtc
+_version: tuple | None = None
 
-    return tuple(nvrtc.getVersion())
+
+def nvrtc_version() -> tuple[int, int]:
+    """NVRTC's (major, minor), part of every cache key.
+
+    Asking NVRTC loads its library (about half a second, the largest part of a new process's first
+    call when its kernels are cached), so the answer is kept in ``$FLASHGEN_HOME/kernels/nvrtc.json``
+    with the library's path, size and modification time and what decides which library is found
+    (the library path variables, the CUDA roots, the Python prefix); a later process that finds all
+    of them unchanged takes the version from there, the way ccache identifies a compiler. Anything
+    else (no such file, a changed library, another environment, a malformed record) asks NVRTC."""
+    global _version
+    if _version is None:
+        _version = _stamped_version()
+        if _version is None:
+            from cupy_backends.cuda.libs import nvrtc
+
+            _version = tuple(nvrtc.getVersion())
+            _stamp_version(_version)
+    return _version
+
+
+def _library_stat(path: str) -> list | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+def _stamp_path() -> Path:
+    return settings.home() / "kernels" / "nvrtc.json"
+
+
+def _stamped_version() -> tuple | None:
+    try:
+        record = json.loads(files.read_regular(_stamp_path(), 1 << 16))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("environment") != settings.toolchain_environment():
+        return None
+    library, version = record.get("library"), record.get("version")
+    if not isinstance(library, str) or _library_stat(library) != record.get("stat"):
+        return None
+    if not (isinstance(version, list) and len(version) == 2 and all(type(v) is int for v in version)):
+        return None
+    return tuple(version)
+
+
+def _loaded_nvrtc() -> str | None:
+    """The path of the NVRTC library this process has loaded (Linux: from /proc/self/maps)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split(maxsplit=5)[-1].strip() if line.count(" ") >= 5 else ""
+                if re.search(r"/libnvrtc\.so[.0-9]*$", path) or re.search(r"/nvrtc64_[0-9_]*\.dll$", path):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def _stamp_version(version: tuple) -> None:
+    library = _loaded_nvrtc()
+    stat_ = _library_stat(library) if library else None
+    if stat_ is None:
+        return
+    record = {"library": library, "stat": stat_, "version": list(version), "environment": settings.toolchain_environment()}
+    try:
+        _stamp_path().parent.mkdir(parents=True, exist_ok=True)
+        files.atomic_write(_stamp_path(), json.dumps(record, indent=1).encode())
+    except OSError:
+        pass
 
 
 def compile_options(arch: str) -> list[str]:

@@ -15,6 +15,80 @@ _loaded: dict = {}
 _lock = threading.Lock()
 
 
+def _cu():
+    """libcuda through ctypes, for the calls made once per kernel (loading it). CuPy's driver module
+    imports all of cupy on its first call (about 0.2 s of a new process's first result); launches still
+    go through it (``Kernel.launch``: a compiled call, cheaper per launch than ctypes)."""
+    global _libcuda
+    if _libcuda is None:
+        c = ctypes
+        lib = c.CDLL("libcuda.so.1")
+        for name, args in (("cuCtxGetCurrent", [c.POINTER(c.c_void_p)]), ("cuCtxGetDevice", [c.POINTER(c.c_int)]),
+                           ("cuDevicePrimaryCtxRetain", [c.POINTER(c.c_void_p), c.c_int]),
+                           ("cuDevicePrimaryCtxRelease", [c.c_int]), ("cuCtxPushCurrent", [c.c_void_p]),
+                           ("cuCtxPopCurrent", [c.POINTER(c.c_void_p)]),
+                           ("cuModuleLoadData", [c.POINTER(c.c_void_p), c.c_char_p]),
+                           ("cuModuleGetFunction", [c.POINTER(c.c_void_p), c.c_void_p, c.c_char_p]),
+                           ("cuFuncSetAttribute", [c.c_void_p, c.c_int, c.c_int]), ("cuModuleUnload", [c.c_void_p]),
+                           ("cuGetErrorString", [c.c_int, c.POINTER(c.c_char_p)])):
+            fn = getattr(lib, name if name != "cuDevicePrimaryCtxRelease" else "cuDevicePrimaryCtxRelease_v2")
+            fn.argtypes, fn.restype = args, c.c_int
+            setattr(lib, name, fn)
+        _libcuda = lib
+    return _libcuda
+
+
+_libcuda = None
+
+
+def _check(code: int, what: str) -> None:
+    if code:
+        msg = ctypes.c_char_p()
+        _cu().cuGetErrorString(code, ctypes.byref(msg))
+        raise CompileError(f"{what} failed: CUDA error {code} ({(msg.value or b'?').decode()})")
+
+
+class _Module:
+    """A loaded CUDA module, unloaded when the last kernel holding it goes."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __del__(self):
+        try:
+            _cu().cuModuleUnload(self.handle)
+        except Exception:  # noqa: BLE001 -- at interpreter exit the driver may be gone first
+            pass
+
+
+def _load_module(cubin: bytes, name: str, smem: int, static_smem: int, device_index: int) -> tuple:
+    """(module, function handle) of kernel ``name`` in ``cubin``, loaded into device ``device_index``'s
+    primary context (torch's): the current context when it is that one, else pushed for the load."""
+    cu, c = _cu(), ctypes
+    ctx, dev = c.c_void_p(), c.c_int(-1)
+    _check(cu.cuCtxGetCurrent(c.byref(ctx)), "cuCtxGetCurrent")
+    if ctx.value:
+        _check(cu.cuCtxGetDevice(c.byref(dev)), "cuCtxGetDevice")
+    pushed = not ctx.value or dev.value != device_index
+    if pushed:
+        primary = c.c_void_p()
+        _check(cu.cuDevicePrimaryCtxRetain(c.byref(primary), device_index), "cuDevicePrimaryCtxRetain")
+        _check(cu.cuCtxPushCurrent(primary), "cuCtxPushCurrent")
+    try:
+        handle, function = c.c_void_p(), c.c_void_p()
+        _check(cu.cuModuleLoadData(c.byref(handle), cubin), f"loading {name}")
+        module = _Module(handle.value)
+        _check(cu.cuModuleGetFunction(c.byref(function), module.handle, name.encode()), f"finding {name}")
+        if smem + static_smem > 48 * 1024:  # the 48 KB default covers static and dynamic shared memory together
+            _check(cu.cuFuncSetAttribute(function, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                         smem), f"{name}: dynamic shared memory")
+    finally:
+        if pushed:
+            _check(cu.cuCtxPopCurrent(c.byref(c.c_void_p())), "cuCtxPopCurrent")
+            cu.cuDevicePrimaryCtxRelease(device_index)
+    return module, function.value
+
+
 class Kernel:
     """One loaded kernel: its spec, binary and CUDA function handle."""
 
@@ -24,8 +98,7 @@ class Kernel:
         self.smem = spec.smem_bytes()
         self.threads = spec.warps * 32
         self._module = module  # keeps the module (and so the function) alive
-        self._function = function
-        self._fptr = function.ptr
+        self._fptr = function
         self._struct = spec.family.param_struct()
         self.device_index = device_index
         from cupy_backends.cuda.api import driver
@@ -57,17 +130,8 @@ def load_kernel(spec, device_index: int) -> Kernel:
         problems = binary.report.problems()
         if problems and not settings.allow_spills():  # study only: time a spilling tile
             raise CompileError(f"{spec.name}: refused by its resource report: {'; '.join(problems)}", log=binary.log)
-        import cupy
-        from cupy_backends.cuda.api import driver
-
-        with cupy.cuda.Device(device_index):
-            module = cupy.cuda.function.Module()
-            module.load(binary.cubin)
-            function = module.get_function(spec.name)
-            smem = spec.smem_bytes()
-            # The 48 KB default covers static and dynamic shared memory together.
-            if smem + binary.report.static_smem > 48 * 1024:
-                driver.funcSetAttribute(function.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+        module, function = _load_module(binary.cubin, spec.name, spec.smem_bytes(), binary.report.static_smem,
+                                        device_index)
         kern = Kernel(spec, binary, module, function, device_index)
         _loaded[key] = kern
         return kern

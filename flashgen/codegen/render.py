@@ -13,16 +13,16 @@ import re
 import textwrap
 from importlib import resources
 
-import jinja2
-
 from ..version import __version__
 
 _HEADER = re.compile(r"^[a-z0-9_]+/[a-z0-9_]+\.cuh$")
 
 
 @functools.lru_cache(maxsize=1)
-def environment() -> jinja2.Environment:
+def environment() -> "jinja2.Environment":
     """The Jinja2 environment of the entry templates (StrictUndefined; ``header`` as a global)."""
+    import jinja2  # here, not at import: a process whose kernels are cached may never render
+
     env = jinja2.Environment(
         loader=jinja2.PackageLoader("flashgen", "templates"),
         undefined=jinja2.StrictUndefined,  # a missing variable is an error, never empty text
