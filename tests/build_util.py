@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from multiprocessing.pool import ThreadPool
 from pathlib import Path
 
@@ -14,24 +15,48 @@ import pytest
 from flashgen.codegen import build, render
 
 
-def build_all(specs, tmp_path_factory, home: str, threads: int = 2) -> dict:
-    """{spec: Binary or the exception its build raised}, compiled in parallel into a private
-    FLASHGEN_HOME (NVRTC releases the GIL); each test then reports its own spec's failure."""
-    def one(spec):
-        try:
-            return spec, build(spec)
-        except Exception as exc:  # noqa: BLE001 -- reported per spec by the tests
-            return spec, exc
+class CompileSession:
+    """The compile tier's binaries, shared by every module of a run: a spec is compiled once per run
+    (tests/test_compile.py, test_sm90.py and test_bwd_sm90.py ask for overlapping sets) into one private
+    FLASHGEN_HOME, as many at a time as there are CPUs (NVRTC releases the GIL, so threads use every
+    core), with a progress line every tenth of the way (conftest's ``compile_session`` fixture)."""
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FLASHGEN_HOME", str(tmp_path_factory.mktemp(home)))
-        mp.delenv("FLASHGEN_NO_COMPILE", raising=False)
-        with ThreadPool(threads) as pool:
-            return dict(pool.map(one, specs))
+    def __init__(self, home, write_line=None):
+        self.home = home
+        self.results: dict = {}  # spec -> Binary, or the exception its build raised
+        self.write_line = write_line or (lambda text: None)
+
+    def build_all(self, specs) -> dict:
+        """{spec: Binary or the exception its build raised} for ``specs``; each test reports its own."""
+        todo = [s for s in dict.fromkeys(specs) if s not in self.results]
+        if todo:
+            self._compile(todo)
+        return {s: self.results[s] for s in specs}
+
+    def _compile(self, todo) -> None:
+        threads = max(2, os.cpu_count() or 2)
+        done, step, t0 = 0, max(1, len(todo) // 10), time.monotonic()
+        self.write_line(f"compile tier: {len(todo)} kernels to compile on {threads} threads")
+
+        def one(spec):
+            try:
+                return spec, build(spec)
+            except Exception as exc:  # noqa: BLE001 -- reported per spec by the tests
+                return spec, exc
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("FLASHGEN_HOME", str(self.home))
+            mp.delenv("FLASHGEN_NO_COMPILE", raising=False)
+            with ThreadPool(threads) as pool:
+                for spec, result in pool.imap_unordered(one, todo):
+                    self.results[spec] = result
+                    done += 1
+                    if done % step == 0 or done == len(todo):
+                        self.write_line(f"compile tier: {done}/{len(todo)} compiled, {time.monotonic() - t0:.0f} s")
 
 
 def clean_binary(compiled: dict, spec):
-    """The spec's Binary from ``build_all``, after the checks every compile-tier test makes: it built (its
+    """The spec's Binary from ``CompileSession.build_all``, after the checks every compile-tier test makes: it built (its
     exception re-raised), an ELF cubin, no spills or stack frame, no problem in the ptxas report."""
     binary = compiled[spec]
     if isinstance(binary, Exception):

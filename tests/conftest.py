@@ -29,21 +29,44 @@ def update_golden(request) -> bool:
 
 
 @pytest.fixture(scope="session")
+def compile_session(request, tmp_path_factory):
+    """The compile tier's shared binaries (``build_util.CompileSession``): each spec compiled once per run,
+    with progress lines on the terminal."""
+    from build_util import CompileSession
+
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+
+    def write(text):  # past the output capture, which holds a fixture's prints until its test ends
+        if reporter is None:
+            return
+        if capture is None:
+            reporter.write_line(text)
+            return
+        with capture.global_and_fixture_disabled():
+            reporter.write_line(text)
+
+    return CompileSession(tmp_path_factory.mktemp("compile_tier"), write)
+
+
+@pytest.fixture(scope="session")
 def gpu_kernel_cache(tmp_path_factory):
-    """One binary cache for every GPU test of the run (the cache is content-addressed and locked, so
-    sharing it changes no result; it saves recompiling each kernel in every test)."""
+    """One binary cache for every GPU test of the run, and for the tests marked ``shared_kernels`` (the
+    cache is content-addressed and locked, so sharing it changes no result; it saves recompiling each
+    kernel in every test). Tests of the cache itself keep a private one."""
     return tmp_path_factory.mktemp("gpu_kernels")
 
 
 @pytest.fixture(autouse=True)
 def flashgen_home(request, tmp_path, monkeypatch):
-    """A private, empty FLASHGEN_HOME for one test (its tuned tables are its own); a GPU test's
-    ``kernels/`` is the run's shared binary cache. Returns the home's path."""
+    """A private, empty FLASHGEN_HOME for one test (its tuned tables are its own); the ``kernels/`` of a
+    GPU test or of one marked ``shared_kernels`` is the run's shared binary cache. Returns the home's
+    path."""
     home = tmp_path / "flashgen_home"
     for var in ENVIRONMENT:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("FLASHGEN_HOME", str(home))
-    if request.node.get_closest_marker("gpu") is not None:
+    if request.node.get_closest_marker("gpu") is not None or request.node.get_closest_marker("shared_kernels"):
         home.mkdir(parents=True, exist_ok=True)
         (home / "kernels").symlink_to(request.getfixturevalue("gpu_kernel_cache"), target_is_directory=True)
     return home

@@ -8,13 +8,12 @@ serialized or a warpgroup.arrive injected).
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 
 from flashgen import KernelSpec, UnsupportedError, dispatch, families, gpus
 from flashgen.problem import ProblemKey
-from build_util import build_all, clean_binary, r2ur_before_hgmma, sass_of
+from build_util import clean_binary, r2ur_before_hgmma, sass_of
 
 H200 = gpus.get("h200")
 BUDGET = gpus.ARCH_SMEM_PER_BLOCK["sm_90a"]
@@ -308,8 +307,8 @@ def test_smem_layout_model(d, bn):
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
-    return build_all(ALL, tmp_path_factory, "bwd90_home", threads=min(8, os.cpu_count() or 2))
+def compiled(compile_session):
+    return compile_session.build_all(ALL)
 
 
 @pytest.mark.parametrize("spec", ALL, ids=lambda s: s.name)

@@ -1,7 +1,8 @@
 """Tier 2: every spec dispatch can pick compiles with NVRTC, without spills, within limits.
 
 No GPU is needed: NVRTC compiles cubins offline. The specs are compiled once
-per module, two at a time (NVRTC releases the GIL), into a private
+per run (conftest's ``compile_session``, shared with the other compile-tier
+modules), one per CPU at a time (NVRTC releases the GIL), into a private
 FLASHGEN_HOME; each spec is then its own test item so a failure names it.
 
 Dispatch can pick the default rules' specs (``flashgen.families.rule_specs``: every
@@ -20,7 +21,7 @@ from flashgen.errors import UnsupportedError
 from flashgen.families import bwd, bwd_sm90, decode, fwd_v1, fwd_v2, standard
 from flashgen.problem import HEAD_DIM_TILES, ProblemKey
 from flashgen.spec import DTYPES
-from build_util import build_all, clean_binary
+from build_util import clean_binary
 
 ARCHES = ("sm_80", "sm_90a")
 # Every spec a default rule can give dispatch, per arch (forward, decode split and combine, backward,
@@ -41,9 +42,9 @@ BASELINE_KINDS = (*standard.KINDS, fwd_v1.KIND)
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
-    """{spec: Binary or the exception its build raised}, all compiled in parallel on 2 threads."""
-    return build_all(ALL_SPECS, tmp_path_factory, "compile_home")
+def compiled(compile_session):
+    """{spec: Binary or the exception its build raised}, compiled in parallel (once per run)."""
+    return compile_session.build_all(ALL_SPECS)
 
 
 def _keys(problem: str, arch: str) -> list:

@@ -72,6 +72,13 @@ def shared(request, tmp_path):
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+@pytest.fixture(scope="module")
+def kernel_home(tmp_path_factory):
+    """One FLASHGEN_HOME for both storages' runs: the model objective compiles each candidate for its
+    register count, and the second run finds them in this home's binary cache."""
+    return tmp_path_factory.mktemp("tuning_home")
+
+
 def _winners(path):
     return {k: e["spec"].name for k, e in tables.load(path, gpu="a100").entries.items()}
 
@@ -81,7 +88,7 @@ def _spawn(code, args):
                             text=True)
 
 
-def test_four_workers_and_a_killed_one_evaluate_every_candidate_once(tmp_path, shared):
+def test_four_workers_and_a_killed_one_evaluate_every_candidate_once(tmp_path, shared, kernel_home, monkeypatch):
     import optuna
 
     from flashgen.spec import KernelSpec
@@ -89,6 +96,8 @@ def test_four_workers_and_a_killed_one_evaluate_every_candidate_once(tmp_path, s
 
     # The reference, in one process (it also fills the shared kernel cache the workers then hit).
     from flashgen.cli import main
+
+    monkeypatch.setenv("FLASHGEN_HOME", str(kernel_home))  # the workers inherit it
 
     assert main(ARGS + ["--out", str(tmp_path / "single.yaml"), "--report", str(tmp_path / "single.json")]) == 0
     single = json.loads((tmp_path / "single.json").read_text())["keys"]

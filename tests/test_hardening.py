@@ -3,7 +3,6 @@ binary cache under bad metadata and unusable locations, input bounds and aliasin
 line's one-line errors."""
 from __future__ import annotations
 
-import multiprocessing
 import os
 import stat
 import subprocess
@@ -44,31 +43,41 @@ def _keys():
             for c in (False, True) for b in BUCKETS[:6]][:96]
 
 
-def _writer(path, index, n):
-    """One process's share of the keys, one read-merge-write per key (as each tuning run writes)."""
-    keys = _keys()[index * n:(index + 1) * n]
-    for key in keys:
-        t = tables.Table(meta=tables.make_meta(H200, "measured"))
-        t.entries[key] = _entry(_fwd_v2(key), 1.0 + index)
-        tables.update(path, t)
-
-
-# ---------------------------------------------------------------- tables
+# One writer process's share of the keys, one read-merge-write per key (as each tuning run writes). A
+# plain interpreter that imports flashgen's tables only (a spawned copy of this module would import torch
+# first: seconds per process).
+WRITER = """
+import sys
+from pathlib import Path
+from flashgen import gpus, tables
+from flashgen.problem import BUCKETS, ProblemKey
+from flashgen.spec import KernelSpec
+path, index, n = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+keys = [ProblemKey("fwd", "sm_90a", dt, d, c, b) for dt in ("bf16", "fp16") for d in (32, 64, 96, 128)
+        for c in (False, True) for b in BUCKETS[:6]][:96]
+for key in keys[index * n:(index + 1) * n]:
+    t = tables.Table(meta=tables.make_meta(gpus.get("h200"), "measured"))
+    spec = KernelSpec(kind="fwd_v2", arch=key.arch, dtype=key.dtype, head_dim=key.head_dim, causal=key.causal,
+                      block_m=128, block_n=32, warps=4, stages=3).validate()
+    t.entries[key] = {"spec": spec, "time_ms": 1.0 + index, "tflops": 100.0, "source": "measured",
+                      "baseline": None, "speedup": None, "runners_up": [], "trials": 1, "candidates": 1,
+                      "failures": {}}
+    tables.update(path, t)
+"""
 
 
 def test_four_concurrent_writers_lose_no_entry(tmp_path):
     """Four processes merging 24 keys each into one table: all 96 entries survive (the merge runs under
     the folder's lock, each writer reading what the last one wrote)."""
     path = tmp_path / "configs" / "h200.yaml"
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_writer, args=(path, i, 24)) for i in range(4)]
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(i), "24"], stderr=subprocess.PIPE,
+                              text=True) for i in range(4)]
     for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        assert p.exitcode == 0
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
     table = tables.load(path, gpu="h200")
     assert set(table.entries) == set(_keys())
+    assert {e["time_ms"] for e in table.entries.values()} == {1.0, 2.0, 3.0, 4.0}  # every writer's share
     assert not [p for p in path.parent.iterdir() if p.name != "h200.yaml"]  # no lock or temp file left
 
 

@@ -9,7 +9,6 @@ if any, compiles the same source for the check; otherwise it skips).
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 
@@ -17,7 +16,7 @@ from flashgen import KernelSpec, UnsupportedError, dispatch, families, gpus
 from flashgen.codegen import parse_ptxas_log
 from flashgen.families.fwd_sm90 import ABLATION, FAMILY, persist_ctas_per_sm, tile_sections, variant, warps_for
 from flashgen.problem import ProblemKey, smallest_tile
-from build_util import build_all, clean_binary, r2ur_before_hgmma, sass_of
+from build_util import clean_binary, r2ur_before_hgmma, sass_of
 
 H200 = gpus.get("h200")
 
@@ -160,8 +159,8 @@ def test_hopper_diagnostics_are_problems():
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
-    return build_all(ALL, tmp_path_factory, "sm90_home", threads=min(8, os.cpu_count() or 2))
+def compiled(compile_session):
+    return compile_session.build_all(ALL)
 
 
 @pytest.mark.parametrize("spec", ALL, ids=lambda s: s.name)

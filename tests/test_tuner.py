@@ -18,6 +18,8 @@ from flashgen.spec import KernelSpec
 from flashgen.tuner import cost, space, store, study
 from flashgen.tuner.objective import MeasuredObjective, ModelObjective, Outcome
 
+pytestmark = pytest.mark.shared_kernels  # the tuner compiles candidates; the cache is not under test here
+
 pytest.importorskip("optuna")
 
 H200 = gpus.get("h200")
