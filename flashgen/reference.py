@@ -2,7 +2,8 @@
 
 ``reference`` computes softmax(scale q kᵀ) v in a chosen dtype on upcast
 inputs, with flashgen's conventions (bhsd, GQA by head groups, bottom-right
-causal alignment, a row that sees no key gives 0 and LSE -inf). The rule for a
+causal alignment, a row that sees no key gives 0 and LSE -inf), and the
+variants ``flashgen.variants`` defines (window, softcap, ALiBi, sinks). The rule for a
 kernel's output (the FlashAttention repository's): its max error against the
 fp32 reference is at most twice that of the same reference computed in the
 input dtype, plus 1e-5 (``tolerance``). The backward's gradients get three
@@ -10,29 +11,54 @@ times (``grad_tolerance``, the rule of tests/test_gpu_bwd.py).
 """
 from __future__ import annotations
 
+from .variants import check_softcap, is_banded, window_of
 
-def reference(q, k, v, causal, scale, dtype=None):
-    """(out, lse) in fp32 for bhsd q, k, v, computed in ``dtype`` (default fp32)."""
+
+def reference(q, k, v, causal, scale, dtype=None, *, window=None, softcap=0.0, alibi_slopes=None, sinks=None):
+    """(out, lse) in fp32 for bhsd q, k, v, computed in ``dtype`` (default fp32).
+
+    ``window``, ``softcap``, ``alibi_slopes`` ((heads,) or (batch, heads)) and ``sinks`` ((heads,)) as
+    ``flashgen.variants`` defines them; autograd runs through all of it (the sinks get a gradient)."""
     import torch
 
     dtype = dtype or torch.float32
-    group = q.shape[1] // k.shape[1]
+    left, right = window_of(causal, window)
+    softcap = check_softcap(softcap)
+    b, h, nq = q.shape[0], q.shape[1], q.shape[2]
+    group = h // k.shape[1]
     qq, kk, vv = (t.to(dtype) for t in (q, k, v))
     kk = kk.repeat_interleave(group, dim=1)
     vv = vv.repeat_interleave(group, dim=1)
     s = torch.matmul(qq, kk.transpose(-1, -2)) * scale
-    nq, nk = q.shape[2], k.shape[2]
-    if causal:
-        i = torch.arange(nq, device=q.device)[:, None]
-        j = torch.arange(nk, device=q.device)[None, :]
-        hidden = j > i + (nk - nq)
-        sees = ~hidden.all(dim=-1, keepdim=True)  # rows with at least one key
+    nk = k.shape[2]
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    offset = (torch.arange(nk, device=q.device)[None, :] - torch.arange(nq, device=q.device)[:, None]
+              - (nk - nq))  # o = j - (i + nk - nq)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(dtype).reshape(-1 if alibi_slopes.dim() == 2 else 1, h, 1, 1)
+        s = s - slopes * offset.abs().to(dtype)
+    hidden = None
+    if is_banded(left, right):
+        hidden = torch.zeros(nq, nk, dtype=torch.bool, device=q.device)
+        if left >= 0:
+            hidden |= offset < -left
+        if right >= 0:
+            hidden |= offset > right
+    if sinks is not None:  # one more column: the sink's logit, visible from every row
+        s = torch.cat([s, sinks.to(dtype).reshape(1, h, 1, 1).expand(b, h, nq, 1)], dim=-1)
+        if hidden is not None:
+            hidden = torch.cat([hidden, torch.zeros(nq, 1, dtype=torch.bool, device=q.device)], dim=-1)
+    if hidden is not None:
+        sees = ~hidden.all(dim=-1, keepdim=True)  # rows with at least one key (or a sink)
         lse = torch.logsumexp(s.masked_fill(hidden, float("-inf")).float(), dim=-1)
         # Rows that see nothing give 0 without a NaN anywhere, so autograd can run through it too.
         p = torch.softmax(s.masked_fill(hidden & sees, float("-inf")), dim=-1) * sees.to(s.dtype)
     else:
         lse = torch.logsumexp(s.float(), dim=-1)
         p = torch.softmax(s, dim=-1)
+    if sinks is not None:
+        p = p[..., :nk]
     out = torch.matmul(p.to(dtype), vv)
     return out.float(), lse
 

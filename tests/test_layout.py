@@ -19,8 +19,8 @@ PACKAGE = ROOT / "flashgen"
 
 # Bottom up. A module's layer is the first pattern that matches its dotted name.
 LAYERS = (
-    ("base", ("flashgen.version", "flashgen.errors", "flashgen.settings", "flashgen.files", "flashgen.gpus", "flashgen.reference",
-              "flashgen.iomodel", "flashgen.tma")),
+    ("base", ("flashgen.version", "flashgen.errors", "flashgen.settings", "flashgen.files", "flashgen.gpus",
+              "flashgen.variants", "flashgen.reference", "flashgen.iomodel", "flashgen.tma")),
     ("spec", ("flashgen.spec", "flashgen.problem")),
     ("families, codegen, tables", ("flashgen.families", "flashgen.codegen", "flashgen.tables")),
     ("dispatch", ("flashgen.dispatch",)),

@@ -1,0 +1,109 @@
+"""The masks and score changes real models use, defined once (the kernels' block ranges, the reference,
+the benchmarks' FLOP counts and the docs take them from here).
+
+Query ``i`` of ``sq`` and key ``j`` of ``sk`` are ``o = j - (i + sk - sq)`` apart (bottom-right
+alignment, as for ``causal``):
+
+- **window** ``(left, right)``: key j is visible from query i iff ``-left <= o <= right``; ``-1``
+  leaves that side unbounded. ``causal=True`` is ``right = 0`` (with or without a window: a causal
+  call's right side is 0, FlashAttention's ``window_size`` convention).
+- **softcap** ``c > 0``: the scaled score ``s = scale * q.k`` becomes ``c * tanh(s / c)`` (Gemma 2).
+- **ALiBi** slope ``m`` (per head, or per batch and head): ``-m * |o|`` is added to the score, after the
+  softcap (FlashAttention's order).
+- **sinks** (one logit per head): ``exp(sink)`` joins every row's softmax denominator and brings no
+  value (gpt-oss); the LSE includes it.
+
+A row that sees no key gives 0; its LSE is -inf, or the sink's logit with sinks.
+"""
+from __future__ import annotations
+
+import math
+
+from .errors import UnsupportedError
+
+UNBOUNDED = -1
+
+
+def window_of(causal: bool, window=None) -> tuple[int, int]:
+    """The ``(left, right)`` window of a call: ``window`` (None: unbounded both sides) with a causal
+    call's right side set to 0. ``ValueError`` for anything but two ints >= -1."""
+    if window is None:
+        left, right = UNBOUNDED, UNBOUNDED
+    else:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise ValueError(f"window must be (left, right), got {window!r}")
+        left, right = window
+        for name, v in (("left", left), ("right", right)):
+            if type(v) is not int or v < UNBOUNDED:
+                raise ValueError(f"window {name} must be an int >= -1 (-1: unbounded), got {v!r}")
+    return left, (0 if causal else right)
+
+
+def is_banded(left: int, right: int) -> bool:
+    """Whether a window hides anything on either side (a plain call is ``(-1, -1)``)."""
+    return left != UNBOUNDED or right != UNBOUNDED
+
+
+def visible(i: int, j: int, sq: int, sk: int, left: int, right: int) -> bool:
+    """Whether key ``j`` is visible from query ``i`` (both in range) under the window."""
+    o = j - (i + sk - sq)
+    return (left == UNBOUNDED or o >= -left) and (right == UNBOUNDED or o <= right)
+
+
+def key_range(i0: int, i1: int, sq: int, sk: int, left: int, right: int) -> tuple[int, int]:
+    """The keys ``[lo, hi)`` that any query of rows ``[i0, i1)`` sees (``lo >= hi``: none); rows past
+    ``sq`` count as rows (the kernels' padded rows), keys are clipped to ``[0, sk)``."""
+    if i1 <= i0:
+        return 0, 0
+    shift = sk - sq
+    lo = 0 if left == UNBOUNDED else max(0, i0 + shift - left)
+    hi = sk if right == UNBOUNDED else min(sk, i1 - 1 + shift + right + 1)
+    return lo, max(lo, hi)
+
+
+def block_range(m0: int, bm: int, bn: int, sq: int, sk: int, left: int, right: int) -> tuple[int, int]:
+    """Key blocks ``[first, end)`` (of ``bn`` keys) that query block ``[m0, m0 + bm)`` must visit: every
+    block holding a key some of its rows see, and none other."""
+    lo, hi = key_range(m0, min(m0 + bm, sq), sq, sk, left, right)
+    if lo >= hi:
+        return 0, 0
+    return lo // bn, (hi + bn - 1) // bn
+
+
+def block_needs_mask(m0: int, bm: int, n0: int, bn: int, sq: int, sk: int, left: int, right: int) -> bool:
+    """Whether key block ``[n0, n0 + bn)`` of query block ``[m0, m0 + bm)`` has a (query, key) pair the
+    window hides or a key past ``sk`` (a boundary block); an interior block runs without masking."""
+    i0, i1 = m0, min(m0 + bm, sq)
+    if n0 + bn > sk:
+        return True
+    shift = sk - sq
+    if left != UNBOUNDED and n0 < (i1 - 1) + shift - left:  # the last row's first visible key
+        return True
+    if right != UNBOUNDED and n0 + bn - 1 > i0 + shift + right:  # the first row's last visible key
+        return True
+    return False
+
+
+def visible_pairs(sq: int, sk: int, left: int, right: int) -> int:
+    """How many (query, key) pairs the window lets through: what the benchmarks count FLOPs on."""
+    total = 0
+    for i in range(sq):
+        lo, hi = key_range(i, i + 1, sq, sk, left, right)
+        total += max(0, hi - lo)
+    return total
+
+
+def check_softcap(softcap) -> float:
+    """``softcap`` as a float: 0 (off) or a finite positive number; ``ValueError`` otherwise."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise ValueError(f"softcap must be a number (0: off), got {softcap!r}")
+    value = float(softcap)
+    if value != 0.0 and not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"softcap must be 0 (off) or a finite positive number, got {softcap!r}")
+    if value and not FLOAT32_TINY <= value <= FLOAT32_MAX:  # the kernels get it as a float32
+        raise UnsupportedError(f"softcap {softcap!r} is outside float32's normal range")
+    return value
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38
