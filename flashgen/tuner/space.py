@@ -215,6 +215,7 @@ def candidates(key: ProblemKey, profile, only=None, restrict=None) -> list[Kerne
     values}, ``parse_restrict``) narrows each family's tune space on the knobs it names."""
     base = baseline(key, profile)
     out = [] if base is None else [base]
+    seen = set(out)  # (a list's `in` compares field by field: quadratic over a few thousand specs)
     for kind in families(key, only):
         fam = registry.family(kind)
         names = [n for n, _ in fam.tune_space]
@@ -224,8 +225,9 @@ def candidates(key: ProblemKey, profile, only=None, restrict=None) -> list[Kerne
                 spec = make_spec(key, kind, **dict(zip(names, values))).validate()
             except ValueError:
                 continue  # not a layout the template supports (e.g. rows not divisible over the warps)
-            if _ok(spec, profile) and fam.searched(spec) and spec not in out:
+            if _ok(spec, profile) and fam.searched(spec) and spec not in seen:
                 out.append(spec)
+                seen.add(spec)
     if not out:
         raise ValueError(f"no spec of {key.kind} fits {profile.name} with {profile.smem_per_block} B")
     return out
