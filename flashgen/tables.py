@@ -279,7 +279,7 @@ def read_document(path):
     except OSError as exc:
         raise ConfigError(where, f"cannot read: {exc.strerror or exc}") from None
     digest = hashlib.sha256(data).hexdigest()
-    doc = _parsed(digest)
+    doc = _parsed(path, digest)
     if doc is not _MISS:
         return doc
     try:
@@ -292,24 +292,27 @@ def read_document(path):
         doc = _safe_document(text)
     except yaml.YAMLError as exc:
         raise ConfigError(where, f"not valid YAML: {str(exc).splitlines()[0]}") from None
-    _keep_parsed(digest, doc)
+    _keep_parsed(path, digest, doc)
     return doc
 
 
-# Parsed documents, by the SHA-256 of the file's bytes, as JSON under $FLASHGEN_HOME/cache/tables/: a
-# new process reads the shipped table (about 100 kB, 12k YAML nodes: a quarter of a second to parse)
-# from there in about a millisecond. Only the exact bytes hit; the document is validated like a parsed
-# one; only a document that JSON gives back unchanged is kept; an unusable cache is skipped.
+# Parsed documents as JSON under $FLASHGEN_HOME/cache/tables/, one file per table path (named by the
+# path's hash, so a table rewritten by each tune run replaces its own entry instead of adding one),
+# holding the SHA-256 of the bytes it was parsed from: a new process reads the shipped table (about
+# 100 kB, 12k YAML nodes: a quarter of a second to parse) from there in about a millisecond. Only the
+# exact bytes hit; the document is validated like a parsed one; only a document that JSON gives back
+# unchanged is kept; an unusable cache is skipped.
 _MISS = object()
 
 
-def _parsed_path(digest: str) -> Path:
-    return settings.home() / "cache" / "tables" / f"{digest}.json"
+def _parsed_path(path) -> Path:
+    where = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:32]
+    return settings.home() / "cache" / "tables" / f"{where}.json"
 
 
-def _parsed(digest: str):
+def _parsed(path, digest: str):
     try:
-        record = json.loads(files.read_regular(_parsed_path(digest), 4 * MAX_BYTES))
+        record = json.loads(files.read_regular(_parsed_path(path), 4 * MAX_BYTES))
     except (OSError, ValueError):
         return _MISS
     if not isinstance(record, dict) or record.get("sha256") != digest or "document" not in record:
@@ -317,14 +320,14 @@ def _parsed(digest: str):
     return record["document"]
 
 
-def _keep_parsed(digest: str, doc) -> None:
+def _keep_parsed(path, digest: str, doc) -> None:
     try:
         text = json.dumps({"sha256": digest, "document": doc}, allow_nan=True)
         if json.loads(text)["document"] != doc:  # a YAML-only value (a date, a non-string key): not kept
             return
-        path = _parsed_path(digest)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        files.atomic_write(path, text.encode())
+        cached = _parsed_path(path)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        files.atomic_write(cached, text.encode())
     except (OSError, TypeError, ValueError):
         pass
 

@@ -31,14 +31,19 @@ def test_a_table_is_parsed_once_then_read_from_the_cache(monkeypatch):
     assert second.entries == first.entries and second.meta == first.meta
 
 
-def test_the_cache_is_keyed_by_the_files_bytes(tmp_path):
+def test_the_cache_hits_only_the_same_bytes_and_keeps_one_entry_per_table(tmp_path, monkeypatch):
     path = tmp_path / "h200.yaml"
     path.write_bytes(SHIPPED.read_bytes())
     tables.load(path, gpu="h200")
-    text = path.read_text().replace("entries:", "# edited\nentries:", 1)
-    path.write_text(text)
+    path.write_text(path.read_text().replace("entries:", "# edited\nentries:", 1))
+    parsed = []
+    real = tables._safe_document
+    monkeypatch.setattr(tables, "_safe_document", lambda text: (parsed.append(1), real(text))[1])
     tables.load(path, gpu="h200")
-    assert len(_parsed_files()) == 2  # the edited file is a miss, parsed and kept beside the first
+    assert parsed == [1]  # the edited file is a miss: parsed again
+    assert len(_parsed_files()) == 1  # and its entry replaced, not one more file per version
+    tables.load(path, gpu="h200")
+    assert parsed == [1]
 
 
 @pytest.mark.parametrize("content", ['[]', '{"sha256": "0", "document": {}}', '{', 'null'])
