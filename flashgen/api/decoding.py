@@ -207,18 +207,21 @@ def check_cache_values(limits: _Limits, cache_seqlens, block_table) -> None:
                              f"{limits.num_pages} pages (sequence {i} uses its first {int(need[i])} entries)")
 
 
+_APPEND_BUFFERS = ("k_cache", "v_cache", "k_new", "v_new")
+
+
 def _check_append_aliasing(extents, kp, vp, knp, vnp) -> None:
     """With k_new/v_new appended in place, k_cache, v_cache, k_new and v_new must not share memory: one
     cache as both (``k_cache is v_cache``), a new token viewing the cache, or new tokens viewing each
-    other would make the append race with the reads (``extents``: their byte extents, from the plan)."""
-    ranges = {"k_cache": (kp, extents[0]), "v_cache": (vp, extents[1]), "k_new": (knp, extents[2]),
-              "v_new": (vnp, extents[3])}
-    names = list(ranges)
-    for i, a in enumerate(names):
-        for b in names[i + 1:]:
-            if overlap(ranges[a], ranges[b]):
-                raise ValueError(f"{a} and {b} share memory: with k_new/v_new the caches are written in place, "
-                                 "so the caches and the new tokens must be four separate buffers")
+    other would make the append race with the reads (``extents``: their byte extents, from the plan).
+    Runs on every appending call (the pointers change): six range comparisons over one tuple."""
+    ranges = ((kp, extents[0]), (vp, extents[1]), (knp, extents[2]), (vnp, extents[3]))
+    for i in range(3):
+        for j in range(i + 1, 4):
+            if overlap(ranges[i], ranges[j]):
+                raise ValueError(f"{_APPEND_BUFFERS[i]} and {_APPEND_BUFFERS[j]} share memory: with k_new/v_new "
+                                 "the caches are written in place, so the caches and the new tokens must be four "
+                                 "separate buffers")
 
 
 class _Plan:

@@ -101,7 +101,7 @@ def nvrtc_version() -> tuple[int, int]:
 
     Asking NVRTC loads its library (about half a second, the largest part of a new process's first
     call when its kernels are cached), so the answer is kept in ``$FLASHGEN_HOME/kernels/nvrtc.json``
-    with the library's path, size and modification time and what decides which library is found
+    with the library's path, size, modification time and inode and what decides which library is found
     (the library path variables, the CUDA roots, the Python prefix); a later process that finds all
     of them unchanged takes the version from there, the way ccache identifies a compiler. Anything
     else (no such file, a changed library, another environment, a malformed record) asks NVRTC."""
@@ -161,7 +161,8 @@ def _stamp_version(version: tuple) -> None:
     stat_ = _library_stat(library) if library else None
     if stat_ is None:
         return
-    record = {"library": library, "stat": stat_, "version": list(version), "environment": settings.toolchain_environment()}
+    record = {"library": library, "stat": stat_, "version": list(version),
+              "environment": settings.toolchain_environment()}
     try:
         _stamp_path().parent.mkdir(parents=True, exist_ok=True)
         files.atomic_write(_stamp_path(), json.dumps(record, indent=1).encode())
