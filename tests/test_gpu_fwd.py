@@ -143,3 +143,28 @@ def test_works_on_side_stream_and_in_cuda_graph():
         expect = flashgen.attention(q, k, v, causal=True)
         assert torch.equal(static_out, expect)
     assert not torch.equal(static_out, out)
+
+
+def test_kernel_loaded_before_torch_touches_the_device():
+    """A kernel loaded before torch has initialised CUDA (a warm-up, a precompile step) still launches
+    afterwards: the loader keeps the primary context it loaded into alive (releasing it destroyed the
+    context, and the launch failed with CUDA_ERROR_INVALID_HANDLE)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, flashgen\n"
+        "from flashgen.codegen import load\n"
+        "from flashgen.families import fwd_v2\n"
+        "from flashgen.problem import ProblemKey\n"
+        "from flashgen import dispatch\n"
+        "arch = 'sm_90a' if torch.cuda.get_device_capability() == (9, 0) else 'sm_80'\n"
+        "spec = fwd_v2.FAMILY.rule(ProblemKey('fwd', arch, 'bf16', 64, False, 512), 99 * 1024)[0]\n"
+        "load(spec, 0)\n"
+        "q = torch.randn(1, 2, 64, 64, device='cuda', dtype=torch.bfloat16)\n"
+        "out = flashgen.attention(q, q, q, spec=spec)\n"
+        "ref = torch.nn.functional.scaled_dot_product_attention(q, q, q)\n"
+        "assert (out - ref).abs().max().item() < 0.05\n"
+        "print('ok')\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]

@@ -25,13 +25,13 @@ def _cu():
         lib = c.CDLL("libcuda.so.1")
         for name, args in (("cuCtxGetCurrent", [c.POINTER(c.c_void_p)]), ("cuCtxGetDevice", [c.POINTER(c.c_int)]),
                            ("cuDevicePrimaryCtxRetain", [c.POINTER(c.c_void_p), c.c_int]),
-                           ("cuDevicePrimaryCtxRelease", [c.c_int]), ("cuCtxPushCurrent", [c.c_void_p]),
+                           ("cuCtxPushCurrent", [c.c_void_p]),
                            ("cuCtxPopCurrent", [c.POINTER(c.c_void_p)]),
                            ("cuModuleLoadData", [c.POINTER(c.c_void_p), c.c_char_p]),
                            ("cuModuleGetFunction", [c.POINTER(c.c_void_p), c.c_void_p, c.c_char_p]),
                            ("cuFuncSetAttribute", [c.c_void_p, c.c_int, c.c_int]), ("cuModuleUnload", [c.c_void_p]),
                            ("cuGetErrorString", [c.c_int, c.POINTER(c.c_char_p)])):
-            fn = getattr(lib, name if name != "cuDevicePrimaryCtxRelease" else "cuDevicePrimaryCtxRelease_v2")
+            fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, c.c_int
             setattr(lib, name, fn)
         _libcuda = lib
@@ -71,9 +71,7 @@ def _load_module(cubin: bytes, name: str, smem: int, static_smem: int, device_in
         _check(cu.cuCtxGetDevice(c.byref(dev)), "cuCtxGetDevice")
     pushed = not ctx.value or dev.value != device_index
     if pushed:
-        primary = c.c_void_p()
-        _check(cu.cuDevicePrimaryCtxRetain(c.byref(primary), device_index), "cuDevicePrimaryCtxRetain")
-        _check(cu.cuCtxPushCurrent(primary), "cuCtxPushCurrent")
+        _check(cu.cuCtxPushCurrent(_primary(device_index)), "cuCtxPushCurrent")
     try:
         handle, function = c.c_void_p(), c.c_void_p()
         _check(cu.cuModuleLoadData(c.byref(handle), cubin), f"loading {name}")
@@ -85,8 +83,23 @@ def _load_module(cubin: bytes, name: str, smem: int, static_smem: int, device_in
     finally:
         if pushed:
             _check(cu.cuCtxPopCurrent(c.byref(c.c_void_p())), "cuCtxPopCurrent")
-            cu.cuDevicePrimaryCtxRelease(device_index)
     return module, function.value
+
+
+_primaries: dict = {}
+
+
+def _primary(device_index: int) -> int:
+    """Device ``device_index``'s primary context (torch's), retained once for the process and never
+    released: a module lives in the context it was loaded into, and releasing the last reference (a load
+    before torch had touched the device) destroyed that context with the module in it, so the first
+    launch after torch's own initialisation failed with CUDA_ERROR_INVALID_HANDLE."""
+    primary = _primaries.get(device_index)
+    if primary is None:
+        handle = ctypes.c_void_p()
+        _check(_cu().cuDevicePrimaryCtxRetain(ctypes.byref(handle), device_index), "cuDevicePrimaryCtxRetain")
+        primary = _primaries[device_index] = handle.value
+    return primary
 
 
 class Kernel:
