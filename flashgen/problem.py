@@ -23,7 +23,9 @@ HEAD_DIM_TILES = (32, 64, 96, 128, 160, 192, 224, 256)
 
 @dataclass(frozen=True)
 class ProblemKey:
-    """One problem: kind, compile target, dtype, head-dim tile, causal, bucket of the query length."""
+    """One problem: kind, compile target, dtype, head-dim tile, causal, bucket of the query length, and
+    the variant: the name tokens of the variant options in use ("win", "cap", "alibi", "sink", in
+    KernelSpec's field order, joined by "_"; "" for none), which the problem's specs carry too."""
 
     kind: str
     arch: str
@@ -31,6 +33,7 @@ class ProblemKey:
     head_dim: int
     causal: bool
     bucket: int
+    variant: str = ""
 
     def replace(self, **changes) -> "ProblemKey":
         from dataclasses import replace

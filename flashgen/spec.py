@@ -28,13 +28,17 @@ ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a")
 DTYPE_BYTES = {"fp16": 2, "bf16": 2}
 
 
-def _f(default, token: str = "", kinds: tuple = (), doc: str = ""):
+def _f(default, token: str = "", kinds: tuple = (), doc: str = "", optional: bool = False):
     """A KernelSpec field: ``token`` spells it in the name ("" for the name's fixed parts), ``kinds``
-    the kernel kinds that use it (() for every kind)."""
-    return dataclasses.field(default=default, metadata={"token": token, "kinds": kinds, "doc": doc})
+    the kernel kinds that use it (() for every kind); an ``optional`` one is left out of a record while
+    it has its default (the variant switches: a tuned table's records predate them, and a plain
+    kernel's record does not mention them)."""
+    return dataclasses.field(default=default, metadata={"token": token, "kinds": kinds, "doc": doc,
+                                                        "optional": optional})
 
 
 _SM90 = ("fwd_sm90",)
+_VARIANTS = ("fwd_sm90", "fwd_v2")  # the kinds that implement templates/common/variant.cuh
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,15 @@ class KernelSpec:
                           "one CTA per SM walks the tiles; its loads run ahead across tiles")
     kv_load: int = _f(0, "ld", ("decode_split",), "how K/V reach shared memory (families.decode.KV_LOADS)")
     dq_write: int = _f(0, "dq", ("bwd_sm90",), "how dQ reaches its fp32 accumulator (families.bwd_sm90.DQ_WRITES)")
+    # The variants (flashgen.variants): compile-time switches; their values (the window's sides, the
+    # softcap, the slopes and sinks) are launch parameters, so one kernel serves every window or cap.
+    window: bool = _f(False, "win", _VARIANTS, "a sliding window: keys outside (left, right) of the diagonal "
+                      "are hidden and key blocks wholly outside it are skipped", True)
+    softcap: bool = _f(False, "cap", _VARIANTS, "scores become softcap * tanh(score / softcap) (Gemma 2)", True)
+    alibi: bool = _f(False, "alibi", _VARIANTS, "ALiBi: -slope * |distance to the diagonal| joins each score",
+                     True)
+    sinks: bool = _f(False, "sink", _VARIANTS, "a learned logit per head joins every row's softmax denominator",
+                     True)
 
     # -- identity ---------------------------------------------------------
     @property
@@ -128,8 +141,9 @@ class KernelSpec:
 
     # -- records ----------------------------------------------------------
     def to_dict(self) -> dict:
-        """The YAML record: every field this kind uses, nothing else."""
-        return {f.name: getattr(self, f.name) for f in fields_of(self.kind)}
+        """The YAML record: every field this kind uses (an optional one only where it is set), nothing else."""
+        return {f.name: getattr(self, f.name) for f in fields_of(self.kind)
+                if not (f.metadata["optional"] and getattr(self, f.name) == f.default)}
 
     @classmethod
     def from_dict(cls, record, where=None, complete: bool = False) -> "KernelSpec":
@@ -152,7 +166,7 @@ class KernelSpec:
         foreign = sorted(set(record) - used)
         if foreign:
             raise ConfigError(where, f"spec field(s) {', '.join(foreign)} do not belong to {kind} specs")
-        missing = sorted(used - set(record))
+        missing = sorted(used - set(record) - {f.name for f in fields_of(kind) if f.metadata["optional"]})
         if missing and complete:
             raise ConfigError(where, f"spec is missing field(s): {', '.join(missing)}")
         try:
@@ -227,7 +241,7 @@ class KernelSpec:
     def context(self) -> dict:
         """Template variables (validated values only)."""
         self.validate()
-        ctx = self.to_dict()
+        ctx = {f.name: getattr(self, f.name) for f in fields_of(self.kind)}
         ctx.update(name=self.name, smem_bytes=self.smem_bytes(), elem_bytes=DTYPE_BYTES[self.dtype])
         ctx.update(self.family.context(self))
         return ctx

@@ -55,7 +55,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import families, files, gpus, settings
+from . import families, files, gpus, settings, variants
 from .codegen.compiler import nvrtc_version
 from .errors import ConfigError
 from .problem import BUCKETS, ProblemKey
@@ -65,6 +65,7 @@ from .version import __version__
 FORMAT = 3
 SOURCES = ("measured", "model")
 _KEY_FIELDS = {"kind": str, "arch": str, "dtype": str, "head_dim": int, "causal": bool, "bucket": int}
+_KEY_OPTIONAL = {"variant": str}  # absent for a plain problem
 _META_FIELDS = {"format": int, "gpu": str, "arch": str, "sms": int, "smem_per_block": int, "source": str,
                 "date": str, "versions": dict}
 _META_OPTIONAL = {"device_name": str}
@@ -74,6 +75,7 @@ _ENTRY_FIELDS = frozenset((*_ENTRY_REQUIRED, "tflops", "baseline", "speedup", "r
 # A tuned table is a few hundred kilobytes (the shipped H200 table: 64 entries, 90 KB); a file far larger
 # than any table can be is refused before it is parsed.
 MAX_BYTES = 8 << 20
+_VARIANT_OFF = {"window": False, "softcap": False, "alibi": False, "sinks": False}
 
 
 @dataclass
@@ -160,10 +162,15 @@ def _number(where, what, value, allow_none=False):
 def _key(where, record, arch: str) -> ProblemKey:
     if not isinstance(record, dict):
         raise ConfigError(where, f"entry key must be a mapping, got {record!r}")
-    if set(record) != set(_KEY_FIELDS):
-        raise ConfigError(where, f"entry key needs exactly the fields {sorted(_KEY_FIELDS)}, got {sorted(record)}")
-    for name, want in _KEY_FIELDS.items():
-        _typed(where, f"key.{name}", record[name], want)
+    if not set(_KEY_FIELDS) <= set(record) <= set(_KEY_FIELDS) | set(_KEY_OPTIONAL):
+        raise ConfigError(where, f"entry key needs exactly the fields {sorted(_KEY_FIELDS)} (and optionally "
+                                 f"{sorted(_KEY_OPTIONAL)}), got {sorted(record)}")
+    for name, want in {**_KEY_FIELDS, **_KEY_OPTIONAL}.items():
+        if name in record:
+            _typed(where, f"key.{name}", record[name], want)
+    if not variants.is_key_variant(record.get("variant", "")):
+        raise ConfigError(where, f"key.variant {record['variant']!r} is not variant tokens (win, cap, alibi, sink "
+                                 "in that order, joined by '_')")
     if record["kind"] not in families.problems() or record["arch"] not in ARCHS or record["dtype"] not in DTYPES:
         raise ConfigError(where, f"unknown kind, arch or dtype in key {record!r}")
     if record["arch"] != arch:
@@ -182,6 +189,8 @@ def _spec(where, record, key, profile) -> KernelSpec:
     for name in ("arch", "dtype", "causal"):
         if getattr(spec, name) != getattr(key, name):
             raise ConfigError(where, f"spec {spec.name} does not match its key ({name}: {getattr(key, name)!r})")
+    if spec != spec.replace(**_VARIANT_OFF).with_tokens(key.variant):
+        raise ConfigError(where, f"spec {spec.name} does not match its key (variant: {key.variant!r})")
     tile = families.family(spec.kind).tile(key)
     if spec.head_dim != tile:
         raise ConfigError(where, f"spec {spec.name} does not match its key (head_dim: {tile!r} for a {spec.kind} "
@@ -503,8 +512,12 @@ def dump(table: Table) -> str:
     import yaml
 
     entries = []
-    for key in sorted(table.entries, key=lambda k: (k.kind, k.arch, k.dtype, k.head_dim, k.causal, k.bucket)):
-        entry = {"key": {f: getattr(key, f) for f in _KEY_FIELDS}, **_plain(table.entries[key])}
+    for key in sorted(table.entries, key=lambda k: (k.kind, k.arch, k.dtype, k.head_dim, k.causal, k.bucket,
+                                                    k.variant)):
+        record = {f: getattr(key, f) for f in _KEY_FIELDS}
+        if key.variant:
+            record["variant"] = key.variant
+        entry = {"key": record, **_plain(table.entries[key])}
         entries.append(entry)
     return yaml.dump({"meta": {**table.meta, "format": FORMAT}, "entries": entries}, Dumper=_Dumper.get(),
                      sort_keys=False, default_flow_style=None, width=120)

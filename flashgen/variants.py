@@ -18,10 +18,24 @@ A row that sees no key gives 0; its LSE is -inf, or the sink's logit with sinks.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from .errors import UnsupportedError
 
 UNBOUNDED = -1
+# The variant options' name tokens (KernelSpec's window, softcap, alibi and sinks fields), in field order:
+# a problem key's ``variant`` is those in use joined by "_".
+KEY_TOKENS = (("window", "win"), ("softcap", "cap"), ("alibi", "alibi"), ("sinks", "sink"))
+
+
+def is_key_variant(text) -> bool:
+    """Whether ``text`` is a problem key's variant: "" or tokens of KEY_TOKENS in their order, once each."""
+    if text == "":
+        return True
+    tokens = [t for _, t in KEY_TOKENS]
+    parts = text.split("_") if isinstance(text, str) else [None]
+    return all(p in tokens for p in parts) and [tokens.index(p) for p in parts] == sorted(
+        set(tokens.index(p) for p in parts))
 
 
 def window_of(causal: bool, window=None) -> tuple[int, int]:
@@ -100,10 +114,76 @@ def check_softcap(softcap) -> float:
     value = float(softcap)
     if value != 0.0 and not (value > 0 and math.isfinite(value)):
         raise ValueError(f"softcap must be 0 (off) or a finite positive number, got {softcap!r}")
-    if value and not FLOAT32_TINY <= value <= FLOAT32_MAX:  # the kernels get it as a float32
+    # The kernels get it (and it times log2 e, their exp2's factor) as a float32.
+    if value and not FLOAT32_TINY <= value <= FLOAT32_MAX / math.log2(math.e):
         raise UnsupportedError(f"softcap {softcap!r} is outside float32's normal range")
     return value
 
 
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1.1754943508222875e-38
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One call's variant options as the kernels take them: the causal flag and window sides after
+    ``window_of`` (a non-causal window whose right side is 0 is the causal kernel's mask, and is served by
+    it), the softcap (0: off), and whether ALiBi slopes and sinks come with the call (their values are
+    tensors, passed per launch). ``flags`` are the spec fields it sets, ``values`` the launch parameters
+    of templates/common/variant.cuh."""
+
+    causal: bool = False
+    left: int = UNBOUNDED
+    right: int = UNBOUNDED
+    softcap: float = 0.0
+    alibi: bool = False
+    sinks: bool = False
+
+    @classmethod
+    def of(cls, causal: bool, window=None, softcap=0.0, alibi: bool = False, sinks: bool = False) -> "Variant":
+        left, right = window_of(causal, window)
+        return cls(causal or right == 0, left, 0 if right == 0 else right, check_softcap(softcap), alibi, sinks)
+
+    @property
+    def windowed(self) -> bool:
+        """Whether a window hides keys the causal mask (or no mask) would show."""
+        return self.left != UNBOUNDED or (not self.causal and self.right != UNBOUNDED)
+
+    @property
+    def plain(self) -> bool:
+        return not (self.windowed or self.softcap or self.alibi or self.sinks)
+
+    def flags(self) -> dict:
+        """The KernelSpec fields of this variant (``causal`` among them)."""
+        return {"causal": self.causal, "window": self.windowed, "softcap": self.softcap > 0,
+                "alibi": self.alibi, "sinks": self.sinks}
+
+    def key(self) -> str:
+        """The problem key's ``variant``: the tokens of the spec fields this variant sets."""
+        flags = self.flags()
+        return "_".join(t for f, t in KEY_TOKENS if flags[f])
+
+    def names(self) -> list[str]:
+        """The options in use, as the API spells them (for error messages)."""
+        return [n for n, on in (("window", self.windowed), ("softcap", self.softcap > 0),
+                                ("alibi_slopes", self.alibi), ("sinks", self.sinks)) if on]
+
+    def values(self, nq: int, nk: int, scale: float) -> dict:
+        """The launch parameters of templates/common/variant.cuh: the window's sides (an unbounded one
+        as a bound no row reaches: left nk, right nq; both clipped there, so that no index sum leaves
+        int32 while nq + nk does not) and, with a softcap c, the factor ``scale / c`` before the tanh
+        and c in place of the softmax's scale (``scale`` and ``scale_log2``: the kernel's scores are
+        then tanh values, and c times one is the capped score)."""
+        left = nk if self.left == UNBOUNDED else min(self.left, nk)
+        right = 0 if self.causal else (nq if self.right == UNBOUNDED else min(self.right, nq))
+        out = {"win_left": left, "win_right": right, "cap_in": 0.0}
+        if self.softcap:
+            out.update(cap_in=scale / self.softcap, scale=self.softcap, scale_log2=self.softcap * math.log2(math.e))
+        return out
+
+    def pairs(self, sq: int, sk: int) -> int:
+        """The (query, key) pairs this variant's mask lets through (the FLOP count's)."""
+        return visible_pairs(sq, sk, self.left, 0 if self.causal else self.right)
+
+
+PLAIN = Variant()

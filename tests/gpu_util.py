@@ -50,9 +50,23 @@ def poison_output(like):
     del junk
 
 
+def variant_inputs(b, hq, window=None, softcap=0.0, alibi=None, sinks=False) -> dict:
+    """The variant keywords of one call, with fresh random tensors: ``alibi`` None, "head" ((heads,)
+    slopes) or "batch" ((batch, heads)); ``sinks`` False, True (fp32) or a torch dtype."""
+    out = {"window": window, "softcap": softcap}
+    if alibi is not None:
+        shape = (hq,) if alibi == "head" else (b, hq)
+        out["alibi_slopes"] = torch.rand(shape, device="cuda", dtype=torch.float32) * 0.5 + 0.01
+    if sinks is not False:
+        dtype = torch.float32 if sinks is True else sinks
+        out["sinks"] = (torch.randn(hq, device="cuda", dtype=torch.float32) * 2).to(dtype)
+    return out
+
+
 def check(b, hq, hk, nq, nk, d, dtype_name, causal, layout="bhsd", magnitude=1.0, spec=None, algorithm="v2",
-          poison=True):
-    """One ``flashgen.attention`` call against the rule; returns (out, lse).
+          poison=True, variant=None):
+    """One ``flashgen.attention`` call against the rule; returns (out, lse). ``variant``: the keywords
+    of ``variant_inputs`` (window, softcap, ALiBi slopes, sinks), for the kernel and the reference.
 
     The output is poisoned first (``poison_output``); it must have q's shape and dtype, be finite
     everywhere and meet the 2x rule. The LSE must be -inf exactly where the row sees no key and
@@ -65,12 +79,13 @@ def check(b, hq, hk, nq, nk, d, dtype_name, causal, layout="bhsd", magnitude=1.0
     scale = 1.0 / math.sqrt(d)
     if poison:
         poison_output(q)
+    extra = variant_inputs(b, hq, **(variant or {}))
     out, lse = flashgen.attention(q, k, v, causal=causal, layout=layout, return_lse=True, spec=spec,
-                                  algorithm=algorithm)
+                                  algorithm=algorithm, **extra)
     torch.cuda.synchronize()
     qb, kb, vb = (to_bhsd(t, layout) for t in (q, k, v))
-    ref, ref_lse = reference(qb, kb, vb, causal, scale, torch.float32)
-    low, low_lse = reference(qb, kb, vb, causal, scale, dtype)
+    ref, ref_lse = reference(qb, kb, vb, causal, scale, torch.float32, **extra)
+    low, low_lse = reference(qb, kb, vb, causal, scale, dtype, **extra)
     got = to_bhsd(out, layout).float()
     assert out.shape == q.shape and out.dtype == dtype
     assert torch.isfinite(got).all(), "non-finite output (unwritten or NaN)"
@@ -83,7 +98,9 @@ def check(b, hq, hk, nq, nk, d, dtype_name, causal, layout="bhsd", magnitude=1.0
     if (~masked).any():
         lse_err = (lse[~masked] - ref_lse[~masked]).abs().max().item()
         lse_tol = 1e-3 * max(1.0, ref_lse[~masked].abs().max().item())
-        if algorithm == "standard":  # S is stored in the input dtype: the 2x rule, as for the output
+        # S stored in the input dtype (algorithm "standard"), or a variant's transformed scores (a softcap's
+        # tanh: a row with one key has the capped score as its LSE): the 2x rule, as for the output.
+        if algorithm == "standard" or variant:
             lse_tol = max(lse_tol, 2 * (low_lse[~masked] - ref_lse[~masked]).abs().max().item() + 1e-5)
         assert lse_err <= lse_tol, f"lse err {lse_err:.3e} > tol {lse_tol:.3e}"
     return out, lse

@@ -14,13 +14,13 @@ from flashgen.spec import ARCHS, DTYPES, fields_of
 
 FWD = FAMILIES["fwd_v2"]
 
-NAME_RE = re.compile(r"^fwd_v2_d\d+_m\d+_n\d+_w\d+_s\d+(_r[12])?_(causal|full)_(fp16|bf16)_sm\d+a?$")
+NAME_RE = re.compile(r"^fwd_v2_d\d+_m\d+_n\d+_w\d+_s\d+(_r[12])?(_win)?(_cap)?(_alibi)?(_sink)?_(causal|full)_(fp16|bf16)_sm\d+a?$")
 
 
 def _allowed(field: str) -> tuple:
     """The values of one KernelSpec field that the fwd_v2 family supports (read from the code)."""
     fixed = {"kind": tuple(FAMILIES), "arch": ARCHS, "dtype": DTYPES, "causal": (False, True),
-             "refill": FWD.REFILLS}
+             "refill": FWD.REFILLS, **{f: (False, True) for f in VARIANT_FIELDS}}
     if field in fixed:
         return fixed[field]
     for attr in (field + "s", field):  # head_dim -> head_dims, warps -> warps
@@ -31,12 +31,14 @@ def _allowed(field: str) -> tuple:
 
 
 FIELDS = [f.name for f in fields_of("fwd_v2")]
+VARIANT_FIELDS = ("window", "softcap", "alibi", "sinks")  # compile-time switches: off over the grid below
 
 
 def _valid_specs():
     """Every fwd_v2 spec that passes validate(), over the product of every field's supported values
     (the decode and backward families have their own rules and tests)."""
-    for values in itertools.product(*(("fwd_v2",) if f == "kind" else _allowed(f) for f in FIELDS)):
+    for values in itertools.product(*(("fwd_v2",) if f == "kind" else (False,) if f in VARIANT_FIELDS
+                                      else _allowed(f) for f in FIELDS)):
         spec = KernelSpec(**dict(zip(FIELDS, values)))
         if spec.block_m % (16 * spec.warps) == 0:
             yield spec
@@ -97,11 +99,14 @@ def test_every_field_changes_the_name(field):
     KernelSpec(arch="sm_80", dtype="fp16", head_dim=32, block_m=16, block_n=16, warps=1, stages=2, causal=True),
     KernelSpec(arch="sm_89", dtype="bf16", head_dim=224, block_m=48, block_n=112, warps=1, stages=4),
     KernelSpec(arch="sm_86", dtype="fp16", head_dim=96, block_m=192, block_n=80, warps=4, stages=3, causal=True),
+    KernelSpec(causal=True, window=True, sinks=True),
 ], ids=lambda s: s.name)
 def test_to_dict_from_dict_round_trip(spec):
-    """to_dict -> from_dict gives an equal spec with the same name, and the record is plain data."""
+    """to_dict -> from_dict gives an equal spec with the same name, and the record is plain data: every
+    field of the kind, the variant switches only where set."""
     record = spec.to_dict()
-    assert set(record) == {f.name for f in fields_of(spec.kind)}
+    assert set(record) == {f.name for f in fields_of(spec.kind)
+                           if f.name not in VARIANT_FIELDS or getattr(spec, f.name)}
     assert all(type(v) in (str, int, bool) for v in record.values())
     again = KernelSpec.from_dict(dict(record))
     assert again == spec
@@ -423,3 +428,21 @@ def test_with_tokens_uses_the_name_grammar():
     with pytest.raises(ValueError, match="not a name token"):
         base.with_tokens("ws_bogus")
     assert families.fwd_sm90.variant(64, True, "ws_s3_m192").name == "fwd_sm90_d64_m192_n128_w16_s3_ws_causal_bf16_sm90a"
+
+
+def test_variant_flags_spell_their_tokens_and_round_trip():
+    """Each variant switch is a name token after the kind's own (win, cap, alibi, sink, in field order),
+    read back by from_name; the problem key's variant uses the same tokens."""
+    from flashgen.variants import KEY_TOKENS, Variant
+
+    base = KernelSpec(kind="fwd_v2", arch="sm_90a", dtype="bf16", head_dim=128, block_m=128, block_n=64,
+                      warps=4, stages=2, causal=True, refill=1)
+    spec = base.replace(window=True, softcap=True, alibi=True, sinks=True).validate()
+    assert spec.name == "fwd_v2_d128_m128_n64_w4_s2_r1_win_cap_alibi_sink_causal_bf16_sm90a"
+    assert KernelSpec.from_name(spec.name) == spec
+    assert {f: KernelSpec.__dataclass_fields__[f].metadata["token"] for f, _ in KEY_TOKENS} == dict(KEY_TOKENS)
+    v = Variant.of(False, (4, 0), 30.0, False, True)  # right side 0: the causal kernel's mask
+    assert v.causal and v.key() == "win_cap_sink"
+    assert base.with_tokens(v.key()) == base.replace(window=True, softcap=True, sinks=True)
+    with pytest.raises(ValueError, match="not a field of this kind"):
+        KernelSpec(kind="decode_split", window=True).validate()

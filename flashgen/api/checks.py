@@ -13,6 +13,7 @@ import torch
 
 from ..errors import UnsupportedError
 from ..spec import KernelSpec
+from ..variants import Variant
 
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 LAYOUTS = ("bhsd", "bshd")
@@ -147,3 +148,42 @@ def check_forced_spec(spec, want: dict, d: int, smem_budget: int) -> None:
     if spec.smem_bytes() > smem_budget:
         raise UnsupportedError(f"spec {spec.name} needs {spec.smem_bytes()} B of shared memory, over the "
                                f"device's {smem_budget} B")
+
+
+def check_variant_inputs(q, causal, window, softcap, alibi_slopes, sinks, b: int, h: int, nq: int, nk: int):
+    """The variant options of a call, checked: (``Variant``, slopes, sinks), the tensors as given (the
+    launch takes fp32 contiguous copies where they are not: ``variant_tensors``). Slopes: fp32, (heads,)
+    or (batch, heads); sinks: fp32 or q's dtype, (heads,); both on q's device."""
+    if alibi_slopes is not None:
+        _check_small("alibi_slopes", alibi_slopes, q, ((h,), (b, h)), (torch.float32,))
+    if sinks is not None:
+        _check_small("sinks", sinks, q, ((h,),), (torch.float32, q.dtype))
+    variant = Variant.of(causal, window, softcap, alibi_slopes is not None, sinks is not None)
+    if variant.windowed or variant.alibi:
+        check_int32("seqlen_q + seqlen_k + 1 (a window's or ALiBi's key offsets)", nq + nk + 1)
+    return variant, alibi_slopes, sinks
+
+
+def _check_small(name: str, t, q, shapes, dtypes) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if t.device != q.device:
+        raise ValueError(f"{name} must be on q's device ({q.device}), got {t.device}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must be {' or '.join(str(d).replace('torch.', '') for d in dict.fromkeys(dtypes))}, "
+                        f"got {t.dtype}")
+    if tuple(t.shape) not in shapes:
+        raise ValueError(f"{name} must have shape {' or '.join(str(s) for s in shapes)}, got {tuple(t.shape)}")
+
+
+def variant_tensors(alibi_slopes, sinks):
+    """(slopes, slopes' batch stride, sinks) as the kernels read them: fp32 and contiguous (a copy only
+    where they are not), the batch stride 0 for one slope per head; None for an absent one."""
+    sb = 0
+    if alibi_slopes is not None:
+        if not alibi_slopes.is_contiguous():
+            alibi_slopes = alibi_slopes.contiguous()
+        sb = alibi_slopes.shape[1] if alibi_slopes.dim() == 2 else 0
+    if sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_contiguous()):
+        sinks = sinks.float().contiguous()
+    return alibi_slopes, sb, sinks

@@ -15,7 +15,8 @@ from .forward import ALGORITHMS, forward
 
 
 def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, layout: str = "bhsd",
-              return_lse: bool = False, spec=None, algorithm: str = "v2", deterministic: bool = False):
+              return_lse: bool = False, spec=None, algorithm: str = "v2", deterministic: bool = False, *,
+              window=None, softcap: float = 0.0, alibi_slopes=None, sinks=None):
     """Scaled dot-product attention, softmax(scale * q k^T) v, by a generated kernel.
 
     q: (batch, heads, seqlen_q, d) for ``layout="bhsd"`` (torch's order) or
@@ -24,6 +25,18 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     strides with a contiguous last dimension (16-byte aligned). ``d`` any
     multiple of 8 up to 256. ``causal`` masks bottom-right aligned: query i sees
     keys j <= i + seqlen_k - seqlen_q; a row that sees no key gives 0 (LSE -inf).
+
+    Variants (``flashgen.variants`` defines them; they combine freely). Query i and key j are
+    ``o = j - (i + seqlen_k - seqlen_q)`` apart:
+
+    - ``window=(left, right)``: key j is visible iff ``-left <= o <= right`` (FlashAttention's
+      ``window_size``); -1 leaves a side unbounded; with ``causal`` the right side is 0. Key blocks
+      outside the window are skipped: the cost follows the band.
+    - ``softcap=c > 0``: the scaled score s becomes ``c * tanh(s / c)`` (Gemma 2); 0 is off.
+    - ``alibi_slopes``: fp32 ``(heads,)`` or ``(batch, heads)``; ``-slope * |o|`` joins each score
+      (after the softcap).
+    - ``sinks``: ``(heads,)``, fp32 or q's dtype: one learned logit per head that joins every row's
+      softmax denominator and brings no value (gpt-oss); the LSE includes it.
 
     ``spec`` forces one KernelSpec instead of dispatch's pick (for the tuner
     and for study); it must match the problem (a forward family the GPU runs:
@@ -58,5 +71,9 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
                 raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
             raise UnsupportedError(f"algorithm={algorithm!r} is forward-only (for study); gradients need "
                                    "algorithm='v2'")
+        if window is not None or softcap != 0.0 or alibi_slopes is not None or sinks is not None:
+            raise UnsupportedError("gradients of window, softcap, alibi_slopes and sinks are not served yet: "
+                                   "call under torch.no_grad() (or with inputs that need no grad) for the forward")
         return attention_op(q, k, v, causal, softmax_scale, layout, return_lse, deterministic, spec)
-    return forward(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm)
+    return forward(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm, window, softcap,
+                   alibi_slopes, sinks)

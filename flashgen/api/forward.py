@@ -15,7 +15,8 @@ from ..codegen import load
 from ..errors import UnsupportedError
 from ..problem import ProblemKey, bucket_of, head_dim_tile
 from . import baselines
-from .checks import DTYPES, check_attention_inputs, check_flag, check_forced_spec, contiguous_strides
+from .checks import (DTYPES, check_attention_inputs, check_flag, check_forced_spec, check_variant_inputs,
+                     contiguous_strides, variant_tensors)
 from .device import Device, current_device, current_stream, index_of, is_capturing
 from .plans import PlanCache
 
@@ -24,17 +25,25 @@ ALGORITHMS = ("v2", "v1", "standard")
 _plans = PlanCache("attention")
 
 
-def forward(q, k, v, causal, softmax_scale, layout, return_lse, spec=None, algorithm="v2"):
+def _small(t):
+    """What a plan's signature records of an optional small tensor (ALiBi slopes, sinks)."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def forward(q, k, v, causal, softmax_scale, layout, return_lse, spec=None, algorithm="v2", window=None,
+            softcap=0.0, alibi_slopes=None, sinks=None):
     """The forward launch behind ``attention`` (no autograd)."""
     try:
         sig = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
                q.device, k.device, v.device, causal, softmax_scale, layout, return_lse, spec,
-               type(causal), type(softmax_scale), type(return_lse), algorithm)  # 1 == True: the types keep checks honest
+               type(causal), type(softmax_scale), type(return_lse), algorithm,  # 1 == True: the types keep checks honest
+               window, type(window), softcap, type(softcap), _small(alibi_slopes), _small(sinks))
         plan = _plans.get(sig)
     except (AttributeError, TypeError):  # not tensors, or an unhashable argument: the full check says why
         sig = plan = None
     if plan is None:
-        plan = _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm)
+        plan = _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm, window, softcap,
+                     alibi_slopes, sinks)
         _plans.put(sig, plan)
     if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
         raise ValueError("q, k, v must be 16-byte aligned (16-byte loads), got addresses "
@@ -47,6 +56,10 @@ def forward(q, k, v, causal, softmax_scale, layout, return_lse, spec=None, algor
         params = plan.params_for(q.data_ptr(), k.data_ptr(), v.data_ptr())
         params.o = out.data_ptr()
         params.lse = lse.data_ptr() if lse is not None else 0
+        if alibi_slopes is not None or sinks is not None:  # (kept alive until the launch is queued)
+            slopes, params.alibi_sb, sink_logits = variant_tensors(alibi_slopes, sinks)
+            params.alibi = slopes.data_ptr() if slopes is not None else 0
+            params.sinks = sink_logits.data_ptr() if sink_logits is not None else 0
         if plan.counters:
             params.sched = _tile_counters(plan.device_index)
         plan.launch(params)
@@ -73,11 +86,16 @@ class _Plan:
                 self.kernel.launch(self.grid, params, current_stream(idx))
 
 
-def _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm="v2"):
+def _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm="v2", window=None, softcap=0.0,
+          alibi_slopes=None, sinks=None):
     if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     (b, h, nq, d), sq, (hk, nk), sk, sv, scale = check_attention_inputs(q, k, v, causal, softmax_scale, layout)
+    variant, _, _ = check_variant_inputs(q, causal, window, softcap, alibi_slopes, sinks, b, h, nq, nk)
     check_flag("return_lse", return_lse)
+    if algorithm != "v2" and not variant.plain:
+        raise UnsupportedError(f"algorithm={algorithm!r} serves plain and causal attention only, not "
+                               f"{', '.join(variant.names())}")
     index = index_of(q)
     if not (nq and b and h):
         return _Plan(None, None, index, (b, h, nq))
@@ -87,8 +105,10 @@ def _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm="v
     if algorithm != "v2":
         return baselines.plan(algorithm, spec, causal, dev, DTYPES[q.dtype], dims, (sq, sk, sv), o_strides, scale)
     # One problem key for the forward; the spec (tuned table, default rule or spec=) may be of any
-    # forward family the arch runs, and its family decides the launch.
-    key = ProblemKey("fwd", dev.arch, DTYPES[q.dtype], head_dim_tile(d), causal, bucket_of(nq))
+    # forward family the arch runs, and its family decides the launch. A variant is part of the key
+    # (dispatch falls back to the plain problem's tuned tile where the table has no entry for it).
+    key = ProblemKey("fwd", dev.arch, DTYPES[q.dtype], head_dim_tile(d), variant.causal, bucket_of(nq),
+                     variant.key())
     serving = families.serving("fwd", dev.arch)
     if spec is None:
         spec = dispatch.select(key, dev.gpu, dev.smem_budget, verify=True)
@@ -96,11 +116,11 @@ def _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm="v
         if getattr(spec, "kind", None) in families.PROBLEMS["fwd"] and spec.kind not in serving:
             raise UnsupportedError(f"{spec.kind} does not run on {dev.arch} (this device); the forward here runs "
                                    f"{', '.join(serving)}: use such a spec or none")
-        check_forced_spec(spec, {"kind": serving, "dtype": key.dtype, "causal": causal, "arch": dev.arch}, d,
+        check_forced_spec(spec, {"kind": serving, "dtype": key.dtype, "arch": dev.arch, **variant.flags()}, d,
                           dev.smem_budget)
     kern = load(spec, dev.index)
     fam = families.family(spec.kind)
-    grid, params_for = fam.launch(kern, dims, (sq, sk, sv), o_strides, scale, dev)
+    grid, params_for = fam.launch(kern, dims, (sq, sk, sv), o_strides, scale, dev, variant)
     return _Plan(kern, grid, dev.index, (b, h, nq), params_for, fam.needs_tile_counters(spec))
 
 

@@ -9,7 +9,8 @@ Suites (one module each, registered with ``register(Suite(...))`` when imported)
 - ``ab``: candidate kernels (full names) side by side on given shapes, cuDNN as the anchor;
 - ``host``: per-call host time of ``flashgen.attention`` / ``flashgen.decode`` with cached plans;
 - ``startup``: time to the first ``flashgen.attention`` result of a new process (warm and cold cache);
-- ``sass``: no GPU: ptxas reports and SASS instruction counts of every kernel dispatch can pick.
+- ``sass``: no GPU: ptxas reports and SASS instruction counts of every kernel dispatch can pick;
+- ``variants``: window, softcap, ALiBi, sinks next to the plain kernel and FlexAttention.
 
 A suite (``registry.Suite``) adds its options to the ``bench`` parser, checks them before touching
 a GPU (ValueError: the CLI prints one line and exits 2), and returns a result:
@@ -34,11 +35,11 @@ from .registry import SUITES, Suite, register
 
 __all__ = ["SUITES", "Suite", "register", "suites", "BUILT_IN"]
 
-BUILT_IN = ("fwd", "bwd", "decode", "ablation", "ab", "host", "startup", "sass")
+BUILT_IN = ("fwd", "bwd", "decode", "ablation", "ab", "host", "startup", "sass", "variants")
 
 
 def suites() -> dict[str, Suite]:
     """Every registered suite (importing the built-in ones first; none of them imports torch at import)."""
-    from . import ab, ablation, bwd, decode, fwd, host, sass, startup  # noqa: F401 -- each registers itself
+    from . import ab, ablation, bwd, decode, fwd, host, sass, startup, variants  # noqa: F401 -- each registers itself
 
     return SUITES

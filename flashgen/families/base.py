@@ -52,6 +52,23 @@ FWD_PARAMS = (
 )
 
 
+# The variant interface's parameters (templates/common/variant.cuh), in the blocks of the families that
+# implement it: the window's sides (a side no row reaches for an unbounded one), the softcap's factor
+# before the tanh (a softcapped kernel's scale is the cap itself: Variant.values), the ALiBi slopes (fp32,
+# batch stride 0 for one slope per head) and the sinks (fp32 per head). Unused fields of a plain kernel's
+# block stay zero.
+VARIANT_PARAMS = (
+    ("win_left", "int", I32), ("win_right", "int", I32), ("cap_in", "float", F32),
+    ("alibi", "const float*", PTR), ("alibi_sb", "int", I32), ("sinks", "const float*", PTR),
+)
+
+
+def variant_context(spec) -> dict:
+    """The template's ``variant_type``: the fg_variant instantiation of ``spec``'s causal and variant flags."""
+    flags = (spec.causal, spec.window, spec.softcap, spec.alibi, spec.sinks)
+    return {"variant_type": "fg_variant<" + ", ".join("true" if f else "false" for f in flags) + ">"}
+
+
 def forward_values(dims, strides_bhs, o_strides, scale: float) -> dict:
     """The parameter values every forward kernel of q (b, h, nq, d), k/v (b, hk, nk, d) takes:
     strides of q, k, v, o and the sizes; ``dims`` = (b, h, hk, nq, nk, d)."""
@@ -178,9 +195,9 @@ class Family:
         return True
 
     def spec(self, key: ProblemKey, **fields) -> KernelSpec:
-        """The spec of this kind for ``key`` with the given tile fields (not validated)."""
+        """The spec of this kind for ``key`` with the given tile fields and the key's variant (not validated)."""
         return KernelSpec(kind=self.kind, arch=key.arch, dtype=key.dtype, head_dim=self.tile(key),
-                          causal=key.causal, **fields)
+                          causal=key.causal, **fields).with_tokens(key.variant)
 
     def rule(self, key: ProblemKey, budget: int) -> list:
         """The default rule's specs for ``key`` that fit ``budget`` bytes of shared memory per block, in

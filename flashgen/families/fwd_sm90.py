@@ -19,7 +19,9 @@ from .. import settings, tma
 from ..errors import UnsupportedError
 from ..problem import ProblemKey, smallest_tile
 from ..spec import KernelSpec
-from .base import F32, I32, PTR, TMAP, Family, aligned_struct, forward_values, hopper_checks, strides, stride_values
+from ..variants import PLAIN
+from .base import (F32, I32, PTR, TMAP, VARIANT_PARAMS, Family, aligned_struct, forward_values, hopper_checks, strides,
+                   stride_values, variant_context)
 
 # The parameter block: the three tensor maps first (each at a 64-byte-aligned offset, as the C
 # struct's alignas(64) wants), then what the epilogue and the masks need.
@@ -36,6 +38,7 @@ SM90_PARAMS = (
     # sec + 1, then sections of sec (tile_sections).
     ("sched", "int*", PTR), ("tiles", "int", I32), ("m_blocks", "int", I32), ("sec", "int", I32),
     ("sec_big", "int", I32),
+    *VARIANT_PARAMS,
 )
 
 SM90_HEAD_DIMS = (64, 128, 256)
@@ -201,7 +204,7 @@ class Sm90Family(Family):
         return {"params": [(n, c) for n, c, _ in self.params],
                 "param_bytes": ctypes.sizeof(self.param_struct()),
                 "producer_regs": producer or 24, "consumer_regs": consumer or 240,
-                "q_pieces": self.q_pieces(spec)}
+                "q_pieces": self.q_pieces(spec), **variant_context(spec)}
 
     def param_struct(self):
         return aligned_struct(self)
@@ -234,19 +237,21 @@ class Sm90Family(Family):
     def needs_tile_counters(self, spec) -> bool:
         return spec.persistent
 
-    def launch(self, kern, dims, strides_bhs, o_strides, scale, dev):
+    def launch(self, kern, dims, strides_bhs, o_strides, scale, dev, variant=PLAIN):
         """(grid, params_for) of one launch: ``params_for(q_ptr, k_ptr, v_ptr)`` gives the parameter
         block with the three tensor maps filled in (built by the driver, flashgen.tma), kept per address
         triple, so a call that reuses its buffers -- the caching allocator hands the same addresses
         back -- costs one dict lookup and one copy. ``dev``: the device's ``l2_bytes``, ``sms`` and
-        ``smem_per_sm``. The persistent kernel's tile counters (``sched``, ``needs_tile_counters``) are
-        the caller's to set: they belong to its stream."""
+        ``smem_per_sm``; ``variant`` (flashgen.variants.Variant) the window and softcap values (the slope
+        and sink pointers are the caller's). The persistent kernel's tile counters (``sched``,
+        ``needs_tile_counters``) are the caller's to set: they belong to its stream."""
         spec = kern.spec
         b, h, hk, nq, nk, d = dims
         sq, sk, sv = strides_bhs
-        values = forward_values(dims, strides_bhs, o_strides, scale)
+        values = {**forward_values(dims, strides_bhs, o_strides, scale), **variant.values(nq, nk, scale)}
         template = kern.params(**stride_values("o", o_strides),
-                               **{n: values[n] for n in ("nq", "nk", "heads", "group", "d", "scale", "scale_log2")})
+                               **{n: values[n] for n in ("nq", "nk", "heads", "group", "d", "scale", "scale_log2",
+                                                         *(n for n, _, _ in VARIANT_PARAMS if n in values))})
         m_blocks = (nq + spec.block_m - 1) // spec.block_m
         tiles = m_blocks * h * b
         if tiles > 2**31 - 1:

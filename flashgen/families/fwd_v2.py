@@ -8,7 +8,8 @@ templates/fwd_v2/.
 from __future__ import annotations
 
 from ..problem import ProblemKey
-from .base import FWD_PARAMS, Family, forward_values
+from ..variants import PLAIN
+from .base import FWD_PARAMS, VARIANT_PARAMS, Family, forward_values, variant_context
 
 # The default rule: per head-dim tile, (block_m, block_n, warps, stages, refill, causal, arch) in
 # order of preference, None meaning any; the first that fits the GPU's shared memory is used.
@@ -33,6 +34,9 @@ class FwdV2Family(Family):
     def value_rules(self) -> tuple:
         return (*super().value_rules(), ("refill", self.REFILLS))
 
+    def context(self, spec) -> dict:
+        return {**super().context(spec), **variant_context(spec)}
+
     def rule(self, key: ProblemKey, budget: int) -> list:
         out = []
         for bm, bn, w, st, refill, causal, arch in self.tiles[self.tile(key)]:
@@ -41,11 +45,13 @@ class FwdV2Family(Family):
             self._fit(out, self.spec(key, block_m=bm, block_n=bn, warps=w, stages=st, refill=refill), budget)
         return self._fitting(out, key, budget)
 
-    def launch(self, kern, dims, strides_bhs, o_strides, scale, dev):
+    def launch(self, kern, dims, strides_bhs, o_strides, scale, dev, variant=PLAIN):
         """(grid, params_for) of one launch: ``params_for(q_ptr, k_ptr, v_ptr)`` gives the parameter block
-        with the input pointers set (o and lse are the caller's); ``dev`` is unused here."""
-        b, h, _, nq, _, _ = dims
-        template = kern.params(**forward_values(dims, strides_bhs, o_strides, scale))
+        with the input pointers set (o, lse and the variant's slope and sink pointers are the caller's);
+        ``variant`` (flashgen.variants.Variant) gives the window and softcap values; ``dev`` is unused here."""
+        b, h, _, nq, nk, _ = dims
+        template = kern.params(**{**forward_values(dims, strides_bhs, o_strides, scale),
+                                  **variant.values(nq, nk, scale)})
         struct, blob = type(template), bytes(template)
 
         def params_for(q_ptr, k_ptr, v_ptr):
@@ -57,6 +63,6 @@ class FwdV2Family(Family):
 
 
 FAMILY = FwdV2Family(
-    "fwd_v2", "fwd_v2/fwd_v2.cu.j2", FWD_PARAMS, problem="fwd", tiles=DEFAULT_TILES,
+    "fwd_v2", "fwd_v2/fwd_v2.cu.j2", FWD_PARAMS + VARIANT_PARAMS, problem="fwd", tiles=DEFAULT_TILES,
     tune_space=(("block_m", (64, 128, 192)), ("block_n", (32, 48, 64, 96, 128)), ("warps", (4, 8)),
                 ("stages", (2, 3, 4)), ("refill", (0, 1, 2))))

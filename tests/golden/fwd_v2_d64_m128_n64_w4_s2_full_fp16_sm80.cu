@@ -218,6 +218,163 @@ FG_DEVICE void p_frag(fg_u32 (&a)[4], F& s, int kk) {
   a[3] = pack2<BF16>(frag<F>::at(s, 2 * kk + 1, 2), frag<F>::at(s, 2 * kk + 1, 3));
 }
 
+// ---- common/variant.cuh ----
+// The variant interface: which keys a query row sees (causal, sliding window), what happens to a score
+// before the softmax (softcap, ALiBi) and what joins the softmax denominator (learned sinks), written
+// once for every family (flashgen/variants.py holds the same definitions for the host, the reference and
+// the docs).
+//
+// Query row i and key j are o = j - (i + diag) apart, diag = nk - nq (bottom-right alignment). A window
+// (left, right) shows key j to row i iff -left <= o <= right; the host encodes an unbounded side as a
+// bound no row reaches (left = nk, right = nq) and a causal call's right side as 0. A kernel that is
+// neither causal nor windowed tests only the key end; one that is causal but not windowed uses right = 0
+// as a constant, so its code is what it was before the window existed.
+//
+// Scores are held in the units of the softmax's scale (it multiplies by scale log2 e inside its exp2 and
+// by scale for the LSE), so the transforms work in those units. Softcap c: the score becomes
+// t = tanh(s cap_in) with cap_in = scale / c, and the host passes c as the scale (c log2 e as its log2
+// form), so that t times the scale is c tanh(scale s / c) with no multiply per score. The ALiBi slope m
+// is divided by the scale in use (the softmax's, or c). A sink (natural units) joins at the end of the
+// row (finish).
+//
+// The tanh runs two scores at a time in half precision (tanh.approx.f16x2: one MUFU issue for two, where
+// the exp2 that follows takes one each): its relative error, about 2^-11 like tanh.approx.f32's, plus the
+// input's rounding to f16 (2^-11 relative; tanh'(x) x / tanh(x) <= 1) keeps t within about 2^-10.
+//
+// One object per (batch, head): fwd_sm90, fwd_v2 (and later the backward and decode kernels) construct it
+// from their parameter block (win_left, win_right, cap_in, cap_out, alibi, alibi_sb, sinks) and call:
+//   block_first / block_end   the key blocks a group of query rows visits
+//   needs_mask                whether a key block crosses a row's visible range (a boundary block)
+//   mask                      hide what one row half does not see (-inf)
+//   transform                 softcap, then ALiBi, on one row half of S (every block)
+//
+// (A softcapped kernel's parameter block carries scale = c: see the host's Variant.values.)
+//   finish                    1 / l and the LSE of a row, with the sink in the denominator
+#pragma once
+
+// tanh of a and b in half precision, one MUFU issue for both.
+FG_DEVICE void tanh_pair(float& a, float& b) {
+  fg_u32 h;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(h) : "f"(b), "f"(a));
+  asm("tanh.approx.f16x2 %0, %0;\n" : "+r"(h));
+  unsigned short lo, hi;
+  asm("mov.b32 {%0, %1}, %2;\n" : "=h"(lo), "=h"(hi) : "r"(h));
+  asm("cvt.f32.f16 %0, %1;\n" : "=f"(a) : "h"(lo));
+  asm("cvt.f32.f16 %0, %1;\n" : "=f"(b) : "h"(hi));
+}
+
+// Columns of row half h outside [lo, hi), counted from this thread's first column (as mask_row).
+template <typename F>
+FG_DEVICE void mask_row_range(F& s, int h, int lo, int hi) {
+#pragma unroll
+  for (int nj = 0; nj < frag<F>::N8; ++nj)
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+      if (nj * 8 + e >= hi || nj * 8 + e < lo) frag<F>::at(s, nj, 2 * h + e) = -INFINITY;
+}
+
+template <bool CAUSAL, bool WINDOW, bool SOFTCAP, bool ALIBI, bool SINKS>
+struct fg_variant {
+  enum : int { RIGHT = CAUSAL || WINDOW, LEFT = WINDOW, TRANSFORMS = SOFTCAP || ALIBI, HAS_SINK = SINKS };
+  int nq, nk, diag, left, right;
+  float cap_in, slope, sink;
+
+  FG_DEVICE fg_variant() {}
+  template <typename Params>
+  FG_DEVICE explicit fg_variant(const Params& p) {
+    nq = p.nq;
+    nk = p.nk;
+    diag = p.nk - p.nq;
+    left = WINDOW ? p.win_left : 0;
+    right = WINDOW ? p.win_right : 0;
+    cap_in = SOFTCAP ? p.cap_in : 0.f;
+    slope = 0.f;
+    sink = 0.f;
+  }
+  // The per-(batch, head) values: the ALiBi slope (over the scale) and the head's sink.
+  template <typename Params>
+  FG_DEVICE void set_head(const Params& p, int b, int hq) {
+    if constexpr (ALIBI) slope = p.alibi[static_cast<fg_i64>(b) * p.alibi_sb + hq] / p.scale;
+    if constexpr (SINKS) sink = p.sinks[hq];
+  }
+
+  // Row i sees keys [key_lo(i), key_hi(i)) (clipped to [0, nk); empty when lo >= hi).
+  FG_DEVICE int key_hi(int row) const {
+    if constexpr (RIGHT) return min(nk, row + diag + (WINDOW ? right : 0) + 1);
+    return nk;
+  }
+  FG_DEVICE int key_lo(int row) const {
+    if constexpr (LEFT) return max(0, row + diag - left);
+    return 0;
+  }
+  // The first key block (of bn keys) that rows from r0 on see; 0 without a left bound.
+  FG_DEVICE int block_first(int r0, int bn) const {
+    if constexpr (LEFT) return key_lo(r0) / bn;
+    return 0;
+  }
+  // One past the last key block rows [r0, r0 + rows) see (rows past nq count not); 0 when none.
+  FG_DEVICE int block_end(int r0, int rows, int bn) const {
+    if (r0 >= nq) return 0;
+    const int hi = key_hi(min(r0 + rows, nq) - 1);
+    return hi <= 0 ? 0 : ceil_div(hi, bn);
+  }
+  // Whether key block [n0, n0 + bn) holds a key past nk or one that some row of [r0, r1] does not see.
+  FG_DEVICE bool needs_mask(int n0, int bn, int r0, int r1) const {
+    bool m = n0 + bn > nk;
+    if constexpr (RIGHT) m = m || (n0 + bn - 1 > r0 + diag + (WINDOW ? right : 0));
+    if constexpr (LEFT) m = m || (n0 < r1 + diag - left);
+    return m;
+  }
+  // Row half h of S (row `row`, this thread's first column c0): what the row does not see becomes -inf.
+  template <typename F>
+  FG_DEVICE void mask(F& s, int h, int row, int c0) const {
+    if constexpr (LEFT)
+      mask_row_range(s, h, key_lo(row) - c0, key_hi(row) - c0);
+    else
+      mask_row(s, h, key_hi(row) - c0);
+  }
+  // Softcap, then ALiBi, on row half h of S (in the scale's units; see the top of this file).
+  template <typename F>
+  FG_DEVICE void transform(F& s, int h, int row, int c0) const {
+    if constexpr (SOFTCAP) {
+#pragma unroll
+      for (int nj = 0; nj < frag<F>::N8; ++nj) {
+        float& a = frag<F>::at(s, nj, 2 * h);
+        float& b = frag<F>::at(s, nj, 2 * h + 1);
+        a *= cap_in;
+        b *= cap_in;
+        tanh_pair(a, b);
+      }
+    }
+    if constexpr (ALIBI) {
+      const float base = static_cast<float>(c0 - row - diag);  // o of this thread's first column
+#pragma unroll
+      for (int nj = 0; nj < frag<F>::N8; ++nj)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = frag<F>::at(s, nj, 2 * h + e);
+          x = fmaf(-slope, fabsf(base + static_cast<float>(8 * nj + e)), x);
+        }
+    }
+  }
+  // The end of a row: m its (unscaled) max, l its quad-summed row sum. 1 / l and the LSE (natural
+  // units); with a sink, exp(sink) joins l under the larger of the two maxima, and a row that saw no
+  // key gives 0 and LSE = sink.
+  FG_DEVICE void finish(float m, float l, float scale, float& inv, float& lse) const {
+    if constexpr (SINKS) {
+      const float mn = l > 0.f ? m * scale : -INFINITY;
+      const float top = fmaxf(mn, sink);
+      const float a = __expf(mn - top);
+      const float total = l * a + __expf(sink - top);
+      inv = a / total;
+      lse = top + logf(total);
+    } else {
+      inv = row_inv(l);
+      lse = row_lse(m, l, scale);
+    }
+  }
+};
+
 // ---- common/tile.cuh ----
 // Shared-memory tiles of ROWS x D 16-bit elements, stored as rows of C = D/8
 // 16-byte chunks with an XOR swizzle so that ldmatrix (8 rows, one chunk
@@ -311,13 +468,16 @@ struct Tile {
 // One CTA owns BM query rows of one (batch, head); its warps split those rows
 // (split-Q: warp w owns rows [w*RW, (w+1)*RW), so no warp ever needs another's
 // softmax state). K/V blocks of BN rows stream through an ST-stage cp.async
-// ring. Per block: S = Q K^T in registers, mask only where the block crosses
-// the sequence end or the causal diagonal, online softmax with the scale folded
-// into exp2, P packed straight from the S accumulators into A fragments, O += P V.
-// Normalisation by the row sum happens once, at the end.
+// ring. Per block: S = Q K^T in registers, the variant's score transforms
+// (softcap, ALiBi), mask only where the block crosses the sequence end or a
+// row's visible range (the causal diagonal, a window's sides), online softmax
+// with the scale folded into exp2, P packed straight from the S accumulators
+// into A fragments, O += P V. Only the key blocks some row of the CTA sees are
+// loaded (V: common/variant.cuh). Normalisation by the row sum (and a sink)
+// happens once, at the end.
 #pragma once
 
-template <int D, int BM, int BN, int NW, int ST, int REFILL, bool CAUSAL, bool BF16, typename Params>
+template <int D, int BM, int BN, int NW, int ST, int REFILL, bool CAUSAL, bool BF16, typename V, typename Params>
 FG_DEVICE void fwd_v2_body(const Params& p) {
   constexpr int NT = NW * 32;
   constexpr int RW = BM / NW;  // query rows per warp
@@ -343,14 +503,12 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
   const elem_t* q = p.q + b * p.q_sb + hq * p.q_sh;
   const elem_t* k = p.k + b * p.k_sb + hk * p.k_sh;
   const elem_t* v = p.v + b * p.v_sb + hk * p.v_sh;
-  // Bottom-right causal alignment: query i sees keys j <= i + diag.
-  const int diag = p.nk - p.nq;
-
-  int n_blocks = ceil_div(p.nk, BN);
-  if constexpr (CAUSAL) {
-    const int limit = m0 + BM + diag;  // keys below this can be seen by some row of the block
-    n_blocks = limit <= 0 ? 0 : min(n_blocks, ceil_div(limit, BN));
-  }
+  // The keys each row sees (bottom-right aligned), the score transforms and the sink of this head; the
+  // CTA's key blocks are n_first .. n_first + n_blocks - 1.
+  V var(p);
+  var.set_head(p, b, hq);
+  const int n_first = var.block_first(m0, BN);
+  const int n_blocks = max(0, var.block_end(m0, BM, BN) - n_first);
 
   // Prologue: Q (its own group), then K/V blocks 0 .. ST-2.
   TQ::template load<BM, NT>(sQ, q, p.q_ss, m0, p.nq, p.d);
@@ -358,8 +516,8 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) {
     if (s < n_blocks) {
-      TQ::template load<BN, NT>(sK + s * BN * D * 2, k, p.k_ss, s * BN, p.nk, p.d);
-      TQ::template load<BN, NT>(sV + s * BN * D * 2, v, p.v_ss, s * BN, p.nk, p.d);
+      TQ::template load<BN, NT>(sK + s * BN * D * 2, k, p.k_ss, (n_first + s) * BN, p.nk, p.d);
+      TQ::template load<BN, NT>(sV + s * BN * D * 2, v, p.v_ss, (n_first + s) * BN, p.nk, p.d);
     }
     cp_async_commit();
   }
@@ -398,8 +556,8 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
       const int jn = j + ST - 1;
       if (jn < n_blocks) {
         const int sn = jn % ST;
-        TQ::template load<BN, NT>(sK + sn * BN * D * 2, k, p.k_ss, jn * BN, p.nk, p.d);
-        TQ::template load<BN, NT>(sV + sn * BN * D * 2, v, p.v_ss, jn * BN, p.nk, p.d);
+        TQ::template load<BN, NT>(sK + sn * BN * D * 2, k, p.k_ss, (n_first + jn) * BN, p.nk, p.d);
+        TQ::template load<BN, NT>(sV + sn * BN * D * 2, v, p.v_ss, (n_first + jn) * BN, p.nk, p.d);
       }
       cp_async_commit();
     };
@@ -438,21 +596,21 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
 
     if constexpr (REFILL == 1) refill();
 
-    // ---- mask (only blocks that cross the sequence end or the diagonal) -----
-    const int n0 = j * BN;
-    const bool crosses_end = n0 + BN > p.nk;
-    const bool crosses_diag = CAUSAL && (n0 + BN - 1 > m0 + diag);
-    if (crosses_end || crosses_diag) {
-      // Columns at or past `limit` are hidden for this thread's row; compare
-      // against one per-row bound instead of building row and column indices.
+    // ---- transforms, then the mask (only blocks that cross the sequence end or a row's range) ----
+    const int n0 = (n_first + j) * BN;
+    if constexpr (V::TRANSFORMS) {
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          int limit = p.nk;
-          if constexpr (CAUSAL) limit = min(limit, m0 + warp * RW + mi * 16 + g + 8 * h + diag + 1);
-          mask_row(acc_s[mi], h, limit - (n0 + 2 * t));
-        }
+        for (int h = 0; h < 2; ++h) var.transform(acc_s[mi], h, m0 + warp * RW + mi * 16 + g + 8 * h, n0 + 2 * t);
+    }
+    if (var.needs_mask(n0, BN, m0, m0 + BM - 1)) {
+      // Columns outside the row's range are hidden; one compare per element against per-row bounds
+      // instead of building row and column indices.
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) var.mask(acc_s[mi], h, m0 + warp * RW + mi * 16 + g + 8 * h, n0 + 2 * t);
     }
 
     // ---- online softmax: new row max, rescale O and the row sum, P = exp2 ----
@@ -496,7 +654,8 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float l = quad_sum(row_sum[mi][h]);
-      const float inv = row_inv(l);
+      float inv, lse;
+      var.finish(row_max[mi][h], l, p.scale, inv, lse);
       const int r_local = warp * RW + mi * 16 + g + 8 * h;
 #pragma unroll
       for (int dj = 0; dj < DJ; ++dj) {
@@ -506,7 +665,7 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
       }
       const int row = m0 + r_local;
       if (p.lse != nullptr && t == 0 && row < p.nq)
-        p.lse[lse_base + row] = row_lse(row_max[mi][h], l, p.scale);
+        p.lse[lse_base + row] = lse;
     }
   __syncwarp();
   elem_t* o = p.o + b * p.o_sb + hq * p.o_sh;
@@ -553,6 +712,12 @@ struct fwd_v2_d64_m128_n64_w4_s2_full_fp16_sm80_params {
   int d;
   float scale;
   float scale_log2;
+  int win_left;
+  int win_right;
+  float cap_in;
+  const float* alibi;
+  int alibi_sb;
+  const float* sinks;
 };
 
 static_assert(2 * 64 * (128 + 2 * 2 * 64) == 49152,
@@ -561,5 +726,5 @@ static_assert(2 * 64 * (128 + 2 * 2 * 64) == 49152,
 extern "C" __global__ void __launch_bounds__(128, 1)
 fwd_v2_d64_m128_n64_w4_s2_full_fp16_sm80(const __grid_constant__ fwd_v2_d64_m128_n64_w4_s2_full_fp16_sm80_params p) {
   fwd_v2_body<64, 128, 64, 4, 2, 0,
-              false, false>(p);
+              false, false, fg_variant<false, false, false, false, false>>(p);
 }

@@ -86,7 +86,7 @@
 #pragma once
 
 template <int D, int BM, int BN, int ST, bool WS, bool PINGPONG, bool OVERLAP, bool CAUSAL, bool BF16,
-          int FMA_EXP2, bool EARLY_K, bool LEAN, bool PERSISTENT, int QP, typename Params>
+          int FMA_EXP2, bool EARLY_K, bool LEAN, bool PERSISTENT, int QP, typename V, typename Params>
 struct fwd_sm90_cta {
   // (Enumerators, not static constexpr members: NVRTC emits such a member as a global object.)
   enum : int {
@@ -105,7 +105,11 @@ struct fwd_sm90_cta {
   int tid;
   // The current tile and its coordinates (PERSISTENT moves them on: take_tile).
   int tile, m_block, hq, b, hk, m0, n_blocks;
-  int diag;  // bottom-right alignment: query i sees keys j <= i + diag
+  // The variant (common/variant.cuh: the keys each row sees, the score transforms, the sink) of the
+  // current (batch, head), and the first key block the tile visits (0 without a window's left side): the
+  // tile's K/V blocks are n_first, n_first + 1, ..., n_first + n_blocks - 1.
+  V var;
+  int n_first;
   // Consumer threads (set by the body once the warp roles are known): the warpgroup, this thread's index
   // in it, its warp, lane, quad row and column.
   int cw, ltid, wq, lane, g, t;
@@ -127,10 +131,8 @@ struct fwd_sm90_cta {
     tid = threadIdx.x;
     tile = static_cast<int>(blockIdx.x);
     tile_coords(tile, m_block, hq, b);
-    hk = hq / p.group;
-    m0 = m_block * BM;
-    diag = p.nk - p.nq;
-    n_blocks = blocks_of(m0);
+    var = V(p);
+    set_tile();
   }
 
   // A full barrier per Q piece, then per stage: full K, full V, empty (K's with EARLY_K), [empty V];
@@ -159,23 +161,25 @@ struct fwd_sm90_cta {
     h = pair % p.heads;
     bb = pair / p.heads;
   }
-  // K/V blocks that query rows [r0, r0 + rows) need (none when r0 is past the queries).
+  // K/V blocks from n_first on that query rows [r0, r0 + rows) need (none when r0 is past the queries).
   FG_DEVICE int blocks_for(int r0, int rows) const {
-    if (r0 >= p.nq) return 0;
-    int nb = ceil_div(p.nk, BN);
-    if constexpr (CAUSAL) {
-      const int limit = min(r0 + rows, p.nq) + (p.nk - p.nq);  // (+ diag, below)
-      nb = limit <= 0 ? 0 : min(nb, ceil_div(limit, BN));
-    }
-    return nb;
+    if constexpr (V::LEFT) return max(0, var.block_end(r0, rows, BN) - n_first);
+    return var.block_end(r0, rows, BN);
   }
-  FG_DEVICE int blocks_of(int m0_) const { return blocks_for(m0_, BM); }
-  // PERSISTENT: the same four for each next tile the CTA takes (`tile` set first).
-  FG_DEVICE void take_tile() {
-    tile_coords(tile, m_block, hq, b);
+  // The key block of the tile's j-th K/V block.
+  FG_DEVICE int kv_block(int j) const { return V::LEFT ? n_first + j : j; }
+  // The tile's coordinates' consequences: its K/V head, first row, variant values and key blocks.
+  FG_DEVICE void set_tile() {
     hk = hq / p.group;
     m0 = m_block * BM;
-    n_blocks = blocks_of(m0);
+    var.set_head(p, b, hq);
+    n_first = var.block_first(m0, BN);
+    n_blocks = blocks_for(m0, BM);
+  }
+  // PERSISTENT: the same for each next tile the CTA takes (`tile` set first).
+  FG_DEVICE void take_tile() {
+    tile_coords(tile, m_block, hq, b);
+    set_tile();
   }
 
   FG_DEVICE void init_barriers() {
@@ -206,14 +210,14 @@ struct fwd_sm90_cta {
     mbar_expect_tx(bar_k(s), KV_BYTES);
 #pragma unroll
     for (int pn = 0; pn < PANELS; ++pn)
-      tma_load_4d(sK + s * KV_BYTES + pn * BN * 128, &p.tm_k, bar_k(s), pn * 64, j * BN, hk, b);
+      tma_load_4d(sK + s * KV_BYTES + pn * BN * 128, &p.tm_k, bar_k(s), pn * 64, kv_block(j) * BN, hk, b);
     if constexpr (EARLY_K) {
       if (r >= ST) mbar_wait(bar_ev(s), ((r / ST) + 1) & 1);
     }
     mbar_expect_tx(bar_v(s), KV_BYTES);
 #pragma unroll
     for (int pn = 0; pn < PANELS; ++pn)
-      tma_load_4d(sV + s * KV_BYTES + pn * BN * 128, &p.tm_v, bar_v(s), pn * 64, j * BN, hk, b);
+      tma_load_4d(sV + s * KV_BYTES + pn * BN * 128, &p.tm_v, bar_v(s), pn * 64, kv_block(j) * BN, hk, b);
   }
   FG_DEVICE void produce(int j) { produce_at(j, j); }
   // Warpgroup w's Q rows of the current tile into piece i (a box of 64 rows: rows past nq read zero).
@@ -331,19 +335,19 @@ struct fwd_sm90_cta {
         sum[LEAN ? e : 0] += pe;
       }
   }
-  // Mask (only where block j crosses the key end or this warpgroup's diagonal),
-  // then the online-softmax update: acc_s becomes P (fp32), alpha the factor
-  // by which O must be rescaled (applied by the caller when O is not in flight).
+  // The variant's score transforms (softcap, ALiBi), the mask (only where block j crosses the key end
+  // or one of this warpgroup's rows' visible range), then the online-softmax update: acc_s becomes P
+  // (fp32), alpha the factor by which O must be rescaled (applied by the caller when O is not in flight).
   FG_DEVICE void softmax(int j, float (&acc_s)[BN / 2], float (&row_max)[2], float (&row_sum)[2],
                          float (&alpha)[2]) const {
-    const int n0 = j * BN;
-    if (n0 + BN > p.nk || (CAUSAL && n0 + BN - 1 > m0 + cw * 64 + diag)) {
+    const int n0 = kv_block(j) * BN;
+    if constexpr (V::TRANSFORMS) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        int limit = p.nk;
-        if constexpr (CAUSAL) limit = min(limit, row_base + 8 * h + diag + 1);
-        mask_row(acc_s, h, limit - (n0 + 2 * t));
-      }
+      for (int h = 0; h < 2; ++h) var.transform(acc_s, h, row_base + 8 * h, n0 + 2 * t);
+    }
+    if (var.needs_mask(n0, BN, m0 + cw * 64, m0 + cw * 64 + 63)) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) var.mask(acc_s, h, row_base + 8 * h, n0 + 2 * t);
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -586,7 +590,9 @@ struct fwd_sm90_cta {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float l = quad_sum(row_sum[h]);
-      const float inv = row_inv(l);
+      float inv, lse_sink;
+      if constexpr (V::HAS_SINK) var.finish(row_max[h], l, p.scale, inv, lse_sink);
+      else inv = row_inv(l);
       const int r = wq * 16 + g + 8 * h;  // row within this warpgroup's piece
 #pragma unroll
       for (int i = 0; i < D / 8; ++i) {
@@ -597,8 +603,10 @@ struct fwd_sm90_cta {
       const int row = row_base + 8 * h;
       // (The LSE written out, not softmax.cuh's row_lse: row_max is memory here, and row_lse's arguments
       // would be loaded before the test of l, which changes the code.)
-      if (p.lse != nullptr && t == 0 && row < p.nq)
-        p.lse[lse_base + row] = l > 0.f ? row_max[h] * p.scale + logf(l) : -INFINITY;
+      if (p.lse != nullptr && t == 0 && row < p.nq) {
+        if constexpr (V::HAS_SINK) p.lse[lse_base + row] = lse_sink;
+        else p.lse[lse_base + row] = l > 0.f ? row_max[h] * p.scale + logf(l) : -INFINITY;
+      }
     }
     named_sync(2 + cw, 128);
     elem_t* o = p.o + b * p.o_sb + hq * p.o_sh;
@@ -624,7 +632,7 @@ struct fwd_sm90_cta {
 // tile loop; the stages are fwd_sm90_cta's.
 template <int D, int BM, int BN, int ST, bool WS, bool PINGPONG, bool OVERLAP, bool CAUSAL, bool BF16,
           int PRODUCER_REGS, int CONSUMER_REGS, int FMA_EXP2, bool EARLY_K, bool LEAN, bool PERSISTENT, int QP,
-          typename Params>
+          typename V, typename Params>
 FG_DEVICE void fwd_sm90_body(const Params& p) {
   constexpr int NWG = BM / 64;  // consumer warpgroups
   static_assert(BM % 64 == 0 && D % 64 == 0 && BN % 16 == 0 && ST >= 2, "bad fwd_sm90 tile");
@@ -648,7 +656,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   // 4 R->UR moves before every wgmma (SASS) and 8-15 % of the persistent kernel's speed lost (H200).
   __shared__ int tile_slot[PERSISTENT ? 2 : 1];
   using cta_t = fwd_sm90_cta<D, BM, BN, ST, WS, PINGPONG, OVERLAP, CAUSAL, BF16, FMA_EXP2, EARLY_K, LEAN,
-                             PERSISTENT, QP, Params>;
+                             PERSISTENT, QP, V, Params>;
   cta_t cta(p, smem_addr(smem_raw), smem_addr(bars), tile_slot);
   const int tid = cta.tid;
 

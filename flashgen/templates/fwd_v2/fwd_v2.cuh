@@ -3,13 +3,16 @@
 // One CTA owns BM query rows of one (batch, head); its warps split those rows
 // (split-Q: warp w owns rows [w*RW, (w+1)*RW), so no warp ever needs another's
 // softmax state). K/V blocks of BN rows stream through an ST-stage cp.async
-// ring. Per block: S = Q K^T in registers, mask only where the block crosses
-// the sequence end or the causal diagonal, online softmax with the scale folded
-// into exp2, P packed straight from the S accumulators into A fragments, O += P V.
-// Normalisation by the row sum happens once, at the end.
+// ring. Per block: S = Q K^T in registers, the variant's score transforms
+// (softcap, ALiBi), mask only where the block crosses the sequence end or a
+// row's visible range (the causal diagonal, a window's sides), online softmax
+// with the scale folded into exp2, P packed straight from the S accumulators
+// into A fragments, O += P V. Only the key blocks some row of the CTA sees are
+// loaded (V: common/variant.cuh). Normalisation by the row sum (and a sink)
+// happens once, at the end.
 #pragma once
 
-template <int D, int BM, int BN, int NW, int ST, int REFILL, bool CAUSAL, bool BF16, typename Params>
+template <int D, int BM, int BN, int NW, int ST, int REFILL, bool CAUSAL, bool BF16, typename V, typename Params>
 FG_DEVICE void fwd_v2_body(const Params& p) {
   constexpr int NT = NW * 32;
   constexpr int RW = BM / NW;  // query rows per warp
@@ -35,14 +38,12 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
   const elem_t* q = p.q + b * p.q_sb + hq * p.q_sh;
   const elem_t* k = p.k + b * p.k_sb + hk * p.k_sh;
   const elem_t* v = p.v + b * p.v_sb + hk * p.v_sh;
-  // Bottom-right causal alignment: query i sees keys j <= i + diag.
-  const int diag = p.nk - p.nq;
-
-  int n_blocks = ceil_div(p.nk, BN);
-  if constexpr (CAUSAL) {
-    const int limit = m0 + BM + diag;  // keys below this can be seen by some row of the block
-    n_blocks = limit <= 0 ? 0 : min(n_blocks, ceil_div(limit, BN));
-  }
+  // The keys each row sees (bottom-right aligned), the score transforms and the sink of this head; the
+  // CTA's key blocks are n_first .. n_first + n_blocks - 1.
+  V var(p);
+  var.set_head(p, b, hq);
+  const int n_first = var.block_first(m0, BN);
+  const int n_blocks = max(0, var.block_end(m0, BM, BN) - n_first);
 
   // Prologue: Q (its own group), then K/V blocks 0 .. ST-2.
   TQ::template load<BM, NT>(sQ, q, p.q_ss, m0, p.nq, p.d);
@@ -50,8 +51,8 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) {
     if (s < n_blocks) {
-      TQ::template load<BN, NT>(sK + s * BN * D * 2, k, p.k_ss, s * BN, p.nk, p.d);
-      TQ::template load<BN, NT>(sV + s * BN * D * 2, v, p.v_ss, s * BN, p.nk, p.d);
+      TQ::template load<BN, NT>(sK + s * BN * D * 2, k, p.k_ss, (n_first + s) * BN, p.nk, p.d);
+      TQ::template load<BN, NT>(sV + s * BN * D * 2, v, p.v_ss, (n_first + s) * BN, p.nk, p.d);
     }
     cp_async_commit();
   }
@@ -90,8 +91,8 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
       const int jn = j + ST - 1;
       if (jn < n_blocks) {
         const int sn = jn % ST;
-        TQ::template load<BN, NT>(sK + sn * BN * D * 2, k, p.k_ss, jn * BN, p.nk, p.d);
-        TQ::template load<BN, NT>(sV + sn * BN * D * 2, v, p.v_ss, jn * BN, p.nk, p.d);
+        TQ::template load<BN, NT>(sK + sn * BN * D * 2, k, p.k_ss, (n_first + jn) * BN, p.nk, p.d);
+        TQ::template load<BN, NT>(sV + sn * BN * D * 2, v, p.v_ss, (n_first + jn) * BN, p.nk, p.d);
       }
       cp_async_commit();
     };
@@ -130,21 +131,21 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
 
     if constexpr (REFILL == 1) refill();
 
-    // ---- mask (only blocks that cross the sequence end or the diagonal) -----
-    const int n0 = j * BN;
-    const bool crosses_end = n0 + BN > p.nk;
-    const bool crosses_diag = CAUSAL && (n0 + BN - 1 > m0 + diag);
-    if (crosses_end || crosses_diag) {
-      // Columns at or past `limit` are hidden for this thread's row; compare
-      // against one per-row bound instead of building row and column indices.
+    // ---- transforms, then the mask (only blocks that cross the sequence end or a row's range) ----
+    const int n0 = (n_first + j) * BN;
+    if constexpr (V::TRANSFORMS) {
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          int limit = p.nk;
-          if constexpr (CAUSAL) limit = min(limit, m0 + warp * RW + mi * 16 + g + 8 * h + diag + 1);
-          mask_row(acc_s[mi], h, limit - (n0 + 2 * t));
-        }
+        for (int h = 0; h < 2; ++h) var.transform(acc_s[mi], h, m0 + warp * RW + mi * 16 + g + 8 * h, n0 + 2 * t);
+    }
+    if (var.needs_mask(n0, BN, m0, m0 + BM - 1)) {
+      // Columns outside the row's range are hidden; one compare per element against per-row bounds
+      // instead of building row and column indices.
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) var.mask(acc_s[mi], h, m0 + warp * RW + mi * 16 + g + 8 * h, n0 + 2 * t);
     }
 
     // ---- online softmax: new row max, rescale O and the row sum, P = exp2 ----
@@ -188,7 +189,8 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float l = quad_sum(row_sum[mi][h]);
-      const float inv = row_inv(l);
+      float inv, lse;
+      var.finish(row_max[mi][h], l, p.scale, inv, lse);
       const int r_local = warp * RW + mi * 16 + g + 8 * h;
 #pragma unroll
       for (int dj = 0; dj < DJ; ++dj) {
@@ -198,7 +200,7 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
       }
       const int row = m0 + r_local;
       if (p.lse != nullptr && t == 0 && row < p.nq)
-        p.lse[lse_base + row] = row_lse(row_max[mi][h], l, p.scale);
+        p.lse[lse_base + row] = lse;
     }
   __syncwarp();
   elem_t* o = p.o + b * p.o_sb + hq * p.o_sh;

@@ -1,0 +1,200 @@
+"""The ``variants`` suite: the masks and score changes of real models (flashgen.variants), each next to
+flashgen's plain kernel and FlexAttention (torch ``flex_attention`` compiled, with its block mask and the
+equivalent ``score_mod``) in the same interleaved rounds.
+
+Cases (bf16, d = 128 unless ``--d``):
+
+- ``window``: sliding window 4096, causal, N = 32k, GQA 32/8, batch 1; the plain anchor is flashgen's
+  dense causal kernel at N = 4k (the same useful work per row), batch 4, GQA 32/8;
+- ``softcap``: softcap 50, N = 8k, MHA 16 heads, batch 2, causal and not; anchor: the plain kernel on
+  the same inputs;
+- ``alibi``: ALiBi (one slope per head), causal, N = 8k, 16 heads, batch 2;
+- ``sinks``: one sink per head, causal, N = 8k, 16 heads, batch 2 (FlexAttention has no sink: none).
+
+TFLOP/s count only the (query, key) pairs the mask lets through: 4 B H pairs d (``Variant.pairs``).
+Each row carries ``x_plain`` (flashgen's variant over its plain kernel) and ``x_flex`` (over
+FlexAttention), above 1 meaning flashgen's variant is faster. ``--cands`` adds candidate kernels (full
+names, ``c1``, ``c2``, ... in the table) for the variant call, timed where their flags fit the case.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..spec import KernelSpec
+from ..variants import Variant
+from . import baselines, options
+from .registry import Suite, register
+from .timing import Skipped, add_ratios, free, meta, require_cuda, time_cell, time_ms
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    n: int
+    heads: int
+    kv_heads: int
+    batch: int
+    causal: bool
+    options: dict = field(default_factory=dict)  # flashgen.attention's variant keywords (tensors made per run)
+    plain_n: int = 0       # the plain anchor's seqlen (0: the case's own) ...
+    plain_batch: int = 0   # ... and batch
+
+
+CASES = (
+    Case("window", 32768, 32, 8, 1, True, {"window": (4096, 0)}, plain_n=4096, plain_batch=4),
+    Case("softcap", 8192, 16, 16, 2, True, {"softcap": 50.0}),
+    Case("softcap", 8192, 16, 16, 2, False, {"softcap": 50.0}),
+    Case("alibi", 8192, 16, 16, 2, True, {"alibi_slopes": "per head"}),
+    Case("sinks", 8192, 16, 16, 2, True, {"sinks": "per head"}),
+)
+IMPLS = ("flashgen", "flashgen_plain", "flex")
+RATIOS = (("x_plain", "flashgen_plain"), ("x_flex", "flex"))
+
+
+def add_args(p) -> None:
+    p.add_argument("--cases", default=",".join(dict.fromkeys(c.name for c in CASES)),
+                   help="cases to run, comma-separated (window, softcap, alibi, sinks; default all)")
+    p.add_argument("--d", type=int, default=128, help="head dim (default 128)")
+    p.add_argument("--impls", default=",".join(IMPLS), help=f"implementations (default and known: {','.join(IMPLS)})")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per cell (default 5; the median counts)")
+    p.add_argument("--budget", type=float, default=0.25, help="seconds of timed calls per implementation per round")
+    p.add_argument("--cands", default="", help="candidate kernels for the variant call: full names, comma-separated")
+
+
+def parse(args) -> dict:
+    cases = options.names(args.cases, tuple(dict.fromkeys(c.name for c in CASES)), "cases")
+    options.positive(args.rounds, "rounds", integer=True)
+    options.positive(args.budget, "budget")
+    cands = [c for c in str(args.cands).split(",") if c]
+    for name in cands:
+        KernelSpec.from_name(name)  # ValueError (one line, exit 2) for a name that is not a kernel's
+    return {"cases": cases, "d": options.head_dims(str(args.d))[0], "impls": options.names(args.impls, IMPLS, "impls"),
+            "rounds": int(args.rounds), "budget": float(args.budget), "cands": cands}
+
+
+def _tensors(case: Case, h: int, device):
+    """flashgen's variant keywords with their tensors (ALiBi's geometric slopes, random sinks)."""
+    import torch
+
+    kw = {}
+    for name, value in case.options.items():
+        if name == "alibi_slopes":
+            kw[name] = torch.tensor([2.0 ** (-8.0 * (i + 1) / h) for i in range(h)], device=device)
+        elif name == "sinks":
+            kw[name] = torch.randn(h, device=device, dtype=torch.float32)
+        else:
+            kw[name] = value
+    return kw
+
+
+def _flex(case: Case, q, k, v, kw):
+    """FlexAttention for the case: the window as a mask_mod (block mask), the softcap and ALiBi as a
+    score_mod, GQA through enable_gqa."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if "sinks" in kw:
+        raise Skipped("FlexAttention has no sink logits")
+    nq, nk = q.shape[2], k.shape[2]
+    off = nk - nq
+    left = kw.get("window", (-1, -1))[0]
+
+    def mask_mod(b, h, i, j):
+        seen = i + off >= j if case.causal else (j >= 0)
+        return seen & (i + off - j <= left) if left >= 0 else seen
+
+    block_mask = (create_block_mask(mask_mod, None, None, nq, nk, device=q.device)
+                  if case.causal or left >= 0 else None)
+    score_mod = None
+    if "softcap" in kw:
+        cap = kw["softcap"]
+
+        def score_mod(score, b, h, i, j):
+            return cap * torch.tanh(score / cap)
+    elif "alibi_slopes" in kw:
+        slopes = kw["alibi_slopes"]
+
+        def score_mod(score, b, h, i, j):
+            return score - slopes[h] * (j - i - off).abs()
+    fn = baselines.flex_fn()
+    gqa = q.shape[1] != k.shape[1]
+    return lambda: fn(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa)
+
+
+def run(args, progress) -> dict:
+    import torch
+
+    from .. import api
+
+    settings = parse(args)
+    require_cuda("variants")
+    d = settings["d"]
+    meta_info = meta()
+    rows = []
+    for case in (c for c in CASES if c.name in settings["cases"]):
+        gen = torch.Generator(device="cuda").manual_seed(case.n + d)
+
+        def rnd(b, h, n):
+            return torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+        q, k, v = rnd(case.batch, case.heads, case.n), rnd(case.batch, case.kv_heads, case.n), \
+            rnd(case.batch, case.kv_heads, case.n)
+        pn, pb = case.plain_n or case.n, case.plain_batch or case.batch
+        if (pn, pb) == (case.n, case.batch):
+            pq, pk, pv = q, k, v
+        else:
+            pq, pk, pv = rnd(pb, case.heads, pn), rnd(pb, case.kv_heads, pn), rnd(pb, case.kv_heads, pn)
+        kw = _tensors(case, case.heads, q.device)
+        variant = Variant.of(case.causal, kw.get("window"), kw.get("softcap", 0.0))
+        flop = {"flashgen": 4.0 * case.batch * case.heads * variant.pairs(case.n, case.n) * d,
+                "flashgen_plain": 4.0 * pb * case.heads * Variant.of(case.causal).pairs(pn, pn) * d}
+        flop["flex"] = flop["flashgen"]
+        makers = {}
+        for impl in settings["impls"]:
+            if impl == "flashgen":
+                makers[impl] = lambda: (lambda: api.attention(q, k, v, causal=case.causal, **kw))
+            elif impl == "flashgen_plain":
+                makers[impl] = lambda: (lambda: api.attention(pq, pk, pv, causal=case.causal))
+            else:
+                makers[impl] = lambda: _flex(case, q, k, v, kw)
+        full = Variant.of(case.causal, kw.get("window"), kw.get("softcap", 0.0), "alibi_slopes" in kw, "sinks" in kw)
+        for i, name in enumerate(settings["cands"], 1):
+            spec = KernelSpec.from_name(name)
+
+            def make(spec=spec):
+                if any(getattr(spec, f) != on for f, on in full.flags().items()) or spec.head_dim < d:
+                    raise Skipped(f"{spec.name} does not fit this case")
+                return lambda: api.attention(q, k, v, causal=case.causal, spec=spec, **kw)
+            makers[f"c{i}"] = make
+            flop[f"c{i}"] = flop["flashgen"]
+        measure = lambda fn: time_ms(fn, budget_s=settings["budget"], min_reps=5, max_reps=30, warmup=2)["ms"]  # noqa: E731
+        with torch.no_grad():
+            cells = time_cell(makers, settings["rounds"], measure)
+        for impl, cell in cells.items():
+            if "ms" in cell:
+                cell["tflops"] = flop[impl] / cell["ms"] / 1e9
+        label = case.name + ("" if case.name == "window" or not any(
+            c.name == case.name and c.causal != case.causal for c in CASES) else ("_causal" if case.causal else "_full"))
+        row = {"case": label, "head_dim": d, "seqlen": case.n, "batch": case.batch, "heads": case.heads,
+               "kv_heads": case.kv_heads, "causal": case.causal,
+               "options": {k_: (v_ if not hasattr(v_, "shape") else f"tensor{tuple(v_.shape)}") for k_, v_ in kw.items()},
+               "plain": {"seqlen": pn, "batch": pb}, "rounds": settings["rounds"], "results": cells}
+        add_ratios(row, "tflops", [(lbl, "flashgen", base) for lbl, base in RATIOS]
+                   + [(f"c{i}_plain", f"c{i}", "flashgen_plain") for i in range(1, len(settings["cands"]) + 1)])
+        rows.append(row)
+        progress(f"{label}: " + ", ".join(f"{i}={c['tflops']:.0f}" if "tflops" in c else f"{i}=-"
+                                          for i, c in cells.items())
+                 + "".join(f" {lbl}={r:.2f}" for lbl, r in row.get("ratios", {}).items()))
+        del q, k, v, pq, pk, pv
+        free()
+    return {"suite": "variants", "meta": meta_info, "metric": "tflops", "x": "case", "panels": ["head_dim"],
+            "convention": "bf16; TFLOP/s = 4 B H (visible query-key pairs) d / time; median of "
+                          f"{settings['rounds']} interleaved rounds; x_plain / x_flex: flashgen's variant over "
+                          "its plain kernel (window: dense causal at N = 4k) / over FlexAttention",
+            "settings": settings, "impls": settings["impls"] + [f"c{i}" for i in range(1, len(settings["cands"]) + 1)],
+            "ratios": [r for r, _ in RATIOS] + [f"c{i}_plain" for i in range(1, len(settings["cands"]) + 1)],
+            "notes": [f"c{i}: {name}" for i, name in enumerate(settings["cands"], 1)], "rows": rows}
+
+
+register(Suite("variants", "window, softcap, ALiBi and sinks: flashgen next to its plain kernel and "
+                           "FlexAttention, interleaved rounds", add_args, run))

@@ -1,0 +1,150 @@
+// The variant interface: which keys a query row sees (causal, sliding window), what happens to a score
+// before the softmax (softcap, ALiBi) and what joins the softmax denominator (learned sinks), written
+// once for every family (flashgen/variants.py holds the same definitions for the host, the reference and
+// the docs).
+//
+// Query row i and key j are o = j - (i + diag) apart, diag = nk - nq (bottom-right alignment). A window
+// (left, right) shows key j to row i iff -left <= o <= right; the host encodes an unbounded side as a
+// bound no row reaches (left = nk, right = nq) and a causal call's right side as 0. A kernel that is
+// neither causal nor windowed tests only the key end; one that is causal but not windowed uses right = 0
+// as a constant, so its code is what it was before the window existed.
+//
+// Scores are held in the units of the softmax's scale (it multiplies by scale log2 e inside its exp2 and
+// by scale for the LSE), so the transforms work in those units. Softcap c: the score becomes
+// t = tanh(s cap_in) with cap_in = scale / c, and the host passes c as the scale (c log2 e as its log2
+// form), so that t times the scale is c tanh(scale s / c) with no multiply per score. The ALiBi slope m
+// is divided by the scale in use (the softmax's, or c). A sink (natural units) joins at the end of the
+// row (finish).
+//
+// The tanh is tanh.approx.f32 (relative error about 2^-11). Two scores at a time in half precision
+// (tanh.approx.f16x2, one MUFU issue for two) measured no faster on the H200 (softcap 50, d = 128, N = 8k:
+// 0.68 and 0.70 of the plain kernel, causal and not, against 0.69 and 0.71 with f32) and rounds the input
+// too: docs/perf/variants.md.
+//
+// One object per (batch, head): fwd_sm90, fwd_v2 (and later the backward and decode kernels) construct it
+// from their parameter block (win_left, win_right, cap_in, cap_out, alibi, alibi_sb, sinks) and call:
+//   block_first / block_end   the key blocks a group of query rows visits
+//   needs_mask                whether a key block crosses a row's visible range (a boundary block)
+//   mask                      hide what one row half does not see (-inf)
+//   transform                 softcap, then ALiBi, on one row half of S (every block)
+//
+// (A softcapped kernel's parameter block carries scale = c: see the host's Variant.values.)
+//   finish                    1 / l and the LSE of a row, with the sink in the denominator
+#pragma once
+
+FG_DEVICE float fast_tanh(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Columns of row half h outside [lo, hi), counted from this thread's first column (as mask_row).
+template <typename F>
+FG_DEVICE void mask_row_range(F& s, int h, int lo, int hi) {
+#pragma unroll
+  for (int nj = 0; nj < frag<F>::N8; ++nj)
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+      if (nj * 8 + e >= hi || nj * 8 + e < lo) frag<F>::at(s, nj, 2 * h + e) = -INFINITY;
+}
+
+template <bool CAUSAL, bool WINDOW, bool SOFTCAP, bool ALIBI, bool SINKS>
+struct fg_variant {
+  enum : int { RIGHT = CAUSAL || WINDOW, LEFT = WINDOW, TRANSFORMS = SOFTCAP || ALIBI, HAS_SINK = SINKS };
+  int nq, nk, diag, left, right;
+  float cap_in, slope, sink;
+
+  FG_DEVICE fg_variant() {}
+  template <typename Params>
+  FG_DEVICE explicit fg_variant(const Params& p) {
+    nq = p.nq;
+    nk = p.nk;
+    diag = p.nk - p.nq;
+    left = WINDOW ? p.win_left : 0;
+    right = WINDOW ? p.win_right : 0;
+    cap_in = SOFTCAP ? p.cap_in : 0.f;
+    slope = 0.f;
+    sink = 0.f;
+  }
+  // The per-(batch, head) values: the ALiBi slope (over the scale) and the head's sink.
+  template <typename Params>
+  FG_DEVICE void set_head(const Params& p, int b, int hq) {
+    if constexpr (ALIBI) slope = p.alibi[static_cast<fg_i64>(b) * p.alibi_sb + hq] / p.scale;
+    if constexpr (SINKS) sink = p.sinks[hq];
+  }
+
+  // Row i sees keys [key_lo(i), key_hi(i)) (clipped to [0, nk); empty when lo >= hi).
+  FG_DEVICE int key_hi(int row) const {
+    if constexpr (RIGHT) return min(nk, row + diag + (WINDOW ? right : 0) + 1);
+    return nk;
+  }
+  FG_DEVICE int key_lo(int row) const {
+    if constexpr (LEFT) return max(0, row + diag - left);
+    return 0;
+  }
+  // The first key block (of bn keys) that rows from r0 on see; 0 without a left bound.
+  FG_DEVICE int block_first(int r0, int bn) const {
+    if constexpr (LEFT) return key_lo(r0) / bn;
+    return 0;
+  }
+  // One past the last key block rows [r0, r0 + rows) see (rows past nq count not); 0 when none.
+  FG_DEVICE int block_end(int r0, int rows, int bn) const {
+    if (r0 >= nq) return 0;
+    const int hi = key_hi(min(r0 + rows, nq) - 1);
+    return hi <= 0 ? 0 : ceil_div(hi, bn);
+  }
+  // Whether key block [n0, n0 + bn) holds a key past nk or one that some row of [r0, r1] does not see.
+  FG_DEVICE bool needs_mask(int n0, int bn, int r0, int r1) const {
+    bool m = n0 + bn > nk;
+    if constexpr (RIGHT) m = m || (n0 + bn - 1 > r0 + diag + (WINDOW ? right : 0));
+    if constexpr (LEFT) m = m || (n0 < r1 + diag - left);
+    return m;
+  }
+  // Row half h of S (row `row`, this thread's first column c0): what the row does not see becomes -inf.
+  template <typename F>
+  FG_DEVICE void mask(F& s, int h, int row, int c0) const {
+    if constexpr (LEFT)
+      mask_row_range(s, h, key_lo(row) - c0, key_hi(row) - c0);
+    else
+      mask_row(s, h, key_hi(row) - c0);
+  }
+  // Softcap, then ALiBi, on row half h of S (in the scale's units; see the top of this file).
+  template <typename F>
+  FG_DEVICE void transform(F& s, int h, int row, int c0) const {
+    if constexpr (SOFTCAP) {
+#pragma unroll
+      for (int nj = 0; nj < frag<F>::N8; ++nj)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = frag<F>::at(s, nj, 2 * h + e);
+          x = fast_tanh(x * cap_in);
+        }
+    }
+    if constexpr (ALIBI) {
+      const float base = static_cast<float>(c0 - row - diag);  // o of this thread's first column
+#pragma unroll
+      for (int nj = 0; nj < frag<F>::N8; ++nj)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = frag<F>::at(s, nj, 2 * h + e);
+          x = fmaf(-slope, fabsf(base + static_cast<float>(8 * nj + e)), x);
+        }
+    }
+  }
+  // The end of a row: m its (unscaled) max, l its quad-summed row sum. 1 / l and the LSE (natural
+  // units); with a sink, exp(sink) joins l under the larger of the two maxima, and a row that saw no
+  // key gives 0 and LSE = sink.
+  FG_DEVICE void finish(float m, float l, float scale, float& inv, float& lse) const {
+    if constexpr (SINKS) {
+      const float mn = l > 0.f ? m * scale : -INFINITY;
+      const float top = fmaxf(mn, sink);
+      const float a = __expf(mn - top);
+      const float total = l * a + __expf(sink - top);
+      inv = a / total;
+      lse = top + logf(total);
+    } else {
+      inv = row_inv(l);
+      lse = row_lse(m, l, scale);
+    }
+  }
+};
