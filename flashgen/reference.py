@@ -63,22 +63,30 @@ def reference(q, k, v, causal, scale, dtype=None, *, window=None, softcap=0.0, a
     return out.float(), lse
 
 
-def tolerance(q, k, v, causal, scale):
-    """(fp32 reference output, allowed max error) for bhsd inputs in their own dtype."""
-    ref, _ = reference(q, k, v, causal, scale)
-    low, _ = reference(q, k, v, causal, scale, q.dtype)
+def tolerance(q, k, v, causal, scale, **variant):
+    """(fp32 reference output, allowed max error) for bhsd inputs in their own dtype; ``variant``:
+    ``reference``'s window, softcap, alibi_slopes, sinks."""
+    ref, _ = reference(q, k, v, causal, scale, **variant)
+    low, _ = reference(q, k, v, causal, scale, q.dtype, **variant)
     return ref, 2 * (low - ref).abs().max().item() + 1e-5
 
 
-def grad_tolerance(q, k, v, dout, causal, scale):
-    """(fp32 reference gradients [dq, dk, dv], allowed max error of each) for bhsd inputs and the
-    output gradient ``dout``: autograd through ``reference`` on upcast inputs, the allowance 3x the
-    max error of the same gradients computed in the input dtype, + 1e-5."""
+def grad_tolerance(q, k, v, dout, causal, scale, **variant):
+    """(fp32 reference gradients [dq, dk, dv] (and dsinks with ``sinks``), allowed max error of each) for
+    bhsd inputs and the output gradient ``dout``: autograd through ``reference`` on upcast inputs (fp32
+    leaves, the sinks' too), the allowance 3x the max error of the same gradients computed in the input
+    dtype (the sinks as given: a bf16 parameter's gradient is bf16, rounding included), + 1e-5.
+    ``variant``: ``reference``'s window, softcap, alibi_slopes, sinks."""
     import torch
 
     def grads(dtype):
         leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
-        out = reference(*leaves, causal, scale, dtype)[0].to(dtype)
+        extra = dict(variant)
+        if variant.get("sinks") is not None:
+            sinks = variant["sinks"].detach()
+            extra["sinks"] = (sinks.float() if dtype == torch.float32 else sinks.clone()).requires_grad_(True)
+            leaves.append(extra["sinks"])
+        out = reference(*leaves[:3], causal, scale, dtype, **extra)[0].to(dtype)
         out.backward(dout.to(dtype))
         return [t.grad.float() for t in leaves]
 

@@ -38,7 +38,8 @@ def _f(default, token: str = "", kinds: tuple = (), doc: str = "", optional: boo
 
 
 _SM90 = ("fwd_sm90",)
-_VARIANTS = ("fwd_sm90", "fwd_v2")  # the kinds that implement templates/common/variant.cuh
+# The kinds that implement templates/common/variant.cuh.
+_VARIANTS = ("fwd_sm90", "fwd_v2", "bwd_sm90", "bwd_dkdv", "bwd_dkdv_nodq", "bwd_dq")
 
 
 @dataclass(frozen=True)

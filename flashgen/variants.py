@@ -168,18 +168,26 @@ class Variant:
         return [n for n, on in (("window", self.windowed), ("softcap", self.softcap > 0),
                                 ("alibi_slopes", self.alibi), ("sinks", self.sinks)) if on]
 
-    def values(self, nq: int, nk: int, scale: float) -> dict:
+    def values(self, nq: int, nk: int, scale: float, forward: bool = True) -> dict:
         """The launch parameters of templates/common/variant.cuh: the window's sides (an unbounded one
         as a bound no row reaches: left nk, right nq; both clipped there, so that no index sum leaves
         int32 while nq + nk does not) and, with a softcap c, the factor ``scale / c`` before the tanh
-        and c in place of the softmax's scale (``scale`` and ``scale_log2``: the kernel's scores are
-        then tanh values, and c times one is the capped score)."""
+        and c in place of the softmax's scale (``scale_log2``, and for the ``forward`` its LSE's
+        ``scale``: the kernel's scores are then tanh values, and c times one is the capped score; the
+        backward keeps the softmax's scale for the gradients)."""
         left = nk if self.left == UNBOUNDED else min(self.left, nk)
         right = 0 if self.causal else (nq if self.right == UNBOUNDED else min(self.right, nq))
         out = {"win_left": left, "win_right": right, "cap_in": 0.0}
         if self.softcap:
-            out.update(cap_in=scale / self.softcap, scale=self.softcap, scale_log2=self.softcap * math.log2(math.e))
+            out.update(cap_in=scale / self.softcap, scale_log2=self.softcap * math.log2(math.e))
+            if forward:
+                out["scale"] = self.softcap
         return out
+
+    def backward(self) -> "Variant":
+        """The variant of the backward's kernels: the sinks are the torch layer's (their gradient comes
+        from the LSE and D, and the LSE already holds them)."""
+        return Variant(self.causal, self.left, self.right, self.softcap, self.alibi, False)
 
     def pairs(self, sq: int, sk: int) -> int:
         """The (query, key) pairs this variant's mask lets through (the FLOP count's)."""

@@ -45,9 +45,14 @@ def test_fwd_and_bwd_ops_on_fake_cuda_tensors():
         k = torch.empty(2, 50, 2, 64, dtype=BF16, device="cuda")
         out, lse = torch.ops.flashgen.attn_fwd(q, k, k, True, 0.125, "bshd", False)
         assert out.device.type == "cuda" and out.shape == q.shape and lse.shape == (2, 6, 37)
-        dq, dk, dv = torch.ops.flashgen.attn_bwd(out, q, k, k, out, lse, None, True, 0.125, "bshd", True)
-        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, k.shape)
+        dq, dk, dv, dsinks = torch.ops.flashgen.attn_bwd(out, q, k, k, out, lse, None, True, 0.125, "bshd", True)
+        assert (dq.shape, dk.shape, dv.shape, dsinks.shape) == (q.shape, k.shape, k.shape, (0,))
         assert dq.dtype == dk.dtype == dv.dtype == BF16 and dk.device.type == "cuda"
+        sinks = torch.empty(6, dtype=torch.float32, device="cuda")
+        out, lse = torch.ops.flashgen.attn_fwd(q, k, k, True, 0.125, "bshd", False, 64, 0, 30.0, None, sinks)
+        *_, dsinks = torch.ops.flashgen.attn_bwd(out, q, k, k, out, lse, None, True, 0.125, "bshd", False, 64, 0,
+                                                 30.0, None, sinks)
+        assert dsinks.shape == (6,) and dsinks.dtype == torch.float32
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

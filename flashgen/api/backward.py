@@ -26,7 +26,8 @@ from ..codegen import load
 from ..families import bwd
 from ..families.base import stride_values
 from ..problem import ProblemKey, bucket_of, bwd_head_dim_tile
-from .checks import DTYPES, dims
+from ..variants import PLAIN
+from .checks import DTYPES, dims, variant_tensors
 from .device import Device, index_of, launch_all
 
 # The dK/dV kernel spec of the last backward launched per device (study and tests: which family ran).
@@ -48,10 +49,10 @@ def _tma_ok(t: torch.Tensor) -> bool:
                                           for s, n in zip(t.stride()[:-1], t.shape[:-1]))
 
 
-def _select(kind: str, dev, dtype: str, d_tile: int, causal: bool, nq: int, specs=None):
+def _select(kind: str, dev, dtype: str, d_tile: int, causal: bool, nq: int, specs=None, variant: str = ""):
     if specs and kind in specs:
         return specs[kind]
-    key = ProblemKey(kind, dev.arch, dtype, d_tile, causal, bucket_of(nq))
+    key = ProblemKey(kind, dev.arch, dtype, d_tile, causal, bucket_of(nq), variant)
     return dispatch.select(key, dev.gpu, dev.smem_budget, verify=True)
 
 
@@ -73,7 +74,8 @@ def dkdv_family(key: ProblemKey, tensors=()) -> str | None:
 
 
 def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float, layout: str = "bhsd",
-                       deterministic: bool = False, dlse=None, dq_mode: str | None = None, specs=None):
+                       deterministic: bool = False, dlse=None, dq_mode: str | None = None, specs=None,
+                       variant=PLAIN, alibi_slopes=None, sinks=None):
     """(dq, dk, dv) for ``out, lse = attention(q, k, v, causal, softmax_scale, layout, return_lse=True)``.
 
     q, k, v, out, lse are the forward's inputs and outputs (already checked by
@@ -87,6 +89,10 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
     ``families.bwd.DQ_MODE``; default: the rule, and always "separate" when
     deterministic) and ``specs``, a dict kind -> KernelSpec that replaces
     dispatch's choice for those kinds (key "bwd_dkdv" may hold a bwd_sm90 spec).
+
+    ``variant`` (flashgen.variants.Variant, checked by the forward) with its ``alibi_slopes`` and
+    ``sinks`` tensors: the forward's options. With sinks the result is (dq, dk, dv, dsinks): dsinks =
+    -sum over batch and rows of exp(sink - LSE) D, in the sinks' dtype.
     """
     if dout.shape != q.shape:
         raise ValueError(f"dout must have the shape of q {tuple(q.shape)}, got {tuple(dout.shape)}")
@@ -101,6 +107,10 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if not (b and h and nq and nk):
+        if sinks is not None:
+            no_keys = b and h and nq and not nk  # every row's softmax is the sink alone
+            dsinks = _dsinks_no_keys(dlse, sinks) if no_keys else torch.zeros_like(sinks)
+            return dq.zero_(), dk.zero_(), dv.zero_(), dsinks
         return dq.zero_(), dk.zero_(), dv.zero_()
     sdq, sdk, sdv = (dims(t, layout)[1] for t in (dq, dk, dv))
 
@@ -114,7 +124,9 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
         dlse = dlse.to(torch.float32).contiguous()
     dsum = torch.empty((b, h, nq_pad), dtype=torch.float32, device=q.device)
     lse2 = torch.empty((b, h, nq_pad), dtype=torch.float32, device=q.device)
-    key = ProblemKey("bwd_dkdv", dev.arch, dtype, d_tile, causal, bucket_of(nq))
+    kernel_variant = variant.backward()
+    vkey = kernel_variant.key()
+    key = ProblemKey("bwd_dkdv", dev.arch, dtype, d_tile, causal, bucket_of(nq), vkey)
     forced = specs.get("bwd_dkdv") if specs else None
     if forced is not None and forced.kind != bwd.DKDV.kind:  # a Hopper kernel: dQ always into the accumulator
         if deterministic or dq_mode == "separate":
@@ -136,6 +148,11 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
     else:
         family = dkdv_family(key, (q, k, v, dout))
         kv_spec = dispatch.select(key, dev.gpu, dev.smem_budget, verify=True, family=family)
+        if family is None and key.variant and dispatch.resource_problems(kv_spec):
+            # A variant combination the Hopper kernel's registers do not hold (bwd_sm90 at d = 128 with a
+            # softcap and a window spills): the mma.sync kernel serves it.
+            kv_spec = dispatch.select(key, dev.gpu, dev.smem_budget, verify=True,
+                                      family=families.fallback_family("bwd_dkdv", dev.arch))
     kv_fam = families.family(kv_spec.kind) if kv_spec is not None else bwd.DKDV
     if kv_fam is bwd.DKDV and dq_mode == "atomic" and b * h * nq * d_tile >= 2**32:
         # bwd_dkdv addresses the fp32 dQ accumulator by 32-bit element offsets.
@@ -143,7 +160,10 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
     separate = dq_mode == "separate"
     dq_acc = None if separate else torch.empty((b, h, nq, d_tile), dtype=torch.float32, device=q.device)
     scale = float(softmax_scale)
-    common = bwd.common_values(nq, nk, nq_pad, h, hk, d, scale)
+    slopes, alibi_sb, _ = variant_tensors(alibi_slopes, None)
+    common = {**bwd.common_values(nq, nk, nq_pad, h, hk, d, scale),
+              **kernel_variant.values(nq, nk, scale, forward=False),
+              "alibi": slopes.data_ptr() if slopes is not None else 0, "alibi_sb": alibi_sb}
 
     launches = []
     pre = load(_select("bwd_preprocess", dev, dtype, d_tile, False, nq, specs), index)
@@ -161,7 +181,8 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
             "dq_acc": (dq_acc.data_ptr(), (h * nq * d_tile, nq * d_tile, d_tile))})
         launches.append((kv, (-(-nk // kv.spec.block_n), hk, b), params))
     else:
-        kv = load(_select("bwd_dkdv_nodq", dev, dtype, d_tile, causal, nq, specs) if separate else kv_spec, index)
+        kv = load(_select("bwd_dkdv_nodq", dev, dtype, d_tile, causal, nq, specs, vkey) if separate else kv_spec,
+                  index)
         launches.append((kv, (-(-nk // kv.spec.block_n), hk, b), kv.params(
             q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), dout=dout.data_ptr(), lse2=lse2.data_ptr(),
             dsum=dsum.data_ptr(), dq_acc=dq_acc.data_ptr() if dq_acc is not None else 0, dk=dk.data_ptr(),
@@ -170,7 +191,7 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
     last_specs[index] = kv.spec
 
     if separate:
-        dqk = load(_select("bwd_dq", dev, dtype, d_tile, causal, nq, specs), index)
+        dqk = load(_select("bwd_dq", dev, dtype, d_tile, causal, nq, specs, vkey), index)
         launches.append((dqk, (-(-nq // dqk.spec.block_m), h, b), dqk.params(
             q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), dout=dout.data_ptr(), lse2=lse2.data_ptr(),
             dsum=dsum.data_ptr(), dq=dq.data_ptr(), **stride_values("q", sq), **stride_values("k", sk),
@@ -181,4 +202,17 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
             dq_acc=dq_acc.data_ptr(), dq=dq.data_ptr(), **stride_values("dq", sdq), nq=nq, heads=h, d=d, scale=scale)))
 
     launch_all(index, launches)
+    if sinks is not None:
+        # d sink = sum over rows of p_sink (dLSE - dO . O) = -sum p_sink D, p_sink = exp(sink - LSE).
+        p_sink = torch.exp(sinks.float().view(1, h, 1) - lse)  # lse: (b, h, nq) in both layouts
+        dsinks = -(p_sink * dsum[:, :, :nq]).sum(dim=(0, 2))
+        return dq, dk, dv, dsinks.to(sinks.dtype)
     return dq, dk, dv
+
+
+def _dsinks_no_keys(dlse, sinks):
+    """dsinks when there are no keys: every row's softmax is the sink alone (p_sink = 1, O = 0), so the
+    gradient is the sum of dLSE (0 without one)."""
+    if dlse is None:
+        return torch.zeros_like(sinks)
+    return dlse.float().sum(dim=(0, 2)).to(sinks.dtype)

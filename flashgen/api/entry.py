@@ -65,15 +65,14 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     check_flag("deterministic", deterministic)
     if is_compiling() or (torch.is_grad_enabled() and (getattr(q, "requires_grad", False) or
                                                         getattr(k, "requires_grad", False) or
-                                                        getattr(v, "requires_grad", False))):
+                                                        getattr(v, "requires_grad", False) or
+                                                        getattr(sinks, "requires_grad", False))):
         if algorithm != "v2":
             if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
                 raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
             raise UnsupportedError(f"algorithm={algorithm!r} is forward-only (for study); gradients need "
                                    "algorithm='v2'")
-        if window is not None or softcap != 0.0 or alibi_slopes is not None or sinks is not None:
-            raise UnsupportedError("gradients of window, softcap, alibi_slopes and sinks are not served yet: "
-                                   "call under torch.no_grad() (or with inputs that need no grad) for the forward")
-        return attention_op(q, k, v, causal, softmax_scale, layout, return_lse, deterministic, spec)
+        return attention_op(q, k, v, causal, softmax_scale, layout, return_lse, deterministic, spec, window, softcap,
+                            alibi_slopes, sinks)
     return forward(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm, window, softcap,
                    alibi_slopes, sinks)

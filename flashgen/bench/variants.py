@@ -9,7 +9,10 @@ Cases (bf16, d = 128 unless ``--d``):
 - ``softcap``: softcap 50, N = 8k, MHA 16 heads, batch 2, causal and not; anchor: the plain kernel on
   the same inputs;
 - ``alibi``: ALiBi (one slope per head), causal, N = 8k, 16 heads, batch 2;
-- ``sinks``: one sink per head, causal, N = 8k, 16 heads, batch 2 (FlexAttention has no sink: none).
+- ``sinks``: one sink per head, causal, N = 8k, 16 heads, batch 2 (FlexAttention has no sink: none);
+- ``window_bwd``, ``softcap_bwd``: forward + backward through autograd (window 4096 causal at N = 32k
+  against the dense causal kernel at 4k; softcap 50 causal at 8k against the plain kernel), FLOPs 3.5x
+  the forward's (the backward's 2.5x).
 
 TFLOP/s count only the (query, key) pairs the mask lets through: 4 B H pairs d (``Variant.pairs``).
 Each row carries ``x_plain`` (flashgen's variant over its plain kernel) and ``x_flex`` (over
@@ -38,6 +41,7 @@ class Case:
     options: dict = field(default_factory=dict)  # flashgen.attention's variant keywords (tensors made per run)
     plain_n: int = 0       # the plain anchor's seqlen (0: the case's own) ...
     plain_batch: int = 0   # ... and batch
+    grad: bool = False     # forward + backward
 
 
 CASES = (
@@ -46,6 +50,8 @@ CASES = (
     Case("softcap", 8192, 16, 16, 2, False, {"softcap": 50.0}),
     Case("alibi", 8192, 16, 16, 2, True, {"alibi_slopes": "per head"}),
     Case("sinks", 8192, 16, 16, 2, True, {"sinks": "per head"}),
+    Case("window_bwd", 32768, 32, 8, 1, True, {"window": (4096, 0)}, plain_n=4096, plain_batch=4, grad=True),
+    Case("softcap_bwd", 8192, 16, 16, 2, True, {"softcap": 50.0}, grad=True),
 )
 IMPLS = ("flashgen", "flashgen_plain", "flex")
 RATIOS = (("x_plain", "flashgen_plain"), ("x_flex", "flex"))
@@ -88,8 +94,8 @@ def _tensors(case: Case, h: int, device):
 
 
 def _flex(case: Case, q, k, v, kw):
-    """FlexAttention for the case: the window as a mask_mod (block mask), the softcap and ALiBi as a
-    score_mod, GQA through enable_gqa."""
+    """FlexAttention for the case as a function of (q, k, v) (its block mask built once, here): the
+    window as a mask_mod, the softcap and ALiBi as a score_mod, GQA through enable_gqa."""
     import torch
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -118,7 +124,22 @@ def _flex(case: Case, q, k, v, kw):
             return score - slopes[h] * (j - i - off).abs()
     fn = baselines.flex_fn()
     gqa = q.shape[1] != k.shape[1]
-    return lambda: fn(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa)
+    return lambda q_, k_, v_: fn(q_, k_, v_, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa)
+
+
+def _with_backward(run, q, k, v):
+    """``run(q, k, v)`` and its backward through autograd, on leaves that need grad (one output gradient,
+    made once)."""
+    import torch
+
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    dout = torch.randn_like(q)
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        run(*leaves).backward(dout)
+    return step
 
 
 def run(args, progress) -> dict:
@@ -146,17 +167,24 @@ def run(args, progress) -> dict:
             pq, pk, pv = rnd(pb, case.heads, pn), rnd(pb, case.kv_heads, pn), rnd(pb, case.kv_heads, pn)
         kw = _tensors(case, case.heads, q.device)
         variant = Variant.of(case.causal, kw.get("window"), kw.get("softcap", 0.0))
-        flop = {"flashgen": 4.0 * case.batch * case.heads * variant.pairs(case.n, case.n) * d,
-                "flashgen_plain": 4.0 * pb * case.heads * Variant.of(case.causal).pairs(pn, pn) * d}
+        work = 3.5 if case.grad else 1.0
+        flop = {"flashgen": work * 4.0 * case.batch * case.heads * variant.pairs(case.n, case.n) * d,
+                "flashgen_plain": work * 4.0 * pb * case.heads * Variant.of(case.causal).pairs(pn, pn) * d}
         flop["flex"] = flop["flashgen"]
         makers = {}
         for impl in settings["impls"]:
             if impl == "flashgen":
-                makers[impl] = lambda: (lambda: api.attention(q, k, v, causal=case.causal, **kw))
+                makers[impl] = (lambda: _with_backward(lambda a, b_, c: api.attention(a, b_, c, causal=case.causal, **kw),
+                                                       q, k, v)) if case.grad else \
+                    (lambda: (lambda: api.attention(q, k, v, causal=case.causal, **kw)))
             elif impl == "flashgen_plain":
-                makers[impl] = lambda: (lambda: api.attention(pq, pk, pv, causal=case.causal))
+                makers[impl] = (lambda: _with_backward(lambda a, b_, c: api.attention(a, b_, c, causal=case.causal),
+                                                       pq, pk, pv)) if case.grad else \
+                    (lambda: (lambda: api.attention(pq, pk, pv, causal=case.causal)))
+            elif case.grad:
+                makers[impl] = lambda: _with_backward(_flex(case, q, k, v, kw), q, k, v)
             else:
-                makers[impl] = lambda: _flex(case, q, k, v, kw)
+                makers[impl] = lambda: (lambda f: lambda: f(q, k, v))(_flex(case, q, k, v, kw))
         full = Variant.of(case.causal, kw.get("window"), kw.get("softcap", 0.0), "alibi_slopes" in kw, "sinks" in kw)
         for i, name in enumerate(settings["cands"], 1):
             spec = KernelSpec.from_name(name)
@@ -168,7 +196,7 @@ def run(args, progress) -> dict:
             makers[f"c{i}"] = make
             flop[f"c{i}"] = flop["flashgen"]
         measure = lambda fn: time_ms(fn, budget_s=settings["budget"], min_reps=5, max_reps=30, warmup=2)["ms"]  # noqa: E731
-        with torch.no_grad():
+        with torch.set_grad_enabled(case.grad):
             cells = time_cell(makers, settings["rounds"], measure)
         for impl, cell in cells.items():
             if "ms" in cell:

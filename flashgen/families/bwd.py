@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from ..problem import HEAD_DIM_TILES, ProblemKey, bwd_head_dim_tile
 from ..spec import DTYPES
-from .base import F32, I32, PTR, Family, strides
+from .base import F32, I32, PTR, VARIANT_PARAMS, Family, strides, variant_context
 
 ROW_PAD = 128  # the LSE2 / D buffers hold a multiple of this many rows per (batch, head)
 
@@ -71,6 +71,7 @@ DKDV_PARAMS = (
     *strides("q", "k", "v", "dout", "dk", "dv"),
     ("nq", "int", I32), ("nk", "int", I32), ("nq_pad", "int", I32), ("heads", "int", I32), ("group", "int", I32),
     ("d", "int", I32), ("scale", "float", F32), ("scale_log2", "float", F32),
+    *VARIANT_PARAMS,
 )
 
 DQ_PARAMS = (
@@ -80,6 +81,7 @@ DQ_PARAMS = (
     *strides("q", "k", "v", "dout", "dq"),
     ("nq", "int", I32), ("nk", "int", I32), ("nq_pad", "int", I32), ("heads", "int", I32), ("group", "int", I32),
     ("d", "int", I32), ("scale", "float", F32), ("scale_log2", "float", F32),
+    *VARIANT_PARAMS,
 )
 
 CONVERT_PARAMS = (
@@ -204,7 +206,7 @@ class BwdTileFamily(BwdFamily):
     def context(self, spec) -> dict:
         ctx = super().context(spec)
         sp = self.splits(spec)
-        ctx.update(wa=sp["wa"], wb=sp.get("wb", 0), wc=sp["wc"], dq_atomic=self.gemms == 5)
+        ctx.update(wa=sp["wa"], wb=sp.get("wb", 0), wc=sp["wc"], dq_atomic=self.gemms == 5, **variant_context(spec))
         return ctx
 
 

@@ -13,7 +13,7 @@ import ctypes
 from .. import tma
 from ..errors import UnsupportedError
 from ..problem import ProblemKey, bwd_head_dim_tile
-from .base import F32, I32, PTR, TMAP, Family, aligned_struct, hopper_checks, strides
+from .base import F32, I32, PTR, TMAP, VARIANT_PARAMS, Family, aligned_struct, hopper_checks, strides, variant_context
 
 # The parameter block: tensor maps first (64-byte aligned, as the C struct's alignas(64) wants),
 # Q/K/V/dO in the input dtype with 64-column boxes, and the fp32 dQ accumulator (b, h, nq, head-dim
@@ -26,6 +26,7 @@ SM90_BWD_PARAMS = (
     *strides("dk", "dv"),
     ("nq", "int", I32), ("nk", "int", I32), ("nq_pad", "int", I32), ("heads", "int", I32), ("group", "int", I32),
     ("d", "int", I32), ("scale", "float", F32), ("scale_log2", "float", F32),
+    *VARIANT_PARAMS,
 )
 
 # How dQ reaches the fp32 accumulator (KernelSpec.dq_write).
@@ -95,7 +96,8 @@ class Bwd90Family(Family):
         producer, consumer = self.regs(spec)
         return {"params": [(n, c) for n, c, _ in self.params], "param_bytes": ctypes.sizeof(self.param_struct()),
                 "producer_regs": producer or 24, "consumer_regs": consumer or 240, "dq_n": self.dq_cols(spec),
-                "staging_bytes": self.staging_bytes(spec), "dq_write_how": DQ_WRITES[spec.dq_write]}
+                "staging_bytes": self.staging_bytes(spec), "dq_write_how": DQ_WRITES[spec.dq_write],
+                **variant_context(spec)}
 
     def param_struct(self):
         return aligned_struct(self)

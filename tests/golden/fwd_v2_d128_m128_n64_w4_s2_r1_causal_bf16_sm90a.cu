@@ -232,14 +232,17 @@ FG_DEVICE void p_frag(fg_u32 (&a)[4], F& s, int kk) {
 //
 // Scores are held in the units of the softmax's scale (it multiplies by scale log2 e inside its exp2 and
 // by scale for the LSE), so the transforms work in those units. Softcap c: the score becomes
-// t = tanh(s cap_in) with cap_in = scale / c, and the host passes c as the scale (c log2 e as its log2
-// form), so that t times the scale is c tanh(scale s / c) with no multiply per score. The ALiBi slope m
-// is divided by the scale in use (the softmax's, or c). A sink (natural units) joins at the end of the
-// row (finish).
+// t = tanh(s cap_in) with cap_in = scale / c, and the host passes c log2 e as scale_log2 (and, to the
+// forward, c as the scale of its LSE), so that t times the scale is c tanh(scale s / c) with no multiply
+// per score. The ALiBi slope m is divided by the unit in use (scale_log2 ln 2: the softmax's scale, or
+// c). A sink (natural units) joins at the end of the row (finish). The backward kernels keep t: the
+// capped score's derivative is scale (1 - t^2), so dS picks up 1 - t^2 (dS_factor) and the softmax scale
+// (their parameter block's scale stays the softmax's) as before.
 //
-// The tanh runs two scores at a time in half precision (tanh.approx.f16x2: one MUFU issue for two, where
-// the exp2 that follows takes one each): its relative error, about 2^-11 like tanh.approx.f32's, plus the
-// input's rounding to f16 (2^-11 relative; tanh'(x) x / tanh(x) <= 1) keeps t within about 2^-10.
+// The tanh is tanh.approx.f32 (relative error about 2^-11). Two scores at a time in half precision
+// (tanh.approx.f16x2, one MUFU issue for two) measured no faster on the H200 (softcap 50, d = 128, N = 8k:
+// 0.68 and 0.70 of the plain kernel, causal and not, against 0.69 and 0.71 with f32) and rounds the input
+// too: docs/perf/variants.md.
 //
 // One object per (batch, head): fwd_sm90, fwd_v2 (and later the backward and decode kernels) construct it
 // from their parameter block (win_left, win_right, cap_in, cap_out, alibi, alibi_sb, sinks) and call:
@@ -250,17 +253,14 @@ FG_DEVICE void p_frag(fg_u32 (&a)[4], F& s, int kk) {
 //
 // (A softcapped kernel's parameter block carries scale = c: see the host's Variant.values.)
 //   finish                    1 / l and the LSE of a row, with the sink in the denominator
+// and, for the key-outer backward kernels, query_first / query_end (the query blocks a key block is
+// seen by); score (one element: transform and mask) and dS_factor (the softcap's 1 - t^2).
 #pragma once
 
-// tanh of a and b in half precision, one MUFU issue for both.
-FG_DEVICE void tanh_pair(float& a, float& b) {
-  fg_u32 h;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(h) : "f"(b), "f"(a));
-  asm("tanh.approx.f16x2 %0, %0;\n" : "+r"(h));
-  unsigned short lo, hi;
-  asm("mov.b32 {%0, %1}, %2;\n" : "=h"(lo), "=h"(hi) : "r"(h));
-  asm("cvt.f32.f16 %0, %1;\n" : "=f"(a) : "h"(lo));
-  asm("cvt.f32.f16 %0, %1;\n" : "=f"(b) : "h"(hi));
+FG_DEVICE float fast_tanh(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
 }
 
 // Columns of row half h outside [lo, hi), counted from this thread's first column (as mask_row).
@@ -275,7 +275,8 @@ FG_DEVICE void mask_row_range(F& s, int h, int lo, int hi) {
 
 template <bool CAUSAL, bool WINDOW, bool SOFTCAP, bool ALIBI, bool SINKS>
 struct fg_variant {
-  enum : int { RIGHT = CAUSAL || WINDOW, LEFT = WINDOW, TRANSFORMS = SOFTCAP || ALIBI, HAS_SINK = SINKS };
+  enum : int { RIGHT = CAUSAL || WINDOW, LEFT = WINDOW, TRANSFORMS = SOFTCAP || ALIBI, HAS_SINK = SINKS,
+               HAS_CAP = SOFTCAP, HAS_ALIBI = ALIBI, PLAIN = !(WINDOW || SOFTCAP || ALIBI || SINKS) };
   int nq, nk, diag, left, right;
   float cap_in, slope, sink;
 
@@ -294,7 +295,7 @@ struct fg_variant {
   // The per-(batch, head) values: the ALiBi slope (over the scale) and the head's sink.
   template <typename Params>
   FG_DEVICE void set_head(const Params& p, int b, int hq) {
-    if constexpr (ALIBI) slope = p.alibi[static_cast<fg_i64>(b) * p.alibi_sb + hq] / p.scale;
+    if constexpr (ALIBI) slope = p.alibi[static_cast<fg_i64>(b) * p.alibi_sb + hq] / (p.scale_log2 * 0.6931471805599453f);
     if constexpr (SINKS) sink = p.sinks[hq];
   }
 
@@ -338,13 +339,12 @@ struct fg_variant {
   FG_DEVICE void transform(F& s, int h, int row, int c0) const {
     if constexpr (SOFTCAP) {
 #pragma unroll
-      for (int nj = 0; nj < frag<F>::N8; ++nj) {
-        float& a = frag<F>::at(s, nj, 2 * h);
-        float& b = frag<F>::at(s, nj, 2 * h + 1);
-        a *= cap_in;
-        b *= cap_in;
-        tanh_pair(a, b);
-      }
+      for (int nj = 0; nj < frag<F>::N8; ++nj)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = frag<F>::at(s, nj, 2 * h + e);
+          x = fast_tanh(x * cap_in);
+        }
     }
     if constexpr (ALIBI) {
       const float base = static_cast<float>(c0 - row - diag);  // o of this thread's first column
@@ -357,6 +357,41 @@ struct fg_variant {
         }
     }
   }
+  // The query blocks (of bm rows; m_blocks in all) that see some key of block [n0, n0 + bn): [first, end).
+  FG_DEVICE int query_first(int n0, int bm) const {
+    if constexpr (RIGHT) return min(ceil_div(nq, bm), max(0, n0 - diag - (WINDOW ? right : 0)) / bm);
+    return 0;
+  }
+  FG_DEVICE int query_end(int n0, int bn, int bm) const {
+    const int m_blocks = ceil_div(nq, bm);
+    if constexpr (LEFT) {
+      const int last = n0 + bn - 1 - diag + left;  // the last row that sees key n0 + bn - 1
+      return last < 0 ? 0 : min(m_blocks, last / bm + 1);
+    }
+    return m_blocks;
+  }
+  // Whether row `row` sees key `key` (key < nk included).
+  FG_DEVICE bool sees(int row, int key) const {
+    bool in = key < nk;
+    if constexpr (RIGHT) in = in && key <= row + diag + (WINDOW ? right : 0);
+    if constexpr (LEFT) in = in && key >= row + diag - left;
+    return in;
+  }
+  // One score of the backward's S (raw x of query `row`, key `key`): transformed, and -inf where hidden
+  // (tested only when `masked`, a boundary block). SOFTCAP: t, the tanh value (dS_factor's argument), in
+  // t_out.
+  FG_DEVICE float score(float x, int row, int key, bool masked, float& t_out) const {
+    if constexpr (SOFTCAP) {
+      x = fast_tanh(x * cap_in);
+      t_out = x;
+    }
+    if constexpr (ALIBI) x = fmaf(-slope, fabsf(static_cast<float>(key - row - diag)), x);
+    if (masked && !sees(row, key)) x = -INFINITY;
+    return x;
+  }
+  // What dS = P (dP - D) is multiplied by for the raw score: the softcap's 1 - t^2 (1 without one).
+  FG_DEVICE static float dS_factor(float t) { return SOFTCAP ? fmaf(-t, t, 1.f) : 1.f; }
+
   // The end of a row: m its (unscaled) max, l its quad-summed row sum. 1 / l and the LSE (natural
   // units); with a sink, exp(sink) joins l under the larger of the two maxima, and a row that saw no
   // key gives 0 and LSE = sink.

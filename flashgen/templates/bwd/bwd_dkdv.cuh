@@ -15,7 +15,7 @@
 #pragma once
 
 template <int D, int BM, int BN, int NW, int ST, int WA, int WB, int WC, bool CAUSAL, bool DQ, bool BF16,
-          typename Params>
+          typename V, typename Params>
 FG_DEVICE void bwd_dkdv_body(const Params& p) {
   constexpr int NTH = NW * 32;
   // phase A tiles (rows: keys, columns: queries)
@@ -54,10 +54,10 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
   const int n0 = blockIdx.x * BN;
   const int diag = p.nk - p.nq;  // bottom-right causal alignment: query i sees keys j <= i + diag
 
-  const int m_blocks = ceil_div(p.nq, BM);
-  int m_first = 0;
-  if constexpr (CAUSAL) m_first = min(m_blocks, max(0, n0 - diag) / BM);
-  const int per_head = m_blocks - m_first;
+  // The query blocks that see this CTA's keys (the variant's rows: causal, a window; common/variant.cuh).
+  V var(p);
+  const int m_first = var.query_first(n0, BM), m_end = var.query_end(n0, BN, BM);
+  const int per_head = max(0, m_end - m_first);
   const int total = per_head * p.group;
 
   // K, V: one group of their own.
@@ -86,7 +86,7 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
     }
   };
   auto next_block = [&](int& h, int& m) {
-    if (++m == m_blocks) {
+    if (++m == m_end) {
       m = m_first;
       ++h;
     }
@@ -133,6 +133,7 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
     const int hq = hk * p.group + hc;
     const int m0 = mc * BM;
     next_block(hc, mc);
+    if constexpr (V::HAS_ALIBI) var.set_head(p, b, hq);
     const fg_u32 sQs = sQ + stage * TILE_Q, sdOs = sdO + stage * TILE_Q;
 
     // ---- A: S^T, then P^T (to shared memory), then dP^T and dS^T (to shared memory)
@@ -141,8 +142,10 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
     // so dS uses P rounded to the input dtype, as dV = P^T dO does (and as the
     // same-dtype reference does everywhere). P = 1 and P = 0 stay exact.
     {
-      const bool need_mask = (n0 + BN > p.nk) || (CAUSAL && n0 + BN - 1 > m0 + diag);
+      const bool need_mask = var.needs_mask(n0, BN, m0, m0 + BM - 1);
       fg_u32 pt[A_MT][A_NT][2];
+      // A softcap's dS factor 1 - t^2, packed like P (dS is rounded to the input dtype anyway).
+      fg_u32 cap_f[V::HAS_CAP ? A_MT : 1][V::HAS_CAP ? A_NT : 1][2];
       {
         float s[A_MT][A_NT][4];
         zero_acc(s);
@@ -156,18 +159,25 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
           for (int mi = 0; mi < A_MT; ++mi)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-              float pe[2];
+              float pe[2], cf[2] = {1.f, 1.f};
 #pragma unroll
               for (int e = 0; e < 2; ++e) {
                 float x = s[mi][nj][2 * h + e];
-                if (need_mask) {
-                  const int key = n0 + a_m0 + mi * 16 + g + 8 * h;
-                  const int qrow = m0 + ql + e;
-                  if (key >= p.nk || (CAUSAL && key > qrow + diag)) x = -INFINITY;
+                if constexpr (V::PLAIN) {
+                  if (need_mask) {
+                    const int key = n0 + a_m0 + mi * 16 + g + 8 * h;
+                    const int qrow = m0 + ql + e;
+                    if (key >= p.nk || (CAUSAL && key > qrow + diag)) x = -INFINITY;
+                  }
+                } else {
+                  float tv;
+                  x = var.score(x, m0 + ql + e, n0 + a_m0 + mi * 16 + g + 8 * h, need_mask, tv);
+                  if constexpr (V::HAS_CAP) cf[e] = V::dS_factor(tv);
                 }
                 pe[e] = fast_exp2(fmaf(x, p.scale_log2, -l2[e]));
               }
               pt[mi][nj][h] = pack2<BF16>(pe[0], pe[1]);
+              if constexpr (V::HAS_CAP) cap_f[mi][nj][h] = pack2<BF16>(cf[0], cf[1]);
             }
         }
       }
@@ -187,6 +197,12 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
             for (int h = 0; h < 2; ++h) {
               float pe[2];
               unpack2<BF16>(pt[mi][nj][h], pe[0], pe[1]);
+              if constexpr (V::HAS_CAP) {
+                float cf[2];
+                unpack2<BF16>(cap_f[mi][nj][h], cf[0], cf[1]);
+                pe[0] *= cf[0];
+                pe[1] *= cf[1];
+              }
               pt[mi][nj][h] = pack2<BF16>(pe[0] * (dp[mi][nj][2 * h] - dd[0]), pe[1] * (dp[mi][nj][2 * h + 1] - dd[1]));
             }
         }

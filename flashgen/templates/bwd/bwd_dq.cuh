@@ -9,7 +9,7 @@
 // the result does not depend on scheduling.
 #pragma once
 
-template <int D, int BM, int BN, int NW, int ST, int WA, int WC, bool CAUSAL, bool BF16, typename Params>
+template <int D, int BM, int BN, int NW, int ST, int WA, int WC, bool CAUSAL, bool BF16, typename V, typename Params>
 FG_DEVICE void bwd_dq_body(const Params& p) {
   constexpr int NTH = NW * 32;
   constexpr int A_RM = BM / WA, A_RN = BN / (NW / WA);
@@ -37,11 +37,11 @@ FG_DEVICE void bwd_dq_body(const Params& p) {
   const elem_t* k = p.k + b * p.k_sb + hk * p.k_sh;
   const elem_t* v = p.v + b * p.v_sb + hk * p.v_sh;
 
-  int n_blocks = ceil_div(p.nk, BN);
-  if constexpr (CAUSAL) {
-    const int limit = m0 + BM + diag;
-    n_blocks = limit <= 0 ? 0 : min(n_blocks, ceil_div(limit, BN));
-  }
+  // The key blocks some row of this block sees: n_first .. n_first + n_blocks - 1 (common/variant.cuh).
+  V var(p);
+  var.set_head(p, b, hq);
+  const int n_first = var.block_first(m0, BN);
+  const int n_blocks = max(0, var.block_end(m0, BM, BN) - n_first);
 
   Tile<D>::template load<BM, NTH>(sQ, p.q + b * p.q_sb + hq * p.q_sh, p.q_ss, m0, p.nq, p.d);
   Tile<D>::template load<BM, NTH>(sdO, p.dout + b * p.dout_sb + hq * p.dout_sh, p.dout_ss, m0, p.nq, p.d);
@@ -49,8 +49,8 @@ FG_DEVICE void bwd_dq_body(const Params& p) {
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) {
     if (s < n_blocks) {
-      Tile<D>::template load<BN, NTH>(sK + s * TILE_K, k, p.k_ss, s * BN, p.nk, p.d);
-      Tile<D>::template load<BN, NTH>(sV + s * TILE_K, v, p.v_ss, s * BN, p.nk, p.d);
+      Tile<D>::template load<BN, NTH>(sK + s * TILE_K, k, p.k_ss, (n_first + s) * BN, p.nk, p.d);
+      Tile<D>::template load<BN, NTH>(sV + s * TILE_K, v, p.v_ss, (n_first + s) * BN, p.nk, p.d);
     }
     cp_async_commit();
   }
@@ -85,14 +85,14 @@ FG_DEVICE void bwd_dq_body(const Params& p) {
       const int jn = j + ST - 1;
       if (jn < n_blocks) {
         const int sn = jn % ST;
-        Tile<D>::template load<BN, NTH>(sK + sn * TILE_K, k, p.k_ss, jn * BN, p.nk, p.d);
-        Tile<D>::template load<BN, NTH>(sV + sn * TILE_K, v, p.v_ss, jn * BN, p.nk, p.d);
+        Tile<D>::template load<BN, NTH>(sK + sn * TILE_K, k, p.k_ss, (n_first + jn) * BN, p.nk, p.d);
+        Tile<D>::template load<BN, NTH>(sV + sn * TILE_K, v, p.v_ss, (n_first + jn) * BN, p.nk, p.d);
       }
       cp_async_commit();
     }
     const int stage = j % ST;
     const fg_u32 sKj = sK + stage * TILE_K, sVj = sV + stage * TILE_K;
-    const int n0 = j * BN;
+    const int n0 = (n_first + j) * BN;
 
     {
       float s[A_MT][A_NT][4], dp[A_MT][A_NT][4];
@@ -100,7 +100,7 @@ FG_DEVICE void bwd_dq_body(const Params& p) {
       zero_acc(dp);
       warp_mma_t<A_MT, A_NT, D / 16, BF16>(s, sQ, qa, sKj, kb);
       warp_mma_t<A_MT, A_NT, D / 16, BF16>(dp, sdO, qa, sVj, kb);
-      const bool need_mask = (n0 + BN > p.nk) || (CAUSAL && n0 + BN - 1 > m0 + diag);
+      const bool need_mask = var.needs_mask(n0, BN, m0, m0 + BM - 1);
 #pragma unroll
       for (int mi = 0; mi < A_MT; ++mi)
 #pragma unroll
@@ -108,14 +108,20 @@ FG_DEVICE void bwd_dq_body(const Params& p) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int h = e >> 1;
-            float x = s[mi][nj][e];
-            if (need_mask) {
-              const int qrow = m0 + a_m0 + mi * 16 + g + 8 * h;
-              const int key = n0 + a_n0 + nj * 8 + 2 * t + (e & 1);
-              if (key >= p.nk || (CAUSAL && key > qrow + diag)) x = -INFINITY;
+            float x = s[mi][nj][e], cf = 1.f;
+            if constexpr (V::PLAIN) {
+              if (need_mask) {
+                const int qrow = m0 + a_m0 + mi * 16 + g + 8 * h;
+                const int key = n0 + a_n0 + nj * 8 + 2 * t + (e & 1);
+                if (key >= p.nk || (CAUSAL && key > qrow + diag)) x = -INFINITY;
+              }
+            } else {
+              float tv;
+              x = var.score(x, m0 + a_m0 + mi * 16 + g + 8 * h, n0 + a_n0 + nj * 8 + 2 * t + (e & 1), need_mask, tv);
+              if constexpr (V::HAS_CAP) cf = V::dS_factor(tv);
             }
             const float pe = fast_exp2(fmaf(x, p.scale_log2, -l2[mi][h]));
-            dp[mi][nj][e] = pe * (dp[mi][nj][e] - dd[mi][h]);
+            dp[mi][nj][e] = pe * cf * (dp[mi][nj][e] - dd[mi][h]);
           }
       store_acc_smem<BN, A_MT, A_NT, BF16>(sdS, dp, a_m0, a_n0);
     }

@@ -30,10 +30,13 @@
 //     DQW = 1: red.global.add.v2.f32 straight from the accumulators.
 // dK is scaled by the softmax scale at the end (dQ's scale: bwd_convert).
 //
-// Masking: keys >= nk (zero-filled by the TMA) get P = 0; causal blocks that
-// cross the diagonal are masked per element (bottom-right alignment); query
-// rows >= nq read zero Q/dO (TMA zero fill) and LSE2 = +inf, so P = dS = 0.
-// Causal: a CTA starts at the first query block that reaches its keys.
+// Masking: keys >= nk (zero-filled by the TMA) get P = 0; blocks that cross a
+// row's visible range (the causal diagonal, a window's sides: V, common/variant.cuh)
+// are masked per element (bottom-right alignment); query rows >= nq read zero
+// Q/dO (TMA zero fill) and LSE2 = +inf, so P = dS = 0. A CTA walks only the query
+// blocks that see its keys (causal: from the first that reaches them; a window's
+// left side: up to the last). A softcap's tanh value stays in S^T's registers
+// for dS's factor 1 - t^2; ALiBi has no gradient.
 //
 // Shared-memory tiles are the forward's (fwd_sm90.cuh): rows of 64 16-bit
 // elements (128 bytes) with the 128-byte swizzle (16-byte chunk c of row r at
@@ -76,7 +79,7 @@ FG_DEVICE void sts_f32x2(fg_u32 addr, float a, float b) {
 }
 
 template <int D, int BM, int BN, int ST, int DQW, bool CAUSAL, bool BF16, int PRODUCER_REGS, int CONSUMER_REGS,
-          typename Params>
+          typename V, typename Params>
 FG_DEVICE void bwd_sm90_body(const Params& p) {
   constexpr int NWG = BN / 64;            // consumer warpgroups, 64 keys each
   constexpr int PANELS = D / 64;          // 128-byte panels per row of Q, K, V, dO
@@ -111,10 +114,9 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   const int b = blockIdx.z, hk = blockIdx.y;
   const int n0 = blockIdx.x * BN;
   const int diag = p.nk - p.nq;  // bottom-right alignment: query i sees keys j <= i + diag
-  const int m_blocks = ceil_div(p.nq, BM);
-  int m_first = 0;
-  if constexpr (CAUSAL) m_first = min(m_blocks, max(0, n0 - diag) / BM);
-  const int total = (m_blocks - m_first) * p.group;  // steps: (query head of the group, query block)
+  V var(p);
+  const int m_first = var.query_first(n0, BM), m_end = var.query_end(n0, BN, BM);
+  const int total = max(0, m_end - m_first) * p.group;  // steps: (query head of the group, query block)
 
   if (tid == 0) {
     tma_prefetch_map(&p.tm_q);
@@ -159,7 +161,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
         for (int pn = 0; pn < PANELS; ++pn)
           tma_load_4d(sdO + s * QT_BYTES + pn * BM * 128, &p.tm_do, bar_do(s), pn * 64, m0, hq, b);
         bulk_load(sDd + s * BM * 4, p.dsum + row, BM * 4, bar_do(s));
-        if (++qm == m_blocks) {
+        if (++qm == m_end) {
           qm = m_first;
           ++qh;
         }
@@ -205,10 +207,11 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   for (int it = 0; it < total; ++it) {
     const int s = it % ST, ph = (it / ST) & 1;
     const int hq = hk * p.group + hc, m0 = mc * BM;
-    if (++mc == m_blocks) {
+    if (++mc == m_end) {
       mc = m_first;
       ++hc;
     }
+    if constexpr (V::HAS_ALIBI) var.set_head(p, b, hq);
     const fg_u64 so = static_cast<fg_u64>((s * QT_BYTES) >> 4);  // stage offset of Q / dO descriptors
     const fg_u32 buf = static_cast<fg_u32>(it & 1) * DS_BYTES;
 
@@ -235,7 +238,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
     reg_fence(acc_s);
     fg_u32 pa[KS][4], da[KS][4];
     {
-      const bool need_mask = key0 + 64 > p.nk || (CAUSAL && key0 + 63 > m0 + diag);
+      const bool need_mask = var.needs_mask(key0, 64, m0, m0 + BM - 1);
 #pragma unroll
       for (int nj = 0; nj < NJ; ++nj) {
         float l2[2];
@@ -246,10 +249,16 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             float x = acc_s[4 * nj + 2 * h + e];
-            if (need_mask) {
-              const int key = key0 + krow + 8 * h;
-              const int q = m0 + 8 * nj + 2 * t + e;
-              if (key >= p.nk || (CAUSAL && key > q + diag)) x = -INFINITY;
+            if constexpr (V::PLAIN) {
+              if (need_mask) {
+                const int key = key0 + krow + 8 * h;
+                const int q = m0 + 8 * nj + 2 * t + e;
+                if (key >= p.nk || (CAUSAL && key > q + diag)) x = -INFINITY;
+              }
+            } else {
+              float tv;
+              x = var.score(x, m0 + 8 * nj + 2 * t + e, key0 + krow + 8 * h, need_mask, tv);
+              if constexpr (V::HAS_CAP) acc_s[4 * nj + 2 * h + e] = tv;  // for dS's 1 - t^2
             }
             pe[e] = fast_exp2(fmaf(x, p.scale_log2, -l2[e]));
           }
@@ -268,6 +277,10 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
       for (int h = 0; h < 2; ++h) {
         float pe[2];
         unpack2<BF16>(pa[nj / 2][2 * (nj % 2) + h], pe[0], pe[1]);
+        if constexpr (V::HAS_CAP) {
+          pe[0] *= V::dS_factor(acc_s[4 * nj + 2 * h]);
+          pe[1] *= V::dS_factor(acc_s[4 * nj + 2 * h + 1]);
+        }
         da[nj / 2][2 * (nj % 2) + h] =
             pack2<BF16>(pe[0] * (acc_dp[4 * nj + 2 * h] - dd[0]), pe[1] * (acc_dp[4 * nj + 2 * h + 1] - dd[1]));
       }
