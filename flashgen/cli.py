@@ -24,6 +24,7 @@ from .tuner.run import add_arguments as add_tune_arguments
 from .tuner.run import tune
 from .version import __version__
 from .spec import ARCHS, DTYPES
+from .variants import Variant
 
 
 def _spec_args(p: argparse.ArgumentParser) -> None:
@@ -36,6 +37,11 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
                    help="problem kind or kernel family (default fwd: the forward dispatch picks, any family; "
                         "fwd_v2 / fwd_sm90: the forward restricted to that family)")
     p.add_argument("--seqlen", type=int, default=4096, help="query length, for the tuned table's bucket")
+    p.add_argument("--window", default=None, metavar="LEFT,RIGHT",
+                   help="sliding window (flashgen.attention's window=; -1 unbounded): the windowed kernel")
+    p.add_argument("--softcap", type=float, default=0.0, help="a softcap (> 0): the softcapped kernel")
+    p.add_argument("--alibi", action="store_true", help="the ALiBi kernel")
+    p.add_argument("--sinks", action="store_true", help="the kernel with learned sinks")
     for name in ("block-m", "block-n", "warps", "stages"):
         p.add_argument(f"--{name}", type=int, help=f"override the {name.replace('-', '_')} the rule picks")
 
@@ -52,8 +58,26 @@ def spec_from_args(args):
         problem, family = families.family(args.kind).serves, args.kind
     if family is not None and family not in families.serving(problem, arch):
         raise FlashgenError(f"--kind {family} does not run on {arch}")
-    key = families.problem_key(problem, arch, args.dtype, args.d, args.causal, args.seqlen)
-    spec = dispatch.select(key, args.gpu, budget, family=family)
+    window = None
+    if args.window is not None:
+        try:
+            window = tuple(int(x) for x in str(args.window).split(","))
+        except ValueError:
+            raise FlashgenError(f"--window {args.window!r}: LEFT,RIGHT (ints, -1 unbounded)") from None
+    try:
+        variant = Variant.of(args.causal, window, args.softcap, args.alibi, args.sinks)
+    except ValueError as exc:
+        raise FlashgenError(f"--window/--softcap: {exc}") from None
+    if not variant.plain and problem != "fwd" and not problem.startswith("bwd_d"):
+        raise FlashgenError(f"--kind {args.kind}: the variant options are the forward's and the backward's")
+    if problem.startswith("bwd"):
+        variant = variant.backward()
+    key = families.problem_key(problem, arch, args.dtype, args.d, variant.causal, args.seqlen)
+    key = key.replace(variant=variant.key())
+    try:
+        spec = dispatch.select(key, args.gpu, budget, family=family)
+    except (TypeError, ValueError) as exc:
+        raise FlashgenError(f"{args.kind}: {exc}") from None
     # "is not None": an explicit 0 must reach validate() and be refused, not be dropped as falsy.
     overrides = {f: getattr(args, f) for f in ("block_m", "block_n", "warps", "stages")
                  if getattr(args, f) is not None}

@@ -195,3 +195,26 @@ class Variant:
 
 
 PLAIN = Variant()
+
+# What a tuning run (and the tuner's check) measures a variant key at: a key holds the variant's switches,
+# not its values. The window: 4096 keys back (Mistral's, gpt-oss's), a quarter of the length where that
+# is shorter (so that the window bites at every bucket), as far ahead without causal; the softcap: 50
+# (Gemma 2's attention cap).
+TUNING_WINDOW = 4096
+TUNING_SOFTCAP = 50.0
+
+
+def key_flags(text: str) -> dict:
+    """The spec fields a problem key's ``variant`` sets (``is_key_variant`` text)."""
+    tokens = text.split("_") if text else []
+    return {f: t in tokens for f, t in KEY_TOKENS}
+
+
+def tuning_variant(key_variant: str, causal: bool, seqlen: int) -> Variant:
+    """The variant a tuning run measures ``key_variant`` at, for sequences of ``seqlen``."""
+    flags = key_flags(key_variant)
+    window = None
+    if flags["window"]:
+        side = max(1, min(TUNING_WINDOW, seqlen // 4))
+        window = (side, 0 if causal else side)
+    return Variant.of(causal, window, TUNING_SOFTCAP if flags["softcap"] else 0.0, flags["alibi"], flags["sinks"])

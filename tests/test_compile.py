@@ -24,6 +24,7 @@ from flashgen.spec import DTYPES
 from build_util import clean_binary
 
 ARCHES = ("sm_80", "sm_90a")
+BUDGET_OF = gpus.ARCH_SMEM_PER_BLOCK
 # Every spec a default rule can give dispatch, per arch (forward, decode split and combine, backward,
 # the study families; the backward's mma.sync fallback on sm_90a).
 SPECS = [s for arch in ARCHES for s in families.rule_specs(arch, gpus.ARCH_SMEM_PER_BLOCK[arch])]
@@ -36,7 +37,21 @@ BULK_SPECS = sorted({s.replace(kv_load=h).validate() for s in SPECS
 SHIPPED_SPECS = sorted({e["spec"] for gpu in tables.shipped_gpus()
                         for e in tables.load(tables.shipped_path(gpu), gpu=gpu).entries.values()},
                        key=lambda s: s.name)
-ALL_SPECS = list(dict.fromkeys(SPECS + BULK_SPECS + SHIPPED_SPECS))  # each spec once, in that order
+# A sample of the variant kernels dispatch picks (flashgen.variants; a key's variant rides on the plain
+# rule's tile): the forward's with a window and with all four switches, on both arches; the mma.sync
+# backward's with a window, a softcap and ALiBi together (every dK/dV and dQ kernel); the Hopper backward's
+# with one switch each (its window + softcap pair at d = 128 spills and falls back to the mma.sync kernel:
+# flashgen.api.backward).
+VARIANT_SPECS = sorted(
+    {families.default_spec(ProblemKey("fwd", arch, "bf16", d, c, 512, v), BUDGET_OF[arch])
+     for arch in ARCHES for d in (64, 128) for c in (False, True) for v in ("win", "win_cap_alibi_sink")}
+    | {families.default_spec(ProblemKey(kind, "sm_90a", "bf16", 128, c, 512, "win_cap_alibi"), BUDGET_OF["sm_90a"],
+                             family=fam)
+       for kind, fam in (("bwd_dkdv", "bwd_dkdv"), ("bwd_dkdv_nodq", None), ("bwd_dq", None)) for c in (False, True)}
+    | {families.default_spec(ProblemKey("bwd_dkdv", "sm_90a", "bf16", d, True, 512, v), BUDGET_OF["sm_90a"],
+                             family="bwd_sm90") for d in (64, 128) for v in ("win", "cap")},
+    key=lambda s: s.name)
+ALL_SPECS = list(dict.fromkeys(SPECS + BULK_SPECS + SHIPPED_SPECS + VARIANT_SPECS))  # each spec once, in that order
 BUDGET = gpus.ARCH_SMEM_PER_BLOCK
 BASELINE_KINDS = (*standard.KINDS, fwd_v1.KIND)
 

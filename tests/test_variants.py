@@ -175,3 +175,154 @@ def test_the_sinks_gradient_is_the_derivative():
     assert torch.autograd.gradcheck(
         lambda s: (reference(q, k, v, True, 0.5, torch.float64, window=(2, 0), sinks=s)[0] * dout).sum(), (sinks,),
         eps=1e-3, atol=1e-3, rtol=1e-3)
+
+
+# ---------------------------------------------------------------- the kernels' side, without a GPU
+
+
+def _kernel_block_range(m0, bm, bn, sq, sk, left, right):
+    """templates/common/variant.cuh's block_first / block_end, transcribed: the host's encoding of the
+    window (Variant.values) and the device's integer arithmetic."""
+    causal = right == 0
+    v = variants.Variant.of(causal, (left, right) if (left, right) != (U, U) else None)
+    vals = v.values(sq, sk, 1.0)
+    diag = sk - sq
+    has_right, has_left = v.causal or v.windowed, v.windowed
+    r = vals["win_right"] if v.windowed else 0
+
+    def key_lo(row):
+        return max(0, row + diag - vals["win_left"]) if has_left else 0
+
+    def key_hi(row):
+        return min(sk, row + diag + r + 1) if has_right else sk
+
+    if m0 >= sq:
+        return 0, 0
+    first = key_lo(m0) // bn
+    hi = key_hi(min(m0 + bm, sq) - 1)
+    end = 0 if hi <= 0 else -(-hi // bn)
+    return first, max(first, end)
+
+
+def test_the_kernels_block_range_matches_the_definition():
+    """The device's block range (with the host's encoding of unbounded sides as nk / nq) visits every key
+    block holding a visible key and, where it visits any, starts and ends where variants.block_range
+    does: the same keys, computed by the kernels' integer formulas."""
+    for sq, sk in ((1, 1), (113, 203), (239, 1), (1, 239), (799, 3), (300, 300)):
+        for left, right in [(U, U), (0, 0), (256, 0), (100, 37), (U, 64), (5, 2), (3, U)]:
+            for bm, bn in ((64, 64), (128, 128), (192, 128)):
+                for m0 in range(0, sq, bm):
+                    first, end = _kernel_block_range(m0, bm, bn, sq, sk, left, right)
+                    want = variants.block_range(m0, bm, bn, sq, sk, left, right)
+                    if want == (0, 0):
+                        assert end <= first or all(
+                            not variants.visible(i, j, sq, sk, left, right)
+                            for i in range(m0, min(m0 + bm, sq)) for j in range(first * bn, min(end * bn, sk)))
+                    else:
+                        assert (first, end) == want, (sq, sk, left, right, bm, bn, m0)
+
+
+def test_variant_normalizes_and_encodes():
+    """A non-causal window whose right side is 0 is the causal kernel's mask; unbounded sides become
+    bounds no row reaches (clipped so that index sums stay in int32); a softcap replaces the scale the
+    forward's LSE uses (the backward keeps the softmax's)."""
+    v = variants.Variant.of(False, (-1, 0))
+    assert v.causal and not v.windowed and v.plain and v.key() == ""
+    w = variants.Variant.of(True, (4096, 17))
+    assert (w.left, w.right, w.windowed, w.key()) == (4096, 0, True, "win")
+    assert w.values(100, 200, 0.125) == {"win_left": 200, "win_right": 0, "cap_in": 0.0}
+    u = variants.Variant.of(False, (5, -1), 30.0, True, True)
+    vals = u.values(100, 200, 0.125)
+    assert vals["win_left"] == 5 and vals["win_right"] == 100 and vals["cap_in"] == 0.125 / 30.0
+    assert vals["scale"] == 30.0 and vals["scale_log2"] == pytest.approx(30.0 * math.log2(math.e))
+    assert "scale" not in u.values(100, 200, 0.125, forward=False)
+    assert u.key() == "win_cap_alibi_sink" and u.backward().key() == "win_cap_alibi"
+    assert u.names() == ["window", "softcap", "alibi_slopes", "sinks"]
+    assert variants.Variant.of(True).pairs(4, 4) == 10
+
+
+def test_check_variant_inputs_refuses_bad_tensors():
+    """Slopes and sinks of the wrong type, dtype, shape or device raise before anything runs."""
+    from flashgen.api.checks import check_variant_inputs, variant_tensors
+
+    q = torch.empty(2, 4, 8, 64, dtype=torch.bfloat16)
+    ok = check_variant_inputs(q, False, (8, 8), 0.0, torch.ones(4), torch.ones(4, dtype=torch.bfloat16), 2, 4, 8, 8)
+    assert ok[0].key() == "win_alibi_sink"
+    bad = [
+        (dict(alibi_slopes=[1.0] * 4), TypeError), (dict(alibi_slopes=torch.ones(4, dtype=torch.float16)), TypeError),
+        (dict(alibi_slopes=torch.ones(3)), ValueError), (dict(alibi_slopes=torch.ones(4, 2)), ValueError),
+        (dict(alibi_slopes=torch.ones(4, device="meta")), ValueError),
+        (dict(sinks=torch.ones(2, 4)), ValueError), (dict(sinks=torch.ones(4, dtype=torch.float16)), TypeError),
+        (dict(window=(-3, 1)), ValueError), (dict(softcap=float("inf")), ValueError),
+    ]
+    for kwargs, exc in bad:
+        args = {"window": None, "softcap": 0.0, "alibi_slopes": None, "sinks": None, **kwargs}
+        with pytest.raises(exc):
+            check_variant_inputs(q, False, args["window"], args["softcap"], args["alibi_slopes"], args["sinks"],
+                                 2, 4, 8, 8)
+    slopes, sb, sinks = variant_tensors(torch.ones(2, 4).t().contiguous().t(), torch.ones(4, dtype=torch.bfloat16))
+    assert slopes.is_contiguous() and sb == 4 and sinks.dtype == torch.float32
+    assert variant_tensors(torch.ones(4), None)[1] == 0
+
+
+def test_a_variant_key_takes_the_plain_entry_tile(tmp_path, monkeypatch):
+    """Dispatch: a variant key without a table entry of its own runs the plain key's tuned tile with the
+    variant's switches; an entry of its own wins; a table entry whose spec does not match its key's
+    variant is refused."""
+    from flashgen import ConfigError, dispatch, tables
+    from flashgen.families import fwd_sm90
+    from flashgen.problem import ProblemKey
+
+    monkeypatch.setenv("FLASHGEN_HOME", str(tmp_path))
+    plain = ProblemKey("fwd", "sm_90a", "bf16", 128, True, 4096)
+    gpu = "h200"
+    try:
+        dispatch.clear()
+        shipped = tables.lookup(gpu, plain)
+        got = dispatch.select(plain.replace(variant="win_cap"), gpu, 232448)
+        assert got == shipped.replace(window=True, softcap=True)
+        own = fwd_sm90.variant(128, True, "ws_pp_s3").replace(window=True, softcap=True).validate()
+        table = tables.Table(meta={**tables.load(tables.shipped_path(gpu), gpu=gpu).meta}, entries={
+            plain.replace(variant="win_cap"): {"spec": own, "time_ms": 1.0, "source": "measured"}})
+        path = tables.default_path(gpu)
+        tables.save(table, path)
+        dispatch.clear()
+        assert dispatch.select(plain.replace(variant="win_cap"), gpu, 232448) == own
+        text = path.read_text()
+        assert "variant: win_cap" in text
+        path.write_text(text.replace("variant: win_cap", "variant: win"))
+        dispatch.clear()
+        with pytest.raises(ConfigError, match="variant"):
+            tables.load(path, gpu=gpu)
+        path.write_text(text.replace("variant: win_cap", "variant: cap_win"))
+        with pytest.raises(ConfigError, match="variant"):
+            tables.load(path, gpu=gpu)
+    finally:
+        dispatch.clear()
+
+
+def test_tuner_keys_and_specs_carry_the_variant():
+    """``tune --variant``: the keys carry it, the candidates have its switches, the FLOP count follows
+    the window's band (a 4096-key window at 16k: about a quarter of the causal pairs)."""
+    from flashgen import gpus
+    from flashgen.tuner import space
+
+    keys = space.problem_keys("fwd", "sm_90a", ["bf16"], [128], [True], [16384], ["", "win"])
+    assert [k.variant for k in keys] == ["", "win"]
+    cands = space.candidates(keys[1], gpus.get("h200"))
+    assert cands and all(s.window and not s.softcap for s in cands)
+    assert space.key_name(keys[1]).endswith("-win")
+    ratio = space.key_flops(keys[1]) / space.key_flops(keys[0])
+    assert 0.4 < ratio < 0.5  # 4097 of ~8192 keys on average per row, against half of 16384
+
+
+def test_cli_emit_prints_the_variant_kernel(capsys):
+    """``flashgen emit`` with the variant options prints that kernel; a bad option is one line, exit 2."""
+    from cli_util import run_main
+
+    code, out, _ = run_main(capsys, "emit", "--d", "128", "--causal", "--window", "4096,0", "--softcap", "30",
+                            "--sinks")
+    assert code == 0 and "_win_cap_sink_causal_bf16_sm90a" in out.splitlines()[1]
+    for bad in (["--window", "5"], ["--softcap", "-1"], ["--kind", "decode_split", "--alibi"]):
+        code, _, err = run_main(capsys, "emit", "--d", "128", *bad)
+        assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err

@@ -29,6 +29,7 @@ from ..bench.timing import time_ms
 from ..codegen import build
 from ..errors import CompileError
 from ..reference import grad_tolerance, tolerance
+from .. import variants
 from . import cost, space
 
 STATUSES = ("ok", "constraint", "compile_error", "launch_error", "wrong")
@@ -88,6 +89,31 @@ class ModelObjective:
 
 # The screening timer of one trial (``bench.timing.time_ms``): a short budget per trial.
 TIMING = {"budget_s": 0.05, "min_reps": 5, "max_reps": 30, "warmup": 2}
+
+
+def _spec_variant(spec) -> str:
+    """The problem-key variant of a spec's switches."""
+    return "_".join(t for f, t in variants.KEY_TOKENS if getattr(spec, f, False))
+
+
+def variant_kwargs(key_variant: str, causal: bool, n: int, b: int, h: int, device) -> dict:
+    """``flashgen.attention``'s variant keywords for a tuning measurement of ``key_variant`` (the
+    window and softcap of ``variants.tuning_variant``; geometric ALiBi slopes; random sinks)."""
+    import torch
+
+    if not key_variant:
+        return {}
+    v = variants.tuning_variant(key_variant, causal, n)
+    kw: dict = {}
+    if v.windowed:
+        kw["window"] = (v.left, v.right)
+    if v.softcap:
+        kw["softcap"] = v.softcap
+    if v.alibi:
+        kw["alibi_slopes"] = torch.tensor([2.0 ** (-8.0 * (i + 1) / h) for i in range(h)], device=device)
+    if v.sinks:
+        kw["sinks"] = torch.randn(h, device=device, dtype=torch.float32)
+    return kw
 
 
 def median_ms(fn) -> float:
@@ -166,8 +192,9 @@ class MeasuredObjective:
         for nq, nk in ((203, 317), (317, 203), (1, 77)):
             q = torch.randn(2, 4, nq, d, device=dev, dtype=dtype)
             k, v = (torch.randn(2, 2, nk, d, device=dev, dtype=dtype) for _ in range(2))
-            out = attention(q, k, v, causal=spec.causal, spec=spec)
-            ref, tol = tolerance(q, k, v, spec.causal, d ** -0.5)
+            kw = variant_kwargs(_spec_variant(spec), spec.causal, max(nq, nk), 2, 4, dev)
+            out = attention(q, k, v, causal=spec.causal, spec=spec, **kw)
+            ref, tol = tolerance(q, k, v, spec.causal, d ** -0.5, **kw)
             err = (out.float() - ref).abs().max().item()
             if not err <= tol:  # NaN fails too
                 return f"max error {err:.3e} > {tol:.3e} at nq={nq}, nk={nk}, d={d}"
@@ -212,7 +239,8 @@ class MeasuredObjective:
             self._inputs[sig] = tuple(torch.randn(b, h, n, d, device=self.device, dtype=dtype)
                                       for _ in range(3))
         q, k, v = self._inputs[sig]
-        return median_ms(lambda: attention(q, k, v, causal=key.causal, spec=spec))
+        kw = variant_kwargs(key.variant, key.causal, n, b, h, self.device)
+        return median_ms(lambda: attention(q, k, v, causal=key.causal, spec=spec, **kw))
 
     def _time_backward(self, key, spec) -> float:
         """One whole backward at the key's shape, ``spec`` forced for the key's kind."""

@@ -26,7 +26,7 @@ import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from .. import dispatch, families, gpus, settings, tables
+from .. import dispatch, families, gpus, settings, tables, variants
 from ..codegen import build
 from ..errors import CompileError, FlashgenError
 from ..problem import BUCKETS
@@ -163,7 +163,18 @@ def parse_scope(args):
     for n in buckets:
         if n not in BUCKETS:
             raise FlashgenError(f"--seqlens {n}: tuned lengths are the buckets {BUCKETS}")
-    return profile, space.problem_keys(args.kind, profile.arch, dtypes, ds, causals, buckets), only
+    text = getattr(args, "variant", None)
+    variant_list = [("" if v == "none" else v) for v in _csv(text, str, "variant")] if text else [""]
+    for v in variant_list:
+        if not variants.is_key_variant(v):
+            raise FlashgenError(f"--variant {v!r}: 'none' or variant tokens joined by '_' (win, cap, alibi, sink, "
+                                "in that order)")
+        if v and (args.kind == "bwd" or space.is_backward(args.kind)):
+            raise FlashgenError("--variant: the backward's variants are not tuned (they run on the plain "
+                                "problem's tiles)")
+        if v and only is None and args.kind != "fwd":
+            raise FlashgenError(f"--variant: only the forward's keys take a variant, not --kind {args.kind}")
+    return profile, space.problem_keys(args.kind, profile.arch, dtypes, ds, causals, buckets, variant_list), only
 
 
 # For the time estimate only: the fraction of the datasheet tensor rate the searched kernels run
@@ -467,6 +478,10 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default="bf16", help="fp16, bf16 or both comma-separated (default bf16)")
     p.add_argument("--causal", default="both", help="both (default), true or false")
     p.add_argument("--seqlens", default=None, help=f"seqlen buckets to tune (default all: {BUCKETS})")
+    p.add_argument("--variant", default=None,
+                   help="forward variants to tune, comma-separated: 'none' (plain) or tokens joined by '_' "
+                        "(win, cap, alibi, sink; e.g. none,win,cap); a window is measured at 4096 keys (a "
+                        "quarter of the length below 16k), a softcap at 50 (default: plain only)")
     p.add_argument("--kind", default="fwd", help="problem kind (default fwd: every forward family the GPU runs, "
                                                   "fwd_v2 and on sm_90a fwd_sm90); fwd_v2 or fwd_sm90 restricts "
                                                   "the forward to that family; bwd: the backward's main kernel "

@@ -32,7 +32,7 @@ from __future__ import annotations
 import itertools
 
 from .. import families as registry
-from .. import iomodel
+from .. import iomodel, variants
 from ..errors import UnsupportedError
 from ..families import bwd
 from ..problem import BUCKETS, ProblemKey, bwd_head_dim_tile, head_dim_tile
@@ -69,16 +69,17 @@ def bwd_main_kind(tile: int) -> str:
     return "bwd_dkdv" if bwd.dq_mode(tile) == "atomic" else "bwd_dkdv_nodq"
 
 
-def problem_keys(kind: str, arch: str, dtypes, head_dims, causals, buckets=BUCKETS) -> list[ProblemKey]:
+def problem_keys(kind: str, arch: str, dtypes, head_dims, causals, buckets=BUCKETS, variants=("",)) -> list[ProblemKey]:
     """The keys of ``kind`` (a forward family's name gives "fwd" keys: restrict with ``families``;
-    "bwd" gives each head dim's ``bwd_main_kind``; a backward key kind its own keys)."""
+    "bwd" gives each head dim's ``bwd_main_kind``; a backward key kind its own keys), for each of
+    ``variants`` (problem-key variant tokens; "" plain)."""
     if kind == "bwd" or is_backward(kind):
         kinds = {t: bwd_main_kind(t) if kind == "bwd" else problem_of(kind)
                  for t in sorted({bwd_head_dim_tile(d) for d in head_dims})}
     else:
         kinds = {t: problem_of(kind) for t in sorted({head_dim_tile(d) for d in head_dims})}
-    return [ProblemKey(k, arch, dt, d, c, n)
-            for dt in dtypes for d, k in kinds.items() for c in causals for n in buckets]
+    return [ProblemKey(k, arch, dt, d, c, n, var)
+            for var in variants for dt in dtypes for d, k in kinds.items() for c in causals for n in buckets]
 
 
 def problem_shape(key: ProblemKey) -> tuple[int, int, int, int]:
@@ -91,13 +92,16 @@ def key_flops(key: ProblemKey) -> float:
     2.5 times that for a backward key (its five GEMMs against the forward's two: the papers'
     convention, also ``flashgen bench bwd``'s)."""
     b, h, n, d = problem_shape(key)
-    return iomodel.flops(b, h, n, n, d, key.causal) * (2.5 if is_backward(key.kind) else 1.0)
+    work = 2.5 if is_backward(key.kind) else 1.0
+    if key.variant:  # only the pairs the variant's mask lets through (a window at its tuning width)
+        return 4.0 * b * h * variants.tuning_variant(key.variant, key.causal, n).pairs(n, n) * d * work
+    return iomodel.flops(b, h, n, n, d, key.causal) * work
 
 
 def key_name(key: ProblemKey) -> str:
     """Readable and unique; also the Optuna study name."""
     return (f"{key.kind}-{key.arch}-{key.dtype}-d{key.head_dim}-{'causal' if key.causal else 'full'}"
-            f"-n{key.bucket}")
+            f"-n{key.bucket}" + (f"-{key.variant}" if key.variant else ""))
 
 
 def families(key: ProblemKey, only=None) -> tuple:
@@ -115,7 +119,7 @@ def make_spec(key: ProblemKey, kind: str, **knobs) -> KernelSpec:
     """The ``kind`` spec of ``key`` at one point of that family's ``tune_space`` (not validated)."""
     fam = registry.family(kind)
     return KernelSpec(kind=kind, arch=key.arch, dtype=key.dtype, head_dim=fam.tile(key), causal=key.causal,
-                      **fam.complete(knobs))
+                      **fam.complete(knobs)).with_tokens(key.variant)
 
 
 def _paper_family(key: ProblemKey) -> str:

@@ -241,8 +241,8 @@ FG_DEVICE void p_frag(fg_u32 (&a)[4], F& s, int kk) {
 //
 // The tanh is tanh.approx.f32 (relative error about 2^-11). Two scores at a time in half precision
 // (tanh.approx.f16x2, one MUFU issue for two) measured no faster on the H200 (softcap 50, d = 128, N = 8k:
-// 0.68 and 0.70 of the plain kernel, causal and not, against 0.69 and 0.71 with f32) and rounds the input
-// too: docs/perf/variants.md.
+// 0.68 and 0.70 of the plain kernel, causal and not, against 0.71-0.72 and 0.72-0.73 with f32) and rounds
+// the input too: docs/perf/variants.md.
 //
 // One object per (batch, head): fwd_sm90, fwd_v2 (and later the backward and decode kernels) construct it
 // from their parameter block (win_left, win_right, cap_in, cap_out, alibi, alibi_sb, sinks) and call:
