@@ -44,7 +44,8 @@ def _tsig(t):
 
 
 def decode(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None, v_new=None,
-           softmax_scale=None, num_splits=None, return_lse=False, check_values=True, spec=None):
+           softmax_scale=None, num_splits=None, return_lse=False, check_values=True, spec=None, *,
+           window=None, softcap=0.0, alibi_slopes=None, sinks=None):
     """Attention of new query tokens to a KV cache, split over the keys (Flash-Decoding).
 
     q: (batch, seqlen_q, heads_q, d); the new tokens are causal among themselves
@@ -74,7 +75,14 @@ def decode(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None
     ``return_lse``, the log-sum-exp of the scaled scores, fp32 (batch, heads_q,
     seqlen_q). TypeError/ValueError on bad inputs, UnsupportedError on requests
     the kernels do not serve, always before anything is launched.
+
+    ``window``, ``softcap``, ``alibi_slopes``, ``sinks`` (``flashgen.attention``'s variants) are not
+    served by the decode kernels yet: any of them raises UnsupportedError naming it.
     """
+    if window is not None or softcap != 0.0 or alibi_slopes is not None or sinks is not None:
+        named = [n for n, on in (("window", window is not None), ("softcap", softcap != 0.0),
+                                 ("alibi_slopes", alibi_slopes is not None), ("sinks", sinks is not None)) if on]
+        raise UnsupportedError(f"flashgen.decode does not serve {', '.join(named)} yet (flashgen.attention does)")
     try:
         # Flat on purpose: this tuple is built and hashed on every call (host overhead).
         sig = (q.shape, q.stride(), q.dtype, q.get_device(), k_cache.shape, k_cache.stride(), k_cache.dtype,
