@@ -103,7 +103,9 @@ def _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm="v
     dims = (b, h, hk, nq, nk, d)
     o_strides = contiguous_strides(q.shape, layout)  # the output is allocated like q
     if algorithm != "v2":
-        return baselines.plan(algorithm, spec, causal, dev, DTYPES[q.dtype], dims, (sq, sk, sv), o_strides, scale)
+        # (variant.causal: a window of (-1, 0) is the causal mask, also for the study algorithms)
+        return baselines.plan(algorithm, spec, variant.causal, dev, DTYPES[q.dtype], dims, (sq, sk, sv), o_strides,
+                              scale)
     # One problem key for the forward; the spec (tuned table, default rule or spec=) may be of any
     # forward family the arch runs, and its family decides the launch. A variant is part of the key
     # (dispatch falls back to the plain problem's tuned tile where the table has no entry for it).
