@@ -110,6 +110,9 @@ def test_load_refuses_a_non_result(tmp_path):
     (["bench", "sass", "--strict"], "needs --compare"),
     (["bench", "sass", "--compare", "/nonexistent/dir"], "cannot read an earlier sass result"),
     (["bench", "sass", "--no-tables", "--filter", "no_such_kernel_*"], "no kernel to compile"),
+    (["bench", "variants", "--cases", "nope"], "unknown nope"),
+    (["bench", "variants", "--cands", "fwd_sm90_nope"], "is not a kernel name"),
+    (["bench", "variants", "--rounds", "0"], "--rounds"),
     (["explain", "--gpu", "h200", "--d", "100", "--seqlen", "4096"], "multiples of 8"),
     (["explain", "--gpu", "h200", "--d", "64", "--seqlen", "0"], "positive"),
 ])
@@ -128,6 +131,7 @@ def test_cli_errors_are_clean(capsys, argv, message):
     ["bench", "ab", "--cands", "default", "--shapes", "1,2,128,64"],
     ["bench", "host"],
     ["bench", "startup", "--runs", "1"],
+    ["bench", "variants", "--cases", "window,sinks"],
 ])
 def test_good_options_without_a_gpu(capsys, argv):
     """Valid options get as far as the device check: one line, exit 2, no traceback."""
@@ -382,8 +386,21 @@ def _startup_result():
             "impls": ["first"], "rows": rows, "convention": "startup"}
 
 
+def _variants_result():
+    rows = []
+    for case, plain in (("window", 599.0), ("softcap_causal", 726.0), ("sinks", 714.0)):
+        row = {"case": case, "head_dim": 128, "seqlen": 8192, "results": {
+            "flashgen": _timed(1.0, 6.0e11), "flashgen_plain": _timed(1.0, plain * 1e9),
+            "flex": {"skipped": "no sinks"} if case == "sinks" else _timed(2.0, 6.0e11)}}
+        row["ratios"] = {"x_plain": 600.0 / plain, **({} if case == "sinks" else {"x_flex": 2.0})}
+        rows.append(row)
+    return {"suite": "variants", "meta": {}, "metric": "tflops", "x": "case", "panels": ["head_dim"],
+            "impls": ["flashgen", "flashgen_plain", "flex"], "ratios": ["x_plain", "x_flex"], "rows": rows,
+            "convention": "variants"}
+
+
 SYNTHETIC = {"fwd": _fwd_result, "bwd": _bwd_result, "decode": _decode_result, "ablation": _ablation_result,
-             "ab": _ab_result, "host": _host_result, "startup": _startup_result}
+             "ab": _ab_result, "host": _host_result, "startup": _startup_result, "variants": _variants_result}
 
 
 @pytest.mark.parametrize("suite", sorted(SYNTHETIC))
