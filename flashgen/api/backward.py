@@ -19,6 +19,8 @@ Used by the autograd op in ``flashgen.api.autograd``; callable directly for stud
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import dispatch, families, settings
@@ -148,7 +150,7 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
     else:
         family = dkdv_family(key, (q, k, v, dout))
         kv_spec = dispatch.select(key, dev.gpu, dev.smem_budget, verify=True, family=family)
-        if family is None and key.variant and dispatch.resource_problems(kv_spec):
+        if family is None and key.variant and _refused(kv_spec):
             # A variant combination the Hopper kernel's registers do not hold (bwd_sm90 at d = 128 with a
             # softcap and a window spills): the mma.sync kernel serves it.
             kv_spec = dispatch.select(key, dev.gpu, dev.smem_budget, verify=True,
@@ -208,6 +210,13 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
         dsinks = -(p_sink * dsum[:, :, :nq]).sum(dim=(0, 2))
         return dq, dk, dv, dsinks.to(sinks.dtype)
     return dq, dk, dv
+
+
+@functools.lru_cache(maxsize=256)
+def _refused(spec) -> bool:
+    """Whether this NVRTC's binary of ``spec`` is refused (spills): once per spec and process, not per call
+    (the check reads the disk cache: about 1 ms)."""
+    return bool(dispatch.resource_problems(spec))
 
 
 def _dsinks_no_keys(dlse, sinks):
