@@ -75,7 +75,6 @@ _ENTRY_FIELDS = frozenset((*_ENTRY_REQUIRED, "tflops", "baseline", "speedup", "r
 # A tuned table is a few hundred kilobytes (the shipped H200 table: 64 entries, 90 KB); a file far larger
 # than any table can be is refused before it is parsed.
 MAX_BYTES = 8 << 20
-_VARIANT_OFF = {"window": False, "softcap": False, "alibi": False, "sinks": False}
 
 
 @dataclass
@@ -189,7 +188,7 @@ def _spec(where, record, key, profile) -> KernelSpec:
     for name in ("arch", "dtype", "causal"):
         if getattr(spec, name) != getattr(key, name):
             raise ConfigError(where, f"spec {spec.name} does not match its key ({name}: {getattr(key, name)!r})")
-    if spec != spec.replace(**_VARIANT_OFF).with_tokens(key.variant):
+    if spec != spec.replace(**variants.VARIANT_OFF).with_tokens(key.variant):
         raise ConfigError(where, f"spec {spec.name} does not match its key (variant: {key.variant!r})")
     tile = families.family(spec.kind).tile(key)
     if spec.head_dim != tile:

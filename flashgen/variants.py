@@ -204,6 +204,20 @@ TUNING_WINDOW = 4096
 TUNING_SOFTCAP = 50.0
 
 
+def alibi_slopes(heads: int) -> list[float]:
+    """ALiBi's geometric slopes for ``heads`` heads, 2^(-8 (i + 1) / heads) (the paper's; what the tuner and
+    the benchmarks measure ALiBi with)."""
+    return [2.0 ** (-8.0 * (i + 1) / heads) for i in range(heads)]
+
+
+def spec_key(spec) -> str:
+    """The problem-key variant of a spec's switches (KEY_TOKENS); "" for a kind without them."""
+    return "_".join(t for f, t in KEY_TOKENS if getattr(spec, f, False))
+
+
+VARIANT_OFF = {f: False for f, _ in KEY_TOKENS}  # the spec fields with every switch off
+
+
 def key_flags(text: str) -> dict:
     """The spec fields a problem key's ``variant`` sets (``is_key_variant`` text)."""
     tokens = text.split("_") if text else []

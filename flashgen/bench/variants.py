@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..spec import KernelSpec
-from ..variants import Variant
+from ..variants import Variant, alibi_slopes
 from . import baselines, options
 from .registry import Suite, register
 from .timing import Skipped, add_ratios, free, meta, require_cuda, time_cell, time_ms
@@ -85,7 +85,7 @@ def _tensors(case: Case, h: int, device):
     kw = {}
     for name, value in case.options.items():
         if name == "alibi_slopes":
-            kw[name] = torch.tensor([2.0 ** (-8.0 * (i + 1) / h) for i in range(h)], device=device)
+            kw[name] = torch.tensor(alibi_slopes(h), device=device)
         elif name == "sinks":
             kw[name] = torch.randn(h, device=device, dtype=torch.float32)
         else:

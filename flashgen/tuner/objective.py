@@ -91,11 +91,6 @@ class ModelObjective:
 TIMING = {"budget_s": 0.05, "min_reps": 5, "max_reps": 30, "warmup": 2}
 
 
-def _spec_variant(spec) -> str:
-    """The problem-key variant of a spec's switches."""
-    return "_".join(t for f, t in variants.KEY_TOKENS if getattr(spec, f, False))
-
-
 def variant_kwargs(key_variant: str, causal: bool, n: int, b: int, h: int, device) -> dict:
     """``flashgen.attention``'s variant keywords for a tuning measurement of ``key_variant`` (the
     window and softcap of ``variants.tuning_variant``; geometric ALiBi slopes; random sinks)."""
@@ -110,7 +105,7 @@ def variant_kwargs(key_variant: str, causal: bool, n: int, b: int, h: int, devic
     if v.softcap:
         kw["softcap"] = v.softcap
     if v.alibi:
-        kw["alibi_slopes"] = torch.tensor([2.0 ** (-8.0 * (i + 1) / h) for i in range(h)], device=device)
+        kw["alibi_slopes"] = torch.tensor(variants.alibi_slopes(h), device=device)
     if v.sinks:
         kw["sinks"] = torch.randn(h, device=device, dtype=torch.float32)
     return kw
@@ -192,7 +187,7 @@ class MeasuredObjective:
         for nq, nk in ((203, 317), (317, 203), (1, 77)):
             q = torch.randn(2, 4, nq, d, device=dev, dtype=dtype)
             k, v = (torch.randn(2, 2, nk, d, device=dev, dtype=dtype) for _ in range(2))
-            kw = variant_kwargs(_spec_variant(spec), spec.causal, max(nq, nk), 2, 4, dev)
+            kw = variant_kwargs(variants.spec_key(spec), spec.causal, max(nq, nk), 2, 4, dev)
             out = attention(q, k, v, causal=spec.causal, spec=spec, **kw)
             ref, tol = tolerance(q, k, v, spec.causal, d ** -0.5, **kw)
             err = (out.float() - ref).abs().max().item()
