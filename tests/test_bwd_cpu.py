@@ -31,9 +31,13 @@ def test_fwd_op_fake_shapes(layout, dtype):
         q, k = meta(2, 6, 37, 72, dtype=dtype), meta(2, 2, 129, 72, dtype=dtype)
     else:
         q, k = meta(2, 37, 6, 72, dtype=dtype), meta(2, 129, 2, 72, dtype=dtype)
-    out, lse = torch.ops.flashgen.attn_fwd(q, k, k, True, 0.1, layout, False)
+    out, lse, out32 = torch.ops.flashgen.attn_fwd(q, k, k, True, 0.1, layout, False)
     assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous()
     assert lse.shape == (2, 6, 37) and lse.dtype == torch.float32
+    assert out32.shape == (0,)  # no sinks: no fp32 output
+    sinks = meta(6, dtype=torch.float32)
+    *_, out32 = torch.ops.flashgen.attn_fwd(q, k, k, True, 0.1, layout, False, -1, 0, 0.0, None, sinks, True)
+    assert out32.shape == (2, 6, 37, 72) and out32.dtype == torch.float32 and out32.is_contiguous()
 
 
 def test_fwd_and_bwd_ops_on_fake_cuda_tensors():
@@ -43,15 +47,17 @@ def test_fwd_and_bwd_ops_on_fake_cuda_tensors():
     with FakeTensorMode():
         q = torch.empty(2, 37, 6, 64, dtype=BF16, device="cuda")
         k = torch.empty(2, 50, 2, 64, dtype=BF16, device="cuda")
-        out, lse = torch.ops.flashgen.attn_fwd(q, k, k, True, 0.125, "bshd", False)
+        out, lse, _ = torch.ops.flashgen.attn_fwd(q, k, k, True, 0.125, "bshd", False)
         assert out.device.type == "cuda" and out.shape == q.shape and lse.shape == (2, 6, 37)
         dq, dk, dv, dsinks = torch.ops.flashgen.attn_bwd(out, q, k, k, out, lse, None, True, 0.125, "bshd", True)
         assert (dq.shape, dk.shape, dv.shape, dsinks.shape) == (q.shape, k.shape, k.shape, (0,))
         assert dq.dtype == dk.dtype == dv.dtype == BF16 and dk.device.type == "cuda"
         sinks = torch.empty(6, dtype=torch.float32, device="cuda")
-        out, lse = torch.ops.flashgen.attn_fwd(q, k, k, True, 0.125, "bshd", False, 64, 0, 30.0, None, sinks)
+        out, lse, out32 = torch.ops.flashgen.attn_fwd(q, k, k, True, 0.125, "bshd", False, 64, 0, 30.0, None, sinks,
+                                                      True)
+        assert out32.shape == (2, 6, 37, 64) and out32.device.type == "cuda"
         *_, dsinks = torch.ops.flashgen.attn_bwd(out, q, k, k, out, lse, None, True, 0.125, "bshd", False, 64, 0,
-                                                 30.0, None, sinks)
+                                                 30.0, None, sinks, out32)
         assert dsinks.shape == (6,) and dsinks.dtype == torch.float32
 
 

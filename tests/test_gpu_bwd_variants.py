@@ -1,7 +1,7 @@
 """GPU tier: the backward of the variants (window, softcap, ALiBi, sinks; flashgen.variants).
 
 dQ, dK, dV (and dsinks) through ``flashgen.attention(...).backward`` against autograd through the fp32
-reference on fp32 leaves (``flashgen.reference.grad_tolerance``: 3x the same-dtype reference's error
+reference on fp32 leaves (``flashgen.reference.grad_tolerance``: 2x the same-dtype reference's error
 + 1e-5, the plain backward's rule), for both dK/dV families (bwd_sm90, the default on sm_90a at d 64/128,
 and the mma.sync bwd_dkdv forced through FLASHGEN_BWD_FAMILY) and the deterministic mode (bwd_dkdv_nodq
 + bwd_dq). Odd sizes, GQA 2:1, both layouts, fresh random inputs; the forward's output is checked by
@@ -103,13 +103,7 @@ def family(request, monkeypatch):
 @pytest.mark.parametrize("variant", VARIANTS, ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
-def test_backward(family, nq, nk, variant, causal, d, request):
-    if "sinks" in variant and causal and nk == 1:
-        # Rows with one key and a sink: dS = P (dP - D) with D = rowsum(dO O) from the output rounded to
-        # the input dtype cancels against dP as P nears 1 (docs/perf/variants.md, "Sinks"); an emulation
-        # of the kernels' rounding fails the 3x rule on 6-11 % of random draws (0 % with D from an fp32 O).
-        request.applymarker(pytest.mark.xfail(reason="D from the rounded output cancels at one-key rows with a "
-                                                     "sink (known, docs/perf/variants.md)", strict=False))
+def test_backward(family, nq, nk, variant, causal, d):
     if family == "bwd_sm90":
         from flashgen import dispatch, families
         from flashgen.api.device import Device
@@ -144,3 +138,15 @@ def test_other_head_dims_and_layouts(variant, d, layout):
 
 def test_fp16():
     check_grads(257, 300, 128, True, VARIANTS[-1], dtype=torch.float16)
+
+
+@pytest.mark.parametrize("family", ["bwd_sm90", "bwd_dkdv"])
+def test_sink_rows_with_one_key_over_draws(family, monkeypatch):
+    """Rows that see one key next to a sink (causal, seqlens (239, 1)): P is close to 1, and D = rowsum(dO O)
+    must come from the fp32 output (out32) for dQ/dK to meet the rule; with D from the rounded output an
+    emulation failed 6-11 % of draws, so several fresh draws must all pass."""
+    if family == "bwd_sm90" and not is_sm90():
+        pytest.skip("bwd_sm90 needs an sm_90 GPU")
+    monkeypatch.setenv("FLASHGEN_BWD_FAMILY", family)
+    for _ in range(6):
+        check_grads(239, 1, 128, True, {"sinks": True})

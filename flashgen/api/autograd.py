@@ -1,13 +1,16 @@
 """Autograd and torch.compile support: flashgen's forward and backward as torch custom ops.
 
 - ``flashgen::attn_fwd(q, k, v, causal, softmax_scale, layout, deterministic, win_left, win_right,
-  softcap, alibi_slopes, sinks) -> (out, lse)``
+  softcap, alibi_slopes, sinks, keep_fp32) -> (out, lse, out32)``
 - ``flashgen::attn_bwd(dout, q, k, v, out, lse, dlse, causal, softmax_scale, layout, deterministic,
-  win_left, win_right, softcap, alibi_slopes, sinks) -> (dq, dk, dv, dsinks)`` (dsinks empty without
-  sinks)
+  win_left, win_right, softcap, alibi_slopes, sinks, out32) -> (dq, dk, dv, dsinks)`` (dsinks empty
+  without sinks)
 
 The variant options (flashgen.variants) travel as plain values: the window's two sides (-1: unbounded),
-the softcap (0: off), the optional slopes and sinks; the sinks get a gradient, the slopes none.
+the softcap (0: off), the optional slopes and sinks; the sinks get a gradient, the slopes none. With
+sinks and ``keep_fp32`` (a gradient will be needed) the forward also returns its output in fp32, (b, h,
+nq, d), from which the backward takes D = rowsum(dO O) (``attention_backward``'s ``out32``); otherwise
+``out32`` is empty.
 
 Both have fake (meta) implementations, so ``torch.compile(fullgraph=True)``
 traces a model that calls ``flashgen.attention`` without graph breaks, and
@@ -35,6 +38,14 @@ def _lse_shape(q: Tensor, layout: str):
     return (q.shape[0], q.shape[1], q.shape[2])
 
 
+def _out32_shape(q: Tensor, layout: str, kept: bool):
+    """The fp32 output's shape: (b, h, nq, d) when kept, else empty."""
+    if not kept:
+        return (0,)
+    b, h, n = _lse_shape(q, layout)
+    return (b, h, n, q.shape[-1])
+
+
 def _window(win_left: int, win_right: int):
     return None if (win_left, win_right) == (-1, -1) else (win_left, win_right)
 
@@ -42,28 +53,33 @@ def _window(win_left: int, win_right: int):
 @torch.library.custom_op("flashgen::attn_fwd", mutates_args=())
 def attn_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float, layout: str,
              deterministic: bool, win_left: int = -1, win_right: int = -1, softcap: float = 0.0,
-             alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """Forward: (out, lse). ``deterministic`` is only carried to the backward."""
-    return forward(q, k, v, causal, softmax_scale, layout, True, None, "v2", _window(win_left, win_right), softcap,
-                   alibi_slopes, sinks)
+             alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+             keep_fp32: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """Forward: (out, lse, out32). ``deterministic`` is only carried to the backward."""
+    out32 = q.new_empty(_out32_shape(q, layout, sinks is not None and keep_fp32), dtype=torch.float32)
+    out, lse = forward(q, k, v, causal, softmax_scale, layout, True, None, "v2", _window(win_left, win_right),
+                       softcap, alibi_slopes, sinks, out32 if out32.numel() else None)
+    return out, lse, out32
 
 
 @attn_fwd.register_fake
 def _attn_fwd_fake(q, k, v, causal, softmax_scale, layout, deterministic, win_left=-1, win_right=-1, softcap=0.0,
-                   alibi_slopes=None, sinks=None):
+                   alibi_slopes=None, sinks=None, keep_fp32=False):
     # The real op allocates its outputs contiguous in q's shape; the fake matches.
-    return q.new_empty(q.shape), q.new_empty(_lse_shape(q, layout), dtype=torch.float32)
+    return (q.new_empty(q.shape), q.new_empty(_lse_shape(q, layout), dtype=torch.float32),
+            q.new_empty(_out32_shape(q, layout, sinks is not None and keep_fp32), dtype=torch.float32))
 
 
 @torch.library.custom_op("flashgen::attn_bwd", mutates_args=())
 def attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
              causal: bool, softmax_scale: float, layout: str, deterministic: bool, win_left: int = -1,
              win_right: int = -1, softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
-             sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+             sinks: Optional[Tensor] = None, out32: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Backward: (dq, dk, dv, dsinks), contiguous in the shapes of q, k, v (and the sinks'; empty without)."""
     variant = Variant.of(causal, _window(win_left, win_right), softcap, alibi_slopes is not None, sinks is not None)
     grads = attention_backward(dout, q, k, v, out, lse, variant.causal, softmax_scale, layout, deterministic, dlse,
-                               variant=variant, alibi_slopes=alibi_slopes, sinks=sinks)
+                               variant=variant, alibi_slopes=alibi_slopes, sinks=sinks,
+                               out32=out32 if out32 is not None and out32.numel() else None)
     if sinks is None:
         return (*grads, q.new_empty((0,), dtype=torch.float32))
     return grads
@@ -71,26 +87,28 @@ def attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
 
 @attn_bwd.register_fake
 def _attn_bwd_fake(dout, q, k, v, out, lse, dlse, causal, softmax_scale, layout, deterministic, win_left=-1,
-                   win_right=-1, softcap=0.0, alibi_slopes=None, sinks=None):
+                   win_right=-1, softcap=0.0, alibi_slopes=None, sinks=None, out32=None):
     dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,), dtype=torch.float32)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, layout, deterministic, win_left, win_right, softcap, alibi, sinks = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi, sinks)
+    q, k, v, causal, softmax_scale, layout, deterministic, win_left, win_right, softcap, alibi, sinks, _ = inputs
+    out, lse, out32 = output
+    ctx.mark_non_differentiable(out32)
+    ctx.save_for_backward(q, k, v, out, lse, alibi, sinks, out32)
     ctx.flags = (causal, softmax_scale, layout, deterministic, win_left, win_right, softcap)
 
 
-def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, alibi, sinks = ctx.saved_tensors
+def _backward(ctx, dout, dlse, _dout32):  # out32 is the backward's own input, never a result the caller uses
+    q, k, v, out, lse, alibi, sinks, out32 = ctx.saved_tensors
     causal, softmax_scale, layout, deterministic, win_left, win_right, softcap = ctx.flags
     if dout is None:  # only lse was used
         dout = torch.zeros_like(out)
     dq, dk, dv, dsinks = torch.ops.flashgen.attn_bwd(dout, q, k, v, out, lse, dlse, causal, softmax_scale, layout,
-                                                     deterministic, win_left, win_right, softcap, alibi, sinks)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, (dsinks if sinks is not None else None)
+                                                     deterministic, win_left, win_right, softcap, alibi, sinks,
+                                                     out32)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, (dsinks if sinks is not None else None), None
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -111,6 +129,8 @@ def attention_op(q, k, v, causal, softmax_scale, layout, return_lse, determinist
     scale = checked_scale(softmax_scale, q.shape[-1])
     left, right = window_of(False, window)  # checked here: the op takes two ints
     check_softcap(softcap)
-    out, lse = torch.ops.flashgen.attn_fwd(q, k, v, causal, scale, layout, deterministic, left, right,
-                                           float(softcap), alibi_slopes, sinks)
+    keep_fp32 = sinks is not None and torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q, k, v, sinks) if isinstance(t, Tensor))
+    out, lse, _ = torch.ops.flashgen.attn_fwd(q, k, v, causal, scale, layout, deterministic, left, right,
+                                              float(softcap), alibi_slopes, sinks, keep_fp32)
     return (out, lse) if return_lse else out

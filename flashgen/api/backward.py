@@ -77,7 +77,7 @@ def dkdv_family(key: ProblemKey, tensors=()) -> str | None:
 
 def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float, layout: str = "bhsd",
                        deterministic: bool = False, dlse=None, dq_mode: str | None = None, specs=None,
-                       variant=PLAIN, alibi_slopes=None, sinks=None):
+                       variant=PLAIN, alibi_slopes=None, sinks=None, out32=None):
     """(dq, dk, dv) for ``out, lse = attention(q, k, v, causal, softmax_scale, layout, return_lse=True)``.
 
     q, k, v, out, lse are the forward's inputs and outputs (already checked by
@@ -94,7 +94,10 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
 
     ``variant`` (flashgen.variants.Variant, checked by the forward) with its ``alibi_slopes`` and
     ``sinks`` tensors: the forward's options. With sinks the result is (dq, dk, dv, dsinks): dsinks =
-    -sum over batch and rows of exp(sink - LSE) D, in the sinks' dtype.
+    -sum over batch and rows of exp(sink - LSE) D, in the sinks' dtype. ``out32``: the forward's output
+    in fp32, (b, h, nq, d) (a sink forward's ``out32``): D = rowsum(dO O) is then taken from it rather
+    than from the rounded ``out`` (with a sink, a row whose P nears 1 makes dP - D a difference of two
+    close numbers, and the rounding of O alone put dQ/dK past the accuracy rule: docs/perf/variants.md).
     """
     if dout.shape != q.shape:
         raise ValueError(f"dout must have the shape of q {tuple(q.shape)}, got {tuple(dout.shape)}")
@@ -203,7 +206,13 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
         launches.append((cv, (-(-nq // cv.spec.block_m), h, b), cv.params(
             dq_acc=dq_acc.data_ptr(), dq=dq.data_ptr(), **stride_values("dq", sdq), nq=nq, heads=h, d=d, scale=scale)))
 
-    launch_all(index, launches)
+    if out32 is not None:  # D from the fp32 output, between the preprocess (lse2, dQ's zeroing) and the rest
+        launch_all(index, launches[:1])
+        d32 = (dout if layout == "bhsd" else dout.transpose(1, 2)).float().mul_(out32).sum(-1)
+        dsum[:, :, :nq] = d32 if dlse is None else d32.sub_(dlse)
+        launch_all(index, launches[1:])
+    else:
+        launch_all(index, launches)
     if sinks is not None:
         # d sink = sum over rows of p_sink (dLSE - dO . O) = -sum p_sink D, p_sink = exp(sink - LSE).
         p_sink = torch.exp(sinks.float().view(1, h, 1) - lse)  # lse: (b, h, nq) in both layouts

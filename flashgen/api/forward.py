@@ -31,8 +31,9 @@ def _small(t):
 
 
 def forward(q, k, v, causal, softmax_scale, layout, return_lse, spec=None, algorithm="v2", window=None,
-            softcap=0.0, alibi_slopes=None, sinks=None):
-    """The forward launch behind ``attention`` (no autograd)."""
+            softcap=0.0, alibi_slopes=None, sinks=None, out32=None):
+    """The forward launch behind ``attention`` (no autograd). ``out32`` (with sinks, for the backward): a
+    contiguous fp32 (b, h, nq, d) tensor the kernel also writes the normalised output into."""
     try:
         sig = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
                q.device, k.device, v.device, causal, softmax_scale, layout, return_lse, spec,
@@ -56,6 +57,7 @@ def forward(q, k, v, causal, softmax_scale, layout, return_lse, spec=None, algor
         params = plan.params_for(q.data_ptr(), k.data_ptr(), v.data_ptr())
         params.o = out.data_ptr()
         params.lse = lse.data_ptr() if lse is not None else 0
+        params.o32 = out32.data_ptr() if out32 is not None else 0
         if alibi_slopes is not None or sinks is not None:  # (kept alive until the launch is queued)
             slopes, params.alibi_sb, sink_logits = variant_tensors(alibi_slopes, sinks)
             params.alibi = slopes.data_ptr() if slopes is not None else 0

@@ -62,6 +62,10 @@ VARIANT_PARAMS = (
     ("alibi", "const float*", PTR), ("alibi_sb", "int", I32), ("sinks", "const float*", PTR),
 )
 
+# The forward families' extra output for a sink's backward: the normalised O in fp32, (b, heads, nq, d),
+# written only by kernels with sinks and only when set (null otherwise).
+FWD_O32_PARAMS = (("o32", "float*", PTR),)
+
 
 def variant_context(spec) -> dict:
     """The template's ``variant_type``: the fg_variant instantiation of ``spec``'s causal and variant flags."""

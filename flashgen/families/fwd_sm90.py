@@ -20,7 +20,8 @@ from ..errors import UnsupportedError
 from ..problem import ProblemKey, smallest_tile
 from ..spec import KernelSpec
 from ..variants import PLAIN
-from .base import (F32, I32, PTR, TMAP, VARIANT_PARAMS, Family, aligned_struct, forward_values, hopper_checks, strides,
+from .base import (F32, FWD_O32_PARAMS, I32, PTR, TMAP, VARIANT_PARAMS, Family, aligned_struct, forward_values,
+                   hopper_checks, strides,
                    stride_values, variant_context)
 
 # The parameter block: the three tensor maps first (each at a 64-byte-aligned offset, as the C
@@ -39,6 +40,7 @@ SM90_PARAMS = (
     ("sched", "int*", PTR), ("tiles", "int", I32), ("m_blocks", "int", I32), ("sec", "int", I32),
     ("sec_big", "int", I32),
     *VARIANT_PARAMS,
+    *FWD_O32_PARAMS,
 )
 
 SM90_HEAD_DIMS = (64, 128, 256)

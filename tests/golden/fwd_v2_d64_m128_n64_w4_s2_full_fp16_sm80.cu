@@ -701,6 +701,18 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
       const int row = m0 + r_local;
       if (p.lse != nullptr && t == 0 && row < p.nq)
         p.lse[lse_base + row] = lse;
+      // With a sink and p.o32 set: the normalised O in fp32, (b, heads, nq, d), for the backward's D (as
+      // fwd_sm90's store_o32).
+      if constexpr (V::HAS_SINK) {
+        if (p.o32 != nullptr && row < p.nq) {
+          float* dst = p.o32 + (lse_base + row) * p.d;
+#pragma unroll
+          for (int dj = 0; dj < DJ; ++dj)
+            if (8 * dj + 2 * t < p.d)
+              *reinterpret_cast<float2*>(dst + 8 * dj + 2 * t) =
+                  make_float2(acc_o[mi][dj][2 * h] * inv, acc_o[mi][dj][2 * h + 1] * inv);
+        }
+      }
     }
   __syncwarp();
   elem_t* o = p.o + b * p.o_sb + hq * p.o_sh;
@@ -753,6 +765,7 @@ struct fwd_v2_d64_m128_n64_w4_s2_full_fp16_sm80_params {
   const float* alibi;
   int alibi_sb;
   const float* sinks;
+  float* o32;
 };
 
 static_assert(2 * 64 * (128 + 2 * 2 * 64) == 49152,

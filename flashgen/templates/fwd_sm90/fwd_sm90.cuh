@@ -577,6 +577,19 @@ struct fwd_sm90_cta {
     c.epilogue(p, acc_o, row_max, row_sum);
   }
 
+  // With a sink and p.o32 set (a gradient will be needed): this thread's elements of row half h of the
+  // normalised O in fp32 into o32 (b, heads, nq, d), for the backward's D = rowsum(dO O) (with a sink O is
+  // no multiple of one V row where P nears 1, and D from the rounded O cancels: docs/perf/variants.md).
+  FG_DEVICE void store_o32(const Params& p, const float (&acc_o)[D / 2], int h, int row, float inv) const {
+    if (p.o32 == nullptr || row >= p.nq) return;
+    float* dst = p.o32 + ((static_cast<fg_i64>(b) * p.heads + hq) * p.nq + row) * p.d;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i)
+      if (8 * i + 2 * t < p.d)
+        *reinterpret_cast<float2*>(dst + 8 * i + 2 * t) =
+            make_float2(acc_o[4 * i + 2 * h] * inv, acc_o[4 * i + 2 * h + 1] * inv);
+  }
+
   // ---- epilogue: normalise, stage O in this warpgroup's own Q rows, store ---
   FG_DEVICE void epilogue(const Params& p, const float (&acc_o)[D / 2], const float (&row_max)[2],
                           const float (&row_sum)[2]) const {
@@ -601,6 +614,7 @@ struct fwd_sm90_cta {
         asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(packed) : "memory");
       }
       const int row = row_base + 8 * h;
+      if constexpr (V::HAS_SINK) store_o32(p, acc_o, h, row, inv);
       // (The LSE written out, not softmax.cuh's row_lse: row_max is memory here, and row_lse's arguments
       // would be loaded before the test of l, which changes the code.)
       if (p.lse != nullptr && t == 0 && row < p.nq) {
