@@ -6,7 +6,7 @@ table's spec for that key as the launch path asks for it (``verify=True``, and f
 ``bwd_dkdv`` key the dK/dV family the call's tensors need, ``api.backward.dkdv_family``),
 the backward launches that spec, and a backward through dispatch at a length in that
 key's bucket (odd, GQA 2:1, a masked head-dim tail) meets the gradient rule of
-tests/test_gpu_bwd.py (3x the input-dtype reference's error,
+tests/test_gpu_bwd.py (2x the input-dtype reference's error,
 ``flashgen.reference.grad_tolerance``). Skipped where no table has a backward key.
 """
 from __future__ import annotations
