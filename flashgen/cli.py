@@ -64,12 +64,16 @@ def spec_from_args(args):
             window = tuple(int(x) for x in str(args.window).split(","))
         except ValueError:
             raise FlashgenError(f"--window {args.window!r}: LEFT,RIGHT (ints, -1 unbounded)") from None
+    decode = problem == "decode_split"  # causal whatever --causal says; a window's right side is 0 or -1
+    if decode and window is not None and len(window) == 2 and window[1] > 0:
+        raise FlashgenError(f"--window {args.window!r}: decode's window has a right side of 0 or -1 (it is causal)")
     try:
-        variant = Variant.of(args.causal, window, args.softcap, args.alibi, args.sinks)
+        variant = Variant.of(args.causal or decode, window, args.softcap, args.alibi, args.sinks)
     except ValueError as exc:
         raise FlashgenError(f"--window/--softcap: {exc}") from None
-    if not variant.plain and problem != "fwd" and not problem.startswith("bwd_d"):
-        raise FlashgenError(f"--kind {args.kind}: the variant options are the forward's and the backward's")
+    if not variant.plain and problem not in ("fwd", "decode_split") and not problem.startswith("bwd_d"):
+        raise FlashgenError(f"--kind {args.kind}: the variant options are the forward's, the backward's and "
+                            "decode's")
     if problem.startswith("bwd"):
         variant = variant.backward()
     key = families.problem_key(problem, arch, args.dtype, args.d, variant.causal, args.seqlen)

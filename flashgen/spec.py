@@ -38,8 +38,8 @@ def _f(default, token: str = "", kinds: tuple = (), doc: str = "", optional: boo
 
 
 _SM90 = ("fwd_sm90",)
-# The kinds that implement templates/common/variant.cuh.
-_VARIANTS = ("fwd_sm90", "fwd_v2", "bwd_sm90", "bwd_dkdv", "bwd_dkdv_nodq", "bwd_dq")
+# The kinds that serve the variants (templates/common/variant.cuh; decode_split: decode/decode_variant.cuh).
+_VARIANTS = ("fwd_sm90", "fwd_v2", "bwd_sm90", "bwd_dkdv", "bwd_dkdv_nodq", "bwd_dq", "decode_split")
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,15 @@ VARIANT_SPECS = sorted(
     | {families.default_spec(ProblemKey("bwd_dkdv", "sm_90a", "bf16", d, True, 512, v), BUDGET_OF["sm_90a"],
                              family="bwd_sm90") for d in (64, 128) for v in ("win", "cap")},
     key=lambda s: s.name)
-ALL_SPECS = list(dict.fromkeys(SPECS + BULK_SPECS + SHIPPED_SPECS + VARIANT_SPECS))  # each spec once, in that order
+# The decode kernels with each variant switch alone and with all four, on every tile the decode rule picks
+# (every head dim, dtype and regime of both arches): a variant key takes the plain key's tile
+# (decode_split's rule). Every combination of switches on those tiles compiled clean once (300 kernels);
+# these are the ones the tier keeps building.
+DECODE_VARIANTS = ("win", "cap", "alibi", "sink", "win_cap_alibi_sink")
+DECODE_VARIANT_SPECS = sorted({s.with_tokens(v).validate() for s in SPECS if s.kind == "decode_split"
+                               for v in DECODE_VARIANTS}, key=lambda s: s.name)
+ALL_SPECS = list(dict.fromkeys(SPECS + BULK_SPECS + SHIPPED_SPECS + VARIANT_SPECS
+                               + DECODE_VARIANT_SPECS))  # each spec once, in that order
 BUDGET = gpus.ARCH_SMEM_PER_BLOCK
 BASELINE_KINDS = (*standard.KINDS, fwd_v1.KIND)
 
@@ -165,6 +173,21 @@ def test_decode_defaults_cover_every_regime():
     tile = lambda s: (s.dtype, s.block_n, s.warps, s.stages)  # noqa: E731
     d128 = {tile(s) for s in SPECS if s.kind == "decode_split" and s.arch == "sm_90a" and s.head_dim == 128}
     assert {(tile(s), s.kv_load) for s in BULK_SPECS} == {(t, h) for t in d128 for h in (4, 5)}
+
+
+def test_decode_variant_picks_are_compiled():
+    """The decode rule's pick for a variant key (every head dim, dtype, regime, arch; each switch alone and
+    all four) is the plain key's tile with the variant's switches, and is among the compiled specs."""
+    for arch in ARCHES:
+        for d in decode.DECODE_HEAD_DIMS:
+            for dt in DTYPES:
+                for regime in decode.REGIMES:
+                    plain = decode.first_rule_spec(ProblemKey("decode_split", arch, dt, d, True, 512), BUDGET[arch],
+                                                   regime)
+                    for v in DECODE_VARIANTS:
+                        spec = decode.first_rule_spec(ProblemKey("decode_split", arch, dt, d, True, 512, v),
+                                                      BUDGET[arch], regime)
+                        assert spec == plain.with_tokens(v) and spec in DECODE_VARIANT_SPECS, (arch, d, dt, regime, v)
 
 
 def test_v1_defaults_follow_the_paper_rule_where_it_fits():

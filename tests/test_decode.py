@@ -381,7 +381,7 @@ def test_kv_loads_are_the_kv_load_field():
             assert "_ld" not in spec.name
         assert not re.search(r"_r\d", spec.name)
         assert KernelSpec.from_name(spec.name) == spec
-        assert f"true, {load}>(p);" in render(spec)
+        assert f"true, {load}, decode_variant<false, false, false, false>>(p);" in render(spec)
     assert "kv_load" in base.to_dict() and "refill" not in base.to_dict()
     combine = dk.COMBINE.spec_for("sm_90a", "bf16", 128)
     assert combine.name == "decode_combine_d128_m16_n16_w4_s2_full_bf16_sm90a"

@@ -20,45 +20,7 @@ pytestmark = [
 ]
 
 from flashgen.families.decode import DECODE_TILES_BY_REGIME, DEFAULT_DECODE_TILES  # noqa: E402
-from gpu_util import DTYPES  # noqa: E402
-
-
-def make_case(b, nq, L, d, hq, hk, page, with_new, dtype, lens=None, device="cuda"):
-    """Inputs for one case: ragged lengths (the longest L, one 0), a NaN-padded cache, a paged copy."""
-    n_new = nq if with_new else 0
-    if lens is None:
-        lens = [L, max(0, L // 3 - 5), 0][:b] if b <= 3 else [L] + [max(0, L - 17 * i) for i in range(1, b)]
-    cap = L + n_new
-    if page:
-        cap = -(-cap // page) * page
-    k_flat = torch.full((b, cap, hk, d), float("nan"), device=device, dtype=dtype)
-    v_flat = torch.full_like(k_flat, float("nan"))
-    for i, n in enumerate(lens):
-        k_flat[i, :n] = torch.randn(n, hk, d, device=device).to(dtype)
-        v_flat[i, :n] = torch.randn(n, hk, d, device=device).to(dtype)
-    case = dict(q=torch.randn(b, nq, hq, d, device=device).to(dtype),
-                cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=device), lens=lens, page=page,
-                k_flat=k_flat, v_flat=v_flat, k_new=None, v_new=None)
-    if with_new:
-        case["k_new"] = torch.randn(b, nq, hk, d, device=device).to(dtype)
-        case["v_new"] = torch.randn(b, nq, hk, d, device=device).to(dtype)
-    if page:
-        max_pages = cap // page
-        num_pages = b * max_pages + 3
-        perm = torch.randperm(num_pages, device=device).to(torch.int32)
-        bt = torch.full((b, max_pages), -1, dtype=torch.int32, device=device)
-        k_pages = torch.full((num_pages, page, hk, d), float("nan"), device=device, dtype=dtype)
-        v_pages = torch.full_like(k_pages, float("nan"))
-        for i, n in enumerate(lens):
-            used = -(-(n + n_new) // page)
-            ids = perm[i * max_pages: i * max_pages + used]
-            bt[i, :used] = ids
-            k_pages[ids.long()] = k_flat[i, :used * page].view(used, page, hk, d)
-            v_pages[ids.long()] = v_flat[i, :used * page].view(used, page, hk, d)
-        case.update(k_cache=k_pages, v_cache=v_pages, block_table=bt)
-    else:
-        case.update(k_cache=k_flat.clone(), v_cache=v_flat.clone(), block_table=None)
-    return case
+from gpu_util import DTYPES, bits, flat_cache, make_case, poison  # noqa: E402
 
 
 def reference(case, scale, dtype=torch.float32):
@@ -84,29 +46,6 @@ def reference(case, scale, dtype=torch.float32):
         p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
         outs.append(torch.matmul(p.to(dtype), vv).float().transpose(0, 1))
     return torch.stack(outs), torch.stack(lses)
-
-
-def poison(nbytes):
-    junk = torch.full((nbytes // 4 + 1024,), float("nan"), device="cuda")
-    del junk
-
-
-def bits(t):
-    return t.view(torch.int16)
-
-
-def flat_cache(case, name):
-    """The cache as (b, cap, hk, d), gathered back through the block table for a paged cache."""
-    cache = case[name]
-    if case["page"] is None:
-        return cache
-    bt, page = case["block_table"], case["page"]
-    out = torch.full_like(case["k_flat"], float("nan"))
-    n_new = case["q"].shape[1] if case["k_new"] is not None else 0
-    for i, n in enumerate(case["lens"]):
-        used = -(-(n + n_new) // page)
-        out[i, :used * page] = cache[bt[i, :used].long()].reshape(used * page, *cache.shape[2:])
-    return out
 
 
 def check_case(b, nq, L, d, hq, hk, page, with_new, dtype_name, num_splits_list=(None, 1), spec=None):

@@ -445,4 +445,4 @@ def test_variant_flags_spell_their_tokens_and_round_trip():
     assert v.causal and v.key() == "win_cap_sink"
     assert base.with_tokens(v.key()) == base.replace(window=True, softcap=True, sinks=True)
     with pytest.raises(ValueError, match="not a field of this kind"):
-        KernelSpec(kind="decode_split", window=True).validate()
+        KernelSpec(kind="decode_combine", window=True).validate()

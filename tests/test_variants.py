@@ -323,20 +323,10 @@ def test_cli_emit_prints_the_variant_kernel(capsys):
     code, out, _ = run_main(capsys, "emit", "--d", "128", "--causal", "--window", "4096,0", "--softcap", "30",
                             "--sinks")
     assert code == 0 and "_win_cap_sink_causal_bf16_sm90a" in out.splitlines()[1]
-    for bad in (["--window", "5"], ["--softcap", "-1"], ["--kind", "decode_split", "--alibi"]):
+    for bad in (["--window", "5"], ["--softcap", "-1"], ["--kind", "decode_split", "--window", "5,3"], ["--kind", "decode_combine", "--alibi"]):
         code, _, err = run_main(capsys, "emit", "--d", "128", *bad)
         assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     for bad in (["--variant", "cap_win"], ["--variant", "win", "--kind", "bwd"]):
         code, _, err = run_main(capsys, "tune", "--gpu", "h200", "--d", "128", "--model", *bad)
         assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
 
-
-def test_decode_refuses_the_variants_it_does_not_serve():
-    """flashgen.decode names the variant options its kernels do not take, before looking at anything."""
-    import flashgen
-
-    q = torch.empty(1, 1, 4, 64, dtype=torch.bfloat16)
-    for kwargs, name in ((dict(window=(128, 0)), "window"), (dict(softcap=30.0), "softcap"),
-                         (dict(alibi_slopes=torch.ones(4)), "alibi_slopes"), (dict(sinks=torch.ones(4)), "sinks")):
-        with pytest.raises(UnsupportedError, match=name):
-            flashgen.decode(q, q, q, **kwargs)

@@ -1,8 +1,9 @@
 """The torch layer of Flash-Decoding: ``flashgen.decode``.
 
 Checks the inputs and raises before any launch, plans once per signature
-(shapes, strides, dtypes, devices, flags -> kernels, grids, split count,
-packed parameter templates), and launches on torch's current stream with raw
+(shapes, strides, dtypes, devices, flags, the variant options: window, softcap,
+the slopes' and sinks' shapes -> kernels, grids, split count, packed parameter
+templates), and launches on torch's current stream with raw
 pointers: no host syncs except the optional value check; one launch per call
 (the split kernel merges its splits itself, FUSED_COMBINE); the split
 workspace is reused per stream, and inside a CUDA graph capture comes from
@@ -21,7 +22,9 @@ from ..codegen import load
 from ..errors import UnsupportedError
 from ..families import decode as dk
 from ..problem import ProblemKey, bucket_of, smallest_tile
-from .checks import DTYPES, check_flag, check_forced_spec, check_heads_and_dim, checked_scale, extent_bytes, overlap
+from ..variants import PLAIN, window_of
+from .checks import (DTYPES, check_flag, check_forced_spec, check_heads_and_dim, check_variant_inputs, checked_scale,
+                     extent_bytes, overlap, variant_tensors)
 from .device import Device, current_device, current_stream, index_of
 from .device import is_capturing as _capturing
 from .plans import PlanCache
@@ -76,13 +79,19 @@ def decode(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None
     seqlen_q). TypeError/ValueError on bad inputs, UnsupportedError on requests
     the kernels do not serve, always before anything is launched.
 
-    ``window``, ``softcap``, ``alibi_slopes``, ``sinks`` (``flashgen.attention``'s variants) are not
-    served by the decode kernels yet: any of them raises UnsupportedError naming it.
+    The variants of ``flashgen.attention`` (``flashgen.variants``), with the same bottom-right offsets
+    (new token i sees key j at o = j - (i + L - seqlen_q)):
+    ``window=(left, right)``: key j is visible iff -left <= o <= right (-1: unbounded); decode is causal,
+    so right must be 0 or -1 (both the causal edge; > 0 raises UnsupportedError). The kernels then
+    read only the keys inside the window (a CTA's splits start at its first visible key, pages
+    before it are never looked up, and the split heuristic counts the window's keys).
+    ``softcap=c > 0``: the scaled score s becomes c tanh(s / c). ``alibi_slopes``, fp32 (heads_q,) or
+    (batch, heads_q): -slope |o| joins the score. ``sinks``, (heads_q,) fp32 or q's dtype: one logit per
+    head joins each row's softmax denominator with no value (the LSE includes it; a row that sees no
+    key gets output 0 and LSE = its sink). Slopes and sinks are read at launch (one fp32 copy per call
+    where they are not fp32 and contiguous); with ``check_values`` they must be finite (checked on
+    the host, with the lengths).
     """
-    if window is not None or softcap != 0.0 or alibi_slopes is not None or sinks is not None:
-        named = [n for n, on in (("window", window is not None), ("softcap", softcap != 0.0),
-                                 ("alibi_slopes", alibi_slopes is not None), ("sinks", sinks is not None)) if on]
-        raise UnsupportedError(f"flashgen.decode does not serve {', '.join(named)} yet (flashgen.attention does)")
     try:
         # Flat on purpose: this tuple is built and hashed on every call (host overhead).
         sig = (q.shape, q.stride(), q.dtype, q.get_device(), k_cache.shape, k_cache.stride(), k_cache.dtype,
@@ -91,13 +100,15 @@ def decode(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None
                None if block_table is None else _tsig(block_table),
                None if k_new is None else (_tsig(k_new), _tsig(v_new)),
                softmax_scale, num_splits, return_lse, check_values, spec, type(softmax_scale),
-               type(num_splits), type(return_lse), type(check_values))  # 1 == True: the types keep checks honest
+               type(num_splits), type(return_lse), type(check_values),  # 1 == True: the types keep checks honest
+               window, type(window), softcap, type(softcap),
+               None if alibi_slopes is None else _tsig(alibi_slopes), None if sinks is None else _tsig(sinks))
         plan = _plans.get(sig)
     except (AttributeError, TypeError):  # not tensors, or unhashable: the full check says why
         sig = plan = None
     if plan is None:
         plan = _plan(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax_scale, num_splits,
-                     return_lse, check_values, spec)
+                     return_lse, check_values, spec, window, softcap, alibi_slopes, sinks)
         _plans.put(sig, plan)
     qp, kp, vp = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
     has_new = k_new is not None
@@ -111,6 +122,8 @@ def decode(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None
                                "that do not require grad); for a differentiable attention use flashgen.attention")
     if check_values and plan.kernel is not None and not _capturing():
         check_cache_values(plan.limits, cache_seqlens, block_table)
+        if alibi_slopes is not None or sinks is not None:
+            check_variant_values(alibi_slopes, sinks)
     out = q.new_empty(q.shape)  # contiguous, q's dtype and device (cheaper than torch.empty on the host)
     lse = q.new_empty(plan.lse_shape, dtype=torch.float32) if return_lse else None
     if plan.kernel is None:
@@ -125,6 +138,12 @@ def decode(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None
         params.seqlens = cache_seqlens.data_ptr()
     if block_table is not None:
         params.block_table = block_table.data_ptr()
+    if alibi_slopes is not None or sinks is not None:  # (the fp32 copies live until the launch is queued)
+        slopes, _, sink_logits = variant_tensors(alibi_slopes, sinks)
+        if slopes is not None:
+            params.alibi = slopes.data_ptr()
+        if sink_logits is not None:
+            params.sinks = sink_logits.data_ptr()
     lse_ptr = lse.data_ptr() if lse is not None else 0
     idx = plan.device_index
     if idx != current_device():
@@ -215,6 +234,17 @@ def check_cache_values(limits: _Limits, cache_seqlens, block_table) -> None:
                              f"{limits.num_pages} pages (sequence {i} uses its first {int(need[i])} entries)")
 
 
+def check_variant_values(alibi_slopes, sinks) -> None:
+    """Refuse ALiBi slopes or sinks that are not finite (ValueError naming the first): one device sync
+    for both. (A sink of -inf or NaN would make a row that sees no key NaN, a non-finite slope every row.)"""
+    given = [(n, t) for n, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)) if t is not None]
+    flags = torch.stack([torch.isfinite(t).all() for _, t in given]).to("cpu")
+    for (name, t), ok in zip(given, flags.tolist()):
+        if not ok:
+            i = int((~torch.isfinite(t.reshape(-1).to("cpu"))).nonzero()[0, 0])
+            raise ValueError(f"{name} must be finite, got {float(t.reshape(-1)[i])} at flat index {i}")
+
+
 _APPEND_BUFFERS = ("k_cache", "v_cache", "k_new", "v_new")
 
 
@@ -236,8 +266,8 @@ class _Plan:
     """Everything about a call that depends only on its signature (see ``api.plans``)."""
 
     __slots__ = ("kernel", "grid", "combine", "combine_grid", "device_index", "lse_shape", "ws_numel",
-                 "ws_lse_offset", "ctr_numel", "splits", "limits", "spec", "extents", "_template", "_struct",
-                 "_ctemplate", "_cstruct")
+                 "ws_lse_offset", "ctr_numel", "splits", "limits", "spec", "extents", "variant", "_template",
+                 "_struct", "_ctemplate", "_cstruct")
 
     def __init__(self, device_index, lse_shape, limits, extents=(0, 0, 0, 0)):
         self.device_index, self.lse_shape, self.limits = device_index, lse_shape, limits
@@ -245,7 +275,17 @@ class _Plan:
         self.kernel = self.grid = self.combine = self.combine_grid = self.spec = None
         self.ws_numel = self.ws_lse_offset = self.ctr_numel = 0
         self.splits = 1
+        self.variant = PLAIN
         self._template = self._struct = self._ctemplate = self._cstruct = None
+
+    def key_ranges(self, length: int, nq: int, group: int, m_block: int = 0) -> list:
+        """The K/V rows [begin, end) each split of m-block ``m_block`` reads for a sequence of ``length``
+        keys (appended ones included): the kernel's arithmetic (dk.split_keys), for tests and benchmarks."""
+        if self.spec is None:
+            return []
+        left = self.variant.left
+        return [dk.split_keys(length, nq, group, nq * group, m_block, self.splits, s, self.spec.block_n, left)[:2]
+                for s in range(self.splits)]
 
     def params(self):
         return self._struct.from_buffer_copy(self._template)
@@ -362,14 +402,32 @@ def _check(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softma
     return (b, nq, hq, hk, d), scale, num_splits, limits
 
 
+def _check_variant(q, window, softcap, alibi_slopes, sinks, b, nq, hq, capacity):
+    """The decode call's Variant (causal; ``flashgen.attention``'s checks of window, softcap, slopes and
+    sinks). A window's right side must be 0 or -1 (decode is causal: both are the causal edge); a left
+    side that reaches past every sequence's start (left >= capacity) hides nothing, so the call runs the
+    kernel without a window."""
+    if window is not None:
+        left, right = window_of(False, window)  # ValueError for anything but two ints >= -1
+        if right > 0:
+            raise UnsupportedError(f"flashgen.decode serves windows whose right side is 0 or -1 (decode is causal: "
+                                   f"new tokens see no later key), got window={window!r}")
+        if left >= capacity:
+            window = None
+    variant, _, _ = check_variant_inputs(q, True, window, softcap, alibi_slopes, sinks, b, hq, nq, capacity)
+    return variant
+
+
 def _plan(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax_scale, num_splits, return_lse,
-          check_values, spec) -> _Plan:
+          check_values, spec, window=None, softcap=0.0, alibi_slopes=None, sinks=None) -> _Plan:
     (b, nq, hq, hk, d), scale, num_splits, limits = _check(q, k_cache, v_cache, cache_seqlens, block_table, k_new,
                                                            v_new, softmax_scale, num_splits, return_lse,
                                                            check_values)
+    variant = _check_variant(q, window, softcap, alibi_slopes, sinks, b, nq, hq, limits.capacity)
     index = index_of(q)
     extents = tuple(extent_bytes(t) if t is not None else 0 for t in (k_cache, v_cache, k_new, v_new))
     plan = _Plan(index, (b, hq, nq), limits, extents)
+    plan.variant = variant
     if b == 0 or hq == 0:
         return plan
     dev = Device.of(index)
@@ -378,22 +436,26 @@ def _plan(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax
     group = hq // hk
     rows = nq * group
     m_blocks = -(-rows // dk.ROWS)
+    keys = dk.window_keys(limits.capacity, nq, variant.left)  # the most keys a CTA reads
     if spec is None:  # (verify: a tile this NVRTC would refuse gives way to the rule's next one)
-        key = ProblemKey(dk.SPLIT.kind, dev.arch, dtype, tile, True, bucket_of(limits.capacity))
+        key = ProblemKey(dk.SPLIT.kind, dev.arch, dtype, tile, True, bucket_of(keys), variant.key())
         spec = dispatch.select(key, dev.gpu, dev.smem_budget, verify=True,
                                regime=dk.decode_regime(b * hk * m_blocks, dev.sms))
     else:
-        check_forced_spec(spec, {"kind": dk.SPLIT.kind, "dtype": dtype, "arch": dev.arch}, d, dev.smem_budget)
+        check_forced_spec(spec, {"kind": dk.SPLIT.kind, "dtype": dtype, "arch": dev.arch, **variant.flags()}, d,
+                          dev.smem_budget)
     kern = load(spec, index)
     if num_splits is None:
         occ = dk.ctas_per_sm(spec.smem_bytes(), spec.warps * 32, kern.binary.report.registers or 255, dev.smem_per_sm)
-        num_splits = dk.num_splits_heuristic(b, hk, m_blocks, limits.capacity, spec.block_n, dev.sms, occ)
+        num_splits = dk.num_splits_heuristic(b, hk, m_blocks, keys, spec.block_n, dev.sms, occ)
     total_rows = b * nq * hq
     plan.kernel, plan.spec, plan.splits = kern, spec, num_splits
     plan.grid = (num_splits * m_blocks, hk, b)
     s_new = k_new.stride() if k_new is not None else (0, 0, 0)
     s_vnew = v_new.stride() if v_new is not None else (0, 0, 0)
     ks, vs, qs = k_cache.stride(), v_cache.stride(), q.stride()
+    # The variant's values: the window's left side, and with a softcap its factor and the cap as the scale.
+    values = variant.values(nq, limits.capacity + nq, scale) if not variant.plain else {}
     template = kern.params(
         q_sb=qs[0], q_ss=qs[1], q_sh=qs[2], k_sb=ks[0], k_ss=ks[1], k_sh=ks[2], v_sb=vs[0], v_ss=vs[1], v_sh=vs[2],
         knew_sb=s_new[0], knew_ss=s_new[1], knew_sh=s_new[2], vnew_sb=s_vnew[0], vnew_ss=s_vnew[1],
@@ -401,14 +463,16 @@ def _plan(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax
         bt_sb=block_table.stride(0) if block_table is not None else 0, total_rows=total_rows,
         nq=nq, heads_q=hq, group=group, rows=rows, d=d, seqlen_k=limits.capacity,
         page_shift=(limits.page_size.bit_length() - 1) if limits.page_size else 0, num_splits=num_splits,
-        scale=scale, scale_log2=scale * math.log2(math.e),
+        scale=values.get("scale", scale), scale_log2=values.get("scale_log2", scale * math.log2(math.e)),
+        win_left=values.get("win_left", 0) if variant.windowed else 0, cap_in=values.get("cap_in", 0.0),
+        alibi_sb=(alibi_slopes.shape[1] if alibi_slopes.dim() == 2 else 0) if alibi_slopes is not None else 0,
     )
     plan._template, plan._struct = bytes(template), type(template)
     if num_splits > 1:
         plan.ws_numel = num_splits * total_rows * (d + 1)
         plan.ws_lse_offset = num_splits * total_rows * d * 4  # bytes: the LSEs follow the partial outputs
         plan.ctr_numel = 2 * b * hk * m_blocks                # a ticket and a count per (batch, KV head, m-block)
-        if not FUSED_COMBINE:
+        if not FUSED_COMBINE and not variant.sinks:  # (decode_combine has no sinks: the in-kernel merge adds them)
             cspec = dk.COMBINE.spec_for(dev.arch, dtype, spec.head_dim)
             ckern = load(cspec, index)
             per_cta = cspec.warps * 32 // (cspec.head_dim // 4)

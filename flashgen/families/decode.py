@@ -10,8 +10,14 @@ split order inside the same launch (``merge_splits``), or, where the caller
 asks for it, ``decode_combine`` merges them in a second launch. With one split
 the split kernel writes the output itself.
 
+The variants (a sliding window, softcap, ALiBi, sinks: templates/decode/decode_variant.cuh) are
+compile-time switches of ``decode_split`` (the spec's window, softcap, alibi and sinks fields) and
+their values launch parameters. With a window (left, 0) a CTA's splits cover only the keys from the
+first one its rows see (``first_key``), so the kernel reads the window and not the cache before it,
+and the split heuristic counts those keys (``window_keys``).
+
 The pure-Python helpers at the end mirror the kernels' index arithmetic (split
-ranges, page lookup, causal limits, the merge) so that it is tested without a GPU.
+ranges, window starts, page lookup, causal limits, the merge) so that it is tested without a GPU.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from dataclasses import dataclass
 from ..gpus import ARCH_SMEM_PER_BLOCK
 from ..problem import ProblemKey, smallest_tile
 from ..spec import DTYPES, KernelSpec
+from ..variants import UNBOUNDED
 from .base import F32, I32, I64, PTR, Family, first_clean, strides
 
 PAGE_SIZES = (16, 32, 64, 128, 256)
@@ -61,6 +68,12 @@ DECODE_PARAMS = (
     ("nq", "int", I32), ("heads_q", "int", I32), ("group", "int", I32), ("rows", "int", I32),
     ("d", "int", I32), ("seqlen_k", "int", I32), ("page_shift", "int", I32), ("num_splits", "int", I32),
     ("scale", "float", F32), ("scale_log2", "float", F32),
+    # The variants' values (templates/decode/decode_variant.cuh; zero where the kernel's switch is off):
+    # the window's left side (clipped to the longest sequence), the softcap's factor before the tanh (the
+    # scale fields then hold the cap: flashgen.variants.Variant.values), the ALiBi slopes (fp32, (heads_q,)
+    # or (batch, heads_q): batch stride 0 or heads_q) and the sinks (fp32, (heads_q,)).
+    ("win_left", "int", I32), ("cap_in", "float", F32), ("alibi_sb", "int", I32),
+    ("alibi", "const float*", PTR), ("sinks", "const float*", PTR),
 )
 
 COMBINE_PARAMS = (
@@ -164,10 +177,13 @@ class DecodeSplitFamily(Family):
         """Adds ``min_ctas``, the bulk loader's __launch_bounds__ minimum: the CTAs an sm_90a SM holds by
         shared memory (plus the driver's 1 KB each). Without it ptxas caps those kernels at 128 registers
         and the n128 tile spills; with it ptxas may use what that residency leaves. 0: no minimum given
-        (the cp.async kernels keep their plain bounds)."""
+        (the cp.async kernels keep their plain bounds). And ``variant_type``, the decode_variant
+        instantiation of the spec's window, softcap, alibi and sinks switches."""
         ctx = super().context(spec)
         per_sm = ARCH_SMEM_PER_BLOCK["sm_90a"] + 1024
         ctx["min_ctas"] = max(1, per_sm // (self.smem_bytes(spec) + 1024)) if spec.kv_load in BULK_LOADS else 0
+        flags = (spec.window, spec.softcap, spec.alibi, spec.sinks)
+        ctx["variant_type"] = "decode_variant<" + ", ".join("true" if f else "false" for f in flags) + ">"
         return ctx
 
     def key_tile(self, d: int) -> int:
@@ -272,8 +288,8 @@ def num_splits_heuristic(batch: int, heads_kv: int, m_blocks: int, seqlen_k: int
     and 3.95 at 33 (one full wave of slots), b8/hk8 4.48-4.50 at 4 (a full
     wave) and 4.45 at 2; with one CTA per SM (n128 w4 s2) b1/hk8 4.05 at 16,
     b8/hk8/L4k 3.20 at 2 (2.92 at 4).
-    ``seqlen_k`` is the longest key length the call can see (the cache's
-    capacity plus new tokens: actual lengths live on the GPU).
+    ``seqlen_k`` is the most keys one CTA can read: the cache's capacity (actual
+    lengths live on the GPU), or with a window the keys it spans (``window_keys``).
     """
     slots = max(1, sms * ctas_per_sm)
     work = max(1, batch * heads_kv * m_blocks)
@@ -301,17 +317,56 @@ def ctas_per_sm(smem_bytes: int, threads: int, registers: int, smem_per_sm: int,
 # ----------------------------------------------------------------- index arithmetic (mirrors the kernel)
 
 
-def split_range(length: int, num_splits: int, split: int, block_n: int) -> tuple[int, int]:
-    """Keys [begin, end) of split ``split`` of a sequence of ``length`` keys: whole blocks of
-    ``block_n``, ceil(blocks / num_splits) per split; an empty range has end <= begin."""
-    blocks = -(-length // block_n)
+def split_range(length: int, num_splits: int, split: int, block_n: int, first: int = 0) -> tuple[int, int]:
+    """Keys [begin, end) of split ``split`` of the keys [first, length) of a sequence (``first`` a
+    multiple of ``block_n``: 0, or a window's ``first_key``): whole blocks of ``block_n``,
+    ceil(blocks / num_splits) per split; an empty range has end <= begin."""
+    blocks = -(-(length - first) // block_n)
     per = -(-blocks // num_splits)
-    return split * per * block_n, min(length, (split + 1) * per * block_n)
+    return first + split * per * block_n, min(length, first + (split + 1) * per * block_n)
+
+
+def first_key(first_row: int, group: int, length: int, nq: int, left: int, block_n: int) -> int:
+    """The first key the splits of a CTA cover (decode_variant::first_key): 0 without a window (``left``
+    -1), else the first key its first packed row ``first_row`` sees (token first_row // group, of a
+    sequence of ``length`` keys with ``nq`` new tokens), rounded down to a block of ``block_n``."""
+    if left == UNBOUNDED:
+        return 0
+    return max(0, first_row // group + length - nq - left) // block_n * block_n
+
+
+def split_keys(length: int, nq: int, group: int, rows: int, m_block: int, num_splits: int, split: int,
+               block_n: int, left: int = UNBOUNDED) -> tuple[int, int, int]:
+    """(n_begin, n_end, n_blocks) of one CTA of decode_split (its constructor's arithmetic): split
+    ``split`` of m-block ``m_block`` (packed rows 16 m_block .. of ``rows``) over a sequence of ``length``
+    keys (appended ones included) with ``nq`` new tokens and a window's ``left`` side (-1: none). The CTA
+    reads the K/V rows [n_begin, n_end) (the rows of its n_blocks blocks past n_end are zero-filled
+    without a read)."""
+    r0 = m_block * ROWS
+    last = min(r0 + ROWS - 1, rows - 1)
+    kv_end = max(0, min(length, last // group + length - nq + 1))
+    begin, split_end = split_range(length, num_splits, split, block_n,
+                                   first_key(r0, group, length, nq, left, block_n))
+    n_end = min(kv_end, split_end)
+    return begin, n_end, (-(-(n_end - begin) // block_n) if n_end > begin else 0)
+
+
+def window_keys(capacity: int, nq: int, left: int) -> int:
+    """The most keys one CTA reads in a cache of ``capacity`` keys (appended ones included) with ``nq``
+    new tokens and a window's ``left`` side (-1: none, every key): its rows' windows span at most
+    left + nq keys (less a block's rounding, which the heuristic's block count covers)."""
+    return capacity if left == UNBOUNDED else max(1, min(capacity, left + nq))
 
 
 def key_limit(row: int, group: int, length: int, nq: int) -> int:
     """Exclusive key limit of packed row ``row`` (token row // group): bottom-right causal."""
     return min(length, row // group + length - nq + 1)
+
+
+def key_first(row: int, group: int, length: int, nq: int, left: int) -> int:
+    """The first key packed row ``row`` sees under a window's ``left`` side (-1: 0), as the kernel's mask
+    takes it (it may be negative: no key hidden)."""
+    return 0 if left == UNBOUNDED else row // group + length - nq - left
 
 
 def kv_source(key: int, len_cache: int, page_size: int | None, block_table_row=None):
@@ -363,13 +418,15 @@ def merge_chunk(num_splits: int) -> int:
     return 4 if num_splits <= 4 else 8 if num_splits <= 8 else 16
 
 
-def merge_chunked(lses, outs, chunk: int | None = None):
+def merge_chunked(lses, outs, chunk: int | None = None, sink: float | None = None):
     """Mirror of the split merge (merge_splits: decode_split's in-kernel merge and decode_combine) for
     one (row, columns) item: ``lses`` the splits' LSEs (floats, -inf for an empty split), ``outs`` their
     normalised partial outputs (float lists). Reads ``chunk`` splits at a time (default: the kernels'
     merge_chunk; indices past the last clamped and weighted 0) with a running max,
     exactly as the kernel orders its arithmetic; returns (out, lse) -- zeros and -inf when every split
-    is empty. Needs math only, so the CPU tests check the kernel's formula and its edge cases."""
+    is empty. ``sink``: the row's sink logit joins the sum once, after the splits (merge_item's SINK;
+    every split empty: zeros and the sink). Needs math only, so the CPU tests check the kernel's formula
+    and its edge cases."""
     n = len(lses)
     chunk = merge_chunk(n) if chunk is None else chunk
     width = len(outs[0]) if outs else 0
@@ -390,5 +447,11 @@ def merge_chunked(lses, outs, chunk: int | None = None):
             total += w
             acc = [x + (w * y if used else 0.0) for x, y in zip(acc, outs[idx[k]])]
         m = mc
+    if sink is not None:
+        top = max(m, sink)
+        a = math.exp(m - top) if m != -math.inf else 0.0
+        total = total * a + math.exp(sink - top)
+        acc = [x * a for x in acc]
+        m = top
     inv = 1.0 / total if total > 0 else 0.0
     return [x * inv for x in acc], (m + math.log(total) if total > 0 else -math.inf)

@@ -1,7 +1,9 @@
 // The exact merge of Flash-Decoding's splits, shared by decode_split's in-kernel merge and the
 // decode_combine kernel: per (row, 4 columns) item, the splits' partial outputs weighted by their
 // log-sum-exps, lse = max + ln sum_s exp(lse_s - max), O = sum_s exp(lse_s - lse) O_s. A split with
-// LSE -inf (no keys) weighs nothing; an item whose splits are all -inf gets O = 0 and LSE -inf.
+// LSE -inf (no keys) weighs nothing; an item whose splits are all -inf gets O = 0 and LSE -inf. With
+// SINK (decode_split's sinks; decode_combine has none), exp(sink) joins the sum once, after the splits
+// and bringing no value: such an item gets O = 0 and LSE = sink.
 #pragma once
 
 // A GPU-coherent 16-byte load through a generic address: another CTA's partial (global, from L2) or
@@ -25,9 +27,10 @@ FG_DEVICE float ld_relaxed_f1(const float* ptr) {
 // O = sum_s e^(lse_s - m) O_s / sum_s e^(lse_s - m), LSE = m + ln(sum_s e^(lse_s - m)), in base 2 inside.
 // Split indices past the last are clamped (a valid address) and weighted 0. The splits are summed in
 // index order whichever one merges, so the result is the same bits every time (graph replays, reruns).
-template <int CH>
+template <int CH, bool SINK>
 FG_DEVICE void merge_item(const float* o_r, const float* l_r, fg_i64 o_step, fg_i64 l_step, int num_splits,
-                          int own_split, const float* own, const float* own_l, float4& out, float& lse) {
+                          int own_split, const float* own, const float* own_l, float4& out, float& lse,
+                          float sink) {
   constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
   float m = -INFINITY, sum = 0.f;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -62,19 +65,30 @@ FG_DEVICE void merge_item(const float* o_r, const float* l_r, fg_i64 o_step, fg_
     }
     m = mc;
   }
+  if constexpr (SINK) {  // the sink's term, under the larger of the two maxima (m = -inf: it is all there is)
+    const float s2 = sink * LOG2E;
+    const float top = fmaxf(m, s2);
+    const float a = fast_exp2(m - top);
+    sum = sum * a + fast_exp2(s2 - top);
+    acc.x *= a; acc.y *= a; acc.z *= a; acc.w *= a;
+    m = top;
+  }
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
   out = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
   lse = sum > 0.f ? (m + log2f(sum)) * LN2 : -INFINITY;
 }
 
 // merge_item with chunks of 4, 8 or 16 splits: no more loads and exponentials than the split count needs.
+// SINK: `sink` (natural units) joins the sum (see the top of this file).
+template <bool SINK = false>
 FG_DEVICE void merge_splits(const float* o_r, const float* l_r, fg_i64 o_step, fg_i64 l_step, int num_splits,
-                            int own_split, const float* own, const float* own_l, float4& out, float& lse) {
+                            int own_split, const float* own, const float* own_l, float4& out, float& lse,
+                            float sink = 0.f) {
   if (num_splits <= 4) {
-    merge_item<4>(o_r, l_r, o_step, l_step, num_splits, own_split, own, own_l, out, lse);
+    merge_item<4, SINK>(o_r, l_r, o_step, l_step, num_splits, own_split, own, own_l, out, lse, sink);
   } else if (num_splits <= 8) {
-    merge_item<8>(o_r, l_r, o_step, l_step, num_splits, own_split, own, own_l, out, lse);
+    merge_item<8, SINK>(o_r, l_r, o_step, l_step, num_splits, own_split, own, own_l, out, lse, sink);
   } else {
-    merge_item<16>(o_r, l_r, o_step, l_step, num_splits, own_split, own, own_l, out, lse);
+    merge_item<16, SINK>(o_r, l_r, o_step, l_step, num_splits, own_split, own, own_l, out, lse, sink);
   }
 }

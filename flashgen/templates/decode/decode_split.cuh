@@ -40,6 +40,11 @@
 // per-warp register window (64 entries, refilled 32 pages ahead with one
 // coalesced load): a page lookup is a shuffle, never a load in front of a copy.
 //
+// Variants (VAR, decode_variant.cuh: compile-time switches, values in the parameter block): a window
+// moves the splits' first key to the CTA's first visible one (so the kernel reads the window only) and
+// masks each row's lower bound; softcap and ALiBi transform every block's scores before the mask; a
+// sink joins the row's softmax in the one-split epilogue or in the merge of the splits.
+//
 // Output: with one split, the normalised O in the input dtype and the LSE.
 // Otherwise the normalised fp32 O and the LSE of this split go into the
 // workspace (an empty split writes O = 0, LSE = -inf); with p.counters set,
@@ -138,7 +143,7 @@ FG_DEVICE int ld_acquire(const int* ptr) {
 // and the epilogue, which reads it, is called from there; the block-table window is the body's
 // variables (as fields of the struct they would be ordered differently); an array member would keep the
 // whole struct in memory until the loops are unrolled.
-template <int D, int BN, int NW, int ST, bool BF16, int KV_LOAD, typename Params>
+template <int D, int BN, int NW, int ST, bool BF16, int KV_LOAD, typename VAR, typename Params>
 struct decode_split_cta {
   // (Enumerators, not static constexpr members: NVRTC emits such a member as a global object.)
   enum : int {
@@ -217,8 +222,8 @@ struct decode_split_cta {
     // Split 0 starts at key 0 whatever the sequence's length: while that length is loading (the load
     // above is in flight), warm L2 with the keys and values of its first ST - 1 blocks (contiguous cache;
     // rows past the length but within the capacity are valid memory, at most that many wasted 128-byte
-    // lines).
-    if (p.seqlens != nullptr && p.block_table == nullptr && split == 0) {
+    // lines). With a window the splits start where the window does, which the length decides: no warm-up.
+    if (!VAR::WIN && p.seqlens != nullptr && p.block_table == nullptr && split == 0) {
       constexpr int LINES = (2 * D + 127) / 128;  // 128-byte lines per row (a row may start mid-line: d < 64)
       const int rows = min(p.seqlen_k, (ST - 1) * BN);
       const fg_i64 row0 = static_cast<fg_i64>(b) * p.k_sb + hk * p.k_sh;
@@ -236,10 +241,12 @@ struct decode_split_cta {
     r0 = mb * 16;
     const int last_row = min(r0 + 15, p.rows - 1);
     const int kv_end = max(0, min(len, last_row / p.group + diag + 1));  // no row of the tile sees past this
-    const int blocks = ceil_div(len, BN);
+    // The splits cover [kv_begin, len): 0 without a window, else the block of the CTA's first visible key.
+    const int kv_begin = VAR::template first_key<BN>(p, r0, diag);
+    const int blocks = ceil_div(len - kv_begin, BN);
     const int bps = ceil_div(blocks, p.num_splits);
-    n_begin = split * bps * BN;
-    split_end = min(len, (split + 1) * bps * BN);
+    n_begin = kv_begin + split * bps * BN;
+    split_end = min(len, kv_begin + (split + 1) * bps * BN);
     n_end = min(kv_end, split_end);
     n_blocks = n_end > n_begin ? ceil_div(n_end - n_begin, BN) : 0;
     fast_end = min(n_end, len_cache);  // a block ending at or before this is whole and cached
@@ -525,6 +532,8 @@ struct decode_split_cta {
 #pragma unroll
     for (int h = 0; h < 2; ++h) row_lim[h] = min(n_end, (r0 + g + 8 * h) / p.group + diag + 1);
     const int mask_from = min(n_end, r0 / p.group + diag + 1);  // the tile's smallest limit
+    VAR var;  // the variant's per-row values (decode_variant.cuh; nothing for plain decode)
+    var.set_rows(p, b, hk, r0, g, diag);
 
     const int q_row = lane & 15;
     const int k_row = ((lane >> 4) << 3) + (lane & 7);
@@ -599,11 +608,19 @@ struct decode_split_cta {
         }
       }
 
-      // ---- mask: the split end, the sequence end and the causal diagonal ----
+      // ---- the variant's score transforms (softcap, ALiBi), on every block ----
       const int n0 = n_begin + j * BN;
-      if (n0 + BN > mask_from) {
+      if constexpr (VAR::TRANSFORMS) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) mask_row(acc_s, h, row_lim[h] - (n0 + w_row + 2 * t));
+        for (int h = 0; h < 2; ++h) var.transform(acc_s, h, n0 + w_row + 2 * t, p.cap_in);
+      }
+
+      // ---- mask: the split end, the sequence end, the causal diagonal (and the window's start) ----
+      // A window masks every block: the test for the blocks its start crosses (a register across the
+      // loop) made the n64 tile spill, and the mask is a few selects per score of a memory-bound loop.
+      if (VAR::WIN || n0 + BN > mask_from) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) VAR::mask(p, acc_s, h, r0 + g + 8 * h, diag, n0 + w_row + 2 * t, row_lim[h]);
       }
 
       // ---- online softmax (per warp) ----
@@ -664,6 +681,14 @@ struct decode_split_cta {
     int* const ctr = p.counters + 2 * ((static_cast<fg_i64>(b) * gridDim.y + hk) * (gridDim.x / p.num_splits) + mb);
     int ticket = 0;
     if (fused && tid == 0) ticket = atomicAdd(ctr, 1);
+    // Sinks: this thread's two rows' (used where one split covers the rows; loaded before the barriers).
+    float sink_row[2] = {0.f, 0.f};
+    if constexpr (VAR::SINK) {
+      if (direct) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) sink_row[h] = p.sinks[VAR::head_of(p, hk, r0 + g + 8 * h)];
+      }
+    }
     cp_async_wait<0>();
     __syncthreads();  // every warp is done with the ring (and the Q copies have landed)
     FG_PROBE(3);
@@ -695,14 +720,18 @@ struct decode_split_cta {
         if (mw != -INFINITY) l_all += red[NW * 16 + w * 16 + row] * fast_exp2((mw - m_all) * p.scale_log2);
       }
       const float own = row_max[h] == -INFINITY ? 0.f : fast_exp2((row_max[h] - m_all) * p.scale_log2);
-      const float f = l_all > 0.f ? own / l_all : 0.f;
+      float f = l_all > 0.f ? own / l_all : 0.f;
+      float sink_lse = 0.f;
+      if constexpr (VAR::SINK) {  // one split covers the row: its sink joins here (else in the merge)
+        if (direct) VAR::finish_sink(m_all, l_all, p.scale, sink_row[h], own, f, sink_lse);
+      }
       float* dst = s_o + (warp * 16 + row) * OS + 2 * t;
 #pragma unroll
       for (int dj = 0; dj < DJ; ++dj) {
         dst[dj * 8] = acc_o[dj][2 * h] * f;
         dst[dj * 8 + 1] = acc_o[dj][2 * h + 1] * f;
       }
-      if (warp == 0 && t == 0) red[2 * NW * 16 + row] = row_lse(m_all, l_all, p.scale);
+      if (warp == 0 && t == 0) red[2 * NW * 16 + row] = VAR::SINK && direct ? sink_lse : row_lse(m_all, l_all, p.scale);
     }
     // red[2 * NW * 16 + 16]: this CTA merges (it drew the last ticket of its group). Then thread 0 of the
     // merger waits for the other splits' partials here, so the round trip overlaps the warp merge.
@@ -780,7 +809,9 @@ struct decode_split_cta {
       const float* const own = s_own + row * D + c4 * 4;
       float4 o;
       float lse;
-      merge_splits(o_r, l_r, o_step, l_step, p.num_splits, split, own, own_l, o, lse);
+      float sink = 0.f;
+      if constexpr (VAR::SINK) sink = p.sinks[VAR::head_of(p, hk, r)];
+      merge_splits<VAR::SINK>(o_r, l_r, o_step, l_step, p.num_splits, split, own, own_l, o, lse, sink);
       store_o(r, c4, o);
       if (c4 == 0) store_lse(r, lse);
     }
@@ -789,10 +820,10 @@ struct decode_split_cta {
 };
 
 // The kernel: the stages of decode_split_cta in order.
-template <int D, int BN, int NW, int ST, bool BF16, int KV_LOAD, typename Params>
+template <int D, int BN, int NW, int ST, bool BF16, int KV_LOAD, typename VAR, typename Params>
 FG_DEVICE void decode_split_body(const Params& p) {
   int wb, win_lo, win_hi;  // the block-table window (decode_split_cta::step_window)
-  decode_split_cta<D, BN, NW, ST, BF16, KV_LOAD, Params> cta(p, wb, win_lo, win_hi);
+  decode_split_cta<D, BN, NW, ST, BF16, KV_LOAD, VAR, Params> cta(p, wb, win_lo, win_hi);
   cta.append(p);
   cta.load_q(p);
   cta.main_loop(p);  // (and the epilogue)
