@@ -113,6 +113,7 @@ def test_load_refuses_a_non_result(tmp_path):
     (["bench", "variants", "--cases", "nope"], "unknown nope"),
     (["bench", "variants", "--cands", "fwd_sm90_nope"], "is not a kernel name"),
     (["bench", "variants", "--rounds", "0"], "--rounds"),
+    (["bench", "variants", "--cases", "decode", "--decode-reps", "0"], "--decode-reps"),
     (["explain", "--gpu", "h200", "--d", "100", "--seqlen", "4096"], "multiples of 8"),
     (["explain", "--gpu", "h200", "--d", "64", "--seqlen", "0"], "positive"),
 ])
@@ -132,6 +133,7 @@ def test_cli_errors_are_clean(capsys, argv, message):
     ["bench", "host"],
     ["bench", "startup", "--runs", "1"],
     ["bench", "variants", "--cases", "window,sinks"],
+    ["bench", "variants", "--cases", "decode"],
 ])
 def test_good_options_without_a_gpu(capsys, argv):
     """Valid options get as far as the device check: one line, exit 2, no traceback."""
@@ -394,9 +396,21 @@ def _variants_result():
             "flex": {"skipped": "no sinks"} if case == "sinks" else _timed(2.0, 6.0e11)}}
         row["ratios"] = {"x_plain": 600.0 / plain, **({} if case == "sinks" else {"x_flex": 2.0})}
         rows.append(row)
+    from flashgen.bench import variants
+
+    def cell(us, tbps):
+        return {"us": us, "rounds_us": [us, us * 1.01], "spread_pct": 1.0, "tbps": tbps, "splits": 11}
+
+    decode = []
+    for batch, plain in ((1, 4.1), (4, 4.4)):
+        row = {"batch": batch, "L": 131072, "results": {"plain": cell(125.0, plain), "window": cell(5.2, 3.2),
+                                                        "sinks": cell(126.0, 4.0),
+                                                        "softcap": {"error": "RuntimeError: no softcap"}}}
+        row["ratios"] = {"window_x_plain": 3.2 / plain, "sinks_x_plain": 4.0 / plain}
+        decode.append(row)
     return {"suite": "variants", "meta": {}, "metric": "tflops", "x": "case", "panels": ["head_dim"],
             "impls": ["flashgen", "flashgen_plain", "flex"], "ratios": ["x_plain", "x_flex"], "rows": rows,
-            "convention": "variants"}
+            "convention": "variants", "sections": {"decode": variants.decode_section(decode, {"d": 128, "rounds": 5})}}
 
 
 SYNTHETIC = {"fwd": _fwd_result, "bwd": _bwd_result, "decode": _decode_result, "ablation": _ablation_result,
@@ -436,6 +450,19 @@ def test_decode_table_has_sections_and_notes():
     assert "[paged]" in text and "[host]" in text and "0.987" in text and "decode_split_x" in text
     assert "x_cudnn over 2 cases: min 1.080" in text and "flashgen splits: b1/hk8/L4096: 16" in text
     assert "3.46" in text  # TB/s with two decimals
+
+
+def test_variants_table_has_the_decode_section():
+    """The variants suite's decode section: TB/s per variant (two decimals) per batch, each variant's ratio
+    to the plain decode, its errors."""
+    text = report.table(_variants_result())
+    section = text[text.index("[decode]"):].splitlines()
+    head = section[1].split()
+    assert head[:2] == ["L", "batch"] and head[2:6] == ["plain", "window", "sinks", "softcap"]
+    assert head[6:] == ["window_x_plain", "sinks_x_plain", "softcap_x_plain"]
+    first = section[3].split()
+    assert first[:5] == ["131072", "1", "4.10", "3.20", "4.00"] and first[5] == "err"
+    assert "0.780" in first and "RuntimeError: no softcap" in text
 
 
 def test_categorical_plot_has_one_tick_per_variant(tmp_path):

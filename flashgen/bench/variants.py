@@ -18,6 +18,15 @@ TFLOP/s count only the (query, key) pairs the mask lets through: 4 B H pairs d (
 Each row carries ``x_plain`` (flashgen's variant over its plain kernel) and ``x_flex`` (over
 FlexAttention), above 1 meaning flashgen's variant is faster. ``--cands`` adds candidate kernels (full
 names, ``c1``, ``c2``, ... in the table) for the variant call, timed where their flags fit the case.
+
+- ``decode`` (the section of that name): ``flashgen.decode`` over a 128k-key cache, bf16, GQA 32/8, one
+  new token, batch 1 and 4: plain, window (4096, 0), one sink per head, softcap 50, the four timed in
+  the same interleaved rounds (the decode suite's method: median of ``--decode-reps`` CUDA-event-timed
+  calls per round, value checks off). TB/s on the K/V bytes each call reads: the whole cache, or with
+  the window its 4097 keys per sequence; the window's calls rotate over sequence lengths 4225 keys apart
+  (disjoint windows of one cache, at least 256 MB in all) so that L2 does not serve them. Each variant
+  carries ``<variant>_x_plain``: its TB/s over the plain decode's (for the window: how well it streams
+  the keys it reads, not the time it saves), plus the plan's spec and split count.
 """
 from __future__ import annotations
 
@@ -26,6 +35,7 @@ from dataclasses import dataclass, field
 from ..spec import KernelSpec
 from ..variants import Variant, alibi_slopes
 from . import baselines, options
+from . import decode as decode_bench
 from .registry import Suite, register
 from .timing import Skipped, add_ratios, free, meta, require_cuda, time_cell, time_ms
 
@@ -56,26 +66,38 @@ CASES = (
 IMPLS = ("flashgen", "flashgen_plain", "flex")
 RATIOS = (("x_plain", "flashgen_plain"), ("x_flex", "flex"))
 
+# The decode cases: (batch sizes, cache length, heads_q, heads_kv) and the variants, timed together.
+DECODE_BATCHES = (1, 4)
+DECODE_L, DECODE_HEADS, DECODE_KV_HEADS = 131072, 32, 8
+DECODE_WINDOW = 4096
+DECODE_VARIANTS = (("plain", {}), ("window", {"window": (DECODE_WINDOW, 0)}), ("sinks", {"sinks": "per head"}),
+                   ("softcap", {"softcap": 50.0}))
+CASE_NAMES = (*dict.fromkeys(c.name for c in CASES), "decode")
+
 
 def add_args(p) -> None:
-    p.add_argument("--cases", default=",".join(dict.fromkeys(c.name for c in CASES)),
-                   help="cases to run, comma-separated (window, softcap, alibi, sinks; default all)")
+    p.add_argument("--cases", default=",".join(CASE_NAMES),
+                   help=f"cases to run, comma-separated ({', '.join(CASE_NAMES)}; default all)")
     p.add_argument("--d", type=int, default=128, help="head dim (default 128)")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"implementations (default and known: {','.join(IMPLS)})")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per cell (default 5; the median counts)")
     p.add_argument("--budget", type=float, default=0.25, help="seconds of timed calls per implementation per round")
     p.add_argument("--cands", default="", help="candidate kernels for the variant call: full names, comma-separated")
+    p.add_argument("--decode-reps", type=int, default=20,
+                   help="decode: timed calls per variant per round (default 20)")
 
 
 def parse(args) -> dict:
-    cases = options.names(args.cases, tuple(dict.fromkeys(c.name for c in CASES)), "cases")
+    cases = options.names(args.cases, CASE_NAMES, "cases")
     options.positive(args.rounds, "rounds", integer=True)
     options.positive(args.budget, "budget")
+    options.positive(args.decode_reps, "decode-reps", integer=True)
     cands = [c for c in str(args.cands).split(",") if c]
     for name in cands:
         KernelSpec.from_name(name)  # ValueError (one line, exit 2) for a name that is not a kernel's
     return {"cases": cases, "d": options.head_dims(str(args.d))[0], "impls": options.names(args.impls, IMPLS, "impls"),
-            "rounds": int(args.rounds), "budget": float(args.budget), "cands": cands}
+            "rounds": int(args.rounds), "budget": float(args.budget), "cands": cands,
+            "decode_reps": int(args.decode_reps)}
 
 
 def _tensors(case: Case, h: int, device):
@@ -142,6 +164,79 @@ def _with_backward(run, q, k, v):
     return step
 
 
+def decode_keys(variant: str, length: int) -> int:
+    """Keys one decode call reads per sequence of ``length`` keys (one new token): all of them, or the
+    window's left + 1."""
+    return min(length, DECODE_WINDOW + 1) if variant == "window" else length
+
+
+def decode_lengths(copies: int) -> list:
+    """The window case's sequence lengths, one per rotated call: DECODE_L, then 4225 keys shorter each
+    (the window's 4097 keys and a 128-key block apart: disjoint windows)."""
+    stride = DECODE_WINDOW + 1 + 128
+    return [DECODE_L - i * stride for i in range(copies)]
+
+
+def decode_rows(settings, progress) -> list:
+    """One row per batch size: the decode variants of DECODE_VARIANTS timed in the same interleaved rounds
+    (TB/s on the bytes each reads), with each variant's TB/s over the plain decode's."""
+    import torch
+
+    from .. import api
+
+    d, rows = settings["d"], []
+    for batch in DECODE_BATCHES:
+        gen = torch.Generator(device="cuda").manual_seed(5000 + batch)
+        q = torch.randn(batch, 1, DECODE_HEADS, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k = torch.randn(batch, DECODE_L, DECODE_KV_HEADS, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        v = torch.randn_like(k)
+        sinks = torch.randn(DECODE_HEADS, device="cuda", generator=gen)
+        makers, facts, nbytes, copies = {}, {}, {}, {}
+        for name, opts in DECODE_VARIANTS:
+            kw = {**opts, **({"sinks": sinks} if "sinks" in opts else {})}
+            read = decode_keys(name, DECODE_L)
+            nbytes[name] = decode_bench.kv_bytes(batch, DECODE_KV_HEADS, read, d)
+            copies[name] = decode_bench.copies_for(nbytes[name]) if name == "window" else 1
+            lens = [torch.full((batch,), n, dtype=torch.int32, device="cuda") for n in decode_lengths(copies[name])]
+
+            def make(name=name, kw=kw, lens=lens):
+                def fn(i):
+                    return api.decode(q, k, v, lens[i], check_values=False, **kw)
+                facts[name] = decode_bench.plan_facts(fn)
+                once = (lambda: fn(0))
+                once.fn, once.copies = fn, copies[name]
+                return once
+            makers[name] = make
+        measure = (lambda once: decode_bench.measure_us(settings["decode_reps"], once.copies)(once.fn))
+        cells = time_cell(makers, settings["rounds"], measure, unit="us")
+        for name, cell in cells.items():
+            if "us" in cell:
+                cell["tbps"] = nbytes[name] / cell["us"] / 1e6
+            cell.update(facts.get(name, {}), kv_bytes=nbytes[name], copies=copies[name])
+        row = {"batch": batch, "L": DECODE_L, "heads": DECODE_HEADS, "kv_heads": DECODE_KV_HEADS, "head_dim": d,
+               "window": DECODE_WINDOW, "rounds": settings["rounds"], "reps": settings["decode_reps"],
+               "results": cells}
+        add_ratios(row, "tbps", [(f"{name}_x_plain", name, "plain") for name, _ in DECODE_VARIANTS[1:]])
+        rows.append(row)
+        progress(f"decode b={batch}: " + ", ".join(f"{n}={c['tbps']:.2f}" if "tbps" in c else f"{n}=-"
+                                                   for n, c in cells.items())
+                 + "".join(f" {lbl}={r:.2f}" for lbl, r in row.get("ratios", {}).items()))
+        del q, k, v, makers
+        free()
+    return rows
+
+
+def decode_section(rows, settings) -> dict:
+    """The ``decode`` section of the suite's result (a table of its own: TB/s, one row per batch)."""
+    return {"metric": "tbps", "precision": 2, "x": "batch", "panels": ["L"],
+            "impls": [name for name, _ in DECODE_VARIANTS],
+            "ratios": [f"{name}_x_plain" for name, _ in DECODE_VARIANTS[1:]],
+            "convention": f"flashgen.decode, bf16, d = {settings['d']}, GQA {DECODE_HEADS}/{DECODE_KV_HEADS}, one new "
+                          f"token; TB/s = K/V bytes read (window: its {DECODE_WINDOW + 1} keys per sequence) / time; "
+                          f"median of {settings['rounds']} interleaved rounds; <variant>_x_plain: its TB/s over the "
+                          "plain decode's", "rows": rows}
+
+
 def run(args, progress) -> dict:
     import torch
 
@@ -152,6 +247,7 @@ def run(args, progress) -> dict:
     d = settings["d"]
     meta_info = meta()
     rows = []
+    decode_table = decode_rows(settings, progress) if "decode" in settings["cases"] else None
     for case in (c for c in CASES if c.name in settings["cases"]):
         gen = torch.Generator(device="cuda").manual_seed(case.n + d)
 
@@ -215,13 +311,16 @@ def run(args, progress) -> dict:
                  + "".join(f" {lbl}={r:.2f}" for lbl, r in row.get("ratios", {}).items()))
         del q, k, v, pq, pk, pv
         free()
-    return {"suite": "variants", "meta": meta_info, "metric": "tflops", "x": "case", "panels": ["head_dim"],
+    result = {"suite": "variants", "meta": meta_info, "metric": "tflops", "x": "case", "panels": ["head_dim"],
             "convention": "bf16; TFLOP/s = 4 B H (visible query-key pairs) d / time; median of "
                           f"{settings['rounds']} interleaved rounds; x_plain / x_flex: flashgen's variant over "
                           "its plain kernel (window: dense causal at N = 4k) / over FlexAttention",
             "settings": settings, "impls": settings["impls"] + [f"c{i}" for i in range(1, len(settings["cands"]) + 1)],
             "ratios": [r for r, _ in RATIOS] + [f"c{i}_plain" for i in range(1, len(settings["cands"]) + 1)],
             "notes": [f"c{i}: {name}" for i, name in enumerate(settings["cands"], 1)], "rows": rows}
+    if decode_table is not None:
+        result["sections"] = {"decode": decode_section(decode_table, settings)}
+    return result
 
 
 register(Suite("variants", "window, softcap, ALiBi and sinks: flashgen next to its plain kernel and "
