@@ -199,7 +199,8 @@ def test_empty_sequences_with_sinks():
     sinks = torch.randn(8, device="cuda")
     for ns in (None, 1, 4):
         out, lse = flashgen.decode(q, k, k, lens, num_splits=ns, return_lse=True, sinks=sinks, window=(16, 0))
-        assert torch.all(out == 0) and torch.equal(lse, sinks[None, :, None].expand(2, 8, 1))
+        # (the merge takes the sink through base 2: equal to rounding)
+        assert torch.all(out == 0) and torch.allclose(lse, sinks[None, :, None].expand(2, 8, 1), rtol=1e-6, atol=1e-6)
         out, lse = flashgen.decode(q, k, k, lens, num_splits=ns, return_lse=True, softcap=10.0, window=(16, 0))
         assert torch.all(out == 0) and torch.all(torch.isneginf(lse))
 
