@@ -1,6 +1,8 @@
 """Timing and run metadata shared by the suites.
 
 - ``time_ms``: median of CUDA-event-timed calls (one measurement);
+- ``graph_us``: µs per call of back-to-back calls replayed from a CUDA graph (the GPU's time for calls
+  shorter than their host work, which ``time_ms``'s per-call events would count);
 - ``rounds_order`` / ``interleaved`` / ``summary``: interleaved rounds -- every implementation of a cell
   timed once per round, the order reversed every other round, so a clock or thermal drift during the
   run touches all of them alike and shows as spread, not as a difference between them; a cell's value
@@ -57,6 +59,37 @@ def time_ms(fn, budget_s: float = 0.3, min_reps: int = 3, max_reps: int = 30, wa
         e.record()
     torch.cuda.synchronize()
     return {"ms": statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)), "reps": reps}
+
+
+def graph_us(fn, calls: int = 32, replays: int = 5) -> float:
+    """Median µs per call of ``fn(i)`` for i = 0 .. calls - 1, captured once into a CUDA graph and replayed
+    ``replays`` times (each replay timed by events, after one untimed): the calls run back to back on the
+    GPU, with no host time between them. ``fn`` must be capturable (no host sync)."""
+    import torch
+
+    for i in range(min(calls, 3)):  # plans and kernels loaded outside the capture
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            for i in range(calls):
+                fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    del graph
+    return statistics.median(times)
 
 
 def rounds_order(impls, rounds: int) -> list[list]:
