@@ -273,6 +273,29 @@ FG_DEVICE void mask_row_range(F& s, int h, int lo, int hi) {
       if (nj * 8 + e >= hi || nj * 8 + e < lo) frag<F>::at(s, nj, 2 * h + e) = -INFINITY;
 }
 
+// The score transforms on row half h of S, shared by fg_variant and the decode kernel's variant: the
+// softcap's t = tanh(s cap_in), and ALiBi's -slope |o| with o = base at this thread's first column.
+template <typename F>
+FG_DEVICE void softcap_row(F& s, int h, float cap_in) {
+#pragma unroll
+  for (int nj = 0; nj < frag<F>::N8; ++nj)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float& x = frag<F>::at(s, nj, 2 * h + e);
+      x = fast_tanh(x * cap_in);
+    }
+}
+template <typename F>
+FG_DEVICE void alibi_row(F& s, int h, float base, float slope) {
+#pragma unroll
+  for (int nj = 0; nj < frag<F>::N8; ++nj)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float& x = frag<F>::at(s, nj, 2 * h + e);
+      x = fmaf(-slope, fabsf(base + static_cast<float>(8 * nj + e)), x);
+    }
+}
+
 template <bool CAUSAL, bool WINDOW, bool SOFTCAP, bool ALIBI, bool SINKS>
 struct fg_variant {
   enum : int { RIGHT = CAUSAL || WINDOW, LEFT = WINDOW, TRANSFORMS = SOFTCAP || ALIBI, HAS_SINK = SINKS,
@@ -337,25 +360,8 @@ struct fg_variant {
   // Softcap, then ALiBi, on row half h of S (in the scale's units; see the top of this file).
   template <typename F>
   FG_DEVICE void transform(F& s, int h, int row, int c0) const {
-    if constexpr (SOFTCAP) {
-#pragma unroll
-      for (int nj = 0; nj < frag<F>::N8; ++nj)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& x = frag<F>::at(s, nj, 2 * h + e);
-          x = fast_tanh(x * cap_in);
-        }
-    }
-    if constexpr (ALIBI) {
-      const float base = static_cast<float>(c0 - row - diag);  // o of this thread's first column
-#pragma unroll
-      for (int nj = 0; nj < frag<F>::N8; ++nj)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& x = frag<F>::at(s, nj, 2 * h + e);
-          x = fmaf(-slope, fabsf(base + static_cast<float>(8 * nj + e)), x);
-        }
-    }
+    if constexpr (SOFTCAP) softcap_row(s, h, cap_in);
+    if constexpr (ALIBI) alibi_row(s, h, static_cast<float>(c0 - row - diag), slope);  // o at the first column
   }
   // The query blocks (of bm rows; m_blocks in all) that see some key of block [n0, n0 + bn): [first, end).
   FG_DEVICE int query_first(int n0, int bm) const {

@@ -57,25 +57,8 @@ struct decode_variant {
   // Softcap, then ALiBi, on row half h of S; c0 is the key of this thread's first column.
   template <typename F>
   FG_DEVICE void transform(F& s, int h, int c0, float cap_in) const {
-    if constexpr (SOFTCAP) {
-#pragma unroll
-      for (int nj = 0; nj < frag<F>::N8; ++nj)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& x = frag<F>::at(s, nj, 2 * h + e);
-          x = fast_tanh(x * cap_in);
-        }
-    }
-    if constexpr (ALIBI) {
-      const float base = static_cast<float>(c0) - dg[h];  // o of this thread's first column
-#pragma unroll
-      for (int nj = 0; nj < frag<F>::N8; ++nj)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& x = frag<F>::at(s, nj, 2 * h + e);
-          x = fmaf(-slope[h], fabsf(base + static_cast<float>(8 * nj + e)), x);
-        }
-    }
+    if constexpr (SOFTCAP) softcap_row(s, h, cap_in);
+    if constexpr (ALIBI) alibi_row(s, h, static_cast<float>(c0) - dg[h], slope[h]);  // o at the first column
   }
 
   // Row half h (packed row r) of S: keys at or past `hi` (the row's causal and split limit) become -inf,
