@@ -70,3 +70,17 @@ def flashgen_home(request, tmp_path, monkeypatch):
         home.mkdir(parents=True, exist_ok=True)
         (home / "kernels").symlink_to(request.getfixturevalue("gpu_kernel_cache"), target_is_directory=True)
     return home
+
+
+@pytest.fixture()
+def no_launch(monkeypatch):
+    """Fail the test if flashgen.decode gets past validation to spec selection or kernel loading."""
+    from flashgen import dispatch, testing
+    from flashgen.api import decoding
+
+    def reached(*args, **kwargs):
+        raise AssertionError("validation let the call through to dispatch/launch")
+
+    monkeypatch.setattr(dispatch, "select", reached)
+    monkeypatch.setattr(decoding, "load", reached)
+    testing.plans("decode").clear()  # no plan of an earlier call stands in for the checks

@@ -214,3 +214,18 @@ def flat_cache(case, name):
         used = -(-(n + n_new) // page)
         out[i, :used * page] = cache[bt[i, :used].long()].reshape(used * page, *cache.shape[2:])
     return out
+
+
+def check_decode_output(out, lse, q, ref, ref_lse, tol, ns):
+    """One flashgen.decode result against its reference: q's shape and dtype, the LSE's shape, finite, the
+    output within ``tol``, the LSE -inf exactly where the reference's is, no NaN. Returns the -inf mask."""
+    b, nq, hq, _ = q.shape
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (b, hq, nq)
+    got = out.float()
+    assert torch.isfinite(got).all(), f"non-finite output (num_splits={ns})"
+    err = (got - ref).abs().max().item()
+    assert err <= tol, f"num_splits={ns}: max err {err:.3e} > tol {tol:.3e}"
+    masked = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), masked), f"num_splits={ns}: LSE -inf pattern differs"
+    assert not torch.isnan(lse).any()
+    return masked
