@@ -70,11 +70,14 @@ def parse_ptxas_log(log: str, name: str | None = None) -> Report:
     """Registers, spills, stack and static shared memory of ``name`` (or the only entry)."""
     section = log
     if name:
-        start = log.find(f"Function properties for {name}")
+        # The whole name (a module may hold a second entry whose name extends it: a varlen spec's
+        # _tiles), up to the next entry's report.
+        start = log.find(f"Function properties for {name}\n")
         if start < 0:
             start = log.find(f"'{name}'")
         if start >= 0:
-            section = log[start:]
+            end = log.find("Compiling entry function", start)
+            section = log[start:end if end >= 0 else len(log)]
     def grab(pattern: str) -> int:
         m = re.search(pattern, section)
         return int(m.group(1)) if m else 0

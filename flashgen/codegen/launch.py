@@ -86,6 +86,24 @@ def _load_module(cubin: bytes, name: str, smem: int, static_smem: int, device_in
     return module, function.value
 
 
+def _entry(module: _Module, name: str, device_index: int) -> int:
+    """The function handle of entry ``name`` of a loaded module (in device ``device_index``'s context)."""
+    cu, c = _cu(), ctypes
+    pushed = False
+    ctx = c.c_void_p()
+    _check(cu.cuCtxGetCurrent(c.byref(ctx)), "cuCtxGetCurrent")
+    if ctx.value != _primary(device_index):
+        _check(cu.cuCtxPushCurrent(_primary(device_index)), "cuCtxPushCurrent")
+        pushed = True
+    try:
+        function = c.c_void_p()
+        _check(cu.cuModuleGetFunction(c.byref(function), module.handle, name.encode()), f"finding {name}")
+    finally:
+        if pushed:
+            _check(cu.cuCtxPopCurrent(c.byref(c.c_void_p())), "cuCtxPopCurrent")
+    return function.value
+
+
 _primaries: dict = {}
 
 
@@ -117,10 +135,21 @@ class Kernel:
         from cupy_backends.cuda.api import driver
 
         self._launch_kernel = driver.launchKernel  # bound once: an import per launch costs ~0.5 us
+        self._entries: dict = {}
 
 
     def params(self, **values):
         return self._struct(**values)
+
+    def launch_entry(self, suffix: str, threads: int, params, stream: int) -> None:
+        """Enqueue the module's second entry ``{name}{suffix}`` (one CTA of ``threads``, static shared
+        memory only) on ``stream`` with the kernel's own parameter block: a varlen spec's ``_tiles``, the
+        work-list builder (templates/common/varlen.cuh)."""
+        fptr = self._entries.get(suffix)
+        if fptr is None:
+            fptr = self._entries[suffix] = _entry(self._module, self.spec.name + suffix, self.device_index)
+        argv = _ARGV(ctypes.addressof(params))
+        self._launch_kernel(fptr, 1, 1, 1, threads, 1, 1, 0, stream, ctypes.addressof(argv), 0)
 
     def launch(self, grid: tuple[int, int, int], params, stream: int) -> None:
         """Enqueue on ``stream`` (a raw CUstream handle); params is the family's ctypes struct."""
