@@ -10,12 +10,12 @@ from .version import __version__
 def __getattr__(name):
     # The torch layer is imported when it is first used, so that `flashgen emit`, the spec and the
     # codegen modules work (and start quickly) without importing torch.
-    if name in ("attention", "decode"):
+    if name in ("attention", "attention_varlen", "decode"):
         from . import api
 
         return getattr(api, name)
     raise AttributeError(name)
 
 
-__all__ = ["attention", "decode", "KernelSpec", "FlashgenError", "UnsupportedError", "CompileError", "ConfigError",
+__all__ = ["attention", "attention_varlen", "decode", "KernelSpec", "FlashgenError", "UnsupportedError", "CompileError", "ConfigError",
            "__version__"]

@@ -40,6 +40,8 @@ def _f(default, token: str = "", kinds: tuple = (), doc: str = "", optional: boo
 _SM90 = ("fwd_sm90",)
 # The kinds that serve the variants (templates/common/variant.cuh; decode_split: decode/decode_variant.cuh).
 _VARIANTS = ("fwd_sm90", "fwd_v2", "bwd_sm90", "bwd_dkdv", "bwd_dkdv_nodq", "bwd_dq", "decode_split")
+# The kinds that serve packed rows (cu_seqlens: templates/common/varlen.cuh).
+_VARLEN = ("fwd_sm90", "fwd_v2")
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,8 @@ class KernelSpec:
                      True)
     sinks: bool = _f(False, "sink", _VARIANTS, "a learned logit per head joins every row's softmax denominator",
                      True)
+    varlen: bool = _f(False, "vl", _VARLEN, "packed rows: sequences of their own lengths (cu_seqlens), tiles "
+                      "from a device-built list (longest first)", True)
 
     # -- identity ---------------------------------------------------------
     @property

@@ -4,7 +4,10 @@
   layer keeps, so that a changed table, setting or monkeypatched rule takes effect;
 - ``ENVIRONMENT``: every ``FLASHGEN_*`` variable flashgen reads (``flashgen.settings``), for a test
   harness to clear;
-- ``plans(entry)``: the plan cache of ``"attention"`` or ``"decode"`` (to look at what a call planned).
+- ``plans(entry)``: the plan cache of ``"attention"``, ``"attention_varlen"`` or ``"decode"`` (to look at what a
+  call planned);
+- ``varlen_work_list(...)``: the work list the device builds for an ``attention_varlen`` call (its
+  ``_tiles`` entry alone), to hold against ``families.base.varlen_work``.
 """
 from __future__ import annotations
 
@@ -30,3 +33,27 @@ def plans(entry: str) -> dict:
     from .api import plans as plan_caches
 
     return plan_caches.cache(entry)
+
+
+def varlen_work_list(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, seqused_k=None,
+                     window=None, spec=None):
+    """(pairs, spec): the (sequence, query block) pairs, an int64 (count, 2) CPU tensor in the device's
+    order, that ``attention_varlen`` with these arguments would compute, and the spec it would run."""
+    import torch
+
+    from .api.forward import packed_plan
+    from .api.device import current_stream
+
+    plan = packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, None, seqused_k,
+                       window, 0.0, None, None, spec)
+    if plan.kernel is None:
+        return torch.zeros((0, 2), dtype=torch.int64), None
+    work = torch.full((plan.list_ints,), -1, dtype=torch.int32, device=q.device)
+    params = plan.params_for(q.data_ptr(), k.data_ptr(), v.data_ptr())
+    params.cu_q, params.cu_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
+    params.used_k = seqused_k.data_ptr() if seqused_k is not None else 0
+    params.vl_tiles = work.data_ptr()
+    plan.kernel.launch_entry("_tiles", 1024, params, current_stream(plan.device_index))
+    host = work.to("cpu").long()
+    count = int(host[0])
+    return host[2:2 + 2 * count].reshape(count, 2), plan.kernel.spec

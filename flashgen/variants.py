@@ -17,6 +17,7 @@ A row that sees no key gives 0; its LSE is -inf, or the sink's logit with sinks.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ from .errors import UnsupportedError
 UNBOUNDED = -1
 # The variant options' name tokens (KernelSpec's window, softcap, alibi and sinks fields), in field order:
 # a problem key's ``variant`` is those in use joined by "_".
-KEY_TOKENS = (("window", "win"), ("softcap", "cap"), ("alibi", "alibi"), ("sinks", "sink"))
+KEY_TOKENS = (("window", "win"), ("softcap", "cap"), ("alibi", "alibi"), ("sinks", "sink"), ("varlen", "vl"))
 
 
 def is_key_variant(text) -> bool:
@@ -138,11 +139,14 @@ class Variant:
     softcap: float = 0.0
     alibi: bool = False
     sinks: bool = False
+    varlen: bool = False
 
     @classmethod
-    def of(cls, causal: bool, window=None, softcap=0.0, alibi: bool = False, sinks: bool = False) -> "Variant":
+    def of(cls, causal: bool, window=None, softcap=0.0, alibi: bool = False, sinks: bool = False,
+           varlen: bool = False) -> "Variant":
         left, right = window_of(causal, window)
-        return cls(causal or right == 0, left, 0 if right == 0 else right, check_softcap(softcap), alibi, sinks)
+        return cls(causal or right == 0, left, 0 if right == 0 else right, check_softcap(softcap), alibi, sinks,
+                   varlen)
 
     @property
     def windowed(self) -> bool:
@@ -151,12 +155,13 @@ class Variant:
 
     @property
     def plain(self) -> bool:
+        """No mask but causal's and no score change (packed rows may still be: ``varlen``)."""
         return not (self.windowed or self.softcap or self.alibi or self.sinks)
 
     def flags(self) -> dict:
         """The KernelSpec fields of this variant (``causal`` among them)."""
         return {"causal": self.causal, "window": self.windowed, "softcap": self.softcap > 0,
-                "alibi": self.alibi, "sinks": self.sinks}
+                "alibi": self.alibi, "sinks": self.sinks, "varlen": self.varlen}
 
     def key(self) -> str:
         """The problem key's ``variant``: the tokens of the spec fields this variant sets."""
@@ -184,10 +189,13 @@ class Variant:
                 out["scale"] = self.softcap
         return out
 
+    def replace(self, **changes) -> "Variant":
+        return dataclasses.replace(self, **changes)
+
     def backward(self) -> "Variant":
         """The variant of the backward's kernels: the sinks are the torch layer's (their gradient comes
         from the LSE and D, and the LSE already holds them)."""
-        return Variant(self.causal, self.left, self.right, self.softcap, self.alibi, False)
+        return Variant(self.causal, self.left, self.right, self.softcap, self.alibi, False, self.varlen)
 
     def pairs(self, sq: int, sk: int) -> int:
         """The (query, key) pairs this variant's mask lets through (the FLOP count's)."""

@@ -14,7 +14,7 @@ from flashgen.spec import ARCHS, DTYPES, fields_of
 
 FWD = FAMILIES["fwd_v2"]
 
-NAME_RE = re.compile(r"^fwd_v2_d\d+_m\d+_n\d+_w\d+_s\d+(_r[12])?(_win)?(_cap)?(_alibi)?(_sink)?_(causal|full)_(fp16|bf16)_sm\d+a?$")
+NAME_RE = re.compile(r"^fwd_v2_d\d+_m\d+_n\d+_w\d+_s\d+(_r[12])?(_win)?(_cap)?(_alibi)?(_sink)?(_vl)?_(causal|full)_(fp16|bf16)_sm\d+a?$")
 
 
 def _allowed(field: str) -> tuple:
@@ -31,7 +31,7 @@ def _allowed(field: str) -> tuple:
 
 
 FIELDS = [f.name for f in fields_of("fwd_v2")]
-VARIANT_FIELDS = ("window", "softcap", "alibi", "sinks")  # compile-time switches: off over the grid below
+VARIANT_FIELDS = ("window", "softcap", "alibi", "sinks", "varlen")  # compile-time switches: off over the grid below
 
 
 def _valid_specs():

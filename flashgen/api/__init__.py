@@ -3,6 +3,7 @@
 - ``attention`` (``api.entry``: the forward is ``api.forward``, the study
   algorithms ``api.baselines``), differentiable through the custom ops of
   ``api.autograd`` whose backward is ``api.backward``;
+- ``attention_varlen`` (``api.packed``): packed rows (cu_seqlens), the forward ``api.forward``'s;
 - ``decode`` (``api.decoding``): Flash-Decoding over a contiguous or paged KV cache.
 
 (No submodule is named after a function this package exports, so ``flashgen.api.X`` is never
@@ -16,5 +17,6 @@ from __future__ import annotations
 from .entry import attention
 from .backward import attention_backward
 from .decoding import decode
+from .packed import attention_varlen
 
-__all__ = ["attention", "attention_backward", "decode"]
+__all__ = ["attention", "attention_backward", "attention_varlen", "decode"]

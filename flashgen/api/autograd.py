@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .forward import forward
+from .forward import forward, packed_forward
 from .backward import attention_backward
 from ..variants import Variant, check_softcap, window_of
 from .checks import LAYOUTS, check_flag, checked_scale
@@ -134,3 +134,31 @@ def attention_op(q, k, v, causal, softmax_scale, layout, return_lse, determinist
     out, lse, _ = torch.ops.flashgen.attn_fwd(q, k, v, causal, scale, layout, deterministic, left, right,
                                               float(softcap), alibi_slopes, sinks, keep_fp32)
     return (out, lse) if return_lse else out
+
+
+@torch.library.custom_op("flashgen::attn_varlen_fwd", mutates_args=())
+def attn_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                    max_seqlen_k: int, causal: bool, softmax_scale: float, seqused_k: Optional[Tensor] = None,
+                    win_left: int = -1, win_right: int = -1, softcap: float = 0.0,
+                    alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Packed-rows forward: (out (total_q, heads, d), lse (heads, total_q)); values unchecked (the entry's)."""
+    return packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                          seqused_k, _window(win_left, win_right), softcap, alibi_slopes, sinks)
+
+
+@attn_varlen_fwd.register_fake
+def _attn_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                          seqused_k=None, win_left=-1, win_right=-1, softcap=0.0, alibi_slopes=None, sinks=None):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                        seqused_k=None, window=None, softcap=0.0, alibi_slopes=None, sinks=None):
+    """``attention_varlen``'s forward through the custom op (traceable by torch.compile)."""
+    if not isinstance(q, Tensor) or q.dim() != 3:
+        raise ValueError("q must be a 3-D torch.Tensor (total_tokens, heads, d)")
+    scale = checked_scale(softmax_scale, q.shape[-1])
+    left, right = window_of(False, window)
+    check_softcap(softcap)
+    return torch.ops.flashgen.attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                              scale, seqused_k, left, right, float(softcap), alibi_slopes, sinks)

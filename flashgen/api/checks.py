@@ -187,3 +187,46 @@ def variant_tensors(alibi_slopes, sinks):
     if sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_contiguous()):
         sinks = sinks.float().contiguous()
     return alibi_slopes, sb, sinks
+
+
+def check_packed_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                        seqused_k=None):
+    """Everything ``attention_varlen`` checks of its arguments without reading device memory: packed q
+    (total_q, heads, d), k and v (total_k, heads_kv, d); cu_seqlens int32 (seqs + 1,) and seqused_k int32
+    (seqs,) contiguous on q's device; the max lengths ints >= 0. Returns ((seqs, hq, hk, total_q, total_k,
+    d), the (batch, head, seq) strides of q, k, v (batch 0: one batch of packed rows), scale)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D (total_tokens, heads, d), got shape {tuple(t.shape)}")
+    # The 4-D checks on (1, total, heads, d) views: devices, dtypes, heads, alignment, strides, limits.
+    (_, hq, total_q, d), sq, (hk, total_k), sk, sv, scale = check_attention_inputs(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), causal, softmax_scale, "bshd")
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("seqused_k", seqused_k)):
+        if t is None and name == "seqused_k":
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device ({q.device}), got {t.device}")
+        if t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous 1-D tensor, got shape {tuple(t.shape)}, strides "
+                             f"{t.stride()}")
+    seqs = cu_seqlens_q.shape[0] - 1
+    if seqs < 0:
+        raise ValueError("cu_seqlens_q must hold at least one entry (0 for no sequences)")
+    if cu_seqlens_k.shape[0] != seqs + 1:
+        raise ValueError(f"cu_seqlens_k must have as many entries as cu_seqlens_q ({seqs + 1}), got "
+                         f"{cu_seqlens_k.shape[0]}")
+    if seqused_k is not None and seqused_k.shape[0] != seqs:
+        raise ValueError(f"seqused_k must have one entry per sequence ({seqs}), got {seqused_k.shape[0]}")
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    if seqs > MAX_GRID_YZ * 1024:
+        raise UnsupportedError(f"{seqs} sequences are past the {MAX_GRID_YZ * 1024} the work list takes")
+    strides = tuple((0, s[1], s[2]) for s in (sq, sk, sv))
+    return (seqs, hq, hk, total_q, total_k, d), strides, scale

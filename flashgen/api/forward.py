@@ -13,16 +13,18 @@ import torch
 from .. import dispatch, families
 from ..codegen import load
 from ..errors import UnsupportedError
+from ..families.base import varlen_list_ints
 from ..problem import ProblemKey, bucket_of, head_dim_tile
 from . import baselines
-from .checks import (DTYPES, check_attention_inputs, check_flag, check_forced_spec, check_variant_inputs,
-                     contiguous_strides, variant_tensors)
+from .checks import (DTYPES, check_attention_inputs, check_flag, check_forced_spec, check_packed_inputs,
+                     check_variant_inputs, contiguous_strides, variant_tensors)
 from .device import Device, current_device, current_stream, index_of, is_capturing
 from .plans import PlanCache
 
 ALGORITHMS = ("v2", "v1", "standard")
 
 _plans = PlanCache("attention")
+_packed_plans = PlanCache("attention_varlen")
 
 
 def _small(t):
@@ -68,24 +70,99 @@ def forward(q, k, v, causal, softmax_scale, layout, return_lse, spec=None, algor
     return (out, lse) if return_lse else out
 
 
+def packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                   seqused_k=None, window=None, softcap=0.0, alibi_slopes=None, sinks=None, spec=None, out32=None):
+    """The forward launch behind ``attention_varlen`` (no autograd, no value checks: the caller's):
+    (out (total_q, heads, d), lse (heads, total_q) fp32). ``out32`` (with sinks): an fp32 (heads,
+    total_q, d) tensor the kernel also writes the normalised output into."""
+    try:
+        sig = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+               q.device, k.device, v.device, _small(cu_seqlens_q), _small(cu_seqlens_k), _small(seqused_k),
+               max_seqlen_q, max_seqlen_k, type(max_seqlen_q), type(max_seqlen_k), causal, type(causal),
+               softmax_scale, type(softmax_scale), window, type(window), softcap, type(softcap),
+               _small(alibi_slopes), _small(sinks), spec)
+        plan = _packed_plans.get(sig)
+    except (AttributeError, TypeError):
+        sig = plan = None
+    if plan is None:
+        plan = packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                            seqused_k, window, softcap, alibi_slopes, sinks, spec)
+        _packed_plans.put(sig, plan)
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+        raise ValueError("q, k, v must be 16-byte aligned (16-byte loads), got addresses "
+                         f"{q.data_ptr():#x}, {k.data_ptr():#x}, {v.data_ptr():#x}")
+    out = q.new_empty(q.shape)
+    lse = q.new_empty(plan.lse_shape, dtype=torch.float32)
+    if plan.kernel is None:  # no query rows, or no sequences
+        lse.fill_(float("-inf"))
+        return out.zero_(), lse
+    work = torch.empty(plan.list_ints, dtype=torch.int32, device=q.device)
+    params = plan.params_for(q.data_ptr(), k.data_ptr(), v.data_ptr())
+    params.o, params.lse = out.data_ptr(), lse.data_ptr()
+    params.o32 = out32.data_ptr() if out32 is not None else 0
+    params.cu_q, params.cu_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
+    params.used_k = seqused_k.data_ptr() if seqused_k is not None else 0
+    params.vl_tiles = work.data_ptr()
+    if alibi_slopes is not None or sinks is not None:
+        slopes, params.alibi_sb, sink_logits = variant_tensors(alibi_slopes, sinks)
+        params.alibi = slopes.data_ptr() if slopes is not None else 0
+        params.sinks = sink_logits.data_ptr() if sink_logits is not None else 0
+    if plan.counters:
+        params.sched = _tile_counters(plan.device_index)
+    plan.launch(params, tiles_first=True)
+    return out, lse
+
+
+def packed_plan(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, seqused_k, window, softcap, alibi_slopes,
+                 sinks, spec):
+    dims, strides, scale = check_packed_inputs(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, seqused_k)
+    seqs, h, hk, total_q, total_k, d = dims
+    variant, _, _ = check_variant_inputs(q, causal, window, softcap, alibi_slopes, sinks, seqs, h, total_q, total_k)
+    variant = variant.replace(varlen=True)
+    index = index_of(q)
+    if not (total_q and seqs):
+        return _Plan(None, None, index, (h, total_q))
+    dev = Device.of(index)
+    key = ProblemKey("fwd", dev.arch, DTYPES[q.dtype], head_dim_tile(d), variant.causal,
+                     bucket_of(max(1, max_q)), variant.key())
+    serving = families.serving("fwd", dev.arch)
+    if spec is None:
+        spec = dispatch.select(key, dev.gpu, dev.smem_budget, verify=True)
+    else:
+        check_forced_spec(spec, {"kind": serving, "dtype": key.dtype, "arch": dev.arch, **variant.flags()}, d,
+                          dev.smem_budget)
+    kern = load(spec, dev.index)
+    fam = families.family(spec.kind)
+    o_strides = (0, d, h * d)  # the output: contiguous (total_q, heads, d)
+    grid, params_for = fam.launch(kern, dims, strides, o_strides, scale, dev, variant)
+    plan = _Plan(kern, grid, dev.index, (h, total_q), params_for, fam.needs_tile_counters(spec))
+    plan.list_ints = varlen_list_ints(total_q, seqs, spec.block_m)
+    return plan
+
+
 class _Plan:
     """A checked forward call: the kernel, its grid, and ``params_for(q, k, v addresses)``, the family's
     packed parameter block with the inputs filled in (fwd_sm90: their tensor maps, cached per address
     triple); ``counters``: the launch takes the stream's tile counters (a persistent kernel)."""
 
-    __slots__ = ("kernel", "grid", "device_index", "lse_shape", "params_for", "counters")
+    __slots__ = ("kernel", "grid", "device_index", "lse_shape", "params_for", "counters", "list_ints")
 
     def __init__(self, kernel, grid, device_index, lse_shape, params_for=None, counters=False):
         self.kernel, self.grid, self.device_index, self.lse_shape = kernel, grid, device_index, lse_shape
-        self.params_for, self.counters = params_for, counters
+        self.params_for, self.counters, self.list_ints = params_for, counters, 0
 
-    def launch(self, params) -> None:
+    def launch(self, params, tiles_first: bool = False) -> None:
+        """Enqueue the kernel on the current stream; ``tiles_first`` (packed rows): its work-list builder
+        (the module's ``_tiles`` entry, common/varlen.cuh) just before it, with the same parameters."""
         idx = self.device_index
         if idx == current_device():
-            self.kernel.launch(self.grid, params, current_stream(idx))
+            stream = current_stream(idx)
+            if tiles_first:
+                self.kernel.launch_entry("_tiles", 1024, params, stream)
+            self.kernel.launch(self.grid, params, stream)
         else:
             with torch.cuda.device(idx):
-                self.kernel.launch(self.grid, params, current_stream(idx))
+                self.launch(params, tiles_first)
 
 
 def _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm="v2", window=None, softcap=0.0,

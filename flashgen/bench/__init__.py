@@ -35,11 +35,11 @@ from .registry import SUITES, Suite, register
 
 __all__ = ["SUITES", "Suite", "register", "suites", "BUILT_IN"]
 
-BUILT_IN = ("fwd", "bwd", "decode", "ablation", "ab", "host", "startup", "sass", "variants")
+BUILT_IN = ("fwd", "bwd", "decode", "ablation", "ab", "host", "startup", "sass", "variants", "varlen")
 
 
 def suites() -> dict[str, Suite]:
     """Every registered suite (importing the built-in ones first; none of them imports torch at import)."""
-    from . import ab, ablation, bwd, decode, fwd, host, sass, startup, variants  # noqa: F401 -- each registers itself
+    from . import ab, ablation, bwd, decode, fwd, host, sass, startup, variants, varlen  # noqa: F401 -- each registers itself
 
     return SUITES

@@ -67,10 +67,53 @@ VARIANT_PARAMS = (
 FWD_O32_PARAMS = (("o32", "float*", PTR),)
 
 
+# Packed rows (templates/common/varlen.cuh), in the forward families' blocks: the sequences' starts in q
+# and k (int32, seqs + 1 each), the keys in use per sequence (null: cu_k's lengths), the device-built work
+# list ([0] its pair count, then (sequence, block) pairs) and the sequence count. Null and 0 for
+# rectangular calls.
+VARLEN_PARAMS = (
+    ("cu_q", "const int*", PTR), ("cu_k", "const int*", PTR), ("used_k", "const int*", PTR),
+    ("vl_tiles", "int*", PTR), ("seqs", "int", I32),
+)
+
+
+def varlen_pairs(total: int, seqs: int, block: int) -> int:
+    """A bound on a varlen work list's (sequence, block) pairs (common/varlen.cuh): each sequence has at
+    most one partial block of ``block`` rows, so ceil(total / block) + seqs."""
+    return -(-total // block) + seqs
+
+
+def varlen_work(q_lens, k_lens, block_m: int, block_n: int, variant) -> list:
+    """The host's mirror of the device-built work list (templates/common/varlen.cuh's fg_varlen_tiles):
+    every (sequence, query block) pair of sequences with ``q_lens`` / ``k_lens`` rows, as (cost,
+    sequence, block), most costly first; the cost is the key blocks the kernel visits for the block
+    under ``variant`` (common/variant.cuh's block_first / block_end, with the launch's encoding of the
+    window: ``Variant.values`` at the packed totals), clipped to the device's 2047. The device orders
+    pairs of one cost as its atomics come; here by (sequence, block)."""
+    vals = variant.values(sum(q_lens), sum(k_lens), 1.0)
+    left, right, banded = vals["win_left"], vals["win_right"], variant.causal or variant.windowed
+    out = []
+    for s, (nq, nk) in enumerate(zip(q_lens, k_lens)):
+        diag = nk - nq
+        for m in range(-(-nq // block_m)):
+            r0, r1 = m * block_m, min(m * block_m + block_m, nq) - 1
+            first = max(0, r0 + diag - left) // block_n if variant.windowed else 0
+            hi = min(nk, r1 + diag + right + 1) if banded else nk
+            end = 0 if hi <= 0 else -(-hi // block_n)
+            out.append((min(2047, max(0, end - first)), s, m))
+    return sorted(out, key=lambda x: (-x[0], x[1], x[2]))
+
+
+def varlen_list_ints(total: int, seqs: int, block: int) -> int:
+    """int32 slots of a varlen work list: the count, a spare, two per pair of the bound."""
+    return 2 + 2 * varlen_pairs(total, seqs, block)
+
+
 def variant_context(spec) -> dict:
     """The template's ``variant_type``: the fg_variant instantiation of ``spec``'s causal and variant flags."""
-    flags = (spec.causal, spec.window, spec.softcap, spec.alibi, spec.sinks)
-    return {"variant_type": "fg_variant<" + ", ".join("true" if f else "false" for f in flags) + ">"}
+    flags = (spec.causal, spec.window, spec.softcap, spec.alibi, spec.sinks) + ((True,) if spec.varlen else ())
+    return {"variant_type": "fg_variant<" + ", ".join("true" if f else "false" for f in flags) + ">",
+            "varlen": spec.varlen}
 
 
 def forward_values(dims, strides_bhs, o_strides, scale: float) -> dict:

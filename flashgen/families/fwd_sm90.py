@@ -20,9 +20,8 @@ from ..errors import UnsupportedError
 from ..problem import ProblemKey, smallest_tile
 from ..spec import KernelSpec
 from ..variants import PLAIN
-from .base import (F32, FWD_O32_PARAMS, I32, PTR, TMAP, VARIANT_PARAMS, Family, aligned_struct, forward_values,
-                   hopper_checks, strides,
-                   stride_values, variant_context)
+from .base import (F32, FWD_O32_PARAMS, I32, PTR, TMAP, VARIANT_PARAMS, VARLEN_PARAMS, Family, aligned_struct,
+                   forward_values, hopper_checks, strides, stride_values, variant_context, varlen_pairs)
 
 # The parameter block: the three tensor maps first (each at a 64-byte-aligned offset, as the C
 # struct's alignas(64) wants), then what the epilogue and the masks need.
@@ -41,6 +40,7 @@ SM90_PARAMS = (
     ("sec_big", "int", I32),
     *VARIANT_PARAMS,
     *FWD_O32_PARAMS,
+    *VARLEN_PARAMS,
 )
 
 SM90_HEAD_DIMS = (64, 128, 256)
@@ -246,31 +246,41 @@ class Sm90Family(Family):
         back -- costs one dict lookup and one copy. ``dev``: the device's ``l2_bytes``, ``sms`` and
         ``smem_per_sm``; ``variant`` (flashgen.variants.Variant) the window and softcap values (the slope
         and sink pointers are the caller's). The persistent kernel's tile counters (``sched``,
-        ``needs_tile_counters``) are the caller's to set: they belong to its stream."""
+        ``needs_tile_counters``) are the caller's to set: they belong to its stream.
+
+        Packed rows (``variant.varlen``): ``dims`` = (sequences, h, hk, total_q, total_k, d) and the
+        strides' batch entries unused; the maps see one batch of the packed rows, the grid is the bound on
+        the device-built work list (``varlen_pairs`` x heads), whose buffer and the sequence pointers are
+        the caller's (``vl_tiles``, ``cu_q``, ``cu_k``, ``used_k``)."""
         spec = kern.spec
         b, h, hk, nq, nk, d = dims
+        varlen = variant.varlen
         sq, sk, sv = strides_bhs
         values = {**forward_values(dims, strides_bhs, o_strides, scale), **variant.values(nq, nk, scale)}
         template = kern.params(**stride_values("o", o_strides),
                                **{n: values[n] for n in ("nq", "nk", "heads", "group", "d", "scale", "scale_log2",
                                                          *(n for n, _, _ in VARIANT_PARAMS if n in values))})
         m_blocks = (nq + spec.block_m - 1) // spec.block_m
-        tiles = m_blocks * h * b
+        tiles = (varlen_pairs(nq, b, spec.block_m) if varlen else m_blocks * b) * h
         if tiles > 2**31 - 1:
             raise UnsupportedError(f"{tiles} tiles (m-blocks x heads x batch) are past the kernel's 32-bit tile count")
         template.tiles, template.m_blocks = tiles, m_blocks
-        kv_bytes = 2 * nk * spec.head_dim * 2 // (h // hk)  # K and V per query head (GQA: shared)
-        template.sec, template.sec_big = tile_sections(b * h, kv_bytes, dev.l2_bytes, settings.tile_section(),
-                                                       causal=spec.causal)
+        if varlen:
+            template.seqs, template.sec = b, 1
+        else:
+            kv_bytes = 2 * nk * spec.head_dim * 2 // (h // hk)  # K and V per query head (GQA: shared)
+            template.sec, template.sec_big = tile_sections(b * h, kv_bytes, dev.l2_bytes, settings.tile_section(),
+                                                           causal=spec.causal)
+        mb = 1 if varlen else b
         struct = type(template)
         off_q, off_k, off_v = struct.tm_q.offset, struct.tm_k.offset, struct.tm_v.offset
         # (batch, head, seq) strides reversed: the map's order is (seq, head, batch), innermost first.
         # Passing them unreordered made the map step rows by the batch stride: garbage rows, NaN, and
         # illegal addresses on the first H200 run.
-        q_dims, q_str = tma.tensor_dims(d, nq, h, b, sq[::-1])
+        q_dims, q_str = tma.tensor_dims(d, nq, h, mb, sq[::-1])
         if nk:
-            k_dims, k_str = tma.tensor_dims(d, nk, hk, b, sk[::-1])
-            v_dims, v_str = tma.tensor_dims(d, nk, hk, b, sv[::-1])
+            k_dims, k_str = tma.tensor_dims(d, nk, hk, mb, sk[::-1])
+            v_dims, v_str = tma.tensor_dims(d, nk, hk, mb, sv[::-1])
         box_q, box_kv = (64, 64, 1, 1), (64, spec.block_n, 1, 1)  # Q: one 64-row piece per consumer warpgroup
         dtype, encode, memmove = spec.dtype, tma.encode, ctypes.memmove
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from ..problem import ProblemKey
 from ..variants import PLAIN
-from .base import FWD_O32_PARAMS, FWD_PARAMS, VARIANT_PARAMS, Family, forward_values, variant_context
+from .base import (FWD_O32_PARAMS, FWD_PARAMS, VARIANT_PARAMS, VARLEN_PARAMS, Family, forward_values, variant_context,
+                   varlen_pairs)
 
 # The default rule: per head-dim tile, (block_m, block_n, warps, stages, refill, causal, arch) in
 # order of preference, None meaning any; the first that fits the GPU's shared memory is used.
@@ -48,10 +49,15 @@ class FwdV2Family(Family):
     def launch(self, kern, dims, strides_bhs, o_strides, scale, dev, variant=PLAIN):
         """(grid, params_for) of one launch: ``params_for(q_ptr, k_ptr, v_ptr)`` gives the parameter block
         with the input pointers set (o, lse and the variant's slope and sink pointers are the caller's);
-        ``variant`` (flashgen.variants.Variant) gives the window and softcap values; ``dev`` is unused here."""
+        ``variant`` (flashgen.variants.Variant) gives the window and softcap values; ``dev`` is unused here.
+        Packed rows (``variant.varlen``): ``dims`` = (sequences, h, hk, total_q, total_k, d); the grid's x
+        is the bound on the device-built work list (common/varlen.cuh), the list and the sequence pointers
+        are the caller's."""
         b, h, _, nq, nk, _ = dims
         template = kern.params(**{**forward_values(dims, strides_bhs, o_strides, scale),
                                   **variant.values(nq, nk, scale)})
+        if variant.varlen:
+            template.seqs = b
         struct, blob = type(template), bytes(template)
 
         def params_for(q_ptr, k_ptr, v_ptr):
@@ -59,10 +65,12 @@ class FwdV2Family(Family):
             params.q, params.k, params.v = q_ptr, k_ptr, v_ptr
             return params
 
+        if variant.varlen:
+            return (varlen_pairs(nq, b, kern.spec.block_m), h, 1), params_for
         return ((nq + kern.spec.block_m - 1) // kern.spec.block_m, h, b), params_for
 
 
 FAMILY = FwdV2Family(
-    "fwd_v2", "fwd_v2/fwd_v2.cu.j2", FWD_PARAMS + VARIANT_PARAMS + FWD_O32_PARAMS, problem="fwd", tiles=DEFAULT_TILES,
+    "fwd_v2", "fwd_v2/fwd_v2.cu.j2", FWD_PARAMS + VARIANT_PARAMS + FWD_O32_PARAMS + VARLEN_PARAMS, problem="fwd", tiles=DEFAULT_TILES,
     tune_space=(("block_m", (64, 128, 192)), ("block_n", (32, 48, 64, 96, 128)), ("warps", (4, 8)),
                 ("stages", (2, 3, 4)), ("refill", (0, 1, 2))))

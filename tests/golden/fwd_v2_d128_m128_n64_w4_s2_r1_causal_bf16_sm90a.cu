@@ -244,7 +244,7 @@ FG_DEVICE void p_frag(fg_u32 (&a)[4], F& s, int kk) {
 // 0.68 and 0.70 of the plain kernel, causal and not, against 0.71-0.72 and 0.72-0.73 with f32) and rounds
 // the input too: docs/perf/variants.md.
 //
-// One object per (batch, head): fwd_sm90, fwd_v2 (and later the backward and decode kernels) construct it
+// One object per (batch, head), or per (sequence, head) with packed rows (VARLEN: set_lengths): fwd_sm90, fwd_v2 (and later the backward and decode kernels) construct it
 // from their parameter block (win_left, win_right, cap_in, cap_out, alibi, alibi_sb, sinks) and call:
 //   block_first / block_end   the key blocks a group of query rows visits
 //   needs_mask                whether a key block crosses a row's visible range (a boundary block)
@@ -296,10 +296,11 @@ FG_DEVICE void alibi_row(F& s, int h, float base, float slope) {
     }
 }
 
-template <bool CAUSAL, bool WINDOW, bool SOFTCAP, bool ALIBI, bool SINKS>
+template <bool CAUSAL, bool WINDOW, bool SOFTCAP, bool ALIBI, bool SINKS, bool VARLEN = false>
 struct fg_variant {
   enum : int { RIGHT = CAUSAL || WINDOW, LEFT = WINDOW, TRANSFORMS = SOFTCAP || ALIBI, HAS_SINK = SINKS,
-               HAS_CAP = SOFTCAP, HAS_ALIBI = ALIBI, PLAIN = !(WINDOW || SOFTCAP || ALIBI || SINKS) };
+               HAS_CAP = SOFTCAP, HAS_ALIBI = ALIBI, PLAIN = !(WINDOW || SOFTCAP || ALIBI || SINKS),
+               VARLEN_ROWS = VARLEN };
   int nq, nk, diag, left, right;
   float cap_in, slope, sink;
 
@@ -314,6 +315,13 @@ struct fg_variant {
     cap_in = SOFTCAP ? p.cap_in : 0.f;
     slope = 0.f;
     sink = 0.f;
+  }
+  // Packed rows (VARLEN, common/varlen.cuh): the lengths of the current sequence (the parameter block's
+  // nq, nk are the packed totals there).
+  FG_DEVICE void set_lengths(int q_len, int k_len) {
+    nq = q_len;
+    nk = k_len;
+    diag = k_len - q_len;
   }
   // The per-(batch, head) values: the ALiBi slope (over the scale) and the head's sink.
   template <typename Params>
@@ -415,6 +423,104 @@ struct fg_variant {
     }
   }
 };
+
+// ---- common/varlen.cuh ----
+// Packed rows (varlen): a call's sequences laid end to end in q (total_q rows) and k, v (total_k rows).
+// Sequence s owns query rows [cu_q[s], cu_q[s + 1]) and the keys [cu_k[s], cu_k[s] + nk) with
+// nk = used_k[s] where the caller gave seqused_k, else cu_k[s + 1] - cu_k[s]. Inside a sequence
+// everything is as for one (batch, head) of a rectangular call: the variant (common/variant.cuh) is
+// set to the sequence's lengths, so causal alignment, windows and the key end are per sequence.
+//
+// The work list. No tile is spent on padding: the host cannot know the lengths without a device
+// sync, so a one-CTA kernel (fg_varlen_tiles, the module's `_tiles` entry, launched just before the
+// attention kernel on the same stream) lists every (sequence, block) pair once, most key blocks first
+// (a counting sort on the block's cost: the long causal rows start first and the short tiles fill the
+// tail), into p.vl_tiles: [0] the pair count, [1] unused, then (sequence, block) int pairs. The kernel
+// takes tile t as pair t / heads, head t % heads (the heads of one pair run side by side: under GQA
+// they share their K/V), and the tiles number count x heads. Pairs of equal cost land in the order
+// their atomics come (the attention of each tile does not depend on it).
+#pragma once
+
+struct fg_seq {
+  int q_off, k_off, nq, nk;
+};
+
+template <typename Params>
+FG_DEVICE fg_seq fg_seq_of(const Params& p, int s) {
+  fg_seq r;
+  r.q_off = p.cu_q[s];
+  r.nq = p.cu_q[s + 1] - r.q_off;
+  r.k_off = p.cu_k[s];
+  r.nk = p.used_k != nullptr ? p.used_k[s] : p.cu_k[s + 1] - r.k_off;
+  return r;
+}
+
+// Tile t of a varlen launch: its sequence s, block blk and head h; false (nothing to do) past the list.
+template <typename Params>
+FG_DEVICE bool fg_varlen_tile(const Params& p, int t, int& s, int& blk, int& h) {
+  const int pairs = p.vl_tiles[0];
+  const int pair = t / p.heads;
+  if (pair >= pairs) {
+    s = 0, blk = 0, h = 0;
+    return false;
+  }
+  h = t - pair * p.heads;
+  s = p.vl_tiles[2 + 2 * pair];
+  blk = p.vl_tiles[3 + 2 * pair];
+  return true;
+}
+
+// The list's builder: one CTA of 1024 threads. Query-outer kernels (the forward): blocks of BM query
+// rows, each costing the key blocks (of BN) its rows see. Costs at or past NB - 1 share the last bin.
+template <int BM, int BN, typename V, typename Params>
+FG_DEVICE void fg_varlen_tiles(const Params& p) {
+  constexpr int NB = 2048, NT = 1024, PER = NB / 32;
+  __shared__ int bins[NB];
+  const int tid = threadIdx.x;
+  for (int i = tid; i < NB; i += NT) bins[i] = 0;
+  __syncthreads();
+  V var(p);
+  auto cost = [&](int m) {
+    const int first = var.block_first(m * BM, BN);
+    return min(NB - 1, max(0, var.block_end(m * BM, BM, BN) - first));
+  };
+  for (int s = tid; s < p.seqs; s += NT) {
+    const fg_seq q = fg_seq_of(p, s);
+    var.set_lengths(q.nq, q.nk);
+    for (int m = 0; m < ceil_div(q.nq, BM); ++m) atomicAdd(&bins[cost(m)], 1);
+  }
+  __syncthreads();
+  // bins[c] becomes the number of pairs costing more than c (the first slot of cost c): each lane of
+  // warp 0 sums PER bins from the top down, a warp scan, then each lane fills its bins in.
+  if (tid < 32) {
+    const int top = NB - 1 - PER * tid;
+    int sum = 0;
+    for (int k = 0; k < PER; ++k) sum += bins[top - k];
+    int incl = sum;
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) {
+      const int x = __shfl_up_sync(0xffffffffu, incl, o);
+      if (tid >= o) incl += x;
+    }
+    int run = incl - sum;
+    for (int k = 0; k < PER; ++k) {
+      const int c = top - k, n = bins[c];
+      bins[c] = run;
+      run += n;
+    }
+    if (tid == 31) p.vl_tiles[0] = incl;
+  }
+  __syncthreads();
+  for (int s = tid; s < p.seqs; s += NT) {
+    const fg_seq q = fg_seq_of(p, s);
+    var.set_lengths(q.nq, q.nk);
+    for (int m = 0; m < ceil_div(q.nq, BM); ++m) {
+      const int at = atomicAdd(&bins[cost(m)], 1);
+      p.vl_tiles[2 + 2 * at] = s;
+      p.vl_tiles[3 + 2 * at] = m;
+    }
+  }
+}
 
 // ---- common/tile.cuh ----
 // Shared-memory tiles of ROWS x D 16-bit elements, stored as rows of C = D/8
@@ -535,30 +641,43 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  // Causal: the longest rows (highest query blocks) launch first.
-  const int m_block = CAUSAL ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
-  // grid = (query blocks, heads, batch)
-  const int b = blockIdx.z, hq = blockIdx.y, hk = hq / p.group;
-  const int bh = b * p.heads + hq;
-  const int m0 = m_block * BM;
-  const elem_t* q = p.q + b * p.q_sb + hq * p.q_sh;
-  const elem_t* k = p.k + b * p.k_sb + hk * p.k_sh;
-  const elem_t* v = p.v + b * p.v_sb + hk * p.v_sh;
+  // grid = (query blocks, heads, batch). Causal: the longest rows (highest query blocks) launch first.
+  // Packed rows (V::VARLEN_ROWS, common/varlen.cuh): grid = (the host's bound on the list, heads, 1),
+  // blockIdx.x the list's pair (sequence b, query block), longest first; past the list, nothing to do.
+  int m_block = CAUSAL ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
+  int b = blockIdx.z;
+  const int hq = blockIdx.y, hk = hq / p.group;
   // The keys each row sees (bottom-right aligned), the score transforms and the sink of this head; the
   // CTA's key blocks are n_first .. n_first + n_blocks - 1.
   V var(p);
+  // Packed rows: the sequence's first query and key row (its lengths go to the variant).
+  fg_i64 q_rows = static_cast<fg_i64>(b) * p.q_sb, k_rows = static_cast<fg_i64>(b) * p.k_sb,
+         v_rows = static_cast<fg_i64>(b) * p.v_sb, o_rows = static_cast<fg_i64>(b) * p.o_sb;
+  fg_i64 lse_base = (static_cast<fg_i64>(b) * p.heads + hq) * p.nq;
+  if constexpr (V::VARLEN_ROWS) {
+    int h_unused;
+    if (!fg_varlen_tile(p, static_cast<int>(blockIdx.x) * p.heads, b, m_block, h_unused)) return;
+    const fg_seq sq = fg_seq_of(p, b);
+    var.set_lengths(sq.nq, sq.nk);
+    q_rows = sq.q_off * p.q_ss, k_rows = sq.k_off * p.k_ss, v_rows = sq.k_off * p.v_ss, o_rows = sq.q_off * p.o_ss;
+    lse_base = static_cast<fg_i64>(hq) * p.nq + sq.q_off;
+  }
+  const int m0 = m_block * BM;
+  const elem_t* q = p.q + q_rows + hq * p.q_sh;
+  const elem_t* k = p.k + k_rows + hk * p.k_sh;
+  const elem_t* v = p.v + v_rows + hk * p.v_sh;
   var.set_head(p, b, hq);
   const int n_first = var.block_first(m0, BN);
   const int n_blocks = max(0, var.block_end(m0, BM, BN) - n_first);
 
   // Prologue: Q (its own group), then K/V blocks 0 .. ST-2.
-  TQ::template load<BM, NT>(sQ, q, p.q_ss, m0, p.nq, p.d);
+  TQ::template load<BM, NT>(sQ, q, p.q_ss, m0, var.nq, p.d);
   cp_async_commit();
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) {
     if (s < n_blocks) {
-      TQ::template load<BN, NT>(sK + s * BN * D * 2, k, p.k_ss, (n_first + s) * BN, p.nk, p.d);
-      TQ::template load<BN, NT>(sV + s * BN * D * 2, v, p.v_ss, (n_first + s) * BN, p.nk, p.d);
+      TQ::template load<BN, NT>(sK + s * BN * D * 2, k, p.k_ss, (n_first + s) * BN, var.nk, p.d);
+      TQ::template load<BN, NT>(sV + s * BN * D * 2, v, p.v_ss, (n_first + s) * BN, var.nk, p.d);
     }
     cp_async_commit();
   }
@@ -597,8 +716,8 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
       const int jn = j + ST - 1;
       if (jn < n_blocks) {
         const int sn = jn % ST;
-        TQ::template load<BN, NT>(sK + sn * BN * D * 2, k, p.k_ss, (n_first + jn) * BN, p.nk, p.d);
-        TQ::template load<BN, NT>(sV + sn * BN * D * 2, v, p.v_ss, (n_first + jn) * BN, p.nk, p.d);
+        TQ::template load<BN, NT>(sK + sn * BN * D * 2, k, p.k_ss, (n_first + jn) * BN, var.nk, p.d);
+        TQ::template load<BN, NT>(sV + sn * BN * D * 2, v, p.v_ss, (n_first + jn) * BN, var.nk, p.d);
       }
       cp_async_commit();
     };
@@ -689,7 +808,6 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
   __syncthreads();
 
   // ---- epilogue: normalise, stage O through this warp's own Q rows, store ----
-  const fg_i64 lse_base = static_cast<fg_i64>(bh) * p.nq;
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
@@ -705,12 +823,12 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
         asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(packed));
       }
       const int row = m0 + r_local;
-      if (p.lse != nullptr && t == 0 && row < p.nq)
+      if (p.lse != nullptr && t == 0 && row < var.nq)
         p.lse[lse_base + row] = lse;
       // With a sink and p.o32 set: the normalised O in fp32, (b, heads, nq, d), for the backward's D (as
       // fwd_sm90's store_o32).
       if constexpr (V::HAS_SINK) {
-        if (p.o32 != nullptr && row < p.nq) {
+        if (p.o32 != nullptr && row < var.nq) {
           float* dst = p.o32 + (lse_base + row) * p.d;
 #pragma unroll
           for (int dj = 0; dj < DJ; ++dj)
@@ -721,7 +839,7 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
       }
     }
   __syncwarp();
-  elem_t* o = p.o + b * p.o_sb + hq * p.o_sh;
+  elem_t* o = p.o + o_rows + hq * p.o_sh;
   constexpr int CH = RW * (D / 8);
 #pragma unroll
   for (int it = 0; it < (CH + 31) / 32; ++it) {
@@ -729,7 +847,7 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
     if (CH % 32 != 0 && i >= CH) break;
     const int r_local = warp * RW + i / (D / 8), c = i % (D / 8);
     const int row = m0 + r_local;
-    if (row < p.nq && c * 8 < p.d) {
+    if (row < var.nq && c * 8 < p.d) {
       fg_u32x4 val;
       asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
                    : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
@@ -772,6 +890,11 @@ struct fwd_v2_d128_m128_n64_w4_s2_r1_causal_bf16_sm90a_params {
   int alibi_sb;
   const float* sinks;
   float* o32;
+  const int* cu_q;
+  const int* cu_k;
+  const int* used_k;
+  int* vl_tiles;
+  int seqs;
 };
 
 static_assert(2 * 128 * (128 + 2 * 2 * 64) == 98304,

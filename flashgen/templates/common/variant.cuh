@@ -23,7 +23,7 @@
 // 0.68 and 0.70 of the plain kernel, causal and not, against 0.71-0.72 and 0.72-0.73 with f32) and rounds
 // the input too: docs/perf/variants.md.
 //
-// One object per (batch, head): fwd_sm90, fwd_v2 (and later the backward and decode kernels) construct it
+// One object per (batch, head), or per (sequence, head) with packed rows (VARLEN: set_lengths): fwd_sm90, fwd_v2 (and later the backward and decode kernels) construct it
 // from their parameter block (win_left, win_right, cap_in, cap_out, alibi, alibi_sb, sinks) and call:
 //   block_first / block_end   the key blocks a group of query rows visits
 //   needs_mask                whether a key block crosses a row's visible range (a boundary block)
@@ -75,10 +75,11 @@ FG_DEVICE void alibi_row(F& s, int h, float base, float slope) {
     }
 }
 
-template <bool CAUSAL, bool WINDOW, bool SOFTCAP, bool ALIBI, bool SINKS>
+template <bool CAUSAL, bool WINDOW, bool SOFTCAP, bool ALIBI, bool SINKS, bool VARLEN = false>
 struct fg_variant {
   enum : int { RIGHT = CAUSAL || WINDOW, LEFT = WINDOW, TRANSFORMS = SOFTCAP || ALIBI, HAS_SINK = SINKS,
-               HAS_CAP = SOFTCAP, HAS_ALIBI = ALIBI, PLAIN = !(WINDOW || SOFTCAP || ALIBI || SINKS) };
+               HAS_CAP = SOFTCAP, HAS_ALIBI = ALIBI, PLAIN = !(WINDOW || SOFTCAP || ALIBI || SINKS),
+               VARLEN_ROWS = VARLEN };
   int nq, nk, diag, left, right;
   float cap_in, slope, sink;
 
@@ -93,6 +94,13 @@ struct fg_variant {
     cap_in = SOFTCAP ? p.cap_in : 0.f;
     slope = 0.f;
     sink = 0.f;
+  }
+  // Packed rows (VARLEN, common/varlen.cuh): the lengths of the current sequence (the parameter block's
+  // nq, nk are the packed totals there).
+  FG_DEVICE void set_lengths(int q_len, int k_len) {
+    nq = q_len;
+    nk = k_len;
+    diag = k_len - q_len;
   }
   // The per-(batch, head) values: the ALiBi slope (over the scale) and the head's sink.
   template <typename Params>

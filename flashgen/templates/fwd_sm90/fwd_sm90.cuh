@@ -103,8 +103,10 @@ struct fwd_sm90_cta {
   int (&tile_slot)[PERSISTENT ? 2 : 1];  // PERSISTENT: the tile of tile number qi in tile_slot[qi % 2]
   fg_u32 sQ, sK, sV, bar0, pin_slot;
   int tid;
-  // The current tile and its coordinates (PERSISTENT moves them on: take_tile).
-  int tile, m_block, hq, b, hk, m0, n_blocks;
+  // The current tile and its coordinates (PERSISTENT moves them on: take_tile). With packed rows
+  // (V::VARLEN_ROWS, common/varlen.cuh) b is the sequence, q_off / k_off its first query and key row in
+  // the packed tensors (0 otherwise), and n_tiles the list's count times the heads (p.tiles otherwise).
+  int tile, m_block, hq, b, hk, m0, n_blocks, q_off, k_off, n_tiles;
   // The variant (common/variant.cuh: the keys each row sees, the score transforms, the sink) of the
   // current (batch, head), and the first key block the tile visits (0 without a window's left side): the
   // tile's K/V blocks are n_first, n_first + 1, ..., n_first + n_blocks - 1.
@@ -130,8 +132,10 @@ struct fwd_sm90_cta {
     pin_slot = bar0 + 8u * (QP + NBAR * ST);
     tid = threadIdx.x;
     tile = static_cast<int>(blockIdx.x);
-    tile_coords(tile, m_block, hq, b);
+    n_tiles = V::VARLEN_ROWS ? p.vl_tiles[0] * p.heads : p.tiles;
+    q_off = k_off = 0;
     var = V(p);
+    tile_coords(tile, m_block, hq, b);
     set_tile();
   }
 
@@ -152,6 +156,10 @@ struct fwd_sm90_cta {
   // the highest m-blocks (the longest rows) first, so the short tiles fill the tail; non-causal: the
   // lowest first (a partial last m-block, the cheapest tile, at the end).
   FG_DEVICE void tile_coords(int t, int& mb, int& h, int& bb) const {
+    if constexpr (V::VARLEN_ROWS) {  // the device-built list (past its end: sequence 0, never computed)
+      fg_varlen_tile(p, t, bb, mb, h);
+      return;
+    }
     const int mbs = p.m_blocks, big_tiles = p.sec_big * (p.sec + 1) * mbs;
     const bool big = t < big_tiles;
     const int sz = big ? p.sec + 1 : p.sec, u = big ? t : t - big_tiles;
@@ -170,6 +178,12 @@ struct fwd_sm90_cta {
   FG_DEVICE int kv_block(int j) const { return V::LEFT ? n_first + j : j; }
   // The tile's coordinates' consequences: its K/V head, first row, variant values and key blocks.
   FG_DEVICE void set_tile() {
+    if constexpr (V::VARLEN_ROWS) {
+      const fg_seq sq = fg_seq_of(p, b);
+      q_off = sq.q_off;
+      k_off = sq.k_off;
+      var.set_lengths(sq.nq, sq.nk);
+    }
     hk = hq / p.group;
     m0 = m_block * BM;
     var.set_head(p, b, hq);
@@ -210,22 +224,28 @@ struct fwd_sm90_cta {
     mbar_expect_tx(bar_k(s), KV_BYTES);
 #pragma unroll
     for (int pn = 0; pn < PANELS; ++pn)
-      tma_load_4d(sK + s * KV_BYTES + pn * BN * 128, &p.tm_k, bar_k(s), pn * 64, kv_block(j) * BN, hk, b);
+      tma_load_4d(sK + s * KV_BYTES + pn * BN * 128, &p.tm_k, bar_k(s), pn * 64, k_off + kv_block(j) * BN, hk,
+                  map_batch());
     if constexpr (EARLY_K) {
       if (r >= ST) mbar_wait(bar_ev(s), ((r / ST) + 1) & 1);
     }
     mbar_expect_tx(bar_v(s), KV_BYTES);
 #pragma unroll
     for (int pn = 0; pn < PANELS; ++pn)
-      tma_load_4d(sV + s * KV_BYTES + pn * BN * 128, &p.tm_v, bar_v(s), pn * 64, kv_block(j) * BN, hk, b);
+      tma_load_4d(sV + s * KV_BYTES + pn * BN * 128, &p.tm_v, bar_v(s), pn * 64, k_off + kv_block(j) * BN, hk,
+                  map_batch());
   }
   FG_DEVICE void produce(int j) { produce_at(j, j); }
+  // The maps' batch coordinate: packed rows are one batch of total rows (a block that runs past its
+  // sequence reads the next one's rows: masked keys, query rows never stored).
+  FG_DEVICE int map_batch() const { return V::VARLEN_ROWS ? 0 : b; }
   // Warpgroup w's Q rows of the current tile into piece i (a box of 64 rows: rows past nq read zero).
   FG_DEVICE void produce_q_piece(int i, int w) {
     mbar_expect_tx(bar_qf(i), QW_BYTES);
 #pragma unroll
     for (int pn = 0; pn < PANELS; ++pn)
-      tma_load_4d(sQ + i * QW_BYTES + pn * 64 * 128, &p.tm_q, bar_qf(i), pn * 64, m0 + 64 * w, hq, b);
+      tma_load_4d(sQ + i * QW_BYTES + pn * 64 * 128, &p.tm_q, bar_qf(i), pn * 64, q_off + m0 + 64 * w, hq,
+                  map_batch());
   }
   FG_DEVICE void produce_q() {
 #pragma unroll
@@ -242,7 +262,7 @@ struct fwd_sm90_cta {
     int it = 0;
     for (int qi = 0;; ++qi) {
       if (qi > 0) tile = static_cast<int>(gridDim.x) + atomicAdd(p.sched, 1);
-      if (tile >= p.tiles) {  // none left: tell each consumer on its next piece
+      if (tile >= n_tiles) {  // none left: tell each consumer on its next piece
 #pragma unroll 1
         for (int w = 0; w < NWG; ++w) piece_free(qi * NWG + w);
         tile_slot[qi % 2] = -1;
@@ -581,13 +601,19 @@ struct fwd_sm90_cta {
   // normalised O in fp32 into o32 (b, heads, nq, d), for the backward's D = rowsum(dO O) (with a sink O is
   // no multiple of one V row where P nears 1, and D from the rounded O cancels: docs/perf/variants.md).
   FG_DEVICE void store_o32(const Params& p, const float (&acc_o)[D / 2], int h, int row, float inv) const {
-    if (p.o32 == nullptr || row >= p.nq) return;
-    float* dst = p.o32 + ((static_cast<fg_i64>(b) * p.heads + hq) * p.nq + row) * p.d;
+    if (p.o32 == nullptr || row >= var.nq) return;
+    float* dst = p.o32 + (row_index() + row) * p.d;
 #pragma unroll
     for (int i = 0; i < D / 8; ++i)
       if (8 * i + 2 * t < p.d)
         *reinterpret_cast<float2*>(dst + 8 * i + 2 * t) =
             make_float2(acc_o[4 * i + 2 * h] * inv, acc_o[4 * i + 2 * h + 1] * inv);
+  }
+
+  // The LSE's (and o32's) index of the tile's row 0: (b, heads, nq) rows, packed rows (heads, total_q).
+  FG_DEVICE fg_i64 row_index() const {
+    if constexpr (V::VARLEN_ROWS) return static_cast<fg_i64>(hq) * p.nq + q_off;
+    return (static_cast<fg_i64>(b) * p.heads + hq) * p.nq;
   }
 
   // ---- epilogue: normalise, stage O in this warpgroup's own Q rows, store ---
@@ -599,7 +625,7 @@ struct fwd_sm90_cta {
     int ltid_e = ltid;
     if constexpr (PERSISTENT) asm volatile("mov.b32 %0, %0;\n" : "+r"(ltid_e));
     named_sync(2 + cw, 128);  // every warp of this warpgroup is done reading its Q rows
-    const fg_i64 lse_base = (static_cast<fg_i64>(b) * p.heads + hq) * p.nq;
+    const fg_i64 lse_base = row_index();
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float l = quad_sum(row_sum[h]);
@@ -617,20 +643,20 @@ struct fwd_sm90_cta {
       if constexpr (V::HAS_SINK) store_o32(p, acc_o, h, row, inv);
       // (The LSE written out, not softmax.cuh's row_lse: row_max is memory here, and row_lse's arguments
       // would be loaded before the test of l, which changes the code.)
-      if (p.lse != nullptr && t == 0 && row < p.nq) {
+      if (p.lse != nullptr && t == 0 && row < var.nq) {
         if constexpr (V::HAS_SINK) p.lse[lse_base + row] = lse_sink;
         else p.lse[lse_base + row] = l > 0.f ? row_max[h] * p.scale + logf(l) : -INFINITY;
       }
     }
     named_sync(2 + cw, 128);
-    elem_t* o = p.o + b * p.o_sb + hq * p.o_sh;
+    elem_t* o = p.o + (V::VARLEN_ROWS ? q_off * p.o_ss : b * p.o_sb) + hq * p.o_sh;
     constexpr int CH = 64 * (D / 8);  // 16-byte chunks of this warpgroup's 64 rows
 #pragma unroll
     for (int it = 0; it < CH / 128; ++it) {
       const int i = it * 128 + ltid_e;
       const int rl = i / (D / 8), c = i % (D / 8);
       const int row = m0 + cw * 64 + rl;
-      if (row < p.nq && c * 8 < p.d) {
+      if (row < var.nq && c * 8 < p.d) {
         fg_u32x4 val;
         asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
                      : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
@@ -659,6 +685,11 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
                 "Q pieces: NWG, or up to 2 NWG when persistent");
   constexpr int NBAR = EARLY_K ? 4 : 3;  // barriers per stage
 
+  // Packed rows, one tile per CTA: a CTA past the device-built list has nothing to do (the grid is the
+  // host's bound on the list).
+  if constexpr (V::VARLEN_ROWS && !PERSISTENT) {
+    if (static_cast<int>(blockIdx.x) >= p.vl_tiles[0] * p.heads) return;
+  }
   extern __shared__ unsigned char smem_raw[];
   // The barriers (fwd_sm90_cta::bar_*): per Q piece, per stage, the sched_pin target, per Q piece.
   __shared__ __align__(8) fg_u64 bars[QP + NBAR * ST + 1 + (PERSISTENT ? QP : 0)];

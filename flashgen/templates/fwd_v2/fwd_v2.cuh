@@ -29,30 +29,43 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  // Causal: the longest rows (highest query blocks) launch first.
-  const int m_block = CAUSAL ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
-  // grid = (query blocks, heads, batch)
-  const int b = blockIdx.z, hq = blockIdx.y, hk = hq / p.group;
-  const int bh = b * p.heads + hq;
-  const int m0 = m_block * BM;
-  const elem_t* q = p.q + b * p.q_sb + hq * p.q_sh;
-  const elem_t* k = p.k + b * p.k_sb + hk * p.k_sh;
-  const elem_t* v = p.v + b * p.v_sb + hk * p.v_sh;
+  // grid = (query blocks, heads, batch). Causal: the longest rows (highest query blocks) launch first.
+  // Packed rows (V::VARLEN_ROWS, common/varlen.cuh): grid = (the host's bound on the list, heads, 1),
+  // blockIdx.x the list's pair (sequence b, query block), longest first; past the list, nothing to do.
+  int m_block = CAUSAL ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
+  int b = blockIdx.z;
+  const int hq = blockIdx.y, hk = hq / p.group;
   // The keys each row sees (bottom-right aligned), the score transforms and the sink of this head; the
   // CTA's key blocks are n_first .. n_first + n_blocks - 1.
   V var(p);
+  // Packed rows: the sequence's first query and key row (its lengths go to the variant).
+  fg_i64 q_rows = static_cast<fg_i64>(b) * p.q_sb, k_rows = static_cast<fg_i64>(b) * p.k_sb,
+         v_rows = static_cast<fg_i64>(b) * p.v_sb, o_rows = static_cast<fg_i64>(b) * p.o_sb;
+  fg_i64 lse_base = (static_cast<fg_i64>(b) * p.heads + hq) * p.nq;
+  if constexpr (V::VARLEN_ROWS) {
+    int h_unused;
+    if (!fg_varlen_tile(p, static_cast<int>(blockIdx.x) * p.heads, b, m_block, h_unused)) return;
+    const fg_seq sq = fg_seq_of(p, b);
+    var.set_lengths(sq.nq, sq.nk);
+    q_rows = sq.q_off * p.q_ss, k_rows = sq.k_off * p.k_ss, v_rows = sq.k_off * p.v_ss, o_rows = sq.q_off * p.o_ss;
+    lse_base = static_cast<fg_i64>(hq) * p.nq + sq.q_off;
+  }
+  const int m0 = m_block * BM;
+  const elem_t* q = p.q + q_rows + hq * p.q_sh;
+  const elem_t* k = p.k + k_rows + hk * p.k_sh;
+  const elem_t* v = p.v + v_rows + hk * p.v_sh;
   var.set_head(p, b, hq);
   const int n_first = var.block_first(m0, BN);
   const int n_blocks = max(0, var.block_end(m0, BM, BN) - n_first);
 
   // Prologue: Q (its own group), then K/V blocks 0 .. ST-2.
-  TQ::template load<BM, NT>(sQ, q, p.q_ss, m0, p.nq, p.d);
+  TQ::template load<BM, NT>(sQ, q, p.q_ss, m0, var.nq, p.d);
   cp_async_commit();
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) {
     if (s < n_blocks) {
-      TQ::template load<BN, NT>(sK + s * BN * D * 2, k, p.k_ss, (n_first + s) * BN, p.nk, p.d);
-      TQ::template load<BN, NT>(sV + s * BN * D * 2, v, p.v_ss, (n_first + s) * BN, p.nk, p.d);
+      TQ::template load<BN, NT>(sK + s * BN * D * 2, k, p.k_ss, (n_first + s) * BN, var.nk, p.d);
+      TQ::template load<BN, NT>(sV + s * BN * D * 2, v, p.v_ss, (n_first + s) * BN, var.nk, p.d);
     }
     cp_async_commit();
   }
@@ -91,8 +104,8 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
       const int jn = j + ST - 1;
       if (jn < n_blocks) {
         const int sn = jn % ST;
-        TQ::template load<BN, NT>(sK + sn * BN * D * 2, k, p.k_ss, (n_first + jn) * BN, p.nk, p.d);
-        TQ::template load<BN, NT>(sV + sn * BN * D * 2, v, p.v_ss, (n_first + jn) * BN, p.nk, p.d);
+        TQ::template load<BN, NT>(sK + sn * BN * D * 2, k, p.k_ss, (n_first + jn) * BN, var.nk, p.d);
+        TQ::template load<BN, NT>(sV + sn * BN * D * 2, v, p.v_ss, (n_first + jn) * BN, var.nk, p.d);
       }
       cp_async_commit();
     };
@@ -183,7 +196,6 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
   __syncthreads();
 
   // ---- epilogue: normalise, stage O through this warp's own Q rows, store ----
-  const fg_i64 lse_base = static_cast<fg_i64>(bh) * p.nq;
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
@@ -199,12 +211,12 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
         asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(packed));
       }
       const int row = m0 + r_local;
-      if (p.lse != nullptr && t == 0 && row < p.nq)
+      if (p.lse != nullptr && t == 0 && row < var.nq)
         p.lse[lse_base + row] = lse;
       // With a sink and p.o32 set: the normalised O in fp32, (b, heads, nq, d), for the backward's D (as
       // fwd_sm90's store_o32).
       if constexpr (V::HAS_SINK) {
-        if (p.o32 != nullptr && row < p.nq) {
+        if (p.o32 != nullptr && row < var.nq) {
           float* dst = p.o32 + (lse_base + row) * p.d;
 #pragma unroll
           for (int dj = 0; dj < DJ; ++dj)
@@ -215,7 +227,7 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
       }
     }
   __syncwarp();
-  elem_t* o = p.o + b * p.o_sb + hq * p.o_sh;
+  elem_t* o = p.o + o_rows + hq * p.o_sh;
   constexpr int CH = RW * (D / 8);
 #pragma unroll
   for (int it = 0; it < (CH + 31) / 32; ++it) {
@@ -223,7 +235,7 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
     if (CH % 32 != 0 && i >= CH) break;
     const int r_local = warp * RW + i / (D / 8), c = i % (D / 8);
     const int row = m0 + r_local;
-    if (row < p.nq && c * 8 < p.d) {
+    if (row < var.nq && c * 8 < p.d) {
       fg_u32x4 val;
       asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
                    : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)

@@ -1,0 +1,102 @@
+"""``flashgen.attention_varlen``: attention over packed rows (FlashAttention's varlen interface).
+
+The sequences of a batch are laid end to end, ``cu_seqlens`` gives where each starts; the kernels list the
+(sequence, query block) tiles on the device (templates/common/varlen.cuh), so no tile is spent on padding
+and the host never reads the lengths on the hot path. The launch is ``api.forward.packed_forward``; this
+module checks the values (one device sync, unless the caller opts out) and routes torch.compile through
+the ``flashgen::attn_varlen_fwd`` custom op (``api.autograd``).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import UnsupportedError
+from .autograd import attention_varlen_op
+from .checks import check_flag, check_packed_inputs
+from .decoding import check_variant_values
+from .device import is_capturing, is_compiling
+from .forward import packed_forward
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                     causal: bool = False, softmax_scale: float | None = None, seqused_k=None, block_table=None,
+                     return_lse: bool = False, deterministic: bool = False, *, window=None, softcap: float = 0.0,
+                     alibi_slopes=None, sinks=None, check_values: bool = True, spec=None):
+    """Attention of packed sequences: sequence s is query rows ``cu_seqlens_q[s] : cu_seqlens_q[s + 1]``
+    of q and keys ``cu_seqlens_k[s] : cu_seqlens_k[s + 1]`` of k, v (FlashAttention's ``varlen`` call).
+
+    q: (total_q, heads, d); k, v: (total_k, heads_kv, d), heads_kv dividing heads (GQA/MQA); fp16 or
+    bf16 on one CUDA device, contiguous last dimension, 16-byte aligned. ``cu_seqlens_q``/``_k``: int32
+    (seqs + 1,) on that device, starting at 0, non-decreasing, ending at total_q / total_k.
+    ``max_seqlen_q``/``_k``: ints at least every sequence's length (the problem key's bucket).
+    ``seqused_k``: int32 (seqs,), the keys sequence s uses from its start (at most its cu_seqlens_k
+    length; the rest are read past but never weigh: they must be finite). Sequences of length 0 give
+    no rows and no error. ``causal`` is bottom-right aligned per sequence, and every variant of
+    ``flashgen.attention`` (``window``, ``softcap``, ``alibi_slopes`` (heads,) or (seqs, heads),
+    ``sinks``) applies per sequence with that sequence's lengths.
+
+    ``check_values`` (default True) copies cu_seqlens and seqused_k to the host (one device sync) and
+    refuses values that break the rules above, and non-finite slopes or sinks; skipped while a CUDA
+    graph is captured. Pass False in a hot loop whose inputs you trust: wrong values then give wrong
+    rows, not a crash of the process, only as far as they stay inside the tensors.
+
+    Returns the output (total_q, heads, d) in q's dtype and, with ``return_lse``, the log-sum-exp of the
+    scaled scores, fp32 (heads, total_q). ``block_table`` (paged K/V) and gradients are not served yet
+    (UnsupportedError); TypeError/ValueError on bad inputs, always before anything is launched.
+    """
+    check_flag("causal", causal)
+    check_flag("return_lse", return_lse)
+    check_flag("deterministic", deterministic)
+    check_flag("check_values", check_values)
+    if block_table is not None:
+        raise UnsupportedError("attention_varlen does not take a paged K/V cache (block_table) yet; for a few "
+                               "query tokens per sequence use flashgen.decode, which does")
+    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, sinks)):
+        raise UnsupportedError("attention_varlen has no backward yet: call it under torch.no_grad() (or pass "
+                               "tensors that do not require grad); flashgen.attention is differentiable")
+    if is_compiling():
+        if spec is not None:
+            raise ValueError("spec= is not supported under torch.compile")
+        out, lse = attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                       softmax_scale, seqused_k, window, softcap, alibi_slopes, sinks)
+    else:
+        if check_values:  # shapes, dtypes and devices first (the plan's checks), then the values
+            check_packed_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                softmax_scale, seqused_k)
+        if check_values and not is_capturing():
+            check_packed_values(cu_seqlens_q, cu_seqlens_k, seqused_k, q.shape[0], k.shape[0], max_seqlen_q,
+                                max_seqlen_k)
+            if alibi_slopes is not None or sinks is not None:
+                check_variant_values(alibi_slopes, sinks)
+        out, lse = packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                  softmax_scale, seqused_k, window, softcap, alibi_slopes, sinks, spec)
+    return (out, lse) if return_lse else out
+
+
+def check_packed_values(cu_q, cu_k, seqused_k, total_q: int, total_k: int, max_q: int, max_k: int) -> None:
+    """The value rules of ``attention_varlen``'s docstring for cu_seqlens and seqused_k (one copy to the
+    host: a device sync); ValueError naming the first broken one."""
+    parts = [cu_q, cu_k] + ([seqused_k] if seqused_k is not None else [])
+    host = torch.cat(parts).to("cpu").long()
+    n = cu_q.shape[0]
+    cq, ck = host[:n], host[n:2 * n]
+    for name, cu, total, most, label in (("cu_seqlens_q", cq, total_q, max_q, "max_seqlen_q"),
+                                         ("cu_seqlens_k", ck, total_k, max_k, "max_seqlen_k")):
+        if int(cu[0]) != 0:
+            raise ValueError(f"{name}[0] must be 0, got {int(cu[0])}")
+        lens = cu[1:] - cu[:-1]
+        if bool((lens < 0).any()):
+            i = int((lens < 0).nonzero()[0, 0])
+            raise ValueError(f"{name} must be non-decreasing, got {int(cu[i])} then {int(cu[i + 1])} at {i}")
+        if int(cu[-1]) != total:
+            raise ValueError(f"{name}[-1] must be the packed length {total}, got {int(cu[-1])}")
+        if lens.numel() and int(lens.max()) > most:
+            i = int(lens.argmax())
+            raise ValueError(f"sequence {i} has {int(lens[i])} rows in {name}, more than {label} = {most}")
+    if seqused_k is not None:
+        used, room = host[2 * n:], ck[1:] - ck[:-1]
+        bad = (used < 0) | (used > room)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(f"seqused_k[{i}] = {int(used[i])} is negative or past sequence {i}'s {int(room[i])} "
+                             "keys in cu_seqlens_k")

@@ -1,0 +1,158 @@
+"""The ``varlen`` suite: packed rows (``flashgen.attention_varlen``) next to the same work as rectangular
+batches, in the same interleaved rounds.
+
+Case ``packed`` (bf16, d = 128 unless ``--d``, GQA 32/8, causal unless ``--full``): 16 sequence lengths
+drawn once (seed ``--seed``) from 64 to 8192 and scaled to 64k tokens in all. Implementations:
+
+- ``flashgen``: one ``attention_varlen`` call over the packed rows (value checks off);
+- ``flashgen_dense``: ``flashgen.attention`` on equal-length rows of the same total (16 x 4096): the
+  rectangular kernel's speed on the same number of tokens, the anchor of ``x_dense``;
+- ``sdpa_cudnn``, ``sdpa_flash``: SDPA on the batch padded to its longest row (K/V expanded to the query
+  heads beforehand, not timed): what a caller without varlen pays, the anchors of ``x_cudnn``/``x_flash``.
+
+TFLOP/s count the useful (query, key) pairs of each call's own rows (4 H pairs d, halved-diagonal for
+causal: ``Variant.pairs``), so the padded baselines are credited only with the real rows' work.
+
+Row ``host``: microseconds of host time per ``attention_varlen`` call (``check_values=False``) over
+16 sequences of 64 tokens, 200 calls back to back with the GPU running behind.
+"""
+from __future__ import annotations
+
+import random
+import time
+
+from ..variants import Variant
+from . import baselines, options
+from .registry import Suite, register
+from .timing import add_ratios, free, meta, require_cuda, time_cell, time_ms
+
+IMPLS = ("flashgen", "flashgen_dense", "sdpa_cudnn", "sdpa_flash")
+RATIOS = (("x_dense", "flashgen_dense"), ("x_cudnn", "sdpa_cudnn"), ("x_flash", "sdpa_flash"))
+SEQS, TOTAL, SHORTEST, LONGEST = 16, 65536, 64, 8192
+HEADS, KV_HEADS = 32, 8
+
+
+def lengths(seed: int, seqs: int = SEQS, total: int = TOTAL, lo: int = SHORTEST, hi: int = LONGEST) -> list:
+    """``seqs`` lengths in [lo, hi] summing to ``total``: uniform draws scaled to the total, clipped, and the
+    remainder spread one token at a time over the sequences that have room."""
+    rng = random.Random(seed)
+    raw = [rng.uniform(lo, hi) for _ in range(seqs)]
+    scale = total / sum(raw)
+    out = [min(hi, max(lo, int(x * scale))) for x in raw]
+    i = 0
+    while sum(out) != total:
+        step = 1 if sum(out) < total else -1
+        j = i % seqs
+        if lo <= out[j] + step <= hi:
+            out[j] += step
+        i += 1
+    return out
+
+
+def add_args(p) -> None:
+    p.add_argument("--d", type=int, default=128, help="head dim (default 128)")
+    p.add_argument("--full", action="store_true", help="non-causal (default causal)")
+    p.add_argument("--seed", type=int, default=0, help="the lengths' draw (default 0)")
+    p.add_argument("--impls", default=",".join(IMPLS), help=f"implementations (default and known: {','.join(IMPLS)})")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per cell (default 5; the median counts)")
+    p.add_argument("--budget", type=float, default=0.25, help="seconds of timed calls per implementation per round")
+
+
+def parse(args) -> dict:
+    options.positive(args.rounds, "rounds", integer=True)
+    options.positive(args.budget, "budget")
+    return {"d": options.head_dims(str(args.d))[0], "causal": not args.full, "seed": int(args.seed),
+            "impls": options.names(args.impls, IMPLS, "impls"), "rounds": int(args.rounds),
+            "budget": float(args.budget)}
+
+
+def host_us(d: int, causal: bool) -> float:
+    """Host microseconds per attention_varlen call (check_values off) on a small packed batch."""
+    import torch
+
+    from .. import api
+
+    q = torch.randn(SEQS * 64, HEADS, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(SEQS * 64, KV_HEADS, d, device="cuda", dtype=torch.bfloat16)
+    cu = torch.arange(0, SEQS * 64 + 1, 64, dtype=torch.int32, device="cuda")
+    for _ in range(20):
+        api.attention_varlen(q, k, k, cu, cu, 64, 64, causal=causal, check_values=False)
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(200):
+            api.attention_varlen(q, k, k, cu, cu, 64, 64, causal=causal, check_values=False)
+        best = min(best, (time.perf_counter() - t0) / 200 * 1e6)
+        torch.cuda.synchronize()
+    return best
+
+
+def run(args, progress) -> dict:
+    import torch
+
+    from .. import api
+
+    settings = parse(args)
+    require_cuda("varlen")
+    d, causal = settings["d"], settings["causal"]
+    lens = lengths(settings["seed"])
+    gen = torch.Generator(device="cuda").manual_seed(settings["seed"] + d)
+
+    def rnd(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    q, k, v = rnd(TOTAL, HEADS, d), rnd(TOTAL, KV_HEADS, d), rnd(TOTAL, KV_HEADS, d)
+    cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(SEQS)], dtype=torch.int32, device="cuda")
+    longest, equal = max(lens), TOTAL // SEQS
+    variant = Variant.of(causal)
+    useful = sum(variant.pairs(n, n) for n in lens)
+    flop = {"flashgen": 4.0 * HEADS * useful * d,
+            "flashgen_dense": 4.0 * HEADS * SEQS * variant.pairs(equal, equal) * d}
+    makers = {}
+    if "flashgen" in settings["impls"]:
+        makers["flashgen"] = lambda: (lambda: api.attention_varlen(q, k, v, cu, cu, longest, longest, causal=causal,
+                                                                   check_values=False))
+    if "flashgen_dense" in settings["impls"]:
+        dq, dk, dv = rnd(SEQS, HEADS, equal, d), rnd(SEQS, KV_HEADS, equal, d), rnd(SEQS, KV_HEADS, equal, d)
+        makers["flashgen_dense"] = lambda: (lambda: api.attention(dq, dk, dv, causal=causal))
+    sdpa = [i for i in settings["impls"] if i.startswith("sdpa")]
+    if sdpa:
+        # The batch padded to its longest row, (B, H, longest, d), K/V expanded to the query heads.
+        pq = torch.zeros(SEQS, HEADS, longest, d, device="cuda", dtype=torch.bfloat16)
+        pk = torch.zeros(SEQS, HEADS, longest, d, device="cuda", dtype=torch.bfloat16)
+        pv = torch.zeros_like(pk)
+        group = HEADS // KV_HEADS
+        for s, n in enumerate(lens):
+            a = sum(lens[:s])
+            pq[s, :, :n] = q[a:a + n].transpose(0, 1)
+            pk[s, :, :n] = k[a:a + n].transpose(0, 1).repeat_interleave(group, 0)
+            pv[s, :, :n] = v[a:a + n].transpose(0, 1).repeat_interleave(group, 0)
+        for impl in sdpa:
+            makers[impl] = (lambda impl=impl: baselines.sdpa(impl, pq, pk, pv, causal))
+            flop[impl] = flop["flashgen"]
+    measure = lambda fn: time_ms(fn, budget_s=settings["budget"], min_reps=5, max_reps=30, warmup=2)["ms"]  # noqa: E731
+    cells = time_cell(makers, settings["rounds"], measure)
+    for impl, cell in cells.items():
+        if "ms" in cell:
+            cell["tflops"] = flop[impl] / cell["ms"] / 1e9
+    row = {"case": "packed", "head_dim": d, "causal": causal, "lengths": lens, "tokens": TOTAL, "heads": HEADS,
+           "kv_heads": KV_HEADS, "longest": longest, "rounds": settings["rounds"], "results": cells}
+    add_ratios(row, "tflops", [(lbl, "flashgen", base) for lbl, base in RATIOS])
+    progress("packed: " + ", ".join(f"{i}={c['tflops']:.0f}" if "tflops" in c else f"{i}=-" for i, c in cells.items())
+             + "".join(f" {lbl}={r:.2f}" for lbl, r in row.get("ratios", {}).items()))
+    del q, k, v, makers
+    free()
+    host = host_us(d, causal)
+    progress(f"host: {host:.1f} us per call")
+    return {"suite": "varlen", "meta": meta(), "metric": "tflops", "x": "case", "panels": ["head_dim"],
+            "convention": f"bf16, GQA {HEADS}/{KV_HEADS}, {SEQS} sequences, {TOTAL} tokens; TFLOP/s = 4 H (useful "
+                          "query-key pairs of the real rows) d / time; median of "
+                          f"{settings['rounds']} interleaved rounds; x_dense: over flashgen.attention on "
+                          f"{SEQS} x {equal} rows; x_cudnn / x_flash: over SDPA on the batch padded to its longest row",
+            "settings": settings, "impls": settings["impls"],
+            "ratios": [r for r, _ in RATIOS], "host_us": host, "rows": [row]}
+
+
+register(Suite("varlen", "packed rows (attention_varlen) next to equal-length dense rows and SDPA on the padded "
+                         "batch, interleaved rounds", add_args, run))

@@ -1,0 +1,259 @@
+"""GPU tier for packed rows: ``flashgen.attention_varlen`` against the fp32 reference run sequence by
+sequence, FlashAttention-3's rule over the whole call (output poisoned first and written everywhere, the
+LSE -inf exactly where a row sees nothing).
+
+Lengths: zeros, ones, odd pairs with sq != sk, one sequence far longer than the rest, fresh random sets;
+causal both, GQA, every head-dim tile, fp16 and bf16, seqused_k, the variants per sequence; dispatch's
+pick (fwd_sm90 on an H200), fwd_v2 forced and the fwd_sm90 techniques (persistent, ping-pong, 192 rows);
+the device-built work list against its host mirror; the value checks.
+"""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host)"),
+]
+
+import flashgen  # noqa: E402
+from flashgen import testing  # noqa: E402
+from flashgen.errors import UnsupportedError  # noqa: E402
+from flashgen.families import fwd_sm90  # noqa: E402
+from flashgen.families.base import varlen_work  # noqa: E402
+from flashgen.reference import reference  # noqa: E402
+from flashgen.spec import KernelSpec  # noqa: E402
+from flashgen.variants import Variant  # noqa: E402
+from gpu_util import DTYPES, is_sm90, poison_output, variant_inputs  # noqa: E402
+
+needs_sm90 = pytest.mark.skipif(not is_sm90(), reason="fwd_sm90 needs an sm_90 GPU")
+
+# (q lengths, k lengths): zeros and ones, FA3's odd pairs per sequence, one sequence far longer than the rest.
+LENGTHS = {
+    "odd": ([113, 1, 239, 799, 0, 1023], [203, 239, 1, 3, 17, 1024]),
+    "zeros": ([0, 5, 0, 0, 64], [0, 0, 7, 0, 64]),
+    "one_long": ([3000, 17, 1, 64, 130], [3000, 17, 1, 64, 130]),
+    "equal": ([512] * 6, [512] * 6),
+}
+
+
+def _random_lengths(seqs, most):
+    q = [random.choice([0, 1, random.randint(1, most)]) for _ in range(seqs)]
+    k = [random.choice([n, random.randint(0, most)]) for n in q]
+    return q, k
+
+
+def _cu(lens):
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32, device="cuda")
+
+
+def check_varlen(q_lens, k_lens, hq=4, hk=2, d=128, dtype_name="bf16", causal=False, spec=None, used=None,
+                 variant=None, stored_k=None):
+    """One ``attention_varlen`` call against the rule; ``used`` the seqused_k list (keys in use per sequence,
+    each at most its k length); ``stored_k`` (with ``used``) the k lengths of the packing, else k_lens."""
+    dtype = DTYPES[dtype_name]
+    stored = stored_k or k_lens
+    tq, tk = sum(q_lens), sum(stored)
+    q = torch.randn(tq, hq, d, device="cuda").to(dtype)
+    k = torch.randn(tk, hk, d, device="cuda").to(dtype)
+    v = torch.randn(tk, hk, d, device="cuda").to(dtype)
+    cu_q, cu_k = _cu(q_lens), _cu(stored)
+    seqused = torch.tensor(used, dtype=torch.int32, device="cuda") if used is not None else None
+    extra = variant_inputs(len(q_lens), hq, **(variant or {}))
+    poison_output(q)
+    out, lse = flashgen.attention_varlen(q, k, v, cu_q, cu_k, max(q_lens, default=0), max(stored, default=0),
+                                         causal=causal, seqused_k=seqused, return_lse=True, spec=spec, **extra)
+    torch.cuda.synchronize()
+    assert out.shape == q.shape and out.dtype == dtype and lse.shape == (hq, tq)
+    assert torch.isfinite(out.float()).all(), f"non-finite output (unwritten or NaN), lengths {q_lens} {k_lens}"
+    scale = 1.0 / math.sqrt(d)
+    err = tol_err = lse_err = 0.0
+    lse_tol = 1e-3
+    for s, (nq, nk) in enumerate(zip(q_lens, k_lens)):
+        if nq == 0:
+            continue
+        q0, k0 = int(cu_q[s]), int(cu_k[s])
+        qs = q[q0:q0 + nq].transpose(0, 1)[None]
+        ks, vs = (t[k0:k0 + nk].transpose(0, 1)[None] for t in (k, v))
+        ex = dict(extra)
+        if ex.get("alibi_slopes") is not None and ex["alibi_slopes"].dim() == 2:
+            ex["alibi_slopes"] = ex["alibi_slopes"][s:s + 1]
+        ref, ref_lse = reference(qs, ks, vs, causal, scale, torch.float32, **ex)
+        low, low_lse = reference(qs, ks, vs, causal, scale, dtype, **ex)
+        got = out[q0:q0 + nq].transpose(0, 1)[None].float()
+        err = max(err, (got - ref).abs().max().item())
+        tol_err = max(tol_err, (low - ref).abs().max().item())
+        got_lse = lse[:, q0:q0 + nq][None]
+        masked = torch.isinf(ref_lse)
+        assert torch.equal(torch.isinf(got_lse), masked), f"LSE -inf pattern of sequence {s} ({nq}, {nk})"
+        if (~masked).any():
+            lse_err = max(lse_err, (got_lse[~masked] - ref_lse[~masked]).abs().max().item())
+            lse_tol = max(lse_tol, 1e-3 * ref_lse[~masked].abs().max().item(),
+                          2 * (low_lse[~masked] - ref_lse[~masked]).abs().max().item() + 1e-5)
+    tol = 2 * tol_err + 1e-5
+    assert err <= tol, f"max err {err:.3e} > tol {tol:.3e} (lengths {q_lens} / {k_lens})"
+    assert lse_err <= lse_tol, f"lse err {lse_err:.3e} > tol {lse_tol:.3e}"
+    return out, lse
+
+
+@pytest.mark.parametrize("lengths", list(LENGTHS), ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+def test_lengths(lengths, causal, d):
+    q_lens, k_lens = LENGTHS[lengths]
+    check_varlen(q_lens, k_lens, 8, 2, d, "bf16", causal)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2), (6, 1)], ids=str)
+def test_random_lengths(dtype, causal, heads):
+    q_lens, k_lens = _random_lengths(16, 1500)
+    check_varlen(q_lens, k_lens, *heads, 128, dtype, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_seqused_k(causal):
+    q_lens, stored = [113, 64, 0, 300, 1], [400, 64, 50, 300, 239]
+    used = [203, 0, 17, 300, 1]
+    check_varlen(q_lens, used, 4, 2, 128, "bf16", causal, used=used, stored_k=stored)
+
+
+@pytest.mark.parametrize("variant", [{"window": (100, 37)}, {"window": (256, 0)}, {"softcap": 15.0},
+                                     {"alibi": "batch"}, {"alibi": "head"}, {"sinks": True},
+                                     {"window": (100, 37), "softcap": 15.0, "alibi": "batch", "sinks": True}], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_variants(variant, causal):
+    check_varlen(*LENGTHS["odd"], 4, 2, 128, "bf16", causal, variant=variant)
+
+
+def _v2(d, causal, **flags):
+    bm, bn, st = {64: (128, 64, 2), 128: (128, 32, 3), 256: (64, 32, 2)}[d]
+    return KernelSpec(kind="fwd_v2", arch="sm_90a" if is_sm90() else "sm_80", dtype="bf16", head_dim=d, causal=causal,
+                      block_m=bm, block_n=bn, warps=4, stages=st, varlen=True, **flags).validate()
+
+
+@pytest.mark.parametrize("lengths", ["odd", "zeros", "one_long"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_fwd_v2(lengths, causal, d):
+    check_varlen(*LENGTHS[lengths], 4, 2, d, "bf16", causal, spec=_v2(d, causal))
+
+
+@needs_sm90
+@pytest.mark.parametrize("tokens", ["ws", "ws_ov_s3", "ws_pp", "ws_ps", "ws_pp_kr_ps", "ws_ov_ls_ps_s4_m192_n80",
+                                    "ws_s2_m192_n80"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_techniques(tokens, causal):
+    spec = fwd_sm90.variant(128, causal, tokens, varlen=True)
+    check_varlen(*LENGTHS["odd"], 4, 2, 128, "bf16", causal, spec=spec)
+    check_varlen(*LENGTHS["one_long"], 4, 2, 128, "bf16", causal, spec=spec)
+
+
+@needs_sm90
+@pytest.mark.parametrize("ctas", [1, 3])
+def test_persistent_few_ctas(ctas, monkeypatch):
+    """More tiles per CTA than the SMs give (and fewer tiles than CTAs elsewhere in this file)."""
+    monkeypatch.setenv("FLASHGEN_PERSIST_CTAS", str(ctas))
+    testing.clear_caches()
+    spec = fwd_sm90.variant(128, True, "ws_ps", varlen=True)
+    check_varlen(*LENGTHS["odd"], 4, 2, 128, "bf16", True, spec=spec)
+    testing.clear_caches()
+
+
+@pytest.mark.parametrize("lengths", ["odd", "zeros", "one_long"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [None, (100, 37)], ids=str)
+def test_work_list(lengths, causal, window):
+    """The device's list holds every (sequence, query block) once, most key blocks first (the host mirror's
+    costs), and nothing else."""
+    q_lens, k_lens = LENGTHS[lengths]
+    q = torch.randn(sum(q_lens), 4, 128, device="cuda").to(torch.bfloat16)
+    k = torch.randn(sum(k_lens), 2, 128, device="cuda").to(torch.bfloat16)
+    pairs, spec = testing.varlen_work_list(q, k, k, _cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens), causal,
+                                           window=window)
+    mirror = varlen_work(q_lens, k_lens, spec.block_m, spec.block_n, Variant.of(causal, window, varlen=True))
+    cost = {(s, m): c for c, s, m in mirror}
+    got = [tuple(p) for p in pairs.tolist()]
+    assert sorted(got) == sorted(cost), "the device's pairs are not every (sequence, block) once"
+    costs = [cost[p] for p in got]
+    assert costs == sorted(costs, reverse=True), "the device's list is not most costly first"
+
+
+def test_empty():
+    q = torch.randn(0, 4, 64, device="cuda").to(torch.bfloat16)
+    cu = torch.zeros(1, dtype=torch.int32, device="cuda")
+    out, lse = flashgen.attention_varlen(q, q[:, :2], q[:, :2], cu, cu, 0, 0, return_lse=True)
+    assert out.shape == (0, 4, 64) and lse.shape == (4, 0)
+    check_varlen([0, 0, 0], [0, 5, 0], 4, 2, 64)
+    check_varlen([3, 0, 2], [0, 0, 0], 4, 2, 64, causal=True)
+
+
+def test_deterministic():
+    q_lens, k_lens = _random_lengths(12, 1000)
+    torch.manual_seed(0)
+    tq, tk = sum(q_lens), sum(k_lens)
+    q = torch.randn(tq, 8, 128, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(tk, 2, 128, device="cuda").to(torch.bfloat16) for _ in range(2))
+    args = (q, k, v, _cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens))
+    first = flashgen.attention_varlen(*args, causal=True)
+    for _ in range(3):
+        assert torch.equal(flashgen.attention_varlen(*args, causal=True), first)
+
+
+def test_value_checks():
+    q = torch.randn(10, 4, 64, device="cuda").to(torch.bfloat16)
+    k = torch.randn(12, 2, 64, device="cuda").to(torch.bfloat16)
+
+    def call(cu_q, cu_k, mq=10, mk=12, **kw):
+        cq = torch.tensor(cu_q, dtype=torch.int32, device="cuda")
+        ck = torch.tensor(cu_k, dtype=torch.int32, device="cuda")
+        return flashgen.attention_varlen(q, k, k, cq, ck, mq, mk, **kw)
+
+    call([0, 4, 10], [0, 5, 12])
+    for cu_q, cu_k, mq, mk, what in (([1, 4, 10], [0, 5, 12], 10, 12, r"cu_seqlens_q\[0\]"),
+                                     ([0, 6, 4, 10], [0, 5, 6, 12], 10, 12, "non-decreasing"),
+                                     ([0, 4, 9], [0, 5, 12], 10, 12, "packed length 10"),
+                                     ([0, 4, 10], [0, 5, 12], 5, 12, "max_seqlen_q"),
+                                     ([0, 4, 10], [0, 5, 12], 10, 6, "max_seqlen_k")):
+        with pytest.raises(ValueError, match=what):
+            call(cu_q, cu_k, mq, mk)
+    with pytest.raises(ValueError, match="seqused_k"):
+        call([0, 4, 10], [0, 5, 12], seqused_k=torch.tensor([6, 1], dtype=torch.int32, device="cuda"))
+    with pytest.raises(TypeError, match="int32"):
+        flashgen.attention_varlen(q, k, k, torch.tensor([0, 10], device="cuda"), torch.tensor([0, 12], device="cuda"),
+                                  10, 12)
+    with pytest.raises(ValueError, match="device"):
+        flashgen.attention_varlen(q, k, k, torch.tensor([0, 10], dtype=torch.int32),
+                                  torch.tensor([0, 12], dtype=torch.int32, device="cuda"), 10, 12)
+    with pytest.raises(ValueError, match="3-D"):
+        flashgen.attention_varlen(q[None], k, k, torch.tensor([0, 10], dtype=torch.int32, device="cuda"),
+                                  torch.tensor([0, 12], dtype=torch.int32, device="cuda"), 10, 12)
+    with pytest.raises(UnsupportedError, match="block_table"):
+        call([0, 4, 10], [0, 5, 12], block_table=torch.zeros(2, 1, dtype=torch.int32, device="cuda"))
+    with pytest.raises(UnsupportedError, match="backward"):
+        flashgen.attention_varlen(q.clone().requires_grad_(True), k, k,
+                                  torch.tensor([0, 10], dtype=torch.int32, device="cuda"),
+                                  torch.tensor([0, 12], dtype=torch.int32, device="cuda"), 10, 12)
+
+
+def test_torch_compile():
+    q_lens, k_lens = [113, 0, 64], [203, 5, 64]
+    q = torch.randn(sum(q_lens), 4, 64, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(sum(k_lens), 2, 64, device="cuda").to(torch.bfloat16) for _ in range(2))
+    cu_q, cu_k = _cu(q_lens), _cu(k_lens)
+
+    def f(q, k, v):
+        return flashgen.attention_varlen(q, k, v, cu_q, cu_k, 113, 203, causal=True) * 2
+
+    eager = f(q, k, v)
+    compiled = torch.compile(f, fullgraph=True)(q, k, v)
+    assert torch.equal(compiled, eager)

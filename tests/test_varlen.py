@@ -1,0 +1,96 @@
+"""Packed rows without a GPU: the work list's host mirror against brute force, the value checks of
+``attention_varlen`` (cu_seqlens, seqused_k, max lengths) and its argument checks."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from flashgen.families.base import varlen_list_ints, varlen_pairs, varlen_work
+from flashgen.variants import Variant, visible
+
+torch = pytest.importorskip("torch")
+
+
+def _brute_blocks(nq, nk, m, bm, bn, variant):
+    """The key blocks holding a key some row of query block m sees (by testing every pair)."""
+    left, right = variant.left, 0 if variant.causal else variant.right
+    blocks = set()
+    for i in range(m * bm, min(nq, m * bm + bm)):
+        for j in range(nk):
+            if visible(i, j, nq, nk, left, right):
+                blocks.add(j // bn)
+    return blocks
+
+
+CASES = [([113, 1, 239, 799, 0, 1023], [203, 239, 1, 3, 17, 1024]), ([0, 0], [0, 5]), ([64] * 5, [64] * 5),
+         ([300, 17, 1, 64, 130], [300, 17, 1, 64, 130])]
+
+
+@pytest.mark.parametrize("case", range(len(CASES) + 3))
+@pytest.mark.parametrize("variant", [Variant.of(False), Variant.of(True), Variant.of(False, (100, 37)),
+                                     Variant.of(True, (40, 0)), Variant.of(False, (-1, 5))], ids=str)
+@pytest.mark.parametrize("tile", [(128, 128), (64, 80), (192, 64)], ids=str)
+def test_work_list_covers_every_tile_once(case, variant, tile):
+    if case < len(CASES):
+        q_lens, k_lens = CASES[case]
+    else:
+        q_lens = [random.choice([0, 1, random.randint(1, 700)]) for _ in range(random.randint(1, 9))]
+        k_lens = [random.choice([n, random.randint(0, 700)]) for n in q_lens]
+    bm, bn = tile
+    work = varlen_work(q_lens, k_lens, bm, bn, variant.replace(varlen=True))
+    pairs = [(s, m) for _, s, m in work]
+    # Every (sequence, query block) once, no block of a sequence of length 0, within the launch's bound.
+    assert sorted(pairs) == [(s, m) for s, n in enumerate(q_lens) for m in range(-(-n // bm))]
+    assert len(pairs) <= varlen_pairs(sum(q_lens), len(q_lens), bm)
+    assert varlen_list_ints(sum(q_lens), len(q_lens), bm) == 2 + 2 * varlen_pairs(sum(q_lens), len(q_lens), bm)
+    costs = [c for c, _, _ in work]
+    assert costs == sorted(costs, reverse=True)
+    for cost, s, m in work:
+        need = _brute_blocks(q_lens[s], k_lens[s], m, bm, bn, variant)
+        # The cost counts the blocks the kernel visits: at least every block with a visible pair, and
+        # exactly their span (first to last) when there is one (the band is contiguous per row).
+        if need:
+            assert cost == max(need) - min(need) + 1, (s, m, need, cost)
+        else:  # rows that see nothing: no block, or the one block at the key end a clipped window points at
+            assert cost <= 1, (s, m, cost)
+
+
+def _cpu(values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def test_packed_values():
+    from flashgen.api.packed import check_packed_values
+
+    check_packed_values(_cpu([0, 4, 10]), _cpu([0, 5, 12]), None, 10, 12, 6, 7)
+    check_packed_values(_cpu([0, 0, 0]), _cpu([0, 0, 3]), _cpu([0, 2]), 0, 3, 0, 3)
+    check_packed_values(_cpu([0]), _cpu([0]), None, 0, 0, 0, 0)
+    for cu_q, cu_k, used, tq, tk, mq, mk, what in (
+            ([1, 4, 10], [0, 5, 12], None, 10, 12, 10, 12, r"cu_seqlens_q\[0\] must be 0"),
+            ([0, 5, 12], [2, 5, 12], None, 12, 12, 10, 12, r"cu_seqlens_k\[0\] must be 0"),
+            ([0, 6, 4, 10], [0, 1, 2, 12], None, 10, 12, 10, 12, "non-decreasing, got 6 then 4 at 1"),
+            ([0, 4, 9], [0, 5, 12], None, 10, 12, 10, 12, "packed length 10, got 9"),
+            ([0, 4, 10], [0, 5, 13], None, 10, 12, 10, 12, "packed length 12, got 13"),
+            ([0, 4, 10], [0, 5, 12], None, 10, 12, 5, 12, "sequence 1 has 6 rows in cu_seqlens_q, more than max_seqlen_q = 5"),
+            ([0, 4, 10], [0, 5, 12], None, 10, 12, 10, 6, "more than max_seqlen_k = 6"),
+            ([0, 4, 10], [0, 5, 12], [6, 1], 10, 12, 10, 12, r"seqused_k\[0\] = 6 is negative or past sequence 0's 5"),
+            ([0, 4, 10], [0, 5, 12], [1, -1], 10, 12, 10, 12, r"seqused_k\[1\] = -1")):
+        with pytest.raises(ValueError, match=what):
+            check_packed_values(_cpu(cu_q), _cpu(cu_k), None if used is None else _cpu(used), tq, tk, mq, mk)
+
+
+def test_packed_inputs_refused_before_launch():
+    """Argument mistakes raise before anything reads device memory (CPU tensors: the device check)."""
+    import flashgen
+
+    q = torch.randn(10, 4, 64).to(torch.bfloat16)
+    cu = _cpu([0, 10])
+    with pytest.raises(ValueError, match="3-D"):
+        flashgen.attention_varlen(q[None], q, q, cu, cu, 10, 10)
+    with pytest.raises(ValueError, match="CUDA"):
+        flashgen.attention_varlen(q, q, q, cu, cu, 10, 10)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        flashgen.attention_varlen(q, q, q, cu, cu, 10, 10, causal=1)
+    with pytest.raises(TypeError, match="check_values must be a bool"):
+        flashgen.attention_varlen(q, q, q, cu, cu, 10, 10, check_values="no")
