@@ -41,7 +41,7 @@ _SM90 = ("fwd_sm90",)
 # The kinds that serve the variants (templates/common/variant.cuh; decode_split: decode/decode_variant.cuh).
 _VARIANTS = ("fwd_sm90", "fwd_v2", "bwd_sm90", "bwd_dkdv", "bwd_dkdv_nodq", "bwd_dq", "decode_split")
 # The kinds that serve packed rows (cu_seqlens: templates/common/varlen.cuh).
-_VARLEN = ("fwd_sm90", "fwd_v2")
+_VARLEN = ("fwd_sm90", "fwd_v2", "bwd_sm90", "bwd_dkdv", "bwd_dkdv_nodq", "bwd_dq")
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from ..problem import HEAD_DIM_TILES, ProblemKey, bwd_head_dim_tile
 from ..spec import DTYPES
-from .base import F32, I32, PTR, VARIANT_PARAMS, Family, strides, variant_context
+from .base import F32, I32, PTR, VARIANT_PARAMS, VARLEN_PARAMS, Family, strides, variant_context, varlen_pairs
 
 ROW_PAD = 128  # the LSE2 / D buffers hold a multiple of this many rows per (batch, head)
 
@@ -72,6 +72,7 @@ DKDV_PARAMS = (
     ("nq", "int", I32), ("nk", "int", I32), ("nq_pad", "int", I32), ("heads", "int", I32), ("group", "int", I32),
     ("d", "int", I32), ("scale", "float", F32), ("scale_log2", "float", F32),
     *VARIANT_PARAMS,
+    *VARLEN_PARAMS,
 )
 
 DQ_PARAMS = (
@@ -82,6 +83,7 @@ DQ_PARAMS = (
     ("nq", "int", I32), ("nk", "int", I32), ("nq_pad", "int", I32), ("heads", "int", I32), ("group", "int", I32),
     ("d", "int", I32), ("scale", "float", F32), ("scale_log2", "float", F32),
     *VARIANT_PARAMS,
+    *VARLEN_PARAMS,
 )
 
 CONVERT_PARAMS = (
@@ -226,3 +228,13 @@ def common_values(nq: int, nk: int, nq_pad: int, heads: int, heads_kv: int, d: i
     """The size and scale parameters the dK/dV and dQ kernels (and bwd_sm90) share."""
     return {"nq": nq, "nk": nk, "nq_pad": nq_pad, "heads": heads, "group": heads // heads_kv, "d": d,
             "scale": scale, "scale_log2": scale * math.log2(math.e)}
+
+
+def varlen_grid(spec, total_q: int, total_k: int, seqs: int, heads: int, heads_kv: int) -> tuple:
+    """The launch grid of a packed-rows call of ``spec`` (bwd_dkdv, bwd_dkdv_nodq or bwd_dq) over ``seqs``
+    sequences of ``total_q`` query and ``total_k`` key rows in all: x bounds the work list's (sequence,
+    block) pairs (common/varlen.cuh), key blocks of ``block_n`` for the key-outer kernels (one CTA per
+    KV head) and query blocks of ``block_m`` for bwd_dq (one per query head); CTAs past the list return."""
+    if spec.kind == "bwd_dq":
+        return (varlen_pairs(total_q, seqs, spec.block_m), heads, 1)
+    return (varlen_pairs(total_k, seqs, spec.block_n), heads_kv, 1)

@@ -13,7 +13,7 @@ import ctypes
 from .. import tma
 from ..errors import UnsupportedError
 from ..problem import ProblemKey, bwd_head_dim_tile
-from .base import F32, I32, PTR, TMAP, VARIANT_PARAMS, Family, aligned_struct, hopper_checks, strides, variant_context
+from .base import F32, I32, PTR, TMAP, VARIANT_PARAMS, VARLEN_PARAMS, Family, aligned_struct, hopper_checks, strides, variant_context
 
 # The parameter block: tensor maps first (64-byte aligned, as the C struct's alignas(64) wants),
 # Q/K/V/dO in the input dtype with 64-column boxes, and the fp32 dQ accumulator (b, h, nq, head-dim
@@ -27,6 +27,7 @@ SM90_BWD_PARAMS = (
     ("nq", "int", I32), ("nk", "int", I32), ("nq_pad", "int", I32), ("heads", "int", I32), ("group", "int", I32),
     ("d", "int", I32), ("scale", "float", F32), ("scale_log2", "float", F32),
     *VARIANT_PARAMS,
+    *VARLEN_PARAMS,
 )
 
 # How dQ reaches the fp32 accumulator (KernelSpec.dq_write).
@@ -76,8 +77,11 @@ class Bwd90Family(Family):
     def smem_bytes(self, spec) -> int:
         # K, V (once); Q, dO (ring); two dS^T buffers; the fp32 dQ staging tile (dq_write 0);
         # LSE2 and D rows (ring, fp32); 1 KB to align the tiles to 1024 bytes. Barriers are static.
+        # Packed rows: the LSE2 / D rows of a stage are copied from the 16-byte boundary before the tile's
+        # first row, 4 floats more each.
         bm, bn, d, st = spec.block_m, spec.block_n, spec.head_dim, spec.stages
-        return 2 * d * (2 * bn + 2 * st * bm) + 4 * bn * bm + self.staging_bytes(spec) + 8 * st * bm + 1024
+        rows = bm + (4 if spec.varlen else 0)
+        return 2 * d * (2 * bn + 2 * st * bm) + 4 * bn * bm + self.staging_bytes(spec) + 8 * st * rows + 1024
 
     def regs(self, spec) -> tuple[int, int]:
         """(producer, consumer) registers per thread after setmaxnreg (two or more consumers)."""

@@ -433,7 +433,8 @@ struct fg_variant {
 //
 // The work list. No tile is spent on padding: the host cannot know the lengths without a device
 // sync, so a one-CTA kernel (fg_varlen_tiles, the module's `_tiles` entry, launched just before the
-// attention kernel on the same stream) lists every (sequence, block) pair once, most key blocks first
+// attention kernel on the same stream) lists every (sequence, block) pair once (query blocks for the
+// forward and bwd_dq, key blocks for the dK/dV kernels), most work first
 // (a counting sort on the block's cost: the long causal rows start first and the short tiles fill the
 // tail), into p.vl_tiles: [0] the pair count, [1] unused, then (sequence, block) int pairs. The kernel
 // takes tile t as pair t / heads, head t % heads (the heads of one pair run side by side: under GQA
@@ -470,24 +471,29 @@ FG_DEVICE bool fg_varlen_tile(const Params& p, int t, int& s, int& blk, int& h) 
   return true;
 }
 
-// The list's builder: one CTA of 1024 threads. Query-outer kernels (the forward): blocks of BM query
-// rows, each costing the key blocks (of BN) its rows see. Costs at or past NB - 1 share the last bin.
-template <int BM, int BN, typename V, typename Params>
+// The list's builder: one CTA of 1024 threads. Query-outer kernels (KEYS false: the forward, bwd_dq):
+// blocks of BM query rows, each costing the key blocks (of BN) its rows see. Key-outer kernels (KEYS:
+// the dK/dV kernels): blocks of BN keys, each costing the query blocks (of BM) that see them. Costs at
+// or past NB - 1 share the last bin.
+template <int BM, int BN, bool KEYS, typename V, typename Params>
 FG_DEVICE void fg_varlen_tiles(const Params& p) {
-  constexpr int NB = 2048, NT = 1024, PER = NB / 32;
+  constexpr int NB = 2048, NT = 1024, PER = NB / 32, BLOCK = KEYS ? BN : BM;
   __shared__ int bins[NB];
   const int tid = threadIdx.x;
   for (int i = tid; i < NB; i += NT) bins[i] = 0;
   __syncthreads();
   V var(p);
   auto cost = [&](int m) {
-    const int first = var.block_first(m * BM, BN);
-    return min(NB - 1, max(0, var.block_end(m * BM, BM, BN) - first));
+    int c;
+    if constexpr (KEYS) c = var.query_end(m * BN, BN, BM) - var.query_first(m * BN, BM);
+    else c = var.block_end(m * BM, BM, BN) - var.block_first(m * BM, BN);
+    return min(NB - 1, max(0, c));
   };
+  auto blocks = [&](const fg_seq& q) { return ceil_div(KEYS ? q.nk : q.nq, BLOCK); };
   for (int s = tid; s < p.seqs; s += NT) {
     const fg_seq q = fg_seq_of(p, s);
     var.set_lengths(q.nq, q.nk);
-    for (int m = 0; m < ceil_div(q.nq, BM); ++m) atomicAdd(&bins[cost(m)], 1);
+    for (int m = 0; m < blocks(q); ++m) atomicAdd(&bins[cost(m)], 1);
   }
   __syncthreads();
   // bins[c] becomes the number of pairs costing more than c (the first slot of cost c): each lane of
@@ -514,7 +520,7 @@ FG_DEVICE void fg_varlen_tiles(const Params& p) {
   for (int s = tid; s < p.seqs; s += NT) {
     const fg_seq q = fg_seq_of(p, s);
     var.set_lengths(q.nq, q.nk);
-    for (int m = 0; m < ceil_div(q.nq, BM); ++m) {
+    for (int m = 0; m < blocks(q); ++m) {
       const int at = atomicAdd(&bins[cost(m)], 1);
       p.vl_tiles[2 + 2 * at] = s;
       p.vl_tiles[3 + 2 * at] = m;

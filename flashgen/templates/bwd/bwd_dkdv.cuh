@@ -12,6 +12,10 @@
 // Causal: query blocks that see none of the CTA's keys are skipped; only blocks
 // that cross the diagonal or the key end are masked. The softmax scale of dK is
 // applied once at the end; dQ's by bwd_convert.
+// Packed rows (V::VARLEN_ROWS, common/varlen.cuh): blockIdx.x is a pair (sequence, key block) of
+// the work list; the sequence's rows start at cu_q / cu_k and the variant holds its lengths. Query
+// rows past the sequence's end (the next sequence's) load as zeros with LSE2 = +inf (P = 0) and add
+// nothing to dQ.
 #pragma once
 
 template <int D, int BM, int BN, int NW, int ST, int WA, int WB, int WC, bool CAUSAL, bool DQ, bool BF16,
@@ -50,19 +54,37 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
-  const int b = blockIdx.z, hk = blockIdx.y;
-  const int n0 = blockIdx.x * BN;
-  const int diag = p.nk - p.nq;  // bottom-right causal alignment: query i sees keys j <= i + diag
+  // grid = (key blocks, KV heads, batch). Packed rows: the list's pair blockIdx.x, sequence b (its
+  // first rows q_off, k_off; its lengths go to the variant).
+  int b = blockIdx.z;
+  const int hk = blockIdx.y;
+  int n0 = blockIdx.x * BN;
+  int diag = p.nk - p.nq;  // bottom-right causal alignment: query i sees keys j <= i + diag
+  fg_seq sq{};
+  if constexpr (V::VARLEN_ROWS) {
+    int n_block, h_unused;
+    if (!fg_varlen_tile(p, static_cast<int>(blockIdx.x) * p.heads, b, n_block, h_unused)) return;
+    sq = fg_seq_of(p, b);
+    n0 = n_block * BN;
+    diag = sq.nk - sq.nq;
+  }
+  // The offset of batch b's rows of a tensor (strides sb, ss), or of the sequence's from its first row.
+  auto rows = [&](fg_i64 sb, fg_i64 ss, int off) { return V::VARLEN_ROWS ? off * ss : b * sb; };
+
+  V var(p);
+  if constexpr (V::VARLEN_ROWS) var.set_lengths(sq.nq, sq.nk);
+  // The lengths: the call's, or the sequence's (read where used: p.nq, p.nk stay parameter loads).
+  const auto nq = [&] { return V::VARLEN_ROWS ? var.nq : p.nq; };
+  const auto nk = [&] { return V::VARLEN_ROWS ? var.nk : p.nk; };
 
   // The query blocks that see this CTA's keys (the variant's rows: causal, a window; common/variant.cuh).
-  V var(p);
   const int m_first = var.query_first(n0, BM), m_end = var.query_end(n0, BN, BM);
   const int per_head = max(0, m_end - m_first);
   const int total = per_head * p.group;
 
   // K, V: one group of their own.
-  Tile<D>::template load<BN, NTH>(sK, p.k + b * p.k_sb + hk * p.k_sh, p.k_ss, n0, p.nk, p.d);
-  Tile<D>::template load<BN, NTH>(sV, p.v + b * p.v_sb + hk * p.v_sh, p.v_ss, n0, p.nk, p.d);
+  Tile<D>::template load<BN, NTH>(sK, p.k + rows(p.k_sb, p.k_ss, sq.k_off) + hk * p.k_sh, p.k_ss, n0, nk(), p.d);
+  Tile<D>::template load<BN, NTH>(sV, p.v + rows(p.v_sb, p.v_ss, sq.k_off) + hk * p.v_sh, p.v_ss, n0, nk(), p.d);
   cp_async_commit();
 
   // Step `it` covers query head hk*group + it / per_head, query block m_first + it % per_head.
@@ -73,16 +95,36 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
     const int m0 = qm * BM;
     // An opaque thread index: the per-thread load offsets are rebuilt per step, not held across the loop.
     const int tix = static_cast<int>(opaque(static_cast<fg_u32>(tid)));
-    Tile<D>::template load<BM, NTH>(sQ + stage * TILE_Q, p.q + b * p.q_sb + hq * p.q_sh, p.q_ss, m0, p.nq, p.d, tix);
-    Tile<D>::template load<BM, NTH>(sdO + stage * TILE_Q, p.dout + b * p.dout_sb + hq * p.dout_sh, p.dout_ss, m0,
-                                    p.nq, p.d, tix);
-    // LSE2 and D rows: padded buffers, so whole 16-byte chunks are always in range.
-    const fg_i64 row = (static_cast<fg_i64>(b) * p.heads + hq) * p.nq_pad + m0;
-    if (tid < BM / 4) {
-      cp_async_16(sL + stage * BM * 4 + tid * 16, p.lse2 + row + tid * 4, 16);
-    } else if (tid < BM / 2) {
-      const int c = tid - BM / 4;
-      cp_async_16(sDs + stage * BM * 4 + c * 16, p.dsum + row + c * 4, 16);
+    const int q_off = V::VARLEN_ROWS ? static_cast<int>(opaque(static_cast<fg_u32>(sq.q_off))) : 0;
+    Tile<D>::template load<BM, NTH>(sQ + stage * TILE_Q, p.q + rows(p.q_sb, p.q_ss, q_off) + hq * p.q_sh, p.q_ss,
+                                    m0, nq(), p.d, tix);
+    Tile<D>::template load<BM, NTH>(sdO + stage * TILE_Q,
+                                    p.dout + rows(p.dout_sb, p.dout_ss, q_off) + hq * p.dout_sh, p.dout_ss, m0,
+                                    nq(), p.d, tix);
+    if constexpr (V::VARLEN_ROWS) {
+      // LSE2 and D rows of the sequence (rows hq * nq_pad + cu_q[b] on: no 16-byte alignment), one
+      // float per thread; rows past its end get LSE2 = +inf and D = 0.
+      const fg_i64 row = static_cast<fg_i64>(hq) * p.nq_pad + q_off + m0;
+      for (int i = tid; i < 2 * BM; i += NTH) {
+        const int r = i % BM;
+        const bool is_l = i < BM;
+        const fg_u32 dst = (is_l ? sL : sDs) + stage * BM * 4 + r * 4;
+        if (m0 + r < nq()) {
+          cp_async_4(dst, (is_l ? p.lse2 : p.dsum) + row + r);
+        } else {
+          const float fill = is_l ? INFINITY : 0.f;
+          asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(dst), "f"(fill));
+        }
+      }
+    } else {
+      // LSE2 and D rows: padded buffers, so whole 16-byte chunks are always in range.
+      const fg_i64 row = (static_cast<fg_i64>(b) * p.heads + hq) * p.nq_pad + m0;
+      if (tid < BM / 4) {
+        cp_async_16(sL + stage * BM * 4 + tid * 16, p.lse2 + row + tid * 4, 16);
+      } else if (tid < BM / 2) {
+        const int c = tid - BM / 4;
+        cp_async_16(sDs + stage * BM * 4 + c * 16, p.dsum + row + c * 4, 16);
+      }
     }
   };
   auto next_block = [&](int& h, int& m) {
@@ -167,7 +209,7 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
                   if (need_mask) {
                     const int key = n0 + a_m0 + mi * 16 + g + 8 * h;
                     const int qrow = m0 + ql + e;
-                    if (key >= p.nk || (CAUSAL && key > qrow + diag)) x = -INFINITY;
+                    if (key >= nk() || (CAUSAL && key > qrow + diag)) x = -INFINITY;
                   }
                 } else {
                   float tv;
@@ -218,8 +260,10 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
     // ---- C: dQ += dS K by fp32 atomics ----------------------------------------
     if constexpr (DQ) {
       // 32-bit element offsets from the one base pointer (the host keeps the accumulator under
-      // 2^32 elements): no 64-bit row pointers live across the loop.
-      const fg_u32 dq_rows = ((static_cast<fg_u32>(b) * p.heads + hq) * p.nq + m0) * D;
+      // 2^32 elements): no 64-bit row pointers live across the loop. Packed rows: (heads, total_q, D)
+      // with p.nq = total_q.
+      const fg_u32 dq_rows = V::VARLEN_ROWS ? (static_cast<fg_u32>(hq) * p.nq + sq.q_off + m0) * D
+                                            : ((static_cast<fg_u32>(b) * p.heads + hq) * p.nq + m0) * D;
 #pragma unroll
       for (int ch = 0; ch < C_RN / C_CH; ++ch) {
         float acc[C_MT][C_NT][4];
@@ -231,7 +275,7 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int r = c_m0 + mi * 16 + g + 8 * h;
-            if (m0 + r >= p.nq) continue;
+            if (m0 + r >= nq()) continue;
 #pragma unroll
             for (int nj = 0; nj < C_NT; ++nj) {
               const fg_u32 off = dq_rows + static_cast<fg_u32>(r * D + n_off + nj * 8 + 2 * t);
@@ -244,8 +288,8 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
   cp_async_wait<0>();
 
   // ---- epilogue: dK (times the softmax scale) and dV -----------------------------
-  store_acc_global<B_MT, B_NT, BF16>(p.dk + b * p.dk_sb + hk * p.dk_sh, p.dk_ss, acc_dk, n0, b_m0, b_n0, p.nk,
-                                     p.d, p.scale);
-  store_acc_global<B_MT, B_NT, BF16>(p.dv + b * p.dv_sb + hk * p.dv_sh, p.dv_ss, acc_dv, n0, b_m0, b_n0, p.nk,
-                                     p.d, 1.f);
+  store_acc_global<B_MT, B_NT, BF16>(p.dk + rows(p.dk_sb, p.dk_ss, sq.k_off) + hk * p.dk_sh, p.dk_ss, acc_dk, n0,
+                                     b_m0, b_n0, nk(), p.d, p.scale);
+  store_acc_global<B_MT, B_NT, BF16>(p.dv + rows(p.dv_sb, p.dv_ss, sq.k_off) + hk * p.dv_sh, p.dv_ss, acc_dv, n0,
+                                     b_m0, b_n0, nk(), p.d, 1.f);
 }

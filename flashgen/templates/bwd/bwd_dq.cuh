@@ -7,6 +7,9 @@
 //   C: dQ += dS K (BM x D, warps WC x NW/WC, in registers for the whole walk)
 // and writes dQ * scale in the input dtype. The summation order is fixed, so
 // the result does not depend on scheduling.
+// Packed rows (V::VARLEN_ROWS, common/varlen.cuh): blockIdx.x is a pair (sequence, query block) of
+// the work list; the sequence's rows start at cu_q / cu_k and the variant holds its lengths. Rows
+// past the sequence's end load as zeros with LSE2 = +inf (P = 0) and are not stored.
 #pragma once
 
 template <int D, int BM, int BN, int NW, int ST, int WA, int WC, bool CAUSAL, bool BF16, typename V, typename Params>
@@ -29,28 +32,45 @@ FG_DEVICE void bwd_dq_body(const Params& p) {
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  // Causal: the longest rows (highest query blocks) launch first.
-  const int m_block = CAUSAL ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
-  const int b = blockIdx.z, hq = blockIdx.y, hk = hq / p.group;
-  const int m0 = m_block * BM;
-  const int diag = p.nk - p.nq;
-  const elem_t* k = p.k + b * p.k_sb + hk * p.k_sh;
-  const elem_t* v = p.v + b * p.v_sb + hk * p.v_sh;
+  // Causal: the longest rows (highest query blocks) launch first. Packed rows: the list's pair
+  // blockIdx.x, sequence b (its first rows q_off, k_off; its lengths go to the variant below).
+  int m_block = CAUSAL ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
+  int b = blockIdx.z;
+  const int hq = blockIdx.y, hk = hq / p.group;
+  int m0 = m_block * BM;
+  int diag = p.nk - p.nq;
+  fg_seq sq{};
+  if constexpr (V::VARLEN_ROWS) {
+    int h_unused;
+    if (!fg_varlen_tile(p, static_cast<int>(blockIdx.x) * p.heads, b, m_block, h_unused)) return;
+    sq = fg_seq_of(p, b);
+    m0 = m_block * BM;
+    diag = sq.nk - sq.nq;
+  }
+  // The offset of batch b's rows of a tensor (strides sb, ss), or of the sequence's from its first row.
+  auto rows = [&](fg_i64 sb, fg_i64 ss, int off) { return V::VARLEN_ROWS ? off * ss : b * sb; };
+  const elem_t* k = p.k + rows(p.k_sb, p.k_ss, sq.k_off) + hk * p.k_sh;
+  const elem_t* v = p.v + rows(p.v_sb, p.v_ss, sq.k_off) + hk * p.v_sh;
 
-  // The key blocks some row of this block sees: n_first .. n_first + n_blocks - 1 (common/variant.cuh).
   V var(p);
+  if constexpr (V::VARLEN_ROWS) var.set_lengths(sq.nq, sq.nk);
+  // The lengths: the call's, or the sequence's (read where used: p.nq, p.nk stay parameter loads).
+  const auto nq = [&] { return V::VARLEN_ROWS ? var.nq : p.nq; };
+  const auto nk = [&] { return V::VARLEN_ROWS ? var.nk : p.nk; };
+  // The key blocks some row of this block sees: n_first .. n_first + n_blocks - 1 (common/variant.cuh).
   var.set_head(p, b, hq);
   const int n_first = var.block_first(m0, BN);
   const int n_blocks = max(0, var.block_end(m0, BM, BN) - n_first);
 
-  Tile<D>::template load<BM, NTH>(sQ, p.q + b * p.q_sb + hq * p.q_sh, p.q_ss, m0, p.nq, p.d);
-  Tile<D>::template load<BM, NTH>(sdO, p.dout + b * p.dout_sb + hq * p.dout_sh, p.dout_ss, m0, p.nq, p.d);
+  Tile<D>::template load<BM, NTH>(sQ, p.q + rows(p.q_sb, p.q_ss, sq.q_off) + hq * p.q_sh, p.q_ss, m0, nq(), p.d);
+  Tile<D>::template load<BM, NTH>(sdO, p.dout + rows(p.dout_sb, p.dout_ss, sq.q_off) + hq * p.dout_sh, p.dout_ss, m0,
+                                  nq(), p.d);
   cp_async_commit();
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) {
     if (s < n_blocks) {
-      Tile<D>::template load<BN, NTH>(sK + s * TILE_K, k, p.k_ss, (n_first + s) * BN, p.nk, p.d);
-      Tile<D>::template load<BN, NTH>(sV + s * TILE_K, v, p.v_ss, (n_first + s) * BN, p.nk, p.d);
+      Tile<D>::template load<BN, NTH>(sK + s * TILE_K, k, p.k_ss, (n_first + s) * BN, nk(), p.d);
+      Tile<D>::template load<BN, NTH>(sV + s * TILE_K, v, p.v_ss, (n_first + s) * BN, nk(), p.d);
     }
     cp_async_commit();
   }
@@ -58,15 +78,23 @@ FG_DEVICE void bwd_dq_body(const Params& p) {
   const int a_m0 = (warp % WA) * A_RM, a_n0 = (warp / WA) * A_RN;
   const int c_m0 = (warp % WC) * C_RM, c_n0 = (warp / WC) * C_RN;
 
-  // This thread's rows of S: LSE2 and D, from the padded buffers (no bound check needed).
-  const fg_i64 row_base = (static_cast<fg_i64>(b) * p.heads + hq) * p.nq_pad + m0 + a_m0 + g;
+  // This thread's rows of S: LSE2 and D, from the padded buffers (no bound check needed). Packed
+  // rows: rows past the sequence's end get LSE2 = +inf and D = 0 (the next sequence's are not read).
+  const fg_i64 row_base = V::VARLEN_ROWS ? static_cast<fg_i64>(hq) * p.nq_pad + sq.q_off + m0 + a_m0 + g
+                                          : (static_cast<fg_i64>(b) * p.heads + hq) * p.nq_pad + m0 + a_m0 + g;
   float l2[A_MT][2], dd[A_MT][2];
 #pragma unroll
   for (int mi = 0; mi < A_MT; ++mi)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      l2[mi][h] = p.lse2[row_base + mi * 16 + 8 * h];
-      dd[mi][h] = p.dsum[row_base + mi * 16 + 8 * h];
+      const int r = mi * 16 + 8 * h;
+      if (V::VARLEN_ROWS && m0 + a_m0 + g + r >= nq()) {
+        l2[mi][h] = INFINITY;
+        dd[mi][h] = 0.f;
+      } else {
+        l2[mi][h] = p.lse2[row_base + r];
+        dd[mi][h] = p.dsum[row_base + r];
+      }
     }
 
   // Per-lane ldmatrix address tables, built once (KWalk / RowWalk in bwd_common.cuh).
@@ -85,8 +113,8 @@ FG_DEVICE void bwd_dq_body(const Params& p) {
       const int jn = j + ST - 1;
       if (jn < n_blocks) {
         const int sn = jn % ST;
-        Tile<D>::template load<BN, NTH>(sK + sn * TILE_K, k, p.k_ss, (n_first + jn) * BN, p.nk, p.d);
-        Tile<D>::template load<BN, NTH>(sV + sn * TILE_K, v, p.v_ss, (n_first + jn) * BN, p.nk, p.d);
+        Tile<D>::template load<BN, NTH>(sK + sn * TILE_K, k, p.k_ss, (n_first + jn) * BN, nk(), p.d);
+        Tile<D>::template load<BN, NTH>(sV + sn * TILE_K, v, p.v_ss, (n_first + jn) * BN, nk(), p.d);
       }
       cp_async_commit();
     }
@@ -113,7 +141,7 @@ FG_DEVICE void bwd_dq_body(const Params& p) {
               if (need_mask) {
                 const int qrow = m0 + a_m0 + mi * 16 + g + 8 * h;
                 const int key = n0 + a_n0 + nj * 8 + 2 * t + (e & 1);
-                if (key >= p.nk || (CAUSAL && key > qrow + diag)) x = -INFINITY;
+                if (key >= nk() || (CAUSAL && key > qrow + diag)) x = -INFINITY;
               }
             } else {
               float tv;
@@ -129,6 +157,6 @@ FG_DEVICE void bwd_dq_body(const Params& p) {
     warp_mma_t<C_MT, C_NT, BN / 16, BF16>(acc, sdS, sa, sKj, kc);
   }
   cp_async_wait<0>();
-  store_acc_global<C_MT, C_NT, BF16>(p.dq + b * p.dq_sb + hq * p.dq_sh, p.dq_ss, acc, m0, c_m0, c_n0, p.nq, p.d,
-                                     p.scale);
+  store_acc_global<C_MT, C_NT, BF16>(p.dq + rows(p.dq_sb, p.dq_ss, sq.q_off) + hq * p.dq_sh, p.dq_ss, acc, m0, c_m0,
+                                     c_n0, nq(), p.d, p.scale);
 }

@@ -64,6 +64,11 @@ template <int N>
 FG_DEVICE void bulk_wait() { asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory"); }
 // Generic-proxy shared-memory writes (st.shared) become visible to the async proxy (wgmma, TMA).
 FG_DEVICE void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+FG_DEVICE float lds_f32(fg_u32 addr) {
+  float a;
+  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(a) : "r"(addr));
+  return a;
+}
 FG_DEVICE void lds_f32x2(fg_u32 addr, float& a, float& b) {
   asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(a), "=f"(b) : "r"(addr));
 }
@@ -103,18 +108,36 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   const fg_u32 sdO = sQ + ST * QT_BYTES;
   const fg_u32 sdS = sdO + ST * QT_BYTES;
   const fg_u32 sStg = sdS + 2 * DS_BYTES;
-  const fg_u32 sL = sStg + STG_BYTES;      // ST x BM floats of LSE2
-  const fg_u32 sDd = sL + ST * BM * 4;     // ST x BM floats of D
+  // Packed rows: a sequence's LSE2 / D rows need not start 16-byte aligned (no padding between
+  // sequences), so each stage's copy starts at the aligned row before and holds 4 floats more (RS).
+  constexpr int RS = V::VARLEN_ROWS ? BM + 4 : BM;  // floats per stage of LSE2 (and of D)
+  const fg_u32 sL = sStg + STG_BYTES;      // ST x RS floats of LSE2
+  const fg_u32 sDd = sL + ST * RS * 4;     // ST x RS floats of D
   const fg_u32 bar_kv = smem_addr(bars);
   auto bar_q = [&](int s) { return bar_kv + 8u * (1 + s); };
   auto bar_do = [&](int s) { return bar_kv + 8u * (1 + ST + s); };
   auto bar_e = [&](int s) { return bar_kv + 8u * (1 + 2 * ST + s); };
 
   const int tid = threadIdx.x;
-  const int b = blockIdx.z, hk = blockIdx.y;
-  const int n0 = blockIdx.x * BN;
-  const int diag = p.nk - p.nq;  // bottom-right alignment: query i sees keys j <= i + diag
+  int b = blockIdx.z, n_block = blockIdx.x;
+  const int hk = blockIdx.y;
   V var(p);
+  // Packed rows (V::VARLEN_ROWS, common/varlen.cuh): blockIdx.x is the work list's (sequence b, key
+  // block) pair; q_off / k_off the sequence's first query and key row (0 otherwise). The rows after a
+  // sequence's last query are the next sequence's (no padding): the consumers give rows past the
+  // sequence LSE2 = +inf, so that P = dS = 0 there.
+  int q_off = 0, k_off = 0;  // (and the LSE2 / D copies' first row: q_off % 4 before the tile's row 0)
+  if constexpr (V::VARLEN_ROWS) {
+    int h_unused;
+    if (!fg_varlen_tile(p, static_cast<int>(blockIdx.x) * p.heads, b, n_block, h_unused)) return;
+    const fg_seq sq = fg_seq_of(p, b);
+    var.set_lengths(sq.nq, sq.nk);
+    q_off = sq.q_off;
+    k_off = sq.k_off;
+  }
+  const int n0 = n_block * BN;
+  const int diag = V::VARLEN_ROWS ? var.diag : p.nk - p.nq;  // bottom-right: query i sees keys j <= i + diag
+  const int mb = V::VARLEN_ROWS ? 0 : b;  // the maps' batch coordinate (packed rows: one batch)
   const int m_first = var.query_first(n0, BM), m_end = var.query_end(n0, BN, BM);
   const int total = max(0, m_end - m_first) * p.group;  // steps: (query head of the group, query block)
 
@@ -142,25 +165,28 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
       mbar_expect_tx(bar_kv, 2 * KV_BYTES);
 #pragma unroll
       for (int pn = 0; pn < PANELS; ++pn) {
-        tma_load_4d(sK + pn * BN * 128, &p.tm_k, bar_kv, pn * 64, n0, hk, b);
-        tma_load_4d(sV + pn * BN * 128, &p.tm_v, bar_kv, pn * 64, n0, hk, b);
+        tma_load_4d(sK + pn * BN * 128, &p.tm_k, bar_kv, pn * 64, k_off + n0, hk, mb);
+        tma_load_4d(sV + pn * BN * 128, &p.tm_v, bar_kv, pn * 64, k_off + n0, hk, mb);
       }
       int qh = 0, qm = m_first;
       for (int it = 0; it < total; ++it) {
         const int s = it % ST;
         if (it >= ST) mbar_wait(bar_e(s), ((it / ST) + 1) & 1);
         const int hq = hk * p.group + qh, m0 = qm * BM;
-        const fg_i64 row = (static_cast<fg_i64>(b) * p.heads + hq) * p.nq_pad + m0;
-        mbar_expect_tx(bar_q(s), QT_BYTES + BM * 4);
+        // LSE2 / D rows: packed rows start at the 16-byte boundary at or before the tile's first row.
+        const fg_i64 row = V::VARLEN_ROWS ? (static_cast<fg_i64>(hq) * p.nq_pad + q_off + m0) & ~3ll
+                                          : (static_cast<fg_i64>(b) * p.heads + hq) * p.nq_pad + m0;
+        constexpr fg_u32 ROW_BYTES = RS * 4;
+        mbar_expect_tx(bar_q(s), QT_BYTES + ROW_BYTES);
 #pragma unroll
         for (int pn = 0; pn < PANELS; ++pn)
-          tma_load_4d(sQ + s * QT_BYTES + pn * BM * 128, &p.tm_q, bar_q(s), pn * 64, m0, hq, b);
-        bulk_load(sL + s * BM * 4, p.lse2 + row, BM * 4, bar_q(s));
-        mbar_expect_tx(bar_do(s), QT_BYTES + BM * 4);
+          tma_load_4d(sQ + s * QT_BYTES + pn * BM * 128, &p.tm_q, bar_q(s), pn * 64, q_off + m0, hq, mb);
+        bulk_load(sL + s * ROW_BYTES, p.lse2 + row, ROW_BYTES, bar_q(s));
+        mbar_expect_tx(bar_do(s), QT_BYTES + ROW_BYTES);
 #pragma unroll
         for (int pn = 0; pn < PANELS; ++pn)
-          tma_load_4d(sdO + s * QT_BYTES + pn * BM * 128, &p.tm_do, bar_do(s), pn * 64, m0, hq, b);
-        bulk_load(sDd + s * BM * 4, p.dsum + row, BM * 4, bar_do(s));
+          tma_load_4d(sdO + s * QT_BYTES + pn * BM * 128, &p.tm_do, bar_do(s), pn * 64, q_off + m0, hq, mb);
+        bulk_load(sDd + s * ROW_BYTES, p.dsum + row, ROW_BYTES, bar_do(s));
         if (++qm == m_end) {
           qm = m_first;
           ++qh;
@@ -242,7 +268,14 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
 #pragma unroll
       for (int nj = 0; nj < NJ; ++nj) {
         float l2[2];
-        lds_f32x2(sL + s * BM * 4 + (8 * nj + 2 * t) * 4, l2[0], l2[1]);
+        if constexpr (V::VARLEN_ROWS) {
+          const fg_u32 at = sL + (s * RS + (q_off & 3) + 8 * nj + 2 * t) * 4;
+          const int q = m0 + 8 * nj + 2 * t;
+          l2[0] = q < var.nq ? lds_f32(at) : INFINITY;
+          l2[1] = q + 1 < var.nq ? lds_f32(at + 4) : INFINITY;
+        } else {
+          lds_f32x2(sL + s * BM * 4 + (8 * nj + 2 * t) * 4, l2[0], l2[1]);
+        }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           float pe[2];
@@ -253,7 +286,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
               if (need_mask) {
                 const int key = key0 + krow + 8 * h;
                 const int q = m0 + 8 * nj + 2 * t + e;
-                if (key >= p.nk || (CAUSAL && key > q + diag)) x = -INFINITY;
+                if (key >= (V::VARLEN_ROWS ? var.nk : p.nk) || (CAUSAL && key > q + diag)) x = -INFINITY;
               }
             } else {
               float tv;
@@ -272,7 +305,13 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
 #pragma unroll
     for (int nj = 0; nj < NJ; ++nj) {
       float dd[2];
-      lds_f32x2(sDd + s * BM * 4 + (8 * nj + 2 * t) * 4, dd[0], dd[1]);
+      if constexpr (V::VARLEN_ROWS) {  // (rows past the sequence have P = 0: any D does)
+        const fg_u32 at = sDd + (s * RS + (q_off & 3) + 8 * nj + 2 * t) * 4;
+        dd[0] = lds_f32(at);
+        dd[1] = lds_f32(at + 4);
+      } else {
+        lds_f32x2(sDd + s * BM * 4 + (8 * nj + 2 * t) * 4, dd[0], dd[1]);
+      }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float pe[2];
@@ -343,16 +382,16 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
 #pragma unroll
         for (int pn = 0; pn < DQ_N / 32; ++pn) {
           const int panel = cw * DQ_N / 32 + pn;
-          tma_reduce_add_4d(&p.tm_dq, sStg + panel * BM * 128, panel * 32, m0, hq, b);
+          tma_reduce_add_4d(&p.tm_dq, sStg + panel * BM * 128, panel * 32, q_off + m0, hq, mb);
         }
         bulk_commit();
       }
     } else {
-      float* dq = p.dq_acc + ((static_cast<fg_i64>(b) * p.heads + hq) * p.nq + m0) * D + cw * DQ_N + 2 * t;
+      float* dq = p.dq_acc + ((static_cast<fg_i64>(mb) * p.heads + hq) * p.nq + q_off + m0) * D + cw * DQ_N + 2 * t;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = krow + 8 * h;
-        if (m0 + r < p.nq) {
+        if (m0 + r < var.nq) {
 #pragma unroll
           for (int nj = 0; nj < DQ_N / 8; ++nj)
             red_add_f32x2(dq + r * D + 8 * nj, acc_dq[4 * nj + 2 * h], acc_dq[4 * nj + 2 * h + 1]);
@@ -365,12 +404,12 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   }
 
   // ---- epilogue: dK (times the softmax scale) and dV, rows < nk and columns < d
-  elem_t* dk = p.dk + b * p.dk_sb + hk * p.dk_sh;
-  elem_t* dv = p.dv + b * p.dv_sb + hk * p.dv_sh;
+  elem_t* dk = p.dk + (V::VARLEN_ROWS ? k_off * p.dk_ss : b * p.dk_sb) + hk * p.dk_sh;
+  elem_t* dv = p.dv + (V::VARLEN_ROWS ? k_off * p.dv_ss : b * p.dv_sb) + hk * p.dv_sh;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int key = key0 + krow + 8 * h;
-    if (key >= p.nk) continue;
+    if (key >= var.nk) continue;
     elem_t* rk = dk + static_cast<fg_i64>(key) * p.dk_ss;
     elem_t* rv = dv + static_cast<fg_i64>(key) * p.dv_ss;
 #pragma unroll
