@@ -58,8 +58,19 @@ VARIANT_SPECS = sorted(
 DECODE_VARIANTS = ("win", "cap", "alibi", "sink", "win_cap_alibi_sink")
 DECODE_VARIANT_SPECS = sorted({s.with_tokens(v).validate() for s in SPECS if s.kind == "decode_split"
                                for v in DECODE_VARIANTS}, key=lambda s: s.name)
+# Packed rows (varlen): every shipped forward entry with the switch (dispatch runs the plain entry's tile
+# for a varlen key), the forward's rule with a window and with all four switches on both arches, and
+# the backward's kernels for a varlen key (the Hopper dK/dV kernel and the mma.sync ones).
+VARLEN_SPECS = sorted(
+    {s.replace(varlen=True).validate() for s in SHIPPED_SPECS if s.kind in ("fwd_sm90", "fwd_v2")}
+    | {families.default_spec(ProblemKey("fwd", arch, "bf16", d, c, 512, v), BUDGET_OF[arch])
+       for arch in ARCHES for d in (64, 128) for c in (False, True) for v in ("vl", "win_vl", "win_cap_alibi_sink_vl")}
+    | {families.default_spec(ProblemKey(kind, "sm_90a", "bf16", d, c, 512, "vl"), BUDGET_OF["sm_90a"], family=fam)
+       for kind, fam in (("bwd_dkdv", "bwd_sm90"), ("bwd_dkdv", "bwd_dkdv"), ("bwd_dkdv_nodq", None), ("bwd_dq", None))
+       for d in (64, 128) for c in (False, True)},
+    key=lambda s: s.name)
 ALL_SPECS = list(dict.fromkeys(SPECS + BULK_SPECS + SHIPPED_SPECS + VARIANT_SPECS
-                               + DECODE_VARIANT_SPECS))  # each spec once, in that order
+                               + DECODE_VARIANT_SPECS + VARLEN_SPECS))  # each spec once, in that order
 BUDGET = gpus.ARCH_SMEM_PER_BLOCK
 BASELINE_KINDS = (*standard.KINDS, fwd_v1.KIND)
 

@@ -26,7 +26,7 @@ from flashgen import testing  # noqa: E402
 from flashgen.errors import UnsupportedError  # noqa: E402
 from flashgen.families import fwd_sm90  # noqa: E402
 from flashgen.families.base import varlen_work  # noqa: E402
-from flashgen.reference import reference  # noqa: E402
+from flashgen.reference import grad_tolerance, reference  # noqa: E402
 from flashgen.spec import KernelSpec  # noqa: E402
 from flashgen.variants import Variant  # noqa: E402
 from gpu_util import DTYPES, is_sm90, poison_output, variant_inputs  # noqa: E402
@@ -239,10 +239,6 @@ def test_value_checks():
                                   torch.tensor([0, 12], dtype=torch.int32, device="cuda"), 10, 12)
     with pytest.raises(UnsupportedError, match="block_table"):
         call([0, 4, 10], [0, 5, 12], block_table=torch.zeros(2, 1, dtype=torch.int32, device="cuda"))
-    with pytest.raises(UnsupportedError, match="backward"):
-        flashgen.attention_varlen(q.clone().requires_grad_(True), k, k,
-                                  torch.tensor([0, 10], dtype=torch.int32, device="cuda"),
-                                  torch.tensor([0, 12], dtype=torch.int32, device="cuda"), 10, 12)
 
 
 def test_torch_compile():
@@ -257,3 +253,109 @@ def test_torch_compile():
     eager = f(q, k, v)
     compiled = torch.compile(f, fullgraph=True)(q, k, v)
     assert torch.equal(compiled, eager)
+
+
+def check_varlen_grads(q_lens, k_lens, hq=4, hk=2, d=128, dtype_name="bf16", causal=False, deterministic=False,
+                       used=None, stored_k=None, variant=None):
+    """One differentiable ``attention_varlen`` call: dq, dk, dv (and dsinks) against the fp32 reference's
+    gradients sequence by sequence, the 2x rule over the whole call; gradients written everywhere (keys
+    past seqused_k: 0)."""
+    dtype = DTYPES[dtype_name]
+    stored = stored_k or k_lens
+    tq, tk = sum(q_lens), sum(stored)
+    q = torch.randn(tq, hq, d, device="cuda").to(dtype).requires_grad_(True)
+    k = torch.randn(tk, hk, d, device="cuda").to(dtype).requires_grad_(True)
+    v = torch.randn(tk, hk, d, device="cuda").to(dtype).requires_grad_(True)
+    cu_q, cu_k = _cu(q_lens), _cu(stored)
+    seqused = torch.tensor(used, dtype=torch.int32, device="cuda") if used is not None else None
+    extra = variant_inputs(len(q_lens), hq, **(variant or {}))
+    if extra.get("sinks") is not None:
+        extra["sinks"].requires_grad_(True)
+    dout = torch.randn(tq, hq, d, device="cuda").to(dtype)
+    out = flashgen.attention_varlen(q, k, v, cu_q, cu_k, max(q_lens, default=0), max(stored, default=0),
+                                    causal=causal, seqused_k=seqused, deterministic=deterministic, **extra)
+    leaves = [q, k, v] + ([extra["sinks"]] if extra.get("sinks") is not None else [])
+    grads = torch.autograd.grad(out, leaves, dout)
+    for name, g in zip(("dq", "dk", "dv", "dsinks"), grads):
+        assert torch.isfinite(g.float()).all(), f"non-finite {name}"
+    scale = 1.0 / math.sqrt(d)
+    errs, tols = [0.0] * len(leaves), [1e-5] * len(leaves)
+    ref_dsinks = None
+    for s, (nq, nk) in enumerate(zip(q_lens, k_lens)):
+        q0, k0 = int(cu_q[s]), int(cu_k[s])
+        if nq == 0:  # no query: no gradient to the sequence's keys
+            for g in grads[1:3]:
+                assert g[k0:k0 + nk].abs().max().item() == 0 if nk else True
+            continue
+        if nk == 0:  # no key: no gradient to the sequence's queries (the sinks' gradient: dLSE only, none here)
+            assert grads[0][q0:q0 + nq].abs().max().item() == 0
+            continue
+        qs = q[q0:q0 + nq].transpose(0, 1)[None].detach()
+        ks, vs = (t[k0:k0 + nk].transpose(0, 1)[None].detach() for t in (k, v))
+        ex = {n: t for n, t in extra.items()}
+        if ex.get("alibi_slopes") is not None and ex["alibi_slopes"].dim() == 2:
+            ex["alibi_slopes"] = ex["alibi_slopes"][s:s + 1]
+        ref, tol = grad_tolerance(qs, ks, vs, dout[q0:q0 + nq].transpose(0, 1)[None], causal, scale, **ex)
+        got = [grads[0][q0:q0 + nq], grads[1][k0:k0 + nk], grads[2][k0:k0 + nk]]
+        for i in range(3):
+            errs[i] = max(errs[i], (got[i].transpose(0, 1)[None].float() - ref[i]).abs().max().item())
+            tols[i] = max(tols[i], tol[i])
+        if len(leaves) == 4:  # the sinks' gradient sums over sequences
+            ref_dsinks = ref[3] if ref_dsinks is None else ref_dsinks + ref[3]
+            tols[3] = max(tols[3], tol[3])
+    if used is not None:  # keys past seqused_k: gradient 0
+        for s, (n_used, n_stored) in enumerate(zip(used, stored)):
+            k0 = int(cu_k[s])
+            for g in grads[1:3]:
+                assert g[k0 + n_used:k0 + n_stored].abs().max().item() == 0 if n_stored > n_used else True
+    if ref_dsinks is not None:
+        errs[3] = (grads[3].float() - ref_dsinks).abs().max().item()
+        tols[3] *= len(q_lens)
+    for name, err, tol in zip(("dq", "dk", "dv", "dsinks"), errs, tols):
+        assert err <= tol, f"{name}: max err {err:.3e} > tol {tol:.3e} (lengths {q_lens} / {k_lens})"
+
+
+@pytest.mark.parametrize("lengths", ["odd", "zeros", "one_long", "equal"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 96, 256])
+def test_backward(lengths, causal, d):
+    check_varlen_grads(*LENGTHS[lengths], 8, 2, d, "bf16", causal)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_deterministic(d, causal):
+    q_lens, k_lens = LENGTHS["odd"]
+    check_varlen_grads(q_lens, k_lens, 4, 2, d, "bf16", causal, deterministic=True)
+    # Bitwise the same over runs.
+    torch.manual_seed(1)
+    tq, tk = sum(q_lens), sum(k_lens)
+    q = torch.randn(tq, 4, d, device="cuda").to(torch.bfloat16).requires_grad_(True)
+    k, v = (torch.randn(tk, 2, d, device="cuda").to(torch.bfloat16).requires_grad_(True) for _ in range(2))
+    dout = torch.randn(tq, 4, d, device="cuda").to(torch.bfloat16)
+    args = (q, k, v, _cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens))
+    first = torch.autograd.grad(flashgen.attention_varlen(*args, causal=causal, deterministic=True), (q, k, v), dout)
+    for _ in range(2):
+        again = torch.autograd.grad(flashgen.attention_varlen(*args, causal=causal, deterministic=True), (q, k, v),
+                                    dout)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_backward_random_lengths_gqa(dtype):
+    q_lens, k_lens = _random_lengths(12, 1200)
+    check_varlen_grads(q_lens, k_lens, 8, 2, 128, dtype, True)
+    check_varlen_grads(q_lens, k_lens, 6, 1, 64, dtype, False)
+
+
+def test_backward_seqused_k():
+    check_varlen_grads([113, 64, 0, 300, 1], [203, 0, 17, 300, 1], 4, 2, 128, "bf16", True,
+                       used=[203, 0, 17, 300, 1], stored_k=[400, 64, 50, 300, 239])
+
+
+@pytest.mark.parametrize("variant", [{"window": (100, 37)}, {"softcap": 15.0}, {"alibi": "batch"}, {"sinks": True}],
+                         ids=str)
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_variants(variant, d):
+    check_varlen_grads([113, 1, 239, 512, 0, 700], [203, 239, 64, 512, 17, 700], 4, 2, d, "bf16", True,
+                       variant=variant)

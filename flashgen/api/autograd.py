@@ -136,29 +136,105 @@ def attention_op(q, k, v, causal, softmax_scale, layout, return_lse, determinist
     return (out, lse) if return_lse else out
 
 
+def _packed_out32_shape(q: Tensor, kept: bool):
+    """A packed forward's fp32 output: (heads, total_q, d) when kept, else empty."""
+    return (q.shape[1], q.shape[0], q.shape[2]) if kept else (0,)
+
+
 @torch.library.custom_op("flashgen::attn_varlen_fwd", mutates_args=())
 def attn_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
-                    max_seqlen_k: int, causal: bool, softmax_scale: float, seqused_k: Optional[Tensor] = None,
-                    win_left: int = -1, win_right: int = -1, softcap: float = 0.0,
-                    alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """Packed-rows forward: (out (total_q, heads, d), lse (heads, total_q)); values unchecked (the entry's)."""
-    return packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                          seqused_k, _window(win_left, win_right), softcap, alibi_slopes, sinks)
+                    max_seqlen_k: int, causal: bool, softmax_scale: float, deterministic: bool = False,
+                    seqused_k: Optional[Tensor] = None, win_left: int = -1, win_right: int = -1, softcap: float = 0.0,
+                    alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+                    keep_fp32: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """Packed-rows forward: (out (total_q, heads, d), lse (heads, total_q), out32); values unchecked (the
+    entry's). ``deterministic`` is only carried to the backward; out32 as ``attn_fwd``'s, (heads, total_q, d)."""
+    out32 = q.new_empty(_packed_out32_shape(q, sinks is not None and keep_fp32), dtype=torch.float32)
+    out, lse = packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                              seqused_k, _window(win_left, win_right), softcap, alibi_slopes, sinks,
+                              out32=out32 if out32.numel() else None)
+    return out, lse, out32
 
 
 @attn_varlen_fwd.register_fake
 def _attn_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                          seqused_k=None, win_left=-1, win_right=-1, softcap=0.0, alibi_slopes=None, sinks=None):
-    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+                          deterministic=False, seqused_k=None, win_left=-1, win_right=-1, softcap=0.0,
+                          alibi_slopes=None, sinks=None, keep_fp32=False):
+    return (q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32),
+            q.new_empty(_packed_out32_shape(q, sinks is not None and keep_fp32), dtype=torch.float32))
+
+
+@torch.library.custom_op("flashgen::attn_varlen_bwd", mutates_args=())
+def attn_varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
+                    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seqused_k: Optional[Tensor], causal: bool,
+                    softmax_scale: float, deterministic: bool, win_left: int = -1, win_right: int = -1,
+                    softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+                    out32: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Packed-rows backward: (dq, dk, dv, dsinks) in the packed shapes (dsinks empty without sinks); the
+    tensors go to ``attention_backward`` as one batch of packed rows."""
+    variant = Variant.of(causal, _window(win_left, win_right), softcap, alibi_slopes is not None, sinks is not None,
+                         varlen=True)
+    one = [t.unsqueeze(0) for t in (dout, q, k, v, out)]
+    grads = attention_backward(*one, lse.unsqueeze(0), variant.causal, softmax_scale, "bshd", deterministic,
+                               dlse.unsqueeze(0) if dlse is not None else None, variant=variant,
+                               alibi_slopes=alibi_slopes, sinks=sinks,
+                               out32=out32.unsqueeze(0) if out32 is not None and out32.numel() else None,
+                               packed=(cu_seqlens_q, cu_seqlens_k, seqused_k, cu_seqlens_q.shape[0] - 1))
+    dq, dk, dv = (g.squeeze(0) for g in grads[:3])
+    if seqused_k is not None and k.shape[0]:
+        # Keys past a sequence's seqused_k are no key of the call: their gradients are 0 (the kernels write
+        # only the keys in use). Found on the device, with no sync.
+        rows = torch.arange(k.shape[0], device=k.device, dtype=torch.int32)
+        seq = (torch.searchsorted(cu_seqlens_k, rows, right=True) - 1).clamp_(0, seqused_k.shape[0] - 1)
+        unused = (rows - cu_seqlens_k[seq]) >= seqused_k[seq]
+        dk.masked_fill_(unused[:, None, None], 0)
+        dv.masked_fill_(unused[:, None, None], 0)
+    return dq, dk, dv, grads[3] if sinks is not None else q.new_empty((0,), dtype=torch.float32)
+
+
+@attn_varlen_bwd.register_fake
+def _attn_varlen_bwd_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, causal, softmax_scale,
+                          deterministic, win_left=-1, win_right=-1, softcap=0.0, alibi_slopes=None, sinks=None,
+                          out32=None):
+    dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,), dtype=torch.float32)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    (q, k, v, cu_q, cu_k, _mq, _mk, causal, scale, deterministic, seqused_k, win_left, win_right, softcap, alibi,
+     sinks, _) = inputs
+    out, lse, out32 = output
+    ctx.mark_non_differentiable(out32)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seqused_k, alibi, sinks, out32)
+    ctx.flags = (causal, scale, deterministic, win_left, win_right, softcap)
+
+
+def _varlen_backward(ctx, dout, dlse, _dout32):
+    q, k, v, out, lse, cu_q, cu_k, seqused_k, alibi, sinks, out32 = ctx.saved_tensors
+    causal, scale, deterministic, win_left, win_right, softcap = ctx.flags
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv, dsinks = torch.ops.flashgen.attn_varlen_bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, seqused_k,
+                                                            causal, scale, deterministic, win_left, win_right,
+                                                            softcap, alibi, sinks, out32)
+    return (dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None,
+            dsinks if sinks is not None else None, None)
+
+
+attn_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 
 
 def attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                        seqused_k=None, window=None, softcap=0.0, alibi_slopes=None, sinks=None):
-    """``attention_varlen``'s forward through the custom op (traceable by torch.compile)."""
+                        deterministic=False, seqused_k=None, window=None, softcap=0.0, alibi_slopes=None, sinks=None):
+    """``attention_varlen`` through the custom op (differentiable, traceable by torch.compile): (out, lse)."""
     if not isinstance(q, Tensor) or q.dim() != 3:
         raise ValueError("q must be a 3-D torch.Tensor (total_tokens, heads, d)")
     scale = checked_scale(softmax_scale, q.shape[-1])
     left, right = window_of(False, window)
     check_softcap(softcap)
-    return torch.ops.flashgen.attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                              scale, seqused_k, left, right, float(softcap), alibi_slopes, sinks)
+    keep_fp32 = sinks is not None and torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q, k, v, sinks) if isinstance(t, Tensor))
+    out, lse, _ = torch.ops.flashgen.attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                     causal, scale, deterministic, seqused_k, left, right,
+                                                     float(softcap), alibi_slopes, sinks, keep_fp32)
+    return out, lse

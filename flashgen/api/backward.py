@@ -26,7 +26,7 @@ import torch
 from .. import dispatch, families, settings
 from ..codegen import load
 from ..families import bwd
-from ..families.base import stride_values
+from ..families.base import stride_values, varlen_list_ints
 from ..problem import ProblemKey, bucket_of, bwd_head_dim_tile
 from ..variants import PLAIN
 from .checks import DTYPES, dims, variant_tensors
@@ -75,9 +75,37 @@ def dkdv_family(key: ProblemKey, tensors=()) -> str | None:
     return want
 
 
+class _TilesFirst:
+    """A launch list's entry for a varlen kernel's work-list builder (its module's ``_tiles`` entry, one CTA
+    of 1024 threads, common/varlen.cuh), queued just before the kernel with the kernel's parameters."""
+
+    def __init__(self, kern):
+        self.kern = kern
+
+    def launch(self, grid, params, stream) -> None:
+        self.kern.launch_entry("_tiles", 1024, params, stream)
+
+
+def _queue(launches, kern, grid, params, packed, rows: int):
+    """Append ``kern``'s launch to ``launches``; with ``packed`` (cu_q, cu_k, used_k, seqs), first its
+    work-list builder, with the sequence pointers and a fresh list (bound: ``rows`` packed rows in blocks
+    of the kernel's tile) in the parameters. Returns the list's tensor (the caller keeps it alive until
+    the launches are queued), or None."""
+    work = None
+    if packed is not None:
+        cu_q, cu_k, used_k, seqs = packed
+        block = kern.spec.block_m if kern.spec.kind == "bwd_dq" else kern.spec.block_n
+        work = torch.empty(varlen_list_ints(rows, seqs, block), dtype=torch.int32, device=cu_q.device)
+        params.cu_q, params.cu_k, params.seqs, params.vl_tiles = cu_q.data_ptr(), cu_k.data_ptr(), seqs, work.data_ptr()
+        params.used_k = used_k.data_ptr() if used_k is not None else 0
+        launches.append((_TilesFirst(kern), None, params))
+    launches.append((kern, grid, params))
+    return work
+
+
 def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float, layout: str = "bhsd",
                        deterministic: bool = False, dlse=None, dq_mode: str | None = None, specs=None,
-                       variant=PLAIN, alibi_slopes=None, sinks=None, out32=None):
+                       variant=PLAIN, alibi_slopes=None, sinks=None, out32=None, packed=None):
     """(dq, dk, dv) for ``out, lse = attention(q, k, v, causal, softmax_scale, layout, return_lse=True)``.
 
     q, k, v, out, lse are the forward's inputs and outputs (already checked by
@@ -93,7 +121,10 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
     dispatch's choice for those kinds (key "bwd_dkdv" may hold a bwd_sm90 spec).
 
     ``variant`` (flashgen.variants.Variant, checked by the forward) with its ``alibi_slopes`` and
-    ``sinks`` tensors: the forward's options. With sinks the result is (dq, dk, dv, dsinks): dsinks =
+    ``sinks`` tensors: the forward's options. ``packed`` (cu_seqlens_q, cu_seqlens_k, seqused_k or None,
+    sequences): packed rows (``attention_varlen``), the tensors as one batch of them in the "bshd" layout
+    ((1, total, heads, d); lse (1, heads, total_q)), the dK/dV and dQ kernels walking device-built work
+    lists (common/varlen.cuh). With sinks the result is (dq, dk, dv, dsinks): dsinks =
     -sum over batch and rows of exp(sink - LSE) D, in the sinks' dtype. ``out32``: the forward's output
     in fp32, (b, h, nq, d) (a sink forward's ``out32``): D = rowsum(dO O) is then taken from it rather
     than from the rounded ``out`` (with a sink, a row whose P nears 1 makes dP - D a difference of two
@@ -123,7 +154,9 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
     dev = Device.of(index)
     dtype = DTYPES[q.dtype]
     d_tile = bwd_head_dim_tile(d)
-    nq_pad = -(-nq // bwd.ROW_PAD) * bwd.ROW_PAD
+    # Packed rows: a sequence's last query block reads LSE2 / D rows up to a block (and bwd_sm90's aligned
+    # copy 4 rows) past the packed end; ROW_PAD more rows keep those reads inside the buffers.
+    nq_pad = -(-(nq + (bwd.ROW_PAD if packed is not None else 0)) // bwd.ROW_PAD) * bwd.ROW_PAD
     lse = lse.contiguous()
     if dlse is not None:
         dlse = dlse.to(torch.float32).contiguous()
@@ -170,7 +203,13 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
               **kernel_variant.values(nq, nk, scale, forward=False),
               "alibi": slopes.data_ptr() if slopes is not None else 0, "alibi_sb": alibi_sb}
 
-    launches = []
+    launches, keep = [], []  # keep: the varlen work lists, alive until the launches are queued
+
+    def kv_grid(spec):  # the dK/dV kernel's grid: key blocks x KV heads x batch, or the work list's bound
+        if packed is not None:
+            return bwd.varlen_grid(spec, nq, nk, packed[3], h, hk)
+        return (-(-nk // spec.block_n), hk, b)
+
     pre = load(_select("bwd_preprocess", dev, dtype, d_tile, False, nq, specs), index)
     launches.append((pre, (nq_pad // pre.spec.block_m, h, b), pre.params(
         o=out.data_ptr(), dout=dout.data_ptr(), lse=lse.data_ptr(), dlse=dlse.data_ptr() if dlse is not None else 0,
@@ -184,23 +223,27 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
         kv_fam.write_maps(params, kv.spec, (b, h, hk, nq, nk, d, d_tile), {
             "q": (q.data_ptr(), sq), "k": (k.data_ptr(), sk), "v": (v.data_ptr(), sv), "dout": (dout.data_ptr(), sdo),
             "dq_acc": (dq_acc.data_ptr(), (h * nq * d_tile, nq * d_tile, d_tile))})
-        launches.append((kv, (-(-nk // kv.spec.block_n), hk, b), params))
+        keep.append(_queue(launches, kv, kv_grid(kv.spec), params, packed, nk))
     else:
         kv = load(_select("bwd_dkdv_nodq", dev, dtype, d_tile, causal, nq, specs, vkey) if separate else kv_spec,
                   index)
-        launches.append((kv, (-(-nk // kv.spec.block_n), hk, b), kv.params(
+        keep.append(_queue(launches, kv, kv_grid(kv.spec), kv.params(
             q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), dout=dout.data_ptr(), lse2=lse2.data_ptr(),
             dsum=dsum.data_ptr(), dq_acc=dq_acc.data_ptr() if dq_acc is not None else 0, dk=dk.data_ptr(),
             dv=dv.data_ptr(), **stride_values("q", sq), **stride_values("k", sk), **stride_values("v", sv),
-            **stride_values("dout", sdo), **stride_values("dk", sdk), **stride_values("dv", sdv), **common)))
+            **stride_values("dout", sdo), **stride_values("dk", sdk), **stride_values("dv", sdv), **common),
+            packed, nk))
     last_specs[index] = kv.spec
 
     if separate:
         dqk = load(_select("bwd_dq", dev, dtype, d_tile, causal, nq, specs, vkey), index)
-        launches.append((dqk, (-(-nq // dqk.spec.block_m), h, b), dqk.params(
+        dq_grid = (bwd.varlen_grid(dqk.spec, nq, nk, packed[3], h, hk) if packed is not None
+                   else (-(-nq // dqk.spec.block_m), h, b))
+        keep.append(_queue(launches, dqk, dq_grid, dqk.params(
             q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), dout=dout.data_ptr(), lse2=lse2.data_ptr(),
             dsum=dsum.data_ptr(), dq=dq.data_ptr(), **stride_values("q", sq), **stride_values("k", sk),
-            **stride_values("v", sv), **stride_values("dout", sdo), **stride_values("dq", sdq), **common)))
+            **stride_values("v", sv), **stride_values("dout", sdo), **stride_values("dq", sdq), **common),
+            packed, nq))
     else:
         cv = load(_select("bwd_convert", dev, dtype, d_tile, False, nq, specs), index)
         launches.append((cv, (-(-nq // cv.spec.block_m), h, b), cv.params(

@@ -4,7 +4,7 @@ The sequences of a batch are laid end to end, ``cu_seqlens`` gives where each st
 (sequence, query block) tiles on the device (templates/common/varlen.cuh), so no tile is spent on padding
 and the host never reads the lengths on the hot path. The launch is ``api.forward.packed_forward``; this
 module checks the values (one device sync, unless the caller opts out) and routes torch.compile through
-the ``flashgen::attn_varlen_fwd`` custom op (``api.autograd``).
+the ``flashgen::attn_varlen_fwd`` custom op (``api.autograd``), which gradients go through as well.
 """
 from __future__ import annotations
 
@@ -41,8 +41,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     rows, not a crash of the process, only as far as they stay inside the tensors.
 
     Returns the output (total_q, heads, d) in q's dtype and, with ``return_lse``, the log-sum-exp of the
-    scaled scores, fp32 (heads, total_q). ``block_table`` (paged K/V) and gradients are not served yet
-    (UnsupportedError); TypeError/ValueError on bad inputs, always before anything is launched.
+    scaled scores, fp32 (heads, total_q). Differentiable (q, k, v, sinks) through the
+    ``flashgen::attn_varlen_fwd`` custom op, whose backward walks the packed rows too; ``deterministic``
+    as ``flashgen.attention``'s. ``block_table`` (paged K/V) is not served yet (UnsupportedError);
+    TypeError/ValueError on bad inputs, always before anything is launched.
     """
     check_flag("causal", causal)
     check_flag("return_lse", return_lse)
@@ -51,23 +53,23 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     if block_table is not None:
         raise UnsupportedError("attention_varlen does not take a paged K/V cache (block_table) yet; for a few "
                                "query tokens per sequence use flashgen.decode, which does")
-    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, sinks)):
-        raise UnsupportedError("attention_varlen has no backward yet: call it under torch.no_grad() (or pass "
-                               "tensors that do not require grad); flashgen.attention is differentiable")
-    if is_compiling():
-        if spec is not None:
-            raise ValueError("spec= is not supported under torch.compile")
-        out, lse = attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                       softmax_scale, seqused_k, window, softcap, alibi_slopes, sinks)
-    else:
-        if check_values:  # shapes, dtypes and devices first (the plan's checks), then the values
-            check_packed_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                softmax_scale, seqused_k)
-        if check_values and not is_capturing():
+    grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, sinks))
+    compiling = is_compiling()
+    if check_values and not compiling:  # shapes, dtypes and devices first (the plan's checks), then the values
+        check_packed_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                            seqused_k)
+        if not is_capturing():
             check_packed_values(cu_seqlens_q, cu_seqlens_k, seqused_k, q.shape[0], k.shape[0], max_seqlen_q,
                                 max_seqlen_k)
             if alibi_slopes is not None or sinks is not None:
                 check_variant_values(alibi_slopes, sinks)
+    if compiling or grad:
+        if spec is not None:
+            raise ValueError("spec= forces one forward kernel and is not supported when a gradient is needed or "
+                             "under torch.compile; call under torch.no_grad()")
+        out, lse = attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                       softmax_scale, deterministic, seqused_k, window, softcap, alibi_slopes, sinks)
+    else:
         out, lse = packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                   softmax_scale, seqused_k, window, softcap, alibi_slopes, sinks, spec)
     return (out, lse) if return_lse else out

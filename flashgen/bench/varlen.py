@@ -13,6 +13,9 @@ drawn once (seed ``--seed``) from 64 to 8192 and scaled to 64k tokens in all. Im
 TFLOP/s count the useful (query, key) pairs of each call's own rows (4 H pairs d, halved-diagonal for
 causal: ``Variant.pairs``), so the padded baselines are credited only with the real rows' work.
 
+Case ``packed_bwd``: the same calls forward + backward through autograd (one output gradient per
+implementation, made once), FLOPs 3.5x the forward's.
+
 Row ``host``: microseconds of host time per ``attention_varlen`` call (``check_values=False``) over
 16 sequences of 64 tokens, 200 calls back to back with the GPU running behind.
 """
@@ -56,14 +59,35 @@ def add_args(p) -> None:
     p.add_argument("--impls", default=",".join(IMPLS), help=f"implementations (default and known: {','.join(IMPLS)})")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per cell (default 5; the median counts)")
     p.add_argument("--budget", type=float, default=0.25, help="seconds of timed calls per implementation per round")
+    p.add_argument("--cases", default=",".join(CASES), help=f"cases ({', '.join(CASES)}; default both)")
+
+
+CASES = ("packed", "packed_bwd")
 
 
 def parse(args) -> dict:
     options.positive(args.rounds, "rounds", integer=True)
     options.positive(args.budget, "budget")
-    return {"d": options.head_dims(str(args.d))[0], "causal": not args.full, "seed": int(args.seed),
+    return {"cases": options.names(args.cases, CASES, "cases"), "d": options.head_dims(str(args.d))[0],
+            "causal": not args.full, "seed": int(args.seed),
             "impls": options.names(args.impls, IMPLS, "impls"), "rounds": int(args.rounds),
             "budget": float(args.budget)}
+
+
+def _padded(q, k, v, lens, longest):
+    """The packed batch padded to its longest row, bhsd (B, H, longest, d), K/V expanded to the query heads."""
+    import torch
+
+    d = q.shape[-1]
+    pq = torch.zeros(SEQS, HEADS, longest, d, device="cuda", dtype=torch.bfloat16)
+    pk, pv = torch.zeros_like(pq), torch.zeros_like(pq)
+    group = HEADS // KV_HEADS
+    for s, n in enumerate(lens):
+        a = sum(lens[:s])
+        pq[s, :, :n] = q[a:a + n].transpose(0, 1)
+        pk[s, :, :n] = k[a:a + n].transpose(0, 1).repeat_interleave(group, 0)
+        pv[s, :, :n] = v[a:a + n].transpose(0, 1).repeat_interleave(group, 0)
+    return pq, pk, pv
 
 
 def host_us(d: int, causal: bool) -> float:
@@ -107,51 +131,64 @@ def run(args, progress) -> dict:
     longest, equal = max(lens), TOTAL // SEQS
     variant = Variant.of(causal)
     useful = sum(variant.pairs(n, n) for n in lens)
-    flop = {"flashgen": 4.0 * HEADS * useful * d,
-            "flashgen_dense": 4.0 * HEADS * SEQS * variant.pairs(equal, equal) * d}
-    makers = {}
-    if "flashgen" in settings["impls"]:
-        makers["flashgen"] = lambda: (lambda: api.attention_varlen(q, k, v, cu, cu, longest, longest, causal=causal,
-                                                                   check_values=False))
-    if "flashgen_dense" in settings["impls"]:
-        dq, dk, dv = rnd(SEQS, HEADS, equal, d), rnd(SEQS, KV_HEADS, equal, d), rnd(SEQS, KV_HEADS, equal, d)
-        makers["flashgen_dense"] = lambda: (lambda: api.attention(dq, dk, dv, causal=causal))
-    sdpa = [i for i in settings["impls"] if i.startswith("sdpa")]
-    if sdpa:
-        # The batch padded to its longest row, (B, H, longest, d), K/V expanded to the query heads.
-        pq = torch.zeros(SEQS, HEADS, longest, d, device="cuda", dtype=torch.bfloat16)
-        pk = torch.zeros(SEQS, HEADS, longest, d, device="cuda", dtype=torch.bfloat16)
-        pv = torch.zeros_like(pk)
-        group = HEADS // KV_HEADS
-        for s, n in enumerate(lens):
-            a = sum(lens[:s])
-            pq[s, :, :n] = q[a:a + n].transpose(0, 1)
-            pk[s, :, :n] = k[a:a + n].transpose(0, 1).repeat_interleave(group, 0)
-            pv[s, :, :n] = v[a:a + n].transpose(0, 1).repeat_interleave(group, 0)
-        for impl in sdpa:
-            makers[impl] = (lambda impl=impl: baselines.sdpa(impl, pq, pk, pv, causal))
-            flop[impl] = flop["flashgen"]
-    measure = lambda fn: time_ms(fn, budget_s=settings["budget"], min_reps=5, max_reps=30, warmup=2)["ms"]  # noqa: E731
-    cells = time_cell(makers, settings["rounds"], measure)
-    for impl, cell in cells.items():
-        if "ms" in cell:
-            cell["tflops"] = flop[impl] / cell["ms"] / 1e9
-    row = {"case": "packed", "head_dim": d, "causal": causal, "lengths": lens, "tokens": TOTAL, "heads": HEADS,
-           "kv_heads": KV_HEADS, "longest": longest, "rounds": settings["rounds"], "results": cells}
-    add_ratios(row, "tflops", [(lbl, "flashgen", base) for lbl, base in RATIOS])
-    progress("packed: " + ", ".join(f"{i}={c['tflops']:.0f}" if "tflops" in c else f"{i}=-" for i, c in cells.items())
-             + "".join(f" {lbl}={r:.2f}" for lbl, r in row.get("ratios", {}).items()))
-    del q, k, v, makers
+
+    def with_grad(run, *tensors):
+        leaves = [t.detach().requires_grad_(True) for t in tensors]
+        dout = torch.randn_like(run(*leaves))
+
+        def step():
+            for t in leaves:
+                t.grad = None
+            run(*leaves).backward(dout)
+        return step
+
+    dense = (rnd(SEQS, HEADS, equal, d), rnd(SEQS, KV_HEADS, equal, d), rnd(SEQS, KV_HEADS, equal, d))
+    padded = _padded(q, k, v, lens, longest) if any(i.startswith("sdpa") for i in settings["impls"]) else None
+    runs = {"flashgen": (lambda a, b_, c: api.attention_varlen(a, b_, c, cu, cu, longest, longest, causal=causal,
+                                                               check_values=False), (q, k, v)),
+            "flashgen_dense": (lambda a, b_, c: api.attention(a, b_, c, causal=causal), dense)}
+    for impl in settings["impls"]:
+        if impl.startswith("sdpa"):
+            runs[impl] = ((lambda impl: lambda a, b_, c: baselines.sdpa(impl, a, b_, c, causal)())(impl), padded)
+    rows = []
+    for case in settings["cases"]:
+        grad = case == "packed_bwd"
+        work = 3.5 if grad else 1.0
+        flop = {"flashgen": work * 4.0 * HEADS * useful * d,
+                "flashgen_dense": work * 4.0 * HEADS * SEQS * variant.pairs(equal, equal) * d}
+        makers = {}
+        for impl in settings["impls"]:
+            fn, tensors = runs[impl]
+            flop.setdefault(impl, flop["flashgen"])
+            if grad:
+                makers[impl] = (lambda fn=fn, tensors=tensors: with_grad(fn, *tensors))
+            else:
+                makers[impl] = (lambda fn=fn, tensors=tensors: (lambda: fn(*tensors)))
+        measure = lambda fn: time_ms(fn, budget_s=settings["budget"], min_reps=5, max_reps=30, warmup=2)["ms"]  # noqa: E731
+        with torch.set_grad_enabled(grad):
+            cells = time_cell(makers, settings["rounds"], measure)
+        for impl, cell in cells.items():
+            if "ms" in cell:
+                cell["tflops"] = flop[impl] / cell["ms"] / 1e9
+        row = {"case": case, "head_dim": d, "causal": causal, "lengths": lens, "tokens": TOTAL, "heads": HEADS,
+               "kv_heads": KV_HEADS, "longest": longest, "rounds": settings["rounds"], "results": cells}
+        add_ratios(row, "tflops", [(lbl, "flashgen", base) for lbl, base in RATIOS])
+        rows.append(row)
+        progress(f"{case}: " + ", ".join(f"{i}={c['tflops']:.0f}" if "tflops" in c else f"{i}=-"
+                                         for i, c in cells.items())
+                 + "".join(f" {lbl}={r:.2f}" for lbl, r in row.get("ratios", {}).items()))
+    del q, k, v, makers, runs, dense, padded
     free()
     host = host_us(d, causal)
     progress(f"host: {host:.1f} us per call")
     return {"suite": "varlen", "meta": meta(), "metric": "tflops", "x": "case", "panels": ["head_dim"],
             "convention": f"bf16, GQA {HEADS}/{KV_HEADS}, {SEQS} sequences, {TOTAL} tokens; TFLOP/s = 4 H (useful "
                           "query-key pairs of the real rows) d / time; median of "
-                          f"{settings['rounds']} interleaved rounds; x_dense: over flashgen.attention on "
+                          f"{settings['rounds']} interleaved rounds; packed_bwd: forward + backward, 3.5x the "
+                          "forward's FLOPs; x_dense: over flashgen.attention on "
                           f"{SEQS} x {equal} rows; x_cudnn / x_flash: over SDPA on the batch padded to its longest row",
             "settings": settings, "impls": settings["impls"],
-            "ratios": [r for r, _ in RATIOS], "host_us": host, "rows": [row]}
+            "ratios": [r for r, _ in RATIOS], "host_us": host, "rows": rows}
 
 
 register(Suite("varlen", "packed rows (attention_varlen) next to equal-length dense rows and SDPA on the padded "
