@@ -42,6 +42,8 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--softcap", type=float, default=0.0, help="a softcap (> 0): the softcapped kernel")
     p.add_argument("--alibi", action="store_true", help="the ALiBi kernel")
     p.add_argument("--sinks", action="store_true", help="the kernel with learned sinks")
+    p.add_argument("--varlen", action="store_true",
+                   help="packed rows (attention_varlen): the kernel with its work-list entry (forward, backward)")
     for name in ("block-m", "block-n", "warps", "stages"):
         p.add_argument(f"--{name}", type=int, help=f"override the {name.replace('-', '_')} the rule picks")
 
@@ -68,9 +70,11 @@ def spec_from_args(args):
     if decode and window is not None and len(window) == 2 and window[1] > 0:
         raise FlashgenError(f"--window {args.window!r}: decode's window has a right side of 0 or -1 (it is causal)")
     try:
-        variant = Variant.of(args.causal or decode, window, args.softcap, args.alibi, args.sinks)
+        variant = Variant.of(args.causal or decode, window, args.softcap, args.alibi, args.sinks, args.varlen)
     except ValueError as exc:
         raise FlashgenError(f"--window/--softcap: {exc}") from None
+    if args.varlen and problem not in ("fwd", "bwd_dkdv", "bwd_dkdv_nodq", "bwd_dq"):
+        raise FlashgenError(f"--kind {args.kind}: --varlen is the forward's and the dK/dV and dQ kernels'")
     if not variant.plain and problem not in ("fwd", "decode_split") and not problem.startswith("bwd_d"):
         raise FlashgenError(f"--kind {args.kind}: the variant options are the forward's, the backward's and "
                             "decode's")

@@ -50,6 +50,21 @@ def test_emit_prints_the_source_that_runs(capsys):
     assert spec.name.startswith("fwd_v2_d96_") and spec.name.endswith("_causal_fp16_sm80")
 
 
+@pytest.mark.parametrize("kind,entry", [("fwd", "fwd_sm90_"), ("bwd_dkdv", "bwd_sm90_"), ("bwd_dq", "bwd_dq_")])
+def test_emit_varlen_prints_the_kernel_with_its_work_list_entry(capsys, kind, entry):
+    """--varlen: the plain key's pick with the varlen switch, and its module's _tiles entry."""
+    code, out, err = run_main(capsys, "emit", "--d", "128", "--causal", "--varlen", "--kind", kind)
+    assert code == 0 and err == ""
+    name = out.splitlines()[1].removeprefix("// spec: ")
+    assert name.startswith(entry) and "_vl_" in name
+    assert f"{name}_tiles(" in out
+
+
+def test_emit_varlen_refused_for_decode(capsys):
+    code, out, err = run_main(capsys, "emit", "--d", "128", "--varlen", "--kind", "decode_split")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "--varlen" in err
+
+
 def test_emit_with_overrides(capsys):
     """Tile overrides replace those fields of dispatch's pick, and land in the emitted spec's name."""
     code, out, _ = run_main(capsys, "emit", "--d", "40", "--arch", "sm_89", "--block-m", "48", "--block-n", "80",
