@@ -41,6 +41,7 @@ def varlen_work_list(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     order, that ``attention_varlen`` with these arguments would compute, and the spec it would run."""
     import torch
 
+    from .api.checks import set_packed
     from .api.forward import packed_plan
     from .api.device import current_stream
 
@@ -50,9 +51,7 @@ def varlen_work_list(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         return torch.zeros((0, 2), dtype=torch.int64), None
     work = torch.full((plan.list_ints,), -1, dtype=torch.int32, device=q.device)
     params = plan.params_for(q.data_ptr(), k.data_ptr(), v.data_ptr())
-    params.cu_q, params.cu_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
-    params.used_k = seqused_k.data_ptr() if seqused_k is not None else 0
-    params.vl_tiles = work.data_ptr()
+    set_packed(params, cu_seqlens_q, cu_seqlens_k, seqused_k, work)
     plan.kernel.launch_entry("_tiles", 1024, params, current_stream(plan.device_index))
     host = work.to("cpu").long()
     count = int(host[0])

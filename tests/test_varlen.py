@@ -94,3 +94,18 @@ def test_packed_inputs_refused_before_launch():
         flashgen.attention_varlen(q, q, q, cu, cu, 10, 10, causal=1)
     with pytest.raises(TypeError, match="check_values must be a bool"):
         flashgen.attention_varlen(q, q, q, cu, cu, 10, 10, check_values="no")
+
+
+@pytest.mark.parametrize("kind", ["fwd_sm90", "fwd_v2", "bwd_sm90", "bwd_dkdv", "bwd_dq"])
+def test_set_packed_fills_the_varlen_rows_of_every_block(kind):
+    """One helper writes a varlen launch's sequence pointers and list into each family's parameter block."""
+    from flashgen.api.checks import set_packed
+    from flashgen.families import family
+
+    params = family(kind).param_struct()()
+    cu_q, cu_k, used, work = (torch.zeros(n, dtype=torch.int32) for n in (3, 3, 2, 8))
+    set_packed(params, cu_q, cu_k, None, work)
+    assert (params.cu_q, params.cu_k, params.used_k, params.vl_tiles) == (cu_q.data_ptr(), cu_k.data_ptr(), None,
+                                                                          work.data_ptr())
+    set_packed(params, cu_q, cu_k, used, work)
+    assert params.used_k == used.data_ptr()

@@ -29,7 +29,7 @@ from ..families import bwd
 from ..families.base import stride_values, varlen_list_ints
 from ..problem import ProblemKey, bucket_of, bwd_head_dim_tile
 from ..variants import PLAIN
-from .checks import DTYPES, dims, variant_tensors
+from .checks import DTYPES, dims, set_packed, variant_tensors
 from .device import Device, index_of, launch_all
 
 # The dK/dV kernel spec of the last backward launched per device (study and tests: which family ran).
@@ -96,8 +96,8 @@ def _queue(launches, kern, grid, params, packed, rows: int):
         cu_q, cu_k, used_k, seqs = packed
         block = kern.spec.block_m if kern.spec.kind == "bwd_dq" else kern.spec.block_n
         work = torch.empty(varlen_list_ints(rows, seqs, block), dtype=torch.int32, device=cu_q.device)
-        params.cu_q, params.cu_k, params.seqs, params.vl_tiles = cu_q.data_ptr(), cu_k.data_ptr(), seqs, work.data_ptr()
-        params.used_k = used_k.data_ptr() if used_k is not None else 0
+        set_packed(params, cu_q, cu_k, used_k, work)
+        params.seqs = seqs
         launches.append((_TilesFirst(kern), None, params))
     launches.append((kern, grid, params))
     return work

@@ -230,3 +230,11 @@ def check_packed_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         raise UnsupportedError(f"{seqs} sequences are past the {MAX_GRID_YZ * 1024} the work list takes")
     strides = tuple((0, s[1], s[2]) for s in (sq, sk, sv))
     return (seqs, hq, hk, total_q, total_k, d), strides, scale
+
+
+def set_packed(params, cu_seqlens_q, cu_seqlens_k, seqused_k, work) -> None:
+    """A varlen launch's sequence pointers and work list (``work``, an int32 tensor) in its parameter block
+    (families.base.VARLEN_PARAMS; the sequence count is the plan's)."""
+    params.cu_q, params.cu_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
+    params.used_k = seqused_k.data_ptr() if seqused_k is not None else 0
+    params.vl_tiles = work.data_ptr()

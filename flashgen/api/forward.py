@@ -17,7 +17,7 @@ from ..families.base import varlen_list_ints
 from ..problem import ProblemKey, bucket_of, head_dim_tile
 from . import baselines
 from .checks import (DTYPES, check_attention_inputs, check_flag, check_forced_spec, check_packed_inputs,
-                     check_variant_inputs, contiguous_strides, variant_tensors)
+                     check_variant_inputs, contiguous_strides, set_packed, variant_tensors)
 from .device import Device, current_device, current_stream, index_of, is_capturing
 from .plans import PlanCache
 
@@ -100,9 +100,7 @@ def packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     params = plan.params_for(q.data_ptr(), k.data_ptr(), v.data_ptr())
     params.o, params.lse = out.data_ptr(), lse.data_ptr()
     params.o32 = out32.data_ptr() if out32 is not None else 0
-    params.cu_q, params.cu_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
-    params.used_k = seqused_k.data_ptr() if seqused_k is not None else 0
-    params.vl_tiles = work.data_ptr()
+    set_packed(params, cu_seqlens_q, cu_seqlens_k, seqused_k, work)
     if alibi_slopes is not None or sinks is not None:
         slopes, params.alibi_sb, sink_logits = variant_tensors(alibi_slopes, sinks)
         params.alibi = slopes.data_ptr() if slopes is not None else 0
