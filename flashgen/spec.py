@@ -86,6 +86,8 @@ class KernelSpec:
                      True)
     varlen: bool = _f(False, "vl", _VARLEN, "packed rows: sequences of their own lengths (cu_seqlens), tiles "
                       "from a device-built list (longest first)", True)
+    page_rows: int = _f(0, "pg", _SM90, "paged K/V (a block table's pages; needs varlen): each K/V block arrives as "
+                        "block_n / page_rows TMA boxes of page_rows rows, each from its page (0: contiguous)", True)
 
     # -- identity ---------------------------------------------------------
     @property

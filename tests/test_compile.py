@@ -16,9 +16,11 @@ from __future__ import annotations
 import pytest
 
 from flashgen import families, gpus, tables
+from flashgen.api.forward import paged_spec
 from flashgen.codegen import parse_ptxas_log
 from flashgen.errors import UnsupportedError
 from flashgen.families import bwd, bwd_sm90, decode, fwd_v1, fwd_v2, standard
+from flashgen.families.decode import PAGE_SIZES
 from flashgen.problem import HEAD_DIM_TILES, ProblemKey
 from flashgen.spec import DTYPES
 from build_util import clean_binary
@@ -69,8 +71,12 @@ VARLEN_SPECS = sorted(
        for kind, fam in (("bwd_dkdv", "bwd_sm90"), ("bwd_dkdv", "bwd_dkdv"), ("bwd_dkdv_nodq", None), ("bwd_dq", None))
        for d in (64, 128) for c in (False, True)},
     key=lambda s: s.name)
+# Paged K/V (attention_varlen with a block table): every fwd_sm90 kernel of VARLEN_SPECS in the paged form
+# each page size gives it (api.forward.paged_spec: boxes of gcd(page, block_n) rows).
+PAGED_SPECS = sorted({paged_spec(s, page) for s in VARLEN_SPECS if s.kind == "fwd_sm90" for page in PAGE_SIZES},
+                     key=lambda s: s.name)
 ALL_SPECS = list(dict.fromkeys(SPECS + BULK_SPECS + SHIPPED_SPECS + VARIANT_SPECS
-                               + DECODE_VARIANT_SPECS + VARLEN_SPECS))  # each spec once, in that order
+                               + DECODE_VARIANT_SPECS + VARLEN_SPECS + PAGED_SPECS))  # each spec once, in that order
 BUDGET = gpus.ARCH_SMEM_PER_BLOCK
 BASELINE_KINDS = (*standard.KINDS, fwd_v1.KIND)
 

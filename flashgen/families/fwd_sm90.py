@@ -41,6 +41,10 @@ SM90_PARAMS = (
     *VARIANT_PARAMS,
     *FWD_O32_PARAMS,
     *VARLEN_PARAMS,
+    # Paged K/V (spec.page_rows, with packed rows): the block table (int32, row s: sequence s's pages, in
+    # order), its row stride and log2 of the page size in keys (a power of two); the K/V maps then see
+    # the cache's pages as batches.
+    ("bt", "const int*", PTR), ("bt_stride", "int", I32), ("page_shift", "int", I32),
 )
 
 SM90_HEAD_DIMS = (64, 128, 256)
@@ -147,6 +151,9 @@ class Sm90Family(Family):
         if spec.persistent and not spec.warp_specialized:
             raise ValueError(f"{self.kind}: persistent needs warp_specialized (the producer warpgroup runs ahead "
                              "into the next tile; without it the loads are issued in line by a consumer)")
+        if spec.page_rows and not (spec.varlen and spec.page_rows % 8 == 0 and spec.block_n % spec.page_rows == 0):
+            raise ValueError(f"{self.kind}: page_rows={spec.page_rows} must be a multiple of 8 dividing block_n "
+                             f"({spec.block_n}), on a varlen spec (paged K/V is a packed-rows call's)")
 
     def complete(self, knobs: dict) -> dict:
         """warps follows from block_m and warp_specialized: not a knob."""
@@ -169,8 +176,10 @@ class Sm90Family(Family):
         piece (the first warpgroup's next Q loads while the last finishes this tile), else none."""
         nwg = self.consumers(spec)
         if spec.persistent:
+            # (paged K/V: the producer's block-table slots follow the mbarriers in static memory)
+            reserve = self.STATIC_RESERVE + (4 * (spec.block_n // spec.page_rows) if spec.page_rows else 0)
             for pieces in (2 * nwg, nwg + 1):
-                if self._smem(spec, pieces) + self.STATIC_RESERVE <= self.SMEM_LIMIT:
+                if self._smem(spec, pieces) + reserve <= self.SMEM_LIMIT:
                     return pieces
         return nwg
 
@@ -239,7 +248,7 @@ class Sm90Family(Family):
     def needs_tile_counters(self, spec) -> bool:
         return spec.persistent
 
-    def launch(self, kern, dims, strides_bhs, o_strides, scale, dev, variant=PLAIN):
+    def launch(self, kern, dims, strides_bhs, o_strides, scale, dev, variant=PLAIN, kv_pages=None):
         """(grid, params_for) of one launch: ``params_for(q_ptr, k_ptr, v_ptr)`` gives the parameter
         block with the three tensor maps filled in (built by the driver, flashgen.tma), kept per address
         triple, so a call that reuses its buffers -- the caching allocator hands the same addresses
@@ -251,7 +260,12 @@ class Sm90Family(Family):
         Packed rows (``variant.varlen``): ``dims`` = (sequences, h, hk, total_q, total_k, d) and the
         strides' batch entries unused; the maps see one batch of the packed rows, the grid is the bound on
         the device-built work list (``varlen_pairs`` x heads), whose buffer and the sequence pointers are
-        the caller's (``vl_tiles``, ``cu_q``, ``cu_k``, ``used_k``)."""
+        the caller's (``vl_tiles``, ``cu_q``, ``cu_k``, ``used_k``).
+
+        Paged K/V (``kv_pages`` = (pages, page size), a ``page_rows`` spec): k and v are caches of
+        (pages, page size, hk, d) whose strides ``strides_bhs`` gives as (page, head, row); the K/V maps
+        see a page as a batch of page-size rows and copy boxes of ``page_rows`` rows. The block table's
+        pointer is the caller's (``bt``)."""
         spec = kern.spec
         b, h, hk, nq, nk, d = dims
         varlen = variant.varlen
@@ -278,10 +292,19 @@ class Sm90Family(Family):
         # Passing them unreordered made the map step rows by the batch stride: garbage rows, NaN, and
         # illegal addresses on the first H200 run.
         q_dims, q_str = tma.tensor_dims(d, nq, h, mb, sq[::-1])
+        kv_rows, kv_batches, kv_box = nk, mb, spec.block_n
+        if (kv_pages is not None) != bool(spec.page_rows):
+            raise ValueError(f"{spec.name}: kv_pages={kv_pages} does not go with page_rows={spec.page_rows}")
+        if kv_pages is not None:
+            kv_batches, kv_rows = kv_pages
+            kv_box = spec.page_rows
+            if kv_rows & (kv_rows - 1):
+                raise UnsupportedError(f"paged K/V: the page size must be a power of two, got {kv_rows}")
+            template.page_shift, template.bt_stride = kv_rows.bit_length() - 1, 0
         if nk:
-            k_dims, k_str = tma.tensor_dims(d, nk, hk, mb, sk[::-1])
-            v_dims, v_str = tma.tensor_dims(d, nk, hk, mb, sv[::-1])
-        box_q, box_kv = (64, 64, 1, 1), (64, spec.block_n, 1, 1)  # Q: one 64-row piece per consumer warpgroup
+            k_dims, k_str = tma.tensor_dims(d, kv_rows, hk, kv_batches, sk[::-1])
+            v_dims, v_str = tma.tensor_dims(d, kv_rows, hk, kv_batches, sv[::-1])
+        box_q, box_kv = (64, 64, 1, 1), (64, kv_box, 1, 1)  # Q: one 64-row piece per consumer warpgroup
         dtype, encode, memmove = spec.dtype, tma.encode, ctypes.memmove
 
         def fill(params, q_ptr, k_ptr, v_ptr):

@@ -28,6 +28,10 @@ FG_DEVICE fg_u32 smem_addr(const void* p) {
 FG_DEVICE void cp_async_16(fg_u32 dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
+// 4-byte global->shared copy (cp.async.ca: no 16-byte alignment needed).
+FG_DEVICE void cp_async_4(fg_u32 dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
+}
 FG_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 FG_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
@@ -427,7 +431,8 @@ struct fg_variant {
 // ---- common/varlen.cuh ----
 // Packed rows (varlen): a call's sequences laid end to end in q (total_q rows) and k, v (total_k rows).
 // Sequence s owns query rows [cu_q[s], cu_q[s + 1]) and the keys [cu_k[s], cu_k[s] + nk) with
-// nk = used_k[s] where the caller gave seqused_k, else cu_k[s + 1] - cu_k[s]. Inside a sequence
+// nk = used_k[s] where the caller gave seqused_k, else cu_k[s + 1] - cu_k[s] (a paged K/V cache: keys
+// [0, nk) through the sequence's block-table row, fwd_sm90's PAGE_ROWS). Inside a sequence
 // everything is as for one (batch, head) of a rectangular call: the variant (common/variant.cuh) is
 // set to the sequence's lengths, so causal alignment, windows and the key end are per sequence.
 //
@@ -451,7 +456,7 @@ FG_DEVICE fg_seq fg_seq_of(const Params& p, int s) {
   fg_seq r;
   r.q_off = p.cu_q[s];
   r.nq = p.cu_q[s + 1] - r.q_off;
-  r.k_off = p.cu_k[s];
+  r.k_off = p.cu_k != nullptr ? p.cu_k[s] : 0;  // (null: a paged call given seqused_k only)
   r.nk = p.used_k != nullptr ? p.used_k[s] : p.cu_k[s + 1] - r.k_off;
   return r;
 }

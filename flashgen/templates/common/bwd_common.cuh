@@ -22,11 +22,6 @@ FG_DEVICE float to_f32(unsigned short x) {
   }
 }
 
-// 4-byte global->shared copy (cp.async.ca: no 16-byte alignment needed).
-FG_DEVICE void cp_async_4(fg_u32 dst, const float* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
-}
-
 FG_DEVICE void red_add_f32(float* addr, float v) {
   asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(addr), "f"(v) : "memory");
 }

@@ -22,6 +22,10 @@ FG_DEVICE fg_u32 smem_addr(const void* p) {
 FG_DEVICE void cp_async_16(fg_u32 dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
+// 4-byte global->shared copy (cp.async.ca: no 16-byte alignment needed).
+FG_DEVICE void cp_async_4(fg_u32 dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
+}
 FG_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 FG_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }

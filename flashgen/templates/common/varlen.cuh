@@ -1,6 +1,7 @@
 // Packed rows (varlen): a call's sequences laid end to end in q (total_q rows) and k, v (total_k rows).
 // Sequence s owns query rows [cu_q[s], cu_q[s + 1]) and the keys [cu_k[s], cu_k[s] + nk) with
-// nk = used_k[s] where the caller gave seqused_k, else cu_k[s + 1] - cu_k[s]. Inside a sequence
+// nk = used_k[s] where the caller gave seqused_k, else cu_k[s + 1] - cu_k[s] (a paged K/V cache: keys
+// [0, nk) through the sequence's block-table row, fwd_sm90's PAGE_ROWS). Inside a sequence
 // everything is as for one (batch, head) of a rectangular call: the variant (common/variant.cuh) is
 // set to the sequence's lengths, so causal alignment, windows and the key end are per sequence.
 //
@@ -24,7 +25,7 @@ FG_DEVICE fg_seq fg_seq_of(const Params& p, int s) {
   fg_seq r;
   r.q_off = p.cu_q[s];
   r.nq = p.cu_q[s + 1] - r.q_off;
-  r.k_off = p.cu_k[s];
+  r.k_off = p.cu_k != nullptr ? p.cu_k[s] : 0;  // (null: a paged call given seqused_k only)
   r.nk = p.used_k != nullptr ? p.used_k[s] : p.cu_k[s + 1] - r.k_off;
   return r;
 }

@@ -86,7 +86,8 @@
 #pragma once
 
 template <int D, int BM, int BN, int ST, bool WS, bool PINGPONG, bool OVERLAP, bool CAUSAL, bool BF16,
-          int FMA_EXP2, bool EARLY_K, bool LEAN, bool PERSISTENT, int QP, typename V, typename Params>
+          int FMA_EXP2, bool EARLY_K, bool LEAN, bool PERSISTENT, int QP, int PAGE_ROWS, typename V,
+          typename Params>
 struct fwd_sm90_cta {
   // (Enumerators, not static constexpr members: NVRTC emits such a member as a global object.)
   enum : int {
@@ -97,16 +98,22 @@ struct fwd_sm90_cta {
     NJ = BN / 8,                   // n8 chunks of S
     KV_STEPS = BN / 16,            // k16 steps of P V
     NBAR = EARLY_K ? 4 : 3,        // barriers per stage
+    // Paged K/V (PAGE_ROWS > 0): a K/V block is CHUNKS boxes of PAGE_ROWS rows, each from its own page.
+    CHUNKS = PAGE_ROWS ? BN / PAGE_ROWS : 1,
   };
+  static_assert(PAGE_ROWS == 0 || (V::VARLEN_ROWS && PAGE_ROWS % 8 == 0 && BN % PAGE_ROWS == 0),
+                "paged K/V: boxes of a multiple of 8 rows dividing BN (whole 1024-byte swizzle atoms), packed rows");
 
   const Params& p;
   int (&tile_slot)[PERSISTENT ? 2 : 1];  // PERSISTENT: the tile of tile number qi in tile_slot[qi % 2]
-  fg_u32 sQ, sK, sV, bar0, pin_slot;
+  fg_u32 sQ, sK, sV, bar0, pin_slot, page_slot;
   int tid;
   // The current tile and its coordinates (PERSISTENT moves them on: take_tile). With packed rows
   // (V::VARLEN_ROWS, common/varlen.cuh) b is the sequence, q_off / k_off its first query and key row in
   // the packed tensors (0 otherwise), and n_tiles the list's count times the heads (p.tiles otherwise).
   int tile, m_block, hq, b, hk, m0, n_blocks, q_off, k_off, n_tiles;
+  // Paged K/V: the current sequence's key count.
+  int seq_nk;
   // The variant (common/variant.cuh: the keys each row sees, the score transforms, the sink) of the
   // current (batch, head), and the first key block the tile visits (0 without a window's left side): the
   // tile's K/V blocks are n_first, n_first + 1, ..., n_first + n_blocks - 1.
@@ -130,6 +137,7 @@ struct fwd_sm90_cta {
     sV = sK + ST * KV_BYTES;
     bar0 = bars;
     pin_slot = bar0 + 8u * (QP + NBAR * ST);
+    page_slot = bar0 + 8u * (QP + NBAR * ST + 1 + (PERSISTENT ? QP : 0));  // paged: CHUNKS ints after the barriers
     tid = threadIdx.x;
     tile = static_cast<int>(blockIdx.x);
     n_tiles = V::VARLEN_ROWS ? p.vl_tiles[0] * p.heads : p.tiles;
@@ -183,6 +191,7 @@ struct fwd_sm90_cta {
       q_off = sq.q_off;
       k_off = sq.k_off;
       var.set_lengths(sq.nq, sq.nk);
+      if constexpr (PAGE_ROWS > 0) seq_nk = sq.nk;
     }
     hk = hq / p.group;
     m0 = m_block * BM;
@@ -220,20 +229,50 @@ struct fwd_sm90_cta {
   // released that stage. Without PERSISTENT r = j (one tile per CTA).
   FG_DEVICE void produce_at(int r, int j) {
     const int s = r % ST;
+    // Paged K/V: the block's block-table entries go to page_slot by 4-byte cp.async before the wait (their
+    // latency hides behind it, and no register holds them across it: held in registers, they spilled
+    // the persistent producer's 40 or 32).
+    if constexpr (PAGE_ROWS > 0) {
+#pragma unroll 1
+      for (int c = 0; c < CHUNKS; ++c) {  // (rolled, here and in load_kv: unrolled, they spilled the producer)
+        const int key = kv_block(j) * BN + c * PAGE_ROWS;
+        if (key < seq_nk) cp_async_4(page_slot + 4u * c, p.bt + b * p.bt_stride + (key >> p.page_shift));
+      }
+      cp_async_commit();
+    }
     if (r >= ST) mbar_wait(bar_e(s), ((r / ST) + 1) & 1);
+    if constexpr (PAGE_ROWS > 0) cp_async_wait<0>();
     mbar_expect_tx(bar_k(s), KV_BYTES);
-#pragma unroll
-    for (int pn = 0; pn < PANELS; ++pn)
-      tma_load_4d(sK + s * KV_BYTES + pn * BN * 128, &p.tm_k, bar_k(s), pn * 64, k_off + kv_block(j) * BN, hk,
-                  map_batch());
+    load_kv(sK + s * KV_BYTES, &p.tm_k, bar_k(s), j);
     if constexpr (EARLY_K) {
       if (r >= ST) mbar_wait(bar_ev(s), ((r / ST) + 1) & 1);
     }
     mbar_expect_tx(bar_v(s), KV_BYTES);
+    load_kv(sV + s * KV_BYTES, &p.tm_v, bar_v(s), j);
+  }
+  // The TMA copies of K (or V) block j into a stage at `dst`: one box of BN rows per 128-byte panel, or,
+  // paged, CHUNKS boxes of PAGE_ROWS rows per panel (at 1024-byte multiples, so the swizzle is the one
+  // a single box would give), box c from the page page_slot[c] names, at its row in the page. A box
+  // wholly past the sequence's keys reads row `page size` of page 0: outside the map, so the TMA fills it
+  // with zeros, and no block-table entry past the pages in use is read.
+  FG_DEVICE void load_kv(fg_u32 dst, const fg_tmap* map, fg_u32 bar, int j) const {
+    if constexpr (PAGE_ROWS > 0) {
+#pragma unroll 1
+      for (int c = 0; c < CHUNKS; ++c) {
+        const int key = kv_block(j) * BN + c * PAGE_ROWS;
+        const bool live = key < seq_nk;
+        int page = 0;
+        if (live) asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(page) : "r"(page_slot + 4u * c) : "memory");
+        const int row = live ? key & ((1 << p.page_shift) - 1) : 1 << p.page_shift;
 #pragma unroll
-    for (int pn = 0; pn < PANELS; ++pn)
-      tma_load_4d(sV + s * KV_BYTES + pn * BN * 128, &p.tm_v, bar_v(s), pn * 64, k_off + kv_block(j) * BN, hk,
-                  map_batch());
+        for (int pn = 0; pn < PANELS; ++pn)
+          tma_load_4d(dst + pn * BN * 128 + c * PAGE_ROWS * 128, map, bar, pn * 64, row, hk, page);
+      }
+    } else {
+#pragma unroll
+      for (int pn = 0; pn < PANELS; ++pn)
+        tma_load_4d(dst + pn * BN * 128, map, bar, pn * 64, k_off + kv_block(j) * BN, hk, map_batch());
+    }
   }
   FG_DEVICE void produce(int j) { produce_at(j, j); }
   // The maps' batch coordinate: packed rows are one batch of total rows (a block that runs past its
@@ -672,7 +711,7 @@ struct fwd_sm90_cta {
 // tile loop; the stages are fwd_sm90_cta's.
 template <int D, int BM, int BN, int ST, bool WS, bool PINGPONG, bool OVERLAP, bool CAUSAL, bool BF16,
           int PRODUCER_REGS, int CONSUMER_REGS, int FMA_EXP2, bool EARLY_K, bool LEAN, bool PERSISTENT, int QP,
-          typename V, typename Params>
+          int PAGE_ROWS, typename V, typename Params>
 FG_DEVICE void fwd_sm90_body(const Params& p) {
   constexpr int NWG = BM / 64;  // consumer warpgroups
   static_assert(BM % 64 == 0 && D % 64 == 0 && BN % 16 == 0 && ST >= 2, "bad fwd_sm90 tile");
@@ -692,7 +731,8 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   }
   extern __shared__ unsigned char smem_raw[];
   // The barriers (fwd_sm90_cta::bar_*): per Q piece, per stage, the sched_pin target, per Q piece.
-  __shared__ __align__(8) fg_u64 bars[QP + NBAR * ST + 1 + (PERSISTENT ? QP : 0)];
+  // Paged K/V: then the producer's block-table entries of the block it loads (fwd_sm90_cta::page_slot).
+  __shared__ __align__(8) fg_u64 bars[QP + NBAR * ST + 1 + (PERSISTENT ? QP : 0) + (PAGE_ROWS ? (BN / PAGE_ROWS + 1) / 2 : 0)];
   // PERSISTENT: the tile of the CTA's tile number qi in tile_slot[qi % 2], -1 when none is left. Written once
   // the tile's Q pieces are free, i.e. once every consumer is done with tile qi - 1 or qi - 2 (see
   // produce_all): the slot it overwrites (qi - 2's) has been read by all. One slot per tile, not per
@@ -701,7 +741,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   // 4 R->UR moves before every wgmma (SASS) and 8-15 % of the persistent kernel's speed lost (H200).
   __shared__ int tile_slot[PERSISTENT ? 2 : 1];
   using cta_t = fwd_sm90_cta<D, BM, BN, ST, WS, PINGPONG, OVERLAP, CAUSAL, BF16, FMA_EXP2, EARLY_K, LEAN,
-                             PERSISTENT, QP, V, Params>;
+                             PERSISTENT, QP, PAGE_ROWS, V, Params>;
   cta_t cta(p, smem_addr(smem_raw), smem_addr(bars), tile_slot);
   const int tid = cta.tid;
 
