@@ -109,3 +109,50 @@ def test_set_packed_fills_the_varlen_rows_of_every_block(kind):
                                                                           work.data_ptr())
     set_packed(params, cu_q, cu_k, used, work)
     assert params.used_k == used.data_ptr()
+
+
+def test_paged_values():
+    """The block table's rules: entries among the pages in use in range (padding past them ignored), key
+    counts within a table row; without cu_seqlens_k the counts are seqused_k's."""
+    from flashgen.api.packed import check_packed_values
+
+    cu_q = _cpu([0, 4, 10])
+    table = _cpu([[3, 0, -1], [1, -1, -1]])
+    check_packed_values(cu_q, _cpu([0, 20, 30]), None, 10, None, 6, 20, table, (4, 16))
+    check_packed_values(cu_q, None, _cpu([32, 16]), 10, None, 6, 32, table, (4, 16))
+    for cu_k, used, bt, what in (
+            ([0, 20, 37], None, table, r"block_table\[1, 1\] = -1 is out of range: the cache has 4 pages"),
+            ([0, 20, 30], None, _cpu([[3, 4, -1], [1, -1, -1]]), r"block_table\[0, 1\] = 4"),
+            (None, [49, 1], table, "sequence 0 has 49 keys: negative, past its block-table row's 48 keys"),
+            (None, [-1, 1], table, "sequence 0 has -1 keys"),
+            ([0, 20, 30], [21, 1], table, r"seqused_k\[0\] = 21")):
+        with pytest.raises(ValueError, match=what):
+            check_packed_values(cu_q, None if cu_k is None else _cpu(cu_k), None if used is None else _cpu(used),
+                                10, None, 6, 64, bt, (4, 16))
+    with pytest.raises(ValueError, match="past max_seqlen_k = 20"):
+        check_packed_values(cu_q, None, _cpu([32, 16]), 10, None, 6, 20, table, (4, 16))
+
+
+def test_paged_spec():
+    """A paged call's kernel: the forward's pick with boxes of gcd(page, block_n) rows; page_rows wants packed
+    rows and a multiple of 8 dividing block_n; the families without paged K/V refuse by name."""
+    import math
+
+    from flashgen.api.forward import paged_spec
+    from flashgen.errors import UnsupportedError
+    from flashgen.families import fwd_sm90
+    from flashgen.spec import KernelSpec
+
+    spec = fwd_sm90.variant(128, True, "ws_ov_s3_n80", varlen=True)
+    for page in (16, 32, 64, 128, 256):
+        got = paged_spec(spec, page)
+        assert got.page_rows == math.gcd(page, 80) and got.replace(page_rows=0) == spec
+        assert KernelSpec.from_name(got.name) == got and "_pg16_" in got.name
+    for bad in ({"page_rows": 24}, {"page_rows": 12}, {"page_rows": 16, "varlen": False}):
+        with pytest.raises(ValueError, match="page_rows"):
+            fwd_sm90.variant(128, True, "ws", **{"varlen": True, **bad})
+    v2 = KernelSpec(kind="fwd_v2", head_dim=64, block_m=128, block_n=64, warps=4, varlen=True).validate()
+    with pytest.raises(UnsupportedError, match="runs on fwd_sm90"):
+        paged_spec(v2, 16)
+    with pytest.raises(ValueError, match="not a field of this kind"):
+        v2.replace(page_rows=16).validate()

@@ -224,6 +224,39 @@ def _varlen_backward(ctx, dout, dlse, _dout32):
 attn_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 
 
+@torch.library.custom_op("flashgen::attn_paged_fwd", mutates_args=())
+def attn_paged_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Optional[Tensor],
+                   max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
+                   seqused_k: Optional[Tensor], block_table: Tensor, win_left: int = -1, win_right: int = -1,
+                   softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+                   sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Packed rows against a paged K/V cache (no gradient): (out (total_q, heads, d), lse (heads, total_q))."""
+    return packed_forward(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                          softmax_scale, seqused_k, _window(win_left, win_right), softcap, alibi_slopes, sinks,
+                          block_table=block_table)
+
+
+@attn_paged_fwd.register_fake
+def _attn_paged_fwd_fake(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                         softmax_scale, seqused_k, block_table, win_left=-1, win_right=-1, softcap=0.0,
+                         alibi_slopes=None, sinks=None):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def attention_paged_op(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                       softmax_scale, seqused_k=None, window=None, softcap=0.0, alibi_slopes=None, sinks=None, *,
+                       block_table):
+    """``attention_varlen`` over a paged cache through its custom op (traceable by torch.compile)."""
+    if not isinstance(q, Tensor) or q.dim() != 3:
+        raise ValueError("q must be a 3-D torch.Tensor (total_tokens, heads, d)")
+    left, right = window_of(False, window)
+    check_softcap(softcap)
+    return torch.ops.flashgen.attn_paged_fwd(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                             max_seqlen_k, causal, checked_scale(softmax_scale, q.shape[-1]),
+                                             seqused_k, block_table, left, right, float(softcap), alibi_slopes,
+                                             sinks)
+
+
 def attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                         deterministic=False, seqused_k=None, window=None, softcap=0.0, alibi_slopes=None, sinks=None):
     """``attention_varlen`` through the custom op (differentiable, traceable by torch.compile): (out, lse)."""

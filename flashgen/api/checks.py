@@ -12,6 +12,7 @@ import numbers
 import torch
 
 from ..errors import UnsupportedError
+from ..families.decode import PAGE_SIZES  # keys per page of a paged K/V cache (flashgen.decode's too)
 from ..spec import KernelSpec
 from ..variants import Variant
 
@@ -190,21 +191,61 @@ def variant_tensors(alibi_slopes, sinks):
 
 
 def check_packed_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                        seqused_k=None):
+                        seqused_k=None, block_table=None):
     """Everything ``attention_varlen`` checks of its arguments without reading device memory: packed q
     (total_q, heads, d), k and v (total_k, heads_kv, d); cu_seqlens int32 (seqs + 1,) and seqused_k int32
     (seqs,) contiguous on q's device; the max lengths ints >= 0. Returns ((seqs, hq, hk, total_q, total_k,
-    d), the (batch, head, seq) strides of q, k, v (batch 0: one batch of packed rows), scale)."""
+    d), the (batch, head, seq) strides of q, k, v (batch 0: one batch of packed rows), scale).
+
+    Paged K/V (``block_table`` int32 (seqs, max_pages) on q's device, last dimension contiguous): k and v
+    are caches (pages, page_size, heads_kv, d), page_size one of PAGE_SIZES; ``cu_seqlens_k`` may then be
+    None where ``seqused_k`` gives the key counts. total_k is then the table's capacity (max_pages x
+    page_size) and the k, v strides are (page, head, row)."""
+    paged = block_table is not None
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 3:
-            raise ValueError(f"{name} must be 3-D (total_tokens, heads, d), got shape {tuple(t.shape)}")
+        want = 4 if paged and name != "q" else 3
+        if t.dim() != want:
+            raise ValueError(f"{name} must be " + ("4-D (pages, page_size, heads_kv, d) with a block_table"
+                             if want == 4 else "3-D (total_tokens, heads, d)") + f", got shape {tuple(t.shape)}")
+    if paged:
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        pages, page = k.shape[0], k.shape[1]
+        if page not in PAGE_SIZES:
+            raise ValueError(f"page size (k.shape[1]) must be one of {PAGE_SIZES}, got {page}")
+        kv = [t.flatten(0, 1).unsqueeze(0) if t.is_contiguous() else t[:, 0].unsqueeze(0) for t in (k, v)]
+    else:
+        kv = [k.unsqueeze(0), v.unsqueeze(0)]
     # The 4-D checks on (1, total, heads, d) views: devices, dtypes, heads, alignment, strides, limits.
     (_, hq, total_q, d), sq, (hk, total_k), sk, sv, scale = check_attention_inputs(
-        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), causal, softmax_scale, "bshd")
+        q.unsqueeze(0), kv[0], kv[1], causal, softmax_scale, "bshd")
+    if paged:
+        for name, t in (("k", k), ("v", v)):
+            if any(x % 8 for x in t.stride()[:3]):
+                raise ValueError(f"{name} must have strides that are multiples of 8 elements (16-byte loads), got "
+                                 f"strides {t.stride()}")
+        if not isinstance(block_table, torch.Tensor):
+            raise TypeError(f"block_table must be a torch.Tensor or None, got {type(block_table).__name__}")
+        if block_table.dtype != torch.int32:
+            raise TypeError(f"block_table must be int32, got {block_table.dtype}")
+        if block_table.device != q.device:
+            raise ValueError(f"block_table must be on q's device ({q.device}), got {block_table.device}")
+        if block_table.dim() != 2 or block_table.shape[0] != cu_seqlens_q.shape[0] - 1:
+            raise ValueError(f"block_table must be (sequences={cu_seqlens_q.shape[0] - 1}, max_pages), got shape "
+                             f"{tuple(block_table.shape)}")
+        if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+            raise ValueError(f"block_table must be contiguous in its last dimension, got strides "
+                             f"{block_table.stride()}")
+        if cu_seqlens_k is None and seqused_k is None:
+            raise ValueError("a paged call needs the key counts: cu_seqlens_k or seqused_k")
+        total_k = block_table.shape[1] * page
+        check_int32("the block table's keys (max_pages x page_size) + total_q", total_k + total_q)
+        check_int32("pages x page_size", pages * page)
+        sk, sv = ((t.stride(0), t.stride(2), t.stride(1)) for t in (k, v))
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("seqused_k", seqused_k)):
-        if t is None and name == "seqused_k":
+        if t is None and (name == "seqused_k" or (name == "cu_seqlens_k" and paged)):
             continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -218,7 +259,7 @@ def check_packed_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     seqs = cu_seqlens_q.shape[0] - 1
     if seqs < 0:
         raise ValueError("cu_seqlens_q must hold at least one entry (0 for no sequences)")
-    if cu_seqlens_k.shape[0] != seqs + 1:
+    if cu_seqlens_k is not None and cu_seqlens_k.shape[0] != seqs + 1:
         raise ValueError(f"cu_seqlens_k must have as many entries as cu_seqlens_q ({seqs + 1}), got "
                          f"{cu_seqlens_k.shape[0]}")
     if seqused_k is not None and seqused_k.shape[0] != seqs:
@@ -228,13 +269,14 @@ def check_packed_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     if seqs > MAX_GRID_YZ * 1024:
         raise UnsupportedError(f"{seqs} sequences are past the {MAX_GRID_YZ * 1024} the work list takes")
-    strides = tuple((0, s[1], s[2]) for s in (sq, sk, sv))
+    strides = (0, sq[1], sq[2]), *((sk, sv) if paged else ((0, s[1], s[2]) for s in (sk, sv)))
     return (seqs, hq, hk, total_q, total_k, d), strides, scale
 
 
 def set_packed(params, cu_seqlens_q, cu_seqlens_k, seqused_k, work) -> None:
     """A varlen launch's sequence pointers and work list (``work``, an int32 tensor) in its parameter block
     (families.base.VARLEN_PARAMS; the sequence count is the plan's)."""
-    params.cu_q, params.cu_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
+    params.cu_q = cu_seqlens_q.data_ptr()
+    params.cu_k = cu_seqlens_k.data_ptr() if cu_seqlens_k is not None else 0
     params.used_k = seqused_k.data_ptr() if seqused_k is not None else 0
     params.vl_tiles = work.data_ptr()

@@ -222,16 +222,22 @@ def check_cache_values(limits: _Limits, cache_seqlens, block_table) -> None:
         total = None
     if block_table is not None:
         bt = block_table.to("cpu")
-        ps = limits.page_size
         if total is None:
             total = torch.full((bt.shape[0],), limits.capacity, dtype=torch.long)
-        need = (total + ps - 1) // ps
-        used = torch.arange(bt.shape[1])[None, :] < need[:, None]
-        bad = used & ((bt < 0) | (bt >= limits.num_pages))
-        if bool(bad.any()):
-            i, j = (int(x) for x in bad.nonzero()[0])
-            raise ValueError(f"block_table[{i}, {j}] = {int(bt[i, j])} is out of range: the cache has "
-                             f"{limits.num_pages} pages (sequence {i} uses its first {int(need[i])} entries)")
+        check_block_table(bt, total, limits.page_size, limits.num_pages)
+
+
+def check_block_table(bt, lengths, page_size: int, num_pages: int) -> None:
+    """Refuse a block table (on the host) naming a page outside [0, num_pages) among the pages sequence i's
+    ``lengths[i]`` keys use (ValueError); entries past them are not looked at (tables padded with -1 are
+    fine)."""
+    need = (lengths + page_size - 1) // page_size
+    used = torch.arange(bt.shape[1])[None, :] < need[:, None]
+    bad = used & ((bt < 0) | (bt >= num_pages))
+    if bool(bad.any()):
+        i, j = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"block_table[{i}, {j}] = {int(bt[i, j])} is out of range: the cache has "
+                         f"{num_pages} pages (sequence {i} uses its first {int(need[i])} entries)")
 
 
 def check_variant_values(alibi_slopes, sinks) -> None:

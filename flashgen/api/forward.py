@@ -8,6 +8,8 @@ family packs the kernel's arguments (``launch`` of ``families.fwd_v2`` /
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import dispatch, families
@@ -71,22 +73,24 @@ def forward(q, k, v, causal, softmax_scale, layout, return_lse, spec=None, algor
 
 
 def packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                   seqused_k=None, window=None, softcap=0.0, alibi_slopes=None, sinks=None, spec=None, out32=None):
+                   seqused_k=None, window=None, softcap=0.0, alibi_slopes=None, sinks=None, spec=None, out32=None,
+                   block_table=None):
     """The forward launch behind ``attention_varlen`` (no autograd, no value checks: the caller's):
     (out (total_q, heads, d), lse (heads, total_q) fp32). ``out32`` (with sinks): an fp32 (heads,
-    total_q, d) tensor the kernel also writes the normalised output into."""
+    total_q, d) tensor the kernel also writes the normalised output into. ``block_table``: k and v are
+    paged caches (``check_packed_inputs``)."""
     try:
         sig = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
                q.device, k.device, v.device, _small(cu_seqlens_q), _small(cu_seqlens_k), _small(seqused_k),
                max_seqlen_q, max_seqlen_k, type(max_seqlen_q), type(max_seqlen_k), causal, type(causal),
                softmax_scale, type(softmax_scale), window, type(window), softcap, type(softcap),
-               _small(alibi_slopes), _small(sinks), spec)
+               _small(alibi_slopes), _small(sinks), spec, _small(block_table))
         plan = _packed_plans.get(sig)
     except (AttributeError, TypeError):
         sig = plan = None
     if plan is None:
         plan = packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                            seqused_k, window, softcap, alibi_slopes, sinks, spec)
+                            seqused_k, window, softcap, alibi_slopes, sinks, spec, block_table)
         _packed_plans.put(sig, plan)
     if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
         raise ValueError("q, k, v must be 16-byte aligned (16-byte loads), got addresses "
@@ -101,6 +105,8 @@ def packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     params.o, params.lse = out.data_ptr(), lse.data_ptr()
     params.o32 = out32.data_ptr() if out32 is not None else 0
     set_packed(params, cu_seqlens_q, cu_seqlens_k, seqused_k, work)
+    if block_table is not None:
+        params.bt, params.bt_stride = block_table.data_ptr(), block_table.stride(0)
     if alibi_slopes is not None or sinks is not None:
         slopes, params.alibi_sb, sink_logits = variant_tensors(alibi_slopes, sinks)
         params.alibi = slopes.data_ptr() if slopes is not None else 0
@@ -112,8 +118,9 @@ def packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
 
 def packed_plan(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, seqused_k, window, softcap, alibi_slopes,
-                 sinks, spec):
-    dims, strides, scale = check_packed_inputs(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, seqused_k)
+                 sinks, spec, block_table=None):
+    dims, strides, scale = check_packed_inputs(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, seqused_k,
+                                               block_table)
     seqs, h, hk, total_q, total_k, d = dims
     variant, _, _ = check_variant_inputs(q, causal, window, softcap, alibi_slopes, sinks, seqs, h, total_q, total_k)
     variant = variant.replace(varlen=True)
@@ -124,18 +131,39 @@ def packed_plan(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, sequse
     key = ProblemKey("fwd", dev.arch, DTYPES[q.dtype], head_dim_tile(d), variant.causal,
                      bucket_of(max(1, max_q)), variant.key())
     serving = families.serving("fwd", dev.arch)
+    kv_pages = tuple(k.shape[:2]) if block_table is not None else None
     if spec is None:
         spec = dispatch.select(key, dev.gpu, dev.smem_budget, verify=True)
+        if kv_pages is not None:
+            spec = paged_spec(spec, kv_pages[1])
     else:
         check_forced_spec(spec, {"kind": serving, "dtype": key.dtype, "arch": dev.arch, **variant.flags()}, d,
                           dev.smem_budget)
+        if (kv_pages is not None) != bool(getattr(spec, "page_rows", 0)) or (
+                kv_pages is not None and kv_pages[1] % spec.page_rows):
+            raise ValueError(f"spec {spec.name} does not fit this call's K/V: "
+                             + (f"pages of {kv_pages[1]} keys want page_rows dividing them" if kv_pages else
+                                "contiguous K/V want page_rows 0"))
     kern = load(spec, dev.index)
     fam = families.family(spec.kind)
     o_strides = (0, d, h * d)  # the output: contiguous (total_q, heads, d)
-    grid, params_for = fam.launch(kern, dims, strides, o_strides, scale, dev, variant)
+    grid, params_for = fam.launch(kern, dims, strides, o_strides, scale, dev, variant,
+                                  **({"kv_pages": kv_pages} if kv_pages else {}))
     plan = _Plan(kern, grid, dev.index, (h, total_q), params_for, fam.needs_tile_counters(spec))
     plan.list_ints = varlen_list_ints(total_q, seqs, spec.block_m)
     return plan
+
+
+def paged_spec(spec, page_size: int):
+    """The paged form of a forward spec (``page_rows``: boxes of gcd(page size, block_n) rows, the longest
+    that stay inside one page); UnsupportedError for a family without paged K/V. A persistent tile of
+    three consumer warpgroups runs one tile per CTA: its producer keeps 32 registers, and the paged loads
+    spilled it (8 of the 155 paged kernels of the compile tier, all of them 192-row persistent ones)."""
+    if spec.kind != "fwd_sm90":
+        raise UnsupportedError(f"a paged K/V cache (block_table) runs on fwd_sm90 (sm_90a, head dims 64-256); this "
+                               f"call's forward is {spec.kind}")
+    persistent = spec.persistent and spec.block_m < 192
+    return spec.replace(page_rows=math.gcd(page_size, spec.block_n), persistent=persistent).validate()
 
 
 class _Plan:

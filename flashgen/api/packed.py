@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from ..errors import UnsupportedError
-from .autograd import attention_varlen_op
+from .autograd import attention_paged_op, attention_varlen_op
 from .checks import check_flag, check_packed_inputs
-from .decoding import check_variant_values
+from .decoding import check_block_table, check_variant_values
 from .device import is_capturing, is_compiling
 from .forward import packed_forward
 
@@ -43,27 +43,45 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     Returns the output (total_q, heads, d) in q's dtype and, with ``return_lse``, the log-sum-exp of the
     scaled scores, fp32 (heads, total_q). Differentiable (q, k, v, sinks) through the
     ``flashgen::attn_varlen_fwd`` custom op, whose backward walks the packed rows too; ``deterministic``
-    as ``flashgen.attention``'s. ``block_table`` (paged K/V) is not served yet (UnsupportedError);
-    TypeError/ValueError on bad inputs, always before anything is launched.
+    as ``flashgen.attention``'s. TypeError/ValueError on bad inputs, always before anything is launched.
+
+    Paged K/V (chunked prefill against a serving engine's cache): with ``block_table`` int32 (seqs,
+    max_pages), k and v are caches (pages, page_size, heads_kv, d) as ``flashgen.decode`` takes them
+    (page_size 16, 32, 64, 128 or 256), and sequence s's key j is row j % page_size of page
+    ``block_table[s, j // page_size]``. The key counts come from ``seqused_k`` or, without it, from
+    ``cu_seqlens_k``'s differences (which may then be None); the value check refuses counts past a
+    table row and entries outside [0, pages) among the pages in use (entries past them are never read:
+    a table padded with -1 is fine). Rows of a sequence's last page past its keys are read and must be
+    finite. Runs on fwd_sm90 (sm_90a, head dims 64-256; UnsupportedError elsewhere), forward only
+    (UnsupportedError when a gradient is needed); under torch.compile through the
+    ``flashgen::attn_paged_fwd`` custom op.
     """
     check_flag("causal", causal)
     check_flag("return_lse", return_lse)
     check_flag("deterministic", deterministic)
     check_flag("check_values", check_values)
-    if block_table is not None:
-        raise UnsupportedError("attention_varlen does not take a paged K/V cache (block_table) yet; for a few "
-                               "query tokens per sequence use flashgen.decode, which does")
+    paged = block_table is not None
     grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, sinks))
     compiling = is_compiling()
+    if paged and grad:
+        raise UnsupportedError("attention_varlen over a paged K/V cache (block_table) has no backward (it serves "
+                               "inference); call it under torch.no_grad() or with tensors that need no gradient")
     if check_values and not compiling:  # shapes, dtypes and devices first (the plan's checks), then the values
-        check_packed_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                            seqused_k)
+        dims, _, _ = check_packed_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                         softmax_scale, seqused_k, block_table)
         if not is_capturing():
-            check_packed_values(cu_seqlens_q, cu_seqlens_k, seqused_k, q.shape[0], k.shape[0], max_seqlen_q,
-                                max_seqlen_k)
+            check_packed_values(cu_seqlens_q, cu_seqlens_k, seqused_k, q.shape[0], None if paged else k.shape[0],
+                                max_seqlen_q, max_seqlen_k, block_table, k.shape[:2] if paged else None)
             if alibi_slopes is not None or sinks is not None:
                 check_variant_values(alibi_slopes, sinks)
-    if compiling or grad:
+    if paged:
+        if spec is not None and compiling:
+            raise ValueError("spec= forces one forward kernel and is not supported under torch.compile")
+        run = attention_paged_op if compiling else packed_forward
+        out, lse = run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                       seqused_k, window, softcap, alibi_slopes, sinks, *(() if compiling else (spec,)),
+                       block_table=block_table)
+    elif compiling or grad:
         if spec is not None:
             raise ValueError("spec= forces one forward kernel and is not supported when a gradient is needed or "
                              "under torch.compile; call under torch.no_grad()")
@@ -75,30 +93,48 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     return (out, lse) if return_lse else out
 
 
-def check_packed_values(cu_q, cu_k, seqused_k, total_q: int, total_k: int, max_q: int, max_k: int) -> None:
-    """The value rules of ``attention_varlen``'s docstring for cu_seqlens and seqused_k (one copy to the
-    host: a device sync); ValueError naming the first broken one."""
-    parts = [cu_q, cu_k] + ([seqused_k] if seqused_k is not None else [])
-    host = torch.cat(parts).to("cpu").long()
+def check_packed_values(cu_q, cu_k, seqused_k, total_q: int, total_k, max_q: int, max_k: int, block_table=None,
+                        cache_shape=None) -> None:
+    """The value rules of ``attention_varlen``'s docstring for cu_seqlens, seqused_k and (paged: ``total_k``
+    None, ``cache_shape`` the cache's (pages, page_size)) the block table, in one copy to the host (a
+    device sync); ValueError naming the first broken one."""
     n = cu_q.shape[0]
+    parts = [cu_q, cu_k if cu_k is not None else cu_q] + ([seqused_k] if seqused_k is not None else [])
+    if block_table is not None:
+        parts.append(block_table.reshape(-1))
+    host = torch.cat(parts).to("cpu").long()
     cq, ck = host[:n], host[n:2 * n]
-    for name, cu, total, most, label in (("cu_seqlens_q", cq, total_q, max_q, "max_seqlen_q"),
-                                         ("cu_seqlens_k", ck, total_k, max_k, "max_seqlen_k")):
+    used = host[2 * n:3 * n - 1] if seqused_k is not None else None
+    checks = [("cu_seqlens_q", cq, total_q, max_q, "max_seqlen_q")]
+    if cu_k is not None:
+        checks.append(("cu_seqlens_k", ck, total_k, max_k, "max_seqlen_k"))
+    for name, cu, total, most, label in checks:
         if int(cu[0]) != 0:
             raise ValueError(f"{name}[0] must be 0, got {int(cu[0])}")
         lens = cu[1:] - cu[:-1]
         if bool((lens < 0).any()):
             i = int((lens < 0).nonzero()[0, 0])
             raise ValueError(f"{name} must be non-decreasing, got {int(cu[i])} then {int(cu[i + 1])} at {i}")
-        if int(cu[-1]) != total:
+        if total is not None and int(cu[-1]) != total:
             raise ValueError(f"{name}[-1] must be the packed length {total}, got {int(cu[-1])}")
         if lens.numel() and int(lens.max()) > most:
             i = int(lens.argmax())
             raise ValueError(f"sequence {i} has {int(lens[i])} rows in {name}, more than {label} = {most}")
-    if seqused_k is not None:
-        used, room = host[2 * n:], ck[1:] - ck[:-1]
+    if used is not None and cu_k is not None:
+        room = ck[1:] - ck[:-1]
         bad = (used < 0) | (used > room)
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
             raise ValueError(f"seqused_k[{i}] = {int(used[i])} is negative or past sequence {i}'s {int(room[i])} "
                              "keys in cu_seqlens_k")
+    if block_table is not None:
+        pages, page = cache_shape
+        keys = used if used is not None else ck[1:] - ck[:-1]
+        capacity = block_table.shape[1] * page
+        bad = (keys < 0) | (keys > capacity) | (keys > max_k)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(f"sequence {i} has {int(keys[i])} keys: negative, past its block-table row's {capacity} "
+                             f"keys or past max_seqlen_k = {max_k}")
+        check_block_table(host[-block_table.numel():].reshape(block_table.shape) if block_table.numel() else
+                          torch.zeros(block_table.shape, dtype=torch.long), keys, page, pages)
