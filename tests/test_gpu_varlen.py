@@ -55,10 +55,33 @@ def _cu(lens):
     return torch.tensor(out, dtype=torch.int32, device="cuda")
 
 
+def paged_cache(kv, cu_k, k_lens, page, spare_pages=3, spare_entries=2):
+    """The packed rows of each tensor of ``kv`` (sequence s: rows cu_k[s] + [0, k_lens[s])) as paged caches
+    (pages, page, hk, d) in one shuffled order, and their block table (rows padded with -1 past the pages
+    in use). Rows past a sequence's keys in its last page, and pages no sequence uses, hold large finite
+    junk (a kernel that weighed them would fail the tolerance)."""
+    need = [-(-n // page) for n in k_lens]
+    pages = sum(need) + spare_pages
+    order = torch.randperm(pages).tolist()
+    caches = [(torch.randn(pages, page, *t.shape[1:], device=t.device) * 50).to(t.dtype) for t in kv]
+    table = torch.full((len(k_lens), max(need, default=0) + spare_entries), -1, dtype=torch.int32)
+    at = 0
+    for s, n in enumerate(k_lens):
+        for j in range(need[s]):
+            table[s, j] = phys = order[at]
+            at += 1
+            lo, hi = cu_k[s] + j * page, cu_k[s] + min(n, (j + 1) * page)
+            for cache, t in zip(caches, kv):
+                cache[phys, :hi - lo] = t[lo:hi]
+    return caches, table.to(kv[0].device)
+
+
 def check_varlen(q_lens, k_lens, hq=4, hk=2, d=128, dtype_name="bf16", causal=False, spec=None, used=None,
-                 variant=None, stored_k=None):
+                 variant=None, stored_k=None, page=None, no_cu_k=False):
     """One ``attention_varlen`` call against the rule; ``used`` the seqused_k list (keys in use per sequence,
-    each at most its k length); ``stored_k`` (with ``used``) the k lengths of the packing, else k_lens."""
+    each at most its k length); ``stored_k`` (with ``used``) the k lengths of the packing, else k_lens.
+    ``page``: K/V from a paged cache of that page size (``paged_cache``), ``no_cu_k`` (with ``used``)
+    without cu_seqlens_k."""
     dtype = DTYPES[dtype_name]
     stored = stored_k or k_lens
     tq, tk = sum(q_lens), sum(stored)
@@ -68,9 +91,14 @@ def check_varlen(q_lens, k_lens, hq=4, hk=2, d=128, dtype_name="bf16", causal=Fa
     cu_q, cu_k = _cu(q_lens), _cu(stored)
     seqused = torch.tensor(used, dtype=torch.int32, device="cuda") if used is not None else None
     extra = variant_inputs(len(q_lens), hq, **(variant or {}))
+    kv, paged = (k, v), {}
+    if page is not None:
+        kv, table = paged_cache((k, v), cu_k.tolist(), stored, page)
+        paged = {"block_table": table}
     poison_output(q)
-    out, lse = flashgen.attention_varlen(q, k, v, cu_q, cu_k, max(q_lens, default=0), max(stored, default=0),
-                                         causal=causal, seqused_k=seqused, return_lse=True, spec=spec, **extra)
+    out, lse = flashgen.attention_varlen(q, *kv, cu_q, None if no_cu_k else cu_k, max(q_lens, default=0),
+                                         max(stored, default=0), causal=causal, seqused_k=seqused, return_lse=True,
+                                         spec=spec, **paged, **extra)
     torch.cuda.synchronize()
     assert out.shape == q.shape and out.dtype == dtype and lse.shape == (hq, tq)
     assert torch.isfinite(out.float()).all(), f"non-finite output (unwritten or NaN), lengths {q_lens} {k_lens}"
@@ -237,7 +265,7 @@ def test_value_checks():
     with pytest.raises(ValueError, match="3-D"):
         flashgen.attention_varlen(q[None], k, k, torch.tensor([0, 10], dtype=torch.int32, device="cuda"),
                                   torch.tensor([0, 12], dtype=torch.int32, device="cuda"), 10, 12)
-    with pytest.raises(UnsupportedError, match="block_table"):
+    with pytest.raises(ValueError, match="4-D"):  # a block table with packed k, v
         call([0, 4, 10], [0, 5, 12], block_table=torch.zeros(2, 1, dtype=torch.int32, device="cuda"))
 
 
@@ -359,3 +387,101 @@ def test_backward_seqused_k():
 def test_backward_variants(variant, d):
     check_varlen_grads([113, 1, 239, 512, 0, 700], [203, 239, 64, 512, 17, 700], 4, 2, d, "bf16", True,
                        variant=variant)
+
+
+# ---- paged K/V: chunked prefill against a block table's pages ----
+
+PAGED_LENGTHS = {
+    "odd": ([113, 1, 239, 799, 0, 1023], [203, 239, 1, 803, 17, 1024]),
+    "prefill": ([200, 64, 1, 300], [2200, 64, 1000, 301]),  # new tokens against a longer cache
+}
+
+
+@needs_sm90
+@pytest.mark.parametrize("page", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_paged(page, causal, d):
+    for lengths in PAGED_LENGTHS.values():
+        check_varlen(*lengths, 8, 2, d, "bf16", causal, page=page)
+
+
+@needs_sm90
+@pytest.mark.parametrize("page", [16, 64])
+@pytest.mark.parametrize("no_cu_k", [False, True])
+def test_paged_seqused_k(page, no_cu_k):
+    q_lens, stored = [113, 64, 0, 300, 1], [400, 64, 50, 300, 239]
+    used = [203, 0, 17, 300, 1]
+    check_varlen(q_lens, used, 4, 2, 128, "bf16", True, used=used, stored_k=stored, page=page, no_cu_k=no_cu_k)
+
+
+@needs_sm90
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 1)], ids=str)
+def test_paged_random(dtype, heads):
+    q_lens, k_lens = _random_lengths(12, 1500)
+    k_lens = [max(a, b) for a, b in zip(q_lens, k_lens)]
+    check_varlen(q_lens, k_lens, *heads, 128, dtype, True, page=random.choice([16, 32, 64, 128, 256]))
+
+
+@needs_sm90
+@pytest.mark.parametrize("variant", [{"window": (100, 37)}, {"softcap": 15.0}, {"alibi": "batch"}, {"sinks": True}],
+                         ids=str)
+def test_paged_variants(variant):
+    check_varlen(*PAGED_LENGTHS["odd"], 4, 2, 128, "bf16", True, variant=variant, page=16)
+
+
+@needs_sm90
+@pytest.mark.parametrize("tokens", ["ws_ps", "ws_pp_kr_ps", "ws_ov_ls_ps_s4_m192_n80", "", "ws_s2_m192_n80"])
+def test_paged_techniques(tokens):
+    spec = fwd_sm90.variant(128, True, tokens, varlen=True)
+    for page in (16, 256):
+        paged = spec.replace(page_rows=math.gcd(page, spec.block_n)).validate()
+        check_varlen(*PAGED_LENGTHS["prefill"], 4, 2, 128, "bf16", True, spec=paged, page=page)
+
+
+@needs_sm90
+def test_paged_deterministic_and_compile():
+    q_lens, k_lens = [113, 0, 300], [400, 5, 300]
+    q = torch.randn(sum(q_lens), 4, 128, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(sum(k_lens), 2, 128, device="cuda").to(torch.bfloat16) for _ in range(2))
+    cu_q, cu_k = _cu(q_lens), _cu(k_lens)
+    (kc, vc), table = paged_cache((k, v), cu_k.tolist(), k_lens, 16)
+
+    def f(q, kc, vc):
+        return flashgen.attention_varlen(q, kc, vc, cu_q, cu_k, 300, 400, causal=True, block_table=table) * 2
+
+    eager = f(q, kc, vc)
+    for _ in range(3):
+        assert torch.equal(f(q, kc, vc), eager)
+    assert torch.equal(torch.compile(f, fullgraph=True)(q, kc, vc), eager)
+
+
+@needs_sm90
+def test_paged_value_checks():
+    q = torch.randn(10, 4, 64, device="cuda").to(torch.bfloat16)
+    kc = torch.randn(4, 16, 2, 64, device="cuda").to(torch.bfloat16)
+    cq = torch.tensor([0, 4, 10], dtype=torch.int32, device="cuda")
+    ck = torch.tensor([0, 20, 30], dtype=torch.int32, device="cuda")
+    table = torch.tensor([[0, 1, -1], [2, -1, -1]], dtype=torch.int32, device="cuda")
+
+    def call(cu_k=ck, bt=table, mk=20, cache=kc, **kw):
+        return flashgen.attention_varlen(q, cache, cache, cq, cu_k, 6, mk, causal=True, block_table=bt, **kw)
+
+    call()
+    with pytest.raises(ValueError, match=r"block_table\[1, 0\] = 7"):
+        call(bt=torch.tensor([[0, 1, -1], [7, -1, -1]], dtype=torch.int32, device="cuda"))
+    with pytest.raises(ValueError, match=r"block_table\[0, 1\] = -1"):
+        call(bt=torch.tensor([[0, -1, -1], [2, -1, -1]], dtype=torch.int32, device="cuda"))
+    with pytest.raises(ValueError, match="past its block-table row"):
+        call(bt=table[:, :1], mk=20)
+    with pytest.raises(ValueError, match="page size"):
+        call(cache=torch.randn(4, 24, 2, 64, device="cuda").to(torch.bfloat16))
+    with pytest.raises(ValueError, match="cu_seqlens_k or seqused_k"):
+        call(cu_k=None)
+    with pytest.raises(ValueError, match=r"block_table must be \(sequences=2"):
+        call(bt=table[:1])
+    with pytest.raises(TypeError, match="int32"):
+        call(bt=table.long())
+    with pytest.raises(UnsupportedError, match="no backward"):
+        flashgen.attention_varlen(q.requires_grad_(), kc, kc, cq, ck, 6, 20, block_table=table)
