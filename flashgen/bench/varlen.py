@@ -16,6 +16,15 @@ causal: ``Variant.pairs``), so the padded baselines are credited only with the r
 Case ``packed_bwd``: the same calls forward + backward through autograd (one output gradient per
 implementation, made once), FLOPs 3.5x the forward's.
 
+Case ``paged`` (chunked prefill against a paged KV cache): batch 8, each sequence 2048 new query
+tokens against 30720 cached keys plus their own (32768 keys, bottom-right causal, GQA 32/8, d as above):
+
+- ``flashgen_p16``, ``flashgen_p64``, ``flashgen_p256``: ``attention_varlen`` with a block table over
+  shuffled pages of 16, 64 and 256 keys (value checks off);
+- ``flashgen_contig``: the same call on contiguous packed K/V (cu_seqlens_k), the anchor of ``x_contig_*``;
+- ``decode_p64``: the same work through ``flashgen.decode`` (q (8, 2048, heads, d), the 64-key pages,
+  cache_seqlens 32768): the anchor of ``x_decode``.
+
 Row ``host``: microseconds of host time per ``attention_varlen`` call (``check_values=False``) over
 16 sequences of 64 tokens, 200 calls back to back with the GPU running behind.
 """
@@ -57,12 +66,18 @@ def add_args(p) -> None:
     p.add_argument("--full", action="store_true", help="non-causal (default causal)")
     p.add_argument("--seed", type=int, default=0, help="the lengths' draw (default 0)")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"implementations (default and known: {','.join(IMPLS)})")
+    p.add_argument("--paged-impls", default=",".join(PAGED_IMPLS),
+                   help=f"the paged case's implementations (default and known: {','.join(PAGED_IMPLS)})")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per cell (default 5; the median counts)")
     p.add_argument("--budget", type=float, default=0.25, help="seconds of timed calls per implementation per round")
-    p.add_argument("--cases", default=",".join(CASES), help=f"cases ({', '.join(CASES)}; default both)")
+    p.add_argument("--cases", default=",".join(CASES), help=f"cases ({', '.join(CASES)}; default all)")
 
 
-CASES = ("packed", "packed_bwd")
+CASES = ("packed", "packed_bwd", "paged")
+PAGED_IMPLS = ("flashgen_p16", "flashgen_p64", "flashgen_p256", "flashgen_contig", "decode_p64")
+PAGED_RATIOS = (("x_contig_p16", "flashgen_p16", "flashgen_contig"), ("x_contig_p64", "flashgen_p64", "flashgen_contig"),
+                ("x_contig_p256", "flashgen_p256", "flashgen_contig"), ("x_decode", "flashgen_p64", "decode_p64"))
+PREFILL_BATCH, PREFILL_NEW, PREFILL_CACHED = 8, 2048, 30720
 
 
 def parse(args) -> dict:
@@ -70,7 +85,8 @@ def parse(args) -> dict:
     options.positive(args.budget, "budget")
     return {"cases": options.names(args.cases, CASES, "cases"), "d": options.head_dims(str(args.d))[0],
             "causal": not args.full, "seed": int(args.seed),
-            "impls": options.names(args.impls, IMPLS, "impls"), "rounds": int(args.rounds),
+            "impls": options.names(args.impls, IMPLS, "impls"),
+            "paged_impls": options.names(args.paged_impls, PAGED_IMPLS, "paged-impls"), "rounds": int(args.rounds),
             "budget": float(args.budget)}
 
 
@@ -110,6 +126,74 @@ def host_us(d: int, causal: bool) -> float:
         best = min(best, (time.perf_counter() - t0) / 200 * 1e6)
         torch.cuda.synchronize()
     return best
+
+
+def paged_tables(batch: int, keys: int, page: int, gen):
+    """A block table (batch, keys / page) over every page of a cache of batch x keys, shuffled."""
+    import torch
+
+    per = keys // page
+    order = torch.randperm(batch * per, device="cuda", generator=gen).to(torch.int32)
+    return order.view(batch, per)
+
+
+def paged_case(d: int, causal: bool, settings, gen, progress) -> dict:
+    """The ``paged`` row: chunked prefill through block tables of three page sizes, contiguous K/V and decode."""
+    import torch
+
+    from .. import api
+
+    b, new, keys = PREFILL_BATCH, PREFILL_NEW, PREFILL_CACHED + PREFILL_NEW
+
+    def rnd(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    q = rnd(b * new, HEADS, d)
+    k, v = rnd(b * keys, KV_HEADS, d), rnd(b * keys, KV_HEADS, d)
+    cu_q = torch.arange(0, b * new + 1, new, dtype=torch.int32, device="cuda")
+    cu_k = torch.arange(0, b * keys + 1, keys, dtype=torch.int32, device="cuda")
+    used = torch.full((b,), keys, dtype=torch.int32, device="cuda")
+    caches = {}
+    for page in (16, 64, 256):
+        table = paged_tables(b, keys, page, gen)
+        # Page p of the cache holds the rows the table's entry for it names: a gather of the packed rows.
+        src = torch.empty(b * keys // page, dtype=torch.long, device="cuda")
+        src[table.reshape(-1).long()] = torch.arange(b * keys // page, device="cuda")
+        kc, vc = (t.view(-1, page, KV_HEADS, d)[src] for t in (k, v))
+        caches[page] = (kc, vc, table)
+    runs = {f"flashgen_p{page}": (lambda kc=kc, vc=vc, table=table: api.attention_varlen(
+                q, kc, vc, cu_q, None, new, keys, causal=causal, seqused_k=used, block_table=table,
+                check_values=False)) for page, (kc, vc, table) in caches.items()}
+    runs["flashgen_contig"] = lambda: api.attention_varlen(q, k, v, cu_q, cu_k, new, keys, causal=causal,
+                                                           check_values=False)
+    kc64, vc64, t64 = caches[64]
+    q4 = q.view(b, new, HEADS, d)
+    runs["decode_p64"] = lambda: api.decode(q4, kc64, vc64, used, t64, check_values=False)
+    impls = [i for i in PAGED_IMPLS if i in settings["paged_impls"]]
+    if not causal:
+        impls = [i for i in impls if i != "decode_p64"]  # decode is causal
+    # Same answer from every implementation before timing (one call each).
+    ref = runs["flashgen_contig"]()
+    for impl in impls:
+        got = runs[impl]().view(ref.shape)
+        err = (got.float() - ref.float()).abs().max().item()
+        if not err < 2e-2:
+            raise RuntimeError(f"paged case: {impl} differs from the contiguous call by {err:.3g}")
+    pairs = Variant.of(causal).pairs(new, keys)
+    flop = 4.0 * HEADS * b * pairs * d
+    makers = {impl: (lambda fn=runs[impl]: fn) for impl in impls}
+    measure = lambda fn: time_ms(fn, budget_s=settings["budget"], min_reps=5, max_reps=30, warmup=2)["ms"]  # noqa: E731
+    with torch.no_grad():
+        cells = time_cell(makers, settings["rounds"], measure)
+    for cell in cells.values():
+        if "ms" in cell:
+            cell["tflops"] = flop / cell["ms"] / 1e9
+    row = {"case": "paged", "head_dim": d, "causal": causal, "batch": b, "new_tokens": new, "keys": keys,
+           "heads": HEADS, "kv_heads": KV_HEADS, "rounds": settings["rounds"], "results": cells}
+    add_ratios(row, "tflops", PAGED_RATIOS)
+    progress("paged: " + ", ".join(f"{i}={c['tflops']:.0f}" if "tflops" in c else f"{i}=-" for i, c in cells.items())
+             + "".join(f" {lbl}={r:.2f}" for lbl, r in row.get("ratios", {}).items()))
+    return row
 
 
 def run(args, progress) -> dict:
@@ -152,6 +236,8 @@ def run(args, progress) -> dict:
             runs[impl] = ((lambda impl: lambda a, b_, c: baselines.sdpa(impl, a, b_, c, causal)())(impl), padded)
     rows = []
     for case in settings["cases"]:
+        if case == "paged":
+            continue
         grad = case == "packed_bwd"
         work = 3.5 if grad else 1.0
         flop = {"flashgen": work * 4.0 * HEADS * useful * d,
@@ -177,8 +263,11 @@ def run(args, progress) -> dict:
         progress(f"{case}: " + ", ".join(f"{i}={c['tflops']:.0f}" if "tflops" in c else f"{i}=-"
                                          for i, c in cells.items())
                  + "".join(f" {lbl}={r:.2f}" for lbl, r in row.get("ratios", {}).items()))
-    del q, k, v, makers, runs, dense, padded
+    del q, k, v, runs, dense, padded
     free()
+    if "paged" in settings["cases"]:
+        rows.append(paged_case(d, causal, settings, gen, progress))
+        free()
     host = host_us(d, causal)
     progress(f"host: {host:.1f} us per call")
     return {"suite": "varlen", "meta": meta(), "metric": "tflops", "x": "case", "panels": ["head_dim"],
@@ -186,9 +275,11 @@ def run(args, progress) -> dict:
                           "query-key pairs of the real rows) d / time; median of "
                           f"{settings['rounds']} interleaved rounds; packed_bwd: forward + backward, 3.5x the "
                           "forward's FLOPs; x_dense: over flashgen.attention on "
-                          f"{SEQS} x {equal} rows; x_cudnn / x_flash: over SDPA on the batch padded to its longest row",
+                          f"{SEQS} x {equal} rows; x_cudnn / x_flash: over SDPA on the batch padded to its longest row; "
+                          f"paged: {PREFILL_BATCH} x {PREFILL_NEW} new tokens against {PREFILL_CACHED} cached keys, "
+                          "x_contig_*: over the contiguous call, x_decode: over flashgen.decode",
             "settings": settings, "impls": settings["impls"],
-            "ratios": [r for r, _ in RATIOS], "host_us": host, "rows": rows}
+            "ratios": [r for r, _ in RATIOS] + [r for r, _, _ in PAGED_RATIOS], "host_us": host, "rows": rows}
 
 
 register(Suite("varlen", "packed rows (attention_varlen) next to equal-length dense rows and SDPA on the padded "
