@@ -25,6 +25,7 @@ import flashgen  # noqa: E402
 from flashgen import testing  # noqa: E402
 from flashgen.errors import UnsupportedError  # noqa: E402
 from flashgen.families import fwd_sm90  # noqa: E402
+from flashgen.api.forward import paged_spec  # noqa: E402
 from flashgen.families.base import varlen_work  # noqa: E402
 from flashgen.reference import grad_tolerance, reference  # noqa: E402
 from flashgen.spec import KernelSpec  # noqa: E402
@@ -436,7 +437,7 @@ def test_paged_variants(variant):
 def test_paged_techniques(tokens):
     spec = fwd_sm90.variant(128, True, tokens, varlen=True)
     for page in (16, 256):
-        paged = spec.replace(page_rows=math.gcd(page, spec.block_n)).validate()
+        paged = paged_spec(spec, page)
         check_varlen(*PAGED_LENGTHS["prefill"], 4, 2, 128, "bf16", True, spec=paged, page=page)
 
 

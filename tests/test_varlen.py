@@ -151,6 +151,10 @@ def test_paged_spec():
     for bad in ({"page_rows": 24}, {"page_rows": 12}, {"page_rows": 16, "varlen": False}):
         with pytest.raises(ValueError, match="page_rows"):
             fwd_sm90.variant(128, True, "ws", **{"varlen": True, **bad})
+    wide = fwd_sm90.variant(128, True, "ws_ov_ls_ps_s4_m192_n80", varlen=True)
+    with pytest.raises(ValueError, match="persistent at block_m 192"):
+        wide.replace(page_rows=16).validate()
+    assert not paged_spec(wide, 16).persistent and paged_spec(spec.replace(persistent=True), 16).persistent
     v2 = KernelSpec(kind="fwd_v2", head_dim=64, block_m=128, block_n=64, warps=4, varlen=True).validate()
     with pytest.raises(UnsupportedError, match="runs on fwd_sm90"):
         paged_spec(v2, 16)

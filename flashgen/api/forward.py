@@ -157,8 +157,8 @@ def packed_plan(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, sequse
 def paged_spec(spec, page_size: int):
     """The paged form of a forward spec (``page_rows``: boxes of gcd(page size, block_n) rows, the longest
     that stay inside one page); UnsupportedError for a family without paged K/V. A persistent tile of
-    three consumer warpgroups runs one tile per CTA: its producer keeps 32 registers, and the paged loads
-    spilled it (8 of the 155 paged kernels of the compile tier, all of them 192-row persistent ones)."""
+    three consumer warpgroups runs one tile per CTA (the family refuses the persistent form: its paged
+    producer spills)."""
     if spec.kind != "fwd_sm90":
         raise UnsupportedError(f"a paged K/V cache (block_table) runs on fwd_sm90 (sm_90a, head dims 64-256); this "
                                f"call's forward is {spec.kind}")

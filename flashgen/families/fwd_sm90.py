@@ -154,6 +154,10 @@ class Sm90Family(Family):
         if spec.page_rows and not (spec.varlen and spec.page_rows % 8 == 0 and spec.block_n % spec.page_rows == 0):
             raise ValueError(f"{self.kind}: page_rows={spec.page_rows} must be a multiple of 8 dividing block_n "
                              f"({spec.block_n}), on a varlen spec (paged K/V is a packed-rows call's)")
+        if spec.page_rows and spec.persistent and spec.block_m >= 192:
+            raise ValueError(f"{self.kind}: page_rows with persistent at block_m {spec.block_m}: three consumer "
+                             "warpgroups leave the producer 32 registers and the paged loads spill them; drop "
+                             "persistent (api.forward.paged_spec does)")
 
     def complete(self, knobs: dict) -> dict:
         """warps follows from block_m and warp_specialized: not a knob."""
