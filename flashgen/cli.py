@@ -17,7 +17,7 @@ import warnings
 from . import dispatch, families, gpus, settings, tables
 from .bench.cli import add_parser as add_bench
 from .codegen import build, render
-from .errors import FlashgenError
+from .errors import FlashgenError, UnsupportedError
 from .explain import add_parser as add_explain
 from .tuner import space
 from .tuner.run import add_arguments as add_tune_arguments
@@ -44,6 +44,9 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sinks", action="store_true", help="the kernel with learned sinks")
     p.add_argument("--varlen", action="store_true",
                    help="packed rows (attention_varlen): the kernel with its work-list entry (forward, backward)")
+    p.add_argument("--page-size", type=int, default=None, metavar="KEYS",
+                   help=f"with --varlen: K/V from a paged cache of pages of KEYS keys (attention_varlen's "
+                        f"block_table; one of {', '.join(map(str, families.decode.PAGE_SIZES))}): the paged kernel")
     for name in ("block-m", "block-n", "warps", "stages"):
         p.add_argument(f"--{name}", type=int, help=f"override the {name.replace('-', '_')} the rule picks")
 
@@ -73,6 +76,11 @@ def spec_from_args(args):
         variant = Variant.of(args.causal or decode, window, args.softcap, args.alibi, args.sinks, args.varlen)
     except ValueError as exc:
         raise FlashgenError(f"--window/--softcap: {exc}") from None
+    page = getattr(args, "page_size", None)
+    if page is not None and (not args.varlen or problem != "fwd"):
+        raise FlashgenError("--page-size: a paged cache is the forward's, with --varlen (chunked prefill)")
+    if page is not None and page not in families.decode.PAGE_SIZES:
+        raise FlashgenError(f"--page-size {page}: one of {', '.join(map(str, families.decode.PAGE_SIZES))}")
     if args.varlen and problem not in ("fwd", "bwd_dkdv", "bwd_dkdv_nodq", "bwd_dq"):
         raise FlashgenError(f"--kind {args.kind}: --varlen is the forward's and the dK/dV and dQ kernels'")
     if not variant.plain and problem not in ("fwd", "decode_split") and not problem.startswith("bwd_d"):
@@ -92,7 +100,9 @@ def spec_from_args(args):
     spec = spec.replace(**overrides)
     try:
         spec.validate()
-    except (TypeError, ValueError) as exc:
+        if page is not None:  # the kernel attention_varlen runs with this block table: boxes inside a page
+            spec = families.paged_spec(spec, page)
+    except (TypeError, ValueError, UnsupportedError) as exc:
         raise FlashgenError(str(exc)) from None
     if spec.smem_bytes() > budget:
         raise FlashgenError(f"{spec.name} needs {spec.smem_bytes()} B of shared memory, over {budget} B")

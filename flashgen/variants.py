@@ -239,4 +239,5 @@ def tuning_variant(key_variant: str, causal: bool, seqlen: int) -> Variant:
     if flags["window"]:
         side = max(1, min(TUNING_WINDOW, seqlen // 4))
         window = (side, 0 if causal else side)
-    return Variant.of(causal, window, TUNING_SOFTCAP if flags["softcap"] else 0.0, flags["alibi"], flags["sinks"])
+    return Variant.of(causal, window, TUNING_SOFTCAP if flags["softcap"] else 0.0, flags["alibi"], flags["sinks"],
+                      flags["varlen"])

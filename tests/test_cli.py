@@ -65,6 +65,24 @@ def test_emit_varlen_refused_for_decode(capsys):
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "--varlen" in err
 
 
+@pytest.mark.parametrize("page", [16, 256])
+def test_emit_paged_prints_the_kernel_attention_varlen_runs(capsys, page):
+    """--varlen --page-size: the varlen pick in its paged form (boxes of gcd(page, block_n) rows); a page
+    size off the list, one without --varlen, and a family without paged K/V are one line, exit 2."""
+    from flashgen.families import paged_spec
+    from flashgen.spec import KernelSpec
+
+    code, out, err = run_main(capsys, "emit", "--d", "128", "--causal", "--varlen", "--page-size", str(page))
+    assert code == 0 and err == ""
+    code, plain, _ = run_main(capsys, "emit", "--d", "128", "--causal", "--varlen")
+    varlen = KernelSpec.from_name(plain.splitlines()[1].removeprefix("// spec: "))
+    assert out.splitlines()[1] == f"// spec: {paged_spec(varlen, page).name}" and "_pg" in out.splitlines()[1]
+    for bad in (["--varlen", "--page-size", "24"], ["--page-size", "16"], ["--varlen", "--page-size", "16",
+                                                                            "--kind", "fwd_v2"]):
+        code, out, err = run_main(capsys, "emit", "--d", "128", *bad)
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
 def test_emit_with_overrides(capsys):
     """Tile overrides replace those fields of dispatch's pick, and land in the emitted spec's name."""
     code, out, _ = run_main(capsys, "emit", "--d", "40", "--arch", "sm_89", "--block-m", "48", "--block-n", "80",

@@ -16,10 +16,9 @@ from __future__ import annotations
 import pytest
 
 from flashgen import families, gpus, tables
-from flashgen.api.forward import paged_spec
 from flashgen.codegen import parse_ptxas_log
 from flashgen.errors import UnsupportedError
-from flashgen.families import bwd, bwd_sm90, decode, fwd_v1, fwd_v2, standard
+from flashgen.families import bwd, bwd_sm90, decode, fwd_v1, fwd_v2, paged_spec, standard
 from flashgen.families.decode import PAGE_SIZES
 from flashgen.problem import HEAD_DIM_TILES, ProblemKey
 from flashgen.spec import DTYPES
@@ -72,7 +71,7 @@ VARLEN_SPECS = sorted(
        for d in (64, 128) for c in (False, True)},
     key=lambda s: s.name)
 # Paged K/V (attention_varlen with a block table): every fwd_sm90 kernel of VARLEN_SPECS in the paged form
-# each page size gives it (api.forward.paged_spec: boxes of gcd(page, block_n) rows).
+# each page size gives it (families.paged_spec: boxes of gcd(page, block_n) rows).
 PAGED_SPECS = sorted({paged_spec(s, page) for s in VARLEN_SPECS if s.kind == "fwd_sm90" for page in PAGE_SIZES},
                      key=lambda s: s.name)
 ALL_SPECS = list(dict.fromkeys(SPECS + BULK_SPECS + SHIPPED_SPECS + VARIANT_SPECS

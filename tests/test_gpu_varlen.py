@@ -24,8 +24,7 @@ pytestmark = [
 import flashgen  # noqa: E402
 from flashgen import testing  # noqa: E402
 from flashgen.errors import UnsupportedError  # noqa: E402
-from flashgen.families import fwd_sm90  # noqa: E402
-from flashgen.api.forward import paged_spec  # noqa: E402
+from flashgen.families import fwd_sm90, paged_spec  # noqa: E402
 from flashgen.families.base import varlen_work  # noqa: E402
 from flashgen.reference import grad_tolerance, reference  # noqa: E402
 from flashgen.spec import KernelSpec  # noqa: E402
@@ -486,3 +485,19 @@ def test_paged_value_checks():
         call(bt=table.long())
     with pytest.raises(UnsupportedError, match="no backward"):
         flashgen.attention_varlen(q.requires_grad_(), kc, kc, cq, ck, 6, 20, block_table=table)
+
+
+@needs_sm90
+def test_tuner_measures_a_varlen_key():
+    """The tuner's objective on a varlen key: the default tile passes the per-sequence check, a time comes
+    back for the packed call over the key's lengths, and the outcome is ok."""
+    from flashgen import families, gpus
+    from flashgen.problem import ProblemKey
+    from flashgen.tuner.objective import MeasuredObjective
+
+    key = ProblemKey("fwd", "sm_90a", "bf16", 128, True, 1024, "vl")
+    spec = families.default_spec(key.replace(variant=""), gpus.get("h200").smem_per_block).with_tokens("vl")
+    obj = MeasuredObjective(gpus.get("h200"))
+    assert obj.check(spec) == ""
+    outcome = obj(key, spec)
+    assert outcome.status == "ok" and 0 < outcome.time_ms < 50, outcome

@@ -138,7 +138,7 @@ def test_paged_spec():
     rows and a multiple of 8 dividing block_n; the families without paged K/V refuse by name."""
     import math
 
-    from flashgen.api.forward import paged_spec
+    from flashgen.families import paged_spec
     from flashgen.errors import UnsupportedError
     from flashgen.families import fwd_sm90
     from flashgen.spec import KernelSpec
@@ -160,3 +160,65 @@ def test_paged_spec():
         paged_spec(v2, 16)
     with pytest.raises(ValueError, match="not a field of this kind"):
         v2.replace(page_rows=16).validate()
+
+
+def test_tuner_varlen_key():
+    """``tune --variant vl``: the keys and candidates carry packed rows; a key is measured at seeded random
+    lengths (bucket/8 to the bucket, the first at it, as many tokens as the dense key) and its FLOPs are
+    those lengths' pairs, not the dense batch's."""
+    from flashgen import gpus
+    from flashgen.tuner import space
+
+    keys = space.problem_keys("fwd", "sm_90a", ["bf16"], [128], [True], [2048], ["", "vl"])
+    b, h, n, d = space.problem_shape(keys[1])
+    lengths = space.tuning_lengths(keys[1])
+    assert lengths == space.tuning_lengths(keys[1]) and sum(lengths) == b * n and lengths[0] == max(lengths) == n
+    assert all(n // 8 <= m for m in lengths[:-1]) and len(set(lengths)) > 2
+    cands = space.candidates(keys[1], gpus.get("h200"))
+    assert cands and all(s.varlen for s in cands)
+    assert space.key_flops(keys[1]) == 4.0 * h * d * sum(m * (m + 1) // 2 for m in lengths)
+    assert space.key_flops(keys[1]) < space.key_flops(keys[0])  # shorter sequences: fewer causal pairs
+
+
+def test_tuner_varlen_objective(monkeypatch):
+    """The measured objective on a CPU stand-in of attention_varlen: a varlen spec is checked sequence by
+    sequence (an exact stand-in passes, one wrong row of one sequence fails by that sequence) and timed as
+    one packed call over the key's lengths with the spec forced and the value check off."""
+    import itertools
+
+    import flashgen.api
+    from flashgen import families, gpus
+    from flashgen.problem import ProblemKey
+    from flashgen.reference import reference
+    from flashgen.tuner import objective, space
+
+    key = ProblemKey("fwd", "sm_90a", "bf16", 128, True, 1024, "vl")
+    spec = families.default_spec(key.replace(variant=""), gpus.get("h200").smem_per_block).with_tokens("vl")
+    calls = []
+
+    def exact(q, k, v, cu_q, cu_k, max_q, max_k, causal, spec=None, check_values=True, bad=None, **kw):
+        calls.append((q.shape, k.shape, cu_q.tolist(), max_q, causal, spec, check_values, kw))
+        out = torch.full_like(q, float("nan"))
+        for s in range(len(cu_q) - 1):
+            rows, keys = slice(int(cu_q[s]), int(cu_q[s + 1])), slice(int(cu_k[s]), int(cu_k[s + 1]))
+            if rows.stop > rows.start:
+                bhsd = [t[i].transpose(0, 1).unsqueeze(0).float() for t, i in ((q, rows), (k, keys), (v, keys))]
+                out[rows] = reference(*bhsd, causal, q.shape[-1] ** -0.5)[0][0].transpose(0, 1).to(q.dtype)
+        if bad is not None:
+            out[int(cu_q[bad])] += 1.0
+        return out
+
+    obj = objective.MeasuredObjective(gpus.get("h200"), build=lambda s: None)
+    obj.device = "cpu"
+    monkeypatch.setattr(flashgen.api, "attention_varlen", exact)
+    assert obj.check(spec) == ""
+    assert calls[-1][2] == [0, 203, 204, 204, 521] and calls[-1][1][1] == 2 and calls[-1][5] == spec
+    monkeypatch.setattr(flashgen.api, "attention_varlen", lambda *a, **kw: exact(*a, **kw, bad=3))
+    assert "at sequence 3" in obj.check(spec)
+    monkeypatch.setattr(flashgen.api, "attention_varlen", lambda *a, **kw: (calls.append((a, kw)), a[0])[1])
+    monkeypatch.setattr(objective, "median_ms", lambda fn: (fn(), 2.5)[1])
+    assert obj.timer(key, spec) == 2.5
+    (q, k, v, cu_q, cu_k, max_q, max_k, causal), kw = calls[-1]
+    cu = [0, *itertools.accumulate(space.tuning_lengths(key))]
+    assert cu_q.tolist() == cu_k.tolist() == cu and cu[-1] == 16384 and q.shape == (16384, 16, 128) == k.shape
+    assert (max_q, max_k, causal) == (1024, 1024, True) and kw == {"spec": spec, "check_values": False}

@@ -8,8 +8,6 @@ family packs the kernel's arguments (``launch`` of ``families.fwd_v2`` /
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .. import dispatch, families
@@ -135,7 +133,7 @@ def packed_plan(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, sequse
     if spec is None:
         spec = dispatch.select(key, dev.gpu, dev.smem_budget, verify=True)
         if kv_pages is not None:
-            spec = paged_spec(spec, kv_pages[1])
+            spec = families.paged_spec(spec, kv_pages[1])
     else:
         check_forced_spec(spec, {"kind": serving, "dtype": key.dtype, "arch": dev.arch, **variant.flags()}, d,
                           dev.smem_budget)
@@ -152,18 +150,6 @@ def packed_plan(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, sequse
     plan = _Plan(kern, grid, dev.index, (h, total_q), params_for, fam.needs_tile_counters(spec))
     plan.list_ints = varlen_list_ints(total_q, seqs, spec.block_m)
     return plan
-
-
-def paged_spec(spec, page_size: int):
-    """The paged form of a forward spec (``page_rows``: boxes of gcd(page size, block_n) rows, the longest
-    that stay inside one page); UnsupportedError for a family without paged K/V. A persistent tile of
-    three consumer warpgroups runs one tile per CTA (the family refuses the persistent form: its paged
-    producer spills)."""
-    if spec.kind != "fwd_sm90":
-        raise UnsupportedError(f"a paged K/V cache (block_table) runs on fwd_sm90 (sm_90a, head dims 64-256); this "
-                               f"call's forward is {spec.kind}")
-    persistent = spec.persistent and spec.block_m < 192
-    return spec.replace(page_rows=math.gcd(page_size, spec.block_n), persistent=persistent).validate()
 
 
 class _Plan:

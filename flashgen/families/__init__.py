@@ -17,6 +17,8 @@ Importing this package registers every kind with ``flashgen.spec``.
 """
 from __future__ import annotations
 
+import math
+
 from ..errors import UnsupportedError
 from ..problem import ProblemKey, bucket_of
 from ..spec import KernelSpec, family_of, register_family
@@ -120,5 +122,17 @@ def rule_specs(arch: str, budget: int) -> list:
     return out
 
 
+def paged_spec(spec, page_size: int):
+    """The paged form of a forward spec (``page_rows``: boxes of gcd(page size, block_n) rows, the longest
+    that stay inside one page); UnsupportedError for a family without paged K/V. A persistent tile of
+    three consumer warpgroups runs one tile per CTA (fwd_sm90 refuses the persistent form: its paged
+    producer spills)."""
+    if spec.kind != "fwd_sm90":
+        raise UnsupportedError(f"a paged K/V cache (block_table) runs on fwd_sm90 (sm_90a, head dims 64-256); this "
+                               f"call's forward is {spec.kind}")
+    persistent = spec.persistent and spec.block_m < 192
+    return spec.replace(page_rows=math.gcd(page_size, spec.block_n), persistent=persistent).validate()
+
+
 __all__ = ["FAMILIES", "PROBLEMS", "Family", "family", "problems", "serving", "default_family", "fallback_family",
-           "default_spec", "rule_specs", "problem_key", "bwd", "bwd_sm90", "decode", "fwd_sm90", "fwd_v1", "fwd_v2", "standard"]
+           "default_spec", "rule_specs", "paged_spec", "problem_key", "bwd", "bwd_sm90", "decode", "fwd_sm90", "fwd_v1", "fwd_v2", "standard"]

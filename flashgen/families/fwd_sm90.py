@@ -157,7 +157,7 @@ class Sm90Family(Family):
         if spec.page_rows and spec.persistent and spec.block_m >= 192:
             raise ValueError(f"{self.kind}: page_rows with persistent at block_m {spec.block_m}: three consumer "
                              "warpgroups leave the producer 32 registers and the paged loads spill them; drop "
-                             "persistent (api.forward.paged_spec does)")
+                             "persistent (families.paged_spec does)")
 
     def complete(self, knobs: dict) -> dict:
         """warps follows from block_m and warp_specialized: not a knob."""

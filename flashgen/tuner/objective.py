@@ -21,6 +21,7 @@ the default forward.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -181,6 +182,8 @@ class MeasuredObjective:
 
         if space.is_backward(spec.kind):
             return self._check_backward(spec)
+        if getattr(spec, "varlen", False):
+            return self._check_varlen(spec)
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[spec.dtype]
         dev = self.device
         d = spec.head_dim - 8 if spec.head_dim > 32 else spec.head_dim  # a masked head-dim tail too
@@ -193,6 +196,34 @@ class MeasuredObjective:
             err = (out.float() - ref).abs().max().item()
             if not err <= tol:  # NaN fails too
                 return f"max error {err:.3e} > {tol:.3e} at nq={nq}, nk={nk}, d={d}"
+        return ""
+
+    def _check_varlen(self, spec) -> str:
+        """'' when a packed-rows call with ``spec`` forced meets the 2x rule sequence by sequence on fresh
+        random odd lengths (one of them 0, GQA), else why not."""
+        import torch
+
+        from ..api import attention_varlen
+
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[spec.dtype]
+        dev, h, hk = self.device, 4, 2
+        d = spec.head_dim - 8 if spec.head_dim > 32 else spec.head_dim
+        q_lens, k_lens = (203, 1, 0, 317), (317, 77, 5, 203)
+        q = torch.randn(sum(q_lens), h, d, device=dev, dtype=dtype)
+        k, v = (torch.randn(sum(k_lens), hk, d, device=dev, dtype=dtype) for _ in range(2))
+        cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], device=dev, dtype=torch.int32)
+                      for n in (q_lens, k_lens))
+        kw = variant_kwargs(variants.spec_key(spec), spec.causal, max(k_lens), 1, h, dev)
+        out = attention_varlen(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), spec.causal, spec=spec, **kw)
+        for s, (nq, nk) in enumerate(zip(q_lens, k_lens)):
+            if not nq:
+                continue
+            rows, keys = slice(int(cu_q[s]), int(cu_q[s]) + nq), slice(int(cu_k[s]), int(cu_k[s]) + nk)
+            bhsd = [t[idx].transpose(0, 1).unsqueeze(0) for t, idx in ((q, rows), (k, keys), (v, keys))]
+            ref, tol = tolerance(*bhsd, spec.causal, d ** -0.5, **kw)
+            err = (out[rows].transpose(0, 1).unsqueeze(0).float() - ref).abs().max().item()
+            if not err <= tol:  # NaN fails too
+                return f"max error {err:.3e} > {tol:.3e} at sequence {s} (nq={nq}, nk={nk}), d={d}"
         return ""
 
     def _check_backward(self, spec) -> str:
@@ -226,6 +257,8 @@ class MeasuredObjective:
 
         if space.is_backward(key.kind):
             return self._time_backward(key, spec)
+        if variants.key_flags(key.variant)["varlen"]:
+            return self._time_varlen(key, spec)
         b, h, n, d = space.problem_shape(key)
         sig = (key.dtype, b, h, n, d)
         if sig not in self._inputs:
@@ -236,6 +269,26 @@ class MeasuredObjective:
         q, k, v = self._inputs[sig]
         kw = variant_kwargs(key.variant, key.causal, n, b, h, self.device)
         return median_ms(lambda: attention(q, k, v, causal=key.causal, spec=spec, **kw))
+
+    def _time_varlen(self, key, spec) -> float:
+        """One packed-rows call over ``space.tuning_lengths`` (query and key lengths equal), ``spec`` forced."""
+        import torch
+
+        from ..api import attention_varlen
+
+        _, h, n, d = space.problem_shape(key)
+        lengths = space.tuning_lengths(key)
+        sig = ("varlen", key.dtype, h, n, d)
+        if sig not in self._inputs:
+            self._inputs.clear()
+            dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[key.dtype]
+            qkv = tuple(torch.randn(sum(lengths), h, d, device=self.device, dtype=dtype) for _ in range(3))
+            cu = torch.tensor([0, *itertools.accumulate(lengths)], device=self.device, dtype=torch.int32)
+            self._inputs[sig] = (*qkv, cu)
+        q, k, v, cu = self._inputs[sig]
+        kw = variant_kwargs(key.variant, key.causal, n, 1, h, self.device)
+        return median_ms(lambda: attention_varlen(q, k, v, cu, cu, n, n, key.causal, spec=spec, check_values=False,
+                                                  **kw))
 
     def _time_backward(self, key, spec) -> float:
         """One whole backward at the key's shape, ``spec`` forced for the key's kind."""

@@ -30,6 +30,7 @@ its family's default rule, not the paper's forward rule.
 from __future__ import annotations
 
 import itertools
+import random
 
 from .. import families as registry
 from .. import iomodel, variants
@@ -87,6 +88,17 @@ def problem_shape(key: ProblemKey) -> tuple[int, int, int, int]:
     return (*iomodel.hidden2048(key.bucket, key.head_dim), key.bucket, key.head_dim)
 
 
+def tuning_lengths(key: ProblemKey) -> list[int]:
+    """The packed rows a varlen key ("vl") is measured at: ``problem_shape``'s batch x seqlen tokens in
+    sequences of seeded random lengths from bucket/8 to the bucket, the first at the bucket (the call's
+    max_seqlen, which picks the key), the last the remainder: the mix the longest-first schedule serves."""
+    b, _, n, _ = problem_shape(key)
+    rng, total, out = random.Random(n), b * n, [n]
+    while sum(out) < total:
+        out.append(min(total - sum(out), rng.randint(max(1, n // 8), n)))
+    return out
+
+
 def key_flops(key: ProblemKey) -> float:
     """The work one timed call of ``key`` does: the forward's matmul FLOPs at ``problem_shape``,
     2.5 times that for a backward key (its five GEMMs against the forward's two: the papers'
@@ -94,7 +106,9 @@ def key_flops(key: ProblemKey) -> float:
     b, h, n, d = problem_shape(key)
     work = 2.5 if is_backward(key.kind) else 1.0
     if key.variant:  # only the pairs the variant's mask lets through (a window at its tuning width)
-        return 4.0 * b * h * variants.tuning_variant(key.variant, key.causal, n).pairs(n, n) * d * work
+        v = variants.tuning_variant(key.variant, key.causal, n)
+        lengths = tuning_lengths(key) if v.varlen else [n] * b
+        return 4.0 * h * sum(v.pairs(m, m) for m in lengths) * d * work
     return iomodel.flops(b, h, n, n, d, key.causal) * work
 
 
