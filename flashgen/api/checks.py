@@ -226,18 +226,8 @@ def check_packed_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
             if any(x % 8 for x in t.stride()[:3]):
                 raise ValueError(f"{name} must have strides that are multiples of 8 elements (16-byte loads), got "
                                  f"strides {t.stride()}")
-        if not isinstance(block_table, torch.Tensor):
-            raise TypeError(f"block_table must be a torch.Tensor or None, got {type(block_table).__name__}")
-        if block_table.dtype != torch.int32:
-            raise TypeError(f"block_table must be int32, got {block_table.dtype}")
-        if block_table.device != q.device:
-            raise ValueError(f"block_table must be on q's device ({q.device}), got {block_table.device}")
-        if block_table.dim() != 2 or block_table.shape[0] != cu_seqlens_q.shape[0] - 1:
-            raise ValueError(f"block_table must be (sequences={cu_seqlens_q.shape[0] - 1}, max_pages), got shape "
-                             f"{tuple(block_table.shape)}")
-        if block_table.shape[1] > 1 and block_table.stride(1) != 1:
-            raise ValueError(f"block_table must be contiguous in its last dimension, got strides "
-                             f"{block_table.stride()}")
+        check_int32_tensor("cu_seqlens_q", cu_seqlens_q, q.device)
+        check_block_table_layout(block_table, cu_seqlens_q.shape[0] - 1, "sequences", q.device)
         if cu_seqlens_k is None and seqused_k is None:
             raise ValueError("a paged call needs the key counts: cu_seqlens_k or seqused_k")
         total_k = block_table.shape[1] * page
@@ -247,12 +237,7 @@ def check_packed_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("seqused_k", seqused_k)):
         if t is None and (name == "seqused_k" or (name == "cu_seqlens_k" and paged)):
             continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != torch.int32:
-            raise TypeError(f"{name} must be int32, got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name} must be on q's device ({q.device}), got {t.device}")
+        check_int32_tensor(name, t, q.device)
         if t.dim() != 1 or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous 1-D tensor, got shape {tuple(t.shape)}, strides "
                              f"{t.stride()}")
@@ -271,6 +256,26 @@ def check_packed_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         raise UnsupportedError(f"{seqs} sequences are past the {MAX_GRID_YZ * 1024} the work list takes")
     strides = (0, sq[1], sq[2]), *((sk, sv) if paged else ((0, s[1], s[2]) for s in (sk, sv)))
     return (seqs, hq, hk, total_q, total_k, d), strides, scale
+
+
+def check_int32_tensor(name: str, t, device) -> None:
+    """TypeError unless ``t`` is an int32 tensor, ValueError unless it is on ``device``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on q's device ({device}), got {t.device}")
+
+
+def check_block_table_layout(block_table, rows: int, label: str, device) -> None:
+    """A paged cache's block table (decode's, attention_varlen's): int32 (rows, max_pages) on ``device``,
+    contiguous in its last dimension; ``label`` names what a row is (batch, sequences)."""
+    check_int32_tensor("block_table", block_table, device)
+    if block_table.dim() != 2 or block_table.shape[0] != rows:
+        raise ValueError(f"block_table must be ({label}={rows}, max_pages), got shape {tuple(block_table.shape)}")
+    if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+        raise ValueError(f"block_table must be contiguous in its last dimension, got strides {block_table.stride()}")
 
 
 def set_packed(params, cu_seqlens_q, cu_seqlens_k, seqused_k, work) -> None:

@@ -23,8 +23,8 @@ from ..errors import UnsupportedError
 from ..families import decode as dk
 from ..problem import ProblemKey, bucket_of, smallest_tile
 from ..variants import PLAIN, window_of
-from .checks import (DTYPES, check_flag, check_forced_spec, check_heads_and_dim, check_variant_inputs, checked_scale,
-                     extent_bytes, overlap, variant_tensors)
+from .checks import (DTYPES, check_block_table_layout, check_flag, check_forced_spec, check_heads_and_dim,
+                     check_variant_inputs, checked_scale, extent_bytes, overlap, variant_tensors)
 from .device import Device, current_device, current_stream, index_of
 from .device import is_capturing as _capturing
 from .plans import PlanCache
@@ -353,13 +353,7 @@ def _check(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softma
         num_pages, page_size, hk, dkk = k_cache.shape
         if page_size not in dk.PAGE_SIZES:
             raise ValueError(f"page size (k_cache.shape[1]) must be one of {dk.PAGE_SIZES}, got {page_size}")
-        if block_table.dtype != torch.int32:
-            raise TypeError(f"block_table must be int32, got {block_table.dtype}")
-        if block_table.dim() != 2 or block_table.shape[0] != b:
-            raise ValueError(f"block_table must be (batch={b}, max_pages), got shape {tuple(block_table.shape)}")
-        if block_table.shape[1] > 1 and block_table.stride(1) != 1:
-            raise ValueError(f"block_table must be contiguous in its last dimension, got strides "
-                             f"{block_table.stride()}")
+        check_block_table_layout(block_table, b, "batch", q.device)
         capacity = block_table.shape[1] * page_size
     else:
         bk, capacity, hk, dkk = k_cache.shape
