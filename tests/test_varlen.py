@@ -144,10 +144,12 @@ def test_paged_spec():
     from flashgen.spec import KernelSpec
 
     spec = fwd_sm90.variant(128, True, "ws_ov_s3_n80", varlen=True)
-    for page in (16, 32, 64, 128, 256):
+    for page, block_n in ((16, 80), (32, 64), (64, 64), (128, 64), (256, 64)):  # no 16-row boxes in a big page
         got = paged_spec(spec, page)
-        assert got.page_rows == math.gcd(page, 80) and got.replace(page_rows=0) == spec
-        assert KernelSpec.from_name(got.name) == got and "_pg16_" in got.name
+        assert got.page_rows == math.gcd(page, block_n) and got.replace(page_rows=0) == spec.replace(block_n=block_n)
+        assert KernelSpec.from_name(got.name) == got and f"_pg{got.page_rows}_" in got.name
+    wide = fwd_sm90.variant(128, True, "ws_ov_s2", varlen=True)
+    assert [paged_spec(wide, p).page_rows for p in (16, 64, 256)] == [16, 64, 128] and paged_spec(wide, 16).block_n == 128
     for bad in ({"page_rows": 24}, {"page_rows": 12}, {"page_rows": 16, "varlen": False}):
         with pytest.raises(ValueError, match="page_rows"):
             fwd_sm90.variant(128, True, "ws", **{"varlen": True, **bad})
