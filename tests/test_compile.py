@@ -71,8 +71,11 @@ VARLEN_SPECS = sorted(
        for d in (64, 128) for c in (False, True)},
     key=lambda s: s.name)
 # Paged K/V (attention_varlen with a block table): every fwd_sm90 kernel of VARLEN_SPECS in the paged form
-# each page size gives it (families.paged_spec: boxes of gcd(page, block_n) rows).
-PAGED_SPECS = sorted({paged_spec(s, page) for s in VARLEN_SPECS if s.kind == "fwd_sm90" for page in PAGE_SIZES},
+# each page size gives it (families.paged_spec: boxes of gcd(page, block_n) rows), and the warp-specialized
+# ones with their rows gathered by cp.async (kv_gather) at pages of 16.
+PAGED_SPECS = sorted({paged_spec(s, page) for s in VARLEN_SPECS if s.kind == "fwd_sm90" for page in PAGE_SIZES}
+                     | {paged_spec(s, 16, gather=True) for s in VARLEN_SPECS
+                        if s.kind == "fwd_sm90" and s.warp_specialized},
                      key=lambda s: s.name)
 ALL_SPECS = list(dict.fromkeys(SPECS + BULK_SPECS + SHIPPED_SPECS + VARIANT_SPECS
                                + DECODE_VARIANT_SPECS + VARLEN_SPECS + PAGED_SPECS))  # each spec once, in that order

@@ -438,6 +438,10 @@ def test_paged_techniques(tokens):
     for page in (16, 256):
         paged = paged_spec(spec, page)
         check_varlen(*PAGED_LENGTHS["prefill"], 4, 2, 128, "bf16", True, spec=paged, page=page)
+    if spec.warp_specialized:  # the rows gathered by cp.async instead (kv_gather)
+        for page in (16, 64):
+            paged = paged_spec(spec, page, gather=True)
+            check_varlen(*PAGED_LENGTHS["prefill"], 4, 2, 128, "bf16", True, spec=paged, page=page)
 
 
 @needs_sm90

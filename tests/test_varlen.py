@@ -134,8 +134,10 @@ def test_paged_values():
 
 
 def test_paged_spec():
-    """A paged call's kernel: the forward's pick with boxes of gcd(page, block_n) rows; page_rows wants packed
-    rows and a multiple of 8 dividing block_n; the families without paged K/V refuse by name."""
+    """A paged call's kernel: the forward's pick with boxes of gcd(page, block_n) rows (block_n lowered
+    where that gcd is below both); with gather=True the tile as it is with gathered rows, one tile per CTA. page_rows wants packed rows and a multiple of 8 dividing
+    block_n, kv_gather a paged warp-specialized one-tile spec; the families without paged K/V refuse by
+    name."""
     import math
 
     from flashgen.families import paged_spec
@@ -145,18 +147,27 @@ def test_paged_spec():
 
     spec = fwd_sm90.variant(128, True, "ws_ov_s3_n80", varlen=True)
     for page, block_n in ((16, 80), (32, 64), (64, 64), (128, 64), (256, 64)):  # no 16-row boxes in a big page
-        got = paged_spec(spec, page)
+        got = paged_spec(spec, page, gather=False)
         assert got.page_rows == math.gcd(page, block_n) and got.replace(page_rows=0) == spec.replace(block_n=block_n)
-        assert KernelSpec.from_name(got.name) == got and f"_pg{got.page_rows}_" in got.name
+        assert KernelSpec.from_name(got.name) == got and f"_pg{got.page_rows}_" in got.name and not got.kv_gather
+        gathered = paged_spec(spec.replace(persistent=True), page, gather=True)
+        assert gathered == spec.replace(page_rows=math.gcd(page, 80), kv_gather=True)
+        assert KernelSpec.from_name(gathered.name) == gathered and gathered.name.endswith("_ga_causal_bf16_sm90a")
+        assert paged_spec(spec, page) == got
     wide = fwd_sm90.variant(128, True, "ws_ov_s2", varlen=True)
-    assert [paged_spec(wide, p).page_rows for p in (16, 64, 256)] == [16, 64, 128] and paged_spec(wide, 16).block_n == 128
+    assert [paged_spec(wide, p, gather=False).page_rows for p in (16, 64, 256)] == [16, 64, 128]
     for bad in ({"page_rows": 24}, {"page_rows": 12}, {"page_rows": 16, "varlen": False}):
         with pytest.raises(ValueError, match="page_rows"):
             fwd_sm90.variant(128, True, "ws", **{"varlen": True, **bad})
+    for bad in ({}, {"page_rows": 16, "persistent": True}):
+        with pytest.raises(ValueError, match="kv_gather"):
+            fwd_sm90.variant(128, True, "ws", varlen=True, kv_gather=True, **bad)
+    with pytest.raises(ValueError, match="kv_gather"):
+        fwd_sm90.variant(128, True, "", varlen=True, kv_gather=True, page_rows=16)
     wide = fwd_sm90.variant(128, True, "ws_ov_ls_ps_s4_m192_n80", varlen=True)
     with pytest.raises(ValueError, match="persistent at block_m 192"):
         wide.replace(page_rows=16).validate()
-    assert not paged_spec(wide, 16).persistent and paged_spec(spec.replace(persistent=True), 16).persistent
+    assert not paged_spec(wide, 256).persistent and paged_spec(spec.replace(persistent=True), 256).persistent
     v2 = KernelSpec(kind="fwd_v2", head_dim=64, block_m=128, block_n=64, warps=4, varlen=True).validate()
     with pytest.raises(UnsupportedError, match="runs on fwd_sm90"):
         paged_spec(v2, 16)

@@ -45,6 +45,8 @@ SM90_PARAMS = (
     # order), its row stride and log2 of the page size in keys (a power of two); the K/V maps then see
     # the cache's pages as batches.
     ("bt", "const int*", PTR), ("bt_stride", "int", I32), ("page_shift", "int", I32),
+    # Gathered paged K/V (spec.kv_gather): the caches themselves and their (page, head, row) element strides.
+    ("kc", "const elem_t*", PTR), ("vc", "const elem_t*", PTR), *strides("k", "v"),
 )
 
 SM90_HEAD_DIMS = (64, 128, 256)
@@ -154,6 +156,9 @@ class Sm90Family(Family):
         if spec.page_rows and not (spec.varlen and spec.page_rows % 8 == 0 and spec.block_n % spec.page_rows == 0):
             raise ValueError(f"{self.kind}: page_rows={spec.page_rows} must be a multiple of 8 dividing block_n "
                              f"({spec.block_n}), on a varlen spec (paged K/V is a packed-rows call's)")
+        if spec.kv_gather and not (spec.page_rows and spec.warp_specialized and not spec.persistent):
+            raise ValueError(f"{self.kind}: kv_gather gathers paged rows (page_rows > 0) with the producer warpgroup "
+                             "(warp_specialized) of a one-tile-per-CTA kernel (not persistent)")
         if spec.page_rows and spec.persistent and spec.block_m >= 192:
             raise ValueError(f"{self.kind}: page_rows with persistent at block_m {spec.block_m}: three consumer "
                              "warpgroups leave the producer 32 registers and the paged loads spill them; drop "
@@ -277,7 +282,9 @@ class Sm90Family(Family):
         values = {**forward_values(dims, strides_bhs, o_strides, scale), **variant.values(nq, nk, scale)}
         template = kern.params(**stride_values("o", o_strides),
                                **{n: values[n] for n in ("nq", "nk", "heads", "group", "d", "scale", "scale_log2",
-                                                         *(n for n, _, _ in VARIANT_PARAMS if n in values))})
+                                                         *(n for n, _, _ in VARIANT_PARAMS if n in values))},
+                               **({n: values[n] for n in ("k_sb", "k_sh", "k_ss", "v_sb", "v_sh", "v_ss")}
+                                  if spec.kv_gather else {}))
         m_blocks = (nq + spec.block_m - 1) // spec.block_m
         tiles = (varlen_pairs(nq, b, spec.block_m) if varlen else m_blocks * b) * h
         if tiles > 2**31 - 1:
@@ -311,7 +318,11 @@ class Sm90Family(Family):
         box_q, box_kv = (64, 64, 1, 1), (64, kv_box, 1, 1)  # Q: one 64-row piece per consumer warpgroup
         dtype, encode, memmove = spec.dtype, tma.encode, ctypes.memmove
 
+        gather = spec.kv_gather
+
         def fill(params, q_ptr, k_ptr, v_ptr):
+            if gather:
+                params.kc, params.vc = k_ptr, v_ptr
             base = ctypes.addressof(params)
             memmove(base + off_q, encode(q_ptr, dtype, q_dims, q_str, box_q), 128)
             if nk:

@@ -22,6 +22,11 @@ FG_DEVICE void mbar_expect_tx(fg_u32 bar, fg_u32 bytes) {
 FG_DEVICE void mbar_arrive(fg_u32 bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
+// One asynchronous arrive on `bar` once every cp.async this thread issued before it has completed;
+// .noinc: the arrive counts against the barrier's expected count (mbar_init's, per thread).
+FG_DEVICE void cp_async_mbar_arrive_noinc(fg_u32 bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
 // Spin until the phase with the given parity has completed.
 FG_DEVICE void mbar_wait(fg_u32 bar, int parity) {
   fg_u32 done;

@@ -86,7 +86,7 @@
 #pragma once
 
 template <int D, int BM, int BN, int ST, bool WS, bool PINGPONG, bool OVERLAP, bool CAUSAL, bool BF16,
-          int FMA_EXP2, bool EARLY_K, bool LEAN, bool PERSISTENT, int QP, int PAGE_ROWS, typename V,
+          int FMA_EXP2, bool EARLY_K, bool LEAN, bool PERSISTENT, int QP, int PAGE_ROWS, bool GATHER, typename V,
           typename Params>
 struct fwd_sm90_cta {
   // (Enumerators, not static constexpr members: NVRTC emits such a member as a global object.)
@@ -100,9 +100,15 @@ struct fwd_sm90_cta {
     NBAR = EARLY_K ? 4 : 3,        // barriers per stage
     // Paged K/V (PAGE_ROWS > 0): a K/V block is CHUNKS boxes of PAGE_ROWS rows, each from its own page.
     CHUNKS = PAGE_ROWS ? BN / PAGE_ROWS : 1,
+    // GATHER: the producer warpgroup's 128 threads copy the rows by cp.async, 16 bytes each: CPR chunks
+    // a row, GATHER_PER per thread and block.
+    CPR = D / 8,
+    GATHER_PER = BN * CPR / 128,
   };
   static_assert(PAGE_ROWS == 0 || (V::VARLEN_ROWS && PAGE_ROWS % 8 == 0 && BN % PAGE_ROWS == 0),
                 "paged K/V: boxes of a multiple of 8 rows dividing BN (whole 1024-byte swizzle atoms), packed rows");
+  static_assert(!GATHER || (PAGE_ROWS > 0 && WS && !PERSISTENT && (BN * CPR) % 128 == 0),
+                "gathered K/V rows: paged, by the producer warpgroup of a one-tile-per-CTA kernel");
 
   const Params& p;
   int (&tile_slot)[PERSISTENT ? 2 : 1];  // PERSISTENT: the tile of tile number qi in tile_slot[qi % 2]
@@ -155,6 +161,12 @@ struct fwd_sm90_cta {
   FG_DEVICE fg_u32 bar_e(int s) const { return bar0 + 8u * (QP + 2 * ST + s); }
   // V's empty barrier (K's and V's are one without EARLY_K)
   FG_DEVICE fg_u32 bar_ev(int s) const { return EARLY_K ? bar0 + 8u * (QP + 3 * ST + s) : bar_e(s); }
+  // A consumer's wait on a full K or V barrier. GATHER: the rows were written by cp.async (the generic
+  // proxy), and wgmma reads its operands through the async proxy: the fence orders the two.
+  FG_DEVICE void kv_wait(fg_u32 bar, int parity) const {
+    mbar_wait(bar, parity);
+    if constexpr (GATHER) fence_proxy_async_smem();
+  }
   FG_DEVICE fg_u32 bar_qe(int i) const { return bar0 + 8u * (QP + NBAR * ST + 1 + i); }  // Q piece i empty
 
   // Tile t -> (m_block, head, batch): the (batch, head) pairs in consecutive sections whose K/V fit in
@@ -216,8 +228,8 @@ struct fwd_sm90_cta {
     }
 #pragma unroll
     for (int s = 0; s < ST; ++s) {
-      mbar_init(bar_k(s), 1);
-      mbar_init(bar_v(s), 1);
+      mbar_init(bar_k(s), GATHER ? 128 : 1);  // GATHER: one asynchronous arrive per producer thread
+      mbar_init(bar_v(s), GATHER ? 128 : 1);
       mbar_init(bar_e(s), 4 * NWG);  // lane 0 of every consumer warp
       if constexpr (EARLY_K) mbar_init(bar_ev(s), 4 * NWG);
     }
@@ -275,6 +287,52 @@ struct fwd_sm90_cta {
     }
   }
   FG_DEVICE void produce(int j) { produce_at(j, j); }
+
+  // GATHER's producer (every thread of the producer warpgroup, `tid` 0-127): K/V block j row by row.
+  // Thread c < CHUNKS reads block-table entry c before the stage's wait (its latency hides there) and
+  // publishes it in page_slot's half j % 2 (the half block j - 2 used: every producer thread has passed
+  // block j - 1's barrier, so none still reads it); the named barrier makes the entries visible.
+  FG_DEVICE void gather_block(int j) {
+    const int s = j % ST, key0 = kv_block(j) * BN;
+    int page = 0;
+    if (tid < CHUNKS && key0 + tid * PAGE_ROWS < seq_nk)
+      page = __ldg(p.bt + b * p.bt_stride + ((key0 + tid * PAGE_ROWS) >> p.page_shift));
+    if (j >= ST) mbar_wait(bar_e(s), ((j / ST) + 1) & 1);
+    const fg_u32 slot = page_slot + 4u * ((j & 1) * CHUNKS);
+    if (tid < CHUNKS) asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(slot + 4u * tid), "r"(page) : "memory");
+    named_sync(1, 128);
+    gather_rows(sK + s * KV_BYTES, p.kc, p.k_sb, p.k_sh, p.k_ss, slot, key0, bar_k(s));
+    if constexpr (EARLY_K) {
+      if (j >= ST) mbar_wait(bar_ev(s), ((j / ST) + 1) & 1);
+    }
+    gather_rows(sV + s * KV_BYTES, p.vc, p.v_sb, p.v_sh, p.v_ss, slot, key0, bar_v(s));
+  }
+  // This thread's GATHER_PER 16-byte chunks of a block (rows key0 ... key0 + BN - 1 of the sequence) into
+  // the stage at `dst` in the layout a TMA box gives (128-byte panels of BN rows, chunk c of row r at
+  // position c ^ (r % 8)); rows past the keys are zero-filled (nothing read). Counted on `bar` by one
+  // asynchronous arrive once they have landed.
+  FG_DEVICE void gather_rows(fg_u32 dst, const elem_t* base, long long s_page, long long s_head, long long s_row,
+                             fg_u32 slot, int key0, fg_u32 bar) const {
+    const elem_t* head = base + static_cast<long long>(hk) * s_head;
+    auto chunk = [&](int i) {
+      const int idx = tid + 128 * i, r = idx / CPR, c = idx % CPR, key = key0 + r;
+      const bool live = key < seq_nk;
+      int page = 0;
+      if (live) asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(page) : "r"(slot + 4u * (r / PAGE_ROWS)) : "memory");
+      const elem_t* src = head + page * s_page + (key & ((1 << p.page_shift) - 1)) * s_row + c * 8;
+      cp_async_16(dst + (c / 8) * BN * 128 + r * 128 + (((c % 8) ^ (r % 8)) * 16), live ? src : base, live ? 16 : 0);
+    };
+    // U chunks issued together (U = 1 measured: the open question in docs/perf/varlen.md is whether more
+    // in flight per thread lifts the gather; 2-8 compile without spills at 24 producer registers).
+    constexpr int U = 1;
+#pragma unroll 1
+    for (int i0 = 0; i0 < GATHER_PER; i0 += U) {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (GATHER_PER % U == 0 || i0 + u < GATHER_PER) chunk(i0 + u);
+    }
+    cp_async_mbar_arrive_noinc(bar);
+  }
   // The maps' batch coordinate: packed rows are one batch of total rows (a block that runs past its
   // sequence reads the next one's rows: masked keys, query rows never stored).
   FG_DEVICE int map_batch() const { return V::VARLEN_ROWS ? 0 : b; }
@@ -530,7 +588,7 @@ struct fwd_sm90_cta {
     if constexpr (!OVERLAP && !PINGPONG) {
       for (int j = 0; j < c.n_live; ++j) {
         const int s = (kv0 + j) % ST, ph = ((kv0 + j) / ST) & 1;
-        mbar_wait(c.bar_k(s), ph);
+        c.kv_wait(c.bar_k(s), ph);
         c.pp_begin();
         wgmma_fence();
         c.issue_s(acc_s, s);
@@ -543,7 +601,7 @@ struct fwd_sm90_cta {
         c.softmax(j, acc_s, row_max, row_sum, alpha);
         c.rescale_o(acc_o, alpha);
         c.pack_p(pa, acc_s);
-        mbar_wait(c.bar_v(s), ph);
+        c.kv_wait(c.bar_v(s), ph);
         c.pp_begin();
         reg_fence(acc_o);
         wgmma_fence();
@@ -555,7 +613,7 @@ struct fwd_sm90_cta {
         c.release(kv0 + j);
       }
     } else if (c.n_live > 0) {
-      mbar_wait(c.bar_k(kv0 % ST), (kv0 / ST) & 1);
+      c.kv_wait(c.bar_k(kv0 % ST), (kv0 / ST) & 1);
       c.pp_begin();
       wgmma_fence();
       c.issue_s(acc_s, kv0 % ST);
@@ -569,8 +627,8 @@ struct fwd_sm90_cta {
       for (int j = 1; j < c.n_live; ++j) {
         const int r = kv0 + j, s = r % ST, sp = (r - 1) % ST;
         c.pack_p(pa, acc_s);  // P(j-1)
-        mbar_wait(c.bar_k(s), (r / ST) & 1);
-        mbar_wait(c.bar_v(sp), ((r - 1) / ST) & 1);
+        c.kv_wait(c.bar_k(s), (r / ST) & 1);
+        c.kv_wait(c.bar_v(sp), ((r - 1) / ST) & 1);
         c.pp_begin();
         reg_fence(acc_o);
         wgmma_fence();
@@ -602,7 +660,7 @@ struct fwd_sm90_cta {
       }
       const int jl = kv0 + c.n_live - 1, sl = jl % ST;
       c.pack_p(pa, acc_s);
-      mbar_wait(c.bar_v(sl), (jl / ST) & 1);
+      c.kv_wait(c.bar_v(sl), (jl / ST) & 1);
       c.pp_begin();
       reg_fence(acc_o);
       wgmma_fence();
@@ -623,8 +681,8 @@ struct fwd_sm90_cta {
       }
       for (int j = c.n_live; j < c.n_blocks; ++j) {
         const int r = kv0 + j, s = r % ST, ph = (r / ST) & 1;
-        mbar_wait(c.bar_k(s), ph);
-        mbar_wait(c.bar_v(s), ph);
+        c.kv_wait(c.bar_k(s), ph);
+        c.kv_wait(c.bar_v(s), ph);
         c.pp_begin();
         c.pp_end(j == c.n_blocks - 1);
         c.release_k(r);
@@ -711,7 +769,7 @@ struct fwd_sm90_cta {
 // tile loop; the stages are fwd_sm90_cta's.
 template <int D, int BM, int BN, int ST, bool WS, bool PINGPONG, bool OVERLAP, bool CAUSAL, bool BF16,
           int PRODUCER_REGS, int CONSUMER_REGS, int FMA_EXP2, bool EARLY_K, bool LEAN, bool PERSISTENT, int QP,
-          int PAGE_ROWS, typename V, typename Params>
+          int PAGE_ROWS, bool GATHER, typename V, typename Params>
 FG_DEVICE void fwd_sm90_body(const Params& p) {
   constexpr int NWG = BM / 64;  // consumer warpgroups
   static_assert(BM % 64 == 0 && D % 64 == 0 && BN % 16 == 0 && ST >= 2, "bad fwd_sm90 tile");
@@ -731,8 +789,9 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   }
   extern __shared__ unsigned char smem_raw[];
   // The barriers (fwd_sm90_cta::bar_*): per Q piece, per stage, the sched_pin target, per Q piece.
-  // Paged K/V: then the producer's block-table entries of the block it loads (fwd_sm90_cta::page_slot).
-  __shared__ __align__(8) fg_u64 bars[QP + NBAR * ST + 1 + (PERSISTENT ? QP : 0) + (PAGE_ROWS ? (BN / PAGE_ROWS + 1) / 2 : 0)];
+  // Paged K/V: then the producer's block-table entries of the block it loads (fwd_sm90_cta::page_slot;
+  // GATHER: two blocks' worth).
+  __shared__ __align__(8) fg_u64 bars[QP + NBAR * ST + 1 + (PERSISTENT ? QP : 0) + (PAGE_ROWS ? (GATHER ? BN / PAGE_ROWS : (BN / PAGE_ROWS + 1) / 2) : 0)];
   // PERSISTENT: the tile of the CTA's tile number qi in tile_slot[qi % 2], -1 when none is left. Written once
   // the tile's Q pieces are free, i.e. once every consumer is done with tile qi - 1 or qi - 2 (see
   // produce_all): the slot it overwrites (qi - 2's) has been read by all. One slot per tile, not per
@@ -741,7 +800,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   // 4 R->UR moves before every wgmma (SASS) and 8-15 % of the persistent kernel's speed lost (H200).
   __shared__ int tile_slot[PERSISTENT ? 2 : 1];
   using cta_t = fwd_sm90_cta<D, BM, BN, ST, WS, PINGPONG, OVERLAP, CAUSAL, BF16, FMA_EXP2, EARLY_K, LEAN,
-                             PERSISTENT, QP, PAGE_ROWS, V, Params>;
+                             PERSISTENT, QP, PAGE_ROWS, GATHER, V, Params>;
   cta_t cta(p, smem_addr(smem_raw), smem_addr(bars), tile_slot);
   const int tid = cta.tid;
 
@@ -758,7 +817,12 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
     const int wg = tid / 128;
     if (wg == 0) {
       if constexpr (NWG >= 2) regs_dec<PRODUCER_REGS>();
-      if (tid == 0) {
+      if constexpr (GATHER) {
+        if (tid == 0) cta.produce_q();
+        for (int j = 0; j < cta.n_blocks; ++j) cta.gather_block(j);
+        cp_async_commit();  // (no thread leaves with its copies in flight)
+        cp_async_wait<0>();
+      } else if (tid == 0) {
         if constexpr (PERSISTENT) {
           cta.produce_all();
         } else {
