@@ -157,6 +157,18 @@ class Kernel:
         self._launch_kernel(self._fptr, grid[0], grid[1], grid[2], self.threads, 1, 1, self.smem, stream,
                             ctypes.addressof(argv), 0)
 
+    def launch_after(self, suffix: str, threads: int, grid: tuple[int, int, int], params, stream: int) -> None:
+        """``launch_entry(suffix, threads, params, stream)`` then ``launch(grid, params, stream)``, from one
+        argument array (the driver copies the parameter block at each enqueue, so both may share it)."""
+        fptr = self._entries.get(suffix)
+        if fptr is None:
+            fptr = self._entries[suffix] = _entry(self._module, self.spec.name + suffix, self.device_index)
+        argv = _ARGV(ctypes.addressof(params))
+        args = ctypes.addressof(argv)
+        launch = self._launch_kernel
+        launch(fptr, 1, 1, 1, threads, 1, 1, 0, stream, args, 0)
+        launch(self._fptr, grid[0], grid[1], grid[2], self.threads, 1, 1, self.smem, stream, args, 0)
+
 
 def load_kernel(spec, device_index: int) -> Kernel:
     """The kernel of ``spec`` on CUDA device ``device_index``, compiled or loaded once per process."""
