@@ -237,6 +237,47 @@ def test_deterministic():
         assert torch.equal(flashgen.attention_varlen(*args, causal=True), first)
 
 
+def test_work_list_shared_by_calls_and_kept_by_a_cuda_graph():
+    """Calls back to back on one stream share its work list (each call's builder rewrites it after the
+    last kernel has read it, also when a longer list grows it), a side stream has its own, and a CUDA
+    graph captures a list of its own: replays between eager calls of other lengths give the captured
+    lengths' rows."""
+    def inputs(q_lens, k_lens):
+        q = torch.randn(sum(q_lens), 4, 64, device="cuda").to(torch.bfloat16)
+        k, v = (torch.randn(sum(k_lens), 2, 64, device="cuda").to(torch.bfloat16) for _ in range(2))
+        return q, k, v, _cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens)
+
+    calls = [inputs([300, 17, 129], [310, 17, 5]), inputs([5, 1000, 64, 77, 3], [5, 900, 64, 77, 300]),
+             inputs([64], [64])]
+    wants = []
+    for args in calls:
+        wants.append(flashgen.attention_varlen(*args, causal=True))
+        torch.cuda.synchronize()
+    outs = [flashgen.attention_varlen(*calls[i % 3], causal=True, check_values=False) for i in range(9)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        side_out = flashgen.attention_varlen(*calls[1], causal=True, check_values=False)
+    torch.cuda.synchronize()
+    for i, out in enumerate(outs):
+        assert torch.equal(out, wants[i % 3]), f"call {i} of a burst"
+    assert torch.equal(side_out, wants[1])
+
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph):
+            static = flashgen.attention_varlen(*calls[0], causal=True, check_values=False)
+    torch.cuda.current_stream().wait_stream(stream)
+    eager = []
+    for _ in range(2):
+        eager.append(flashgen.attention_varlen(*calls[1], causal=True, check_values=False))
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static, wants[0])
+    assert all(torch.equal(out, wants[1]) for out in eager)
+
+
 def test_value_checks():
     q = torch.randn(10, 4, 64, device="cuda").to(torch.bfloat16)
     k = torch.randn(12, 2, 64, device="cuda").to(torch.bfloat16)

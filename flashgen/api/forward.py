@@ -8,6 +8,8 @@ family packs the kernel's arguments (``launch`` of ``families.fwd_v2`` /
 """
 from __future__ import annotations
 
+from threading import get_ident
+
 import torch
 
 from .. import dispatch, families
@@ -17,7 +19,7 @@ from ..families.base import varlen_list_ints
 from ..problem import ProblemKey, bucket_of, head_dim_tile
 from . import baselines
 from .checks import (DTYPES, check_attention_inputs, check_flag, check_forced_spec, check_packed_inputs,
-                     check_variant_inputs, contiguous_strides, set_packed, variant_tensors)
+                     check_variant_inputs, contiguous_strides, variant_tensors)
 from .device import Device, current_device, current_stream, index_of, is_capturing
 from .plans import PlanCache
 
@@ -72,47 +74,98 @@ def forward(q, k, v, causal, softmax_scale, layout, return_lse, spec=None, algor
 
 def packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                    seqused_k=None, window=None, softcap=0.0, alibi_slopes=None, sinks=None, spec=None, out32=None,
-                   block_table=None):
+                   block_table=None, return_lse=True):
     """The forward launch behind ``attention_varlen`` (no autograd, no value checks: the caller's):
-    (out (total_q, heads, d), lse (heads, total_q) fp32). ``out32`` (with sinks): an fp32 (heads,
-    total_q, d) tensor the kernel also writes the normalised output into. ``block_table``: k and v are
-    paged caches (``check_packed_inputs``)."""
+    (out (total_q, heads, d), lse (heads, total_q) fp32, or None with ``return_lse=False``: the kernel
+    then writes none). ``out32`` (with sinks): an fp32 (heads, total_q, d) tensor the kernel also writes
+    the normalised output into. ``block_table``: k and v are paged caches (``check_packed_inputs``)."""
     try:
+        # Flat on purpose: this tuple is built and hashed on every call (host overhead); the tensors that
+        # are usually absent share one entry.
         sig = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-               q.device, k.device, v.device, _small(cu_seqlens_q), _small(cu_seqlens_k), _small(seqused_k),
-               max_seqlen_q, max_seqlen_k, type(max_seqlen_q), type(max_seqlen_k), causal, type(causal),
-               softmax_scale, type(softmax_scale), window, type(window), softcap, type(softcap),
-               _small(alibi_slopes), _small(sinks), spec, _small(block_table))
+               q.device, k.device, v.device,
+               cu_seqlens_q.shape, cu_seqlens_q.stride(), cu_seqlens_q.dtype, cu_seqlens_q.device,
+               None if cu_seqlens_k is None else
+               (cu_seqlens_k.shape, cu_seqlens_k.stride(), cu_seqlens_k.dtype, cu_seqlens_k.device),
+               max_seqlen_q, max_seqlen_k, causal, softmax_scale, window, softcap, spec,
+               type(max_seqlen_q), type(max_seqlen_k), type(causal), type(softmax_scale), type(window),
+               type(softcap),  # 1 == True: the types keep checks honest
+               None if seqused_k is None and alibi_slopes is None and sinks is None and block_table is None else
+               (_small(seqused_k), _small(alibi_slopes), _small(sinks), _small(block_table)))
         plan = _packed_plans.get(sig)
     except (AttributeError, TypeError):
         sig = plan = None
     if plan is None:
         plan = packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                            seqused_k, window, softcap, alibi_slopes, sinks, spec, block_table)
+                           seqused_k, window, softcap, alibi_slopes, sinks, spec, block_table)
         _packed_plans.put(sig, plan)
-    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
-        raise ValueError("q, k, v must be 16-byte aligned (16-byte loads), got addresses "
-                         f"{q.data_ptr():#x}, {k.data_ptr():#x}, {v.data_ptr():#x}")
-    out = q.new_empty(q.shape)
-    lse = q.new_empty(plan.lse_shape, dtype=torch.float32)
+    qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    if (qp | kp | vp) & 15:
+        raise ValueError(f"q, k, v must be 16-byte aligned (16-byte loads), got addresses {qp:#x}, {kp:#x}, {vp:#x}")
+    # contiguous (total_q, heads, d) in q's dtype and device; empty_like reads q's options without the
+    # size argument that new_empty parses (a torch.Size there costs about 1 us more on the host)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = q.new_empty(plan.lse_shape, dtype=torch.float32) if return_lse else None
     if plan.kernel is None:  # no query rows, or no sequences
-        lse.fill_(float("-inf"))
+        if lse is not None:
+            lse.fill_(float("-inf"))
         return out.zero_(), lse
-    work = torch.empty(plan.list_ints, dtype=torch.int32, device=q.device)
-    params = plan.params_for(q.data_ptr(), k.data_ptr(), v.data_ptr())
-    params.o, params.lse = out.data_ptr(), lse.data_ptr()
-    params.o32 = out32.data_ptr() if out32 is not None else 0
-    set_packed(params, cu_seqlens_q, cu_seqlens_k, seqused_k, work)
+    params = plan.params_for(qp, kp, vp)
+    params.o = out.data_ptr()
+    if lse is not None:  # (the parameter block's pointers not set here are null)
+        params.lse = lse.data_ptr()
+    if out32 is not None:
+        params.o32 = out32.data_ptr()
+    params.cu_q = cu_seqlens_q.data_ptr()
+    if cu_seqlens_k is not None:
+        params.cu_k = cu_seqlens_k.data_ptr()
+    if seqused_k is not None:
+        params.used_k = seqused_k.data_ptr()
     if block_table is not None:
         params.bt, params.bt_stride = block_table.data_ptr(), block_table.stride(0)
-    if alibi_slopes is not None or sinks is not None:
+    if alibi_slopes is not None or sinks is not None:  # (kept alive until the launch is queued)
         slopes, params.alibi_sb, sink_logits = variant_tensors(alibi_slopes, sinks)
         params.alibi = slopes.data_ptr() if slopes is not None else 0
         params.sinks = sink_logits.data_ptr() if sink_logits is not None else 0
+    idx = plan.device_index
+    if idx == current_device():
+        _launch_packed(plan, params, current_stream(idx))
+    else:
+        with torch.cuda.device(idx):
+            _launch_packed(plan, params, current_stream(idx))
+    return out, lse
+
+
+def _launch_packed(plan, params, stream: int) -> None:
+    """Enqueue a packed call on ``stream`` (the plan's device is current): the work list's builder, then
+    the kernel, with the stream's work list (and tile counters, a persistent kernel)."""
+    work = _work_list(plan.device_index, stream, plan.list_ints)  # (alive until both launches are queued)
+    params.vl_tiles = work.data_ptr()
     if plan.counters:
         params.sched = _tile_counters(plan.device_index)
-    plan.launch(params, tiles_first=True)
-    return out, lse
+    plan.kernel.launch_after("_tiles", 1024, plan.grid, params, stream)
+
+
+# Work lists of packed calls, one per (device, stream, thread), grown as needed: the builder rewrites the
+# list before each kernel that reads it, and launches on one stream run in order, so one buffer serves
+# every call there; the thread is in the key because two threads may interleave their launches on one
+# stream (a builder between another call's builder and kernel). While a CUDA graph is being captured the
+# list comes from torch's allocator (the graph's pool): a replay must not share the eager calls' list.
+_work_lists: dict = {}
+
+
+def _work_list(idx: int, stream: int, ints: int):
+    """An int32 tensor of at least ``ints`` slots on device ``idx`` for a work list on ``stream``."""
+    if is_capturing():
+        return torch.empty(ints, dtype=torch.int32, device=torch.device("cuda", idx))
+    key = (idx, stream, get_ident())
+    t = _work_lists.get(key)
+    if t is None or t.numel() < ints:
+        if len(_work_lists) > 64:  # streams or threads come and go: start over rather than grow forever
+            _work_lists.clear()
+        t = _work_lists[key] = torch.empty(max(ints, 2 * (t.numel() if t is not None else 0), 1 << 12),
+                                           dtype=torch.int32, device=torch.device("cuda", idx))
+    return t
 
 
 def packed_plan(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, seqused_k, window, softcap, alibi_slopes,
@@ -163,18 +216,14 @@ class _Plan:
         self.kernel, self.grid, self.device_index, self.lse_shape = kernel, grid, device_index, lse_shape
         self.params_for, self.counters, self.list_ints = params_for, counters, 0
 
-    def launch(self, params, tiles_first: bool = False) -> None:
-        """Enqueue the kernel on the current stream; ``tiles_first`` (packed rows): its work-list builder
-        (the module's ``_tiles`` entry, common/varlen.cuh) just before it, with the same parameters."""
+    def launch(self, params) -> None:
+        """Enqueue the kernel on the current stream of the plan's device."""
         idx = self.device_index
         if idx == current_device():
-            stream = current_stream(idx)
-            if tiles_first:
-                self.kernel.launch_entry("_tiles", 1024, params, stream)
-            self.kernel.launch(self.grid, params, stream)
+            self.kernel.launch(self.grid, params, current_stream(idx))
         else:
             with torch.cuda.device(idx):
-                self.launch(params, tiles_first)
+                self.launch(params)
 
 
 def _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm="v2", window=None, softcap=0.0,

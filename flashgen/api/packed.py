@@ -56,12 +56,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     (UnsupportedError when a gradient is needed); under torch.compile through the
     ``flashgen::attn_paged_fwd`` custom op.
     """
-    check_flag("causal", causal)
-    check_flag("return_lse", return_lse)
-    check_flag("deterministic", deterministic)
-    check_flag("check_values", check_values)
+    if not (type(causal) is type(return_lse) is type(deterministic) is type(check_values) is bool):
+        for name, flag in (("causal", causal), ("return_lse", return_lse), ("deterministic", deterministic),
+                           ("check_values", check_values)):
+            check_flag(name, flag)
     paged = block_table is not None
-    grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, sinks))
+    grad = torch.is_grad_enabled() and (getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False) or
+                                        getattr(v, "requires_grad", False) or getattr(sinks, "requires_grad", False))
     compiling = is_compiling()
     if paged and grad:
         raise UnsupportedError("attention_varlen over a paged K/V cache (block_table) has no backward (it serves "
@@ -77,10 +78,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     if paged:
         if spec is not None and compiling:
             raise ValueError("spec= forces one forward kernel and is not supported under torch.compile")
-        run = attention_paged_op if compiling else packed_forward
-        out, lse = run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                       seqused_k, window, softcap, alibi_slopes, sinks, *(() if compiling else (spec,)),
-                       block_table=block_table)
+        args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, seqused_k,
+                window, softcap, alibi_slopes, sinks)
+        if compiling:
+            out, lse = attention_paged_op(*args, block_table=block_table)
+        else:
+            out, lse = packed_forward(*args, spec, block_table=block_table, return_lse=return_lse)
     elif compiling or grad:
         if spec is not None:
             raise ValueError("spec= forces one forward kernel and is not supported when a gradient is needed or "
@@ -89,7 +92,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
                                        softmax_scale, deterministic, seqused_k, window, softcap, alibi_slopes, sinks)
     else:
         out, lse = packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                  softmax_scale, seqused_k, window, softcap, alibi_slopes, sinks, spec)
+                                  softmax_scale, seqused_k, window, softcap, alibi_slopes, sinks, spec,
+                                  return_lse=return_lse)  # (without it the kernel writes no LSE)
     return (out, lse) if return_lse else out
 
 
