@@ -55,7 +55,8 @@ def forward(q, k, v, causal, softmax_scale, layout, return_lse, spec=None, algor
                          f"{q.data_ptr():#x}, {k.data_ptr():#x}, {v.data_ptr():#x}")
     if type(plan) is not _Plan:  # algorithm="v1"/"standard": several kernels and buffers (baselines)
         return plan.run(q, k, v, return_lse)
-    out = q.new_empty(q.shape)  # contiguous, q's dtype and device (cheaper than torch.empty on the host)
+    # contiguous, q's dtype and device; empty_like parses no size argument (new_empty(q.shape): ~1 us more)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty(plan.lse_shape, dtype=torch.float32) if return_lse else None
     if plan.kernel is not None:
         params = plan.params_for(q.data_ptr(), k.data_ptr(), v.data_ptr())
