@@ -13,6 +13,9 @@ themselves with ``pytest.mark.gpu`` and skip themselves without CUDA.
 """
 from __future__ import annotations
 
+import itertools
+import re
+
 import pytest
 
 from flashgen.testing import ENVIRONMENT
@@ -57,12 +60,23 @@ def gpu_kernel_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("gpu_kernels")
 
 
+@pytest.fixture(scope="session")
+def _homes(tmp_path_factory):
+    """The folder of every test's FLASHGEN_HOME (one each, made only when the test writes there)."""
+    return tmp_path_factory.mktemp("homes")
+
+
+_home_numbers = itertools.count()
+
+
 @pytest.fixture(autouse=True)
-def flashgen_home(request, tmp_path, monkeypatch):
+def flashgen_home(request, _homes, monkeypatch):
     """A private, empty FLASHGEN_HOME for one test (its tuned tables are its own); the ``kernels/`` of a
     GPU test or of one marked ``shared_kernels`` is the run's shared binary cache. Returns the home's
-    path."""
-    home = tmp_path / "flashgen_home"
+    path, a new one under the run's ``homes/`` folder that flashgen creates when it first writes there
+    (not a tmp_path: most tests need no folder, and pytest looks through every earlier test's folder
+    to number a new one)."""
+    home = _homes / f"{re.sub(r'[^A-Za-z0-9_]', '_', request.node.name)[:30]}_{next(_home_numbers)}"
     for var in ENVIRONMENT:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("FLASHGEN_HOME", str(home))
