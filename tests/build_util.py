@@ -1,58 +1,170 @@
 """Helpers the compile-tier tests share: build many specs at once, and read a kernel's SASS."""
 from __future__ import annotations
 
+import multiprocessing
 import os
+import pickle
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
-from multiprocessing.pool import ThreadPool
+from collections.abc import Mapping
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 import pytest
 
 from flashgen.codegen import build, render
+from flashgen.testing import ENVIRONMENT
 
 
 class CompileSession:
-    """The compile tier's binaries, shared by every module of a run: a spec is compiled once per run
-    (tests/test_compile.py, test_sm90.py and test_bwd_sm90.py ask for overlapping sets) into one private
-    FLASHGEN_HOME, as many at a time as there are CPUs (NVRTC releases the GIL, so threads use every
-    core), with a progress line every tenth of the way (conftest's ``compile_session`` fixture)."""
+    """The compile tier's binaries, shared by every module of a run: each spec is compiled once per run
+    (tests/test_compile.py, test_sm90.py and test_bwd_sm90.py ask for overlapping sets) by ``build`` in
+    worker processes, one per CPU, into one private FLASHGEN_HOME.
 
-    def __init__(self, home, write_line=None):
-        self.home = home
-        self.results: dict = {}  # spec -> Binary, or the exception its build raised
+    ``start(specs)`` hands the specs of the run's compile-tier tests to the workers when the run begins
+    (conftest does it, and runs the tier's tests last), so the compiles go on, at a low CPU priority,
+    while the other tests run. ``build_all(specs)`` returns a mapping that waits for a spec's build when
+    it is looked up (a ``-k`` selection builds only what its tests look up), with a progress line every
+    tenth of the way while a test waits."""
+
+    def __init__(self, home, write_line=None, workers: int | None = None):
+        self.home = Path(home)
         self.write_line = write_line or (lambda text: None)
+        self.workers = workers or max(2, cpus())
+        self._futures: dict = {}  # spec -> Future of its build, in the order handed to the workers
+        self._done = 0  # builds finished (counted by the futures' callbacks)
+        self._pool = None
+        self._t0 = 0.0
+        self._shown = None  # tenths of the way shown, None before the first lookup
 
-    def build_all(self, specs) -> dict:
-        """{spec: Binary or the exception its build raised} for ``specs``; each test reports its own."""
-        todo = [s for s in dict.fromkeys(specs) if s not in self.results]
-        if todo:
-            self._compile(todo)
-        return {s: self.results[s] for s in specs}
+    def start(self, specs) -> None:
+        """Hand the builds of ``specs`` (each once) to the workers, starting them if they are not running."""
+        todo = [s for s in dict.fromkeys(specs) if s not in self._futures]
+        if not todo:
+            return
+        if self._pool is None:
+            self._t0 = time.monotonic()
+            context = multiprocessing.get_context("spawn")  # no copy of this process's torch or threads
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=context, initializer=_worker_start,
+                                             initargs=(str(self.home),))
+            self.write_line(f"compile tier: {len(todo)} kernels to compile, in the background ({self.workers} "
+                            "worker processes) while the other tests run")
+        for spec in todo:
+            self._futures[spec] = future = self._pool.submit(_worker_build, spec)
+            future.add_done_callback(self._count)
 
-    def _compile(self, todo) -> None:
-        threads = max(2, os.cpu_count() or 2)
-        done, step, t0 = 0, max(1, len(todo) // 10), time.monotonic()
-        self.write_line(f"compile tier: {len(todo)} kernels to compile on {threads} threads")
+    def _count(self, future) -> None:
+        self._done += 1
 
-        def one(spec):
+    def build_all(self, specs) -> "Compiled":
+        """{spec: Binary or the exception its build raised} for ``specs``: a lookup waits for that spec's
+        build (handed to the workers then, if ``start`` did not), iterating builds them all. Each test
+        reports its own."""
+        return Compiled(self, specs)
+
+    def result(self, spec):
+        """The Binary of ``spec`` or the exception its build raised, waiting for it."""
+        self.start([spec])
+        future = self._futures[spec]
+        self._progress()
+        while not future.done():
             try:
-                return spec, build(spec)
-            except Exception as exc:  # noqa: BLE001 -- reported per spec by the tests
-                return spec, exc
+                future.result(timeout=5)
+            except FutureTimeout:
+                self._progress()
+            except Exception:  # noqa: BLE001 -- a worker that died: the future carries it
+                break
+        self._progress()
+        exc = future.exception()
+        return exc if exc is not None else future.result()
 
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("FLASHGEN_HOME", str(self.home))
-            mp.delenv("FLASHGEN_NO_COMPILE", raising=False)
-            with ThreadPool(threads) as pool:
-                for spec, result in pool.imap_unordered(one, todo):
-                    self.results[spec] = result
-                    done += 1
-                    if done % step == 0 or done == len(todo):
-                        self.write_line(f"compile tier: {done}/{len(todo)} compiled, {time.monotonic() - t0:.0f} s")
+    def close(self) -> None:
+        """Drop the builds not started and stop the workers (the running builds finish first)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _progress(self) -> None:
+        """A line when the tier's tests begin, then each tenth of the way (written by the test that waits,
+        so never in the middle of another test's output)."""
+        total, done = len(self._futures), min(self._done, len(self._futures))
+        tenths = done * 10 // max(1, total)
+        if self._shown is None:
+            self.write_line(f"compile tier: {done}/{total} compiled when its tests began, "
+                            f"{time.monotonic() - self._t0:.0f} s after the workers started")
+            self._shown = tenths
+        elif tenths > self._shown:
+            self._shown = tenths
+            self.write_line(f"compile tier: {done}/{total} compiled, {time.monotonic() - self._t0:.0f} s after "
+                            "the workers started")
+
+
+class Compiled(Mapping):
+    """The read-only {spec: Binary or exception} of ``CompileSession.build_all``: a lookup waits for
+    that spec's build; ``in`` builds nothing."""
+
+    def __init__(self, session: CompileSession, specs):
+        self._session = session
+        self._specs = list(dict.fromkeys(specs))
+        self._known = set(self._specs)
+
+    def __getitem__(self, spec):
+        if spec not in self._known:
+            raise KeyError(spec)
+        return self._session.result(spec)
+
+    def __contains__(self, spec):
+        return spec in self._known
+
+    def __iter__(self):
+        self._session.start(self._specs)  # whoever walks them all gets them built in parallel
+        return iter(self._specs)
+
+    def __len__(self):
+        return len(self._specs)
+
+
+def cpus() -> int:
+    """The CPUs this process may run on (a container's share, where the machine has more)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+# The workers of CompileSession: separate processes, each with its own environment (the tests change
+# FLASHGEN_HOME and other settings of this process while the compiles go on) and a low CPU priority, so
+# that the tests running meanwhile are not slowed by them.
+_WORKER_NICE = 19
+
+
+def _worker_start(home: str) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the run, which stops the workers (close)
+    for var in ENVIRONMENT:
+        os.environ.pop(var, None)
+    os.environ["FLASHGEN_HOME"] = home
+    try:
+        os.nice(_WORKER_NICE)
+    except (AttributeError, OSError):  # no nice here: the builds still run
+        pass
+
+
+def _worker_build(spec):
+    """``build(spec)``, or the exception it raised (sent back as a RuntimeError with its text where it
+    cannot be pickled)."""
+    try:
+        return build(spec)
+    except Exception as exc:  # noqa: BLE001 -- reported per spec by the tests
+        try:
+            pickle.loads(pickle.dumps(exc))
+            return exc
+        except Exception:  # noqa: BLE001
+            return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
 def clean_binary(compiled: dict, spec):

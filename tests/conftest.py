@@ -6,10 +6,16 @@ another's cache entries. Every other ``FLASHGEN_*`` setting (``flashgen.testing.
 the list ``flashgen.settings`` reads) is cleared so the caller's environment cannot change
 what a test sees.
 
+The compile tier (the tests that use ``compile_session``: tests/test_compile.py, test_sm90.py,
+test_bwd_sm90.py) runs last; its kernels compile in worker processes from the run's first test on, while
+the other tests run (``build_util.CompileSession``).
+
 Options: ``--update-golden`` rewrites the golden sources of tests/test_render.py instead of comparing
 them (after an intended template change); ``--no-precompile`` makes the GPU test modules skip their
-parallel precompile step. Nothing GPU-specific is registered here: GPU tests (tests/test_gpu_*.py) mark
-themselves with ``pytest.mark.gpu`` and skip themselves without CUDA.
+parallel precompile step; ``--compile-tier-home DIR`` keeps the compile tier's binaries in DIR across
+runs (a kernel whose source, options or compiler changed compiles again). Nothing GPU-specific is
+registered here: GPU tests (tests/test_gpu_*.py) mark themselves with ``pytest.mark.gpu`` and skip
+themselves without CUDA.
 """
 from __future__ import annotations
 
@@ -24,6 +30,10 @@ from flashgen.testing import ENVIRONMENT
 def pytest_addoption(parser):
     parser.addoption("--update-golden", action="store_true", help="rewrite tests/golden/ instead of comparing")
     parser.addoption("--no-precompile", action="store_true", help="GPU tests: skip the parallel precompile step")
+    parser.addoption("--compile-tier-home", metavar="DIR", default=None,
+                     help="the compile tier's FLASHGEN_HOME, kept across runs (default: a new one per run); "
+                          "its binary cache is keyed by source, options, arch and versions, so only changed "
+                          "kernels compile again")
 
 
 @pytest.fixture
@@ -31,10 +41,34 @@ def update_golden(request) -> bool:
     return request.config.getoption("--update-golden")
 
 
-@pytest.fixture(scope="session")
-def compile_session(request, tmp_path_factory):
-    """The compile tier's shared binaries (``build_util.CompileSession``): each spec compiled once per run,
-    with progress lines on the terminal."""
+def _uses_compile_tier(item) -> bool:
+    return "compile_session" in getattr(item, "fixturenames", ())
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """The compile tier's tests (those that use ``compile_session``) run after all the others, which run
+    while the tier's kernels compile in the background (``_compile_tier``)."""
+    tier = [item for item in items if _uses_compile_tier(item)]
+    if tier:
+        items[:] = [item for item in items if not _uses_compile_tier(item)] + tier
+
+
+def _tier_specs(session) -> list:
+    """The specs the selected compile-tier tests are parametrized over, each once, in their order."""
+    specs = {}
+    for item in session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if _uses_compile_tier(item) and "spec" in params:
+            specs[params["spec"]] = None
+    return list(specs)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compile_tier(request, tmp_path_factory):
+    """The run's ``build_util.CompileSession``, set up with the run's first test: the kernels of the
+    selected compile-tier tests start compiling at once, in worker processes, and the workers stop when
+    the run ends."""
     from build_util import CompileSession
 
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
@@ -44,12 +78,23 @@ def compile_session(request, tmp_path_factory):
         if reporter is None:
             return
         if capture is None:
-            reporter.write_line(text)
+            reporter.write("\n" + text + "\n")
             return
-        with capture.global_and_fixture_disabled():
-            reporter.write_line(text)
+        with capture.global_and_fixture_disabled():  # on a line of its own, not after a row's dots
+            reporter.write("\n" + text + "\n")
 
-    return CompileSession(tmp_path_factory.mktemp("compile_tier"), write)
+    home = request.config.getoption("--compile-tier-home") or tmp_path_factory.mktemp("compile_tier")
+    session = CompileSession(home, write)
+    session.start(_tier_specs(request.session))
+    yield session
+    session.close()
+
+
+@pytest.fixture(scope="session")
+def compile_session(_compile_tier):
+    """The compile tier's shared binaries (``build_util.CompileSession``): each spec compiled once per run,
+    in the background from the run's start, with progress lines on the terminal while a test waits."""
+    return _compile_tier
 
 
 @pytest.fixture(scope="session")
