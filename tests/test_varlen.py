@@ -135,8 +135,9 @@ def test_paged_values():
 
 def test_paged_spec():
     """A paged call's kernel: the forward's pick with boxes of gcd(page, block_n) rows (block_n lowered
-    where that gcd is below both); with gather=True the tile as it is with gathered rows, one tile per CTA. page_rows wants packed rows and a multiple of 8 dividing
-    block_n, kv_gather a paged warp-specialized one-tile spec; the families without paged K/V refuse by
+    where that gcd is below both; a warp-specialized tile with several boxes a block one tile per CTA);
+    with gather=True the tile as it is with gathered rows, one tile per CTA. page_rows wants packed rows
+    and a multiple of 8 dividing block_n, kv_gather a paged warp-specialized one-tile spec; the families without paged K/V refuse by
     name."""
     import math
 
@@ -168,6 +169,8 @@ def test_paged_spec():
     with pytest.raises(ValueError, match="persistent at block_m 192"):
         wide.replace(page_rows=16).validate()
     assert not paged_spec(wide, 256).persistent and paged_spec(spec.replace(persistent=True), 256).persistent
+    # several boxes a block: one tile per CTA, whose producer warp issues them one lane each
+    assert not paged_spec(spec.replace(persistent=True), 16).persistent
     v2 = KernelSpec(kind="fwd_v2", head_dim=64, block_m=128, block_n=64, warps=4, varlen=True).validate()
     with pytest.raises(UnsupportedError, match="runs on fwd_sm90"):
         paged_spec(v2, 16)

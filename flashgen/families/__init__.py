@@ -125,18 +125,17 @@ def rule_specs(arch: str, budget: int) -> list:
 def paged_spec(spec, page_size: int, gather: bool = False):
     """The paged form of a forward spec; UnsupportedError for a family without paged K/V.
 
-    K/V boxes of ``page_rows`` =
-    gcd(page size, block_n) rows, the longest that stay inside one page. Where that gcd is below both
-    the page and the tile (a block_n of 80 and pages of 64 get 16-row boxes), block_n drops to the
-    largest multiple of 8 that the page divides or that divides the page: on the H200 a 16-row box costs
-    a quarter of the throughput, and 64 keys a block in 64-row boxes run within 5 % of the contiguous
-    call. A persistent tile of three consumer warpgroups runs one tile per CTA (fwd_sm90 refuses the
-    persistent form: its paged producer spills).
+    K/V boxes of ``page_rows`` = gcd(page size, block_n) rows, the longest that stay inside one page.
+    Where that gcd is below both the page and the tile (a block_n of 80 and pages of 64 get 16-row
+    boxes), block_n drops to the largest multiple of 8 that the page divides or that divides the page.
+    A persistent tile with several boxes per block runs one tile per CTA, where the producer warp
+    issues the boxes one lane each (the persistent producer is one thread: on the H200 one thread's
+    16-row boxes held the call at 0.77x the contiguous one, one lane each at 0.94x); a persistent tile of
+    three consumer warpgroups always runs one tile per CTA (fwd_sm90 refuses it: its paged producer spills).
 
     ``gather=True``: the tile as it is, its rows gathered by the producer warpgroup (``kv_gather``,
     block-table entries in runs of gcd(page size, block_n) rows), one tile per CTA. Not the default: on
-    the H200 it ran at 0.51x the contiguous call at every page size, below the 16-row boxes' 0.76x
-    (docs/perf/varlen.md)."""
+    the H200 it ran at about 0.5x the contiguous call at every page size (docs/perf/varlen.md)."""
     if spec.kind != "fwd_sm90":
         raise UnsupportedError(f"a paged K/V cache (block_table) runs on fwd_sm90 (sm_90a, head dims 64-256); this "
                                f"call's forward is {spec.kind}")
@@ -145,8 +144,9 @@ def paged_spec(spec, page_size: int, gather: bool = False):
         return spec.replace(page_rows=math.gcd(page_size, block_n), kv_gather=True, persistent=False).validate()
     if math.gcd(page_size, block_n) < min(page_size, block_n):
         block_n = max(n for n in range(8, block_n + 1, 8) if page_size % n == 0 or n % page_size == 0)
-    persistent = spec.persistent and spec.block_m < 192
-    return spec.replace(block_n=block_n, page_rows=math.gcd(page_size, block_n), persistent=persistent,
+    page_rows = math.gcd(page_size, block_n)
+    persistent = spec.persistent and spec.block_m < 192 and page_rows == block_n
+    return spec.replace(block_n=block_n, page_rows=page_rows, persistent=persistent,
                         kv_gather=False).validate()
 
 

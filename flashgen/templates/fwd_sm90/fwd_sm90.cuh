@@ -21,7 +21,8 @@
 // fragment layout) and V from shared memory (transposed B).
 //
 // Flags:
-//  WS        a producer warpgroup (one thread issues every TMA; setmaxnreg moves
+//  WS        a producer warpgroup (one thread issues every TMA, or with paged
+//            K/V of one tile per CTA one lane per page box; setmaxnreg moves
 //            its registers to the consumers). Without it, thread 0 of
 //            consumer 0 issues the loads in line, after the stage is released.
 //  PINGPONG  the consumer warpgroups (two or three) take turns issuing their
@@ -288,6 +289,38 @@ struct fwd_sm90_cta {
   }
   FG_DEVICE void produce(int j) { produce_at(j, j); }
 
+  // Paged K/V of a one-tile-per-CTA warp-specialized kernel: the producer warp (lanes 0-31, `tid`) loads
+  // block j with lane c < CHUNKS issuing box c's copies (its page's rows) and lane 0 the barriers'
+  // expected bytes: the CHUNKS boxes go out side by side, not from one thread's loop (pages of 16, m192
+  // n80: 0.77x -> 0.94x the contiguous call on the H200, docs/perf/varlen.md). Each lane reads its
+  // block-table entry before the stage's empty wait (the latency hides there; one register a lane).
+  FG_DEVICE void produce_lanes(int j) {
+    const int s = j % ST, c = tid;
+    const int key = kv_block(j) * BN + c * PAGE_ROWS;
+    const bool mine = c < CHUNKS, live = mine && key < seq_nk;
+    int page = 0;
+    if (live) page = __ldg(p.bt + b * p.bt_stride + (key >> p.page_shift));
+    const int row = live ? key & ((1 << p.page_shift) - 1) : 1 << p.page_shift;
+    if (j >= ST) mbar_wait(bar_e(s), ((j / ST) + 1) & 1);
+    if (c == 0) mbar_expect_tx(bar_k(s), KV_BYTES);
+    __syncwarp();
+    if (mine) {
+#pragma unroll
+      for (int pn = 0; pn < PANELS; ++pn)
+        tma_load_4d(sK + s * KV_BYTES + pn * BN * 128 + c * PAGE_ROWS * 128, &p.tm_k, bar_k(s), pn * 64, row, hk, page);
+    }
+    if constexpr (EARLY_K) {
+      if (j >= ST) mbar_wait(bar_ev(s), ((j / ST) + 1) & 1);
+    }
+    if (c == 0) mbar_expect_tx(bar_v(s), KV_BYTES);
+    __syncwarp();
+    if (mine) {
+#pragma unroll
+      for (int pn = 0; pn < PANELS; ++pn)
+        tma_load_4d(sV + s * KV_BYTES + pn * BN * 128 + c * PAGE_ROWS * 128, &p.tm_v, bar_v(s), pn * 64, row, hk, page);
+    }
+  }
+
   // GATHER's producer (every thread of the producer warpgroup, `tid` 0-127): K/V block j row by row.
   // Thread c < CHUNKS reads block-table entry c before the stage's wait (its latency hides there) and
   // publishes it in page_slot's half j % 2 (the half block j - 2 used: every producer thread has passed
@@ -322,15 +355,9 @@ struct fwd_sm90_cta {
       const elem_t* src = head + page * s_page + (key & ((1 << p.page_shift) - 1)) * s_row + c * 8;
       cp_async_16(dst + (c / 8) * BN * 128 + r * 128 + (((c % 8) ^ (r % 8)) * 16), live ? src : base, live ? 16 : 0);
     };
-    // U chunks issued together (U = 1 measured: the open question in docs/perf/varlen.md is whether more
-    // in flight per thread lifts the gather; 2-8 compile without spills at 24 producer registers).
-    constexpr int U = 1;
+    // (Rolled: 2, 4 or 8 chunks issued together per thread measured no faster, docs/perf/varlen.md.)
 #pragma unroll 1
-    for (int i0 = 0; i0 < GATHER_PER; i0 += U) {
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (GATHER_PER % U == 0 || i0 + u < GATHER_PER) chunk(i0 + u);
-    }
+    for (int i = 0; i < GATHER_PER; ++i) chunk(i);
     cp_async_mbar_arrive_noinc(bar);
   }
   // The maps' batch coordinate: packed rows are one batch of total rows (a block that runs past its
@@ -813,6 +840,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   // them per-thread values with 2-4 R2UR moves before every wgmma (SASS: 126 R2URs in the persistent
   // kernel, 33 with the broadcast; 88 -> 9 in the one-tile kernel), and the persistent kernel lost 8-15 %.
   int cw;  // consumer warpgroup index
+  constexpr bool LANES = PAGE_ROWS > 0 && WS && !PERSISTENT && !GATHER;  // paged: produce_lanes
   if constexpr (WS) {
     const int wg = tid / 128;
     if (wg == 0) {
@@ -822,6 +850,11 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
         for (int j = 0; j < cta.n_blocks; ++j) cta.gather_block(j);
         cp_async_commit();  // (no thread leaves with its copies in flight)
         cp_async_wait<0>();
+      } else if constexpr (LANES) {
+        if (tid < 32) {
+          if (tid == 0) cta.produce_q();
+          for (int j = 0; j < cta.n_blocks; ++j) cta.produce_lanes(j);
+        }
       } else if (tid == 0) {
         if constexpr (PERSISTENT) {
           cta.produce_all();
