@@ -102,7 +102,7 @@ def check_attention_inputs(q, k, v, causal, softmax_scale, layout):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D ({layout}), got shape {tuple(t.shape)}")
-        if t.device.type != "cuda":
+        if t.device.type not in ("cuda", "meta"):
             raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
         if t.dtype not in DTYPES:
             raise TypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
@@ -285,3 +285,10 @@ def set_packed(params, cu_seqlens_q, cu_seqlens_k, seqused_k, work) -> None:
     params.cu_k = cu_seqlens_k.data_ptr() if cu_seqlens_k is not None else 0
     params.used_k = seqused_k.data_ptr() if seqused_k is not None else 0
     params.vl_tiles = work.data_ptr()
+
+
+def on_meta(t) -> bool:
+    """Whether ``t`` is a meta tensor: the call then only checks its arguments and returns outputs of the
+    right shapes (``device="meta"`` model tooling, FLOP counters), through the custom ops' fake kernels."""
+    return isinstance(t, torch.Tensor) and t.device.type == "meta"
+

@@ -106,6 +106,9 @@ def decode(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None
         plan = _plans.get(sig)
     except (AttributeError, TypeError):  # not tensors, or unhashable: the full check says why
         sig = plan = None
+    if plan is None and isinstance(q, torch.Tensor) and q.device.type == "meta":
+        return _meta_decode(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax_scale,
+                            num_splits, return_lse, check_values, spec, window, softcap, alibi_slopes, sinks)
     if plan is None:
         plan = _plan(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax_scale, num_splits,
                      return_lse, check_values, spec, window, softcap, alibi_slopes, sinks)
@@ -117,9 +120,7 @@ def decode(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None
         raise ValueError("q, k_cache, v_cache, k_new, v_new must be 16-byte aligned (16-byte loads)")
     if has_new:  # the append writes the caches in place: nothing it writes may be read or written twice
         _check_append_aliasing(plan.extents, kp, vp, knp, vnp)
-    if (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad) and torch.is_grad_enabled():
-        raise UnsupportedError("flashgen.decode has no backward: call it under torch.no_grad() (or pass tensors "
-                               "that do not require grad); for a differentiable attention use flashgen.attention")
+    _refuse_grad(q, k_cache, v_cache)
     if check_values and plan.kernel is not None and not _capturing():
         check_cache_values(plan.limits, cache_seqlens, block_table)
         if alibi_slopes is not None or sinks is not None:
@@ -150,6 +151,26 @@ def decode(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None
         with torch.cuda.device(idx):
             return _launch(plan, params, lse_ptr, current_stream(idx), out, lse, return_lse)
     return _launch(plan, params, lse_ptr, current_stream(idx), out, lse, return_lse)
+
+
+def _refuse_grad(q, k_cache, v_cache) -> None:
+    if (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad) and torch.is_grad_enabled():
+        raise UnsupportedError("flashgen.decode has no backward: call it under torch.no_grad() (or pass tensors "
+                               "that do not require grad); for a differentiable attention use flashgen.attention")
+
+
+def _meta_decode(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax_scale, num_splits,
+                 return_lse, check_values, spec, window, softcap, alibi_slopes, sinks):
+    """``decode`` on meta tensors: the argument checks, then outputs of the right shapes (no kernel, no
+    append: a meta cache holds nothing)."""
+    (b, nq, hq, _, _), _, _, limits = _check(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
+                                             softmax_scale, num_splits, return_lse, check_values)
+    _check_variant(q, window, softcap, alibi_slopes, sinks, b, nq, hq, limits.capacity)
+    if spec is not None:
+        raise UnsupportedError("spec= forces one decode kernel: not with meta tensors")
+    _refuse_grad(q, k_cache, v_cache)
+    out = q.new_empty(q.shape)
+    return (out, q.new_empty((b, hq, nq), dtype=torch.float32)) if return_lse else out
 
 
 def _launch(plan, params, lse_ptr, stream, out, lse, return_lse):
@@ -329,7 +350,7 @@ def _check(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softma
                                  ("cache_seqlens", cache_seqlens), ("block_table", block_table),
                                  ("k_new", k_new), ("v_new", v_new)) if t is not None]
     for name, t in given:
-        if t.device.type != "cuda":
+        if t.device.type not in ("cuda", "meta"):
             raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
     if len({t.device for _, t in given}) > 1:
         raise ValueError("all tensors must be on one device, got " + ", ".join(f"{n}: {t.device}" for n, t in given))

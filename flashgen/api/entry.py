@@ -9,7 +9,7 @@ import torch
 
 from ..errors import UnsupportedError
 from .autograd import attention_op
-from .checks import check_flag
+from .checks import check_attention_inputs, check_flag, check_variant_inputs, on_meta
 from .device import is_compiling
 from .forward import ALGORITHMS, forward
 
@@ -54,7 +54,9 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     Returns the output in q's layout and dtype, and with ``return_lse`` also the
     log-sum-exp of the scaled scores, fp32 (batch, heads, seqlen_q).
     Raises TypeError/ValueError on bad inputs and UnsupportedError for requests
-    outside what the kernels serve, always before launching anything.
+    outside what the kernels serve, always before launching anything. On meta
+    tensors (``device="meta"``) the call checks its arguments and returns
+    outputs of the right shapes and dtypes, launching nothing.
 
     Differentiable: when q, k or v requires grad (or under torch.compile) the
     call goes through the ``flashgen::attn_fwd`` custom op, whose backward runs
@@ -63,6 +65,14 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     dQ kernel, somewhat slower); dK and dV are deterministic either way.
     """
     check_flag("deterministic", deterministic)
+    if on_meta(q) and not is_compiling():  # shapes only: the custom op's fake kernel, after the same argument checks
+        (b, h, nq, _), _, (_, nk), _, _, _ = check_attention_inputs(q, k, v, causal, softmax_scale, layout)
+        check_variant_inputs(q, causal, window, softcap, alibi_slopes, sinks, b, h, nq, nk)
+        check_flag("return_lse", return_lse)
+        if algorithm != "v2":
+            raise UnsupportedError(f"algorithm={algorithm!r} has no meta (shape-only) path: use algorithm='v2'")
+        return attention_op(q, k, v, causal, softmax_scale, layout, return_lse, deterministic, spec, window, softcap,
+                            alibi_slopes, sinks)
     if is_compiling() or (torch.is_grad_enabled() and (getattr(q, "requires_grad", False) or
                                                         getattr(k, "requires_grad", False) or
                                                         getattr(v, "requires_grad", False) or
