@@ -290,5 +290,25 @@ def set_packed(params, cu_seqlens_q, cu_seqlens_k, seqused_k, work) -> None:
 def on_meta(t) -> bool:
     """Whether ``t`` is a meta tensor: the call then only checks its arguments and returns outputs of the
     right shapes (``device="meta"`` model tooling, FLOP counters), through the custom ops' fake kernels."""
-    return isinstance(t, torch.Tensor) and t.device.type == "meta"
+    return isinstance(t, torch.Tensor) and t.is_meta
+
+
+def check_attention_call(q, k, v, causal, softmax_scale, layout, return_lse, window, softcap, alibi_slopes, sinks):
+    """Every check of a ``flashgen.attention`` call's arguments (the forward's plan and the meta path):
+    ``check_attention_inputs``'s facts and the ``Variant``."""
+    (b, h, nq, d), sq, (hk, nk), sk, sv, scale = check_attention_inputs(q, k, v, causal, softmax_scale, layout)
+    variant, _, _ = check_variant_inputs(q, causal, window, softcap, alibi_slopes, sinks, b, h, nq, nk)
+    check_flag("return_lse", return_lse)
+    return (b, h, nq, d), sq, (hk, nk), sk, sv, scale, variant
+
+
+def check_packed_call(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, seqused_k, block_table, window,
+                      softcap, alibi_slopes, sinks):
+    """Every check of an ``attention_varlen`` call that reads no device memory (the packed plan and the meta
+    path): ``check_packed_inputs``'s facts and the ``Variant`` (with the varlen switch)."""
+    dims, strides, scale = check_packed_inputs(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, seqused_k,
+                                               block_table)
+    seqs, h, _, total_q, total_k, _ = dims
+    variant, _, _ = check_variant_inputs(q, causal, window, softcap, alibi_slopes, sinks, seqs, h, total_q, total_k)
+    return dims, strides, scale, variant.replace(varlen=True)
 

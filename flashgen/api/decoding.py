@@ -24,7 +24,7 @@ from ..families import decode as dk
 from ..problem import ProblemKey, bucket_of, smallest_tile
 from ..variants import PLAIN, window_of
 from .checks import (DTYPES, check_block_table_layout, check_flag, check_forced_spec, check_heads_and_dim,
-                     check_variant_inputs, checked_scale, extent_bytes, overlap, variant_tensors)
+                     check_variant_inputs, checked_scale, extent_bytes, on_meta, overlap, variant_tensors)
 from .device import Device, current_device, current_stream, index_of
 from .device import is_capturing as _capturing
 from .plans import PlanCache
@@ -106,7 +106,7 @@ def decode(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None
         plan = _plans.get(sig)
     except (AttributeError, TypeError):  # not tensors, or unhashable: the full check says why
         sig = plan = None
-    if plan is None and isinstance(q, torch.Tensor) and q.device.type == "meta":
+    if plan is None and on_meta(q):
         return _meta_decode(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax_scale,
                             num_splits, return_lse, check_values, spec, window, softcap, alibi_slopes, sinks)
     if plan is None:
@@ -163,9 +163,8 @@ def _meta_decode(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, 
                  return_lse, check_values, spec, window, softcap, alibi_slopes, sinks):
     """``decode`` on meta tensors: the argument checks, then outputs of the right shapes (no kernel, no
     append: a meta cache holds nothing)."""
-    (b, nq, hq, _, _), _, _, limits = _check(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
-                                             softmax_scale, num_splits, return_lse, check_values)
-    _check_variant(q, window, softcap, alibi_slopes, sinks, b, nq, hq, limits.capacity)
+    (b, nq, hq, _, _), *_ = _checked(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax_scale,
+                                     num_splits, return_lse, check_values, window, softcap, alibi_slopes, sinks)
     if spec is not None:
         raise UnsupportedError("spec= forces one decode kernel: not with meta tensors")
     _refuse_grad(q, k_cache, v_cache)
@@ -439,12 +438,22 @@ def _check_variant(q, window, softcap, alibi_slopes, sinks, b, nq, hq, capacity)
     return variant
 
 
+def _checked(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax_scale, num_splits, return_lse,
+             check_values, window, softcap, alibi_slopes, sinks):
+    """Every check of a decode call that reads no device memory (the plan and the meta path): ``_check``'s
+    facts and the variant."""
+    dims, scale, num_splits, limits = _check(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
+                                             softmax_scale, num_splits, return_lse, check_values)
+    b, nq, hq = dims[:3]
+    return dims, scale, num_splits, limits, _check_variant(q, window, softcap, alibi_slopes, sinks, b, nq, hq,
+                                                           limits.capacity)
+
+
 def _plan(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax_scale, num_splits, return_lse,
           check_values, spec, window=None, softcap=0.0, alibi_slopes=None, sinks=None) -> _Plan:
-    (b, nq, hq, hk, d), scale, num_splits, limits = _check(q, k_cache, v_cache, cache_seqlens, block_table, k_new,
-                                                           v_new, softmax_scale, num_splits, return_lse,
-                                                           check_values)
-    variant = _check_variant(q, window, softcap, alibi_slopes, sinks, b, nq, hq, limits.capacity)
+    (b, nq, hq, hk, d), scale, num_splits, limits, variant = _checked(
+        q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax_scale, num_splits, return_lse,
+        check_values, window, softcap, alibi_slopes, sinks)
     index = index_of(q)
     extents = tuple(extent_bytes(t) if t is not None else 0 for t in (k_cache, v_cache, k_new, v_new))
     plan = _Plan(index, (b, hq, nq), limits, extents)

@@ -9,7 +9,7 @@ import torch
 
 from ..errors import UnsupportedError
 from .autograd import attention_op
-from .checks import check_attention_inputs, check_flag, check_variant_inputs, on_meta
+from .checks import check_attention_call, check_flag, on_meta
 from .device import is_compiling
 from .forward import ALGORITHMS, forward
 
@@ -66,9 +66,7 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     """
     check_flag("deterministic", deterministic)
     if on_meta(q) and not is_compiling():  # shapes only: the custom op's fake kernel, after the same argument checks
-        (b, h, nq, _), _, (_, nk), _, _, _ = check_attention_inputs(q, k, v, causal, softmax_scale, layout)
-        check_variant_inputs(q, causal, window, softcap, alibi_slopes, sinks, b, h, nq, nk)
-        check_flag("return_lse", return_lse)
+        check_attention_call(q, k, v, causal, softmax_scale, layout, return_lse, window, softcap, alibi_slopes, sinks)
         if algorithm != "v2":
             raise UnsupportedError(f"algorithm={algorithm!r} has no meta (shape-only) path: use algorithm='v2'")
         return attention_op(q, k, v, causal, softmax_scale, layout, return_lse, deterministic, spec, window, softcap,

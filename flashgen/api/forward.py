@@ -18,8 +18,8 @@ from ..errors import UnsupportedError
 from ..families.base import varlen_list_ints
 from ..problem import ProblemKey, bucket_of, head_dim_tile
 from . import baselines
-from .checks import (DTYPES, check_attention_inputs, check_flag, check_forced_spec, check_packed_inputs,
-                     check_variant_inputs, contiguous_strides, variant_tensors)
+from .checks import (DTYPES, check_attention_call, check_forced_spec, check_packed_call, contiguous_strides,
+                     variant_tensors)
 from .device import Device, current_device, current_stream, index_of, is_capturing
 from .plans import PlanCache
 
@@ -171,11 +171,9 @@ def _work_list(idx: int, stream: int, ints: int):
 
 def packed_plan(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, seqused_k, window, softcap, alibi_slopes,
                  sinks, spec, block_table=None):
-    dims, strides, scale = check_packed_inputs(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, seqused_k,
-                                               block_table)
+    dims, strides, scale, variant = check_packed_call(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale,
+                                                      seqused_k, block_table, window, softcap, alibi_slopes, sinks)
     seqs, h, hk, total_q, total_k, d = dims
-    variant, _, _ = check_variant_inputs(q, causal, window, softcap, alibi_slopes, sinks, seqs, h, total_q, total_k)
-    variant = variant.replace(varlen=True)
     index = index_of(q)
     if not (total_q and seqs):
         return _Plan(None, None, index, (h, total_q))
@@ -231,9 +229,8 @@ def _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm="v
           alibi_slopes=None, sinks=None):
     if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    (b, h, nq, d), sq, (hk, nk), sk, sv, scale = check_attention_inputs(q, k, v, causal, softmax_scale, layout)
-    variant, _, _ = check_variant_inputs(q, causal, window, softcap, alibi_slopes, sinks, b, h, nq, nk)
-    check_flag("return_lse", return_lse)
+    (b, h, nq, d), sq, (hk, nk), sk, sv, scale, variant = check_attention_call(
+        q, k, v, causal, softmax_scale, layout, return_lse, window, softcap, alibi_slopes, sinks)
     if algorithm != "v2" and not variant.plain:
         raise UnsupportedError(f"algorithm={algorithm!r} serves plain and causal attention only, not "
                                f"{', '.join(variant.names())}")

@@ -12,7 +12,7 @@ import torch
 
 from ..errors import UnsupportedError
 from .autograd import attention_paged_op, attention_varlen_op
-from .checks import check_flag, check_packed_inputs, check_variant_inputs, on_meta
+from .checks import check_flag, check_packed_call, check_packed_inputs, on_meta
 from .decoding import check_block_table, check_variant_values
 from .device import is_capturing, is_compiling
 from .forward import packed_forward
@@ -65,9 +65,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
                                         getattr(v, "requires_grad", False) or getattr(sinks, "requires_grad", False))
     compiling = is_compiling()
     if on_meta(q) and not compiling:  # shapes only (nothing to read on the host): the custom ops' fake kernels
-        dims, _, _ = check_packed_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                         softmax_scale, seqused_k, block_table)
-        check_variant_inputs(q, causal, window, softcap, alibi_slopes, sinks, dims[0], dims[1], dims[3], dims[4])
+        check_packed_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                          seqused_k, block_table, window, softcap, alibi_slopes, sinks)
         if spec is not None:
             raise UnsupportedError("spec= forces one forward kernel: not with meta tensors")
         compiling, check_values = True, False
