@@ -1,7 +1,7 @@
 """GPU tier for fwd_sm90 (Hopper: TMA + wgmma): the fwd_v2 correctness matrix, run with forced specs.
 
 Same rule and helper as tests/test_gpu_fwd.py (tests/gpu_util.py's ``check(..., spec=)``): output
-poisoned first and written everywhere, max error at most 2x the input-dtype reference's + 1e-5, LSE
+poisoned first and written everywhere, max error at most 2x the input-dtype reference's + a rounding-sized atol, LSE
 -inf exactly on rows that see no key. Ordered so the plain wgmma kernel (no warp specialization) is
 tried first, then each technique, then the later ones (fma_exp2, early_k_release, lean_softmax; deeper
 rings; 192-row and 192-key tiles at d = 64). Variants are written as KernelSpec name tokens applied by
@@ -142,7 +142,7 @@ def test_gqa_and_layouts(nq, nk, causal, group, layout):
 @needs_sm90
 def test_strided_views_no_copy():
     import flashgen
-    from flashgen.reference import reference
+    from flashgen.reference import allowance, reference
 
     b, n, h, d = 2, 203, 4, 64
     qkv = torch.randn(b, n, 3, h, d, device="cuda", dtype=torch.bfloat16)
@@ -151,7 +151,7 @@ def test_strided_views_no_copy():
     ref, _ = reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), False, d ** -0.5)
     low, _ = reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), False, d ** -0.5, torch.bfloat16)
     err = (out.transpose(1, 2).float() - ref).abs().max().item()
-    assert err <= 2 * (low - ref).abs().max().item() + 1e-5
+    assert err <= allowance(low, ref, torch.bfloat16)
 
 
 @needs_sm90

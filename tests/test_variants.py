@@ -330,3 +330,19 @@ def test_cli_emit_prints_the_variant_kernel(capsys):
         code, _, err = run_main(capsys, "tune", "--gpu", "h200", "--d", "128", "--model", *bad)
         assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
 
+
+
+def test_the_rules_atol_is_the_input_dtypes_rounding_at_the_values_scale():
+    from flashgen.reference import allowance, rounding_atol
+
+    small = torch.randn(64, 64) * 0.05  # |x| + 0.3 in [0.25, 0.5): one binade, its ulp 2^-9 (bf16), 2^-12 (fp16)
+    small = small.clamp(-0.05, 0.05)
+    assert rounding_atol(small, torch.bfloat16) <= 2 * 2 ** -9
+    assert rounding_atol(small, torch.float16) <= 2 * 2 ** -12
+    assert rounding_atol(small, torch.float32) < 1e-7
+    # larger values round more coarsely (bf16's ulp is 2^-6 in [2, 4))
+    assert rounding_atol(torch.randn(4096) * 4, torch.bfloat16) > 2 * 2 ** -9
+    assert rounding_atol(torch.zeros(0), torch.bfloat16) == 0.0
+    low = small + 0.01
+    assert allowance(low, small, torch.bfloat16) == pytest.approx(0.02 + rounding_atol(small, torch.bfloat16))
+    assert allowance(torch.zeros(0), torch.zeros(0), torch.bfloat16) == 0.0

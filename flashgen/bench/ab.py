@@ -16,7 +16,7 @@ of the tile's resident CTAs (SMs x CTAs per SM // (batch x KV heads x m-blocks),
   the geometric mean and minimum of each candidate's ``x_cudnn`` in the notes.
 
 Before timing, every named candidate is checked once against an fp32 reference (the tests' rule:
-error at most 2x the same computation's in the input dtype, + 1e-5; decode: contiguous and paged,
+error at most 2x the same computation's in the input dtype, + a rounding-sized atol; decode: contiguous and paged,
 split and not); a wrong one is reported and never timed (``--no-check`` skips this). Then per shape
 all candidates and cuDNN run in the same interleaved rounds; labels ``default``, ``c1``, ``c2``, ...
 name the columns (the legend is in the notes and ``candidates``).
@@ -30,6 +30,7 @@ from ..codegen import build
 from ..families import decode as decode_family
 from ..iomodel import flops
 from ..problem import ProblemKey, bucket_of, smallest_tile
+from ..reference import allowance
 from ..spec import KernelSpec
 from . import baselines, options
 from .decode import Case, kv_bytes, timed
@@ -148,9 +149,10 @@ def _reference(q, k, v, causal: bool, scale: float):
 
 
 def _tolerance(q, k, v, causal, scale, ref):
-    """2x the error of the same computation in the input dtype, + 1e-5 (the GPU tests' rule)."""
+    """2x the error of the same computation in the input dtype, + its rounding-sized atol (the GPU tests'
+    rule, ``flashgen.reference.allowance``)."""
     low = _reference(q, k, v, causal, scale).to(q.dtype).float()
-    return 2 * (low - ref).abs().max().item() + 1e-5
+    return allowance(low, ref, q.dtype)
 
 
 def check_fwd(spec, d: int, causal: bool) -> str | None:
