@@ -29,6 +29,7 @@
 //   needs_mask                whether a key block crosses a row's visible range (a boundary block)
 //   mask                      hide what one row half does not see (-inf)
 //   transform                 softcap, then ALiBi, on one row half of S (every block)
+//   transform_cols            the same, with causal ALiBi's row part left to alibi_row_offset (fwd_sm90)
 //
 // (A softcapped kernel's parameter block carries scale = c: see the host's Variant.values.)
 //   finish                    1 / l and the LSE of a row, with the sink in the denominator
@@ -75,11 +76,27 @@ FG_DEVICE void alibi_row(F& s, int h, float base, float slope) {
     }
 }
 
+// ALiBi where every visible key has o <= 0 (causal, no window), on row half h of S: only the column
+// part slope * (8 nj + e) of -slope |o| = slope o (one FFMA with an immediate per score, against an add
+// and an FFMA with |.| for alibi_row). The rest, slope * (c0 - row - diag), is the same for all of a
+// thread's columns of one row in one block: the caller adds it to that row's block max and folds it into
+// the exp2's offset (fg_variant::alibi_row_offset), so the softmax sees the same scores.
+template <typename F>
+FG_DEVICE void alibi_cols(F& s, int h, float slope) {
+#pragma unroll
+  for (int nj = 0; nj < frag<F>::N8; ++nj)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float& x = frag<F>::at(s, nj, 2 * h + e);
+      x = fmaf(slope, static_cast<float>(8 * nj + e), x);
+    }
+}
+
 template <bool CAUSAL, bool WINDOW, bool SOFTCAP, bool ALIBI, bool SINKS, bool VARLEN = false>
 struct fg_variant {
   enum : int { RIGHT = CAUSAL || WINDOW, LEFT = WINDOW, TRANSFORMS = SOFTCAP || ALIBI, HAS_SINK = SINKS,
                HAS_CAP = SOFTCAP, HAS_ALIBI = ALIBI, PLAIN = !(WINDOW || SOFTCAP || ALIBI || SINKS),
-               VARLEN_ROWS = VARLEN };
+               VARLEN_ROWS = VARLEN, ALIBI_LINEAR = ALIBI && CAUSAL && !WINDOW };
   int nq, nk, diag, left, right;
   float cap_in, slope, sink;
 
@@ -149,6 +166,17 @@ struct fg_variant {
   FG_DEVICE void transform(F& s, int h, int row, int c0) const {
     if constexpr (SOFTCAP) softcap_row(s, h, cap_in);
     if constexpr (ALIBI) alibi_row(s, h, static_cast<float>(c0 - row - diag), slope);  // o at the first column
+  }
+  // ALIBI_LINEAR's split of transform: transform_cols leaves out slope * (c0 - row - diag), which
+  // alibi_row_offset returns (0 for every other variant); the score is the sum of the two.
+  template <typename F>
+  FG_DEVICE void transform_cols(F& s, int h) const {
+    if constexpr (SOFTCAP) softcap_row(s, h, cap_in);
+    if constexpr (ALIBI_LINEAR) alibi_cols(s, h, slope);
+  }
+  FG_DEVICE float alibi_row_offset(int row, int c0) const {
+    if constexpr (ALIBI_LINEAR) return slope * static_cast<float>(c0 - row - diag);
+    return 0.f;
   }
   // The query blocks (of bm rows; m_blocks in all) that see some key of block [n0, n0 + bn): [first, end).
   FG_DEVICE int query_first(int n0, int bm) const {

@@ -482,10 +482,17 @@ struct fwd_sm90_cta {
   // The variant's score transforms (softcap, ALiBi), the mask (only where block j crosses the key end
   // or one of this warpgroup's rows' visible range), then the online-softmax update: acc_s becomes P
   // (fp32), alpha the factor by which O must be rescaled (applied by the caller when O is not in flight).
+  // ALIBI_LINEAR (causal ALiBi): the scores leave transform_cols without their row part off = slope (c0 -
+  // row - diag) (variant.cuh), which joins the thread's block max before the quad max and the exp2's offset:
+  // exp2((s + off) scale_log2 - m_scaled) = exp2(s scale_log2 - (m_scaled - off scale_log2)). One FFMA per
+  // score instead of an FADD and an FFMA.
   FG_DEVICE void softmax(int j, float (&acc_s)[BN / 2], float (&row_max)[2], float (&row_sum)[2],
                          float (&alpha)[2]) const {
     const int n0 = kv_block(j) * BN;
-    if constexpr (V::TRANSFORMS) {
+    if constexpr (V::ALIBI_LINEAR) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) var.transform_cols(acc_s, h);
+    } else if constexpr (V::TRANSFORMS) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) var.transform(acc_s, h, row_base + 8 * h, n0 + 2 * t);
     }
@@ -496,7 +503,10 @@ struct fwd_sm90_cta {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float mx;
-      if constexpr (LEAN)
+      const float off = var.alibi_row_offset(row_base + 8 * h, n0 + 2 * t);
+      if constexpr (V::ALIBI_LINEAR)
+        mx = fmaxf(row_max[h], (LEAN ? tree_row_max(acc_s, h, -INFINITY) : fold_row_max(acc_s, h, -INFINITY)) + off);
+      else if constexpr (LEAN)
         mx = tree_row_max(acc_s, h, row_max[h]);
       else
         mx = fold_row_max(acc_s, h, row_max[h]);
@@ -512,7 +522,7 @@ struct fwd_sm90_cta {
         alpha[h] = rescale_factor(row_max[h], m_scaled, p.scale_log2);
       row_max[h] = mx;
       float sum[2] = {0.f, 0.f};
-      exp2_row_mixed(acc_s, h, p.scale_log2, m_scaled, sum);
+      exp2_row_mixed(acc_s, h, p.scale_log2, V::ALIBI_LINEAR ? fmaf(-off, p.scale_log2, m_scaled) : m_scaled, sum);
       // per-thread partial; quad-summed at the end
       row_sum[h] = row_sum[h] * alpha[h] + (LEAN ? sum[0] + sum[1] : sum[0]);
     }
