@@ -500,6 +500,21 @@ struct fwd_sm90_cta {
 #pragma unroll
       for (int h = 0; h < 2; ++h) var.mask(acc_s, h, row_base + 8 * h, n0 + 2 * t);
     }
+    if constexpr (V::FIXED_MAX) {
+      // cap_bound: the row max stays at t = 1/2 (variant.cuh), so there is no max to find, O and l are never
+      // rescaled (alpha 1) and P = exp2((t - 1/2) c log2 e) lies in [e^-1.5c, e^0.5c]. row_max holds 1/2 for
+      // the LSE once the row has seen a block (-inf before: a warpgroup with no block writes -inf).
+      const float m_scaled = 0.5f * p.scale_log2;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float sum[2] = {0.f, 0.f};
+        exp2_row_mixed(acc_s, h, p.scale_log2, m_scaled, sum);
+        row_max[h] = 0.5f;
+        alpha[h] = 1.f;
+        row_sum[h] += LEAN ? sum[0] + sum[1] : sum[0];
+      }
+      return;
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float mx;
@@ -530,6 +545,7 @@ struct fwd_sm90_cta {
   // O times alpha, both rows in one pass (softmax.cuh's rescale_row once per row does the same multiplies
   // in another order, which the compiler schedules differently).
   FG_DEVICE void rescale_o(float (&acc_o)[D / 2], const float (&alpha)[2]) const {
+    if constexpr (V::FIXED_MAX) return;  // alpha is always 1
     // LEAN: alpha is exactly 1 for a row whose max did not move; skip when that holds for the warp.
     if constexpr (LEAN) {
       if (!__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) return;
