@@ -370,6 +370,28 @@ def test_packed_sequences_match_one_by_one(arch, kernels):
         _close(got_cu.reshape(got.shape), got, f"{arch} cu_seq_lens")
 
 
+def test_packed_static_form_under_compile_matches_eager(kernels, monkeypatch):
+    """Under torch.compile the packing read from position_ids takes the static form (one slot per token,
+    no host read): the same logits as eager's one by one, also for rows that are one sequence each."""
+    ours, eager = _model("gemma2")
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    lengths = [[4, 7, 1], [12]]
+    ids = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(4))
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
+    with torch.no_grad():
+        got = ours(input_ids=ids, position_ids=pos, use_cache=False).logits
+    monkeypatch.undo()
+    assert all(c["path"] == "varlen" and c["max_q"] == 12 and len(c["lens_q"]) == 24 for c in kernels.calls)
+    assert [n for n in kernels.calls[0]["lens_q"] if n] == [4, 7, 1, 12]
+    with torch.no_grad():
+        for r, row in enumerate(lengths):
+            at = 0
+            for n in row:
+                _close(got[r, at:at + n], eager(input_ids=ids[r:r + 1, at:at + n], use_cache=False).logits[0],
+                       f"static packed row {r} at {at}")
+                at += n
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral", "gpt_oss"])
 def test_generate_with_left_padding_matches_eager(arch, kernels):
     """Greedy decoding from a left-padded batch with the default cache: the prefill and the decode steps
