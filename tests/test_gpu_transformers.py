@@ -5,7 +5,8 @@ own attention.
 Models (2 layers, hidden 512-1024, the architectures' real head dims and GQA ratios): Llama (d 128, GQA
 4), Mistral (d 128, GQA 4, sliding window 64), Qwen2 (d 64, GQA 7, q/k/v biases), Gemma 2 (d 256, GQA
 2, softcap 5 and alternating local (window 64) / global layers), gpt-oss (d 64, GQA 8, sinks on every
-layer, alternating sliding (64) / full layers, 4 experts).
+layer, alternating sliding (64) / full layers, 2 experts both used: no discrete routing, whose
+near-ties would turn bf16 noise into different tokens).
 
 The rule: flashgen's error against transformers' "eager" in fp32 (the same weights, upcast) at most
 twice the error of the bf16 baseline against that reference, + a rounding-sized allowance: the 2x rule
@@ -51,7 +52,7 @@ WINDOW = 64
 
 def _config(arch: str):
     common = dict(vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=1024, pad_token_id=0,
-                  initializer_range=0.05, tie_word_embeddings=False)
+                  bos_token_id=None, eos_token_id=None, initializer_range=0.05, tie_word_embeddings=False)
     if arch == "llama":
         return transformers.LlamaConfig(hidden_size=1024, intermediate_size=2048, num_attention_heads=8,
                                         num_key_value_heads=2, head_dim=128, **common)
@@ -69,7 +70,7 @@ def _config(arch: str):
     if arch == "gpt_oss":
         return transformers.GptOssConfig(hidden_size=512, intermediate_size=512, num_attention_heads=16,
                                          num_key_value_heads=2, head_dim=64, sliding_window=WINDOW,
-                                         num_local_experts=4, num_experts_per_tok=2,
+                                         num_local_experts=2, num_experts_per_tok=2,
                                          layer_types=["sliding_attention", "full_attention"], **common)
     raise ValueError(arch)
 
@@ -257,35 +258,46 @@ def test_packed_sequences_equal_one_by_one(arch, calls):
                 at += s.shape[1]
 
 
-TIE = 0.05  # logits closer than this are a tie under bf16 noise (the forward tests' errors are ~1e-2)
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_generate_matches_baseline(arch, calls):
-    """32 greedy tokens from a left-padded batch (prompts 40 and 17, windows of 64 passed during
-    decoding) equal the baseline's; a row may part from them only where the baseline's best two
-    logits are within TIE (then the rest of that row is not compared)."""
+    """32 greedy tokens from a left-padded batch (prompts 40 and 17; windows of 64 passed while decoding)
+    equal the baseline's. A row may part from them only at a tie: where flashgen's token is, under the
+    fp32 reference (teacher-forced on the common prefix), within twice the baseline's own error of the
+    baseline's token; the rest of that row is then not compared (and the tie is printed)."""
     base = generate(arch, BASELINE[arch])
     got = generate(arch, NAME)
     assert calls.varlen > 0
-    prompt = 40
-    for row in range(base.sequences.shape[0]):
-        b, g = base.sequences[row, prompt:], got.sequences[row, prompt:]
+    model, ref = models(arch)
+    ids, mask = batch([40, 17], 40, left=True, seed=2)
+    prompt = ids.shape[1]
+    seqs = base.sequences
+    full = torch.cat([mask, torch.ones_like(seqs[:, prompt:])], 1)
+    pos = (full.cumsum(-1) - 1).clamp(min=0)  # generate's positions for left padding
+    with torch.no_grad():
+        forced_ref = ref(input_ids=seqs, attention_mask=full, position_ids=pos, use_cache=False).logits.float()
+        forced_base = use(model, BASELINE[arch])(input_ids=seqs, attention_mask=full, position_ids=pos,
+                                                 use_cache=False).logits.float()
+    for row in range(seqs.shape[0]):
+        b, g = seqs[row, prompt:], got.sequences[row, prompt:]
         differ = (b != g).nonzero()
         if differ.numel() == 0:
             continue
         step = int(differ[0, 0])
-        top2 = base.scores[step][row].float().topk(2).values
-        margin = float(top2[0] - top2[1])
-        assert margin < TIE, (f"{arch} row {row}: token {step} differs ({int(g[step])} vs {int(b[step])}) where the "
-                              f"baseline's margin is {margin:.3f}, not a tie")
-        print(f"{arch} row {row}: tie at token {step} (margin {margin:.4f}); rest not compared")
+        at = prompt + step - 1  # the position whose logits pick token `step`
+        want, noise = forced_ref[row, at], (forced_base[row, at] - forced_ref[row, at]).abs().max().item()
+        gap = (want[b[step]] - want[g[step]]).item()
+        assert gap <= 2 * noise + 1e-3, (f"{arch} row {row}: token {step} differs ({int(g[step])} vs "
+                                         f"{int(b[step])}): {gap:.3f} worse under the fp32 reference, more than 2x "
+                                         f"the baseline's error there ({noise:.3f}): not a tie")
+        print(f"{arch} row {row}: tie at token {step} ({gap:.4f} apart under fp32, baseline error {noise:.4f}); "
+              "rest not compared")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_training_step_gradients(arch, calls):
     """One loss.backward() on a right-padded batch: the parameter gradients' relative error (the whole
-    gradient, and each parameter) within the 2x rule of the bf16 baseline's, against fp32 eager."""
+    gradient, and each attention parameter: projections, sinks) within the 2x rule of the bf16
+    baseline's, against fp32 eager."""
     want = gradients(arch, "ref")
     base = gradients(arch, BASELINE[arch])
     got = gradients(arch, NAME)
@@ -297,8 +309,12 @@ def test_training_step_gradients(arch, calls):
     cat = lambda d: torch.cat([d[n].reshape(-1) for n in sorted(want)])  # noqa: E731
     total, total_base = rel(cat(got), cat(want)), rel(cat(base), cat(want))
     assert total <= 2 * total_base + 1e-3, f"{arch}: gradient relative error {total:.4f} vs baseline {total_base:.4f}"
+    # Parameter by parameter only attention's: elsewhere some gradients are all noise in bf16 (a MoE
+    # router's bias: a difference of two nearly equal terms), whatever the attention.
+    attn = [n for n in want if ".self_attn." in n]
+    assert attn
     worst = []
-    for n in want:
+    for n in attn:
         e, eb = rel(got[n], want[n]), rel(base[n], want[n])
         if e > 2 * eb + 1e-2:
             worst.append(f"{n}: {e:.4f} vs baseline {eb:.4f}")
