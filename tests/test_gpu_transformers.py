@@ -91,6 +91,8 @@ def models(arch: str):
                     layer.self_attn.sinks.normal_(0.0, 1.0)
         ref = copy.deepcopy(model).float()
         ref.set_attn_implementation("eager")
+        if arch == "gpt_oss":  # the plain loop over experts (grouped_mm kernels are for bf16)
+            ref.set_experts_implementation("eager")
         _models[arch] = model, ref
     return _models[arch]
 
@@ -323,7 +325,8 @@ def test_training_step_gradients(arch, calls):
 
 def test_compile_has_no_graph_break_in_attention():
     """torch.compile of a whole model: no graph break in flashgen's frames (torch._dynamo.explain), and the
-    compiled model's logits are the eager-mode ones (within bf16 noise)."""
+    compiled model's logits are the eager-mode ones (within bf16 noise; compiled, position_ids take the
+    static packed form through attention_varlen, eager mode the dense call)."""
     import torch._dynamo
 
     model, _ = models("llama")
@@ -336,7 +339,9 @@ def test_compile_has_no_graph_break_in_attention():
         ours = [r for r in explanation.break_reasons
                 if any("flashgen" in frame.filename for frame in r.user_stack)]
         assert not ours, "graph breaks in flashgen: " + "; ".join(r.reason for r in ours)
-        got = torch.compile(model)(input_ids=ids, use_cache=False).logits
+        # aot_eager: AOT autograd over the custom ops' fake kernels without inductor's code generation (its
+        # compile time); the attention function alone goes through inductor below.
+        got = torch.compile(model, backend="aot_eager")(input_ids=ids, use_cache=False).logits
     assert (got.float() - want.float()).abs().max().item() < 5e-2
     torch._dynamo.reset()
 

@@ -180,11 +180,13 @@ CAUSAL = types.SimpleNamespace(is_causal=True)
     (dict(attention_mask=torch.ones(2, 9, dtype=torch.bool)), ValueError, "does not fit"),
     (dict(sliding_window=4, is_causal=False), UnsupportedError, "bidirectional"),
     (dict(sliding_window=0), ValueError, "sliding_window"),
+    (dict(attention_mask=torch.ones(2, 6, dtype=torch.bool), is_causal=False, sq=4), UnsupportedError,
+     "cross-attention"),
     (dict(cu_seq_lens_q=torch.tensor([0, 12], dtype=torch.int32)), ValueError, "together"),
 ])
 def test_refusals_name_the_option(kwargs, error, match):
     """What the kernels cannot serve exactly raises before anything runs, naming the option."""
-    q, k, v = _qkv()
+    q, k, v = _qkv(sq=kwargs.pop("sq", 6))
     mask = kwargs.pop("attention_mask", None)
     with pytest.raises(error, match=match):
         hf.attention_forward(CAUSAL, q, k, v, mask, **kwargs)
@@ -325,6 +327,36 @@ def test_padded_batches_match_eager(arch, kernels):
         assert len(kernels.calls) == layers and all(c["path"] == "varlen" for c in kernels.calls)
         assert all(c["lens_q"] == lengths and c["lens_k"] == lengths and c["max_k"] == 12 for c in kernels.calls)
         _check_variants(arch, ours, kernels.calls)
+
+
+def test_padding_and_packing_under_inference_mode(kernels):
+    """Inference-mode tensors (pipelines run under torch.inference_mode) have no version counter: the rows
+    are computed each time, and the answers stay eager's."""
+    ours, eager = _model("llama")
+    ids, mask = _batch([9, 4], 9, left=True)
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1]] * 2)
+    with torch.inference_mode():
+        for _ in range(2):
+            got = ours(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            _close(got[mask.bool()], eager(input_ids=ids, attention_mask=mask, use_cache=False).logits[mask.bool()],
+                   "inference mode, padded")
+            packed = ours(input_ids=ids, position_ids=pos, use_cache=False).logits
+            _close(packed[:, 4:7], eager(input_ids=ids[:, 4:7], use_cache=False).logits, "inference mode, packed")
+    assert [c["path"] for c in kernels.calls] == ["varlen"] * 8
+
+
+def test_layers_share_the_rows_of_one_mask(kernels, monkeypatch):
+    """The host reads of a padding mask happen once per mask and forward, not once per layer: Gemma 2's four
+    layers use two masks (global and sliding), so two conversions; a new forward converts again."""
+    ours, _ = _model("gemma2")
+    made = []
+    real = hf.padding_rows
+    monkeypatch.setattr(hf, "padding_rows", lambda mask, sq: made.append(sq) or real(mask, sq))
+    ids, mask = _batch([12, 7], 12, left=False)
+    with torch.no_grad():
+        for _ in range(2):
+            ours(input_ids=ids, attention_mask=mask, use_cache=False)
+    assert len(kernels.calls) == 8 and made == [12] * 4
 
 
 def _check_variants(arch, model, calls):

@@ -36,10 +36,11 @@ What the attention function does with what the models pass (query/key/value ``(b
   (transformers' ``kv_idx > q_idx - sliding_window``); ``softcap``; ``s_aux`` (gpt-oss's sinks);
   ``scaling``; ``is_causal``; a decoding step (one or a few queries against a cache) is the same call.
 
-It refuses, with ``flashgen.UnsupportedError`` naming the option, what it cannot serve exactly: attention
-dropout > 0 (a model in training mode with ``attention_dropout`` > 0), ``output_attentions=True``, a
-4-D or float (additive) attention mask, a position bias, custom mask functions on top of the causal
-mask (``or_mask_function``/``and_mask_function``, ``block_sequence_ids``), chunked attention, a
+It refuses, with ``flashgen.UnsupportedError`` naming the option, what it cannot serve exactly:
+attention dropout > 0 (a model in training mode with ``attention_dropout`` > 0),
+``output_attentions=True``, a 4-D or float (additive) attention mask, a padding mask on
+cross-attention, a position bias, custom mask functions on top of the causal mask
+(``or_mask_function``/``and_mask_function``, ``block_sequence_ids``), chunked attention, a
 bidirectional sliding window, a padding mask with holes inside a sequence together with a sliding
 window, a static cache without an attention mask, and float32 inputs outside ``torch.autocast``.
 """
@@ -146,6 +147,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     b, sq = q.shape[0], q.shape[1]
     if attention_mask is not None:
         mask = _checked_mask(attention_mask, b, sq, k.shape[1])
+        if not causal and mask.shape[1] != sq:
+            raise UnsupportedError(f"attn_implementation={NAME!r}: a padding mask on non-causal attention whose keys "
+                                   f"({mask.shape[1]}) are not its queries ({sq}) (cross-attention) is not supported")
         k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]  # a static cache's slots past the mask are empty
         if q.is_meta:  # shapes only: the same call without the mask (its values decide nothing about shapes)
             return attention(q, k, v, causal, layout="bshd", window=_window(sliding_window, k.shape[1]),
@@ -314,11 +318,14 @@ def _longest(given, cu, bound: int, compiling: bool) -> int:
 
 # One forward hands every layer the same mask (and position_ids) tensor: its rows are computed once.
 # Keyed by the tensor's id, checked against a weak reference (a dead or different tensor misses) and
-# its version counter (an in-place change misses).
+# its version counter (an in-place change misses); an inference-mode tensor has no version counter, so
+# its rows are computed every time.
 _memo_entries: dict = {}
 
 
 def _memo(tensor, extra, build):
+    if tensor.is_inference():
+        return build()
     key = (id(tensor), extra)
     hit = _memo_entries.get(key)
     if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
