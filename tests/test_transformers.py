@@ -56,7 +56,8 @@ class Kernels:
         assert max(lens_q, default=0) <= max_q and max(lens_k, default=0) <= max_k  # the kernels' bucket bound
         assert cu_q[-1] == q.shape[0] and cu_k[-1] == k.shape[0]
         self.calls.append(dict(path="varlen", causal=causal, window=window, softcap=softcap, sinks=sinks is not None,
-                               shape=tuple(q.shape), lens_q=lens_q, lens_k=lens_k, max_q=max_q, max_k=max_k, scale=softmax_scale))
+                               shape=tuple(q.shape), lens_q=lens_q, lens_k=lens_k, max_q=max_q, max_k=max_k,
+                               scale=softmax_scale))
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
         out = torch.zeros_like(q)
         for s, (nq, nk) in enumerate(zip(lens_q, lens_k)):
@@ -462,6 +463,23 @@ def test_unpadded_batch_and_decode_take_the_dense_path(kernels):
     assert kernels.calls[0]["shape"] == (2, 9, 4, 16) and kernels.calls[0]["kv_shape"] == (2, 9, 2, 16)
     assert kernels.calls[-1]["shape"] == (2, 2, 4, 16) and kernels.calls[-1]["kv_shape"] == (2, 11, 2, 16)
     _close(step, ref, "decode after a cache")
+
+
+def test_decode_steps_past_the_window_without_a_mask(kernels):
+    """One sequence decoded token by token past its sliding window with no attention_mask (the sliding
+    cache keeps the last keys): each step's logits equal eager's on the whole sequence."""
+    ours, eager = _model("mistral")
+    ids = torch.randint(1, 97, (1, 11), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = eager(input_ids=ids, use_cache=False).logits[0]
+        out = ours(input_ids=ids[:, :4])
+        steps = [out.logits[0, -1]]
+        for t in range(4, 11):
+            out = ours(input_ids=ids[:, t:t + 1], past_key_values=out.past_key_values)
+            steps.append(out.logits[0, -1])
+    _close(torch.stack(steps[:-1]), want[3:10], "decode steps past the window")
+    steps = kernels.calls[2:]  # (after the prompt's two layers) the cache holds the window's last 4 keys
+    assert len(steps) == 14 and all(c["path"] == "dense" and c["kv_shape"][1] == 5 for c in steps)
 
 
 def test_training_gradients_match_eager(kernels):
