@@ -525,3 +525,18 @@ def test_meta_forward_through_the_real_entry_points(arch, monkeypatch):
     assert all(s[0] == (2, 13, 4, 16) and s[1] == "meta" for s in seen)
     assert any(s[2] == (4, 0) for s in seen) == (arch in ("mistral", "gemma2", "gpt_oss"))
     assert all(s[4] == (arch == "gpt_oss") for s in seen)
+
+
+def test_meta_call_with_a_mask_and_packing_kwargs():
+    """The attention function on meta tensors with a padding mask, or with cu_seq_lens, gives the output shape
+    through the entry points' shape-only paths (no values to read)."""
+    q = torch.empty(2, 8, 5, 64, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(2, 2, 9, 64, dtype=torch.bfloat16, device="meta")
+    mask = torch.empty(2, 9, dtype=torch.bool, device="meta")
+    out, weights = hf.attention_forward(CAUSAL, q, k, k, mask, sliding_window=4, s_aux=torch.empty(8, device="meta"))
+    assert out.shape == (2, 5, 8, 64) and out.device.type == "meta" and weights is None
+    cu = torch.empty(3, dtype=torch.int32, device="meta")
+    q1 = torch.empty(1, 8, 10, 64, dtype=torch.bfloat16, device="meta")
+    k1 = torch.empty(1, 2, 10, 64, dtype=torch.bfloat16, device="meta")
+    out, _ = hf.attention_forward(CAUSAL, q1, k1, k1, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    assert out.shape == (1, 10, 8, 64)

@@ -111,7 +111,8 @@ def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
                                    "cache) and there is no attention_mask to say which are filled: pass "
                                    "attention_mask (generate does)")
         return None
-    return flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask)
+    return flash_attention_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                                kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask)
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
