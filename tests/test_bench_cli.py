@@ -114,6 +114,11 @@ def test_load_refuses_a_non_result(tmp_path):
     (["bench", "variants", "--cands", "fwd_sm90_nope"], "is not a kernel name"),
     (["bench", "variants", "--rounds", "0"], "--rounds"),
     (["bench", "variants", "--cases", "decode", "--decode-reps", "0"], "--decode-reps"),
+    (["bench", "models", "--heads", "30"], "must divide --hidden"),
+    (["bench", "models", "--hidden", "4096", "--heads", "8", "--kv-heads", "8"], "head dim"),
+    (["bench", "models", "--rounds", "0"], "--rounds"),
+    (["bench", "models", "--docs", "9", "--train-seqlen", "8"], "--docs"),
+    (["bench", "models", "--impls", "flex"], "unknown flex"),
     (["explain", "--gpu", "h200", "--d", "100", "--seqlen", "4096"], "multiples of 8"),
     (["explain", "--gpu", "h200", "--d", "64", "--seqlen", "0"], "positive"),
 ])
@@ -134,6 +139,7 @@ def test_cli_errors_are_clean(capsys, argv, message):
     ["bench", "startup", "--runs", "1"],
     ["bench", "variants", "--cases", "window,sinks"],
     ["bench", "variants", "--cases", "decode"],
+    ["bench", "models", "--layers", "2", "--cases", "prefill"],
 ])
 def test_good_options_without_a_gpu(capsys, argv):
     """Valid options get as far as the device check: one line, exit 2, no traceback."""
@@ -413,7 +419,22 @@ def _variants_result():
             "convention": "variants", "sections": {"decode": variants.decode_section(decode, {"d": 128, "rounds": 5})}}
 
 
-SYNTHETIC = {"fwd": _fwd_result, "bwd": _bwd_result, "decode": _decode_result, "ablation": _ablation_result,
+def _models_result():
+    from flashgen.bench import models
+
+    rows = []
+    for case, tokens in (("prefill", 32768), ("train_packed", 16384), ("train_causal", 16384)):
+        row = {"model": "llama 1.10B", "case": case, "tokens": tokens, "attn_flashgen": "20%", "attn_sdpa": "30%",
+               "results": {"flashgen": {"ms": 100.0, "tok_s": tokens * 10.0}, "sdpa": {"ms": 120.0, "tok_s": tokens * 8.3},
+                           "no_attention": {"ms": 80.0, "tok_s": tokens * 12.5}}}
+        timing.add_ratios(row, "tok_s", [("x_sdpa", "flashgen", "sdpa")])
+        rows.append(row)
+    settings = {"impls": list(models.IMPLS), "rounds": 3, "batch": 8, "seqlen": 4096, "train_rows": 2,
+                "train_seqlen": 8192, "docs": 4}
+    return models._result(settings, {}, rows, ["prefill: flashgen vs sdpa last logits max |diff| 0.01"], 1_100_000_000)
+
+
+SYNTHETIC = {"models": _models_result, "fwd": _fwd_result, "bwd": _bwd_result, "decode": _decode_result, "ablation": _ablation_result,
              "ab": _ab_result, "host": _host_result, "startup": _startup_result, "variants": _variants_result}
 
 
@@ -591,6 +612,9 @@ GPU_RUNS = {
     "ab": ["--cands", "default", "--shapes", "1,2,256,64,1", "--rounds", "2", "--budget", "0.01"],
     "host": ["--calls", "5", "--rounds", "2", "--warmup", "5"],
     "startup": ["--runs", "1", "--shape", "1,2,128,64"],
+    "models": ["--layers", "2", "--hidden", "256", "--heads", "4", "--kv-heads", "2", "--intermediate", "512",
+               "--vocab", "1000", "--batch", "2", "--seqlen", "256", "--train-rows", "1", "--train-seqlen", "512",
+               "--rounds", "1", "--budget", "0.01"],
 }
 
 

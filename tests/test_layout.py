@@ -26,12 +26,12 @@ LAYERS = (
     ("dispatch", ("flashgen.dispatch",)),
     ("api", ("flashgen.api",)),
     ("entry points", ("flashgen.tuner", "flashgen.bench", "flashgen.cli", "flashgen.explain", "flashgen.testing",
-                      "flashgen.__main__")),
+                      "flashgen.integrations", "flashgen.__main__")),
 )
 FACE = "flashgen"  # the package's __init__: it hands names on (and registers the families) and is not layered
 # Function-local imports of flashgen's own modules are allowed only where they defer torch (the torch layer
-# and what imports it): everything else is imported at the top of the module.
-DEFERRED_OK = ("flashgen.api",)
+# and the integrations, which import it): everything else is imported at the top of the module.
+DEFERRED_OK = ("flashgen.api", "flashgen.integrations")
 
 
 def _modules() -> dict:

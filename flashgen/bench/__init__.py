@@ -10,7 +10,10 @@ Suites (one module each, registered with ``register(Suite(...))`` when imported)
 - ``host``: per-call host time of ``flashgen.attention`` / ``flashgen.decode`` with cached plans;
 - ``startup``: time to the first ``flashgen.attention`` result of a new process (warm and cold cache);
 - ``sass``: no GPU: ptxas reports and SASS instruction counts of every kernel dispatch can pick;
-- ``variants``: window, softcap, ALiBi, sinks next to the plain kernel and FlexAttention.
+- ``variants``: window, softcap, ALiBi, sinks next to the plain kernel and FlexAttention;
+- ``varlen``: packed rows next to dense rows and SDPA on the padded batch;
+- ``models``: a transformers Llama model end to end (prefill, training steps), attn_implementation "fgen"
+  next to "sdpa", with attention's share of each.
 
 A suite (``registry.Suite``) adds its options to the ``bench`` parser, checks them before touching
 a GPU (ValueError: the CLI prints one line and exits 2), and returns a result:
@@ -35,11 +38,11 @@ from .registry import SUITES, Suite, register
 
 __all__ = ["SUITES", "Suite", "register", "suites", "BUILT_IN"]
 
-BUILT_IN = ("fwd", "bwd", "decode", "ablation", "ab", "host", "startup", "sass", "variants", "varlen")
+BUILT_IN = ("fwd", "bwd", "decode", "ablation", "ab", "host", "startup", "sass", "variants", "varlen", "models")
 
 
 def suites() -> dict[str, Suite]:
     """Every registered suite (importing the built-in ones first; none of them imports torch at import)."""
-    from . import ab, ablation, bwd, decode, fwd, host, sass, startup, variants, varlen  # noqa: F401 -- each registers itself
+    from . import ab, ablation, bwd, decode, fwd, host, models, sass, startup, variants, varlen  # noqa: F401 -- each registers itself
 
     return SUITES
