@@ -14,8 +14,12 @@ def __getattr__(name):
         from . import api
 
         return getattr(api, name)
+    if name == "record":  # (the shapes file's module reads YAML: imported when first used)
+        from .shapes import record
+
+        return record
     raise AttributeError(name)
 
 
-__all__ = ["attention", "attention_varlen", "decode", "KernelSpec", "FlashgenError", "UnsupportedError", "CompileError", "ConfigError",
+__all__ = ["attention", "attention_varlen", "decode", "record", "KernelSpec", "FlashgenError", "UnsupportedError", "CompileError", "ConfigError",
            "__version__"]

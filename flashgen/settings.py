@@ -18,6 +18,7 @@ naming the variable, never a silent default.
 | ``FLASHGEN_PERSIST_CTAS`` | int | study and tests: cap a persistent fwd_sm90 grid at this many CTAs (more tiles each); read when a plan is made |
 | ``FLASHGEN_TMA`` | name | the tensor-map encoder: ``ctypes`` (libcuda directly) or ``bindings`` (cuda.bindings); unset: ctypes, else bindings |
 | ``FLASHGEN_COMMIT`` | text | the commit benchmarks record (a copy without .git, e.g. on a GPU host); unset: ``git rev-parse HEAD`` |
+| ``FLASHGEN_RECORD`` | path | log the problem keys this process dispatches (shapes, counts) to this YAML file at exit (``flashgen.record``); read when a call's plan is made |
 
 A flag is on for any value but ``""``, ``0``, ``false``, ``no`` and ``off``. Two variables of CUDA's
 are read (or set) here too: ``CUDA_VISIBLE_DEVICES`` (``visible_devices``: which GPU a tuning worker
@@ -44,6 +45,7 @@ VARIABLES = {
     "FLASHGEN_PERSIST_CTAS": ("int", "study and tests: cap a persistent fwd_sm90 grid at this many CTAs"),
     "FLASHGEN_TMA": ("name", "tensor-map encoder: ctypes or bindings"),
     "FLASHGEN_COMMIT": ("text", "the commit benchmarks record"),
+    "FLASHGEN_RECORD": ("path", "log the dispatched problem keys (shapes, counts) to this YAML file"),
 }
 _OFF = ("", "0", "false", "no", "off")
 
@@ -126,6 +128,12 @@ def tma_backend() -> str:
 
 def commit() -> str | None:
     return _raw("FLASHGEN_COMMIT") or None
+
+
+def record_path() -> Path | None:
+    """Where this process logs the problem keys it dispatches, or None (not recording)."""
+    value = _raw("FLASHGEN_RECORD")
+    return Path(value) if value else None
 
 
 def visible_devices() -> list:
