@@ -164,3 +164,81 @@ def test_tune_from_times_each_key_at_its_recorded_shape_and_merges(tmp_path, mon
     flops = 4.0 * 2 * 32 * 3001 * 3001 * 128 / 2
     assert table.entries[FWD]["tflops"] == pytest.approx(flops / (table.entries[FWD]["time_ms"] * 1e-3) / 1e12)
 
+
+# -- the cost model checked against (fake) measurements --------------------------------------------
+def test_validate_model_reports_the_regret_of_the_models_pick(tmp_path, monkeypatch, capsys, flashgen_home):
+    """A fake GPU whose time is the model's estimate except for one candidate per key, 20 % faster than
+    modelled: that one is the measured best, the model's pick runs at its estimate, and the reported regret
+    is exactly their ratio. The same seeded sample serves both buckets; the user's table is not written."""
+    import json
+
+    from flashgen.cli import main
+    from flashgen.codegen import Report
+    from flashgen.tuner import cost, run, space
+    from flashgen.tuner.objective import MeasuredObjective, model_shape
+
+    h200 = gpus.get("h200")
+    clean = type("B", (), {"report": Report(registers=168, spill_stores=0, spill_loads=0, stack_frame=0,
+                                            static_smem=0)})()
+    timed = {}
+    surprise = {}  # key -> the spec that runs faster than modelled
+
+    def timer(key, spec):
+        ms = cost.estimate(spec, model_shape(key), h200, 168) * 1e3
+        surprise.setdefault(key, spec) if spec != space.candidates(key, h200)[0] else None
+        timed.setdefault(key, set()).add(spec)
+        return ms * (0.8 if surprise.get(key) == spec else 1.0)
+
+    monkeypatch.setattr(run, "gpu_mode", lambda profile, want_model: ("measured", "NVIDIA H200 (fake)"))
+    monkeypatch.setattr(run, "precompile", lambda specs, jobs, log=None: {})
+    monkeypatch.setattr(run, "MeasuredObjective", lambda profile: MeasuredObjective(
+        profile, build=lambda spec: clean, check=lambda spec: "", timer=timer))
+    out = tmp_path / "validation"
+    assert main(["tune", "--gpu", "h200", "--d", "128", "--seqlens", "1024,4096", "--causal", "true",
+                 "--validate-model", "--trials", "9", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    doc = json.loads((out / "validation.json").read_text())
+    keys = [ProblemKey("fwd", "sm_90a", "bf16", 128, True, n) for n in (1024, 4096)]
+    assert [r["key"] for r in doc["keys"]] == [space.key_name(k) for k in keys]
+    assert timed[keys[0]] == timed[keys[1]] and len(timed[keys[0]]) == 9  # one sample for both buckets
+    regrets = []
+    for key, row in zip(keys, doc["keys"]):
+        model = {s: cost.estimate(s, model_shape(key), h200, 168) * 1e3 for s in timed[key]}
+        pick = min(model, key=model.get)
+        best_ms = min(model[s] * (0.8 if s == surprise[key] else 1.0) for s in model)
+        want = model[pick] * (0.8 if pick == surprise[key] else 1.0) / best_ms
+        assert row["status"] == "ok" and row["model_pick"] == pick.name
+        assert row["regret"] == pytest.approx(want)
+        regrets.append(want)
+    total = doc["summary"]
+    assert total["worst_regret"] == pytest.approx(max(regrets))
+    assert total["geomean_regret"] == pytest.approx((regrets[0] * regrets[1]) ** 0.5)
+    assert "regret geometric mean" in printed
+    assert set(tables.load(out / "table.yaml", gpu="h200").entries) == set(keys)
+    assert not tables.default_path("h200").exists()
+
+
+def test_validate_model_names_a_pick_that_fails_the_check():
+    """A model pick that computes wrong results is a failed key, never a regret."""
+    from flashgen.tuner import space, study, validation
+    from flashgen.tuner.objective import Outcome  # noqa: F401 -- the statuses the rows carry
+
+    cands = space.candidates(FWD, gpus.get("h200"))[:3]
+    trials = [study.TrialRecord(0, cands[0], "ok", 2.0, info={"model_ms": 2.0}),
+              study.TrialRecord(1, cands[1], "wrong", None, "max error 1e+00", info={"model_ms": 1.0}),
+              study.TrialRecord(2, cands[2], "ok", 1.5, info={"model_ms": 3.0})]
+    result = study.KeyResult(FWD, 3, cands[0], trials)
+    row = validation.key_row(result, objective=None)
+    assert row["status"] == "model pick wrong" and row["model_pick"] == cands[1].name and "regret" not in row
+    assert validation.summary([row]) == {"keys": 1, "validated": 0, "failed": 1}
+
+
+def test_validate_model_refuses_model_mode_and_a_table_as_out(tmp_path, capsys):
+    from flashgen.cli import main
+
+    assert main(["tune", "--gpu", "h200", "--d", "64", "--validate-model", "--model"]) == 2
+    assert "not with --model" in capsys.readouterr().err
+    table = tmp_path / "t.yaml"
+    table.write_text("x: 1\n")
+    assert main(["tune", "--gpu", "h200", "--d", "64", "--validate-model", "--out", str(table)]) == 2
+    assert "a folder for the report" in capsys.readouterr().err

@@ -32,7 +32,7 @@ from ..errors import CompileError, FlashgenError
 from ..problem import BUCKETS
 from ..spec import DTYPES, KernelSpec
 from .. import shapes as record_file
-from . import space, store, study
+from . import space, store, study, validation
 from .objective import MeasuredObjective, ModelObjective, timing_calls
 
 DEFAULT_TRIALS = 100
@@ -139,7 +139,12 @@ def parse_scope(args):
         raise FlashgenError(f"--time-budget must be a positive number of seconds, got {args.time_budget}")
     if not 0 < args.stale_after < float("inf"):
         raise FlashgenError(f"--stale-after must be a positive number of seconds, got {args.stale_after}")
-    if not args.worker_only:  # where the winners go: checked now, not after the search
+    validate = getattr(args, "validate_model", False)
+    if validate and args.model:
+        raise FlashgenError("--validate-model measures the cost model's picks against the GPU: not with --model")
+    if validate and args.out is not None and os.path.lexists(args.out) and not os.path.isdir(args.out):
+        raise FlashgenError(f"--out {args.out}: with --validate-model, a folder for the report (not a table)")
+    if not args.worker_only and not validate:  # where the winners go: checked now, not after the search
         tables.check_writable(args.out or tables.default_path(profile.name), profile.name)
     if getattr(args, "from_file", None) is not None:
         given = [f"--{n}" for n in ("d", "seqlens", "variant", "kind", "dtype", "causal")
@@ -418,6 +423,8 @@ def tune(args, argv) -> int:
         cands = {key: space.candidates(key, profile, only, restrict) for key in keys}
     except ValueError as exc:  # no tile of the kind fits this GPU's shared memory at some head dim
         raise FlashgenError(f"--d {args.d}: {exc}") from None
+    if getattr(args, "validate_model", False):
+        cands = {key: validation.sample(key, c, args.trials, args.seed) for key, c in cands.items()}
     if not args.worker_only and mode == "measured":
         est = estimate_seconds(keys, cands, args.trials, profile, args.jobs, not args.no_confirm, shapes)
         log(f"estimate: ~{est['total']:.0f} s ({sum(min(args.trials, len(c)) for c in cands.values())} trials; "
@@ -481,6 +488,8 @@ def _tune(args, argv, t_start, log, profile, keys, only, mode, why, cands, stora
     if args.worker_only:
         return 0
     results = [study.collect(key, storage, cands[key]) for key in keys]
+    if getattr(args, "validate_model", False):
+        return validation.report(results, objective, args, profile, why, time.monotonic() - t_start, log)
     if mode == "measured" and not args.no_confirm:
         results = [study.confirm_finalists(r, objective) for r in results]
     rows = summarize(results, mode)
@@ -527,6 +536,12 @@ def add_arguments(p) -> None:
                    help="tune the keys a shapes file recorded (flashgen.record / FLASHGEN_RECORD), each at its "
                         "most called shape, instead of --d/--seqlens/--kind/--dtype/--causal/--variant at the "
                         "benchmark shape (hidden 2048)")
+    p.add_argument("--validate-model", action="store_true",
+                   help="measure how well the cost model ranks: per key a seeded sample of --trials candidates "
+                        "(the baseline first), every one checked and timed, then the model's pick re-timed with "
+                        "the measured best; prints regret (its time / the best's) and Spearman rank correlation; "
+                        "--out DIR gets validation.json and the measured winners as table.yaml (the user's "
+                        "table is not touched)")
     p.add_argument("--dtype", default=None, help="fp16, bf16 or both comma-separated (default bf16)")
     p.add_argument("--causal", default=None, help="both (default), true or false")
     p.add_argument("--seqlens", default=None, help=f"seqlen buckets to tune (default all: {BUCKETS})")
