@@ -17,7 +17,7 @@ from ..codegen import load
 from ..errors import UnsupportedError
 from ..families.base import varlen_list_ints
 from ..problem import ProblemKey, bucket_of, head_dim_tile
-from . import baselines
+from . import autotune, baselines
 from .checks import (DTYPES, check_attention_call, check_forced_spec, check_packed_call, contiguous_strides,
                      variant_tensors)
 from .device import Device, current_device, current_stream, index_of, is_capturing
@@ -263,6 +263,7 @@ def _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm="v
     dispatched = spec is None
     if spec is None:
         spec = dispatch.select(key, dev.gpu, dev.smem_budget, verify=True)
+        spec = autotune.tuned_spec(key, dims, dev, spec) or spec  # (FLASHGEN_AUTOTUNE: a key without an entry)
     else:
         if getattr(spec, "kind", None) in families.PROBLEMS["fwd"] and spec.kind not in serving:
             raise UnsupportedError(f"{spec.kind} does not run on {dev.arch} (this device); the forward here runs "
