@@ -139,7 +139,7 @@ def test_tune_from_times_each_key_at_its_recorded_shape_and_merges(tmp_path, mon
 
     def timer(key, spec):
         shape = space.measured_shape(key, seen[0].shapes)
-        timed.append((key, shape))
+        timed.append((key, spec, shape))
         return 1.0 + spec.block_n / 1000 + spec.warps / 100  # narrow tiles, few warps: fastest
 
     timed = []
@@ -152,12 +152,18 @@ def test_tune_from_times_each_key_at_its_recorded_shape_and_merges(tmp_path, mon
     old = tables.Table(meta=tables.make_meta(gpus.get("h200"), "measured"))
     old.entries[kept] = {"spec": kept_spec, "time_ms": 1.0, "source": "measured"}
     tables.save(old, out)
+    from flashgen import dispatch
+
+    before = {key: dispatch.select(key, "h200", gpus.get("h200").smem_per_block) for key in (FWD, BWD)}
     assert main(["tune", "--gpu", "h200", "--from", str(recorded), "--trials", "12", "--out", str(out),
                  "--no-confirm"]) == 0
     err = capsys.readouterr().err
     assert "2 recorded keys to tune" in err and "decode_split-sm_90a-bf16-d128-causal-n4096 (40 calls)" in err
-    assert {k for k, _ in timed} == {FWD, BWD}
-    assert {s for _, s in timed} == {GQA}  # the most called shape, not the benchmark's
+    assert {k for k, _, _ in timed} == {FWD, BWD}
+    assert {s for _, _, s in timed} == {GQA}  # the most called shape, not the benchmark's
+    for key, now in before.items():  # what ran before (the shipped table's pick) is measured too, and compared
+        assert (key, now) in {(k, spec) for k, spec, _ in timed}
+        assert f"the current {now.name}" in err
     table = tables.load(out, gpu="h200")
     assert set(table.entries) == {kept, FWD, BWD} and table.entries[kept]["spec"] == kept_spec
     assert table.entries[FWD]["source"] == "measured"

@@ -281,14 +281,15 @@ class Progress:
         print("\r" + line[:150].ljust(150), end="", file=sys.stderr, flush=True)
 
 
-def run_keys(keys, cands, objective, args, storage, worker_index=0, progress=None, worker=None):
+def run_keys(keys, cands, objective, args, storage, worker_index=0, progress=None, worker=None, leading=None):
     for i, key in enumerate(keys, 1):
         t0 = time.monotonic()
         if progress:
             progress.index = i
         study.run_study(key, objective, cands[key], n_trials=args.trials, time_budget=args.time_budget,
                         storage=storage, seed=args.seed + _seed_offset(args), worker_index=worker_index,
-                        progress=progress, worker=worker, stale_after=args.stale_after)
+                        progress=progress, worker=worker, stale_after=args.stale_after,
+                        leading=(leading or {}).get(key, 1))
         if progress and not progress.quiet:  # one line per key also where stderr is not a terminal
             r = study.collect(key, storage, cands[key])
             best = r.best
@@ -425,6 +426,12 @@ def tune(args, argv) -> int:
         raise FlashgenError(f"--d {args.d}: {exc}") from None
     if getattr(args, "validate_model", False):
         cands = {key: validation.sample(key, c, args.trials, args.seed) for key, c in cands.items()}
+    current = {}
+    if shapes:  # recorded keys: what runs now (a table's entry or the default rule) is a candidate too
+        for key in keys:
+            current[key] = dispatch.select(key, profile.name, profile.smem_per_block)
+            if current[key] != cands[key][0] and not current[key].check(profile):  # second, queued first
+                cands[key] = [cands[key][0], current[key], *(s for s in cands[key][1:] if s != current[key])]
     if not args.worker_only and mode == "measured":
         est = estimate_seconds(keys, cands, args.trials, profile, args.jobs, not args.no_confirm, shapes)
         log(f"estimate: ~{est['total']:.0f} s ({sum(min(args.trials, len(c)) for c in cands.values())} trials; "
@@ -441,7 +448,7 @@ def tune(args, argv) -> int:
         tmpdir = tempfile.mkdtemp(prefix="flashgen-tune-")
         storage_url = f"journal:{os.path.join(tmpdir, 'studies.journal')}"
     try:
-        return _tune(args, argv, t_start, log, profile, keys, only, mode, why, cands, storage_url, shapes)
+        return _tune(args, argv, t_start, log, profile, keys, only, mode, why, cands, storage_url, shapes, current)
     finally:
         if tmpdir is not None:
             shutil.rmtree(tmpdir, ignore_errors=True)
@@ -456,7 +463,8 @@ def _seed_offset(args) -> int:
     return 0
 
 
-def _tune(args, argv, t_start, log, profile, keys, only, mode, why, cands, storage_url, shapes=None) -> int:
+def _tune(args, argv, t_start, log, profile, keys, only, mode, why, cands, storage_url, shapes=None,
+          current=None) -> int:
     quiet = args.quiet
     procs = []
     if args.workers > 1:  # started before the compile step, held at their gate until it is done
@@ -478,11 +486,12 @@ def _tune(args, argv, t_start, log, profile, keys, only, mode, why, cands, stora
     if args.gate:
         sys.stdin.read()  # until the coordinator has compiled (or closed us because it stopped)
     progress = Progress(len(keys), {k: min(args.trials, len(v)) for k, v in cands.items()}, quiet)
+    leading = {key: 2 for key in (current or {}) if len(cands[key]) > 1 and cands[key][1] == current[key]}
     if args.workers > 1:
         _run_workers(procs, args.workers, mode, log,
-                     lambda label: run_keys(keys, cands, objective, args, storage, 0, progress, label))
+                     lambda label: run_keys(keys, cands, objective, args, storage, 0, progress, label, leading))
     else:
-        run_keys(keys, cands, objective, args, storage, args.worker_index, progress)
+        run_keys(keys, cands, objective, args, storage, args.worker_index, progress, leading=leading)
     if not quiet and sys.stderr.isatty():
         print(file=sys.stderr)
     if args.worker_only:
@@ -491,7 +500,12 @@ def _tune(args, argv, t_start, log, profile, keys, only, mode, why, cands, stora
     if getattr(args, "validate_model", False):
         return validation.report(results, objective, args, profile, why, time.monotonic() - t_start, log)
     if mode == "measured" and not args.no_confirm:
-        results = [study.confirm_finalists(r, objective) for r in results]
+        results = [study.confirm_finalists(r, objective, also=[(current or {}).get(r.key)]) for r in results]
+    for r in results:  # recorded keys: the winner against what ran before
+        now = next((t for t in r.ok() if t.spec == (current or {}).get(r.key)), None)
+        if now is not None and r.best is not None:
+            log(f"{space.key_name(r.key)} at {tuple(shapes[r.key])}: {r.best.spec.name} {r.best.time_ms:.3f} ms, "
+                f"{now.time_ms / r.best.time_ms:.3f}x the current {now.spec.name} ({now.time_ms:.3f} ms)")
     rows = summarize(results, mode)
     new = tables.Table(meta=tables.make_meta(profile, mode, why if mode == "measured" else None))
     for r in results:
