@@ -97,6 +97,22 @@ def test_no_search_for_a_key_with_an_entry_an_unknown_gpu_or_while_tracing(fresh
     assert first_use.tuned_spec(KEY, SHAPE, DEV, _default()) == _default()  # the next plain call tunes it
 
 
+def test_the_search_leaves_the_callers_random_stream_alone(fresh):
+    import torch
+
+    flashgen.autotune(True)
+    def search(request):  # draws random inputs, as the measured search does
+        torch.randn(1000)
+        return _default()
+
+    dispatch.set_first_use_search(search)
+    torch.manual_seed(7)
+    assert first_use.tuned_spec(KEY, SHAPE, DEV, _default()) == _default()
+    after_search = torch.rand(3)
+    torch.manual_seed(7)
+    assert torch.equal(after_search, torch.rand(3))
+
+
 def test_a_search_inside_a_search_and_a_failed_search_fall_back_to_the_rule(fresh, monkeypatch, caplog):
     flashgen.autotune(True)
     inner = []

@@ -7,7 +7,8 @@ and processes read it from there like any tuned entry. The search is bounded by
 ``FLASHGEN_AUTOTUNE_BUDGET`` seconds and logged. It never runs while a CUDA graph is being captured or
 torch.compile is tracing (the default rule serves that call, and the next plain call tunes), nor inside
 another search (its own checks call ``attention``), nor for a GPU without a profile (no table to store
-into). Whatever goes wrong in a search is logged and the call runs on the default rule.
+into). Whatever goes wrong in a search is logged and the call runs on the default rule. The search's
+random inputs come from forked random streams: the caller's (CPU and the device's) are left as they were.
 """
 from __future__ import annotations
 
@@ -84,8 +85,10 @@ def tuned_spec(key, shape, dev, default):
     request = FirstUse(key, tuple(shape), dev.gpu, dev.index, default, settings.autotune_budget())
     _local.searching = True
     try:
-        device = torch.cuda.device(dev.index) if torch.cuda.is_available() else contextlib.nullcontext()
-        with device, torch.no_grad():
+        on_gpu = torch.cuda.is_available()
+        device = torch.cuda.device(dev.index) if on_gpu else contextlib.nullcontext()
+        # fork_rng: the search's random inputs leave the caller's random streams where they were
+        with device, torch.no_grad(), torch.random.fork_rng(devices=[dev.index] if on_gpu else []):
             spec = search(request)
     except Exception as exc:  # noqa: BLE001 -- a failed search must not fail the user's call
         settings.logger().warning("flashgen autotune: the search for %s failed (%s: %s); the default rule serves",
