@@ -68,6 +68,22 @@ def select(key: ProblemKey, gpu: str | None, smem_budget: int, verify: bool = Fa
     return families.default_spec(key, smem_budget, check=check, family=family, **rule_args)
 
 
+# The first-use search (``FLASHGEN_AUTOTUNE``, ``flashgen.autotune``): a function of one
+# ``FirstUse`` request that returns the winning spec (and stores it in the user's table) or None. The
+# tuner provides it (``flashgen.tuner.autotune.search``, registered by the package on import); the torch
+# layer calls it through ``first_use_search`` (it may not import the tuner: imports point down).
+_first_use = None
+
+
+def set_first_use_search(search) -> None:
+    global _first_use
+    _first_use = search
+
+
+def first_use_search():
+    return _first_use
+
+
 def clear() -> None:
     """Forget the tables read so far and every cached pick (after tuning, or in tests)."""
     tables.clear()

@@ -18,6 +18,9 @@ naming the variable, never a silent default.
 | ``FLASHGEN_PERSIST_CTAS`` | int | study and tests: cap a persistent fwd_sm90 grid at this many CTAs (more tiles each); read when a plan is made |
 | ``FLASHGEN_TMA`` | name | the tensor-map encoder: ``ctypes`` (libcuda directly) or ``bindings`` (cuda.bindings); unset: ctypes, else bindings |
 | ``FLASHGEN_COMMIT`` | text | the commit benchmarks record (a copy without .git, e.g. on a GPU host); unset: ``git rev-parse HEAD`` |
+| ``FLASHGEN_RECORD`` | path | log the problem keys this process dispatches (shapes, counts) to this YAML file at exit (``flashgen.record``); read when a call's plan is made |
+| ``FLASHGEN_AUTOTUNE`` | flag | the first call of a key with no tuned entry searches a few candidates on the GPU and stores the winner in the user's table (``flashgen.autotune``) |
+| ``FLASHGEN_AUTOTUNE_BUDGET`` | seconds | the most one such search may take (default 30) |
 
 A flag is on for any value but ``""``, ``0``, ``false``, ``no`` and ``off``. Two variables of CUDA's
 are read (or set) here too: ``CUDA_VISIBLE_DEVICES`` (``visible_devices``: which GPU a tuning worker
@@ -44,6 +47,9 @@ VARIABLES = {
     "FLASHGEN_PERSIST_CTAS": ("int", "study and tests: cap a persistent fwd_sm90 grid at this many CTAs"),
     "FLASHGEN_TMA": ("name", "tensor-map encoder: ctypes or bindings"),
     "FLASHGEN_COMMIT": ("text", "the commit benchmarks record"),
+    "FLASHGEN_RECORD": ("path", "log the dispatched problem keys (shapes, counts) to this YAML file"),
+    "FLASHGEN_AUTOTUNE": ("flag", "tune a key with no table entry on its first call (short measured search)"),
+    "FLASHGEN_AUTOTUNE_BUDGET": ("seconds", "the most one first-use search may take (default 30)"),
 }
 _OFF = ("", "0", "false", "no", "off")
 
@@ -126,6 +132,33 @@ def tma_backend() -> str:
 
 def commit() -> str | None:
     return _raw("FLASHGEN_COMMIT") or None
+
+
+def record_path() -> Path | None:
+    """Where this process logs the problem keys it dispatches, or None (not recording)."""
+    value = _raw("FLASHGEN_RECORD")
+    return Path(value) if value else None
+
+
+def autotune() -> bool:
+    return _flag("FLASHGEN_AUTOTUNE")
+
+
+AUTOTUNE_BUDGET_S = 30.0
+
+
+def autotune_budget() -> float:
+    """Seconds one first-use search may take (``FLASHGEN_AUTOTUNE_BUDGET``, default 30)."""
+    value = _raw("FLASHGEN_AUTOTUNE_BUDGET")
+    if not value:
+        return AUTOTUNE_BUDGET_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise ConfigError(None, f"FLASHGEN_AUTOTUNE_BUDGET={value!r}: must be a positive number of seconds")
+    return seconds
 
 
 def visible_devices() -> list:

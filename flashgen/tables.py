@@ -179,6 +179,22 @@ def _key(where, record, arch: str) -> ProblemKey:
     return ProblemKey(**record)
 
 
+def parse_key(where, record, arch: str | None = None) -> ProblemKey:
+    """A problem key from its YAML record (the fields of an entry's ``key``), every value checked;
+    ``arch`` given: refuse a key of another arch. ``ConfigError(where, reason)`` otherwise."""
+    if arch is None:
+        arch = record.get("arch") if isinstance(record, dict) else None
+    return _key(where, record, arch)
+
+
+def key_record(key: ProblemKey) -> dict:
+    """The YAML record of a problem key (``parse_key`` reads it back)."""
+    record = {f: getattr(key, f) for f in _KEY_FIELDS}
+    if key.variant:
+        record["variant"] = key.variant
+    return record
+
+
 def _spec(where, record, key, profile) -> KernelSpec:
     spec = KernelSpec.from_dict(record, where, complete=True)
     serving = families.serving(key.kind, key.arch)
@@ -513,10 +529,7 @@ def dump(table: Table) -> str:
     entries = []
     for key in sorted(table.entries, key=lambda k: (k.kind, k.arch, k.dtype, k.head_dim, k.causal, k.bucket,
                                                     k.variant)):
-        record = {f: getattr(key, f) for f in _KEY_FIELDS}
-        if key.variant:
-            record["variant"] = key.variant
-        entry = {"key": record, **_plain(table.entries[key])}
+        entry = {"key": key_record(key), **_plain(table.entries[key])}
         entries.append(entry)
     return yaml.dump({"meta": {**table.meta, "format": FORMAT}, "entries": entries}, Dumper=_Dumper.get(),
                      sort_keys=False, default_flow_style=None, width=120)

@@ -22,9 +22,10 @@ def clear_caches() -> None:
         import torch  # noqa: F401 -- the torch layer exists only with torch
     except ImportError:
         return
-    from .api import plans
+    from .api import autotune, plans
 
     plans.clear_all()
+    autotune.clear()
 
 
 def plans(entry: str) -> dict:

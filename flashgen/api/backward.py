@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from .. import dispatch, families, settings
+from .. import dispatch, families, settings, shapes
 from ..codegen import load
 from ..families import bwd
 from ..families.base import stride_values, varlen_list_ints
@@ -196,6 +196,9 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
         # bwd_dkdv addresses the fp32 dQ accumulator by 32-bit element offsets.
         dq_mode = "separate"
     separate = dq_mode == "separate"
+    shapes.from_environment()
+    if shapes.ACTIVE and not specs:  # flashgen.record: the key of the backward's main kernel, as tuned
+        shapes.note(key.replace(kind="bwd_dkdv_nodq" if separate else "bwd_dkdv"), (b, h, hk, nq, nk, d))
     dq_acc = None if separate else torch.empty((b, h, nq, d_tile), dtype=torch.float32, device=q.device)
     scale = float(softmax_scale)
     slopes, alibi_sb, _ = variant_tensors(alibi_slopes, None)

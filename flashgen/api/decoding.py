@@ -17,7 +17,7 @@ from threading import get_ident
 
 import torch
 
-from .. import dispatch
+from .. import dispatch, shapes
 from ..codegen import load
 from ..errors import UnsupportedError
 from ..families import decode as dk
@@ -113,6 +113,8 @@ def decode(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None
         plan = _plan(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax_scale, num_splits,
                      return_lse, check_values, spec, window, softcap, alibi_slopes, sinks)
         _plans.put(sig, plan)
+    if shapes.ACTIVE and plan.record is not None:  # flashgen.record: count this call's key and shape
+        shapes.note(*plan.record)
     qp, kp, vp = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
     has_new = k_new is not None
     knp, vnp = (k_new.data_ptr(), v_new.data_ptr()) if has_new else (0, 0)
@@ -293,7 +295,7 @@ class _Plan:
 
     __slots__ = ("kernel", "grid", "combine", "combine_grid", "device_index", "lse_shape", "ws_numel",
                  "ws_lse_offset", "ctr_numel", "splits", "limits", "spec", "extents", "variant", "_template",
-                 "_struct", "_ctemplate", "_cstruct")
+                 "_struct", "_ctemplate", "_cstruct", "record")
 
     def __init__(self, device_index, lse_shape, limits, extents=(0, 0, 0, 0)):
         self.device_index, self.lse_shape, self.limits = device_index, lse_shape, limits
@@ -303,6 +305,7 @@ class _Plan:
         self.splits = 1
         self.variant = PLAIN
         self._template = self._struct = self._ctemplate = self._cstruct = None
+        self.record = None  # (ProblemKey, shape) of a dispatched call, for flashgen.record
 
     def key_ranges(self, length: int, nq: int, group: int, m_block: int = 0) -> list:
         """The K/V rows [begin, end) each split of m-block ``m_block`` reads for a sequence of ``length``
@@ -454,6 +457,7 @@ def _plan(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax
     (b, nq, hq, hk, d), scale, num_splits, limits, variant = _checked(
         q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax_scale, num_splits, return_lse,
         check_values, window, softcap, alibi_slopes, sinks)
+    shapes.from_environment()
     index = index_of(q)
     extents = tuple(extent_bytes(t) if t is not None else 0 for t in (k_cache, v_cache, k_new, v_new))
     plan = _Plan(index, (b, hq, nq), limits, extents)
@@ -471,6 +475,7 @@ def _plan(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax
         key = ProblemKey(dk.SPLIT.kind, dev.arch, dtype, tile, True, bucket_of(keys), variant.key())
         spec = dispatch.select(key, dev.gpu, dev.smem_budget, verify=True,
                                regime=dk.decode_regime(b * hk * m_blocks, dev.sms))
+        plan.record = (key, (b, hq, hk, nq, limits.capacity, d))
     else:
         check_forced_spec(spec, {"kind": dk.SPLIT.kind, "dtype": dtype, "arch": dev.arch, **variant.flags()}, d,
                           dev.smem_budget)

@@ -12,12 +12,12 @@ from threading import get_ident
 
 import torch
 
-from .. import dispatch, families
+from .. import dispatch, families, shapes
 from ..codegen import load
 from ..errors import UnsupportedError
 from ..families.base import varlen_list_ints
 from ..problem import ProblemKey, bucket_of, head_dim_tile
-from . import baselines
+from . import autotune, baselines
 from .checks import (DTYPES, check_attention_call, check_forced_spec, check_packed_call, contiguous_strides,
                      variant_tensors)
 from .device import Device, current_device, current_stream, index_of, is_capturing
@@ -55,6 +55,8 @@ def forward(q, k, v, causal, softmax_scale, layout, return_lse, spec=None, algor
                          f"{q.data_ptr():#x}, {k.data_ptr():#x}, {v.data_ptr():#x}")
     if type(plan) is not _Plan:  # algorithm="v1"/"standard": several kernels and buffers (baselines)
         return plan.run(q, k, v, return_lse)
+    if shapes.ACTIVE and plan.record is not None:  # flashgen.record: count this call's key and shape
+        shapes.note(*plan.record)
     # contiguous, q's dtype and device; empty_like parses no size argument (new_empty(q.shape): ~1 us more)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty(plan.lse_shape, dtype=torch.float32) if return_lse else None
@@ -100,6 +102,8 @@ def packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         plan = packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                            seqused_k, window, softcap, alibi_slopes, sinks, spec, block_table)
         _packed_plans.put(sig, plan)
+    if shapes.ACTIVE and plan.record is not None:
+        shapes.note(*plan.record)
     qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
     if (qp | kp | vp) & 15:
         raise ValueError(f"q, k, v must be 16-byte aligned (16-byte loads), got addresses {qp:#x}, {kp:#x}, {vp:#x}")
@@ -174,6 +178,7 @@ def packed_plan(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, sequse
     dims, strides, scale, variant = check_packed_call(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale,
                                                       seqused_k, block_table, window, softcap, alibi_slopes, sinks)
     seqs, h, hk, total_q, total_k, d = dims
+    shapes.from_environment()
     index = index_of(q)
     if not (total_q and seqs):
         return _Plan(None, None, index, (h, total_q))
@@ -182,6 +187,7 @@ def packed_plan(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, sequse
                      bucket_of(max(1, max_q)), variant.key())
     serving = families.serving("fwd", dev.arch)
     kv_pages = tuple(k.shape[:2]) if block_table is not None else None
+    dispatched = spec is None
     if spec is None:
         spec = families.bounded_spec(dispatch.select(key, dev.gpu, dev.smem_budget, verify=True), variant.softcap)
         if kv_pages is not None:
@@ -202,6 +208,8 @@ def packed_plan(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, sequse
                                   **({"kv_pages": kv_pages} if kv_pages else {}))
     plan = _Plan(kern, grid, dev.index, (h, total_q), params_for, fam.needs_tile_counters(spec))
     plan.list_ints = varlen_list_ints(total_q, seqs, spec.block_m)
+    if dispatched:
+        plan.record = (key, (seqs, h, hk, max(1, max_q), max(1, max_k), d))
     return plan
 
 
@@ -210,11 +218,12 @@ class _Plan:
     packed parameter block with the inputs filled in (fwd_sm90: their tensor maps, cached per address
     triple); ``counters``: the launch takes the stream's tile counters (a persistent kernel)."""
 
-    __slots__ = ("kernel", "grid", "device_index", "lse_shape", "params_for", "counters", "list_ints")
+    __slots__ = ("kernel", "grid", "device_index", "lse_shape", "params_for", "counters", "list_ints", "record")
 
     def __init__(self, kernel, grid, device_index, lse_shape, params_for=None, counters=False):
         self.kernel, self.grid, self.device_index, self.lse_shape = kernel, grid, device_index, lse_shape
         self.params_for, self.counters, self.list_ints = params_for, counters, 0
+        self.record = None  # (ProblemKey, shape) of a dispatched call, for flashgen.record
 
     def launch(self, params) -> None:
         """Enqueue the kernel on the current stream of the plan's device."""
@@ -235,6 +244,7 @@ def _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm="v
     if algorithm != "v2" and not variant.plain:
         raise UnsupportedError(f"algorithm={algorithm!r} serves plain and causal attention only, not "
                                f"{', '.join(variant.names())}")
+    shapes.from_environment()
     index = index_of(q)
     if not (nq and b and h):
         return _Plan(None, None, index, (b, h, nq))
@@ -251,8 +261,11 @@ def _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm="v
     key = ProblemKey("fwd", dev.arch, DTYPES[q.dtype], head_dim_tile(d), variant.causal, bucket_of(nq),
                      variant.key())
     serving = families.serving("fwd", dev.arch)
+    dispatched = spec is None
     if spec is None:
-        spec = families.bounded_spec(dispatch.select(key, dev.gpu, dev.smem_budget, verify=True), variant.softcap)
+        spec = dispatch.select(key, dev.gpu, dev.smem_budget, verify=True)
+        spec = autotune.tuned_spec(key, dims, dev, spec) or spec  # (FLASHGEN_AUTOTUNE: a key without an entry)
+        spec = families.bounded_spec(spec, variant.softcap)
     else:
         if getattr(spec, "kind", None) in families.PROBLEMS["fwd"] and spec.kind not in serving:
             raise UnsupportedError(f"{spec.kind} does not run on {dev.arch} (this device); the forward here runs "
@@ -263,7 +276,10 @@ def _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm="v
     kern = load(spec, dev.index)
     fam = families.family(spec.kind)
     grid, params_for = fam.launch(kern, dims, (sq, sk, sv), o_strides, scale, dev, variant)
-    return _Plan(kern, grid, dev.index, (b, h, nq), params_for, fam.needs_tile_counters(spec))
+    plan = _Plan(kern, grid, dev.index, (b, h, nq), params_for, fam.needs_tile_counters(spec))
+    if dispatched:
+        plan.record = (key, dims)
+    return plan
 
 
 _counters: dict = {}

@@ -76,16 +76,24 @@ class ModelObjective:
     def __init__(self, profile, build=_default_build):
         self.profile = profile
         self.build = build
+        self.shapes: dict = {}  # ProblemKey -> recorded shape (tune --from); others at problem_shape
 
     def __call__(self, key, spec) -> Outcome:
         binary, failed = compile_outcome(spec, self.build)
         if failed:
             return failed
         regs = binary.report.registers
-        est = cost.estimate(spec, space.problem_shape(key), self.profile, regs)
+        est = cost.estimate(spec, model_shape(key, self.shapes), self.profile, regs)
         if not math.isfinite(est):
             return Outcome("constraint", reason="no CTA fits on an SM", info={"registers": regs})
         return Outcome("ok", est * 1e3, info={"registers": regs, "model_ms": est * 1e3})
+
+
+def model_shape(key, shapes=None) -> tuple:
+    """(batch, heads, seqlen, d) the cost model estimates ``key`` at: the query side of
+    ``space.measured_shape`` (the model takes seqlen_k = seqlen_q)."""
+    b, h, _, nq, _, d = space.measured_shape(key, shapes)
+    return (b, h, nq, d)
 
 
 # The screening timer of one trial (``bench.timing.time_ms``): a short budget per trial.
@@ -137,6 +145,7 @@ class MeasuredObjective:
         self.timer = timer or self._time_on_gpu
         self._checked: dict = {}
         self._inputs: dict = {}
+        self.shapes: dict = {}  # ProblemKey -> recorded shape (tune --from); others at problem_shape
 
     def __call__(self, key, spec) -> Outcome:
         binary, failed = compile_outcome(spec, self.build)
@@ -144,7 +153,7 @@ class MeasuredObjective:
             return failed
         regs = binary.report.registers
         info = {"registers": regs,
-                "model_ms": cost.estimate(spec, space.problem_shape(key), self.profile, regs) * 1e3}
+                "model_ms": cost.estimate(spec, model_shape(key, self.shapes), self.profile, regs) * 1e3}
         try:
             verdict = self._checked.get(spec)
             if verdict is None:
@@ -259,15 +268,15 @@ class MeasuredObjective:
             return self._time_backward(key, spec)
         if variants.key_flags(key.variant)["varlen"]:
             return self._time_varlen(key, spec)
-        b, h, n, d = space.problem_shape(key)
-        sig = (key.dtype, b, h, n, d)
+        b, h, hk, nq, nk, d = space.measured_shape(key, self.shapes)
+        sig = (key.dtype, b, h, hk, nq, nk, d)
         if sig not in self._inputs:
             self._inputs.clear()  # one shape at a time: 3 x 64 MB, larger than L2
             dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[key.dtype]
-            self._inputs[sig] = tuple(torch.randn(b, h, n, d, device=self.device, dtype=dtype)
-                                      for _ in range(3))
+            self._inputs[sig] = (torch.randn(b, h, nq, d, device=self.device, dtype=dtype),
+                                 *(torch.randn(b, hk, nk, d, device=self.device, dtype=dtype) for _ in range(2)))
         q, k, v = self._inputs[sig]
-        kw = variant_kwargs(key.variant, key.causal, n, b, h, self.device)
+        kw = variant_kwargs(key.variant, key.causal, max(nq, nk), b, h, self.device)
         return median_ms(lambda: attention(q, k, v, causal=key.causal, spec=spec, **kw))
 
     def _time_varlen(self, key, spec) -> float:
@@ -276,13 +285,15 @@ class MeasuredObjective:
 
         from ..api import attention_varlen
 
-        _, h, n, d = space.problem_shape(key)
+        _, h, hk, _, _, d = space.measured_shape(key, self.shapes)  # (recorded: its heads and head dim)
+        n = key.bucket
         lengths = space.tuning_lengths(key)
-        sig = ("varlen", key.dtype, h, n, d)
+        sig = ("varlen", key.dtype, h, hk, n, d)
         if sig not in self._inputs:
             self._inputs.clear()
             dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[key.dtype]
-            qkv = tuple(torch.randn(sum(lengths), h, d, device=self.device, dtype=dtype) for _ in range(3))
+            qkv = (torch.randn(sum(lengths), h, d, device=self.device, dtype=dtype),
+                   *(torch.randn(sum(lengths), hk, d, device=self.device, dtype=dtype) for _ in range(2)))
             cu = torch.tensor([0, *itertools.accumulate(lengths)], device=self.device, dtype=torch.int32)
             self._inputs[sig] = (*qkv, cu)
         q, k, v, cu = self._inputs[sig]
@@ -296,13 +307,13 @@ class MeasuredObjective:
 
         from ..api import attention, attention_backward
 
-        b, h, n, d = space.problem_shape(key)
-        sig = ("bwd", key.dtype, b, h, n, d, key.causal)
+        b, h, hk, nq, nk, d = space.measured_shape(key, self.shapes)
+        sig = ("bwd", key.dtype, b, h, hk, nq, nk, d, key.causal)
         if sig not in self._inputs:
             self._inputs.clear()  # one shape at a time: q, k, v, dO, O of 64 MB each
             dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[key.dtype]
-            q, k, v, dout = (torch.randn(b, h, n, d, device=self.device, dtype=dtype)
-                             for _ in range(4))
+            q, dout = (torch.randn(b, h, nq, d, device=self.device, dtype=dtype) for _ in range(2))
+            k, v = (torch.randn(b, hk, nk, d, device=self.device, dtype=dtype) for _ in range(2))
             out, lse = attention(q, k, v, causal=key.causal, return_lse=True)
             self._inputs[sig] = (q, k, v, dout, out, lse)
         q, k, v, dout, out, lse = self._inputs[sig]

@@ -31,7 +31,8 @@ from ..codegen import build
 from ..errors import CompileError, FlashgenError
 from ..problem import BUCKETS
 from ..spec import DTYPES, KernelSpec
-from . import space, store, study
+from .. import shapes as record_file
+from . import space, store, study, validation
 from .objective import MeasuredObjective, ModelObjective, timing_calls
 
 DEFAULT_TRIALS = 100
@@ -138,8 +139,25 @@ def parse_scope(args):
         raise FlashgenError(f"--time-budget must be a positive number of seconds, got {args.time_budget}")
     if not 0 < args.stale_after < float("inf"):
         raise FlashgenError(f"--stale-after must be a positive number of seconds, got {args.stale_after}")
-    if not args.worker_only:  # where the winners go: checked now, not after the search
+    validate = getattr(args, "validate_model", False)
+    if validate and args.model:
+        raise FlashgenError("--validate-model measures the cost model's picks against the GPU: not with --model")
+    if validate and args.out is not None and os.path.lexists(args.out) and not os.path.isdir(args.out):
+        raise FlashgenError(f"--out {args.out}: with --validate-model, a folder for the report (not a table)")
+    if not args.worker_only and not validate:  # where the winners go: checked now, not after the search
         tables.check_writable(args.out or tables.default_path(profile.name), profile.name)
+    if getattr(args, "from_file", None) is not None:
+        given = [f"--{n}" for n in ("d", "seqlens", "variant", "kind", "dtype", "causal")
+                 if getattr(args, n, None) is not None]
+        if given:
+            raise FlashgenError(f"--from tunes the keys the shapes file holds: {', '.join(given)} do not apply")
+        keys, _, _ = recorded_keys(args.from_file, profile)
+        return profile, keys, None
+    args.kind = args.kind or "fwd"
+    args.dtype = args.dtype or "bf16"
+    args.causal = args.causal or "both"
+    if args.d is None:
+        raise FlashgenError("--d is required (head dims, e.g. --d 64,128), or --from a recorded shapes file")
     known = space.tune_kinds()
     if args.kind not in known:
         raise FlashgenError(f"--kind {args.kind!r}: known kinds {list(known)} (the other kernels are not "
@@ -177,6 +195,32 @@ def parse_scope(args):
     return profile, space.problem_keys(args.kind, profile.arch, dtypes, ds, causals, buckets, variant_list), only
 
 
+def recorded_keys(path, profile) -> tuple[list, dict, list]:
+    """(keys, {key: shape}, skipped) of a shapes file (``flashgen.record``) for ``profile``: the keys the
+    tuner tunes (the forward's, with its variants; the backward's plain keys), each at its most called
+    shape (``shapes.by_key``); ``skipped``: one line per key it does not tune, and why. A file that cannot
+    be read, or holds nothing to tune here, is a ``FlashgenError`` (``ConfigError``) of one line."""
+    recorded = record_file.by_key(record_file.load(path))
+    keys, found, skipped = [], {}, []
+    for key, (shape, calls) in sorted(recorded.items(), key=lambda kv: -kv[1][1]):
+        why = None
+        if key.arch != profile.arch:
+            why = f"recorded on {key.arch}, not {profile.name}'s {profile.arch}"
+        elif key.kind not in space.TUNED_PROBLEMS:
+            why = f"{key.kind} is not tuned (its default rule serves)"
+        elif space.is_backward(key.kind) and key.variant:
+            why = "the backward's variants are not tuned (they run on the plain problem's tiles)"
+        if why:
+            skipped.append(f"{space.key_name(key)} ({calls} calls): {why}")
+            continue
+        keys.append(key)
+        found[key] = shape
+    if not keys:
+        raise FlashgenError(f"--from {path}: no key to tune for {profile.name} among its {len(recorded)} "
+                            + ("; ".join(skipped[:3]) if skipped else "(the file has no entries)"))
+    return keys, found, skipped
+
+
 # For the time estimate only: the fraction of the datasheet tensor rate the searched kernels run
 # at, on the slow side (H200 measurements: the forward's candidates 30-60 %, the backward's
 # 11-25 %, docs/perf/tuner.md), and the seconds of a trial besides its timed calls.
@@ -187,7 +231,7 @@ ESTIMATE_COMPILE_S = 2.0    # one NVRTC compile, divided over --jobs
 CONFIRM_CALLS = 3 * 4       # confirm_finalists: 3 interleaved rounds of the 3 fastest and the baseline
 
 
-def estimate_seconds(keys, cands, trials: int, profile, jobs: int = 1, confirm: bool = True) -> dict:
+def estimate_seconds(keys, cands, trials: int, profile, jobs: int = 1, confirm: bool = True, shapes=None) -> dict:
     """A rough measured-mode duration: {'compile', 'check', 'time', 'total'} seconds.
 
     Each key's call takes ``space.key_flops`` at ``ESTIMATE_RATE`` of the profile's tensor rate;
@@ -199,7 +243,7 @@ def estimate_seconds(keys, cands, trials: int, profile, jobs: int = 1, confirm: 
     timed = 0.0
     for key in keys:
         rate = profile.peak_flops * ESTIMATE_RATE["bwd" if space.is_backward(key.kind) else "fwd"]
-        ms = space.key_flops(key) / rate * 1e3
+        ms = space.key_flops(key, space.measured_shape(key, shapes) if shapes and key in shapes else None) / rate * 1e3
         per_trial = timing_calls(ms) * ms / 1e3 + ESTIMATE_TRIAL_S
         n = min(trials, len(cands[key]))
         timed += per_trial * (n + (CONFIRM_CALLS if confirm and n > 1 else 0))
@@ -237,14 +281,15 @@ class Progress:
         print("\r" + line[:150].ljust(150), end="", file=sys.stderr, flush=True)
 
 
-def run_keys(keys, cands, objective, args, storage, worker_index=0, progress=None, worker=None):
+def run_keys(keys, cands, objective, args, storage, worker_index=0, progress=None, worker=None, leading=None):
     for i, key in enumerate(keys, 1):
         t0 = time.monotonic()
         if progress:
             progress.index = i
         study.run_study(key, objective, cands[key], n_trials=args.trials, time_budget=args.time_budget,
                         storage=storage, seed=args.seed + _seed_offset(args), worker_index=worker_index,
-                        progress=progress, worker=worker, stale_after=args.stale_after)
+                        progress=progress, worker=worker, stale_after=args.stale_after,
+                        leading=(leading or {}).get(key, 1))
         if progress and not progress.quiet:  # one line per key also where stderr is not a terminal
             r = study.collect(key, storage, cands[key])
             best = r.best
@@ -353,6 +398,14 @@ def tune(args, argv) -> int:
     log = lambda msg: _say(msg, quiet)  # noqa: E731
     require_optuna()
     profile, keys, only = parse_scope(args)
+    shapes = {}
+    if getattr(args, "from_file", None) is not None:
+        keys, shapes, skipped = recorded_keys(args.from_file, profile)
+        if not args.worker_only:
+            log(f"--from {args.from_file}: {len(keys)} recorded keys to tune, each at its most called shape"
+                + (f"; {len(skipped)} not tuned:" if skipped else ""))
+            for line in skipped:
+                log(f"  {line}")
     mode, why = gpu_mode(profile, args.model)
     if args.storage is not None:
         open_storage(args.storage)  # a bad URL is refused before anything is compiled
@@ -371,8 +424,16 @@ def tune(args, argv) -> int:
         cands = {key: space.candidates(key, profile, only, restrict) for key in keys}
     except ValueError as exc:  # no tile of the kind fits this GPU's shared memory at some head dim
         raise FlashgenError(f"--d {args.d}: {exc}") from None
+    if getattr(args, "validate_model", False):
+        cands = {key: validation.sample(key, c, args.trials, args.seed) for key, c in cands.items()}
+    current = {}
+    if shapes:  # recorded keys: what runs now (a table's entry or the default rule) is a candidate too
+        for key in keys:
+            current[key] = dispatch.select(key, profile.name, profile.smem_per_block)
+            if current[key] != cands[key][0] and not current[key].check(profile):  # second, queued first
+                cands[key] = [cands[key][0], current[key], *(s for s in cands[key][1:] if s != current[key])]
     if not args.worker_only and mode == "measured":
-        est = estimate_seconds(keys, cands, args.trials, profile, args.jobs, not args.no_confirm)
+        est = estimate_seconds(keys, cands, args.trials, profile, args.jobs, not args.no_confirm, shapes)
         log(f"estimate: ~{est['total']:.0f} s ({sum(min(args.trials, len(c)) for c in cands.values())} trials; "
             f"compile ~{est['compile']:.0f} s, checks ~{est['check']:.0f} s, timing ~{est['time']:.0f} s"
             + (f"; --time-budget caps each key at {args.time_budget:.0f} s" if args.time_budget else "") + ")")
@@ -387,7 +448,7 @@ def tune(args, argv) -> int:
         tmpdir = tempfile.mkdtemp(prefix="flashgen-tune-")
         storage_url = f"journal:{os.path.join(tmpdir, 'studies.journal')}"
     try:
-        return _tune(args, argv, t_start, log, profile, keys, only, mode, why, cands, storage_url)
+        return _tune(args, argv, t_start, log, profile, keys, only, mode, why, cands, storage_url, shapes, current)
     finally:
         if tmpdir is not None:
             shutil.rmtree(tmpdir, ignore_errors=True)
@@ -402,7 +463,8 @@ def _seed_offset(args) -> int:
     return 0
 
 
-def _tune(args, argv, t_start, log, profile, keys, only, mode, why, cands, storage_url) -> int:
+def _tune(args, argv, t_start, log, profile, keys, only, mode, why, cands, storage_url, shapes=None,
+          current=None) -> int:
     quiet = args.quiet
     procs = []
     if args.workers > 1:  # started before the compile step, held at their gate until it is done
@@ -415,6 +477,7 @@ def _tune(args, argv, t_start, log, profile, keys, only, mode, why, cands, stora
             specs = [s for key in keys for s in (cands[key] if len(cands[key]) <= args.trials else cands[key][:1])]
             precompile(specs, args.jobs, log)
         objective = MeasuredObjective(profile) if mode == "measured" else ModelObjective(profile)
+        objective.shapes = dict(shapes or {})
         storage = open_storage(storage_url)
     except BaseException:
         for p in procs:  # never let a gated worker run after this process failed
@@ -423,25 +486,33 @@ def _tune(args, argv, t_start, log, profile, keys, only, mode, why, cands, stora
     if args.gate:
         sys.stdin.read()  # until the coordinator has compiled (or closed us because it stopped)
     progress = Progress(len(keys), {k: min(args.trials, len(v)) for k, v in cands.items()}, quiet)
+    leading = {key: 2 for key in (current or {}) if len(cands[key]) > 1 and cands[key][1] == current[key]}
     if args.workers > 1:
         _run_workers(procs, args.workers, mode, log,
-                     lambda label: run_keys(keys, cands, objective, args, storage, 0, progress, label))
+                     lambda label: run_keys(keys, cands, objective, args, storage, 0, progress, label, leading))
     else:
-        run_keys(keys, cands, objective, args, storage, args.worker_index, progress)
+        run_keys(keys, cands, objective, args, storage, args.worker_index, progress, leading=leading)
     if not quiet and sys.stderr.isatty():
         print(file=sys.stderr)
     if args.worker_only:
         return 0
     results = [study.collect(key, storage, cands[key]) for key in keys]
+    if getattr(args, "validate_model", False):
+        return validation.report(results, objective, args, profile, why, time.monotonic() - t_start, log)
     if mode == "measured" and not args.no_confirm:
-        results = [study.confirm_finalists(r, objective) for r in results]
+        results = [study.confirm_finalists(r, objective, also=[(current or {}).get(r.key)]) for r in results]
+    for r in results:  # recorded keys: the winner against what ran before
+        now = next((t for t in r.ok() if t.spec == (current or {}).get(r.key)), None)
+        if now is not None and r.best is not None:
+            log(f"{space.key_name(r.key)} at {tuple(shapes[r.key])}: {r.best.spec.name} {r.best.time_ms:.3f} ms, "
+                f"{now.time_ms / r.best.time_ms:.3f}x the current {now.spec.name} ({now.time_ms:.3f} ms)")
     rows = summarize(results, mode)
     new = tables.Table(meta=tables.make_meta(profile, mode, why if mode == "measured" else None))
     for r in results:
         if r.best is None:
             log(f"{space.key_name(r.key)}: no candidate passed ({r.failures()}); not written")
             continue
-        new.entries[r.key] = store.entry_from_result(r, mode)
+        new.entries[r.key] = store.entry_from_result(r, mode, (shapes or {}).get(r.key))
     path = args.out or tables.default_path(profile.name)
     tables.update(path, new)  # merged under a lock with what concurrent runs wrote meanwhile
     dispatch.clear()
@@ -474,16 +545,26 @@ def _strip(argv, options):
 
 def add_arguments(p) -> None:
     p.add_argument("--gpu", required=True, help="GPU profile to tune for (a100, h100, h200, l4, rtx4090)")
-    p.add_argument("--d", required=True, help="head dims, comma-separated (e.g. 64,128)")
-    p.add_argument("--dtype", default="bf16", help="fp16, bf16 or both comma-separated (default bf16)")
-    p.add_argument("--causal", default="both", help="both (default), true or false")
+    p.add_argument("--d", default=None, help="head dims, comma-separated (e.g. 64,128); required unless --from")
+    p.add_argument("--from", dest="from_file", default=None, metavar="SHAPES",
+                   help="tune the keys a shapes file recorded (flashgen.record / FLASHGEN_RECORD), each at its "
+                        "most called shape, instead of --d/--seqlens/--kind/--dtype/--causal/--variant at the "
+                        "benchmark shape (hidden 2048)")
+    p.add_argument("--validate-model", action="store_true",
+                   help="measure how well the cost model ranks: per key a seeded sample of --trials candidates "
+                        "(the baseline first), every one checked and timed, then the model's pick re-timed with "
+                        "the measured best; prints regret (its time / the best's) and Spearman rank correlation; "
+                        "--out DIR gets validation.json and the measured winners as table.yaml (the user's "
+                        "table is not touched)")
+    p.add_argument("--dtype", default=None, help="fp16, bf16 or both comma-separated (default bf16)")
+    p.add_argument("--causal", default=None, help="both (default), true or false")
     p.add_argument("--seqlens", default=None, help=f"seqlen buckets to tune (default all: {BUCKETS})")
     p.add_argument("--variant", default=None,
                    help="forward variants to tune, comma-separated: 'none' (plain) or tokens joined by '_' "
                         "(win, cap, alibi, sink, vl; e.g. none,win,cap,vl); a window is measured at 4096 keys (a "
                         "quarter of the length below 16k), a softcap at 50, packed rows (vl: attention_varlen) "
                         "at seeded random lengths from seqlen/8 to seqlen (default: plain only)")
-    p.add_argument("--kind", default="fwd", help="problem kind (default fwd: every forward family the GPU runs, "
+    p.add_argument("--kind", default=None, help="problem kind (default fwd: every forward family the GPU runs, "
                                                   "fwd_v2 and on sm_90a fwd_sm90); fwd_v2 or fwd_sm90 restricts "
                                                   "the forward to that family; bwd: the backward's main kernel "
                                                   "per head dim (bwd_dkdv where dQ is added by atomics), timing "

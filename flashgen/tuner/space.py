@@ -99,12 +99,28 @@ def tuning_lengths(key: ProblemKey) -> list[int]:
     return out
 
 
-def key_flops(key: ProblemKey) -> float:
-    """The work one timed call of ``key`` does: the forward's matmul FLOPs at ``problem_shape``,
-    2.5 times that for a backward key (its five GEMMs against the forward's two: the papers'
-    convention, also ``flashgen bench bwd``'s)."""
+def measured_shape(key: ProblemKey, shapes=None) -> tuple[int, int, int, int, int, int]:
+    """(batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim) a key is timed at: its recorded shape in
+    ``shapes`` ({ProblemKey: shape}, ``flashgen.shapes``: ``tune --from``), else ``problem_shape`` (MHA,
+    seqlen_q = seqlen_k = the bucket, head_dim the key's tile)."""
+    if shapes and key in shapes:
+        return tuple(shapes[key])
     b, h, n, d = problem_shape(key)
+    return (b, h, h, n, n, d)
+
+
+def key_flops(key: ProblemKey, shape=None) -> float:
+    """The work one timed call of ``key`` does: the forward's matmul FLOPs at ``problem_shape`` (or at
+    ``shape``, a ``measured_shape``), 2.5 times that for a backward key (its five GEMMs against the
+    forward's two: the papers' convention, also ``flashgen bench bwd``'s)."""
     work = 2.5 if is_backward(key.kind) else 1.0
+    if shape is not None and not variants.key_flags(key.variant)["varlen"]:
+        b, h, _, nq, nk, d = shape
+        if key.variant:
+            v = variants.tuning_variant(key.variant, key.causal, max(nq, nk))
+            return 4.0 * b * h * v.pairs(nq, nk) * d * work
+        return iomodel.flops(b, h, nq, nk, d, key.causal) * work
+    b, h, n, d = problem_shape(key)
     if key.variant:  # only the pairs the variant's mask lets through (a window at its tuning width)
         v = variants.tuning_variant(key.variant, key.causal, n)
         lengths = tuning_lengths(key) if v.varlen else [n] * b

@@ -76,14 +76,15 @@ def with_preferred(table: Table, prefer: dict) -> tuple[Table, list[str]]:
     return out, changes
 
 
-def entry_from_result(result, source: str) -> dict:
-    """A table entry from a tuner ``KeyResult`` (its winner must exist)."""
+def entry_from_result(result, source: str, shape=None) -> dict:
+    """A table entry from a tuner ``KeyResult`` (its winner must exist); ``shape``: the shape it was
+    timed at (``space.measured_shape``) when not the key's benchmark shape, for its TFLOP/s."""
     best = result.best
     base = result.baseline_trial
     base_ms = base.time_ms if base is not None and base.status == "ok" else None
     return {
         "spec": best.spec, "time_ms": best.time_ms,
-        "tflops": key_flops(result.key) / (best.time_ms * 1e-3) / 1e12,
+        "tflops": key_flops(result.key, shape) / (best.time_ms * 1e-3) / 1e12,
         "source": source,
         "baseline": {"spec": result.baseline, "time_ms": base_ms},
         "speedup": base_ms / best.time_ms if base_ms else None,

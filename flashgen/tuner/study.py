@@ -164,15 +164,16 @@ def _tell(study, trial, spec, outcome, worker):
 
 def run_study(key, objective, specs, *, n_trials: int, time_budget: float | None = None, storage=None,
               seed: int = 0, worker: str | None = None, worker_index: int = 0, progress=None,
-              stale_after: float = STALE_AFTER):
+              stale_after: float = STALE_AFTER, leading: int = 1):
     """Evaluate specs of ``key`` until the study holds ``n_trials`` evaluated trials, every
     candidate is done, or ``time_budget`` seconds pass. ``specs[0]`` is the baseline.
 
     ``objective(key, spec) -> Outcome`` never raises for a bad spec (its failures are
     outcomes); an exception escaping it is recorded as a ``launch_error`` and the run goes on.
     ``stale_after``: exhaustive studies, seconds after which another worker's running trial
-    with a still heartbeat is failed and its candidate queued again. Returns the storage (pass
-    it to ``collect``).
+    with a still heartbeat is failed and its candidate queued again. ``leading``: TPE studies, how many
+    of the first specs are queued before the sampler proposes (the baseline; ``tune --from`` also the
+    spec that runs now). Returns the storage (pass it to ``collect``).
     """
     import optuna
 
@@ -196,7 +197,8 @@ def run_study(key, objective, specs, *, n_trials: int, time_budget: float | None
     choices = space.knob_choices(key, specs)
     feasible = set(specs)
     if not study.get_trials(deepcopy=False):
-        study.enqueue_trial(_params(specs[0], choices))  # the baseline is the first trial
+        for spec in specs[:max(1, leading)]:  # the baseline is the first trial
+            study.enqueue_trial(_params(spec, choices))
     proposals = 0
     rng = random.Random(seed + 7919 * worker_index)
 
@@ -414,17 +416,18 @@ def collect(key, storage, specs) -> KeyResult:
     return KeyResult(key, len(specs), specs[0], records, study.user_attrs.get("mode", "exhaustive"))
 
 
-def confirm_finalists(result: KeyResult, objective, top: int = 3) -> KeyResult:
-    """Re-time the ``top`` fastest ok trials and the baseline with ``objective.confirm``; their
-    times become the confirmed ones (the screening time stays in ``info['screen_ms']``)."""
+def confirm_finalists(result: KeyResult, objective, top: int = 3, also=()) -> KeyResult:
+    """Re-time the ``top`` fastest ok trials, the baseline and the ok trials of the specs in ``also``
+    with ``objective.confirm``; their times become the confirmed ones (the screening time stays in
+    ``info['screen_ms']``)."""
     confirm = getattr(objective, "confirm", None)
     ok = result.ok()
     if confirm is None or len(ok) < 2:
         return result
     finalists = ok[:top]
-    base = result.baseline_trial
-    if base is not None and base.status == "ok" and base not in finalists:
-        finalists.append(base)
+    for t in [result.baseline_trial, *(t for t in ok if t.spec in also)]:
+        if t is not None and t.status == "ok" and t not in finalists:
+            finalists.append(t)
     confirmed = confirm(result.key, [t.spec for t in finalists])
     for t in finalists:
         t.info = {**t.info, "screen_ms": t.time_ms}

@@ -1,0 +1,280 @@
+"""The tuner's GPU checks in one command (an H200; at most 4 minutes: each step has its own time limit):
+
+    python3 scripts/tuner_check.py [OUT]        (default OUT: ./bench-results/tuner-check)
+
+1. ``validate`` (100 s): ``flashgen tune --gpu h200 --d 64,128 --seqlens 1024,4096 --causal both
+   --validate-model --trials 16``: the cost model's pick against the measured best on 8 forward keys
+   (regret, Spearman); OUT/validate/validation.json, OUT/validate.log.
+2. ``record`` (80 s): the attention calls of a Llama-shaped layer with random inputs (GQA 32/8 heads,
+   d 128, 1999 tokens: a prefill, 16 decode steps over a 4096-token cache, a training step) under
+   ``flashgen.record``; then ``flashgen tune --from`` the shapes file (in this process, a narrowed space so
+   it is exhaustive and precompiled), and each tuned key timed at its recorded shape with the spec it ran
+   before against the one it runs now (interleaved rounds); OUT/record/record.json.
+3. ``autotune`` (40 s + 20 s): a process with ``FLASHGEN_AUTOTUNE=1`` (budget 15 s) makes the first call of a
+   key no table has (d 96, GQA 16/4, 3001 tokens): its time, the stored entry, the output against the fp32
+   reference; a second process: its first call of that key (no search: read from the table), and the
+   stored spec timed against the default rule's; OUT/autotune/first.json, again.json.
+
+OUT/summary.txt: one line per step (exit status, seconds) and the figures; printed at the end. Every step
+shares one fresh FLASHGEN_HOME (this host's NVRTC compiles every kernel). ``--step NAME DIR`` runs one
+step in this process (what the orchestrator starts).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, ROOT)
+
+GPU = "h200"
+VALIDATE = ["--gpu", GPU, "--d", "64,128", "--seqlens", "1024,4096", "--causal", "both", "--validate-model",
+            "--trials", "16"]
+# tune --from: a narrowed space (26 forward and 14 backward candidates at d 128), every one measured.
+SPACE = ["warp_specialized=true", "early_k_release=false", "lean_softmax=true", "fma_exp2=0", "persistent=false",
+         "refill=0", "softmax_overlap=true", "pingpong=false", "stages=3"]
+LAYER = dict(batch=2, heads=32, heads_kv=8, seqlen=1999, d=128, cache=4096, decode_steps=16)
+NEW_KEY = dict(batch=2, heads=16, heads_kv=4, seqlen=3001, d=96)
+BUDGET_S = 15
+
+
+def _dump(path, doc):
+    with open(path, "w") as fh:
+        json.dump(doc, fh, indent=1, default=str)
+
+
+def _interleaved(fns: dict, rounds: int = 5) -> dict:
+    """name -> median ms over ``rounds`` interleaved rounds of ``bench.timing.time_ms``."""
+    import statistics
+
+    from flashgen.bench.timing import time_ms
+
+    times = {name: [] for name in fns}
+    for r in range(rounds):
+        for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+            times[name].append(time_ms(fns[name], budget_s=0.1)["ms"])
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+# -- step 2 ------------------------------------------------------------------------------------------
+def step_record(out: str) -> int:
+    import torch
+
+    import flashgen
+    from flashgen import dispatch, shapes
+    from flashgen.api import attention_backward
+    from flashgen.api.device import Device
+    from flashgen.cli import main
+    from flashgen.tuner import space
+
+    torch.manual_seed(0)
+    L, dt = LAYER, torch.bfloat16
+    b, h, hk, n, d = L["batch"], L["heads"], L["heads_kv"], L["seqlen"], L["d"]
+
+    def qkv():
+        return (torch.randn(b, h, n, d, device="cuda", dtype=dt),
+                *(torch.randn(b, hk, n, d, device="cuda", dtype=dt) for _ in range(2)))
+
+    def layer_calls():
+        q, k, v = qkv()
+        flashgen.attention(q, k, v, causal=True)  # prefill
+        kc, vc = (torch.randn(b, L["cache"], hk, d, device="cuda", dtype=dt) for _ in range(2))
+        lengths = torch.full((b,), n, dtype=torch.int32, device="cuda")
+        for _ in range(L["decode_steps"]):
+            flashgen.decode(torch.randn(b, 1, h, d, device="cuda", dtype=dt), kc, vc, lengths)
+        q, k, v = (t.requires_grad_() for t in qkv())  # a training step
+        flashgen.attention(q, k, v, causal=True).float().square().mean().backward()
+        torch.cuda.synchronize()
+
+    path = os.path.join(out, "shapes.yaml")
+    t0 = time.monotonic()
+    with flashgen.record(path):
+        layer_calls()
+    recorded = shapes.by_key(shapes.load(path))
+    dev = Device.of(0)
+    tuned_kinds = [k for k in recorded if k.kind in space.TUNED_PROBLEMS and not (space.is_backward(k.kind)
+                                                                                  and k.variant)]
+    before = {k: dispatch.select(k, dev.gpu, dev.smem_budget, verify=True) for k in tuned_kinds}
+    doc = {"recorded": {space.key_name(k): {"shape": s, "calls": c} for k, (s, c) in recorded.items()},
+           "record_s": time.monotonic() - t0}
+    t1 = time.monotonic()
+    code = main(["tune", "--gpu", GPU, "--from", path, "--trials", "60", "--space", *SPACE, "--quiet"])
+    doc.update({"tune_exit": code, "tune_s": time.monotonic() - t1, "keys": []})
+    dispatch.clear()
+    for key in tuned_kinds:
+        after = dispatch.select(key, dev.gpu, dev.smem_budget, verify=True)
+        kb, kh, khk, nq, nk, kd = recorded[key][0]
+        q = torch.randn(kb, kh, nq, kd, device="cuda", dtype=dt)
+        k, v = (torch.randn(kb, khk, nk, kd, device="cuda", dtype=dt) for _ in range(2))
+        if space.is_backward(key.kind):
+            o, lse = flashgen.attention(q, k, v, causal=key.causal, return_lse=True)
+            dout = torch.randn_like(q)
+            mode = space.BWD_KEY_MODES[key.kind]
+
+            def run(spec, key=key, q=q, k=k, v=v, o=o, lse=lse, dout=dout, mode=mode):
+                return attention_backward(dout, q, k, v, o, lse, key.causal, kd ** -0.5, dq_mode=mode,
+                                          specs={key.kind: spec})
+        else:
+            def run(spec, key=key, q=q, k=k, v=v):
+                return flashgen.attention(q, k, v, causal=key.causal, spec=spec)
+        ms = _interleaved({"before": lambda: run(before[key]), "after": lambda: run(after)})
+        doc["keys"].append({"key": space.key_name(key), "shape": recorded[key][0], "before": before[key].name,
+                            "after": after.name, "before_ms": ms["before"], "after_ms": ms["after"],
+                            "gain": ms["before"] / ms["after"]})
+    _dump(os.path.join(out, "record.json"), doc)
+    return 0 if code == 0 else 1
+
+
+# -- step 3 ------------------------------------------------------------------------------------------
+def _new_key_inputs():
+    import torch
+
+    torch.manual_seed(1)
+    K = NEW_KEY
+    q = torch.randn(K["batch"], K["heads"], K["seqlen"], K["d"], device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(K["batch"], K["heads_kv"], K["seqlen"], K["d"], device="cuda", dtype=torch.bfloat16)
+            for _ in range(2))
+    return q, k, v
+
+
+def _key():
+    from flashgen.api.device import Device
+    from flashgen.problem import ProblemKey, bucket_of, head_dim_tile
+
+    return ProblemKey("fwd", Device.of(0).arch, "bf16", head_dim_tile(NEW_KEY["d"]), True, bucket_of(NEW_KEY["seqlen"]))
+
+
+class _Lines(list):
+    def write(self, text):
+        self.extend(line for line in text.splitlines() if line.strip())
+
+
+def _logged():
+    import logging
+
+    lines = _Lines()
+    handler = logging.StreamHandler(lines)
+    logging.getLogger("flashgen").addHandler(handler)
+    return lines
+
+
+def step_autotune(out: str, again: bool) -> int:
+    import torch
+
+    import flashgen
+    from flashgen import families, tables
+    from flashgen.api.device import Device
+    from flashgen.reference import tolerance
+
+    q, k, v = _new_key_inputs()
+    torch.cuda.synchronize()  # CUDA started before the timed call
+    key, dev = _key(), Device.of(0)
+    had = tables.lookup(dev.gpu, key)
+    lines = _logged()
+    t0 = time.perf_counter()
+    o = flashgen.attention(q, k, v, causal=True)
+    torch.cuda.synchronize()
+    first_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    flashgen.attention(q, k, v, causal=True)
+    torch.cuda.synchronize()
+    second_s = time.perf_counter() - t0
+    ref, tol = tolerance(q, k, v, True, NEW_KEY["d"] ** -0.5)
+    err = (o.float() - ref).abs().max().item()
+    stored = tables.lookup(dev.gpu, key)
+    doc = {"key": str(key), "entry_before": had.name if had else None, "first_call_s": first_s,
+           "second_call_s": second_s, "budget_s": BUDGET_S, "stored": stored.name if stored else None,
+           "max_error": err, "tolerance": tol, "log": list(lines)}
+    if again and stored is not None:
+        rule = families.default_spec(key, dev.smem_budget)
+        ms = _interleaved({"rule": lambda: flashgen.attention(q, k, v, causal=True, spec=rule),
+                           "stored": lambda: flashgen.attention(q, k, v, causal=True, spec=stored)})
+        doc.update({"rule": rule.name, "rule_ms": ms["rule"], "stored_ms": ms["stored"],
+                    "gain_over_rule": ms["rule"] / ms["stored"]})
+    _dump(os.path.join(out, "again.json" if again else "first.json"), doc)
+    return 0 if err <= tol and stored is not None else 1
+
+
+# -- the orchestrator --------------------------------------------------------------------------------
+def _run(name, cmd, env, timeout, log_path):
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        try:
+            code = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
+                                  cwd=ROOT).returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+    return f"{name}: exit {code} in {time.monotonic() - t0:.0f} s (limit {timeout} s)"
+
+
+def _figures(out) -> list:
+    lines = []
+    try:
+        s = json.load(open(os.path.join(out, "validate", "validation.json")))["summary"]
+        lines.append("validate: " + json.dumps(s, default=str))
+    except (OSError, ValueError, KeyError) as exc:
+        lines.append(f"validate: no result ({exc})")
+    try:
+        doc = json.load(open(os.path.join(out, "record", "record.json")))
+        lines.append(f"record: {len(doc['recorded'])} keys recorded, tune {doc['tune_s']:.0f} s (exit {doc['tune_exit']})")
+        lines += [f"  {r['key']} {r['shape']}: {r['before']} {r['before_ms']:.3f} ms -> {r['after']} "
+                  f"{r['after_ms']:.3f} ms ({r['gain']:.3f}x)" for r in doc["keys"]]
+    except (OSError, ValueError, KeyError) as exc:
+        lines.append(f"record: no result ({exc})")
+    for name in ("first", "again"):
+        try:
+            lines.append(f"autotune {name}: " + json.dumps({k: v for k, v in json.load(
+                open(os.path.join(out, "autotune", f"{name}.json"))).items() if k != "log"}, default=str))
+        except (OSError, ValueError) as exc:
+            lines.append(f"autotune {name}: no result ({exc})")
+    return lines
+
+
+def main() -> int:
+    if len(sys.argv) >= 4 and sys.argv[1] == "--step":
+        step, out = sys.argv[2], sys.argv[3]
+        os.makedirs(out, exist_ok=True)
+        if step == "record":
+            return step_record(out)
+        if step in ("autotune-first", "autotune-again"):
+            return step_autotune(out, step == "autotune-again")
+        print(f"unknown step {step!r}", file=sys.stderr)
+        return 2
+    out = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "bench-results", "tuner-check"))
+    os.makedirs(out, exist_ok=True)
+    home = tempfile.mkdtemp(prefix="flashgen-tuner-check-")
+    env = {**os.environ, "FLASHGEN_HOME": home, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "PYTHONUNBUFFERED": "1"}
+    py = sys.executable
+    me = os.path.abspath(__file__)
+    status = [
+        _run("validate", [py, "-m", "flashgen.cli", "tune", *VALIDATE, "--out", os.path.join(out, "validate")],
+             env, 100, os.path.join(out, "validate.log")),
+        _run("record", [py, me, "--step", "record", os.path.join(out, "record")], env, 80,
+             os.path.join(out, "record.log")),
+        _run("autotune first", [py, me, "--step", "autotune-first", os.path.join(out, "autotune")],
+             {**env, "FLASHGEN_AUTOTUNE": "1", "FLASHGEN_AUTOTUNE_BUDGET": str(BUDGET_S)}, 40,
+             os.path.join(out, "autotune-first.log")),
+        _run("autotune again", [py, me, "--step", "autotune-again", os.path.join(out, "autotune")],
+             {**env, "FLASHGEN_AUTOTUNE": "1", "FLASHGEN_AUTOTUNE_BUDGET": str(BUDGET_S)}, 20,
+             os.path.join(out, "autotune-again.log")),
+    ]
+    text = "\n".join(status + _figures(out)) + "\n"
+    with open(os.path.join(out, "summary.txt"), "w") as fh:
+        fh.write(text)
+    print(text, end="")
+    for name in ("validate.log", "record.log", "autotune-first.log", "autotune-again.log"):
+        try:
+            tail = open(os.path.join(out, name)).read().splitlines()[-15:]
+        except OSError:
+            continue
+        print(f"--- {name} (tail)\n" + "\n".join(tail))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
