@@ -57,3 +57,18 @@ def varlen_work_list(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     host = work.to("cpu").long()
     count = int(host[0])
     return host[2:2 + 2 * count].reshape(count, 2), plan.kernel.spec
+
+
+def padded_batch(lengths, width: int, left: bool, vocab: int, seed: int = 0):
+    """(input_ids, attention_mask) on the CPU for sequences of ``lengths`` tokens (random ids in [1, vocab),
+    seeded) padded to ``width`` on the left (generation) or the right (training), pads 0 in both."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        where = slice(width - n, width) if left else slice(0, n)
+        ids[i, where] = torch.randint(1, vocab, (n,), generator=g)
+        mask[i, where] = 1
+    return ids, mask

@@ -42,6 +42,7 @@ pytestmark = [
 ]
 
 from flashgen.integrations import transformers as hf  # noqa: E402
+from flashgen.testing import padded_batch  # noqa: E402
 
 NAME = hf.register()
 ARCHS = ["llama", "mistral", "qwen2", "gemma2", "gpt_oss"]
@@ -103,13 +104,7 @@ def use(model, impl: str):
 
 
 def batch(lengths, width, left: bool, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for i, n in enumerate(lengths):
-        where = slice(width - n, width) if left else slice(0, n)
-        ids[i, where] = torch.randint(1, VOCAB, (n,), generator=g)
-        mask[i, where] = 1
+    ids, mask = padded_batch(lengths, width, left, VOCAB, seed)
     return ids.cuda(), mask.cuda()
 
 

@@ -23,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 from flashgen.errors import UnsupportedError  # noqa: E402
 from flashgen.integrations import transformers as hf  # noqa: E402
 from flashgen.reference import reference  # noqa: E402
+from flashgen.testing import padded_batch  # noqa: E402
 
 F32 = torch.float32
 
@@ -133,14 +134,7 @@ def _model(arch: str):
 
 def _batch(lengths, width, left: bool, seed=1):
     """input_ids and attention_mask of sequences of ``lengths`` padded to ``width`` on the left or right."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for i, n in enumerate(lengths):
-        where = slice(width - n, width) if left else slice(0, n)
-        ids[i, where] = torch.randint(1, 97, (n,), generator=g)
-        mask[i, where] = 1
-    return ids, mask
+    return padded_batch(lengths, width, left, 97, seed)
 
 
 # ---------------------------------------------------------------- registration
