@@ -340,6 +340,32 @@ def test_softmax_scale_is_checked_as_the_float32_the_kernel_gets(scale):
     assert checked_scale(1e-30, 128) == 1e-30
 
 
+def test_the_scale_check_is_exact_at_float32s_edges_and_traces_under_torch_compile():
+    """The check agrees with numpy's float32 rounding at the edges (2^-150 ties to 0, 2^128 - 2^103 to inf;
+    the log2 form's edge sits lower by log2(e)), and torch.compile traces it without a graph break (a model
+    compiled with fullgraph calls the entry points, and ctypes' float conversion broke the graph there)."""
+    import math
+
+    import numpy as np
+
+    log2e = math.log2(math.e)
+    edges = [2.0 ** -150, 2.0 ** -149, (2.0 ** 128 - 2.0 ** 103) / log2e, 3.4e38 / log2e, 1e-45, 1e38]
+    for x in edges + [math.nextafter(e, 0) for e in edges] + [math.nextafter(e, math.inf) for e in edges]:
+        with np.errstate(over="ignore"):
+            ok = all(0 < np.float32(y) < np.inf for y in (x, x * log2e))
+        if ok:
+            assert checked_scale(x, 64) == x
+        else:
+            with pytest.raises(ValueError, match="float32"):
+                checked_scale(x, 64)
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def scaled(t):
+        return t * checked_scale(0.125, 64)
+
+    assert torch.equal(scaled(torch.ones(3)), torch.full((3,), 0.125))
+
+
 def test_lengths_past_int32_are_refused():
     """2^32 + 16 keys would reach the kernel as 16 keys: refused with the limit named."""
     with warnings.catch_warnings():

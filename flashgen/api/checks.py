@@ -5,7 +5,6 @@ valid requests the kernels cannot serve raise ``UnsupportedError``.
 """
 from __future__ import annotations
 
-import ctypes
 import math
 import numbers
 
@@ -47,11 +46,20 @@ def checked_scale(softmax_scale, d: int) -> float:
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"softmax_scale must be a real number, got {softmax_scale!r}")
     scale = float(softmax_scale)
-    as_f32 = ctypes.c_float(scale).value if math.isfinite(scale) else scale
-    log2_f32 = ctypes.c_float(scale * math.log2(math.e)).value if math.isfinite(scale) else scale
-    if not (math.isfinite(as_f32) and as_f32 > 0 and math.isfinite(log2_f32) and log2_f32 > 0):
+    if not (_f32_positive_finite(scale) and _f32_positive_finite(scale * math.log2(math.e))):
         raise ValueError(f"softmax_scale must be finite and positive as a float32, got {softmax_scale!r}")
     return scale
+
+
+# A float64 rounds (to nearest, ties to even) to a finite positive float32 iff it lies strictly between
+# half the smallest subnormal (2^-150, which ties to 0) and the largest float32 plus half its ulp
+# (2^128 - 2^103, which ties to inf). Plain comparisons, so torch.compile traces them (ctypes' c_float, which
+# this replaces, is a graph break).
+_F32_LOW, _F32_HIGH = 2.0 ** -150, 2.0 ** 128 - 2.0 ** 103
+
+
+def _f32_positive_finite(x: float) -> bool:
+    return _F32_LOW < x < _F32_HIGH
 
 
 def check_int32(what: str, value: int) -> None:
