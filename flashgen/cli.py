@@ -100,8 +100,6 @@ def spec_from_args(args):
     spec = spec.replace(**overrides)
     try:
         spec.validate()
-        if problem == "fwd":  # the kernel a call with this softcap runs (a cap up to 50: the fixed row max)
-            spec = families.bounded_spec(spec, variant.softcap)
         if page is not None:  # the kernel attention_varlen runs with this block table: boxes inside a page
             spec = families.paged_spec(spec, page)
     except (TypeError, ValueError, UnsupportedError) as exc:

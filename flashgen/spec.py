@@ -88,9 +88,6 @@ class KernelSpec:
                       "from a device-built list (longest first)", True)
     page_rows: int = _f(0, "pg", _SM90, "paged K/V (a block table's pages; needs varlen): each K/V block arrives as "
                         "block_n / page_rows TMA boxes of page_rows rows, each from its page (0: contiguous)", True)
-    cap_bound: bool = _f(False, "cb", _SM90, "softcap only, bf16: the softmax's row max fixed at half the cap (a capped "
-                         "score lies in [-c, c], so exp2 stays in range: flashgen.variants.CAP_BOUND_MAX) instead "
-                         "of a running max; set per call by families.bounded_spec", True)
     kv_gather: bool = _f(False, "ga", _SM90, "paged K/V rows gathered by the producer warpgroup with cp.async (16 bytes "
                          "a thread, rows of a block sharing a block-table entry in runs of page_rows) instead of TMA "
                          "boxes: for pages shorter than the boxes that run well", True)

@@ -77,15 +77,8 @@ PAGED_SPECS = sorted({paged_spec(s, page) for s in VARLEN_SPECS if s.kind == "fw
                      | {paged_spec(s, 16, gather=True) for s in VARLEN_SPECS
                         if s.kind == "fwd_sm90" and s.warp_specialized},
                      key=lambda s: s.name)
-# A softcap call with a cap up to variants.CAP_BOUND_MAX runs the bf16 fwd_sm90 kernel with the fixed row max
-# (families.bounded_spec): that form of every softcap kernel above.
-_CAPPED = (SHIPPED_SPECS + VARIANT_SPECS + VARLEN_SPECS + PAGED_SPECS
-           + [families.default_spec(ProblemKey("fwd", "sm_90a", "bf16", d, c, 512, v), BUDGET_OF["sm_90a"])
-              for d in (64, 128, 256) for c in (False, True) for v in ("cap", "win_cap_sink")])
-BOUNDED_SPECS = sorted({families.bounded_spec(s, 50.0) for s in _CAPPED} - set(_CAPPED), key=lambda s: s.name)
 ALL_SPECS = list(dict.fromkeys(SPECS + BULK_SPECS + SHIPPED_SPECS + VARIANT_SPECS
-                               + DECODE_VARIANT_SPECS + VARLEN_SPECS + PAGED_SPECS
-                               + BOUNDED_SPECS))  # each spec once, in that order
+                               + DECODE_VARIANT_SPECS + VARLEN_SPECS + PAGED_SPECS))  # each spec once, in that order
 BUDGET = gpus.ARCH_SMEM_PER_BLOCK
 BASELINE_KINDS = (*standard.KINDS, fwd_v1.KIND)
 

@@ -104,38 +104,8 @@ def test_window(nq, nk, window, causal, d):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", HEAD_DIMS)
 def test_softcap(nq, nk, softcap, causal, d):
-    # Scores of a few tens (inputs of magnitude 3): the cap bends them. Caps up to 50 run the fixed row max
-    # (spec.cap_bound) in bf16, 80 the running max.
+    # Scores of a few tens (inputs of magnitude 3): the cap bends them.
     check(2, 4, 4, nq, nk, d, "bf16", causal, magnitude=3.0, variant={"softcap": softcap})
-
-
-@pytest.mark.parametrize("softcap", [15.0, 50.0])
-@pytest.mark.parametrize("sign", [-1.0, 1.0])
-@pytest.mark.parametrize("causal", [False, True])
-def test_softcap_saturated_rows(softcap, sign, causal):
-    """Every score of every row pinned near -c (sign -1: P = e^(-1.5 c) under the fixed row max, the low
-    end of its range) or near +c (e^(0.5 c), the high end), plus noise: the output and LSE still meet the
-    rule, with fp32 sinks too."""
-    import flashgen
-    from flashgen.reference import allowance, reference
-
-    b, h, nq, nk, d = 2, 4, 203, 331, 128
-    u = torch.randn(1, 1, 1, d, device="cuda")
-    u = u / u.norm()
-    k = (u * 40 + torch.randn(b, h, nk, d, device="cuda") * 0.3).to(torch.bfloat16)
-    q = (sign * u * 40 + torch.randn(b, h, nq, d, device="cuda") * 0.3).to(torch.bfloat16)
-    v = torch.randn(b, h, nk, d, device="cuda").to(torch.bfloat16)
-    for extra in ({}, {"sinks": torch.randn(h, device="cuda")}):
-        out, lse = flashgen.attention(q, k, v, causal=causal, softcap=softcap, return_lse=True, **extra)
-        ref, ref_lse = reference(q, k, v, causal, d ** -0.5, softcap=softcap, **extra)
-        low, low_lse = reference(q, k, v, causal, d ** -0.5, torch.bfloat16, softcap=softcap, **extra)
-        assert torch.isfinite(out.float()).all()
-        assert (out.float() - ref).abs().max().item() <= allowance(low, ref, torch.bfloat16)
-        seen = ~torch.isinf(ref_lse)
-        assert torch.equal(torch.isinf(lse), ~seen)
-        lse_tol = max(1e-3 * max(1.0, ref_lse[seen].abs().max().item()),
-                      2 * (low_lse[seen] - ref_lse[seen]).abs().max().item() + 1e-5)
-        assert (lse[seen] - ref_lse[seen]).abs().max().item() <= lse_tol
 
 
 @pytest.mark.parametrize("nq,nk", [(113, 203), (1, 239), (239, 1), (1024, 1023)])

@@ -11,7 +11,6 @@ import pytest
 
 from flashgen import variants
 from flashgen.errors import UnsupportedError
-from flashgen.spec import KernelSpec
 from flashgen.variants import UNBOUNDED as U
 
 torch = pytest.importorskip("torch")
@@ -323,15 +322,14 @@ def test_cli_emit_prints_the_variant_kernel(capsys):
 
     code, out, _ = run_main(capsys, "emit", "--d", "128", "--causal", "--window", "4096,0", "--softcap", "30",
                             "--sinks")
-    assert code == 0 and "_win_cap_sink_cb_causal_bf16_sm90a" in out.splitlines()[1]  # a cap up to 50: the fixed max
-    code, out, _ = run_main(capsys, "emit", "--d", "128", "--causal", "--softcap", "60")
-    assert code == 0 and "_cap_causal_bf16_sm90a" in out.splitlines()[1]
+    assert code == 0 and "_win_cap_sink_causal_bf16_sm90a" in out.splitlines()[1]
     for bad in (["--window", "5"], ["--softcap", "-1"], ["--kind", "decode_split", "--window", "5,3"], ["--kind", "decode_combine", "--alibi"]):
         code, _, err = run_main(capsys, "emit", "--d", "128", *bad)
         assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     for bad in (["--variant", "cap_win"], ["--variant", "win", "--kind", "bwd"]):
         code, _, err = run_main(capsys, "tune", "--gpu", "h200", "--d", "128", "--model", *bad)
         assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+
 
 
 def test_the_rules_atol_is_the_input_dtypes_rounding_at_the_values_scale():
@@ -348,29 +346,3 @@ def test_the_rules_atol_is_the_input_dtypes_rounding_at_the_values_scale():
     low = small + 0.01
     assert allowance(low, small, torch.bfloat16) == pytest.approx(0.02 + rounding_atol(small, torch.bfloat16))
     assert allowance(torch.zeros(0), torch.zeros(0), torch.bfloat16) == 0.0
-
-
-def test_a_softcap_up_to_the_bound_runs_the_fixed_row_max_in_bf16_only():
-    from flashgen import families
-    from flashgen.families import fwd_sm90
-    from flashgen.variants import CAP_BOUND_MAX
-
-    capped = fwd_sm90.variant(128, True, "ws_ov").replace(softcap=True).validate()
-    assert families.bounded_spec(capped, 50.0).cap_bound and families.bounded_spec(capped, 0.5).cap_bound
-    assert "_cb_" in families.bounded_spec(capped, CAP_BOUND_MAX).name
-    for spec, cap in ((capped, CAP_BOUND_MAX * 1.001), (capped.replace(dtype="fp16").validate(), 30.0),
-                      (capped.replace(alibi=True).validate(), 30.0), (capped.replace(softcap=False).validate(), 30.0)):
-        assert families.bounded_spec(spec, cap) == spec  # unchanged: the running max
-    v2 = KernelSpec(kind="fwd_v2", arch="sm_90a", head_dim=128, block_m=128, block_n=32, warps=4, stages=3,
-                    softcap=True).validate()
-    assert families.bounded_spec(v2, 30.0) == v2
-    bound = families.bounded_spec(capped, 30.0)
-    assert KernelSpec.from_name(bound.name) == bound
-    families.check_bound(bound, 30.0)
-    families.check_bound(capped, 500.0)
-    for cap in (50.5, 0.0):
-        with pytest.raises(ValueError, match="cap_bound"):
-            families.check_bound(bound, cap)
-    for bad in (dict(softcap=False), dict(dtype="fp16")):
-        with pytest.raises(ValueError, match="cap_bound"):
-            bound.replace(**bad).validate()

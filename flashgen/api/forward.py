@@ -189,11 +189,10 @@ def packed_plan(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, sequse
     kv_pages = tuple(k.shape[:2]) if block_table is not None else None
     dispatched = spec is None
     if spec is None:
-        spec = families.bounded_spec(dispatch.select(key, dev.gpu, dev.smem_budget, verify=True), variant.softcap)
+        spec = dispatch.select(key, dev.gpu, dev.smem_budget, verify=True)
         if kv_pages is not None:
             spec = families.paged_spec(spec, kv_pages[1])
     else:
-        families.check_bound(spec, variant.softcap)
         check_forced_spec(spec, {"kind": serving, "dtype": key.dtype, "arch": dev.arch, **variant.flags()}, d,
                           dev.smem_budget)
         if (kv_pages is not None) != bool(getattr(spec, "page_rows", 0)) or (
@@ -265,14 +264,12 @@ def _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm="v
     if spec is None:
         spec = dispatch.select(key, dev.gpu, dev.smem_budget, verify=True)
         spec = autotune.tuned_spec(key, dims, dev, spec) or spec  # (FLASHGEN_AUTOTUNE: a key without an entry)
-        spec = families.bounded_spec(spec, variant.softcap)
     else:
         if getattr(spec, "kind", None) in families.PROBLEMS["fwd"] and spec.kind not in serving:
             raise UnsupportedError(f"{spec.kind} does not run on {dev.arch} (this device); the forward here runs "
                                    f"{', '.join(serving)}: use such a spec or none")
         check_forced_spec(spec, {"kind": serving, "dtype": key.dtype, "arch": dev.arch, **variant.flags()}, d,
                           dev.smem_budget)
-        families.check_bound(spec, variant.softcap)
     kern = load(spec, dev.index)
     fam = families.family(spec.kind)
     grid, params_for = fam.launch(kern, dims, (sq, sk, sv), o_strides, scale, dev, variant)

@@ -22,7 +22,6 @@ import math
 from ..errors import UnsupportedError
 from ..problem import ProblemKey, bucket_of
 from ..spec import KernelSpec, family_of, register_family
-from ..variants import CAP_BOUND_MAX
 from . import bwd, bwd_sm90, decode, fwd_sm90, fwd_v1, fwd_v2, standard
 from .base import Family, first_clean
 
@@ -123,25 +122,6 @@ def rule_specs(arch: str, budget: int) -> list:
     return out
 
 
-def bounded_spec(spec, softcap: float):
-    """The form of a forward spec a call with this ``softcap`` runs: a bf16 ``fwd_sm90`` softcap kernel takes
-    ``cap_bound`` (the row max fixed at half the cap, no running max) when 0 < softcap <=
-    ``variants.CAP_BOUND_MAX``; every other spec as it is. On the H200 (softcap 50, d = 128, N = 8k) the
-    fixed max is the faster softmax (docs/perf/variants.md, "Softcap")."""
-    if (spec.kind == "fwd_sm90" and spec.softcap and spec.dtype == "bf16" and not spec.alibi
-            and 0 < softcap <= CAP_BOUND_MAX):
-        return spec.replace(cap_bound=True).validate()
-    return spec
-
-
-def check_bound(spec, softcap: float) -> None:
-    """``ValueError`` where a forced ``cap_bound`` spec meets a softcap it cannot hold (over
-    ``variants.CAP_BOUND_MAX``: its fixed row max would let exp2 leave fp32's range)."""
-    if getattr(spec, "cap_bound", False) and not 0 < softcap <= CAP_BOUND_MAX:
-        raise ValueError(f"spec {spec.name} fixes the row max for softcaps up to {CAP_BOUND_MAX:g}; this call's "
-                         f"softcap is {softcap:g}: use the spec without cap_bound")
-
-
 def paged_spec(spec, page_size: int, gather: bool = False):
     """The paged form of a forward spec; UnsupportedError for a family without paged K/V.
 
@@ -171,4 +151,4 @@ def paged_spec(spec, page_size: int, gather: bool = False):
 
 
 __all__ = ["FAMILIES", "PROBLEMS", "Family", "family", "problems", "serving", "default_family", "fallback_family",
-           "default_spec", "rule_specs", "paged_spec", "bounded_spec", "check_bound", "problem_key", "bwd", "bwd_sm90", "decode", "fwd_sm90", "fwd_v1", "fwd_v2", "standard"]
+           "default_spec", "rule_specs", "paged_spec", "problem_key", "bwd", "bwd_sm90", "decode", "fwd_sm90", "fwd_v1", "fwd_v2", "standard"]

@@ -111,9 +111,7 @@ def varlen_list_ints(total: int, seqs: int, block: int) -> int:
 
 def variant_context(spec) -> dict:
     """The template's ``variant_type``: the fg_variant instantiation of ``spec``'s causal and variant flags."""
-    flags = (spec.causal, spec.window, spec.softcap, spec.alibi, spec.sinks)
-    if spec.varlen or spec.cap_bound:
-        flags += (spec.varlen,) + ((True,) if spec.cap_bound else ())
+    flags = (spec.causal, spec.window, spec.softcap, spec.alibi, spec.sinks) + ((True,) if spec.varlen else ())
     return {"variant_type": "fg_variant<" + ", ".join("true" if f else "false" for f in flags) + ">",
             "varlen": spec.varlen}
 

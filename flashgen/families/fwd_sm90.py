@@ -159,9 +159,6 @@ class Sm90Family(Family):
         if spec.kv_gather and not (spec.page_rows and spec.warp_specialized and not spec.persistent):
             raise ValueError(f"{self.kind}: kv_gather gathers paged rows (page_rows > 0) with the producer warpgroup "
                              "(warp_specialized) of a one-tile-per-CTA kernel (not persistent)")
-        if spec.cap_bound and not (spec.softcap and spec.dtype == "bf16"):
-            raise ValueError(f"{self.kind}: cap_bound fixes a softcapped softmax's row max (its P up to e^(c/2)): "
-                             "softcap and bf16 only")
         if spec.page_rows and spec.persistent and spec.block_m >= 192:
             raise ValueError(f"{self.kind}: page_rows with persistent at block_m {spec.block_m}: three consumer "
                              "warpgroups leave the producer 32 registers and the paged loads spill them; drop "

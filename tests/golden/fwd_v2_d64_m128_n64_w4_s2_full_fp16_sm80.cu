@@ -317,15 +317,11 @@ FG_DEVICE void alibi_cols(F& s, int h, float slope) {
     }
 }
 
-// CAP_BOUND (fwd_sm90's cap_bound, softcap only): the host vouches that the cap c is at most
-// flashgen.variants.CAP_BOUND_MAX, so a capped score (t in [-1, 1] in the kernel's units) never leaves
-// [-c, c] and the softmax may hold its row max fixed at c / 2 (t = 1/2) instead of tracking it.
-template <bool CAUSAL, bool WINDOW, bool SOFTCAP, bool ALIBI, bool SINKS, bool VARLEN = false, bool CAP_BOUND = false>
+template <bool CAUSAL, bool WINDOW, bool SOFTCAP, bool ALIBI, bool SINKS, bool VARLEN = false>
 struct fg_variant {
   enum : int { RIGHT = CAUSAL || WINDOW, LEFT = WINDOW, TRANSFORMS = SOFTCAP || ALIBI, HAS_SINK = SINKS,
                HAS_CAP = SOFTCAP, HAS_ALIBI = ALIBI, PLAIN = !(WINDOW || SOFTCAP || ALIBI || SINKS),
-               VARLEN_ROWS = VARLEN, ALIBI_LINEAR = ALIBI && CAUSAL && !WINDOW,
-               FIXED_MAX = CAP_BOUND && SOFTCAP && !ALIBI };
+               VARLEN_ROWS = VARLEN, ALIBI_LINEAR = ALIBI && CAUSAL && !WINDOW };
   int nq, nk, diag, left, right;
   float cap_in, slope, sink;
 

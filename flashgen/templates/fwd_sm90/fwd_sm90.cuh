@@ -466,11 +466,7 @@ struct fwd_sm90_cta {
   // P = exp2(s scale_log2 - m_scaled) in place for row half h, its sum added to sum[0]: exp2_row
   // (softmax.cuh) but with FMA_EXP2 of every 8 n8 chunks on the FMA pipe and, LEAN, two partial sums
   // (sum[e] for the even / odd column of each pair: half the dependent FADD chain). Local to this
-  // kernel: its arithmetic differs. ROUND (bf16, the fixed row max): each P rounded to bf16 (half up, two
-  // integer ops) before it is summed, so that l sums exactly the P the PV product takes (pack_p converts
-  // them exactly): O = sum bf16(P) v / sum bf16(P). With a running max the row's largest P is 1, exact in
-  // bf16; with a fixed one no P is, and a row that one key dominates was off by up to 2^-9 of v (1 ulp).
-  template <bool ROUND = false>
+  // kernel: its arithmetic differs.
   static FG_DEVICE void exp2_row_mixed(float (&s)[BN / 2], int h, float scale_log2, float m_scaled, float (&sum)[2]) {
 #pragma unroll
     for (int nj = 0; nj < NJ; ++nj)
@@ -478,8 +474,7 @@ struct fwd_sm90_cta {
       for (int e = 0; e < 2; ++e) {
         const float x = fmaf(s[4 * nj + 2 * h + e], scale_log2, -m_scaled);
         // FMA_EXP2 of every 8 n8 chunks (nj = 7; 3, 7; odd) on the FMA pipe; nj is a constant once unrolled.
-        float pe = (nj * FMA_EXP2) % 8 >= 8 - FMA_EXP2 ? exp2_fma(x) : fast_exp2(x);
-        if constexpr (ROUND) pe = __uint_as_float((__float_as_uint(pe) + 0x8000u) & 0xffff0000u);
+        const float pe = (nj * FMA_EXP2) % 8 >= 8 - FMA_EXP2 ? exp2_fma(x) : fast_exp2(x);
         s[4 * nj + 2 * h + e] = pe;
         sum[LEAN ? e : 0] += pe;
       }
@@ -504,22 +499,6 @@ struct fwd_sm90_cta {
     if (var.needs_mask(n0, BN, m0 + cw * 64, m0 + cw * 64 + 63)) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) var.mask(acc_s, h, row_base + 8 * h, n0 + 2 * t);
-    }
-    if constexpr (V::FIXED_MAX) {
-      // cap_bound: the row max stays at t = 1/2 (variant.cuh), so there is no max to find, O and l are never
-      // rescaled (alpha 1) and P = exp2((t - 1/2) c log2 e) lies in [e^-1.5c, e^0.5c], rounded to bf16 before
-      // its sum (exp2_row_mixed's ROUND). row_max holds 1/2 for the LSE once the row has seen a block (-inf
-      // before: a warpgroup with no block writes -inf).
-      const float m_scaled = 0.5f * p.scale_log2;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float sum[2] = {0.f, 0.f};
-        exp2_row_mixed<true>(acc_s, h, p.scale_log2, m_scaled, sum);
-        row_max[h] = 0.5f;
-        alpha[h] = 1.f;
-        row_sum[h] += LEAN ? sum[0] + sum[1] : sum[0];
-      }
-      return;
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -551,7 +530,6 @@ struct fwd_sm90_cta {
   // O times alpha, both rows in one pass (softmax.cuh's rescale_row once per row does the same multiplies
   // in another order, which the compiler schedules differently).
   FG_DEVICE void rescale_o(float (&acc_o)[D / 2], const float (&alpha)[2]) const {
-    if constexpr (V::FIXED_MAX) return;  // alpha is always 1
     // LEAN: alpha is exactly 1 for a row whose max did not move; skip when that holds for the warp.
     if constexpr (LEAN) {
       if (!__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) return;
@@ -565,15 +543,7 @@ struct fwd_sm90_cta {
     }
   }
   // P as A fragments: k16 step kk takes n8 chunks 2kk and 2kk+1 of S.
-  // FIXED_MAX: P is already bf16-exact (exp2_row_mixed's ROUND), so a pair is its two high halves (one
-  // PRMT) rather than a conversion.
   static FG_DEVICE void pack_p(fg_u32 (&pa)[KV_STEPS][4], float (&acc_s)[BN / 2]) {
-    if constexpr (V::FIXED_MAX) {
-#pragma unroll
-      for (int i = 0; i < BN / 4; ++i)
-        pa[i / 4][i % 4] = __byte_perm(__float_as_uint(acc_s[2 * i]), __float_as_uint(acc_s[2 * i + 1]), 0x7632);
-      return;
-    }
 #pragma unroll
     for (int kk = 0; kk < KV_STEPS; ++kk) p_frag<BF16>(pa[kk], acc_s, kk);
   }
