@@ -20,7 +20,7 @@ PACKAGE = ROOT / "flashgen"
 # Bottom up. A module's layer is the first pattern that matches its dotted name.
 LAYERS = (
     ("base", ("flashgen.version", "flashgen.errors", "flashgen.settings", "flashgen.files", "flashgen.gpus",
-              "flashgen.variants", "flashgen.reference", "flashgen.iomodel", "flashgen.tma")),
+              "flashgen.variants", "flashgen.mods", "flashgen.reference", "flashgen.iomodel", "flashgen.tma")),
     ("spec", ("flashgen.spec", "flashgen.problem")),
     ("families, codegen, tables", ("flashgen.families", "flashgen.codegen", "flashgen.tables",
                                    "flashgen.shapes")),
