@@ -14,11 +14,14 @@ from __future__ import annotations
 from .variants import check_softcap, is_banded, window_of
 
 
-def reference(q, k, v, causal, scale, dtype=None, *, window=None, softcap=0.0, alibi_slopes=None, sinks=None):
+def reference(q, k, v, causal, scale, dtype=None, *, window=None, softcap=0.0, alibi_slopes=None, sinks=None,
+              score_mod=None, mask_mod=None):
     """(out, lse) in fp32 for bhsd q, k, v, computed in ``dtype`` (default fp32).
 
     ``window``, ``softcap``, ``alibi_slopes`` ((heads,) or (batch, heads)) and ``sinks`` ((heads,)) as
-    ``flashgen.variants`` defines them; autograd runs through all of it (the sinks get a gradient)."""
+    ``flashgen.variants`` defines them; autograd runs through all of it (the sinks get a gradient).
+    ``score_mod`` / ``mask_mod`` (FlexAttention's functions) are called as written, on the whole score
+    matrix and broadcast index tensors (batch, head, query, key), not through flashgen's tracer."""
     import torch
 
     dtype = dtype or torch.float32
@@ -39,6 +42,13 @@ def reference(q, k, v, causal, scale, dtype=None, *, window=None, softcap=0.0, a
         slopes = alibi_slopes.to(dtype).reshape(-1 if alibi_slopes.dim() == 2 else 1, h, 1, 1)
         s = s - slopes * offset.abs().to(dtype)
     hidden = None
+    if score_mod is not None or mask_mod is not None:
+        idx = [torch.arange(n, device=q.device).reshape([n if a == i else 1 for a in range(4)])
+               for i, n in enumerate((b, h, nq, nk))]
+        if score_mod is not None:
+            s = score_mod(s, *idx).to(dtype)
+        if mask_mod is not None:
+            hidden = ~mask_mod(*idx).to(torch.bool).expand(b, h, nq, nk)
     if is_banded(left, right):
         hidden = torch.zeros(nq, nk, dtype=torch.bool, device=q.device)
         if left >= 0:

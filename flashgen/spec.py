@@ -91,6 +91,8 @@ class KernelSpec:
     kv_gather: bool = _f(False, "ga", _SM90, "paged K/V rows gathered by the producer warpgroup with cp.async (16 bytes "
                          "a thread, rows of a block sharing a block-table entry in runs of page_rows) instead of TMA "
                          "boxes: for pages shorter than the boxes that run well", True)
+    mod: int = _f(0, "mod", _SM90, "user mods (flashgen.mods): the 48-bit token of a traced score_mod / mask_mod pair, "
+                  "whose graphs are printed into the kernel as device functions (0: none)", True)
 
     # -- identity ---------------------------------------------------------
     @property

@@ -140,6 +140,8 @@ class Variant:
     alibi: bool = False
     sinks: bool = False
     varlen: bool = False
+    scored: bool = False  # a user score_mod (flashgen.mods): it takes the scaled score, the softmax runs on its result
+    score_factor: float = 1.0  # (scored) c of a score_mod c * f(...) whose f the kernel prints (mods.Graph.factors)
 
     @classmethod
     def of(cls, causal: bool, window=None, softcap=0.0, alibi: bool = False, sinks: bool = False,
@@ -183,6 +185,10 @@ class Variant:
         left = nk if self.left == UNBOUNDED else min(self.left, nk)
         right = 0 if self.causal else (nq if self.right == UNBOUNDED else min(self.right, nq))
         out = {"win_left": left, "win_right": right, "cap_in": 0.0}
+        if self.scored:  # the kernel scales the raw score for the mod (cap_in); the softmax runs on c f
+            out.update(cap_in=scale, scale_log2=self.score_factor * math.log2(math.e))
+            if forward:
+                out["scale"] = self.score_factor
         if self.softcap:
             out.update(cap_in=scale / self.softcap, scale_log2=self.softcap * math.log2(math.e))
             if forward:

@@ -4,7 +4,9 @@
   algorithms ``api.baselines``), differentiable through the custom ops of
   ``api.autograd`` whose backward is ``api.backward``;
 - ``attention_varlen`` (``api.packed``): packed rows (cu_seqlens), the forward ``api.forward``'s;
-- ``decode`` (``api.decoding``): Flash-Decoding over a contiguous or paged KV cache.
+- ``decode`` (``api.decoding``): Flash-Decoding over a contiguous or paged KV cache;
+- ``create_block_mask`` / ``BlockMask`` (``api.blockmask``): a mask_mod's key blocks per query block, for
+  ``attention``'s user mods (``api.modcall``).
 
 (No submodule is named after a function this package exports, so ``flashgen.api.X`` is never
 ambiguous.)
@@ -18,5 +20,6 @@ from .entry import attention
 from .backward import attention_backward
 from .decoding import decode
 from .packed import attention_varlen
+from .blockmask import BlockMask, create_block_mask
 
-__all__ = ["attention", "attention_backward", "attention_varlen", "decode"]
+__all__ = ["attention", "attention_backward", "attention_varlen", "decode", "create_block_mask", "BlockMask"]

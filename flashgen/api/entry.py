@@ -12,11 +12,13 @@ from .autograd import attention_op
 from .checks import check_attention_call, check_flag, on_meta
 from .device import is_compiling
 from .forward import ALGORITHMS, forward
+from .modcall import mod_forward
 
 
 def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, layout: str = "bhsd",
               return_lse: bool = False, spec=None, algorithm: str = "v2", deterministic: bool = False, *,
-              window=None, softcap: float = 0.0, alibi_slopes=None, sinks=None):
+              window=None, softcap: float = 0.0, alibi_slopes=None, sinks=None, score_mod=None, mask_mod=None,
+              block_mask=None):
     """Scaled dot-product attention, softmax(scale * q k^T) v, by a generated kernel.
 
     q: (batch, heads, seqlen_q, d) for ``layout="bhsd"`` (torch's order) or
@@ -37,6 +39,16 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
       (after the softcap).
     - ``sinks``: ``(heads,)``, fp32 or q's dtype: one learned logit per head that joins every row's
       softmax denominator and brings no value (gpt-oss); the LSE includes it.
+
+    User mods (FlexAttention's signatures; ``flashgen.mods`` traces them, docs in the README):
+
+    - ``score_mod(score, b, h, q_idx, kv_idx) -> score``: changes each scaled score (h is the query head);
+    - ``mask_mod(b, h, q_idx, kv_idx) -> bool``: True where query q_idx sees key kv_idx (indices from 0,
+      no bottom-right alignment);
+    - ``block_mask``: ``flashgen.create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN)``, made once and reused
+      across calls and layers (without it a mask_mod call makes one and keeps the newest few).
+    They may read captured CUDA tensors by index. They take none of causal, window, softcap, alibi_slopes
+    or sinks (write those as mods), run the forward on sm_90a only, and have no backward yet.
 
     ``spec`` forces one KernelSpec instead of dispatch's pick (for the tuner
     and for study); it must match the problem (a forward family the GPU runs:
@@ -65,6 +77,9 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     dQ kernel, somewhat slower); dK and dV are deterministic either way.
     """
     check_flag("deterministic", deterministic)
+    if score_mod is not None or mask_mod is not None or block_mask is not None:
+        return _with_mods(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm, deterministic, window,
+                          softcap, alibi_slopes, sinks, score_mod, mask_mod, block_mask)
     if on_meta(q) and not is_compiling():  # shapes only: the custom op's fake kernel, after the same argument checks
         check_attention_call(q, k, v, causal, softmax_scale, layout, return_lse, window, softcap, alibi_slopes, sinks)
         if algorithm != "v2":
@@ -84,3 +99,21 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
                             alibi_slopes, sinks)
     return forward(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm, window, softcap,
                    alibi_slopes, sinks)
+
+
+def _with_mods(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm, deterministic, window, softcap,
+               alibi_slopes, sinks, score_mod, mask_mod, block_mask):
+    """The forward with user mods (api.modcall), after refusing what it does not combine with."""
+    others = [name for name, on in (("causal", causal is not False), ("window", window is not None),
+                                    ("softcap", softcap != 0.0), ("alibi_slopes", alibi_slopes is not None),
+                                    ("sinks", sinks is not None), ("deterministic", deterministic),
+                                    ("algorithm", algorithm != "v2")) if on]
+    if others:
+        raise UnsupportedError(f"score_mod / mask_mod / block_mask take none of {', '.join(others)}: express "
+                               "them as mods (a causal or window mask_mod, a softcap or ALiBi score_mod)")
+    if is_compiling() or (torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v))):
+        raise UnsupportedError("score_mod / mask_mod have no backward yet: call them under torch.no_grad() or "
+                               "with inputs that do not require grad (and outside torch.compile)")
+    if on_meta(q):
+        raise UnsupportedError("score_mod / mask_mod have no meta (shape-only) path")
+    return mod_forward(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask)

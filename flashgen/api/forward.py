@@ -53,7 +53,7 @@ def forward(q, k, v, causal, softmax_scale, layout, return_lse, spec=None, algor
     if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
         raise ValueError("q, k, v must be 16-byte aligned (16-byte loads), got addresses "
                          f"{q.data_ptr():#x}, {k.data_ptr():#x}, {v.data_ptr():#x}")
-    if type(plan) is not _Plan:  # algorithm="v1"/"standard": several kernels and buffers (baselines)
+    if type(plan) is not Plan:  # algorithm="v1"/"standard": several kernels and buffers (baselines)
         return plan.run(q, k, v, return_lse)
     if shapes.ACTIVE and plan.record is not None:  # flashgen.record: count this call's key and shape
         shapes.note(*plan.record)
@@ -70,7 +70,7 @@ def forward(q, k, v, causal, softmax_scale, layout, return_lse, spec=None, algor
             params.alibi = slopes.data_ptr() if slopes is not None else 0
             params.sinks = sink_logits.data_ptr() if sink_logits is not None else 0
         if plan.counters:
-            params.sched = _tile_counters(plan.device_index)
+            params.sched = tile_counters(plan.device_index)
         plan.launch(params)
     return (out, lse) if return_lse else out
 
@@ -147,7 +147,7 @@ def _launch_packed(plan, params, stream: int) -> None:
     work = _work_list(plan.device_index, stream, plan.list_ints)  # (alive until both launches are queued)
     params.vl_tiles = work.data_ptr()
     if plan.counters:
-        params.sched = _tile_counters(plan.device_index)
+        params.sched = tile_counters(plan.device_index)
     plan.kernel.launch_after("_tiles", 1024, plan.grid, params, stream)
 
 
@@ -181,7 +181,7 @@ def packed_plan(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, sequse
     shapes.from_environment()
     index = index_of(q)
     if not (total_q and seqs):
-        return _Plan(None, None, index, (h, total_q))
+        return Plan(None, None, index, (h, total_q))
     dev = Device.of(index)
     key = ProblemKey("fwd", dev.arch, DTYPES[q.dtype], head_dim_tile(d), variant.causal,
                      bucket_of(max(1, max_q)), variant.key())
@@ -205,14 +205,14 @@ def packed_plan(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, sequse
     o_strides = (0, d, h * d)  # the output: contiguous (total_q, heads, d)
     grid, params_for = fam.launch(kern, dims, strides, o_strides, scale, dev, variant,
                                   **({"kv_pages": kv_pages} if kv_pages else {}))
-    plan = _Plan(kern, grid, dev.index, (h, total_q), params_for, fam.needs_tile_counters(spec))
+    plan = Plan(kern, grid, dev.index, (h, total_q), params_for, fam.needs_tile_counters(spec))
     plan.list_ints = varlen_list_ints(total_q, seqs, spec.block_m)
     if dispatched:
         plan.record = (key, (seqs, h, hk, max(1, max_q), max(1, max_k), d))
     return plan
 
 
-class _Plan:
+class Plan:
     """A checked forward call: the kernel, its grid, and ``params_for(q, k, v addresses)``, the family's
     packed parameter block with the inputs filled in (fwd_sm90: their tensor maps, cached per address
     triple); ``counters``: the launch takes the stream's tile counters (a persistent kernel)."""
@@ -246,7 +246,7 @@ def _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm="v
     shapes.from_environment()
     index = index_of(q)
     if not (nq and b and h):
-        return _Plan(None, None, index, (b, h, nq))
+        return Plan(None, None, index, (b, h, nq))
     dev = Device.of(index)
     dims = (b, h, hk, nq, nk, d)
     o_strides = contiguous_strides(q.shape, layout)  # the output is allocated like q
@@ -273,7 +273,7 @@ def _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm="v
     kern = load(spec, dev.index)
     fam = families.family(spec.kind)
     grid, params_for = fam.launch(kern, dims, (sq, sk, sv), o_strides, scale, dev, variant)
-    plan = _Plan(kern, grid, dev.index, (b, h, nq), params_for, fam.needs_tile_counters(spec))
+    plan = Plan(kern, grid, dev.index, (b, h, nq), params_for, fam.needs_tile_counters(spec))
     if dispatched:
         plan.record = (key, dims)
     return plan
@@ -282,7 +282,7 @@ def _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm="v
 _counters: dict = {}
 
 
-def _tile_counters(idx: int) -> int:
+def tile_counters(idx: int) -> int:
     """The address of two zeroed int32 tile counters for a persistent fwd_sm90 launch on the current stream
     of device ``idx``: one pair per stream (launches on one stream run one after another, and each leaves
     the pair zeroed), a fresh pair inside a CUDA graph capture (zeroed by the graph itself on replay)."""

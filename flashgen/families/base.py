@@ -14,6 +14,7 @@ import ctypes
 import math
 from dataclasses import dataclass, field
 
+from .. import mods
 from ..errors import UnsupportedError
 from ..problem import HEAD_DIM_TILES, ProblemKey, head_dim_tile
 from ..settings import logger
@@ -61,6 +62,22 @@ VARIANT_PARAMS = (
     ("win_left", "int", I32), ("win_right", "int", I32), ("cap_in", "float", F32),
     ("alibi", "const float*", PTR), ("alibi_sb", "int", I32), ("sinks", "const float*", PTR),
 )
+
+class MODARGS(ctypes.Structure):
+    """templates/common/mod_args.cuh's fg_mod_args: up to four captured tensors of a user mod (address,
+    element strides and sizes over four dimensions)."""
+
+    _fields_ = [("t", ctypes.c_void_p * 4), ("s", (ctypes.c_int64 * 4) * 4), ("n", (ctypes.c_int32 * 4) * 4)]
+
+
+# User mods (templates/common/mod.cuh): the captured tensors, then a block mask's per-query-block key-block
+# counts and lists (int32; (batch, head) strides in query-block rows, 0 where the mask does not depend on
+# them) and the list's row length. Zero for kernels without mods.
+MOD_PARAMS = (
+    ("mod", "fg_mod_args", MODARGS), ("bm_count", "const int*", PTR), ("bm_index", "const int*", PTR),
+    ("bm_sb", "int", I32), ("bm_sh", "int", I32), ("bm_nb", "int", I32),
+)
+
 
 # The forward families' extra output for a sink's backward: the normalised O in fp32, (b, heads, nq, d),
 # written only by kernels with sinks and only when set (null otherwise).
@@ -114,6 +131,20 @@ def variant_context(spec) -> dict:
     flags = (spec.causal, spec.window, spec.softcap, spec.alibi, spec.sinks) + ((True,) if spec.varlen else ())
     return {"variant_type": "fg_variant<" + ", ".join("true" if f else "false" for f in flags) + ">",
             "varlen": spec.varlen}
+
+
+MOD_TOKEN_LIMIT = 1 << 48  # a spec's ``mod``: the first 12 hex digits of a mod pair's hash, as a number
+
+
+def mod_context(spec) -> dict:
+    """The template's user mods: ``mod_source``, the device functions printed from the pair of traced graphs
+    the spec's ``mod`` token names (flashgen.mods; this process must have traced them), and the
+    ``variant_type`` that calls them (common/mod.cuh); nothing for a spec without mods."""
+    if not spec.mod:
+        return {"mod_source": ""}
+    pair = mods.lookup(mods.token_text(spec.mod))
+    flags = ", ".join("true" if g is not None else "false" for g in (pair.score, pair.mask))
+    return {"mod_source": pair.cuda(), "variant_type": f"fg_mod_variant<{flags}>"}
 
 
 def forward_values(dims, strides_bhs, o_strides, scale: float) -> dict:

@@ -20,8 +20,9 @@ from ..errors import UnsupportedError
 from ..problem import ProblemKey, smallest_tile
 from ..spec import KernelSpec
 from ..variants import PLAIN
-from .base import (F32, FWD_O32_PARAMS, I32, PTR, TMAP, VARIANT_PARAMS, VARLEN_PARAMS, Family, aligned_struct,
-                   forward_values, hopper_checks, strides, stride_values, variant_context, varlen_pairs)
+from .base import (F32, FWD_O32_PARAMS, I32, MOD_PARAMS, MOD_TOKEN_LIMIT, PTR, TMAP, VARIANT_PARAMS, VARLEN_PARAMS,
+                   Family, aligned_struct, forward_values, hopper_checks, mod_context, strides, stride_values,
+                   variant_context, varlen_pairs)
 
 # The parameter block: the three tensor maps first (each at a 64-byte-aligned offset, as the C
 # struct's alignas(64) wants), then what the epilogue and the masks need.
@@ -47,6 +48,7 @@ SM90_PARAMS = (
     ("bt", "const int*", PTR), ("bt_stride", "int", I32), ("page_shift", "int", I32),
     # Gathered paged K/V (spec.kv_gather): the caches themselves and their (page, head, row) element strides.
     ("kc", "const elem_t*", PTR), ("vc", "const elem_t*", PTR), *strides("k", "v"),
+    *MOD_PARAMS,
 )
 
 SM90_HEAD_DIMS = (64, 128, 256)
@@ -159,6 +161,11 @@ class Sm90Family(Family):
         if spec.kv_gather and not (spec.page_rows and spec.warp_specialized and not spec.persistent):
             raise ValueError(f"{self.kind}: kv_gather gathers paged rows (page_rows > 0) with the producer warpgroup "
                              "(warp_specialized) of a one-tile-per-CTA kernel (not persistent)")
+        if not 0 <= spec.mod < MOD_TOKEN_LIMIT:
+            raise ValueError(f"{self.kind}: mod={spec.mod} is not a mod token (0 <= mod < 2^48)")
+        if spec.mod and (spec.causal or spec.window or spec.softcap or spec.alibi or spec.sinks or spec.varlen):
+            raise ValueError(f"{self.kind}: mod={spec.mod} takes no built-in variant (causal, window, softcap, alibi, "
+                             "sinks, varlen): a mod expresses its own mask and scores")
         if spec.page_rows and spec.persistent and spec.block_m >= 192:
             raise ValueError(f"{self.kind}: page_rows with persistent at block_m {spec.block_m}: three consumer "
                              "warpgroups leave the producer 32 registers and the paged loads spill them; drop "
@@ -224,7 +231,7 @@ class Sm90Family(Family):
         return {"params": [(n, c) for n, c, _ in self.params],
                 "param_bytes": ctypes.sizeof(self.param_struct()),
                 "producer_regs": producer or 24, "consumer_regs": consumer or 240,
-                "q_pieces": self.q_pieces(spec), **variant_context(spec)}
+                "q_pieces": self.q_pieces(spec), **variant_context(spec), **mod_context(spec)}
 
     def param_struct(self):
         return aligned_struct(self)

@@ -96,7 +96,8 @@ template <bool CAUSAL, bool WINDOW, bool SOFTCAP, bool ALIBI, bool SINKS, bool V
 struct fg_variant {
   enum : int { RIGHT = CAUSAL || WINDOW, LEFT = WINDOW, TRANSFORMS = SOFTCAP || ALIBI, HAS_SINK = SINKS,
                HAS_CAP = SOFTCAP, HAS_ALIBI = ALIBI, PLAIN = !(WINDOW || SOFTCAP || ALIBI || SINKS),
-               VARLEN_ROWS = VARLEN, ALIBI_LINEAR = ALIBI && CAUSAL && !WINDOW };
+               VARLEN_ROWS = VARLEN, ALIBI_LINEAR = ALIBI && CAUSAL && !WINDOW,
+               SPARSE = 0 /* key blocks from a block mask's list: common/mod.cuh */ };
   int nq, nk, diag, left, right;
   float cap_in, slope, sink;
 

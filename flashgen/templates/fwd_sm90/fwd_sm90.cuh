@@ -174,8 +174,9 @@ struct fwd_sm90_cta {
   // the host's share of the L2 (api.tile_sections: sizes p.sec + 1 for the first p.sec_big sections,
   // then p.sec), and inside a section m-block by m-block, every pair of the section in turn (so the CTAs
   // running at once share a few pairs' K/V, but no one K/V block is wanted by every SM at once). Causal:
-  // the highest m-blocks (the longest rows) first, so the short tiles fill the tail; non-causal: the
-  // lowest first (a partial last m-block, the cheapest tile, at the end).
+  // the highest m-blocks (the longest rows) first, so the short tiles fill the tail (a block mask's too:
+  // causal-like masks are the common ones); non-causal: the lowest first (a partial last m-block, the
+  // cheapest tile, at the end).
   FG_DEVICE void tile_coords(int t, int& mb, int& h, int& bb) const {
     if constexpr (V::VARLEN_ROWS) {  // the device-built list (past its end: sequence 0, never computed)
       fg_varlen_tile(p, t, bb, mb, h);
@@ -185,18 +186,22 @@ struct fwd_sm90_cta {
     const bool big = t < big_tiles;
     const int sz = big ? p.sec + 1 : p.sec, u = big ? t : t - big_tiles;
     const int start = (big ? 0 : p.sec_big * (p.sec + 1)) + u / (sz * mbs) * sz, rem = u % (sz * mbs);
-    mb = CAUSAL ? mbs - 1 - rem / sz : rem / sz;
+    mb = (CAUSAL || V::SPARSE) ? mbs - 1 - rem / sz : rem / sz;
     const int pair = start + rem % sz;
     h = pair % p.heads;
     bb = pair / p.heads;
   }
   // K/V blocks from n_first on that query rows [r0, r0 + rows) need (none when r0 is past the queries).
   FG_DEVICE int blocks_for(int r0, int rows) const {
+    if constexpr (V::SPARSE) return r0 < var.nq ? var.count : 0;  // (set_block_row first)
     if constexpr (V::LEFT) return max(0, var.block_end(r0, rows, BN) - n_first);
     return var.block_end(r0, rows, BN);
   }
   // The key block of the tile's j-th K/V block.
-  FG_DEVICE int kv_block(int j) const { return V::LEFT ? n_first + j : j; }
+  FG_DEVICE int kv_block(int j) const {
+    if constexpr (V::SPARSE) return var.block_at(j);  // a block mask's list (common/mod.cuh)
+    return V::LEFT ? n_first + j : j;
+  }
   // The tile's coordinates' consequences: its K/V head, first row, variant values and key blocks.
   FG_DEVICE void set_tile() {
     if constexpr (V::VARLEN_ROWS) {
@@ -209,6 +214,7 @@ struct fwd_sm90_cta {
     hk = hq / p.group;
     m0 = m_block * BM;
     var.set_head(p, b, hq);
+    if constexpr (V::SPARSE) var.set_block_row(p, m_block);
     n_first = var.block_first(m0, BN);
     n_blocks = blocks_for(m0, BM);
   }
@@ -486,6 +492,12 @@ struct fwd_sm90_cta {
   // row - diag) (variant.cuh), which joins the thread's block max before the quad max and the exp2's offset:
   // exp2((s + off) scale_log2 - m_scaled) = exp2(s scale_log2 - (m_scaled - off scale_log2)). One FFMA per
   // score instead of an FADD and an FFMA.
+  // Whether key block j (keys from n0) needs masking for this warpgroup's rows: a block mask's partial
+  // flag (or the key end), else the variant's range test.
+  FG_DEVICE bool block_needs_mask(int j, int n0) const {
+    if constexpr (V::SPARSE) return var.partial_at(j) || n0 + BN > var.nk;
+    else return var.needs_mask(n0, BN, m0 + cw * 64, m0 + cw * 64 + 63);
+  }
   FG_DEVICE void softmax(int j, float (&acc_s)[BN / 2], float (&row_max)[2], float (&row_sum)[2],
                          float (&alpha)[2]) const {
     const int n0 = kv_block(j) * BN;
@@ -496,7 +508,7 @@ struct fwd_sm90_cta {
 #pragma unroll
       for (int h = 0; h < 2; ++h) var.transform(acc_s, h, row_base + 8 * h, n0 + 2 * t);
     }
-    if (var.needs_mask(n0, BN, m0 + cw * 64, m0 + cw * 64 + 63)) {
+    if (block_needs_mask(j, n0)) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) var.mask(acc_s, h, row_base + 8 * h, n0 + 2 * t);
     }

@@ -1,0 +1,198 @@
+"""``flashgen.attention`` with user mods: ``score_mod``, ``mask_mod`` and ``block_mask`` (FlexAttention's).
+
+The mods are traced once into expression graphs (``flashgen.mods``); the pair's token joins the spec
+(``KernelSpec.mod``), whose kernel prints the graphs as device functions (templates/common/mod.cuh).
+A mask comes with a block mask (``flashgen.api.blockmask``), made at the kernel's tile: the kernel
+visits only the key blocks it lists and calls the mask only on the partial ones. The forward runs on
+``fwd_sm90`` (sm_90a); the backward of a mod is not built, so a call that needs gradients is refused.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .. import dispatch, families, mods
+from ..codegen import load
+from ..errors import UnsupportedError
+from ..families.base import first_clean
+from ..problem import ProblemKey, bucket_of, head_dim_tile
+from ..variants import Variant
+from .blockmask import BlockMask, create_block_mask
+from .checks import DTYPES, check_attention_call, check_forced_spec, check_int32, contiguous_strides
+from .device import Device, index_of
+from .forward import Plan, tile_counters
+from .plans import PlanCache
+
+_plans = PlanCache("attention with mods")
+# The block-mask sparsity (fraction of 128 x 128 blocks skipped) from which a call takes the causal key's
+# tuned tile: a causal mask skips about half.
+CAUSAL_LIKE = 0.3
+# Block masks made for calls that pass a mask_mod without one, per (function, sizes, device): the
+# newest few (a model's layers share one).
+_made: dict = {}
+_made_lock = threading.Lock()
+
+
+def mod_forward(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask):
+    """The forward of ``attention(q, k, v, score_mod=..., mask_mod=..., block_mask=...)`` (no autograd)."""
+    try:
+        sig = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+               q.device, k.device, v.device, softmax_scale, type(softmax_scale), layout, return_lse,
+               type(return_lse), spec, score_mod, mask_mod, block_mask)
+        plan = _plans.get(sig)
+    except (AttributeError, TypeError):
+        sig = plan = None
+    if plan is not None and not plan.current():  # a captured tensor was rebound: trace again
+        plan = None
+    if plan is None:
+        plan = _plan(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask)
+        if sig is not None:
+            _plans.put(sig, plan)
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+        raise ValueError("q, k, v must be 16-byte aligned (16-byte loads), got addresses "
+                         f"{q.data_ptr():#x}, {k.data_ptr():#x}, {v.data_ptr():#x}")
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = q.new_empty(plan.base.lse_shape, dtype=torch.float32) if return_lse else None
+    if plan.base.kernel is not None:
+        params = plan.base.params_for(q.data_ptr(), k.data_ptr(), v.data_ptr())
+        params.o = out.data_ptr()
+        params.lse = lse.data_ptr() if lse is not None else 0
+        plan.fill(params)
+        if plan.base.counters:
+            params.sched = tile_counters(plan.base.device_index)
+        plan.base.launch(params)
+    return (out, lse) if return_lse else out
+
+
+class _ModPlan:
+    """A checked call with mods: the forward's plan (``base``) and what each launch adds to its parameter
+    block: the captured tensors (kept alive here) and the block mask's lists at the kernel's tile."""
+
+    __slots__ = ("base", "pair", "captures", "tiles", "functions")
+
+    def __init__(self, base, pair, tiles, functions):
+        self.base, self.pair, self.tiles, self.functions = base, pair, tiles, functions
+        self.captures = tuple(pair.captures)
+
+    def current(self) -> bool:
+        """Whether the mods still trace to the graphs this plan was made for: the tracer's cache answers
+        from a fingerprint of what each function reads (a captured global rebound to another tensor, a
+        changed constant: a new graph, and a new plan)."""
+        score_fn, mask_fn = self.functions
+        return ((score_fn is None or mods.trace_score_mod(score_fn) is self.pair.score)
+                and (mask_fn is None or mods.trace_mask_mod(mask_fn) is self.pair.mask))
+
+    def fill(self, params) -> None:
+        args = params.mod
+        for slot, t in enumerate(self.captures):
+            args.t[slot] = t.data_ptr()
+            sizes = list(t.shape) + [1] * (4 - t.dim())
+            strides = list(t.stride()) + [0] * (4 - t.dim())
+            for axis in range(4):
+                args.s[slot][axis] = strides[axis]
+                args.n[slot][axis] = sizes[axis]
+        if self.tiles is not None:
+            blocks, sb, sh = self.tiles
+            params.bm_count, params.bm_index = blocks.counts.data_ptr(), blocks.index.data_ptr()
+            params.bm_sb, params.bm_sh, params.bm_nb = sb, sh, blocks.index.shape[-1]
+
+
+def _plan(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask):
+    (b, h, nq, d), sq, (hk, nk), sk, sv, scale, _ = check_attention_call(
+        q, k, v, False, softmax_scale, layout, return_lse, None, 0.0, None, None)
+    if block_mask is not None and not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a flashgen BlockMask (flashgen.create_block_mask), got "
+                        f"{type(block_mask).__name__}")
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(f"score_mod must be a function (score, b, h, q_idx, kv_idx) -> score, got {score_mod!r}")
+    if mask_mod is not None and not callable(mask_mod):
+        raise TypeError(f"mask_mod must be a function (b, h, q_idx, kv_idx) -> bool, got {mask_mod!r}")
+    if block_mask is not None:
+        if mask_mod is not None and mask_mod is not block_mask.mask_mod:
+            raise ValueError("mask_mod and block_mask.mask_mod differ: pass one of them (the block mask "
+                             "carries its mask_mod)")
+        mask_mod = block_mask.mask_mod
+        check_block_mask_shape(block_mask, b, h, nq, nk)
+    score_graph = mods.trace_score_mod(score_mod) if score_mod is not None else None
+    mask_graph = mods.trace_mask_mod(mask_mod) if mask_mod is not None else None
+    pair = mods.pair(score_graph, mask_graph)
+    for t in pair.captures:
+        if t.device != q.device:
+            raise ValueError(f"a mod captures a tensor on {t.device}; q is on {q.device}: captured tensors must be "
+                             "on q's device")
+    index = index_of(q)
+    functions = (score_mod, mask_mod)
+    if not (nq and b and h):
+        return _ModPlan(Plan(None, None, index, (b, h, nq)), pair, None, functions)
+    dev = Device.of(index)
+    if dev.arch != "sm_90a":
+        raise UnsupportedError(f"score_mod / mask_mod run on the Hopper kernels (sm_90a); this device is {dev.arch}")
+    mods.register(pair)
+    if mask_graph is not None and block_mask is None:
+        block_mask = _made_for(mask_mod, b, h, nq, nk, q.device)
+    k_in, c_out = pair.factors  # a score_mod c f(k score): k joins the scale, c the softmax's (Graph.factors)
+    if not 2.0 ** -126 <= abs(scale * k_in) < 2.0 ** 127:
+        raise UnsupportedError(f"score_mod's constant factor {k_in!r} on the score times the softmax scale {scale!r} "
+                               "leaves float32's normal range")
+    if spec is None:
+        # A block mask that skips much of the square (causal, windows, documents) takes the causal key's tile.
+        sparse = block_mask is not None and block_mask.sparsity() >= CAUSAL_LIKE
+        spec = mod_spec(DTYPES[q.dtype], d, nq, dev, pair, causal_like=sparse)
+    else:
+        key = ProblemKey("fwd", dev.arch, DTYPES[q.dtype], head_dim_tile(d), False, bucket_of(nq), "")
+        if getattr(spec, "kind", None) != "fwd_sm90":
+            raise UnsupportedError(f"score_mod / mask_mod run on fwd_sm90 specs, got {getattr(spec, 'name', spec)!r}")
+        check_forced_spec(spec, {"kind": ("fwd_sm90",), "dtype": key.dtype, "arch": dev.arch, "causal": False,
+                                 "mod": mods.token_number(pair)}, d, dev.smem_budget)
+    kern = load(spec, dev.index)
+    fam = families.family(spec.kind)
+    dims = (b, h, hk, nq, nk, d)
+    o_strides = contiguous_strides(q.shape, layout)  # the output is allocated like q
+    grid, params_for = fam.launch(kern, dims, (sq, sk, sv), o_strides, scale * k_in, dev,
+                                  Variant(scored=score_graph is not None, score_factor=c_out))
+    base = Plan(kern, grid, dev.index, (b, h, nq), params_for, fam.needs_tile_counters(spec))
+    tiles = None
+    if mask_graph is not None:
+        blocks = block_mask.for_tile(spec.block_m, spec.block_n)
+        mb = blocks.counts.shape[-1]
+        sb = blocks.counts.shape[1] * mb if blocks.counts.shape[0] > 1 else 0
+        sh = mb if blocks.counts.shape[1] > 1 else 0
+        check_int32("the block mask's rows", blocks.counts.numel())
+        tiles = (blocks, sb, sh)
+    return _ModPlan(base, pair, tiles, functions)
+
+
+def mod_spec(dtype: str, d: int, nq: int, dev, pair, verify: bool = True, causal_like: bool = False):
+    """The kernel of a call with mods: the plain problem's tile (the causal one's for a ``causal_like``
+    block mask; tuned table or default rule: a mod's own key is not tuned yet) on fwd_sm90, with the pair's
+    token (``verify``: dispatch's resource check)."""
+    key = ProblemKey("fwd", dev.arch, dtype, head_dim_tile(d), causal_like, bucket_of(nq), "")
+    token = mods.token_number(pair)
+    picked = dispatch.select(key, dev.gpu, dev.smem_budget, verify=verify, family="fwd_sm90")
+    # A mod's functions take registers (captured reads, indices): where the plain tile's kernel with them
+    # spills (three consumer warpgroups keep 160 registers each), the rule's tiles follow, in order.
+    candidates = [picked] + [s for s in families.family("fwd_sm90").rule(key, dev.smem_budget) if s != picked]
+    return first_clean([s.replace(causal=False, mod=token).validate() for s in candidates],
+                       dispatch.resource_problems if verify else None)
+
+
+def check_block_mask_shape(block_mask, b: int, h: int, nq: int, nk: int) -> None:
+    """``ValueError`` unless the block mask was made for this call's sizes (batch and heads may be 1: broadcast)."""
+    mb, mh, mq, mk = block_mask.shape
+    if (mq, mk) != (nq, nk) or mb not in (1, b) or mh not in (1, h):
+        raise ValueError(f"block_mask was made for (B, H, Q_LEN, KV_LEN) = {block_mask.shape}; this call is "
+                         f"({b}, {h}, {nq}, {nk}) (B and H may be 1 or None there: broadcast)")
+
+
+def _made_for(mask_mod, b, h, nq, nk, device):
+    key = (mask_mod, b, h, nq, nk, device)
+    with _made_lock:
+        found = _made.get(key)
+    if found is None:
+        found = create_block_mask(mask_mod, b, h, nq, nk, device=device)
+        with _made_lock:
+            if len(_made) >= 8:
+                _made.pop(next(iter(_made)))
+            _made[key] = found
+    return found

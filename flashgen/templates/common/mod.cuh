@@ -1,0 +1,89 @@
+// The variant interface of templates/common/variant.cuh for user mods (flashgen.mods): fg_score_mod
+// changes each score, fg_mask_mod hides keys, and a block mask (flashgen.api.blockmask, made at the
+// kernel's tile) lists each query block's key blocks. The two functions are emitted before this header
+// from the traced graphs (the spec's ``mod`` token names the pair); fg_mod_args (mod_args.cuh) carries
+// their captured tensors.
+//
+// Scores: score_mod takes the scaled score (FlexAttention's convention), so the transform multiplies the
+// raw q.k by the softmax scale (the parameter block's cap_in) first, and the host runs the softmax in
+// natural units (scale 1, scale_log2 = log2 e: Variant.values).
+//
+// Blocks (MASK): the parameter block's bm_count (Bm, Hm, m-blocks) and bm_index (Bm, Hm, m-blocks, bm_nb)
+// give, per query block, how many key blocks it visits and which, ascending, each entry (block << 1) |
+// partial. A batch or head the mask does not depend on has stride 0 (bm_sb, bm_sh, in m-block rows).
+// Full blocks run without any mask but the key end's; partial ones call fg_mask_mod per score.
+#pragma once
+
+template <bool SCORE, bool MASK>
+struct fg_mod_variant {
+  enum : int { RIGHT = 0, LEFT = 0, TRANSFORMS = SCORE, HAS_SINK = 0, HAS_CAP = 0, HAS_ALIBI = 0, PLAIN = 0,
+               VARLEN_ROWS = 0, ALIBI_LINEAR = 0, SPARSE = MASK };
+  int nq, nk, diag, b, h, count;
+  float scale;
+  const fg_mod_args* args;
+  const int* row;  // MASK: this query block's entries of bm_index
+
+  FG_DEVICE fg_mod_variant() {}
+  template <typename Params>
+  FG_DEVICE explicit fg_mod_variant(const Params& p) {
+    nq = p.nq;
+    nk = p.nk;
+    diag = p.nk - p.nq;
+    scale = p.cap_in;
+    args = &p.mod;
+    b = h = count = 0;
+    row = nullptr;
+  }
+  template <typename Params>
+  FG_DEVICE void set_head(const Params& p, int b_, int hq) {
+    b = b_;
+    h = hq;
+  }
+  // MASK: the block list of query block m_block of (b, h) (set_head first).
+  template <typename Params>
+  FG_DEVICE void set_block_row(const Params& p, int m_block) {
+    if constexpr (MASK) {
+      const fg_i64 r = static_cast<fg_i64>(b) * p.bm_sb + static_cast<fg_i64>(h) * p.bm_sh + m_block;
+      count = p.bm_count[r];
+      row = p.bm_index + r * p.bm_nb;
+    }
+  }
+  FG_DEVICE int block_at(int j) const { return __ldg(row + j) >> 1; }
+  FG_DEVICE bool partial_at(int j) const { return __ldg(row + j) & 1; }
+
+  // Without a mask every row sees every key: the dense range.
+  FG_DEVICE int block_first(int, int) const { return 0; }
+  FG_DEVICE int block_end(int r0, int, int bn) const { return r0 >= nq ? 0 : ceil_div(nk, bn); }
+  FG_DEVICE bool needs_mask(int n0, int bn, int, int) const { return n0 + bn > nk; }
+
+  // Row half hh of S (row `row_`, this thread's first column c0).
+  template <typename F>
+  FG_DEVICE void transform(F& s, int hh, int row_, int c0) const {
+#pragma unroll
+    for (int nj = 0; nj < frag<F>::N8; ++nj)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = frag<F>::at(s, nj, 2 * hh + e);
+        x = fg_score_mod(x * scale, b, h, row_, c0 + 8 * nj + e, *args);
+      }
+  }
+  template <typename F>
+  FG_DEVICE void mask(F& s, int hh, int row_, int c0) const {
+#pragma unroll
+    for (int nj = 0; nj < frag<F>::N8; ++nj)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = c0 + 8 * nj + e;
+        bool seen = col < nk;
+        if constexpr (MASK) seen = seen && fg_mask_mod(b, h, row_, col, *args);
+        if (!seen) frag<F>::at(s, nj, 2 * hh + e) = -INFINITY;
+      }
+  }
+  template <typename F>
+  FG_DEVICE void transform_cols(F&, int) const {}
+  FG_DEVICE float alibi_row_offset(int, int) const { return 0.f; }
+  FG_DEVICE void finish(float m, float l, float scale_, float& inv, float& lse) const {
+    inv = row_inv(l);
+    lse = row_lse(m, l, scale_);
+  }
+};

@@ -1,0 +1,226 @@
+"""GPU tier for user mods (flashgen.mods, api.modcall): FlexAttention's example mods in fwd_sm90.
+
+Each call against the fp32 reference with the 2x rule: the reference calls the mod functions as
+written on the whole score matrix (``flashgen.reference``), the kernel runs their traced graphs; the
+output is poisoned first and must be written everywhere; the LSE is -inf exactly where a row sees no
+key. Odd sizes, GQA, both layouts, fp16 and bf16, dispatch's tile at each size, block masks made by
+the call and passed in (and reused), and one comparison with torch's FlexAttention itself.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host)"),
+]
+
+import flashgen  # noqa: E402
+from flashgen.reference import allowance, reference  # noqa: E402
+from gpu_util import is_sm90, make_inputs, poison_output, precompile_skipped, to_bhsd, warm  # noqa: E402
+
+needs_sm90 = pytest.mark.skipif(not is_sm90(), reason="user mods run on fwd_sm90 (an sm_90 GPU)")
+
+SEQLENS = [(1, 1), (113, 203), (1, 239), (239, 1), (799, 3), (1023, 1024), (2048, 2048)]
+
+
+def _mods(b, hq, nq, nk):
+    """name -> (score_mod, mask_mod) of FlexAttention's examples, with fresh captured tensors."""
+    dev = "cuda"
+    slopes = torch.rand(hq, device=dev) * 0.5 + 0.01
+    rel = torch.randn(hq, nq + nk - 1, device=dev)
+    rel16 = torch.randn(hq, nq + nk - 1, device=dev).to(torch.bfloat16)
+    n = max(nq, nk)
+    doc = torch.sort(torch.randint(0, 4, (n,), device=dev, dtype=torch.int32)).values
+    prefix = torch.randint(0, max(1, nk), (b,), device=dev, dtype=torch.int64)
+    blocks = torch.rand(-(-nq // 128), -(-nk // 128), device=dev) < 0.5
+    # (offsets that depend on the sizes are captured, not constants: a constant is part of the mod's graph,
+    # and each new one compiles a new kernel)
+    diag = torch.tensor([nk - nq], device=dev, dtype=torch.int32)
+    last = torch.tensor([nk - 1], device=dev, dtype=torch.int32)
+
+    def causal(b_, h, q, kv):
+        return q + diag[0] >= kv
+
+    def sliding(b_, h, q, kv):
+        return (q + diag[0] >= kv) & (q + diag[0] - kv <= 64)
+
+    def prefix_lm(b_, h, q, kv):
+        return (kv <= prefix[b_]) | (q + diag[0] >= kv)
+
+    def document(b_, h, q, kv):
+        return doc[q] == doc[kv]
+
+    def block_sparse(b_, h, q, kv):
+        return blocks[q // 128, kv // 128]
+
+    def alibi(score, b_, h, q, kv):
+        return score - slopes[h] * (q + diag[0] - kv).abs()
+
+    def softcap(score, b_, h, q, kv):
+        return 30.0 * torch.tanh(score / 30.0)
+
+    def relative(score, b_, h, q, kv):
+        return score + rel[h, q - kv + last[0]]
+
+    def relative_bf16(score, b_, h, q, kv):
+        return score + rel16[h, q - kv + last[0]]
+
+    return {"causal": (None, causal), "sliding": (None, sliding), "prefix_lm": (None, prefix_lm),
+            "document": (None, document), "block_sparse": (None, block_sparse), "alibi": (alibi, None),
+            "softcap": (softcap, None), "relative": (relative, None), "relative_bf16": (relative_bf16, None),
+            "alibi_causal": (alibi, causal), "softcap_document": (softcap, document)}
+
+
+MODS = ["causal", "sliding", "prefix_lm", "document", "block_sparse", "alibi", "softcap", "relative", "relative_bf16",
+        "alibi_causal", "softcap_document"]  # the keys of _mods
+
+
+# (mods, head dim, dtype, query lengths) of the tests below: their kernels are compiled in parallel first.
+CALLS = [(MODS, 128, "bf16", [nq for nq, _ in SEQLENS] + [1000, 777]),
+         (["causal", "document", "alibi", "softcap_document"], 64, "fp16", [113, 799, 1023]),
+         (["causal", "document", "alibi", "softcap_document"], 256, "fp16", [113, 799, 1023])]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _precompile(request, tmp_path_factory):
+    if precompile_skipped(request) or not is_sm90():
+        return
+    from flashgen import mods
+    from flashgen.api.device import Device
+    from flashgen.api.modcall import mod_spec
+
+    dev = Device.of(torch.cuda.current_device())
+
+    def pick(verify):
+        out = set()
+        for names, d, dtype, lengths in CALLS:
+            for name in names:
+                score, mask = _mods(2, 4, 64, 64)[name]
+                pair = mods.pair(mods.trace_score_mod(score) if score else None,
+                                 mods.trace_mask_mod(mask) if mask else None)
+                mods.register(pair)
+                out |= {mod_spec(dtype, d, nq, dev, pair, verify, causal_like) for nq in lengths
+                        for causal_like in ((False, True) if mask else (False,))}
+        return out
+    warm([], tmp_path_factory, pick)
+
+
+def check_mods(b, hq, hk, nq, nk, d, dtype, name, layout="bhsd", block_mask=False):
+    q, k, v = make_inputs(b, hq, hk, nq, nk, d, dtype, layout)
+    score_mod, mask_mod = _mods(b, hq, nq, nk)[name]
+    scale = 1.0 / math.sqrt(d)
+    extra = {"score_mod": score_mod, "mask_mod": mask_mod}
+    if block_mask and mask_mod is not None:
+        extra = {"score_mod": score_mod, "block_mask": flashgen.create_block_mask(mask_mod, b, hq, nq, nk)}
+    poison_output(q)
+    with torch.no_grad():
+        out, lse = flashgen.attention(q, k, v, layout=layout, return_lse=True, **extra)
+    torch.cuda.synchronize()
+    qb, kb, vb = (to_bhsd(t, layout) for t in (q, k, v))
+    ref, ref_lse = reference(qb, kb, vb, False, scale, torch.float32, score_mod=score_mod, mask_mod=mask_mod)
+    low, _ = reference(qb, kb, vb, False, scale, dtype, score_mod=score_mod, mask_mod=mask_mod)
+    got = to_bhsd(out, layout).float()
+    assert out.shape == q.shape and out.dtype == dtype
+    assert torch.isfinite(got).all(), "non-finite output (unwritten or NaN)"
+    err = (got - ref).abs().max().item()
+    tol = allowance(low, ref, dtype)
+    assert err <= tol, f"{name}: max err {err:.3e} > tol {tol:.3e}"
+    masked = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), masked), f"{name}: LSE -inf where the reference's is not (or not where it is)"
+    if (~masked).any():
+        lse_err = (lse[~masked] - ref_lse[~masked]).abs().max().item()
+        assert lse_err <= 1e-3 * max(1.0, ref_lse[~masked].abs().max().item()), f"{name}: lse err {lse_err:.3e}"
+    return out
+
+
+@needs_sm90
+@pytest.mark.parametrize("nq,nk", SEQLENS)
+@pytest.mark.parametrize("name", MODS)
+def test_mods_bf16(name, nq, nk):
+    check_mods(2, 4, 2, nq, nk, 128, torch.bfloat16, name)
+
+
+@needs_sm90
+@pytest.mark.parametrize("nq,nk", [(113, 203), (799, 3), (1023, 1024)])
+@pytest.mark.parametrize("name", ["causal", "document", "alibi", "softcap_document"])
+@pytest.mark.parametrize("d", [64, 256])
+def test_mods_head_dims_fp16(name, nq, nk, d):
+    check_mods(1, 4, 1, nq, nk, d, torch.float16, name, layout="bshd")
+
+
+@needs_sm90
+@pytest.mark.parametrize("name", ["causal", "sliding", "block_sparse", "alibi_causal"])
+def test_mods_given_block_mask(name):
+    check_mods(2, 4, 4, 1000, 1500, 128, torch.bfloat16, name, block_mask=True)
+
+
+@needs_sm90
+def test_block_mask_reused_across_calls_and_layers():
+    """One block mask, made once (broadcast over batch and heads), serves several calls and head counts."""
+    nq = nk = 777
+
+    def causal(b, h, q, kv):
+        return q >= kv
+
+    bm = flashgen.create_block_mask(causal, None, None, nq, nk)
+    for hq, hk in ((4, 4), (8, 2)):
+        q, k, v = make_inputs(2, hq, hk, nq, nk, 128, torch.bfloat16)
+        with torch.no_grad():
+            out = flashgen.attention(q, k, v, block_mask=bm)
+            again = flashgen.attention(q, k, v, block_mask=bm)
+        ref, _ = reference(q, k, v, False, 1 / math.sqrt(128), score_mod=None, mask_mod=causal)
+        low, _ = reference(q, k, v, False, 1 / math.sqrt(128), torch.bfloat16, mask_mod=causal)
+        assert torch.equal(out, again)
+        assert (out.float() - ref).abs().max().item() <= allowance(low, ref, torch.bfloat16)
+
+
+@needs_sm90
+def test_matches_flex_attention():
+    """Against torch's own FlexAttention (eager) on a document mask with an ALiBi score_mod."""
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    b, h, n, d = 1, 4, 512, 64
+    q, k, v = make_inputs(b, h, h, n, n, d, torch.bfloat16)
+    doc = torch.sort(torch.randint(0, 3, (n,), device="cuda")).values
+    slopes = torch.rand(h, device="cuda") * 0.3
+
+    def mask(b_, h_, q_, kv):
+        return (doc[q_] == doc[kv]) & (q_ >= kv)
+
+    def score(s, b_, h_, q_, kv):
+        return s - slopes[h_] * (q_ - kv).abs()
+
+    with torch.no_grad():
+        ours = flashgen.attention(q, k, v, score_mod=score, mask_mod=mask)
+        theirs = fa.flex_attention(q, k, v, score_mod=score, block_mask=fa.create_block_mask(mask, None, None, n, n))
+    ref, _ = reference(q, k, v, False, 1 / math.sqrt(d), score_mod=score, mask_mod=mask)
+    low, _ = reference(q, k, v, False, 1 / math.sqrt(d), torch.bfloat16, score_mod=score, mask_mod=mask)
+    tol = allowance(low, ref, torch.bfloat16)
+    assert (ours.float() - ref).abs().max().item() <= tol
+    assert (ours.float() - theirs.float()).abs().max().item() <= 2 * tol
+
+
+@needs_sm90
+def test_mod_refusals_before_launch():
+    q, k, v = make_inputs(1, 2, 2, 64, 64, 64, torch.bfloat16)
+
+    def cpu_capture(score, b, h, qi, kv):
+        return score + torch.ones(4)[h]
+
+    with pytest.raises(ValueError, match="CPU"):
+        flashgen.attention(q, k, v, score_mod=cpu_capture)
+
+    def control_flow(score, b, h, qi, kv):
+        return score if qi > kv else -score
+
+    with pytest.raises(ValueError, match="control flow"):
+        flashgen.attention(q, k, v, score_mod=control_flow)
+    with pytest.raises(flashgen.UnsupportedError, match="causal"):
+        flashgen.attention(q, k, v, causal=True, score_mod=lambda s, b, h, qi, kv: s)
+    q.requires_grad_(True)
+    with pytest.raises(flashgen.UnsupportedError, match="backward"):
+        flashgen.attention(q, k, v, score_mod=lambda s, b, h, qi, kv: s)

@@ -1,0 +1,110 @@
+"""User mods in the spec, the template and the torch layer, without a GPU: the ``mod`` token in kernel
+names, the family's rules, the emitted source (the traced functions and the variant that calls them), an
+offline NVRTC compile of mod kernels without spills, and the torch layer's refusals before any launch."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import flashgen  # noqa: E402
+from flashgen import mods  # noqa: E402
+from flashgen.codegen import render  # noqa: E402
+from flashgen.families import fwd_sm90  # noqa: E402
+from flashgen.spec import KernelSpec  # noqa: E402
+
+SLOPES = torch.rand(8)
+DOC = torch.arange(64, dtype=torch.int32) // 16
+
+
+def alibi(score, b, h, q, kv):
+    return score - SLOPES[h] * (q - kv).abs()
+
+
+def document(b, h, q, kv):
+    return (DOC[q] == DOC[kv]) & (q >= kv)
+
+
+def registered(score=None, mask=None):
+    pair = mods.pair(mods.trace_score_mod(score, allow_cpu=True) if score else None,
+                     mods.trace_mask_mod(mask, allow_cpu=True) if mask else None)
+    mods.register(pair)
+    return pair
+
+
+def mod_spec(pair, tokens="ws_ov_s3", d=128):
+    return fwd_sm90.variant(d, False, tokens).replace(mod=mods.token_number(pair)).validate()
+
+
+def test_mod_token_in_the_name_round_trips():
+    pair = registered(alibi, document)
+    spec = mod_spec(pair)
+    assert f"_mod{mods.token_number(pair)}_" in spec.name
+    assert KernelSpec.from_name(spec.name) == spec
+    assert mods.token_text(spec.mod) == pair.token
+    assert spec.to_dict()["mod"] == spec.mod and "mod" not in fwd_sm90.variant(128, False).to_dict()
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"causal": True}, "built-in variant"), ({"softcap": True}, "built-in variant"),
+    ({"mod": 1 << 48}, "not a mod token"), ({"mod": -1}, "not a mod token")])
+def test_mod_spec_rules(change, match):
+    spec = fwd_sm90.variant(128, False, "ws").replace(mod=5)
+    with pytest.raises(ValueError, match=match):
+        spec.replace(**change).validate()
+
+
+def test_mod_field_belongs_to_fwd_sm90_only():
+    with pytest.raises(ValueError, match="not a field of this kind"):
+        KernelSpec(kind="fwd_v2", head_dim=64, block_m=64, block_n=64, warps=4, mod=5).validate()
+
+
+def test_rendered_source_holds_the_traced_functions():
+    pair = registered(alibi, document)
+    src = render(mod_spec(pair))
+    assert "fg_mod_variant<true, true>" in src
+    assert "FG_DEVICE float fg_score_mod(" in src and "FG_DEVICE bool fg_mask_mod(" in src
+    assert pair.token in src
+    assert "SLOPES" not in src and "DOC" not in src  # user names never reach the source
+    plain = render(fwd_sm90.variant(128, False, "ws_ov_s3"))
+    assert "struct fg_mod_variant" not in plain and "FG_DEVICE float fg_score_mod(" not in plain
+
+
+def test_unknown_token_is_a_clear_error():
+    spec = fwd_sm90.variant(128, False, "ws").replace(mod=123456789)
+    with pytest.raises(mods.ModError, match="not known in this process"):
+        render(spec)
+
+
+@pytest.mark.parametrize("score,mask,tokens,d", [
+    (alibi, None, "ws_ov_s3", 128), (None, document, "ws_ov_s3", 128), (alibi, document, "ws_pp_kr_ls_s3", 64),
+    (alibi, document, "ws_ps", 128), (None, document, "ws_s3_m192", 64), (alibi, None, "ws", 256)])
+def test_mod_kernels_compile_without_spills(score, mask, tokens, d, tmp_path, monkeypatch):
+    """NVRTC compiles for sm_90a offline: the mod kernels of several tiles build with no spills."""
+    from flashgen.codegen import build
+
+    monkeypatch.setenv("FLASHGEN_HOME", str(tmp_path))
+    spec = mod_spec(registered(score, mask), tokens, d)
+    binary = build(spec)
+    assert binary.report.spill_stores == 0 and binary.report.spill_loads == 0, binary.report
+
+
+def test_mods_refuse_other_variants_and_gradients():
+    q = torch.randn(1, 2, 16, 64, dtype=torch.bfloat16)
+    with pytest.raises(flashgen.UnsupportedError, match="causal"):
+        flashgen.attention(q, q, q, causal=True, score_mod=alibi)
+    with pytest.raises(flashgen.UnsupportedError, match="window, softcap"):
+        flashgen.attention(q, q, q, window=(4, 0), softcap=5.0, mask_mod=document)
+    with pytest.raises(flashgen.UnsupportedError, match="backward"):
+        flashgen.attention(q.requires_grad_(True), q, q, score_mod=alibi)
+
+
+def test_block_mask_of_another_shape_is_refused():
+    from flashgen.api.modcall import check_block_mask_shape
+
+    bm = flashgen.create_block_mask(document, None, 2, 64, 64, device="cpu")
+    check_block_mask_shape(bm, 3, 2, 64, 64)
+    with pytest.raises(ValueError, match="made for"):
+        check_block_mask_shape(bm, 3, 4, 64, 64)
+    with pytest.raises(ValueError, match="made for"):
+        check_block_mask_shape(bm, 1, 2, 63, 64)
