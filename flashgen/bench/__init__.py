@@ -12,6 +12,7 @@ Suites (one module each, registered with ``register(Suite(...))`` when imported)
 - ``sass``: no GPU: ptxas reports and SASS instruction counts of every kernel dispatch can pick;
 - ``variants``: window, softcap, ALiBi, sinks next to the plain kernel and FlexAttention;
 - ``varlen``: packed rows next to dense rows and SDPA on the padded batch;
+- ``mods``: user score_mod / mask_mod next to flashgen's built-in equivalents and FlexAttention;
 - ``models``: a transformers Llama model end to end (prefill, training steps), attn_implementation "fgen"
   next to "sdpa", with attention's share of each.
 
@@ -38,11 +39,11 @@ from .registry import SUITES, Suite, register
 
 __all__ = ["SUITES", "Suite", "register", "suites", "BUILT_IN"]
 
-BUILT_IN = ("fwd", "bwd", "decode", "ablation", "ab", "host", "startup", "sass", "variants", "varlen", "models")
+BUILT_IN = ("fwd", "bwd", "decode", "ablation", "ab", "host", "startup", "sass", "variants", "varlen", "models", "mods")
 
 
 def suites() -> dict[str, Suite]:
     """Every registered suite (importing the built-in ones first; none of them imports torch at import)."""
-    from . import ab, ablation, bwd, decode, fwd, host, models, sass, startup, variants, varlen  # noqa: F401 -- each registers itself
+    from . import ab, ablation, bwd, decode, fwd, host, models, mods, sass, startup, variants, varlen  # noqa: F401 -- each registers itself
 
     return SUITES

@@ -1,0 +1,199 @@
+"""The ``mods`` suite: user mods (``score_mod`` / ``mask_mod``, flashgen.mods) in flashgen's forward, next to
+flashgen's built-in equivalent and FlexAttention (torch ``flex_attention`` compiled, with its block mask)
+running the same Python functions, in the same interleaved rounds.
+
+Cases (bf16, d = 128 unless ``--d``; the mods are FlexAttention's examples):
+
+- ``causal``: mask_mod ``q >= kv`` at N = 8k, MHA 16 heads x batch 2 and GQA 32/8 x batch 1; built-in:
+  ``causal=True``;
+- ``alibi``: an ALiBi score_mod (one slope per head) with the causal mask_mod, 8k MHA; built-in:
+  ``alibi_slopes`` with ``causal=True``;
+- ``softcap``: a softcap-50 score_mod with the causal mask_mod, 8k MHA; built-in: ``softcap=50``, causal;
+- ``window``: a sliding-window mask_mod (4096 back, causal) at N = 32k, GQA 32/8, batch 1; built-in:
+  ``window=(4096, 0)``, causal;
+- ``document``: 16 documents of random lengths packed in one 32k row, causal inside each, GQA 32/8, as a
+  mask_mod over captured document ids; built-in: ``attention_varlen`` on the same documents;
+- ``relative``: a relative-position bias table (heads x (2N - 1), captured) as a score_mod, causal, 8k
+  MHA; no built-in equivalent.
+
+TFLOP/s count the visible (query, key) pairs (the block mask's ``pairs``). ``x_builtin`` and ``x_flex``:
+flashgen's mods over the built-in equivalent / over FlexAttention (above 1: the mods are faster).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..variants import alibi_slopes
+from . import baselines, options
+from .registry import Suite, register
+from .timing import Skipped, add_ratios, free, meta, require_cuda, time_cell, time_ms
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    n: int
+    heads: int
+    kv_heads: int
+    batch: int
+
+
+CASES = (
+    Case("causal", 8192, 16, 16, 2), Case("causal", 8192, 32, 8, 1), Case("alibi", 8192, 16, 16, 2),
+    Case("softcap", 8192, 16, 16, 2), Case("window", 32768, 32, 8, 1), Case("document", 32768, 32, 8, 1),
+    Case("relative", 8192, 16, 16, 2),
+)
+CASE_NAMES = tuple(dict.fromkeys(c.name for c in CASES))
+IMPLS = ("flashgen", "builtin", "flex")
+RATIOS = (("x_builtin", "builtin"), ("x_flex", "flex"))
+WINDOW, SOFTCAP, DOCS = 4096, 50.0, 16
+
+
+def add_args(p) -> None:
+    p.add_argument("--cases", default=",".join(CASE_NAMES),
+                   help=f"cases to run, comma-separated ({', '.join(CASE_NAMES)}; default all)")
+    p.add_argument("--d", type=int, default=128, help="head dim (default 128)")
+    p.add_argument("--impls", default=",".join(IMPLS), help=f"implementations (default and known: {','.join(IMPLS)})")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per cell (default 5; the median counts)")
+    p.add_argument("--budget", type=float, default=0.25, help="seconds of timed calls per implementation per round")
+
+
+def parse(args) -> dict:
+    options.positive(args.rounds, "rounds", integer=True)
+    options.positive(args.budget, "budget")
+    return {"cases": options.names(args.cases, CASE_NAMES, "cases"), "d": options.head_dims(str(args.d))[0],
+            "impls": options.names(args.impls, IMPLS, "impls"), "rounds": int(args.rounds),
+            "budget": float(args.budget)}
+
+
+def doc_bounds(n: int, docs: int, seed: int) -> list:
+    """``docs`` document starts in ``n`` tokens (random cut points, seed ``seed``), then ``n``."""
+    import random
+
+    cuts = sorted(random.Random(seed).sample(range(1, n), docs - 1))
+    return [0, *cuts, n]
+
+
+def case_mods(case: Case, device):
+    """(score_mod, mask_mod, built-in keywords or None, packed documents' bounds or None) of a case."""
+    import torch
+
+    n, h = case.n, case.heads
+
+    def causal(b, h_, q, kv):
+        return q >= kv
+
+    if case.name == "causal":
+        return None, causal, {"causal": True}, None
+    if case.name == "alibi":
+        slopes = torch.tensor(alibi_slopes(h), device=device)
+
+        def alibi(score, b, h_, q, kv):
+            return score - slopes[h_] * (q - kv).abs()
+        return alibi, causal, {"causal": True, "alibi_slopes": slopes}, None
+    if case.name == "softcap":
+        def softcap(score, b, h_, q, kv):
+            return SOFTCAP * torch.tanh(score / SOFTCAP)
+        return softcap, causal, {"causal": True, "softcap": SOFTCAP}, None
+    if case.name == "window":
+        def window(b, h_, q, kv):
+            return (q >= kv) & (q - kv <= WINDOW)
+        return None, window, {"causal": True, "window": (WINDOW, 0)}, None
+    if case.name == "document":
+        bounds = doc_bounds(n, DOCS, seed=n)
+        doc = torch.zeros(n, dtype=torch.int32, device=device)
+        for i, start in enumerate(bounds[1:-1], 1):
+            doc[start:] = i
+
+        def document(b, h_, q, kv):
+            return (doc[q] == doc[kv]) & (q >= kv)
+        return None, document, None, bounds
+    if case.name == "relative":
+        bias = torch.randn(h, 2 * n - 1, device=device) * 0.5
+
+        def relative(score, b, h_, q, kv):
+            return score + bias[h_, q - kv + (n - 1)]
+        return relative, causal, None, None
+    raise ValueError(f"unknown mods case {case.name!r}")
+
+
+def run(args, progress) -> dict:
+    import torch
+
+    from .. import api
+
+    settings = parse(args)
+    require_cuda("mods")
+    d = settings["d"]
+    meta_info = meta()
+    rows = []
+    for case in (c for c in CASES if c.name in settings["cases"]):
+        gen = torch.Generator(device="cuda").manual_seed(case.n + d + case.heads)
+
+        def rnd(h):
+            return torch.randn(case.batch, h, case.n, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+        q, k, v = rnd(case.heads), rnd(case.kv_heads), rnd(case.kv_heads)
+        score_mod, mask_mod, builtin, bounds = case_mods(case, q.device)
+        block_mask = api.create_block_mask(mask_mod, None, None, case.n, case.n)
+        pairs = block_mask.for_tile(128, 128).pairs
+        flop = 4.0 * case.batch * case.heads * pairs * d
+        makers = {}
+        for impl in settings["impls"]:
+            if impl == "flashgen":
+                makers[impl] = lambda: (lambda: api.attention(q, k, v, score_mod=score_mod, block_mask=block_mask))
+            elif impl == "builtin":
+                makers[impl] = lambda: _builtin(q, k, v, builtin, bounds, api)
+            else:
+                makers[impl] = lambda: _flex(q, k, v, score_mod, mask_mod, case)
+        measure = lambda fn: time_ms(fn, budget_s=settings["budget"], min_reps=5, max_reps=30, warmup=2)["ms"]  # noqa: E731
+        with torch.no_grad():
+            cells = time_cell(makers, settings["rounds"], measure)
+        for impl, cell in cells.items():
+            if "ms" in cell:
+                cell["tflops"] = flop / cell["ms"] / 1e9
+        label = f"{case.name}_gqa" if case.heads != case.kv_heads and case.name == "causal" else case.name
+        row = {"case": label, "head_dim": d, "seqlen": case.n, "batch": case.batch, "heads": case.heads,
+               "kv_heads": case.kv_heads, "pairs": pairs, "rounds": settings["rounds"], "results": cells}
+        add_ratios(row, "tflops", [(lbl, "flashgen", base) for lbl, base in RATIOS])
+        rows.append(row)
+        progress(f"{label}: " + ", ".join(f"{i}={c['tflops']:.0f}" if "tflops" in c else f"{i}=-"
+                                          for i, c in cells.items())
+                 + "".join(f" {lbl}={r:.2f}" for lbl, r in row.get("ratios", {}).items()))
+        del q, k, v, block_mask
+        free()
+    return {"suite": "mods", "meta": meta_info, "metric": "tflops", "x": "case", "panels": ["head_dim"],
+            "convention": "bf16; TFLOP/s = 4 B H (visible query-key pairs) d / time; median of "
+                          f"{settings['rounds']} interleaved rounds; x_builtin / x_flex: flashgen's mods over its "
+                          "built-in equivalent / over FlexAttention (compiled) running the same functions",
+            "settings": settings, "impls": settings["impls"], "ratios": [r for r, _ in RATIOS], "rows": rows}
+
+
+def _builtin(q, k, v, builtin, bounds, api):
+    """flashgen's own equivalent of a case: ``attention`` with its variant keywords, or ``attention_varlen``
+    over the case's documents (one row of packed sequences)."""
+    import torch
+
+    if bounds is not None:
+        cu = torch.tensor(bounds, dtype=torch.int32, device=q.device)
+        longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+        qp, kp, vp = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))  # (total, heads, d)
+        return lambda: api.attention_varlen(qp, kp, vp, cu, cu, longest, longest, causal=True, check_values=False)
+    if builtin is None:
+        raise Skipped("no built-in equivalent")
+    return lambda: api.attention(q, k, v, **builtin)
+
+
+def _flex(q, k, v, score_mod, mask_mod, case):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    fn = baselines.flex_fn()
+    block_mask = create_block_mask(mask_mod, None, None, case.n, case.n, device=q.device)
+    gqa = q.shape[1] != k.shape[1]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    return lambda: fn(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa, scale=scale)
+
+
+register(Suite("mods", "user score_mod / mask_mod: flashgen next to its built-in equivalent and FlexAttention, "
+                       "interleaved rounds", add_args, run))
