@@ -204,6 +204,12 @@ class Family:
     def smem_bytes(self, spec) -> int:
         return 2 * spec.head_dim * (spec.block_m + 2 * spec.stages * spec.block_n)
 
+    def model_techniques(self, spec) -> tuple[float, float]:
+        """What the spec's scheduling techniques change in the cost model's terms (tuner/cost.py):
+        (factor on one K/V step's busy time, SM clocks of fixed latency added to every tile). A
+        family without such techniques: (1.0, 0.0)."""
+        return 1.0, 0.0
+
     def acc_floats(self, spec) -> int:
         """fp32 accumulators per thread: O (rows x head_dim) and S (rows x block_n)."""
         slices = spec.block_m // spec.warps // 16
