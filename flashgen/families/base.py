@@ -159,6 +159,9 @@ class Family:
     # The knobs the tuner searches and the values it tries (a subset of the supported values: the
     # sizes that can win, not every legal one); () for a kind that is not tuned.
     tune_space: tuple = ()
+    # Why ``flashgen tune`` does not tune this family's problem ("" for a tuned one): shown by ``tune --from``
+    # for a recorded key of it.
+    untuned_reason: str = ""
     # What the cost model (tuner/cost.py) needs of the kernel: its GEMMs per step (2 in the forward: QK^T
     # and PV; the backward's 3-5), whether a CTA owns query rows (else key rows), and the fraction of the
     # datasheet tensor rate it is credited with (None: the arch's mma.sync fraction).
