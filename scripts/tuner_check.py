@@ -99,8 +99,12 @@ def step_record(out: str) -> int:
     tuned_kinds = [k for k in recorded if k.kind in space.TUNED_PROBLEMS and not (space.is_backward(k.kind)
                                                                                   and k.variant)]
     before = {k: dispatch.select(k, dev.gpu, dev.smem_budget, verify=True) for k in tuned_kinds}
+    from flashgen import gpus
+    from flashgen.tuner.run import recorded_keys
+
     doc = {"recorded": {space.key_name(k): {"shape": s, "calls": c} for k, (s, c) in recorded.items()},
-           "record_s": time.monotonic() - t0}
+           "record_s": time.monotonic() - t0,
+           "not_tuned": recorded_keys(path, gpus.get(GPU))[2]}  # what tune --from prints even with --quiet
     t1 = time.monotonic()
     code = main(["tune", "--gpu", GPU, "--from", path, "--trials", "60", "--space", *SPACE, "--quiet"])
     doc.update({"tune_exit": code, "tune_s": time.monotonic() - t1, "keys": []})
@@ -220,7 +224,9 @@ def _figures(out) -> list:
         lines.append(f"validate: no result ({exc})")
     try:
         doc = json.load(open(os.path.join(out, "record", "record.json")))
-        lines.append(f"record: {len(doc['recorded'])} keys recorded, tune {doc['tune_s']:.0f} s (exit {doc['tune_exit']})")
+        lines.append(f"record: {len(doc['recorded'])} keys recorded, {len(doc['keys'])} tuned, tune {doc['tune_s']:.0f} s "
+                     f"(exit {doc['tune_exit']})")
+        lines.extend(f"  not tuned: {line}" for line in doc.get("not_tuned", []))
         lines += [f"  {r['key']} {r['shape']}: {r['before']} {r['before_ms']:.3f} ms -> {r['after']} "
                   f"{r['after_ms']:.3f} ms ({r['gain']:.3f}x)" for r in doc["keys"]]
     except (OSError, ValueError, KeyError) as exc:

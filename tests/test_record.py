@@ -105,6 +105,26 @@ def test_tune_from_a_bad_or_missing_shapes_file_is_one_line_and_exit_2(tmp_path,
     assert "--d is required" in capsys.readouterr().err
 
 
+def test_tune_from_names_a_recorded_decode_key_and_why_even_with_quiet(tmp_path, capsys):
+    """decode_split keys are not tunable (the tile and split count follow batch x KV heads per call, which a
+    table key does not hold): --from says so in one line naming the key, also under --quiet (the H200 check
+    ran --quiet and its record step reported 3 keys recorded, 2 tuned, with no word on the third)."""
+    from flashgen.cli import main
+    from flashgen.tuner import run
+
+    recorded = tmp_path / "shapes.yaml"
+    shapes.update(recorded, {(FWD, GQA): 2, (DECODE, (2, 32, 8, 1, 4096, 128)): 16})
+    keys, _, skipped = run.recorded_keys(recorded, gpus.get("h200"))
+    assert keys == [FWD] and len(skipped) == 1
+    assert skipped[0].startswith("decode_split-sm_90a-bf16-d128-causal-n4096 (16 calls): decode_split is not tuned:")
+    assert "batch x KV heads" in skipped[0]
+    assert main(["tune", "--gpu", "h200", "--from", str(recorded), "--model", "--space", "block_m=128",
+                 "block_n=128", "stages=3", "--out", str(tmp_path / "t.yaml"), "--quiet"]) == 0
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "decode_split" in line]
+    assert lines == [f"flashgen tune --from: not tuned: {skipped[0]}"]
+
+
 def test_the_environment_variable_records_the_process_and_writes_at_exit(tmp_path, flashgen_home):
     path = tmp_path / "env.yaml"
     code = ("from flashgen import shapes\nfrom flashgen.problem import ProblemKey\n"

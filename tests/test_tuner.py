@@ -247,6 +247,38 @@ def test_cost_model_basics():
     assert math.isinf(cost.estimate(spec, shape, H200, registers=10_000))
 
 
+def test_cost_model_sees_the_sm90_flags():
+    """The fwd_sm90 flags in the model (Sm90Family.model_techniques), on the H200 facts it was built from
+    (docs/perf/tuner.md, "The flags in the cost model")."""
+    def est(tokens, d=64, causal=True, n=4096):
+        spec = families.fwd_sm90.variant(d, causal, tokens)
+        shape = (16384 // n, 2048 // d, n, d)
+        return cost.estimate(spec, shape, H200, registers=65536 // (spec.warps * 32) // 8 * 8)
+
+    # Ping-pong / overlap pay with a spare stage (3 stages, or 2 with separate K/V barriers), and the
+    # overlap with 2 stages and no early release starves the producer (N = 8k ablation, d 64 and 128).
+    for d in (64, 128):
+        assert est("ws_pp_s3", d, n=8192) < est("ws_s3", d, n=8192)
+        assert est("ws_ov_s3", d, n=8192) < est("ws_s3", d, n=8192)
+        assert est("ws_pp_ov_kr", d, n=8192) < est("ws", d, n=8192) < est("ws_pp_ov", d, n=8192)
+    # The persistent kernel: ahead on short tiles (d = 64 causal 2k, +10 % measured), behind on long
+    # ones (1-5 % behind its twin at 8k-16k).
+    assert est("ws_pp_ov_ps_s3_m192", 64, True, 2048) < est("ws_pp_ov_s3_m192", 64, True, 2048)
+    for n in (8192, 16384):
+        for d in (64, 128):
+            assert est("ws_ov_ps_s3_m192" if d == 64 else "ws_ov_ps_s3_m192_n80", d, False, n) > \
+                est("ws_ov_s3_m192" if d == 64 else "ws_ov_s3_m192_n80", d, False, n)
+    # The two keys the flag-blind model missed on the H200 (tune --validate-model, 16 candidates each):
+    # it tied the measured best with a twin without persistence (d64 causal 1k: 1.20x regret) and put a
+    # tile without ping-pong / overlap first (d64 causal 4k: 1.15x).
+    assert est("ws_pp_ov_fx1_kr_ps_s3", 64, True, 1024) < est("ws_pp_ov_ls_s3", 64, True, 1024)
+    assert est("ws_pp_ov_fx1_ps_s4_n176", 64, True, 4096) < est("ws_kr_s4_n192", 64, True, 4096)
+    # Families without the flags are unchanged.
+    assert families.family("fwd_v2").model_techniques(
+        KernelSpec(kind="fwd_v2", arch="sm_90a", dtype="bf16", head_dim=64, block_m=128, block_n=64, warps=4,
+                   stages=2, refill=0, causal=False)) == (1.0, 0.0)
+
+
 # -- store -----------------------------------------------------------------------
 def _table(gpu="h200", entries=None, source="measured"):
     prof = gpus.get(gpu)

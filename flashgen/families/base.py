@@ -190,6 +190,9 @@ class Family:
     # The knobs the tuner searches and the values it tries (a subset of the supported values: the
     # sizes that can win, not every legal one); () for a kind that is not tuned.
     tune_space: tuple = ()
+    # Why ``flashgen tune`` does not tune this family's problem ("" for a tuned one): shown by ``tune --from``
+    # for a recorded key of it.
+    untuned_reason: str = ""
     # What the cost model (tuner/cost.py) needs of the kernel: its GEMMs per step (2 in the forward: QK^T
     # and PV; the backward's 3-5), whether a CTA owns query rows (else key rows), and the fraction of the
     # datasheet tensor rate it is credited with (None: the arch's mma.sync fraction).
@@ -234,6 +237,12 @@ class Family:
 
     def smem_bytes(self, spec) -> int:
         return 2 * spec.head_dim * (spec.block_m + 2 * spec.stages * spec.block_n)
+
+    def model_techniques(self, spec) -> tuple[float, float]:
+        """What the spec's scheduling techniques change in the cost model's terms (tuner/cost.py):
+        (factor on one K/V step's busy time, SM clocks of fixed latency added to every tile). A
+        family without such techniques: (1.0, 0.0)."""
+        return 1.0, 0.0
 
     def acc_floats(self, spec) -> int:
         """fp32 accumulators per thread: O (rows x head_dim) and S (rows x block_n)."""

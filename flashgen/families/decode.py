@@ -252,9 +252,13 @@ class DecodeCombineFamily(Family):
 
 
 SPLIT = DecodeSplitFamily("decode_split", "decode/decode_split.cu.j2", DECODE_PARAMS, head_dims=DECODE_HEAD_DIMS,
-                          block_ms=(ROWS,), block_ns=(16, 32, 48, 64, 96, 128), stages=(2, 3, 4, 5, 6, 8, 10, 12))
+                          block_ms=(ROWS,), block_ns=(16, 32, 48, 64, 96, 128), stages=(2, 3, 4, 5, 6, 8, 10, 12),
+                          untuned_reason="its tile and split count are chosen per call from batch x KV heads "
+                          "against the SMs (decode_regime, num_splits_heuristic; docs/perf/decode.md), which "
+                          "a table key does not hold, so a tuned entry could not follow them")
 COMBINE = DecodeCombineFamily("decode_combine", "decode/decode_combine.cu.j2", COMBINE_PARAMS,
-                              head_dims=DECODE_HEAD_DIMS)
+                              head_dims=DECODE_HEAD_DIMS, untuned_reason="the study's two-launch merge, "
+                              "not dispatched by the torch layer")
 FAMILIES = (SPLIT, COMBINE)
 
 

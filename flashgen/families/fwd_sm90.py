@@ -53,6 +53,16 @@ SM90_PARAMS = (
 
 SM90_HEAD_DIMS = (64, 128, 256)
 
+# The cost model's terms for the flags (``Sm90Family.model_techniques``, from the H200 measurements cited
+# there): a K/V step with ping-pong or overlap and a spare stage; with overlap and none; the persistent
+# kernel's step (the middle of its 1-5 % loss at 8k-16k); a one-tile CTA's prologue in SM clocks (0.76 us
+# at 1.98 GHz; with the 900 clocks of latency every tile already pays in the model, ~1.2 us: the measured
+# Q and first-K/V latency was ~1-2 us per tile).
+PIPELINE_STEP = 0.92
+STARVED_OVERLAP_STEP = 1.25
+PERSIST_STEP = 1.03
+TILE_PROLOGUE_CLK = 1500
+
 # The default rule: head-dim tile -> (block_m, block_n, stages, name tokens) in order of preference.
 # From tuning over both forward families on the H200 (docs/perf/forward-hopper.md): fwd_sm90 won every
 # bf16 key; at N >= 2k the winners are 192x128 with warp specialization (d=64; 2 or 3 stages) and
@@ -218,6 +228,35 @@ class Sm90Family(Family):
         if spec.persistent:
             return {2: (40, 232), 3: (32, 160)}.get(self.consumers(spec), (0, 0))
         return {2: (24, 240), 3: (24, 160)}.get(self.consumers(spec), (0, 0))
+
+    def model_techniques(self, spec) -> tuple[float, float]:
+        """The H200 measurements behind the cost model's view of the flags (docs/perf/forward-hopper.md,
+        docs/perf/h200/fwd_ablation.json; docs/perf/tuner.md, "The flags in the cost model"):
+
+        - ping-pong or softmax overlap hide the softmax behind the other GEMMs only with a stage to spare
+          (3 or 4 stages, or 2 with early_k_release): then one of them ran 0.875-0.95x warp
+          specialization's time in the N = 8k ablation (mean 0.92, d 64/128, causal both; both together
+          0.90-0.98, not better than one, so one factor for either or both). With 2 stages and no early
+          release the held stage starves the producer: overlap (with or without ping-pong) ran
+          1.23-1.33x, ping-pong alone 0.93-1.08x (taken as 1);
+        - a one-tile CTA pays each tile's prologue (Q and the first K/V loads, the pipeline filling:
+          ~1-2 us of a tile's 4.4 us fixed cost at d = 128) as exposed latency (one CTA per SM: nothing
+          else hides it); the persistent kernel's
+          producer runs ahead into the next tile and hides it, at a steady-state cost (it lost 1-5 %
+          at N = 8k-16k against its twin): so it wins on short tiles (d = 64 causal 2k +10 %) and loses
+          on long ones.
+
+        fma_exp2 1, lean_softmax and early_k_release with a spare stage measured within a few per cent
+        either way (sign depending on the cell): not modelled."""
+        factor = 1.0
+        if spec.pingpong or spec.softmax_overlap:
+            if spec.stages >= 3 or spec.early_k_release:
+                factor *= PIPELINE_STEP
+            elif spec.softmax_overlap:
+                factor *= STARVED_OVERLAP_STEP
+        if spec.persistent:
+            return factor * PERSIST_STEP, 0.0
+        return factor, TILE_PROLOGUE_CLK
 
     def acc_floats(self, spec) -> int:
         """Per consumer thread: O (head_dim / 2), S (block_n / 2) and packed P (block_n / 4)."""

@@ -110,10 +110,12 @@ def estimate(spec, shape, profile, registers: int) -> float:
     step_tensor = 4.0 * spec.block_m * spec.block_n * d / _tensor_per_clk(spec, profile)
     scores = spec.block_m * spec.block_n
     step_alu = scores / SFU_PER_CLK_PER_SM + scores * SOFTMAX_FP32_OPS / FP32_PER_CLK_PER_SM
-    busy = _busy(spec, res, step_tensor, step_alu)
+    # The family's scheduling techniques (ping-pong, overlap, persistence: ``Family.model_techniques``).
+    step_factor, tile_clk = families.family(spec.kind).model_techniques(spec)
+    busy = _busy(spec, res, step_tensor, step_alu) * step_factor
     # Exposed latency per step, hidden by other resident CTAs and by the pipeline depth.
     exposed = ITER_LATENCY_CLK / (res * (spec.stages - 1))
-    epilogue = 2.0 * spec.block_m * d * DTYPE_BYTES[spec.dtype] / 64 + ITER_LATENCY_CLK  # O staging + stores
+    epilogue = 2.0 * spec.block_m * d * DTYPE_BYTES[spec.dtype] / 64 + ITER_LATENCY_CLK + tile_clk  # O staging + stores
 
     per_head = iomodel.visible_blocks(n, n, spec.causal, spec.block_m, spec.block_n)
     if spec.causal:

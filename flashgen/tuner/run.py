@@ -207,7 +207,9 @@ def recorded_keys(path, profile) -> tuple[list, dict, list]:
         if key.arch != profile.arch:
             why = f"recorded on {key.arch}, not {profile.name}'s {profile.arch}"
         elif key.kind not in space.TUNED_PROBLEMS:
-            why = f"{key.kind} is not tuned (its default rule serves)"
+            reasons = [families.family(k).untuned_reason for k in families.PROBLEMS.get(key.kind, ())]
+            why = f"{key.kind} is not tuned: " + ("; ".join(r for r in reasons if r) or "the tuner has no space for it") \
+                + "; its default rule serves"
         elif space.is_backward(key.kind) and key.variant:
             why = "the backward's variants are not tuned (they run on the plain problem's tiles)"
         if why:
@@ -404,8 +406,8 @@ def tune(args, argv) -> int:
         if not args.worker_only:
             log(f"--from {args.from_file}: {len(keys)} recorded keys to tune, each at its most called shape"
                 + (f"; {len(skipped)} not tuned:" if skipped else ""))
-            for line in skipped:
-                log(f"  {line}")
+            for line in skipped:  # also with --quiet: a recorded key left out is not progress output
+                _say(f"  {line}" if not quiet else f"flashgen tune --from: not tuned: {line}")
     mode, why = gpu_mode(profile, args.model)
     if args.storage is not None:
         open_storage(args.storage)  # a bad URL is refused before anything is compiled
