@@ -32,8 +32,10 @@ extern "C" __global__ void run(float* out, const float* score, const fg_mod_args
   if (i >= %(total)d) return;
   const int kv = i %% %(K)d, q = (i / %(K)d) %% %(Q)d, h = (i / (%(K)d * %(Q)d)) %% %(H)d, b = i / (%(K)d * %(Q)d * %(H)d);
   const fg_mod_args& a = *args;
-  out[i] = fg_mask_mod(b, h, q + %(Q0)d, kv + %(K0)d, a) ? fg_score_mod(score[i], b, h, q + %(Q0)d, kv + %(K0)d, a)
-                                                       : __int_as_float(0x7fc00001);
+  // (a score_mod's factors k, c are folded out of fg_score_mod: the kernels apply them, and so does this)
+  out[i] = fg_mask_mod(b, h, q + %(Q0)d, kv + %(K0)d, a)
+               ? %(C)s * fg_score_mod(score[i] * %(K_IN)s, b, h, q + %(Q0)d, kv + %(K0)d, a)
+               : __int_as_float(0x7fc00001);
 }
 """
 
@@ -42,7 +44,9 @@ def run_pair(p: mods.ModPair, score):
     """Each grid point's fg_score_mod where fg_mask_mod holds, a marked NaN where it does not."""
     cupy = pytest.importorskip("cupy")
     total = B * H * Q * K
-    source = PRELUDE + p.cuda() + KERNEL % dict(total=total, B=B, H=H, Q=Q, K=K, Q0=Q0, K0=K0)
+    k_in, c_out = p.factors
+    source = PRELUDE + p.cuda() + KERNEL % dict(total=total, B=B, H=H, Q=Q, K=K, Q0=Q0, K0=K0,
+                                                K_IN=f"{k_in!r}f", C=f"{c_out!r}f")
     kernel = cupy.RawModule(code=source, options=("--std=c++17",)).get_function("run")
     caps = p.captures
     blob = struct.pack("<4Q", *[t.data_ptr() for t in caps], *[0] * (4 - len(caps)))
@@ -96,6 +100,7 @@ def pairs():
     ]
     # (/ and the float functions print as the hardware's approximations: mods/graph.py)
     approx = [
+        (S(lambda s, b, h, q, kv: 30.0 * torch.tanh(s / 30.0)), M(lambda b, h, q, kv: q >= kv)),  # folded: k, c
         (S(lambda s, b, h, q, kv: s * t["half"][h, q] + t["bf16"][q, kv] + t["wide"][b, h].float() * 1e-9
            - torch.clamp(s, -1.0, 0.5) / (kv * kv + 1)), None),
         (S(lambda s, b, h, q, kv: 20.0 * torch.tanh(s / 20.0) + torch.exp(s) + torch.log(abs(s) + 1.0)

@@ -462,6 +462,7 @@ def test_one_element_of_a_captured_tensor_by_a_constant_index():
     (lambda s, b, h, q, kv: -2.0 * torch.tanh(s / 4.0), (0.25, 1.0)),  # c < 0 stays in the function
     (lambda s, b, h, q, kv: s - (q - kv).abs() * 0.5, (1.0, 1.0)),
     (lambda s, b, h, q, kv: s * 2.0, (2.0, 1.0)),
+    (lambda s, b, h, q, kv: torch.abs(s) * 2.0, (1.0, 2.0)),           # a unary use of the score
 ])
 def test_score_factors_fold_out_of_the_printed_function(fn, factors):
     """c f(k score): the kernel folds k into its scale and c into its softmax; the printed function is f

@@ -153,6 +153,8 @@ def run(args, progress) -> dict:
         for impl, cell in cells.items():
             if "ms" in cell:
                 cell["tflops"] = flop / cell["ms"] / 1e9
+        if "ms" in cells.get("flashgen", {}):  # the kernel the mods ran on (the plan of this case's call)
+            cells["flashgen"]["spec"] = _mod_kernel(q, block_mask)
         label = f"{case.name}_gqa" if case.heads != case.kv_heads and case.name == "causal" else case.name
         row = {"case": label, "head_dim": d, "seqlen": case.n, "batch": case.batch, "heads": case.heads,
                "kv_heads": case.kv_heads, "pairs": pairs, "rounds": settings["rounds"], "results": cells}
@@ -168,6 +170,15 @@ def run(args, progress) -> dict:
                           f"{settings['rounds']} interleaved rounds; x_builtin / x_flex: flashgen's mods over its "
                           "built-in equivalent / over FlexAttention (compiled) running the same functions",
             "settings": settings, "impls": settings["impls"], "ratios": [r for r, _ in RATIOS], "rows": rows}
+
+
+def _mod_kernel(q, block_mask) -> str:
+    """The spec name of the newest mods plan for ``q``'s shape with ``block_mask`` (api.modcall's cache)."""
+    from ..api.plans import cache
+
+    names = [plan.base.kernel.spec.name for sig, plan in cache("attention with mods").items()
+             if sig[0] == q.shape and sig[-1] is block_mask and plan.base.kernel is not None]
+    return names[-1] if names else ""
 
 
 def _builtin(q, k, v, builtin, bounds, api):

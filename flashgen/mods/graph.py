@@ -99,8 +99,10 @@ class Graph:
         ks = set()
         for i in users:
             n = self.nodes[i]
+            if n.op not in ("mul", "div") or (n.op == "div" and n.args[0] != at):
+                return 1.0, ()
             other = self.nodes[n.args[1] if n.args[0] == at else n.args[0]]
-            if n.op not in ("mul", "div") or other.op != "const" or (n.op == "div" and n.args[0] != at):
+            if other.op != "const":
                 return 1.0, ()
             value = float(other.args[0])
             if not (math.isfinite(value) and value != 0 and (n.op == "mul" or _reciprocal_fits(value))):
