@@ -208,7 +208,7 @@ _C_LOAD = {"float32": "__ldg(reinterpret_cast<const float*>({t}) + ({off}))",
            "int64": "(int)__ldg(reinterpret_cast<const long long*>({t}) + ({off}))",
            "bool": "(reinterpret_cast<const unsigned char*>({t})[{off}] != 0)"}
 # Float arithmetic: + - * rounded as torch's (no FMA contraction); / and the functions through the
-# hardware's approximations (templates/common/mod_args.cuh: rcp, ex2, lg2, tanh, sqrt, rsqrt .approx), as
+# hardware's approximations (templates/common/: rcp, ex2, lg2, tanh, sqrt, rsqrt .approx), as
 # the kernels' own softmax and softcap use them: the exact forms (div.rn, expf, tanhf) are instruction
 # sequences that cost a softcap mod 2.7x its built-in twin's time, for a relative error (rcp, ex2, lg2,
 # sqrt: a few 2^-23; tanh: 2^-11) far below the bf16 rounding of the scores' use. // and % on floats
@@ -218,10 +218,10 @@ _C_FLOAT = {"add": "__fadd_rn({0}, {1})", "sub": "__fsub_rn({0}, {1})", "mul": "
             "mod": "((fmodf({0}, {1}) != 0.0f && ((fmodf({0}, {1}) < 0.0f) != ({1} < 0.0f))) "
                    "? __fadd_rn(fmodf({0}, {1}), {1}) : fmodf({0}, {1}))",
             "neg": "(-{0})", "abs": "fabsf({0})", "min": "fminf({0}, {1})", "max": "fmaxf({0}, {1})",
-            "exp": "fg_ex2(__fmul_rn({0}, 0x1.715476p+0f))", "exp2": "fg_ex2({0})",
+            "exp": "fast_exp2(__fmul_rn({0}, 0x1.715476p+0f))", "exp2": "fast_exp2({0})",
             "log": "__fmul_rn(fg_lg2({0}), 0x1.62e43p-1f)", "log2": "fg_lg2({0})",
-            "tanh": "fg_tanh({0})", "sqrt": "fg_sqrt({0})", "rsqrt": "fg_rsqrt({0})",
-            "sigmoid": "fg_rcp(__fadd_rn(1.0f, fg_ex2(__fmul_rn({0}, -0x1.715476p+0f))))"}
+            "tanh": "fast_tanh({0})", "sqrt": "fg_sqrt({0})", "rsqrt": "fg_rsqrt({0})",
+            "sigmoid": "fg_rcp(__fadd_rn(1.0f, fast_exp2(__fmul_rn({0}, -0x1.715476p+0f))))"}
 # int32 arithmetic wraps (through unsigned, as torch's does); // and % take Python's floor, x / 0 and x % 0
 # give 0, and a divisor of -1 is handled apart (INT_MIN / -1 overflows C's division).
 _C_INT = {"add": "(int)((unsigned){0} + (unsigned){1})", "sub": "(int)((unsigned){0} - (unsigned){1})",

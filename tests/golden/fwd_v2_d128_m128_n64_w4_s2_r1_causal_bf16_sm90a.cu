@@ -82,6 +82,12 @@ FG_DEVICE float fast_exp2(float x) {
   return y;
 }
 
+FG_DEVICE float fast_tanh(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 FG_DEVICE float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
@@ -261,12 +267,6 @@ FG_DEVICE void p_frag(fg_u32 (&a)[4], F& s, int kk) {
 // and, for the key-outer backward kernels, query_first / query_end (the query blocks a key block is
 // seen by); score (one element: transform and mask) and dS_factor (the softcap's 1 - t^2).
 #pragma once
-
-FG_DEVICE float fast_tanh(float x) {
-  float y;
-  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // Columns of row half h outside [lo, hi), counted from this thread's first column (as mask_row).
 template <typename F>

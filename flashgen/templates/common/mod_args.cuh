@@ -23,25 +23,16 @@ FG_DEVICE float fg_half_to_float(unsigned short x) {
 FG_DEVICE float fg_bf16_to_float(unsigned short x) { return __uint_as_float(static_cast<unsigned>(x) << 16); }
 
 // The hardware's approximations the printed mods use for / and the float functions (flashgen/mods/graph.py:
-// the exact forms are instruction sequences; these are one MUFU issue each).
+// the exact forms are instruction sequences; these are one MUFU issue each), beside common.cuh's
+// fast_exp2 and fast_tanh.
 FG_DEVICE float fg_rcp(float x) {
   float y;
   asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
-FG_DEVICE float fg_ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 FG_DEVICE float fg_lg2(float x) {
   float y;
   asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-FG_DEVICE float fg_tanh(float x) {
-  float y;
-  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
 FG_DEVICE float fg_sqrt(float x) {

@@ -37,12 +37,6 @@
 // seen by); score (one element: transform and mask) and dS_factor (the softcap's 1 - t^2).
 #pragma once
 
-FG_DEVICE float fast_tanh(float x) {
-  float y;
-  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // Columns of row half h outside [lo, hi), counted from this thread's first column (as mask_row).
 template <typename F>
 FG_DEVICE void mask_row_range(F& s, int h, int lo, int hi) {
