@@ -5,6 +5,7 @@
   ``api.autograd`` whose backward is ``api.backward``;
 - ``attention_varlen`` (``api.packed``): packed rows (cu_seqlens), the forward ``api.forward``'s;
 - ``decode`` (``api.decoding``): Flash-Decoding over a contiguous or paged KV cache;
+- ``sdpa`` (``api.dropin``): torch's scaled_dot_product_attention signature, masks as user mods;
 - ``create_block_mask`` / ``BlockMask`` (``api.blockmask``): a mask_mod's key blocks per query block, for
   ``attention``'s user mods (``api.modcall``).
 
@@ -21,5 +22,6 @@ from .backward import attention_backward
 from .decoding import decode
 from .packed import attention_varlen
 from .blockmask import BlockMask, create_block_mask
+from .dropin import sdpa
 
-__all__ = ["attention", "attention_backward", "attention_varlen", "decode", "create_block_mask", "BlockMask"]
+__all__ = ["attention", "attention_backward", "attention_varlen", "decode", "sdpa", "create_block_mask", "BlockMask"]
