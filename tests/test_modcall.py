@@ -108,3 +108,26 @@ def test_block_mask_of_another_shape_is_refused():
         check_block_mask_shape(bm, 3, 4, 64, 64)
     with pytest.raises(ValueError, match="made for"):
         check_block_mask_shape(bm, 1, 2, 63, 64)
+
+
+def test_mod_fields_are_packed_once_at_their_offsets():
+    """The launch copies one packed range into the parameter block: the captures' addresses, strides and
+    sizes (unused dims: stride 0, size 1) and the block lists, at the fields the kernel reads."""
+    import ctypes
+
+    from flashgen.api.blockmask import block_mask_from_dense
+    from flashgen.api.modcall import _packed
+
+    struct = fwd_sm90.FAMILY.param_struct()
+    bias = torch.randn(3, 40)[:, ::2]
+    doc = torch.arange(7, dtype=torch.int32)
+    tiles = block_mask_from_dense(torch.rand(2, 1, 100, 90) < 0.5).for_tile(64, 80)
+    offset, blob = _packed(struct, (bias, doc), (tiles, 2 * 1 * 2, 0))
+    params = struct()
+    ctypes.memmove(ctypes.addressof(params) + offset, blob, len(blob))
+    assert params.mod.t[0] == bias.data_ptr() and params.mod.t[1] == doc.data_ptr() and not params.mod.t[2]
+    assert list(params.mod.s[0]) == [40, 2, 0, 0] and list(params.mod.n[0]) == [3, 20, 1, 1]
+    assert list(params.mod.s[1]) == [1, 0, 0, 0] and list(params.mod.n[1]) == [7, 1, 1, 1]
+    assert params.bm_count == tiles.counts.data_ptr() and params.bm_index == tiles.index.data_ptr()
+    assert (params.bm_sb, params.bm_sh, params.bm_nb) == (4, 0, 2)
+    assert params.nq == 0 and params.tiles == 0  # nothing outside the range is touched

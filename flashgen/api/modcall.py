@@ -8,6 +8,7 @@ visits only the key blocks it lists and calls the mask only on the partial ones.
 """
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import torch
@@ -67,13 +68,18 @@ def mod_forward(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mas
 
 class _ModPlan:
     """A checked call with mods: the forward's plan (``base``) and what each launch adds to its parameter
-    block: the captured tensors (kept alive here) and the block mask's lists at the kernel's tile."""
+    block, packed once (``blob`` at ``offset``): the captured tensors' addresses, strides and sizes and
+    the block mask's lists at the kernel's tile (both kept alive here; ``current`` guards that the
+    captures are still the traced ones)."""
 
-    __slots__ = ("base", "pair", "captures", "tiles", "functions")
+    __slots__ = ("base", "pair", "captures", "tiles", "functions", "offset", "blob")
 
-    def __init__(self, base, pair, tiles, functions):
+    def __init__(self, base, pair, tiles, functions, struct=None):
         self.base, self.pair, self.tiles, self.functions = base, pair, tiles, functions
         self.captures = tuple(pair.captures)
+        self.offset, self.blob = 0, b""
+        if struct is not None:
+            self.offset, self.blob = _packed(struct, self.captures, tiles)
 
     def current(self) -> bool:
         """Whether the mods still trace to the graphs this plan was made for: the tracer's cache answers
@@ -84,18 +90,25 @@ class _ModPlan:
                 and (mask_fn is None or mods.trace_mask_mod(mask_fn) is self.pair.mask))
 
     def fill(self, params) -> None:
-        args = params.mod
-        for slot, t in enumerate(self.captures):
-            args.t[slot] = t.data_ptr()
-            sizes = list(t.shape) + [1] * (4 - t.dim())
-            strides = list(t.stride()) + [0] * (4 - t.dim())
-            for axis in range(4):
-                args.s[slot][axis] = strides[axis]
-                args.n[slot][axis] = sizes[axis]
-        if self.tiles is not None:
-            blocks, sb, sh = self.tiles
-            params.bm_count, params.bm_index = blocks.counts.data_ptr(), blocks.index.data_ptr()
-            params.bm_sb, params.bm_sh, params.bm_nb = sb, sh, blocks.index.shape[-1]
+        ctypes.memmove(ctypes.addressof(params) + self.offset, self.blob, len(self.blob))
+
+
+def _packed(struct, captures, tiles) -> tuple[int, bytes]:
+    """(offset, bytes) of a parameter block's mod fields (families.base.MOD_PARAMS, contiguous from ``mod``
+    to ``bm_nb``) for these captures and block lists."""
+    scratch = struct()
+    args = scratch.mod
+    for slot, t in enumerate(captures):
+        args.t[slot] = t.data_ptr()
+        sizes, strides = list(t.shape) + [1] * (4 - t.dim()), list(t.stride()) + [0] * (4 - t.dim())
+        for axis in range(4):
+            args.s[slot][axis], args.n[slot][axis] = strides[axis], sizes[axis]
+    if tiles is not None:
+        blocks, sb, sh = tiles
+        scratch.bm_count, scratch.bm_index = blocks.counts.data_ptr(), blocks.index.data_ptr()
+        scratch.bm_sb, scratch.bm_sh, scratch.bm_nb = sb, sh, blocks.index.shape[-1]
+    start, end = struct.mod.offset, struct.bm_nb.offset + ctypes.sizeof(ctypes.c_int32)
+    return start, bytes(scratch)[start:end]
 
 
 def _plan(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask):
@@ -160,7 +173,7 @@ def _plan(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod,
         sh = mb if blocks.counts.shape[1] > 1 else 0
         check_int32("the block mask's rows", blocks.counts.numel())
         tiles = (blocks, sb, sh)
-    return _ModPlan(base, pair, tiles, functions)
+    return _ModPlan(base, pair, tiles, functions, fam.param_struct())
 
 
 def mod_spec(dtype: str, d: int, nq: int, dev, pair, verify: bool = True, causal_like: bool = False):
