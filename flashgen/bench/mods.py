@@ -14,20 +14,33 @@ Cases (bf16, d = 128 unless ``--d``; the mods are FlexAttention's examples):
 - ``document``: 16 documents of random lengths packed in one 32k row, causal inside each, GQA 32/8, as a
   mask_mod over captured document ids; built-in: ``attention_varlen`` on the same documents;
 - ``relative``: a relative-position bias table (heads x (2N - 1), captured) as a score_mod, causal, 8k
-  MHA; no built-in equivalent.
+  MHA; no built-in equivalent;
+- ``host`` (a section of its own): an ALiBi score_mod with the causal mask_mod on 1 x 2 x 128 x 64
+  inputs: the first call with a mod no cache has seen (trace, render, NVRTC, load: its constant is
+  new each run), the host time per later call (``timing.host_us``, cached plan) next to the plain
+  causal call's, and a new process's time from ``import flashgen`` to its first result with the
+  kernel in the disk cache (median of 3 processes).
 
 TFLOP/s count the visible (query, key) pairs (the block mask's ``pairs``). ``x_builtin`` and ``x_flex``:
 flashgen's mods over the built-in equivalent / over FlexAttention (above 1: the mods are faster).
 """
 from __future__ import annotations
 
+import json
 import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 
+from .. import settings as flashgen_settings
 from ..variants import alibi_slopes
 from . import baselines, options
 from .registry import Suite, register
-from .timing import Skipped, add_ratios, free, meta, require_cuda, time_cell, time_ms
+from .timing import Skipped, add_ratios, free, host_us, meta, require_cuda, time_cell, time_ms
 
 
 @dataclass(frozen=True)
@@ -44,7 +57,7 @@ CASES = (
     Case("softcap", 8192, 16, 16, 2), Case("window", 32768, 32, 8, 1), Case("document", 32768, 32, 8, 1),
     Case("relative", 8192, 16, 16, 2),
 )
-CASE_NAMES = tuple(dict.fromkeys(c.name for c in CASES))
+CASE_NAMES = (*dict.fromkeys(c.name for c in CASES), "host")
 IMPLS = ("flashgen", "builtin", "flex")
 RATIOS = (("x_builtin", "builtin"), ("x_flex", "flex"))
 WINDOW, SOFTCAP, DOCS = 4096, 50.0, 16
@@ -128,6 +141,7 @@ def run(args, progress) -> dict:
     d = settings["d"]
     meta_info = meta()
     rows = []
+    host = host_section(progress) if "host" in settings["cases"] else None
     for case in (c for c in CASES if c.name in settings["cases"]):
         gen = torch.Generator(device="cuda").manual_seed(case.n + d + case.heads)
 
@@ -165,11 +179,82 @@ def run(args, progress) -> dict:
                  + "".join(f" {lbl}={r:.2f}" for lbl, r in row.get("ratios", {}).items()))
         del q, k, v, block_mask
         free()
-    return {"suite": "mods", "meta": meta_info, "metric": "tflops", "x": "case", "panels": ["head_dim"],
+    result = {"suite": "mods", "meta": meta_info, "metric": "tflops", "x": "case", "panels": ["head_dim"],
             "convention": "bf16; TFLOP/s = 4 B H (visible query-key pairs) d / time; median of "
                           f"{settings['rounds']} interleaved rounds; x_builtin / x_flex: flashgen's mods over its "
                           "built-in equivalent / over FlexAttention (compiled) running the same functions",
             "settings": settings, "impls": settings["impls"], "ratios": [r for r, _ in RATIOS], "rows": rows}
+    if host is not None:
+        result["sections"] = {"host": host}
+    return result
+
+
+# A new process's first call with a mod (its kernel already in FLASHGEN_HOME's disk cache).
+_CHILD = """
+import json, time, torch
+q = torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16)
+slopes = torch.rand(2, device="cuda")
+torch.cuda.synchronize()
+t0 = time.perf_counter()
+import flashgen
+def alibi(score, b, h, q_idx, kv_idx):
+    return score - slopes[h] * (q_idx - kv_idx).abs() * {c!r}
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+with torch.no_grad():
+    out = flashgen.attention(q, q, q, score_mod=alibi, mask_mod=causal)
+torch.cuda.synchronize()
+print(json.dumps({{"first_result_s": time.perf_counter() - t0}}))
+"""
+
+
+def host_section(progress) -> dict:
+    """The ``host`` section: a new mod's first call, the per-call host time, a new process's first result."""
+    import torch
+
+    from .. import api
+
+    c = 1.0 + random.random() * 1e-3  # a constant no cache has: a new graph, a new kernel
+    q = torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16)
+    slopes = torch.rand(2, device="cuda")
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx).abs() * c
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    rows = []
+    with torch.no_grad():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        api.attention(q, q, q, score_mod=alibi, mask_mod=causal)
+        torch.cuda.synchronize()
+        first = time.perf_counter() - t0
+        rows.append({"measure": "first call, new mod", "value": first, "unit": "s"})
+        for name, fn in (("per call, mods", lambda: api.attention(q, q, q, score_mod=alibi, mask_mod=causal)),
+                         ("per call, causal=True", lambda: api.attention(q, q, q, causal=True))):
+            for _ in range(500):
+                fn()
+            rows.append({"measure": name, "value": host_us(fn, 200, 20), "unit": "us"})
+    env = flashgen_settings.child_environment(PYTHONUNBUFFERED="1")
+    samples = []
+    for _ in range(3):
+        proc = subprocess.run([sys.executable, "-c", _CHILD.format(c=c)], env=env, capture_output=True, text=True,
+                              timeout=600, cwd=os.getcwd())
+        if proc.returncode != 0:
+            raise RuntimeError((proc.stderr.strip().splitlines() or ["(no output)"])[-1][:300])
+        samples.append(json.loads(proc.stdout.strip().splitlines()[-1])["first_result_s"])
+    rows.append({"measure": "new process, warm cache, to first result", "value": statistics.median(samples),
+                 "unit": "s", "runs": samples})
+    for r in rows:
+        progress(f"host {r['measure']}: {r['value']:.4g} {r['unit']}")
+    return {"metric": "value", "x": "measure", "impls": ["value"], "precision": 4,
+            "convention": "1 x 2 x 128 x 64 bf16, an ALiBi score_mod and the causal mask_mod; first call: trace, "
+                          "render, NVRTC, load and the launch (synchronized); per call: host time with a cached "
+                          "plan (best of 20 bursts of 200); new process: import flashgen to the first result, "
+                          "the kernel in the disk cache (median of 3)",
+            "rows": [{**r, "results": {"value": {"value": r["value"]}}} for r in rows]}
 
 
 def _mod_kernel(q, block_mask) -> str:
