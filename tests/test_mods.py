@@ -475,3 +475,42 @@ def test_score_factors_fold_out_of_the_printed_function(fn, factors):
         assert "const float v%d = score;" % next(i for i, n in enumerate(graph.nodes) if n.op == "in") in folded
     if c != 1.0:
         assert folded.count("return") == 1 and graph.cuda("f") != folded
+
+
+# ---------------------------------------------------------------- the derivative
+
+
+@pytest.mark.parametrize("fn", [
+    lambda s, b, h, q, kv: 30.0 * torch.tanh(s / 30.0),
+    lambda s, b, h, q, kv: s - SLOPES[h] * (q - kv).abs(),
+    lambda s, b, h, q, kv: torch.clamp(s, -1.0, 2.0) + torch.sigmoid(s) * torch.where(q > kv, s, -s),
+    lambda s, b, h, q, kv: (torch.exp(s * 0.3) / (1.0 + s.abs()) + torch.log(s * s + 1.0) + torch.sqrt(s.abs() + 1.0)
+                            - torch.rsqrt(s * s + 2.0) + s.exp2() * 0.1 + torch.log2(s.abs() + 3.0)),
+    lambda s, b, h, q, kv: (s % 1.5) + s // 0.7 + torch.minimum(s, s * 0.5) + torch.maximum(s, (q - kv).float()),
+    lambda s, b, h, q, kv: (q - kv).float() * 0.1,
+])
+def test_derivative_matches_autograd(fn):
+    """d score_mod / d score (mods.grad.derivative) against torch's autograd through the evaluator, away
+    from kinks; printed, it compiles with NVRTC."""
+    from flashgen.codegen import compiler
+    from flashgen.mods.grad import derivative
+
+    graph = mods.trace_score_mod(fn, allow_cpu=True)
+    slope = derivative(graph)
+    idx = [torch.arange(n).reshape([n if a == i else 1 for a in range(4)]) for i, n in enumerate((2, 8, 5, 7))]
+    s = (torch.randn(2, 8, 5, 7, generator=torch.Generator().manual_seed(1)) * 2 + 0.013).requires_grad_(True)
+    y = graph.evaluate(s, *idx)
+    want = torch.autograd.grad(y.sum(), s, allow_unused=True)[0] if y.requires_grad else None
+    want = torch.zeros_like(s) if want is None else want
+    torch.testing.assert_close(slope.evaluate(s.detach(), *idx), want, rtol=1e-5, atol=1e-5)
+    assert slope.captures == graph.captures and slope.kind == "score"
+    source = PRELUDE + slope.cuda("fg_score_mod_grad") + (
+        'extern "C" __global__ void k(float* o, fg_mod_args a) { o[0] = fg_score_mod_grad(o[1], 0, 1, 2, 3, a); }\n')
+    assert not compiler.compile_source(source, "sm_90a", "fg_grad_check").report.problems()
+
+
+def test_a_mask_has_no_derivative():
+    from flashgen.mods.grad import derivative
+
+    with pytest.raises(ModError, match="only a score_mod"):
+        derivative(mods.trace_mask_mod(document, allow_cpu=True))

@@ -33,6 +33,9 @@ accepted (``SUPPORTED``); anything else, Python control flow on a traced value (
   graph) is read as f32, i32 (int64 narrowed) or bool. Every index is clamped into ``[0, size - 1]``: an
   out-of-range index, negative ones included, reads the nearest element instead of faulting (Python's
   wrap-around of negative indices does not apply).
+
+**Derivative.** ``derivative(graph)`` is d score_mod / d score as a graph of the same captures
+(``mods/grad.py``): the factor a backward kernel multiplies dS by. No backward kernel uses it yet.
 """
 from __future__ import annotations
 
@@ -43,10 +46,11 @@ import types
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from .grad import derivative
 from .graph import MAX_CAPTURES, Graph, ModError, Node, UnknownModError, passthrough_cuda
 from .trace import SUPPORTED, Sym, is_tensor, trace
 
-__all__ = ["SUPPORTED", "Graph", "ModError", "ModPair", "Node", "Sym", "UnknownModError", "lookup",
+__all__ = ["SUPPORTED", "Graph", "ModError", "ModPair", "Node", "Sym", "UnknownModError", "derivative", "lookup",
            "pair", "register", "token_number", "token_text", "trace_mask_mod", "trace_score_mod"]
 
 
