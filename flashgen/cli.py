@@ -10,15 +10,18 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import sys
 import warnings
 
-from . import dispatch, families, gpus, settings, tables
+from . import dispatch, families, gpus, mods, settings, tables
 from .bench.cli import add_parser as add_bench
 from .codegen import build, render
 from .errors import FlashgenError, UnsupportedError
 from .explain import add_parser as add_explain
+from .problem import ProblemKey, bucket_of, head_dim_tile
 from .tuner import space
 from .tuner.run import add_arguments as add_tune_arguments
 from .tuner.run import tune
@@ -49,10 +52,17 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
                         f"block_table; one of {', '.join(map(str, families.decode.PAGE_SIZES))}): the paged kernel")
     for name in ("block-m", "block-n", "warps", "stages"):
         p.add_argument(f"--{name}", type=int, help=f"override the {name.replace('-', '_')} the rule picks")
+    p.add_argument("--score-mod", metavar="FILE.py:NAME", default=None,
+                   help="a score_mod(score, b, h, q_idx, kv_idx) function in FILE (which is imported, so it runs): "
+                        "the fwd_sm90 kernel with it, traced (flashgen.mods); --causal: the causal key's tile")
+    p.add_argument("--mask-mod", metavar="FILE.py:NAME", default=None,
+                   help="a mask_mod(b, h, q_idx, kv_idx) function in FILE, likewise (with --score-mod or alone)")
 
 
 def spec_from_args(args):
     """The spec dispatch would pick for these arguments, with any overrides applied and validated."""
+    if getattr(args, "score_mod", None) or getattr(args, "mask_mod", None):
+        return _mod_spec_from_args(args)
     arch = args.arch or (gpus.get(args.gpu).arch if args.gpu else "sm_90a")
     budget = gpus.get(args.gpu).smem_per_block if args.gpu else gpus.ARCH_SMEM_PER_BLOCK[arch]
     if args.d % 8 or not 8 <= args.d <= 256:
@@ -107,6 +117,59 @@ def spec_from_args(args):
     if spec.smem_bytes() > budget:
         raise FlashgenError(f"{spec.name} needs {spec.smem_bytes()} B of shared memory, over {budget} B")
     return spec
+
+
+def _user_function(text: str, option: str):
+    """The function NAME of ``FILE.py:NAME``: FILE is imported (its code runs, as the user's own program's)."""
+    path, sep, name = str(text).rpartition(":")
+    if not sep or not path.endswith(".py") or not name.isidentifier():
+        raise FlashgenError(f"{option} {text!r}: FILE.py:NAME")
+    if not os.path.isfile(path):
+        raise FlashgenError(f"{option}: no file {path!r}")
+    where = importlib.util.spec_from_file_location(f"flashgen_user_mods_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(where)
+    try:
+        where.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 -- the user's file: its error in one line
+        raise FlashgenError(f"{option}: importing {path} raised {type(exc).__name__}: {exc}") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise FlashgenError(f"{option}: {path} has no function {name!r}")
+    return fn
+
+
+def _mod_spec_from_args(args):
+    """The fwd_sm90 kernel ``flashgen.attention`` runs with these mods (traced here; captured tensors may
+    be on the CPU, nothing is launched), registered so that it renders and builds in this process."""
+    others = [o for o, on in (("--window", args.window is not None), ("--softcap", args.softcap != 0.0),
+                              ("--alibi", args.alibi), ("--sinks", args.sinks), ("--varlen", args.varlen),
+                              ("--page-size", getattr(args, "page_size", None) is not None)) if on]
+    if others:
+        raise FlashgenError(f"--score-mod/--mask-mod take none of {', '.join(others)}: a mod expresses them")
+    arch = args.arch or (gpus.get(args.gpu).arch if args.gpu else "sm_90a")
+    if args.kind not in ("fwd", "fwd_sm90") or arch != "sm_90a":
+        raise FlashgenError("--score-mod/--mask-mod: mods run in the Hopper forward (--kind fwd or fwd_sm90, sm_90a)")
+    if args.d % 8 or not 8 <= args.d <= 256:
+        raise FlashgenError(f"--d {args.d}: head dims are multiples of 8 from 8 to 256")
+    try:
+        score = mods.trace_score_mod(_user_function(args.score_mod, "--score-mod"), allow_cpu=True) \
+            if args.score_mod else None
+        mask = mods.trace_mask_mod(_user_function(args.mask_mod, "--mask-mod"), allow_cpu=True) \
+            if args.mask_mod else None
+        pair = mods.pair(score, mask)
+    except mods.ModError as exc:
+        raise FlashgenError(str(exc)) from None
+    mods.register(pair)
+    budget = gpus.get(args.gpu).smem_per_block if args.gpu else gpus.ARCH_SMEM_PER_BLOCK[arch]
+    key = ProblemKey("fwd", arch, args.dtype, head_dim_tile(args.d), args.causal, bucket_of(args.seqlen), "")
+    # verified as the call's own pick is (a tile whose kernel spills with these mods gives way): the kernel
+    # the call would run, at the price of compiling it here
+    spec = dispatch.mod_spec(key, args.gpu, budget, mods.token_number(pair), verify=True)
+    overrides = {f: getattr(args, f) for f in ("block_m", "block_n", "warps", "stages") if getattr(args, f) is not None}
+    try:
+        return spec.replace(**overrides).validate()
+    except (TypeError, ValueError) as exc:
+        raise FlashgenError(str(exc)) from None
 
 
 def cmd_emit(args) -> int:

@@ -13,6 +13,7 @@ import functools
 from . import families, tables
 from .codegen import build
 from .errors import CompileError, UnsupportedError
+from .families.base import first_clean
 from .problem import ProblemKey
 from .settings import logger
 from .spec import KernelSpec
@@ -66,6 +67,18 @@ def select(key: ProblemKey, gpu: str | None, smem_budget: int, verify: bool = Fa
                              "default rule", gpu, spec.name, "; ".join(problems))
     rule_args = {} if regime is None else {"regime": regime}
     return families.default_spec(key, smem_budget, check=check, family=family, **rule_args)
+
+
+def mod_spec(key: ProblemKey, gpu: str | None, smem_budget: int, token: int, verify: bool = False) -> KernelSpec:
+    """The kernel of a call with user mods (flashgen.mods; ``token`` the pair's number, KernelSpec.mod):
+    ``key``'s fwd_sm90 tile (a mod's own key is not tuned: the plain key's entry, or the causal key's
+    for a mask that skips much of the square, with the mods' own causal flag off), then the rule's
+    tiles in order where the mods' kernel spills (a mod's functions take registers: captured reads,
+    indices; three consumer warpgroups keep 160 each). ``verify``: the resource check, as ``select``."""
+    picked = select(key, gpu, smem_budget, verify=verify, family="fwd_sm90")
+    candidates = [picked] + [s for s in families.family("fwd_sm90").rule(key, smem_budget) if s != picked]
+    return first_clean([s.replace(causal=False, mod=token).validate() for s in candidates],
+                                     resource_problems if verify else None)
 
 
 # The first-use search (``FLASHGEN_AUTOTUNE``, ``flashgen.autotune``): a function of one

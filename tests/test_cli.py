@@ -193,3 +193,57 @@ def test_emit_by_kind(capsys, kind, prefix):
     code, out, err = run_main(capsys, "emit", "--d", "64", "--arch", "sm_90a", "--kind", kind)
     assert code == 0, err
     assert out.splitlines()[1].startswith(f"// spec: {prefix}")
+
+
+MODS_FILE = '''
+import torch
+slopes = torch.rand(16)
+doc = torch.zeros(4096, dtype=torch.int32)
+def alibi(score, b, h, q_idx, kv_idx):
+    return score - slopes[h] * (q_idx - kv_idx).abs()
+def document(b, h, q_idx, kv_idx):
+    return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+def unsupported(score, b, h, q_idx, kv_idx):
+    return torch.sin(score)
+def broken(b, h, q_idx, kv_idx):
+    return q_idx if q_idx > kv_idx else kv_idx
+'''
+
+
+def test_emit_and_compile_with_mods(capsys, tmp_path, monkeypatch):
+    """--score-mod/--mask-mod FILE.py:NAME: the kernel the call runs with those mods, their printed
+    functions in it and no user name; compile builds it without spills."""
+    pytest.importorskip("torch")
+    monkeypatch.setenv("FLASHGEN_HOME", str(tmp_path / "home"))
+    path = tmp_path / "my_mods.py"
+    path.write_text(MODS_FILE)
+    code, out, err = run_main(capsys, "emit", "--d", "128", "--gpu", "h200", "--causal",
+                              "--score-mod", f"{path}:alibi", "--mask-mod", f"{path}:document")
+    assert code == 0, err
+    name = out.splitlines()[1].split()[-1]
+    assert "_mod" in name and name.endswith("_full_bf16_sm90a")  # the mods' kernel is never causal itself
+    assert "FG_DEVICE float fg_score_mod(" in out and "fg_mod_variant<true, true>" in out
+    assert "slopes" not in out and "document(" not in out
+    code, out, err = run_main(capsys, "compile", "--d", "64", "--mask-mod", f"{path}:document", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["spill_stores"] == 0 and "_mod" in report["spec"]
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--score-mod", "{path}:unsupported"], "torch.sin is not supported"),
+    (["--mask-mod", "{path}:broken"], "control flow"),
+    (["--score-mod", "{path}:missing"], "no function 'missing'"),
+    (["--score-mod", "{dir}/none.py:alibi"], "no file"),
+    (["--score-mod", "{path}"], "FILE.py:NAME"),
+    (["--score-mod", "{path}:alibi", "--softcap", "5"], "take none of --softcap"),
+    (["--score-mod", "{path}:alibi", "--kind", "fwd_v2"], "Hopper forward"),
+])
+def test_mod_options_refused_in_one_line(capsys, tmp_path, args, match):
+    pytest.importorskip("torch")
+    path = tmp_path / "my_mods.py"
+    path.write_text(MODS_FILE)
+    argv = [a.format(path=path, dir=tmp_path) for a in args]
+    code, out, err = run_main(capsys, "emit", "--d", "128", *argv)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and match in err, err

@@ -16,7 +16,6 @@ import torch
 from .. import dispatch, families, mods
 from ..codegen import load
 from ..errors import UnsupportedError
-from ..families.base import first_clean
 from ..problem import ProblemKey, bucket_of, head_dim_tile
 from ..variants import Variant
 from .blockmask import BlockMask, create_block_mask
@@ -177,17 +176,10 @@ def _plan(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod,
 
 
 def mod_spec(dtype: str, d: int, nq: int, dev, pair, verify: bool = True, causal_like: bool = False):
-    """The kernel of a call with mods: the plain problem's tile (the causal one's for a ``causal_like``
-    block mask; tuned table or default rule: a mod's own key is not tuned yet) on fwd_sm90, with the pair's
-    token (``verify``: dispatch's resource check)."""
+    """The kernel of a call with mods on this device (``dispatch.mod_spec``; ``causal_like``: a block mask
+    that skips much of the square takes the causal key's tile)."""
     key = ProblemKey("fwd", dev.arch, dtype, head_dim_tile(d), causal_like, bucket_of(nq), "")
-    token = mods.token_number(pair)
-    picked = dispatch.select(key, dev.gpu, dev.smem_budget, verify=verify, family="fwd_sm90")
-    # A mod's functions take registers (captured reads, indices): where the plain tile's kernel with them
-    # spills (three consumer warpgroups keep 160 registers each), the rule's tiles follow, in order.
-    candidates = [picked] + [s for s in families.family("fwd_sm90").rule(key, dev.smem_budget) if s != picked]
-    return first_clean([s.replace(causal=False, mod=token).validate() for s in candidates],
-                       dispatch.resource_problems if verify else None)
+    return dispatch.mod_spec(key, dev.gpu, dev.smem_budget, mods.token_number(pair), verify)
 
 
 def check_block_mask_shape(block_mask, b: int, h: int, nq: int, nk: int) -> None:
