@@ -452,10 +452,13 @@ SMALL_KEY = ProblemKey("fwd", "sm_80", "bf16", 64, True, 1024)
 
 
 def _worker(args):
-    storage_url, index, n_trials = args
+    storage_url, index, n_trials, start = args
     prof = gpus.get("a100")
     cands = space.candidates(SMALL_KEY, prof)[:n_trials]
     obj = ModelObjective(prof)
+    # Both workers begin together: a spawned process's start-up (importing torch) takes seconds on a busy
+    # machine, in which the other could take every trial of the model objective (milliseconds each).
+    start.wait(timeout=120)
     study.run_study(SMALL_KEY, obj, cands, n_trials=n_trials, storage=storage_url, worker=f"w{index}",
                     worker_index=index)
     return index
@@ -472,8 +475,9 @@ def test_two_processes_share_one_study(tmp_path):
     precompile(cands, jobs=2)  # warm the kernel cache so the two workers race on trials, not on NVRTC
     url = f"journal:{tmp_path / 'studies.journal'}"
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(2) as pool:
-        assert sorted(pool.map(_worker, [(url, 0, n), (url, 1, n)])) == [0, 1]
+    with ctx.Manager() as manager, ctx.Pool(2) as pool:
+        start = manager.Barrier(2)
+        assert sorted(pool.map(_worker, [(url, 0, n, start), (url, 1, n, start)])) == [0, 1]
     shared = study.collect(SMALL_KEY, url, cands)
     assert sorted(t.spec.name for t in shared.trials) == sorted(s.name for s in cands)  # each exactly once
     assert set(shared.workers()) == {"w0", "w1"} and min(shared.workers().values()) >= 1
