@@ -74,11 +74,18 @@ def mod_spec(key: ProblemKey, gpu: str | None, smem_budget: int, token: int, ver
     ``key``'s fwd_sm90 tile (a mod's own key is not tuned: the plain key's entry, or the causal key's
     for a mask that skips much of the square, with the mods' own causal flag off), then the rule's
     tiles in order where the mods' kernel spills (a mod's functions take registers: captured reads,
-    indices; three consumer warpgroups keep 160 each). ``verify``: the resource check, as ``select``."""
+    indices; three consumer warpgroups keep 160 each), then those tiles with 64-key blocks (half the
+    score registers: a 4-D capture's reads spill the d = 64 tiles of 128 keys). ``verify``: the resource
+    check, as ``select``."""
     picked = select(key, gpu, smem_budget, verify=verify, family="fwd_sm90")
-    candidates = [picked] + [s for s in families.family("fwd_sm90").rule(key, smem_budget) if s != picked]
-    return first_clean([s.replace(causal=False, mod=token).validate() for s in candidates],
-                                     resource_problems if verify else None)
+    rule = [s for s in families.family("fwd_sm90").rule(key, smem_budget) if s != picked]
+    narrow = [s.replace(block_n=64) for s in [picked] + rule if s.block_n > 64]
+    candidates = []
+    for s in [picked] + rule + narrow:
+        s = s.replace(causal=False, mod=token)
+        if s not in candidates:
+            candidates.append(s.validate())
+    return first_clean(candidates, resource_problems if verify else None)
 
 
 # The first-use search (``FLASHGEN_AUTOTUNE``, ``flashgen.autotune``): a function of one

@@ -89,6 +89,28 @@ def test_mod_kernels_compile_without_spills(score, mask, tokens, d, tmp_path, mo
     assert binary.report.spill_stores == 0 and binary.report.spill_loads == 0, binary.report
 
 
+MASK4 = torch.randn(1, 1, 113, 203).to(torch.bfloat16)
+
+
+def add_mask4(score, b, h, q, kv):
+    return score + MASK4[b, h, q, kv]
+
+
+def test_dispatch_steps_past_spilling_tiles(tmp_path, monkeypatch):
+    """A 4-D bf16 capture (SDPA's float mask) spills the d = 64 tiles of 128 keys (8 B under NVRTC 13.0):
+    dispatch walks on to a spill-free tile, 64-key blocks if need be, instead of the rule's last one."""
+    from flashgen import dispatch
+    from flashgen.codegen import build
+    from flashgen.problem import ProblemKey
+
+    monkeypatch.setenv("FLASHGEN_HOME", str(tmp_path))
+    token = mods.token_number(registered(add_mask4))
+    key = ProblemKey("fwd", "sm_90a", "bf16", 64, False, 512, "")
+    spec = dispatch.mod_spec(key, "h200", 232448, token, verify=True)
+    report = build(spec).report
+    assert spec.mod == token and report.spill_stores == 0 and report.stack_frame == 0, (spec.name, report)
+
+
 def test_mods_refuse_other_variants_and_gradients():
     q = torch.randn(1, 2, 16, 64, dtype=torch.bfloat16)
     with pytest.raises(flashgen.UnsupportedError, match="causal"):
