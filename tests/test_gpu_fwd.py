@@ -168,3 +168,36 @@ def test_kernel_loaded_before_torch_touches_the_device():
         "print('ok')\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
+
+
+def test_first_call_in_a_new_thread():
+    """A thread whose first CUDA call is flashgen's (a worker, the autograd engine's) has no current context:
+    the launch paths make torch's primary context current there first (the tensor maps and launches failed
+    with CUDA_ERROR_INVALID_CONTEXT otherwise). Forward, decode and a backward whose first op is
+    flashgen's, each in a fresh thread of a new process."""
+    import subprocess
+    import sys
+
+    code = (
+        "import threading, torch, flashgen\n"
+        "q, k, v = (torch.randn(2, 4, 200, 128, device='cuda', dtype=torch.bfloat16, requires_grad=True)"
+        " for _ in range(3))\n"
+        "kc = torch.randn(2, 300, 4, 128, device='cuda', dtype=torch.bfloat16)\n"
+        "qd = torch.randn(2, 1, 4, 128, device='cuda', dtype=torch.bfloat16)\n"
+        "lens = torch.full((2,), 300, device='cuda', dtype=torch.int32)\n"
+        "torch.cuda.synchronize()\n"
+        "got = {}\n"
+        "def work():\n"
+        "    with torch.no_grad():\n"
+        "        got['fwd'] = flashgen.attention(q, k, v, causal=True)\n"
+        "        got['dec'] = flashgen.decode(qd, kc, kc, lens)\n"
+        "    out = flashgen.attention(q, k, v, causal=True)\n"
+        "    out.backward(torch.ones_like(out))\n"
+        "    torch.cuda.synchronize()\n"
+        "t = threading.Thread(target=work); t.start(); t.join()\n"
+        "ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)\n"
+        "assert (got['fwd'] - ref).abs().max().item() < 0.05, 'forward'\n"
+        "assert torch.isfinite(got['dec']).all() and q.grad is not None and torch.isfinite(q.grad).all()\n"
+        "print('ok')\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]

@@ -19,6 +19,7 @@ import torch
 
 from .. import dispatch, shapes
 from ..codegen import load
+from ..codegen.launch import ensure_context
 from ..errors import UnsupportedError
 from ..families import decode as dk
 from ..problem import ProblemKey, bucket_of, smallest_tile
@@ -175,6 +176,7 @@ def _meta_decode(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, 
 
 
 def _launch(plan, params, lse_ptr, stream, out, lse, return_lse):
+    ensure_context(plan.device_index)  # (a thread's first CUDA call: none may be current)
     params.lse = lse_ptr
     if plan.splits > 1:
         ws, ctr = _workspace(plan, stream)

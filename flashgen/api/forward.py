@@ -14,6 +14,7 @@ import torch
 
 from .. import dispatch, families, shapes
 from ..codegen import load
+from ..codegen.launch import ensure_context
 from ..errors import UnsupportedError
 from ..families.base import varlen_list_ints
 from ..problem import ProblemKey, bucket_of, head_dim_tile
@@ -61,6 +62,7 @@ def forward(q, k, v, causal, softmax_scale, layout, return_lse, spec=None, algor
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty(plan.lse_shape, dtype=torch.float32) if return_lse else None
     if plan.kernel is not None:
+        ensure_context(plan.device_index)  # (a thread's first CUDA call: none may be current)
         params = plan.params_for(q.data_ptr(), k.data_ptr(), v.data_ptr())
         params.o = out.data_ptr()
         params.lse = lse.data_ptr() if lse is not None else 0
@@ -115,6 +117,7 @@ def packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         if lse is not None:
             lse.fill_(float("-inf"))
         return out.zero_(), lse
+    ensure_context(plan.device_index)
     params = plan.params_for(qp, kp, vp)
     params.o = out.data_ptr()
     if lse is not None:  # (the parameter block's pointers not set here are null)

@@ -10,7 +10,8 @@ from .compiler import build
 
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
-_ARGV = ctypes.c_void_p * 1  # the kernel's one argument: the address of its parameter struct
+_ARGV = ctypes.c_void_p * 1
+SPILL_PROBLEMS = ("spills:", "stack frame")  # the starts of Report.problems' spill and local-memory entries  # the kernel's one argument: the address of its parameter struct
 _loaded: dict = {}
 _lock = threading.Lock()
 
@@ -25,13 +26,16 @@ def _cu():
         lib = c.CDLL("libcuda.so.1")
         for name, args in (("cuCtxGetCurrent", [c.POINTER(c.c_void_p)]), ("cuCtxGetDevice", [c.POINTER(c.c_int)]),
                            ("cuDevicePrimaryCtxRetain", [c.POINTER(c.c_void_p), c.c_int]),
-                           ("cuCtxPushCurrent", [c.c_void_p]),
+                           ("cuCtxPushCurrent", [c.c_void_p]), ("cuCtxSetCurrent", [c.c_void_p]),
                            ("cuCtxPopCurrent", [c.POINTER(c.c_void_p)]),
                            ("cuModuleLoadData", [c.POINTER(c.c_void_p), c.c_char_p]),
                            ("cuModuleGetFunction", [c.POINTER(c.c_void_p), c.c_void_p, c.c_char_p]),
                            ("cuFuncSetAttribute", [c.c_void_p, c.c_int, c.c_int]), ("cuModuleUnload", [c.c_void_p]),
                            ("cuGetErrorString", [c.c_int, c.POINTER(c.c_char_p)])):
-            fn = getattr(lib, name)
+            # The push and pop are the _v2 entry points (cuda.h's #defines): the unversioned ones are CUDA
+            # 3.x's, whose push refuses a context current in another thread (CUDA_ERROR_INVALID_CONTEXT), as
+            # torch's primary context is when a kernel is first loaded in the autograd engine's thread.
+            fn = getattr(lib, name + "_v2" if name in ("cuCtxPushCurrent", "cuCtxPopCurrent") else name)
             fn.argtypes, fn.restype = args, c.c_int
             setattr(lib, name, fn)
         _libcuda = lib
@@ -105,6 +109,24 @@ def _entry(module: _Module, name: str, device_index: int) -> int:
 
 
 _primaries: dict = {}
+_threads = threading.local()
+
+
+def ensure_context(device_index: int) -> None:
+    """Make device ``device_index``'s primary context (torch's) current in this thread if none is: a thread
+    that has made no CUDA runtime call yet has none (the autograd engine's, when flashgen's backward is the
+    first thing it runs), and the driver calls of a launch (tensor maps, the launch itself) then fail with
+    CUDA_ERROR_INVALID_CONTEXT. Checked once per thread and device."""
+    seen = getattr(_threads, "devices", None)
+    if seen is None:
+        seen = _threads.devices = set()
+    if device_index in seen:
+        return
+    ctx = ctypes.c_void_p()
+    _check(_cu().cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+    if not ctx.value:
+        _check(_cu().cuCtxSetCurrent(_primary(device_index)), "cuCtxSetCurrent")
+    seen.add(device_index)
 
 
 def _primary(device_index: int) -> int:
@@ -170,8 +192,10 @@ class Kernel:
         launch(self._fptr, grid[0], grid[1], grid[2], self.threads, 1, 1, self.smem, stream, args, 0)
 
 
-def load_kernel(spec, device_index: int) -> Kernel:
-    """The kernel of ``spec`` on CUDA device ``device_index``, compiled or loaded once per process."""
+def load_kernel(spec, device_index: int, accept_spills: bool = False) -> Kernel:
+    """The kernel of ``spec`` on CUDA device ``device_index``, compiled or loaded once per process.
+    A binary with resource problems is refused, except spills and local memory where ``accept_spills``
+    (a caller that has no clean tile to take: ``dispatch.mod_backward_spec``)."""
     key = (spec, device_index)
     kern = _loaded.get(key)
     if kern is not None:
@@ -182,6 +206,8 @@ def load_kernel(spec, device_index: int) -> Kernel:
             return kern
         binary = build(spec)
         problems = binary.report.problems()
+        if accept_spills:
+            problems = [p for p in problems if not p.startswith(SPILL_PROBLEMS)]
         if problems and not settings.allow_spills():  # study only: time a spilling tile
             raise CompileError(f"{spec.name}: refused by its resource report: {'; '.join(problems)}", log=binary.log)
         module, function = _load_module(binary.cubin, spec.name, spec.smem_bytes(), binary.report.static_smem,
