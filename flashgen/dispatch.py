@@ -12,6 +12,7 @@ import functools
 
 from . import families, tables
 from .codegen import build
+from .codegen.launch import SPILL_PROBLEMS
 from .errors import CompileError, UnsupportedError
 from .families.base import first_clean
 from .problem import ProblemKey
@@ -86,6 +87,33 @@ def mod_spec(key: ProblemKey, gpu: str | None, smem_budget: int, token: int, ver
         if s not in candidates:
             candidates.append(s.validate())
     return first_clean(candidates, resource_problems if verify else None)
+
+
+def mod_backward_spec(key: ProblemKey, smem_budget: int, token: int, verify: bool = False) -> KernelSpec:
+    """The dK/dV kernel of a call with user mods: ``key`` (a ``bwd_dkdv`` key, head-dim tile 64 or 128) served
+    by ``bwd_sm90`` with the mods' token, the rule's tiles in order, then each with dP^T's GEMM issued after
+    P^T (``dp_late``: a mod's functions that do not fit beside dP^T's accumulators). ``verify``: the first
+    that builds clean, else the one that spills least (at d = 128 a mod's functions can leave ptxas a few
+    registers short whichever way: ``codegen.load(..., accept_spills=True)`` takes it rather than leave
+    the mod without a backward). UnsupportedError where bwd_sm90 has no tile (the mma.sync backward
+    kernels take no mods)."""
+    fam = families.family("bwd_sm90")
+    if key.arch != "sm_90a" or key.head_dim not in fam.tiles:
+        raise UnsupportedError(f"the backward of score_mod / mask_mod runs on bwd_sm90 (sm_90a, head-dim tiles "
+                               f"{sorted(fam.tiles)}); this call has {key.arch}, head-dim tile {key.head_dim}")
+    rule = [s.replace(causal=False, mod=token) for s in fam.rule(key.replace(causal=False, variant=""), smem_budget)]
+    candidates = [s.validate() for s in rule + [s.replace(dp_late=True) for s in rule]]
+    if not verify:
+        return candidates[0]
+    spilling = []
+    for spec in candidates:
+        problems = resource_problems(spec)
+        if not problems:
+            return spec
+        if all(p.startswith(SPILL_PROBLEMS) for p in problems):
+            report = build(spec).report
+            spilling.append((report.spill_stores + report.spill_loads + report.stack_frame, spec))
+    return min(spilling, key=lambda x: x[0])[1] if spilling else candidates[-1]
 
 
 # The first-use search (``FLASHGEN_AUTOTUNE``, ``flashgen.autotune``): a function of one

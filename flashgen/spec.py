@@ -75,6 +75,9 @@ class KernelSpec:
                           "one CTA per SM walks the tiles; its loads run ahead across tiles")
     kv_load: int = _f(0, "ld", ("decode_split",), "how K/V reach shared memory (families.decode.KV_LOADS)")
     dq_write: int = _f(0, "dq", ("bwd_sm90",), "how dQ reaches its fp32 accumulator (families.bwd_sm90.DQ_WRITES)")
+    dp_late: bool = _f(False, "dpl", ("bwd_sm90",), "dP^T's GEMM issued after P^T instead of while P^T is computed: "
+                       "its accumulators are not live there (for user mods whose functions need the registers)",
+                       True)
     # The variants (flashgen.variants): compile-time switches; their values (the window's sides, the
     # softcap, the slopes and sinks) are launch parameters, so one kernel serves every window or cap.
     window: bool = _f(False, "win", _VARIANTS, "a sliding window: keys outside (left, right) of the diagonal "
@@ -91,7 +94,7 @@ class KernelSpec:
     kv_gather: bool = _f(False, "ga", _SM90, "paged K/V rows gathered by the producer warpgroup with cp.async (16 bytes "
                          "a thread, rows of a block sharing a block-table entry in runs of page_rows) instead of TMA "
                          "boxes: for pages shorter than the boxes that run well", True)
-    mod: int = _f(0, "mod", _SM90, "user mods (flashgen.mods): the 48-bit token of a traced score_mod / mask_mod pair, "
+    mod: int = _f(0, "mod", ("fwd_sm90", "bwd_sm90"), "user mods (flashgen.mods): the 48-bit token of a traced score_mod / mask_mod pair, "
                   "whose graphs are printed into the kernel as device functions (0: none)", True)
 
     # -- identity ---------------------------------------------------------

@@ -229,3 +229,58 @@ def check_decode_output(out, lse, q, ref, ref_lse, tol, ns):
     assert torch.equal(torch.isinf(lse), masked), f"num_splits={ns}: LSE -inf pattern differs"
     assert not torch.isnan(lse).any()
     return masked
+
+
+# ---- user mods (flashgen.mods): FlexAttention's examples, for the mods' forward and backward tiers
+
+
+def example_mods(b, hq, nq, nk):
+    """name -> (score_mod, mask_mod) of FlexAttention's examples, with fresh captured tensors."""
+    dev = "cuda"
+    slopes = torch.rand(hq, device=dev) * 0.5 + 0.01
+    rel = torch.randn(hq, nq + nk - 1, device=dev)
+    rel16 = torch.randn(hq, nq + nk - 1, device=dev).to(torch.bfloat16)
+    n = max(nq, nk)
+    doc = torch.sort(torch.randint(0, 4, (n,), device=dev, dtype=torch.int32)).values
+    prefix = torch.randint(0, max(1, nk), (b,), device=dev, dtype=torch.int64)
+    blocks = torch.rand(-(-nq // 128), -(-nk // 128), device=dev) < 0.5
+    # (offsets that depend on the sizes are captured, not constants: a constant is part of the mod's graph,
+    # and each new one compiles a new kernel)
+    diag = torch.tensor([nk - nq], device=dev, dtype=torch.int32)
+    last = torch.tensor([nk - 1], device=dev, dtype=torch.int32)
+
+    def causal(b_, h, q, kv):
+        return q + diag[0] >= kv
+
+    def sliding(b_, h, q, kv):
+        return (q + diag[0] >= kv) & (q + diag[0] - kv <= 64)
+
+    def prefix_lm(b_, h, q, kv):
+        return (kv <= prefix[b_]) | (q + diag[0] >= kv)
+
+    def document(b_, h, q, kv):
+        return doc[q] == doc[kv]
+
+    def block_sparse(b_, h, q, kv):
+        return blocks[q // 128, kv // 128]
+
+    def alibi(score, b_, h, q, kv):
+        return score - slopes[h] * (q + diag[0] - kv).abs()
+
+    def softcap(score, b_, h, q, kv):
+        return 30.0 * torch.tanh(score / 30.0)
+
+    def relative(score, b_, h, q, kv):
+        return score + rel[h, q - kv + last[0]]
+
+    def relative_bf16(score, b_, h, q, kv):
+        return score + rel16[h, q - kv + last[0]]
+
+    return {"causal": (None, causal), "sliding": (None, sliding), "prefix_lm": (None, prefix_lm),
+            "document": (None, document), "block_sparse": (None, block_sparse), "alibi": (alibi, None),
+            "softcap": (softcap, None), "relative": (relative, None), "relative_bf16": (relative_bf16, None),
+            "alibi_causal": (alibi, causal), "softcap_document": (softcap, document)}
+
+
+MOD_NAMES = ["causal", "sliding", "prefix_lm", "document", "block_sparse", "alibi", "softcap", "relative", "relative_bf16",
+        "alibi_causal", "softcap_document"]  # the keys of example_mods

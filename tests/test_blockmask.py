@@ -100,6 +100,22 @@ def test_tiles_match_a_brute_force_reduction(name, q_len, kv_len):
         assert tile.pairs == int(dense_of(mod, q_len, kv_len).sum())
 
 
+@pytest.mark.parametrize("name", list(MODS))
+@pytest.mark.parametrize("q_len,kv_len", SIZES)
+def test_key_tiles_list_the_query_blocks_of_each_key_block(name, q_len, kv_len):
+    """for_key_tile (the key-outer backward's lists) is the brute-force reduction of the transposed mask."""
+    mod = MODS[name](q_len, kv_len)
+    mask = create_block_mask(mod, B, H, q_len, kv_len, device="cpu")
+    dense = dense_of(mod, q_len, kv_len)[:mask.Bm, :mask.Hm]
+    for bm, bn in TILES:
+        tile = mask.for_key_tile(bm, bn)
+        counts, index = reference_tile(dense.transpose(-1, -2), bn, bm)
+        assert (tile.block_m, tile.block_n) == (bm, bn)
+        assert torch.equal(tile.counts, counts) and torch.equal(tile.index, index)
+        assert tile.pairs == mask.for_tile(bm, bn).pairs
+        assert mask.for_key_tile(bm, bn) is tile and mask.for_tile(bm, bn) is not tile
+
+
 @pytest.mark.parametrize("name,expect", [("causal", (1, 1)), ("document", (B, 1)), ("block_sparse", (1, H))])
 def test_a_mask_is_stored_with_the_batch_and_heads_it_depends_on(name, expect):
     mask = create_block_mask(MODS[name](100, 100), B, H, 100, 100, device="cpu")

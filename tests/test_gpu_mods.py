@@ -21,67 +21,15 @@ pytestmark = [
 
 import flashgen  # noqa: E402
 from flashgen.reference import allowance, reference  # noqa: E402
-from gpu_util import is_sm90, make_inputs, poison_output, precompile_skipped, to_bhsd, warm  # noqa: E402
+from gpu_util import MOD_NAMES, example_mods, is_sm90, make_inputs, poison_output, precompile_skipped, to_bhsd, warm  # noqa: E402
 
 needs_sm90 = pytest.mark.skipif(not is_sm90(), reason="user mods run on fwd_sm90 (an sm_90 GPU)")
 
 SEQLENS = [(1, 1), (113, 203), (1, 239), (239, 1), (799, 3), (1023, 1024), (2048, 2048)]
 
 
-def _mods(b, hq, nq, nk):
-    """name -> (score_mod, mask_mod) of FlexAttention's examples, with fresh captured tensors."""
-    dev = "cuda"
-    slopes = torch.rand(hq, device=dev) * 0.5 + 0.01
-    rel = torch.randn(hq, nq + nk - 1, device=dev)
-    rel16 = torch.randn(hq, nq + nk - 1, device=dev).to(torch.bfloat16)
-    n = max(nq, nk)
-    doc = torch.sort(torch.randint(0, 4, (n,), device=dev, dtype=torch.int32)).values
-    prefix = torch.randint(0, max(1, nk), (b,), device=dev, dtype=torch.int64)
-    blocks = torch.rand(-(-nq // 128), -(-nk // 128), device=dev) < 0.5
-    # (offsets that depend on the sizes are captured, not constants: a constant is part of the mod's graph,
-    # and each new one compiles a new kernel)
-    diag = torch.tensor([nk - nq], device=dev, dtype=torch.int32)
-    last = torch.tensor([nk - 1], device=dev, dtype=torch.int32)
-
-    def causal(b_, h, q, kv):
-        return q + diag[0] >= kv
-
-    def sliding(b_, h, q, kv):
-        return (q + diag[0] >= kv) & (q + diag[0] - kv <= 64)
-
-    def prefix_lm(b_, h, q, kv):
-        return (kv <= prefix[b_]) | (q + diag[0] >= kv)
-
-    def document(b_, h, q, kv):
-        return doc[q] == doc[kv]
-
-    def block_sparse(b_, h, q, kv):
-        return blocks[q // 128, kv // 128]
-
-    def alibi(score, b_, h, q, kv):
-        return score - slopes[h] * (q + diag[0] - kv).abs()
-
-    def softcap(score, b_, h, q, kv):
-        return 30.0 * torch.tanh(score / 30.0)
-
-    def relative(score, b_, h, q, kv):
-        return score + rel[h, q - kv + last[0]]
-
-    def relative_bf16(score, b_, h, q, kv):
-        return score + rel16[h, q - kv + last[0]]
-
-    return {"causal": (None, causal), "sliding": (None, sliding), "prefix_lm": (None, prefix_lm),
-            "document": (None, document), "block_sparse": (None, block_sparse), "alibi": (alibi, None),
-            "softcap": (softcap, None), "relative": (relative, None), "relative_bf16": (relative_bf16, None),
-            "alibi_causal": (alibi, causal), "softcap_document": (softcap, document)}
-
-
-MODS = ["causal", "sliding", "prefix_lm", "document", "block_sparse", "alibi", "softcap", "relative", "relative_bf16",
-        "alibi_causal", "softcap_document"]  # the keys of _mods
-
-
 # (mods, head dim, dtype, query lengths) of the tests below: their kernels are compiled in parallel first.
-CALLS = [(MODS, 128, "bf16", [nq for nq, _ in SEQLENS] + [1000, 777]),
+CALLS = [(MOD_NAMES, 128, "bf16", [nq for nq, _ in SEQLENS] + [1000, 777]),
          (["causal", "document", "alibi", "softcap_document"], 64, "fp16", [113, 799, 1023]),
          (["causal", "document", "alibi", "softcap_document"], 256, "fp16", [113, 799, 1023])]
 
@@ -100,7 +48,7 @@ def _precompile(request, tmp_path_factory):
         out = set()
         for names, d, dtype, lengths in CALLS:
             for name in names:
-                score, mask = _mods(2, 4, 64, 64)[name]
+                score, mask = example_mods(2, 4, 64, 64)[name]
                 pair = mods.pair(mods.trace_score_mod(score) if score else None,
                                  mods.trace_mask_mod(mask) if mask else None)
                 mods.register(pair)
@@ -110,9 +58,9 @@ def _precompile(request, tmp_path_factory):
     warm([], tmp_path_factory, pick)
 
 
-def check_mods(b, hq, hk, nq, nk, d, dtype, name, layout="bhsd", block_mask=False):
+def checkexample_mods(b, hq, hk, nq, nk, d, dtype, name, layout="bhsd", block_mask=False):
     q, k, v = make_inputs(b, hq, hk, nq, nk, d, dtype, layout)
-    score_mod, mask_mod = _mods(b, hq, nq, nk)[name]
+    score_mod, mask_mod = example_mods(b, hq, nq, nk)[name]
     scale = 1.0 / math.sqrt(d)
     extra = {"score_mod": score_mod, "mask_mod": mask_mod}
     if block_mask and mask_mod is not None:
@@ -140,9 +88,9 @@ def check_mods(b, hq, hk, nq, nk, d, dtype, name, layout="bhsd", block_mask=Fals
 
 @needs_sm90
 @pytest.mark.parametrize("nq,nk", SEQLENS)
-@pytest.mark.parametrize("name", MODS)
+@pytest.mark.parametrize("name", MOD_NAMES)
 def test_mods_bf16(name, nq, nk):
-    check_mods(2, 4, 2, nq, nk, 128, torch.bfloat16, name)
+    checkexample_mods(2, 4, 2, nq, nk, 128, torch.bfloat16, name)
 
 
 @needs_sm90
@@ -150,13 +98,13 @@ def test_mods_bf16(name, nq, nk):
 @pytest.mark.parametrize("name", ["causal", "document", "alibi", "softcap_document"])
 @pytest.mark.parametrize("d", [64, 256])
 def test_mods_head_dims_fp16(name, nq, nk, d):
-    check_mods(1, 4, 1, nq, nk, d, torch.float16, name, layout="bshd")
+    checkexample_mods(1, 4, 1, nq, nk, d, torch.float16, name, layout="bshd")
 
 
 @needs_sm90
 @pytest.mark.parametrize("name", ["causal", "sliding", "block_sparse", "alibi_causal"])
 def test_mods_given_block_mask(name):
-    check_mods(2, 4, 4, 1000, 1500, 128, torch.bfloat16, name, block_mask=True)
+    checkexample_mods(2, 4, 4, 1000, 1500, 128, torch.bfloat16, name, block_mask=True)
 
 
 @needs_sm90
@@ -221,6 +169,5 @@ def test_mod_refusals_before_launch():
         flashgen.attention(q, k, v, score_mod=control_flow)
     with pytest.raises(flashgen.UnsupportedError, match="causal"):
         flashgen.attention(q, k, v, causal=True, score_mod=lambda s, b, h, qi, kv: s)
-    q.requires_grad_(True)
-    with pytest.raises(flashgen.UnsupportedError, match="backward"):
-        flashgen.attention(q, k, v, score_mod=lambda s, b, h, qi, kv: s)
+    with pytest.raises(flashgen.UnsupportedError, match="deterministic"):
+        flashgen.attention(q, k, v, deterministic=True, score_mod=lambda s, b, h, qi, kv: s)

@@ -117,7 +117,7 @@ def test_mods_refuse_other_variants_and_gradients():
         flashgen.attention(q, q, q, causal=True, score_mod=alibi)
     with pytest.raises(flashgen.UnsupportedError, match="window, softcap"):
         flashgen.attention(q, q, q, window=(4, 0), softcap=5.0, mask_mod=document)
-    with pytest.raises(flashgen.UnsupportedError, match="backward"):
+    with pytest.raises(ValueError, match="CUDA"):  # a call that needs gradients checks its inputs as well
         flashgen.attention(q.requires_grad_(True), q, q, score_mod=alibi)
 
 
@@ -144,12 +144,81 @@ def test_mod_fields_are_packed_once_at_their_offsets():
     bias = torch.randn(3, 40)[:, ::2]
     doc = torch.arange(7, dtype=torch.int32)
     tiles = block_mask_from_dense(torch.rand(2, 1, 100, 90) < 0.5).for_tile(64, 80)
-    offset, blob = _packed(struct, (bias, doc), (tiles, 2 * 1 * 2, 0))
+    offset, blob = _packed(struct, (bias, doc), tiles)
     params = struct()
     ctypes.memmove(ctypes.addressof(params) + offset, blob, len(blob))
     assert params.mod.t[0] == bias.data_ptr() and params.mod.t[1] == doc.data_ptr() and not params.mod.t[2]
     assert list(params.mod.s[0]) == [40, 2, 0, 0] and list(params.mod.n[0]) == [3, 20, 1, 1]
     assert list(params.mod.s[1]) == [1, 0, 0, 0] and list(params.mod.n[1]) == [7, 1, 1, 1]
     assert params.bm_count == tiles.counts.data_ptr() and params.bm_index == tiles.index.data_ptr()
-    assert (params.bm_sb, params.bm_sh, params.bm_nb) == (4, 0, 2)
+    assert (params.bm_sb, params.bm_sh, params.bm_nb) == (2, 0, 2)  # (batch stride: 1 head x 2 query blocks)
     assert params.nq == 0 and params.tiles == 0  # nothing outside the range is touched
+    keys = block_mask_from_dense(torch.rand(1, 3, 100, 300) < 0.5).for_key_tile(64, 128)  # (1, 3, 3 key blocks)
+    offset, blob = _packed(struct, (), keys)
+    ctypes.memmove(ctypes.addressof(params) + offset, blob, len(blob))
+    assert (params.bm_sb, params.bm_sh, params.bm_nb) == (0, 3, 2) and not params.mod.t[0]
+
+
+def relative16(score, b, h, q, kv):
+    return score + REL16[h, q - kv + 100]
+
+
+REL16 = torch.randn(8, 300).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("score,mask", [(alibi, None), (None, document), (alibi, document), (relative16, None),
+                                        (lambda s, b, h, q, kv: 30.0 * torch.tanh(s / 30.0), document)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_kernels_with_mods_compile_without_spills(score, mask, d, tmp_path, monkeypatch):
+    """dispatch's bwd_sm90 kernel for the mods builds with no spill (offline NVRTC for sm_90a): the rule's
+    tile, or the same with dP^T's GEMM after P^T (a captured bf16 table at d = 128 needs it)."""
+    from flashgen import dispatch
+    from flashgen.codegen import build
+    from flashgen.problem import ProblemKey
+
+    monkeypatch.setenv("FLASHGEN_HOME", str(tmp_path))
+    pair = registered(score, mask)
+    key = ProblemKey("bwd_dkdv", "sm_90a", "bf16", d, False, 4096, "")
+    spec = dispatch.mod_backward_spec(key, 232448, mods.token_number(pair), verify=True)
+    report = build(spec).report
+    assert spec.kind == "bwd_sm90" and spec.mod == mods.token_number(pair) and not spec.causal
+    assert report.spill_stores == 0 and report.stack_frame == 0, (spec.name, report)
+    src = render(spec)
+    flags = [pair.score is not None, pair.mask is not None, pair.score_grad is not None]
+    assert "fg_mod_variant<" + ", ".join("true" if f else "false" for f in flags) + ">" in src
+
+
+def test_backward_with_mods_needs_a_bwd_sm90_tile():
+    from flashgen import dispatch
+    from flashgen.problem import ProblemKey
+
+    with pytest.raises(flashgen.UnsupportedError, match="head-dim tile 256"):
+        dispatch.mod_backward_spec(ProblemKey("bwd_dkdv", "sm_90a", "bf16", 256, False, 4096, ""), 232448, 5)
+    with pytest.raises(flashgen.UnsupportedError, match="sm_80"):
+        dispatch.mod_backward_spec(ProblemKey("bwd_dkdv", "sm_80", "bf16", 128, False, 4096, ""), 166912, 5)
+    with pytest.raises(ValueError, match="built-in variant"):
+        KernelSpec(kind="bwd_sm90", head_dim=128, block_m=64, block_n=128, warps=12, mod=5, causal=True).validate()
+
+
+def test_backward_takes_the_least_spilling_tile_when_none_is_clean(tmp_path, monkeypatch):
+    """A 50-softcap with the causal mask_mod leaves ptxas a few registers short at d = 128 in both dP^T
+    orders (NVRTC 13.0): dispatch takes the tile that spills least (the load accepts its spills) instead
+    of refusing the mod's backward; a clean tile, where a toolchain finds one, comes first."""
+    from flashgen import dispatch
+    from flashgen.codegen import build
+    from flashgen.problem import ProblemKey
+
+    monkeypatch.setenv("FLASHGEN_HOME", str(tmp_path))
+    pair = registered(lambda s, b, h, q, kv: 50.0 * torch.tanh(s / 50.0), lambda b, h, q, kv: q >= kv)
+    key = ProblemKey("bwd_dkdv", "sm_90a", "bf16", 128, False, 4096, "")
+    spec = dispatch.mod_backward_spec(key, 232448, mods.token_number(pair), verify=True)
+    others = [dispatch.mod_backward_spec(key, 232448, mods.token_number(pair)).replace(dp_late=late)
+              for late in (False, True)]
+
+    def spilled(s):
+        r = build(s).report
+        return r.spill_stores + r.spill_loads + r.stack_frame
+
+    problems = dispatch.resource_problems(spec)
+    assert all(p.startswith(("spills:", "stack frame")) for p in problems), problems
+    assert spilled(spec) == min(spilled(s) for s in others)

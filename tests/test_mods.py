@@ -509,6 +509,39 @@ def test_derivative_matches_autograd(fn):
     assert not compiler.compile_source(source, "sm_90a", "fg_grad_check").report.problems()
 
 
+@pytest.mark.parametrize("fn,constant", [
+    (lambda s, b, h, q, kv: 30.0 * torch.tanh(s / 30.0), False),
+    (lambda s, b, h, q, kv: torch.tanh(s * 0.5) * 2.0, False),
+    (lambda s, b, h, q, kv: s - SLOPES[h] * (q - kv).abs(), True),
+    (lambda s, b, h, q, kv: s * 2.0, True),
+    (lambda s, b, h, q, kv: torch.where(q >= kv, s * s, s), False),
+])
+def test_backward_functions_are_f_and_its_derivative(fn, constant):
+    """The backward kernel's pair: f of c f(k s) (``inner``) with its value and f' in one function; c k f'(k s)
+    is the score_mod's derivative (autograd), and a derivative that is the constant 1 prints none."""
+    from flashgen.codegen import compiler
+
+    graph = mods.trace_score_mod(fn, allow_cpu=True)
+    pair = mods.pair(graph, None)
+    k, c = pair.factors
+    inner = graph.inner()
+    idx = [torch.arange(n).reshape([n if a == i else 1 for a in range(4)]) for i, n in enumerate((2, 8, 5, 7))]
+    s = (torch.randn(2, 8, 5, 7, generator=torch.Generator().manual_seed(2)) * 2 + 0.013).requires_grad_(True)
+    torch.testing.assert_close(c * inner.evaluate(k * s.detach(), *idx), graph.evaluate(s.detach(), *idx))
+    want = torch.autograd.grad(graph.evaluate(s, *idx).sum(), s)[0]
+    grad = pair.score_grad
+    assert (grad is None) == constant
+    slope = torch.ones_like(s) if grad is None else grad.evaluate(k * s.detach(), *idx)
+    torch.testing.assert_close(c * k * slope, want, rtol=1e-5, atol=1e-5)
+    source = pair.cuda_backward()
+    assert ("fg_score_mod_grad" in source) != constant
+    assert source.count("FG_DEVICE float fg_score_mod(") == 1 and "FG_DEVICE bool fg_mask_mod(" in source
+    if not constant:
+        call = "float g; o[0] = fg_score_mod_grad(o[1], 0, 1, 2, 3, a, g); o[2] = g;"
+        source = PRELUDE + source + f'extern "C" __global__ void k(float* o, fg_mod_args a) {{ {call} }}\n'
+        assert not compiler.compile_source(source, "sm_90a", "fg_grad_value_check").report.problems()
+
+
 def test_a_mask_has_no_derivative():
     from flashgen.mods.grad import derivative
 

@@ -25,9 +25,11 @@ import torch
 
 from .. import dispatch, families, settings, shapes
 from ..codegen import load
+from ..codegen.launch import ensure_context
 from ..families import bwd
 from ..families.base import stride_values, varlen_list_ints
 from ..problem import ProblemKey, bucket_of, bwd_head_dim_tile
+from ..errors import UnsupportedError
 from ..variants import PLAIN
 from .checks import DTYPES, dims, set_packed, variant_tensors
 from .device import Device, index_of, launch_all
@@ -105,7 +107,7 @@ def _queue(launches, kern, grid, params, packed, rows: int):
 
 def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float, layout: str = "bhsd",
                        deterministic: bool = False, dlse=None, dq_mode: str | None = None, specs=None,
-                       variant=PLAIN, alibi_slopes=None, sinks=None, out32=None, packed=None):
+                       variant=PLAIN, alibi_slopes=None, sinks=None, out32=None, packed=None, mods=None):
     """(dq, dk, dv) for ``out, lse = attention(q, k, v, causal, softmax_scale, layout, return_lse=True)``.
 
     q, k, v, out, lse are the forward's inputs and outputs (already checked by
@@ -129,6 +131,8 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
     in fp32, (b, h, nq, d) (a sink forward's ``out32``): D = rowsum(dO O) is then taken from it rather
     than from the rounded ``out`` (with a sink, a row whose P nears 1 makes dP - D a difference of two
     close numbers, and the rounding of O alone put dQ/dK past the accuracy rule: docs/perf/variants.md).
+    ``mods`` (``api.modcall.ModBackward``): user mods, served by its ``bwd_sm90`` spec, its variant and
+    scales, and its mod fields in the kernel's parameters.
     """
     if dout.shape != q.shape:
         raise ValueError(f"dout must have the shape of q {tuple(q.shape)}, got {tuple(dout.shape)}")
@@ -151,6 +155,7 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
     sdq, sdk, sdv = (dims(t, layout)[1] for t in (dq, dk, dv))
 
     index = index_of(q)
+    ensure_context(index)  # (the autograd engine's thread may have no current context yet)
     dev = Device.of(index)
     dtype = DTYPES[q.dtype]
     d_tile = bwd_head_dim_tile(d)
@@ -162,10 +167,13 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
         dlse = dlse.to(torch.float32).contiguous()
     dsum = torch.empty((b, h, nq_pad), dtype=torch.float32, device=q.device)
     lse2 = torch.empty((b, h, nq_pad), dtype=torch.float32, device=q.device)
-    kernel_variant = variant.backward()
+    kernel_variant = variant.backward() if mods is None else mods.variant
     vkey = kernel_variant.key()
     key = ProblemKey("bwd_dkdv", dev.arch, dtype, d_tile, causal, bucket_of(nq), vkey)
-    forced = specs.get("bwd_dkdv") if specs else None
+    forced = specs.get("bwd_dkdv") if specs else (mods.spec if mods is not None else None)
+    if mods is not None and not all(_tma_ok(t) for t in (q, k, v, dout)):
+        raise UnsupportedError("the backward of score_mod / mask_mod runs on bwd_sm90, whose tensor maps need "
+                               "16-byte aligned q, k, v, dout with strides in multiples of 16 bytes")
     if forced is not None and forced.kind != bwd.DKDV.kind:  # a Hopper kernel: dQ always into the accumulator
         if deterministic or dq_mode == "separate":
             raise ValueError(f"a {forced.kind} spec computes dQ by atomic adds: not with deterministic=True or "
@@ -203,8 +211,10 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
     scale = float(softmax_scale)
     slopes, alibi_sb, _ = variant_tensors(alibi_slopes, None)
     common = {**bwd.common_values(nq, nk, nq_pad, h, hk, d, scale),
-              **kernel_variant.values(nq, nk, scale, forward=False),
+              **kernel_variant.values(nq, nk, scale * (mods.score_in if mods is not None else 1.0), forward=False),
               "alibi": slopes.data_ptr() if slopes is not None else 0, "alibi_sb": alibi_sb}
+    if mods is not None:  # a score_mod c f(k s): dS picks up f' in the kernel, the gradients c k here
+        scale = common["scale"] = scale * mods.grad_factor
 
     launches, keep = [], []  # keep: the varlen work lists, alive until the launches are queued
 
@@ -220,9 +230,11 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
         **stride_values("o", so), **stride_values("dout", sdo), nq=nq, nq_pad=nq_pad, heads=h, d=d)))
 
     if kv_fam is not bwd.DKDV and not separate:  # bwd_sm90: Q, K, V, dO and dQ through tensor maps
-        kv = load(kv_spec, index)
+        kv = load(kv_spec, index, accept_spills=mods is not None and mods.accept_spills)
         params = kv.params(lse2=lse2.data_ptr(), dsum=dsum.data_ptr(), dq_acc=dq_acc.data_ptr(), dk=dk.data_ptr(),
                            dv=dv.data_ptr(), **stride_values("dk", sdk), **stride_values("dv", sdv), **common)
+        if mods is not None:
+            mods.fill(params)
         kv_fam.write_maps(params, kv.spec, (b, h, hk, nq, nk, d, d_tile), {
             "q": (q.data_ptr(), sq), "k": (k.data_ptr(), sk), "v": (v.data_ptr(), sv), "dout": (dout.data_ptr(), sdo),
             "dq_acc": (dq_acc.data_ptr(), (h * nq * d_tile, nq * d_tile, d_tile))})

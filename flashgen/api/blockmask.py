@@ -37,6 +37,7 @@ class TileBlocks:
     ascending order as ``(kv_block << 1) | partial``, then -1 up to NB. Both contiguous, on the mask's
     device; Bm and Hm are 1 where the mask does not depend on the batch or head (read with stride 0).
     ``pairs``: the visible (query, key) pairs over the mask's B x H (None counting as 1), for FLOP counts.
+    (``BlockMask.for_key_tile``: the same with the roles of query and key blocks swapped.)
     """
     block_m: int
     block_n: int
@@ -152,15 +153,24 @@ class BlockMask:
         A block is empty when no in-range pair is visible, full when every in-range pair is, partial
         otherwise; rows past Q_LEN and keys past KV_LEN count as neither (the kernel masks the keys
         itself and writes no such rows). UnsupportedError when the tables pass int32 indexing."""
+        return self._tile(block_m, block_n, False)
+
+    def for_key_tile(self, block_m: int, block_n: int) -> TileBlocks:
+        """The same blocks listed the other way, for the key-outer backward (``bwd_sm90``): per key block of
+        ``block_n`` keys, the query blocks of ``block_m`` rows that see some of its keys. ``counts`` is
+        (Bm, Hm, NB) and ``index`` (Bm, Hm, NB, MB), entries ``(q_block << 1) | partial``."""
+        return self._tile(block_m, block_n, True)
+
+    def _tile(self, block_m: int, block_n: int, by_key: bool) -> TileBlocks:
         block_m, block_n = _positive_int("block_m", block_m), _positive_int("block_n", block_n)
         _check_tile(block_m, block_n, self._q, self._k, self._bm, self._hm)
         with self._lock:
-            tile = self._tiles.get((block_m, block_n))
+            tile = self._tiles.get((block_m, block_n, by_key))
             if tile is None:
-                tile = self._tiles[(block_m, block_n)] = self._reduce(block_m, block_n)
+                tile = self._tiles[(block_m, block_n, by_key)] = self._reduce(block_m, block_n, by_key)
             return tile
 
-    def _reduce(self, block_m: int, block_n: int) -> TileBlocks:
+    def _reduce(self, block_m: int, block_n: int, by_key: bool) -> TileBlocks:
         """The tile's tables from its blocks' visible pair counts against their in-range pair counts."""
         mb, nb = -(-self._q // block_m), -(-self._k // block_n)
         visible = torch.empty(self._bm, self._hm, mb, nb, dtype=torch.int32, device=self._device)
@@ -173,8 +183,11 @@ class BlockMask:
         cols = (self._k - torch.arange(nb, device=dev) * block_n).clamp(max=block_n)
         in_range = (rows[:, None] * cols[None, :]).to(torch.int32)
         nonempty, partial = visible > 0, visible < in_range
-        entries = (torch.arange(nb, dtype=torch.int32, device=dev) << 1) | partial.to(torch.int32)
-        # Entries grow with the key block, so sorting puts the non-empty ones first, ascending.
+        if by_key:  # lists along the query blocks
+            nonempty, partial = nonempty.transpose(-1, -2), partial.transpose(-1, -2)
+        listed = nonempty.shape[-1]
+        entries = (torch.arange(listed, dtype=torch.int32, device=dev) << 1) | partial.to(torch.int32)
+        # Entries grow with the block, so sorting puts the non-empty ones first, ascending.
         entries = torch.where(nonempty, entries, torch.full_like(entries, INT32_MAX)).sort(dim=-1).values
         index = torch.where(entries == INT32_MAX, torch.full_like(entries, -1), entries).contiguous()
         counts = nonempty.sum(dim=-1, dtype=torch.int32).contiguous()
@@ -213,10 +226,9 @@ def _check_result(out, target: tuple, device: torch.device):
         raise TypeError(f"mask_mod must return a bool tensor, it returned {what}")
     if out.device.type != device.type:
         raise TypeError(f"mask_mod must return a tensor on {device}, it returned {what}")
-    try:
-        ok = out.dim() <= 4 and torch.broadcast_shapes(out.shape, target) == torch.Size(target)
-    except RuntimeError:
-        ok = False
+    # (by hand: torch.broadcast_shapes imports sympy on its first call, 2.3 s of a new process's first
+    # mods call on the H200 host)
+    ok = out.dim() <= 4 and all(n in (1, t) for n, t in zip(reversed(out.shape), reversed(target)))
     if not ok:
         raise TypeError(f"mask_mod must return a bool tensor broadcastable to (B, H, q, kv) = {target}, "
                         f"it returned {what}")

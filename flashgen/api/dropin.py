@@ -10,8 +10,9 @@ which for fewer queries than keys is not flashgen's bottom-right ``causal``; tha
 - a float mask is added to the scores, as a score_mod that reads it.
 
 Both read the mask where it is (its size-1 dimensions broadcast: a mod's reads are clamped into each
-dimension), with no copy. Mods have no backward yet, so a masked call that needs gradients is refused,
-as are dropout and a value head dim that differs from the query's. ``fallback=True`` sends what flashgen
+dimension), with no copy. A masked call's gradients come from the mods' backward (``bwd_sm90``: head
+dims up to 128 on sm_90a; a float mask that requires grad gets none, so it is refused). Dropout and a
+value head dim that differs from the query's are refused too. ``fallback=True`` sends what flashgen
 refuses (``UnsupportedError``) to torch's SDPA instead; argument mistakes raise either way.
 
 One difference from torch: a query row that sees no key gives 0 here (FlashAttention's convention),
@@ -86,9 +87,6 @@ def _served(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
     if not mods:
         out = attention(q, k, v, causal=is_causal, softmax_scale=scale)
     else:
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            raise UnsupportedError("a masked sdpa call (attn_mask, or is_causal with fewer queries than keys) runs as "
-                                   "mods, which have no backward yet: no gradients through it")
         out = attention(q, k, v, softmax_scale=scale, **mods)
     return out.squeeze(1) if three else out
 

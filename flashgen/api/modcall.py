@@ -4,7 +4,9 @@ The mods are traced once into expression graphs (``flashgen.mods``); the pair's 
 (``KernelSpec.mod``), whose kernel prints the graphs as device functions (templates/common/mod.cuh).
 A mask comes with a block mask (``flashgen.api.blockmask``), made at the kernel's tile: the kernel
 visits only the key blocks it lists and calls the mask only on the partial ones. The forward runs on
-``fwd_sm90`` (sm_90a); the backward of a mod is not built, so a call that needs gradients is refused.
+``fwd_sm90`` (sm_90a), the backward on ``bwd_sm90`` (head-dim tiles 64 and 128): the score_mod's
+derivative (``mods.derivative``) multiplies dS, the block mask is listed per key block
+(``BlockMask.for_key_tile``). Captured tensors get no gradient.
 """
 from __future__ import annotations
 
@@ -15,9 +17,12 @@ import torch
 
 from .. import dispatch, families, mods
 from ..codegen import load
+from ..codegen.launch import SPILL_PROBLEMS, ensure_context
 from ..errors import UnsupportedError
-from ..problem import ProblemKey, bucket_of, head_dim_tile
+from ..settings import logger
+from ..problem import ProblemKey, bucket_of, bwd_head_dim_tile, head_dim_tile
 from ..variants import Variant
+from .backward import attention_backward
 from .blockmask import BlockMask, create_block_mask
 from .checks import DTYPES, check_attention_call, check_forced_spec, check_int32, contiguous_strides
 from .device import Device, index_of
@@ -36,6 +41,43 @@ _made_lock = threading.Lock()
 
 def mod_forward(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask):
     """The forward of ``attention(q, k, v, score_mod=..., mask_mod=..., block_mask=...)`` (no autograd)."""
+    out, lse, _ = _run(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask)
+    return (out, lse) if return_lse else out
+
+
+def mod_attention(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask):
+    """The same with gradients for q, k and v (``bwd_sm90`` with the mods; captured tensors get none, so
+    one that requires grad is refused)."""
+    out, lse = _ModAttention.apply(q, k, v, softmax_scale, layout, spec, score_mod, mask_mod, block_mask)
+    return (out, lse) if return_lse else out
+
+
+class _ModAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale, layout, spec, score_mod, mask_mod, block_mask):
+        out, lse, plan = _run(q, k, v, softmax_scale, layout, True, spec, score_mod, mask_mod, block_mask, True)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.layout = plan, layout
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan = ctx.plan
+        if plan.base.kernel is None or (dout is None and dlse is None):
+            return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)) + (None,) * 6
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, False, plan.scale, ctx.layout, dlse=dlse,
+                                        mods=backward_of(plan, q))
+        return (dq, dk, dv) + (None,) * 6
+
+
+def _run(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask, grads=False):
+    """(out, lse or None, the plan) of a forward with mods. ``grads``: the backward will follow, so what it
+    cannot serve is refused before this launch (captures that require grad, a head dim or GPU without
+    bwd_sm90), and its kernel is chosen now."""
     try:
         sig = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
                q.device, k.device, v.device, softmax_scale, type(softmax_scale), layout, return_lse,
@@ -49,12 +91,20 @@ def mod_forward(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mas
         plan = _plan(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask)
         if sig is not None:
             _plans.put(sig, plan)
+    if grads:
+        needing = [t for t in plan.pair.captures if t.requires_grad]
+        if needing:
+            raise UnsupportedError(f"a mod captures a tensor that requires grad (shape {tuple(needing[0].shape)}): "
+                                   "flashgen computes no gradient for captured tensors; detach it")
+        if plan.base.kernel is not None:
+            backward_of(plan, q)
     if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
         raise ValueError("q, k, v must be 16-byte aligned (16-byte loads), got addresses "
                          f"{q.data_ptr():#x}, {k.data_ptr():#x}, {v.data_ptr():#x}")
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty(plan.base.lse_shape, dtype=torch.float32) if return_lse else None
     if plan.base.kernel is not None:
+        ensure_context(plan.base.device_index)  # (a thread's first CUDA call: none may be current)
         params = plan.base.params_for(q.data_ptr(), k.data_ptr(), v.data_ptr())
         params.o = out.data_ptr()
         params.lse = lse.data_ptr() if lse is not None else 0
@@ -62,7 +112,7 @@ def mod_forward(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mas
         if plan.base.counters:
             params.sched = tile_counters(plan.base.device_index)
         plan.base.launch(params)
-    return (out, lse) if return_lse else out
+    return out, lse, plan
 
 
 class _ModPlan:
@@ -71,10 +121,11 @@ class _ModPlan:
     the block mask's lists at the kernel's tile (both kept alive here; ``current`` guards that the
     captures are still the traced ones)."""
 
-    __slots__ = ("base", "pair", "captures", "tiles", "functions", "offset", "blob")
+    __slots__ = ("base", "pair", "captures", "tiles", "functions", "offset", "blob", "block_mask", "scale", "backward")
 
-    def __init__(self, base, pair, tiles, functions, struct=None):
+    def __init__(self, base, pair, tiles, functions, struct=None, block_mask=None, scale=None):
         self.base, self.pair, self.tiles, self.functions = base, pair, tiles, functions
+        self.block_mask, self.scale, self.backward = block_mask, scale, None
         self.captures = tuple(pair.captures)
         self.offset, self.blob = 0, b""
         if struct is not None:
@@ -103,9 +154,8 @@ def _packed(struct, captures, tiles) -> tuple[int, bytes]:
         for axis in range(4):
             args.s[slot][axis], args.n[slot][axis] = strides[axis], sizes[axis]
     if tiles is not None:
-        blocks, sb, sh = tiles
-        scratch.bm_count, scratch.bm_index = blocks.counts.data_ptr(), blocks.index.data_ptr()
-        scratch.bm_sb, scratch.bm_sh, scratch.bm_nb = sb, sh, blocks.index.shape[-1]
+        scratch.bm_count, scratch.bm_index = tiles.counts.data_ptr(), tiles.index.data_ptr()
+        scratch.bm_sb, scratch.bm_sh, scratch.bm_nb = block_strides(tiles) + (tiles.index.shape[-1],)
     start, end = struct.mod.offset, struct.bm_nb.offset + ctypes.sizeof(ctypes.c_int32)
     return start, bytes(scratch)[start:end]
 
@@ -166,13 +216,58 @@ def _plan(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod,
     base = Plan(kern, grid, dev.index, (b, h, nq), params_for, fam.needs_tile_counters(spec))
     tiles = None
     if mask_graph is not None:
-        blocks = block_mask.for_tile(spec.block_m, spec.block_n)
-        mb = blocks.counts.shape[-1]
-        sb = blocks.counts.shape[1] * mb if blocks.counts.shape[0] > 1 else 0
-        sh = mb if blocks.counts.shape[1] > 1 else 0
-        check_int32("the block mask's rows", blocks.counts.numel())
-        tiles = (blocks, sb, sh)
-    return _ModPlan(base, pair, tiles, functions, fam.param_struct())
+        tiles = block_mask.for_tile(spec.block_m, spec.block_n)
+        check_int32("the block mask's rows", tiles.counts.numel())
+    return _ModPlan(base, pair, tiles, functions, fam.param_struct(), block_mask, scale)
+
+
+def block_strides(tiles) -> tuple[int, int]:
+    """A block mask table's (batch, head) strides in rows of its lists (``TileBlocks``, either direction):
+    0 where the mask does not depend on the batch or the head."""
+    rows = tiles.counts.shape[-1]
+    return (tiles.counts.shape[1] * rows if tiles.counts.shape[0] > 1 else 0,
+            rows if tiles.counts.shape[1] > 1 else 0)
+
+
+class ModBackward:
+    """What the backward of a call with mods gives ``attention_backward``: the dK/dV kernel's ``spec``
+    (``bwd_sm90`` with the pair's token, ``dispatch.mod_backward_spec``), its ``variant`` (the score_mod
+    folded as the forward's: ``score_in`` = k joins the scale before f, c the softmax's units), the
+    gradients' factor ``grad_factor`` = c k (dS picks up f' in the kernel) and the kernel's mod fields
+    (captures, the block mask listed per key block: ``BlockMask.for_key_tile``), packed once."""
+
+    def __init__(self, plan: "_ModPlan", q):
+        dev = Device.of(index_of(q))
+        pair = plan.pair
+        d = q.shape[-1]
+        key = ProblemKey("bwd_dkdv", dev.arch, DTYPES[q.dtype], bwd_head_dim_tile(d), False,
+                         bucket_of(plan.base.lse_shape[-1]), "")
+        self.spec = dispatch.mod_backward_spec(key, dev.smem_budget, mods.token_number(pair), verify=True)
+        # Spills only where no tile builds clean (dispatch.mod_backward_spec): taken, and said once.
+        problems = dispatch.resource_problems(self.spec)
+        self.accept_spills = bool(problems) and all(p.startswith(SPILL_PROBLEMS) for p in problems)
+        if self.accept_spills:
+            logger().info("mods %s: the backward kernel %s spills (%s): no bwd_sm90 tile holds this mod's functions "
+                          "in registers; it runs anyway", pair.token, self.spec.name, "; ".join(problems))
+        k_in, c_out = pair.factors
+        self.score_in, self.grad_factor = k_in, k_in * c_out
+        self.variant = Variant(scored=pair.score is not None, score_factor=c_out)
+        tiles = None
+        if pair.mask is not None:
+            tiles = plan.block_mask.for_key_tile(self.spec.block_m, self.spec.block_n)
+            check_int32("the block mask's rows", tiles.counts.numel())
+        self.tiles = tiles  # (kept alive with the captures while the plan lives)
+        self.offset, self.blob = _packed(families.family("bwd_sm90").param_struct(), tuple(pair.captures), tiles)
+
+    def fill(self, params) -> None:
+        ctypes.memmove(ctypes.addressof(params) + self.offset, self.blob, len(self.blob))
+
+
+def backward_of(plan: "_ModPlan", q) -> ModBackward:
+    """The plan's backward part, made on first use (the plan cache keeps it)."""
+    if plan.backward is None:
+        plan.backward = ModBackward(plan, q)
+    return plan.backward
 
 
 def mod_spec(dtype: str, d: int, nq: int, dev, pair, verify: bool = True, causal_like: bool = False):

@@ -60,6 +60,8 @@ CASES = (
 CASE_NAMES = (*dict.fromkeys(c.name for c in CASES), "host")
 IMPLS = ("flashgen", "builtin", "flex")
 RATIOS = (("x_builtin", "builtin"), ("x_flex", "flex"))
+MODES = ("fwd", "fwd+bwd")
+BWD_FLOPS = 2.5  # the backward's FLOPs over the forward's (the suite convention)
 WINDOW, SOFTCAP, DOCS = 4096, 50.0, 16
 
 
@@ -68,6 +70,9 @@ def add_args(p) -> None:
                    help=f"cases to run, comma-separated ({', '.join(CASE_NAMES)}; default all)")
     p.add_argument("--d", type=int, default=128, help="head dim (default 128)")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"implementations (default and known: {','.join(IMPLS)})")
+    p.add_argument("--mode", choices=MODES, default="fwd",
+                   help="the forward alone (default), or a forward and its backward (torch.autograd.grad of the "
+                        "output with a random dO; counted as 3.5 forwards)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per cell (default 5; the median counts)")
     p.add_argument("--budget", type=float, default=0.25, help="seconds of timed calls per implementation per round")
 
@@ -76,7 +81,7 @@ def parse(args) -> dict:
     options.positive(args.rounds, "rounds", integer=True)
     options.positive(args.budget, "budget")
     return {"cases": options.names(args.cases, CASE_NAMES, "cases"), "d": options.head_dims(str(args.d))[0],
-            "impls": options.names(args.impls, IMPLS, "impls"), "rounds": int(args.rounds),
+            "impls": options.names(args.impls, IMPLS, "impls"), "mode": args.mode, "rounds": int(args.rounds),
             "budget": float(args.budget)}
 
 
@@ -139,6 +144,7 @@ def run(args, progress) -> dict:
     settings = parse(args)
     require_cuda("mods")
     d = settings["d"]
+    grads = settings["mode"] == "fwd+bwd"
     meta_info = meta()
     rows = []
     host = host_section(progress) if "host" in settings["cases"] else None
@@ -148,21 +154,22 @@ def run(args, progress) -> dict:
         def rnd(h):
             return torch.randn(case.batch, h, case.n, d, device="cuda", dtype=torch.bfloat16, generator=gen)
 
-        q, k, v = rnd(case.heads), rnd(case.kv_heads), rnd(case.kv_heads)
+        q, k, v = (t.requires_grad_(grads) for t in (rnd(case.heads), rnd(case.kv_heads), rnd(case.kv_heads)))
         score_mod, mask_mod, builtin, bounds = case_mods(case, q.device)
         block_mask = api.create_block_mask(mask_mod, None, None, case.n, case.n)
         pairs = block_mask.for_tile(128, 128).pairs
-        flop = 4.0 * case.batch * case.heads * pairs * d
+        flop = 4.0 * case.batch * case.heads * pairs * d * (1 + BWD_FLOPS if grads else 1)
         makers = {}
         for impl in settings["impls"]:
             if impl == "flashgen":
-                makers[impl] = lambda: (lambda: api.attention(q, k, v, score_mod=score_mod, block_mask=block_mask))
+                makers[impl] = lambda: _timed(lambda: api.attention(q, k, v, score_mod=score_mod, block_mask=block_mask),
+                                              (q, k, v), grads)
             elif impl == "builtin":
-                makers[impl] = lambda: _builtin(q, k, v, builtin, bounds, api)
+                makers[impl] = lambda: _timed(*_builtin(q, k, v, builtin, bounds, api), grads)
             else:
-                makers[impl] = lambda: _flex(q, k, v, score_mod, mask_mod, case)
+                makers[impl] = lambda: _timed(_flex(q, k, v, score_mod, mask_mod, case), (q, k, v), grads)
         measure = lambda fn: time_ms(fn, budget_s=settings["budget"], min_reps=5, max_reps=30, warmup=2)["ms"]  # noqa: E731
-        with torch.no_grad():
+        with torch.set_grad_enabled(grads):
             cells = time_cell(makers, settings["rounds"], measure)
         for impl, cell in cells.items():
             if "ms" in cell:
@@ -180,7 +187,8 @@ def run(args, progress) -> dict:
         del q, k, v, block_mask
         free()
     result = {"suite": "mods", "meta": meta_info, "metric": "tflops", "x": "case", "panels": ["head_dim"],
-            "convention": "bf16; TFLOP/s = 4 B H (visible query-key pairs) d / time; median of "
+            "convention": "bf16; TFLOP/s = 4 B H (visible query-key pairs) d / time"
+                          + (" (x 3.5: a forward and its backward)" if grads else "") + "; median of "
                           f"{settings['rounds']} interleaved rounds; x_builtin / x_flex: flashgen's mods over its "
                           "built-in equivalent / over FlexAttention (compiled) running the same functions",
             "settings": settings, "impls": settings["impls"], "ratios": [r for r, _ in RATIOS], "rows": rows}
@@ -266,19 +274,32 @@ def _mod_kernel(q, block_mask) -> str:
     return names[-1] if names else ""
 
 
+def _timed(fn, inputs, grads: bool):
+    """The timed call: ``fn`` (the forward), or with ``grads`` the forward and ``torch.autograd.grad`` of its
+    output over ``inputs`` with a random dO (made once)."""
+    import torch
+
+    if not grads:
+        return fn
+    dout = torch.randn_like(fn())
+    return lambda: torch.autograd.grad(fn(), inputs, dout)
+
+
 def _builtin(q, k, v, builtin, bounds, api):
-    """flashgen's own equivalent of a case: ``attention`` with its variant keywords, or ``attention_varlen``
-    over the case's documents (one row of packed sequences)."""
+    """(the call, its inputs) of flashgen's own equivalent of a case: ``attention`` with its variant keywords,
+    or ``attention_varlen`` over the case's documents (one row of packed sequences)."""
     import torch
 
     if bounds is not None:
         cu = torch.tensor(bounds, dtype=torch.int32, device=q.device)
         longest = max(b - a for a, b in zip(bounds, bounds[1:]))
-        qp, kp, vp = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))  # (total, heads, d)
-        return lambda: api.attention_varlen(qp, kp, vp, cu, cu, longest, longest, causal=True, check_values=False)
+        packed = tuple(t.detach()[0].transpose(0, 1).contiguous().requires_grad_(t.requires_grad)
+                       for t in (q, k, v))  # (total, heads, d)
+        return (lambda: api.attention_varlen(*packed, cu, cu, longest, longest, causal=True, check_values=False),
+                packed)
     if builtin is None:
         raise Skipped("no built-in equivalent")
-    return lambda: api.attention(q, k, v, **builtin)
+    return lambda: api.attention(q, k, v, **builtin), (q, k, v)
 
 
 def _flex(q, k, v, score_mod, mask_mod, case):

@@ -136,15 +136,26 @@ def variant_context(spec) -> dict:
 MOD_TOKEN_LIMIT = 1 << 48  # a spec's ``mod``: the first 12 hex digits of a mod pair's hash, as a number
 
 
-def mod_context(spec) -> dict:
+def mod_context(spec, backward: bool = False) -> dict:
     """The template's user mods: ``mod_source``, the device functions printed from the pair of traced graphs
     the spec's ``mod`` token names (flashgen.mods; this process must have traced them), and the
-    ``variant_type`` that calls them (common/mod.cuh); nothing for a spec without mods."""
+    ``variant_type`` that calls them (common/mod.cuh); nothing for a spec without mods. ``backward``: the
+    backward kernel's functions (``ModPair.cuda_backward``: the score_mod unfolded, with its derivative)."""
     if not spec.mod:
         return {"mod_source": ""}
     pair = mods.lookup(mods.token_text(spec.mod))
-    flags = ", ".join("true" if g is not None else "false" for g in (pair.score, pair.mask))
-    return {"mod_source": pair.cuda(), "variant_type": f"fg_mod_variant<{flags}>"}
+    flags = [pair.score is not None, pair.mask is not None] + ([pair.score_grad is not None] if backward else [])
+    return {"mod_source": pair.cuda_backward() if backward else pair.cuda(),
+            "variant_type": "fg_mod_variant<" + ", ".join("true" if f else "false" for f in flags) + ">"}
+
+
+def check_mod(family, spec) -> None:
+    """ValueError unless ``spec.mod`` is a mod token (or 0) and, when set, no built-in variant is on."""
+    if not 0 <= spec.mod < MOD_TOKEN_LIMIT:
+        raise ValueError(f"{family.kind}: mod={spec.mod} is not a mod token (0 <= mod < 2^48)")
+    if spec.mod and (spec.causal or spec.window or spec.softcap or spec.alibi or spec.sinks or spec.varlen):
+        raise ValueError(f"{family.kind}: mod={spec.mod} takes no built-in variant (causal, window, softcap, alibi, "
+                         "sinks, varlen): a mod expresses its own mask and scores")
 
 
 def forward_values(dims, strides_bhs, o_strides, scale: float) -> dict:

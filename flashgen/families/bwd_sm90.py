@@ -13,7 +13,8 @@ import ctypes
 from .. import tma
 from ..errors import UnsupportedError
 from ..problem import ProblemKey, bwd_head_dim_tile
-from .base import F32, I32, PTR, TMAP, VARIANT_PARAMS, VARLEN_PARAMS, Family, aligned_struct, hopper_checks, strides, variant_context
+from .base import (F32, I32, MOD_PARAMS, PTR, TMAP, VARIANT_PARAMS, VARLEN_PARAMS, Family, aligned_struct, check_mod,
+                   hopper_checks, mod_context, strides, variant_context)
 
 # The parameter block: tensor maps first (64-byte aligned, as the C struct's alignas(64) wants),
 # Q/K/V/dO in the input dtype with 64-column boxes, and the fp32 dQ accumulator (b, h, nq, head-dim
@@ -28,6 +29,7 @@ SM90_BWD_PARAMS = (
     ("d", "int", I32), ("scale", "float", F32), ("scale_log2", "float", F32),
     *VARIANT_PARAMS,
     *VARLEN_PARAMS,
+    *MOD_PARAMS,
 )
 
 # How dQ reaches the fp32 accumulator (KernelSpec.dq_write).
@@ -55,6 +57,7 @@ class Bwd90Family(Family):
     def validate(self, spec) -> None:
         self.require(spec, (("head_dim", self.head_dims), ("block_m", self.block_ms), ("block_n", self.block_ns),
                             ("stages", self.stages), ("arch", self.archs), ("dq_write", tuple(DQ_WRITES))))
+        check_mod(self, spec)
         want = 4 * (self.consumers(spec) + 1)
         if spec.warps != want:
             raise ValueError(f"{self.kind}: block_n={spec.block_n} means {self.consumers(spec)} consumer "
@@ -101,7 +104,7 @@ class Bwd90Family(Family):
         return {"params": [(n, c) for n, c, _ in self.params], "param_bytes": ctypes.sizeof(self.param_struct()),
                 "producer_regs": producer or 24, "consumer_regs": consumer or 240, "dq_n": self.dq_cols(spec),
                 "staging_bytes": self.staging_bytes(spec), "dq_write_how": DQ_WRITES[spec.dq_write],
-                **variant_context(spec)}
+                "dp_late": spec.dp_late, **variant_context(spec), **mod_context(spec, backward=True)}
 
     def param_struct(self):
         return aligned_struct(self)

@@ -20,8 +20,8 @@ from ..errors import UnsupportedError
 from ..problem import ProblemKey, smallest_tile
 from ..spec import KernelSpec
 from ..variants import PLAIN
-from .base import (F32, FWD_O32_PARAMS, I32, MOD_PARAMS, MOD_TOKEN_LIMIT, PTR, TMAP, VARIANT_PARAMS, VARLEN_PARAMS,
-                   Family, aligned_struct, forward_values, hopper_checks, mod_context, strides, stride_values,
+from .base import (F32, FWD_O32_PARAMS, I32, MOD_PARAMS, PTR, TMAP, VARIANT_PARAMS, VARLEN_PARAMS,
+                   Family, aligned_struct, check_mod, forward_values, hopper_checks, mod_context, strides, stride_values,
                    variant_context, varlen_pairs)
 
 # The parameter block: the three tensor maps first (each at a 64-byte-aligned offset, as the C
@@ -171,11 +171,7 @@ class Sm90Family(Family):
         if spec.kv_gather and not (spec.page_rows and spec.warp_specialized and not spec.persistent):
             raise ValueError(f"{self.kind}: kv_gather gathers paged rows (page_rows > 0) with the producer warpgroup "
                              "(warp_specialized) of a one-tile-per-CTA kernel (not persistent)")
-        if not 0 <= spec.mod < MOD_TOKEN_LIMIT:
-            raise ValueError(f"{self.kind}: mod={spec.mod} is not a mod token (0 <= mod < 2^48)")
-        if spec.mod and (spec.causal or spec.window or spec.softcap or spec.alibi or spec.sinks or spec.varlen):
-            raise ValueError(f"{self.kind}: mod={spec.mod} takes no built-in variant (causal, window, softcap, alibi, "
-                             "sinks, varlen): a mod expresses its own mask and scores")
+        check_mod(self, spec)
         if spec.page_rows and spec.persistent and spec.block_m >= 192:
             raise ValueError(f"{self.kind}: page_rows with persistent at block_m {spec.block_m}: three consumer "
                              "warpgroups leave the producer 32 registers and the paged loads spill them; drop "

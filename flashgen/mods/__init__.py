@@ -35,7 +35,8 @@ accepted (``SUPPORTED``); anything else, Python control flow on a traced value (
   wrap-around of negative indices does not apply).
 
 **Derivative.** ``derivative(graph)`` is d score_mod / d score as a graph of the same captures
-(``mods/grad.py``): the factor a backward kernel multiplies dS by. No backward kernel uses it yet.
+(``mods/grad.py``): the factor the backward kernel (``bwd_sm90``) multiplies dS by, printed with the
+score_mod's value in one function (``ModPair.cuda_backward``).
 """
 from __future__ import annotations
 
@@ -184,6 +185,33 @@ class ModPair:
         """``fg_score_mod`` (its factors folded out: ``factors``) and ``fg_mask_mod`` (a pass-through one
         for a missing half)."""
         score = self.score.cuda("fg_score_mod", fold=True) if self.score else passthrough_cuda("score", "fg_score_mod")
+        slot0 = len(self.score.captures) if self.score else 0
+        mask = self.mask.cuda("fg_mask_mod", slot0) if self.mask else passthrough_cuda("mask", "fg_mask_mod")
+        return score + "\n" + mask
+
+
+    @property
+    def score_grad(self) -> Graph | None:
+        """f' of the score_mod ``c * f(k * score)`` (``factors``; f the whole function where nothing folds):
+        ``derivative`` of ``Graph.inner``, or None where it is the constant 1 (no score_mod, or one that
+        only adds to the score or scales it: a bias, ALiBi). The backward kernel multiplies dS by it and
+        the gradients by c k (beside the softmax scale)."""
+        if self.score is None:
+            return None
+        grad = derivative(self.score.inner())
+        return None if grad.constant() == 1.0 else grad
+
+    def cuda_backward(self) -> str:
+        """The backward kernel's functions: ``fg_score_mod`` folded as the forward's (``cuda``), with
+        ``fg_score_mod_grad(..., float& grad)``, f's value and f' in one function, where ``score_grad``
+        is not None, and ``fg_mask_mod``."""
+        if self.score is None:
+            score = passthrough_cuda("score", "fg_score_mod")
+        else:
+            score = self.score.cuda("fg_score_mod", fold=True)
+            grad = self.score_grad
+            if grad is not None:
+                score += "\n" + grad.cuda_with_value("fg_score_mod_grad", len(self.score.inner().nodes) - 1)
         slot0 = len(self.score.captures) if self.score else 0
         mask = self.mask.cuda("fg_mask_mod", slot0) if self.mask else passthrough_cuda("mask", "fg_mask_mod")
         return score + "\n" + mask

@@ -123,6 +123,18 @@ class Graph:
                     return value, last.args[other]
         return 1.0, None
 
+    def inner(self) -> "Graph":
+        """f of a score_mod ``c * f(k * score)`` (``factors``) as a graph of its own, its score input being
+        k * score: what ``cuda(fold=True)`` prints; the graph itself where nothing folds."""
+        if self.kind != "score":
+            return self
+        _, scaled, _, inner = self._folds()
+        if not scaled and inner is None:
+            return self
+        end = len(self.nodes) if inner is None else inner + 1
+        nodes = tuple(Node("in", "f32", ("score",)) if i in scaled else n for i, n in enumerate(self.nodes[:end]))
+        return Graph(self.kind, nodes, self.captures, self.capture_types)
+
     def cuda(self, fname: str, slot0: int = 0, fold: bool = False) -> str:
         """The graph as one straight-line device function named ``fname`` (a C identifier), reading its
         capture i as slot ``slot0 + i`` of ``fg_mod_args`` (the kernel header defines it, ``FG_DEVICE``
@@ -143,6 +155,36 @@ class Graph:
             lines.append(f"    const {CTYPES[n.dtype]} v{i} = {expr};")
         lines += [f"    return v{result};", "}", ""]
         return "\n".join(lines)
+
+    def cuda_with_value(self, fname: str, value: int) -> str:
+        """A derivative graph (``mods.derivative``: the score_mod's nodes first) as one device function that
+        returns node ``value`` (the score_mod's result) and writes this graph's result (the derivative) to
+        its last argument, ``float& grad``: the nodes both need are computed once (a softcap's tanh)."""
+        if self.kind != "score" or type(value) is not int or not 0 <= value < len(self.nodes):
+            raise ModError(f"cuda_with_value takes a score graph and one of its node positions, got {value!r}")
+        head = HEADS["score"].format(fname)
+        if not _IDENT.match(fname) or fname in _C_WORDS:
+            raise ModError(f"the device function name {fname!r} is not a C identifier")
+        lines = [head[:-1] + ", float& grad) {"]
+        for i, n in enumerate(self.nodes):
+            lines.append(f"    const {CTYPES[n.dtype]} v{i} = {self._expr(n, 0)};")
+        lines += [f"    grad = v{len(self.nodes) - 1};", f"    return v{value};", "}", ""]
+        return "\n".join(lines)
+
+    def constant(self):
+        """The value of a graph whose result is a constant (through additions of a constant 0, as
+        ``derivative`` ends), else None."""
+        i = len(self.nodes) - 1
+        while True:
+            n = self.nodes[i]
+            if n.op == "const":
+                return n.args[0]
+            if n.op != "add":
+                return None
+            zero = [a for a in n.args if self.nodes[a].op == "const" and self.nodes[a].args[0] == 0]
+            if not zero:
+                return None
+            i = n.args[1] if n.args[0] == zero[0] else n.args[0]
 
     def evaluate(self, score, b, h, q, kv):
         """The graph on torch values, with the printed CUDA's semantics: ``score`` as float32, the indices

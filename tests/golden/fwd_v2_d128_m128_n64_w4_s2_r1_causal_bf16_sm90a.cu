@@ -265,7 +265,8 @@ FG_DEVICE void p_frag(fg_u32 (&a)[4], F& s, int kk) {
 // (A softcapped kernel's parameter block carries scale = c: see the host's Variant.values.)
 //   finish                    1 / l and the LSE of a row, with the sink in the denominator
 // and, for the key-outer backward kernels, query_first / query_end (the query blocks a key block is
-// seen by); score (one element: transform and mask) and dS_factor (the softcap's 1 - t^2).
+// seen by); score (one element: transform and mask) and, where DS_FACTOR, dS_factor (the softcap's
+// 1 - t^2) of the value score leaves in t_out.
 #pragma once
 
 // Columns of row half h outside [lo, hi), counted from this thread's first column (as mask_row).
@@ -322,7 +323,9 @@ struct fg_variant {
   enum : int { RIGHT = CAUSAL || WINDOW, LEFT = WINDOW, TRANSFORMS = SOFTCAP || ALIBI, HAS_SINK = SINKS,
                HAS_CAP = SOFTCAP, HAS_ALIBI = ALIBI, PLAIN = !(WINDOW || SOFTCAP || ALIBI || SINKS),
                VARLEN_ROWS = VARLEN, ALIBI_LINEAR = ALIBI && CAUSAL && !WINDOW,
-               SPARSE = 0 /* key blocks from a block mask's list: common/mod.cuh */ };
+               SPARSE = 0 /* key blocks from a block mask's list: common/mod.cuh */,
+               DS_FACTOR = SOFTCAP /* the backward's dS takes dS_factor of score's t_out */,
+               USER = 0 /* user mods (common/mod.cuh) */ };
   int nq, nk, diag, left, right;
   float cap_in, slope, sink;
 

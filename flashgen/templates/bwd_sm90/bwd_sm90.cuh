@@ -36,7 +36,9 @@
 // Q/dO (TMA zero fill) and LSE2 = +inf, so P = dS = 0. A CTA walks only the query
 // blocks that see its keys (causal: from the first that reaches them; a window's
 // left side: up to the last). A softcap's tanh value stays in S^T's registers
-// for dS's factor 1 - t^2; ALiBi has no gradient.
+// for dS's factor 1 - t^2; ALiBi has no gradient. User mods (common/mod.cuh): the
+// score_mod's derivative stays there for dS's factor; with a block mask the CTA
+// walks its key block's lists of query blocks and masks only the partial ones.
 //
 // Shared-memory tiles are the forward's (fwd_sm90.cuh): rows of 64 16-bit
 // elements (128 bytes) with the 128-byte swizzle (16-byte chunk c of row r at
@@ -83,8 +85,35 @@ FG_DEVICE void sts_f32x2(fg_u32 addr, float a, float b) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b));
 }
 
+// User mods with a block mask (V::SPARSE, common/mod.cuh): the query blocks of (batch b, query head hq)
+// that see key block n_block, as (block << 1) | partial entries, and their count.
+template <typename Params>
+FG_DEVICE const int* bwd_block_list(const Params& p, int b, int hq, int n_block, int& count) {
+  const fg_i64 r = static_cast<fg_i64>(b) * p.bm_sb + static_cast<fg_i64>(hq) * p.bm_sh + n_block;
+  count = __ldg(p.bm_count + r);
+  return p.bm_index + r * p.bm_nb;
+}
+
+// The steps of a CTA under a block mask: (query head of the group, query block) pairs in the order of
+// the group's heads and each list's entries. The producer and the consumers walk the same sequence.
+struct bwd_sparse_walk {
+  const int* list;
+  int qh, j, count;
+  template <typename Params>
+  FG_DEVICE int next(const Params& p, int b, int hk, int n_block, bool& partial) {
+    while (j == count) {
+      ++qh;
+      j = 0;
+      list = bwd_block_list(p, b, hk * p.group + qh, n_block, count);
+    }
+    const int e = __ldg(list + j++);
+    partial = e & 1;
+    return e >> 1;
+  }
+};
+
 template <int D, int BM, int BN, int ST, int DQW, bool CAUSAL, bool BF16, int PRODUCER_REGS, int CONSUMER_REGS,
-          typename V, typename Params>
+          typename V, bool DPL, typename Params>
 FG_DEVICE void bwd_sm90_body(const Params& p) {
   constexpr int NWG = BN / 64;            // consumer warpgroups, 64 keys each
   constexpr int PANELS = D / 64;          // 128-byte panels per row of Q, K, V, dO
@@ -139,7 +168,15 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   const int diag = V::VARLEN_ROWS ? var.diag : p.nk - p.nq;  // bottom-right: query i sees keys j <= i + diag
   const int mb = V::VARLEN_ROWS ? 0 : b;  // the maps' batch coordinate (packed rows: one batch)
   const int m_first = var.query_first(n0, BM), m_end = var.query_end(n0, BN, BM);
-  const int total = max(0, m_end - m_first) * p.group;  // steps: (query head of the group, query block)
+  int total = max(0, m_end - m_first) * p.group;  // steps: (query head of the group, query block)
+  if constexpr (V::SPARSE) {  // a block mask: its lists' lengths over the group's heads
+    total = 0;
+    for (int qh = 0; qh < p.group; ++qh) {
+      int count;
+      bwd_block_list(p, b, hk * p.group + qh, n_block, count);
+      total += count;
+    }
+  }
 
   if (tid == 0) {
     tma_prefetch_map(&p.tm_q);
@@ -169,9 +206,15 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
         tma_load_4d(sV + pn * BN * 128, &p.tm_v, bar_kv, pn * 64, k_off + n0, hk, mb);
       }
       int qh = 0, qm = m_first;
+      bwd_sparse_walk walk{nullptr, -1, 0, 0};
       for (int it = 0; it < total; ++it) {
         const int s = it % ST;
         if (it >= ST) mbar_wait(bar_e(s), ((it / ST) + 1) & 1);
+        if constexpr (V::SPARSE) {
+          bool partial_unused;
+          qm = walk.next(p, b, hk, n_block, partial_unused);
+          qh = walk.qh;
+        }
         const int hq = hk * p.group + qh, m0 = qm * BM;
         // LSE2 / D rows: packed rows start at the 16-byte boundary at or before the tile's first row.
         const fg_i64 row = V::VARLEN_ROWS ? (static_cast<fg_i64>(hq) * p.nq_pad + q_off + m0) & ~3ll
@@ -187,7 +230,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
         for (int pn = 0; pn < PANELS; ++pn)
           tma_load_4d(sdO + s * QT_BYTES + pn * BM * 128, &p.tm_do, bar_do(s), pn * 64, q_off + m0, hq, mb);
         bulk_load(sDd + s * ROW_BYTES, p.dsum + row, ROW_BYTES, bar_do(s));
-        if (++qm == m_end) {
+        if (!V::SPARSE && ++qm == m_end) {
           qm = m_first;
           ++qh;
         }
@@ -230,14 +273,20 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   float acc_s[BM / 2], acc_dp[BM / 2], acc_dq[DQ_N / 2];
   mbar_wait(bar_kv, 0);  // always: the CTA must not exit with the K/V copy in flight
   int hc = 0, mc = m_first;
+  bwd_sparse_walk walk{nullptr, -1, 0, 0};
+  bool partial = false;  // (V::SPARSE: the block mask's flag of this step's block)
   for (int it = 0; it < total; ++it) {
     const int s = it % ST, ph = (it / ST) & 1;
+    if constexpr (V::SPARSE) {
+      mc = walk.next(p, b, hk, n_block, partial);
+      hc = walk.qh;
+    }
     const int hq = hk * p.group + hc, m0 = mc * BM;
-    if (++mc == m_end) {
+    if (!V::SPARSE && ++mc == m_end) {
       mc = m_first;
       ++hc;
     }
-    if constexpr (V::HAS_ALIBI) var.set_head(p, b, hq);
+    if constexpr (V::HAS_ALIBI || V::USER) var.set_head(p, b, hq);
     const fg_u64 so = static_cast<fg_u64>((s * QT_BYTES) >> 4);  // stage offset of Q / dO descriptors
     const fg_u32 buf = static_cast<fg_u32>(it & 1) * DS_BYTES;
 
@@ -250,21 +299,30 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
       for (int kk = 0; kk < D / 16; ++kk) fg_wgmma_sdp(acc_s, da_ + kmajor_off(kk, BN), db_ + kmajor_off(kk, BM), kk);
     }
     wgmma_commit();
-    mbar_wait(bar_do(s), ph);
-    wgmma_fence();  // (else ptxas injects one: C7519)
-    {
-      const fg_u64 da_ = opaque_desc(desc_v), db_ = opaque_desc(desc_do) + so;
+    // dP^T's GEMM runs while P^T is computed, its accumulators live there; DP_LATE issues it after P^T
+    // instead, for user mods whose functions' registers do not fit beside them (a captured table's
+    // reads at d = 128: KernelSpec.dp_late, tried by dispatch when the first build spills).
+    constexpr bool DP_LATE = DPL;
+    auto issue_dp = [&]() {
+      mbar_wait(bar_do(s), ph);
+      wgmma_fence();  // (else ptxas injects one: C7519)
+      {
+        const fg_u64 da_ = opaque_desc(desc_v), db_ = opaque_desc(desc_do) + so;
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) fg_wgmma_sdp(acc_dp, da_ + kmajor_off(kk, BN), db_ + kmajor_off(kk, BM), kk);
-    }
-    wgmma_commit();
+        for (int kk = 0; kk < D / 16; ++kk) fg_wgmma_sdp(acc_dp, da_ + kmajor_off(kk, BN), db_ + kmajor_off(kk, BM), kk);
+      }
+      wgmma_commit();
+    };
+    if constexpr (!DP_LATE) issue_dp();
 
     // ---- P^T (packed 16-bit pairs in the A-fragment order) while dP^T runs
-    wgmma_wait<1>();
+    wgmma_wait<DP_LATE ? 0 : 1>();
     reg_fence(acc_s);
     fg_u32 pa[KS][4], da[KS][4];
     {
-      const bool need_mask = var.needs_mask(key0, 64, m0, m0 + BM - 1);
+      bool need_mask = var.needs_mask(key0, 64, m0, m0 + BM - 1);
+      if constexpr (V::SPARSE) need_mask = partial || key0 + 64 > var.nk;
+      if constexpr (V::USER) need_mask = need_mask || m0 + BM > var.nq;  // (a mod's value past the rows: hidden)
 #pragma unroll
       for (int nj = 0; nj < NJ; ++nj) {
         float l2[2];
@@ -291,7 +349,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
             } else {
               float tv;
               x = var.score(x, m0 + 8 * nj + 2 * t + e, key0 + krow + 8 * h, need_mask, tv);
-              if constexpr (V::HAS_CAP) acc_s[4 * nj + 2 * h + e] = tv;  // for dS's 1 - t^2
+              if constexpr (V::DS_FACTOR) acc_s[4 * nj + 2 * h + e] = tv;  // for dS's factor
             }
             pe[e] = fast_exp2(fmaf(x, p.scale_log2, -l2[e]));
           }
@@ -300,6 +358,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
       }
     }
     // ---- dS^T = P^T (dP^T - D), with P rounded to the input dtype (as dV uses it)
+    if constexpr (DP_LATE) issue_dp();
     wgmma_wait<0>();
     reg_fence(acc_dp);
 #pragma unroll
@@ -316,7 +375,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
       for (int h = 0; h < 2; ++h) {
         float pe[2];
         unpack2<BF16>(pa[nj / 2][2 * (nj % 2) + h], pe[0], pe[1]);
-        if constexpr (V::HAS_CAP) {
+        if constexpr (V::DS_FACTOR) {
           pe[0] *= V::dS_factor(acc_s[4 * nj + 2 * h]);
           pe[1] *= V::dS_factor(acc_s[4 * nj + 2 * h + 1]);
         }

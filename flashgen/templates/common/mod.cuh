@@ -12,12 +12,22 @@
 // give, per query block, how many key blocks it visits and which, ascending, each entry (block << 1) |
 // partial. A batch or head the mask does not depend on has stride 0 (bm_sb, bm_sh, in m-block rows).
 // Full blocks run without any mask but the key end's; partial ones call fg_mask_mod per score.
+//
+// The backward (bwd_sm90, key-outer) reads the same fields with the roles swapped: bm_count / bm_index
+// per key block (rows of key blocks, entries (query block << 1) | partial: BlockMask.for_key_tile), and
+// scores one element at a time (score). Its fg_score_mod is printed unfolded (cap_in is the softmax
+// scale, the softmax runs in natural units) and, with GRAD, fg_score_mod_grad also gives d score_mod /
+// d score, the factor of dS (dS_factor); without GRAD that factor is 1 (a mod that adds to the score).
 #pragma once
 
-template <bool SCORE, bool MASK>
+// The derivative's function is printed only for a backward kernel whose score_mod has one; declared here
+// so that the branch calling it compiles (unused) everywhere else.
+__device__ float fg_score_mod_grad(float score, int b, int h, int q, int kv, const fg_mod_args& a, float& grad);
+
+template <bool SCORE, bool MASK, bool GRAD = false>
 struct fg_mod_variant {
   enum : int { RIGHT = 0, LEFT = 0, TRANSFORMS = SCORE, HAS_SINK = 0, HAS_CAP = 0, HAS_ALIBI = 0, PLAIN = 0,
-               VARLEN_ROWS = 0, ALIBI_LINEAR = 0, SPARSE = MASK };
+               VARLEN_ROWS = 0, ALIBI_LINEAR = 0, SPARSE = MASK, DS_FACTOR = SCORE && GRAD, USER = 1 };
   int nq, nk, diag, b, h, count;
   float scale;
   const fg_mod_args* args;
@@ -79,6 +89,25 @@ struct fg_mod_variant {
         if (!seen) frag<F>::at(s, nj, 2 * hh + e) = -INFINITY;
       }
   }
+  // The backward's walk: without a mask every query block sees every key block.
+  FG_DEVICE int query_first(int, int) const { return 0; }
+  FG_DEVICE int query_end(int, int, int bm) const { return ceil_div(nq, bm); }
+  // One score of the backward's S (raw x of query `row`, key `key`): the score_mod's value (t_out: its
+  // derivative, GRAD), and -inf where `masked` (a partial block, the key end, the rows past nq) hides it.
+  FG_DEVICE float score(float x, int row, int key, bool masked, float& t_out) const {
+    if constexpr (SCORE && GRAD)
+      x = fg_score_mod_grad(x * scale, b, h, row, key, *args, t_out);
+    else if constexpr (SCORE)
+      x = fg_score_mod(x * scale, b, h, row, key, *args);
+    if (masked) {
+      bool seen = key < nk && row < nq;
+      if constexpr (MASK) seen = seen && fg_mask_mod(b, h, row, key, *args);
+      if (!seen) x = -INFINITY;
+    }
+    return x;
+  }
+  FG_DEVICE static float dS_factor(float g) { return g; }
+
   template <typename F>
   FG_DEVICE void transform_cols(F&, int) const {}
   FG_DEVICE float alibi_row_offset(int, int) const { return 0.f; }

@@ -1,0 +1,222 @@
+"""GPU tier: the backward of user mods (flashgen.mods) on bwd_sm90.
+
+dQ, dK, dV through ``flashgen.attention(..., score_mod=, mask_mod=, block_mask=).backward`` against
+autograd through the fp32 reference on fp32 leaves (``flashgen.reference.grad_tolerance``: 2x the
+same-dtype reference's error + a rounding-sized atol), for FlexAttention's example mods
+(``gpu_util.example_mods``): masks (block lists per key block, the mask on partial blocks only), score_mods
+whose derivative multiplies dS (softcap) and ones that only add (ALiBi, a relative-position table in
+fp32 and bf16: the latter needs dP^T's GEMM after P^T at d = 128). Odd sizes, GQA, both layouts, fp16 and
+bf16, dispatch's kernel, block masks given and reused, the LSE's gradient, torch's FlexAttention's
+gradients, and the refusals before any launch.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host)"),
+]
+
+import flashgen  # noqa: E402
+from flashgen.reference import allowance, grad_tolerance, reference  # noqa: E402
+from gpu_util import MOD_NAMES, example_mods, is_sm90, make_inputs, precompile_skipped, to_bhsd, warm  # noqa: E402
+
+needs_sm90 = pytest.mark.skipif(not is_sm90(), reason="the mods' backward runs on bwd_sm90 (an sm_90 GPU)")
+
+SEQLENS = [(1, 1), (113, 203), (1, 239), (239, 1), (799, 3), (1023, 1024)]
+SMALL = ["causal", "document", "alibi", "softcap_document", "relative_bf16"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _precompile(request, tmp_path_factory):
+    if precompile_skipped(request) or not is_sm90():
+        return
+    from flashgen import dispatch, mods
+    from flashgen.api.device import Device
+    from flashgen.api.modcall import mod_spec
+    from flashgen.problem import ProblemKey
+
+    dev = Device.of(torch.cuda.current_device())
+
+    def pick(verify):
+        out = set()
+        for names, d, dtype in ((MOD_NAMES, 128, "bf16"), (SMALL, 64, "fp16"), (SMALL, 128, "fp16")):
+            for name in names:
+                score, mask = example_mods(2, 4, 64, 64)[name]
+                pair = mods.pair(mods.trace_score_mod(score) if score else None,
+                                 mods.trace_mask_mod(mask) if mask else None)
+                mods.register(pair)
+                out |= {mod_spec(dtype, d, nq, dev, pair, verify, causal_like) for nq, _ in SEQLENS
+                        for causal_like in ((False, True) if mask else (False,))}
+                key = ProblemKey("bwd_dkdv", dev.arch, dtype, d, False, 1024, "")
+                out.add(dispatch.mod_backward_spec(key, dev.smem_budget, mods.token_number(pair), verify))
+        return out
+    warm([], tmp_path_factory, pick)
+
+
+def check_mod_grads(b, hq, hk, nq, nk, d, dtype, name, layout="bhsd", block_mask=None):
+    q, k, v = make_inputs(b, hq, hk, nq, nk, d, dtype, layout, 2.0)
+    score_mod, mask_mod = example_mods(b, hq, nq, nk)[name]
+    extra = {"score_mod": score_mod, "mask_mod": mask_mod}
+    if block_mask is not None and mask_mod is not None:
+        extra = {"score_mod": score_mod, "block_mask": block_mask(mask_mod)}
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    out = flashgen.attention(*leaves, layout=layout, **extra)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    torch.cuda.synchronize()
+    got = [to_bhsd(t.grad, layout).float() for t in leaves]
+    qb, kb, vb, db = (to_bhsd(t, layout) for t in (q, k, v, dout))
+    ref, tol = grad_tolerance(qb, kb, vb, db, False, 1.0 / math.sqrt(d), score_mod=score_mod, mask_mod=mask_mod)
+    for what, g, r, t in zip(("dq", "dk", "dv"), got, ref, tol):
+        assert g.shape == r.shape
+        assert torch.isfinite(g).all(), f"{name} {what}: non-finite"
+        err = (g - r).abs().max().item()
+        assert err <= t, f"{name} {what}: max err {err:.3e} > tol {t:.3e}"
+    return leaves
+
+
+@needs_sm90
+@pytest.mark.parametrize("nq,nk", SEQLENS)
+@pytest.mark.parametrize("name", MOD_NAMES)
+def test_mod_grads_bf16(name, nq, nk):
+    check_mod_grads(2, 4, 2, nq, nk, 128, torch.bfloat16, name)
+
+
+@needs_sm90
+@pytest.mark.parametrize("nq,nk", [(113, 203), (799, 3), (1023, 1024)])
+@pytest.mark.parametrize("name", SMALL)
+@pytest.mark.parametrize("d", [64, 128])
+def test_mod_grads_fp16_bshd(name, nq, nk, d):
+    check_mod_grads(1, 4, 1, nq, nk, d, torch.float16, name, layout="bshd")
+
+
+@needs_sm90
+@pytest.mark.parametrize("name", ["causal", "sliding", "block_sparse", "alibi_causal"])
+def test_mod_grads_given_block_mask(name):
+    """A block mask made once serves the forward (per query block) and the backward (per key block)."""
+    made = {}
+
+    def make(mask_mod):
+        made["mask"] = flashgen.create_block_mask(mask_mod, 2, 4, 1000, 1500)
+        return made["mask"]
+
+    check_mod_grads(2, 4, 4, 1000, 1500, 128, torch.bfloat16, name, block_mask=make)
+    assert (128, 64) in {(t[1], t[0]) for t in made["mask"]._tiles}, "the backward's key-block lists were not made"
+
+
+@needs_sm90
+def test_lse_gradient():
+    """dLSE joins the backward (D - dLSE): gradients of out . dout + lse . dl against the fp32 reference."""
+    b, h, nq, nk, d = 2, 4, 300, 500, 128
+    q, k, v = make_inputs(b, h, h, nq, nk, d, torch.bfloat16, "bhsd", 2.0)
+    score_mod, mask_mod = example_mods(b, h, nq, nk)["alibi_causal"]
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    out, lse = flashgen.attention(*leaves, score_mod=score_mod, mask_mod=mask_mod, return_lse=True)
+    dout, dl = torch.randn_like(out), torch.randn_like(lse)
+    seen = torch.isfinite(lse)
+    ((out.float() * dout).sum() + (lse[seen] * dl[seen]).sum()).backward()
+
+    def grads(dtype):
+        ls = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+        o, l2 = reference(*ls, False, 1 / math.sqrt(d), dtype, score_mod=score_mod, mask_mod=mask_mod)
+        ((o.to(dtype).float() * dout.float()).sum() + (l2[seen] * dl[seen]).sum()).backward()
+        return [t.grad for t in ls]
+
+    ref, low = grads(torch.float32), grads(torch.bfloat16)
+    for what, t, r, lo in zip(("dq", "dk", "dv"), leaves, ref, low):
+        err = (t.grad.float() - r).abs().max().item()
+        tol = allowance(lo, r, torch.bfloat16)
+        assert err <= tol, f"{what}: max err {err:.3e} > tol {tol:.3e}"
+
+
+@needs_sm90
+def test_matches_flex_attention_gradients():
+    """Against torch's FlexAttention (eager) on a document mask with an ALiBi score_mod: both within the
+    rule of the fp32 reference, and close to each other."""
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    b, h, n, d = 1, 4, 512, 64
+    q, k, v = make_inputs(b, h, h, n, n, d, torch.bfloat16)
+    doc = torch.sort(torch.randint(0, 3, (n,), device="cuda")).values
+    slopes = torch.rand(h, device="cuda") * 0.3
+
+    def mask(b_, h_, q_, kv):
+        return (doc[q_] == doc[kv]) & (q_ >= kv)
+
+    def score(s, b_, h_, q_, kv):
+        return s - slopes[h_] * (q_ - kv).abs()
+
+    dout = torch.randn_like(q)
+    ours = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    flashgen.attention(*ours, score_mod=score, mask_mod=mask).backward(dout)
+    theirs = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    fa.flex_attention(*theirs, score_mod=score, block_mask=fa.create_block_mask(mask, None, None, n, n)).backward(dout)
+    ref, tol = grad_tolerance(q, k, v, dout, False, 1 / math.sqrt(d), score_mod=score, mask_mod=mask)
+    for what, a, f, r, t in zip(("dq", "dk", "dv"), ours, theirs, ref, tol):
+        assert (a.grad.float() - r).abs().max().item() <= t, what
+        assert (a.grad.float() - f.grad.float()).abs().max().item() <= 2 * t, what
+
+
+@needs_sm90
+def test_mod_grad_refusals_before_launch():
+    q, k, v = (t.requires_grad_(True) for t in make_inputs(1, 2, 2, 64, 64, 256, torch.bfloat16))
+    with pytest.raises(flashgen.UnsupportedError, match="head-dim tile 256"):
+        flashgen.attention(q, k, v, score_mod=lambda s, b, h, qi, kv: s * 0.5)
+    q, k, v = (t.detach().requires_grad_(True) for t in make_inputs(1, 2, 2, 64, 64, 64, torch.bfloat16))
+    bias = torch.randn(2, device="cuda", requires_grad=True)
+    with pytest.raises(flashgen.UnsupportedError, match="requires grad"):
+        flashgen.attention(q, k, v, score_mod=lambda s, b, h, qi, kv: s + bias[h])
+    with pytest.raises(flashgen.UnsupportedError, match="deterministic"):
+        flashgen.attention(q, k, v, mask_mod=lambda b, h, qi, kv: qi >= kv, deterministic=True)
+    assert q.grad is None and k.grad is None
+
+
+@needs_sm90
+def test_first_backward_in_a_new_process():
+    """A new process's first backward loads its kernels in the autograd engine's thread, where torch's
+    context is not current: the loader pushes it (cuCtxPushCurrent_v2; the unversioned entry point refused
+    a context current in another thread: CUDA_ERROR_INVALID_CONTEXT, seen here first)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, flashgen\n"
+        "q, k, v = (torch.randn(1, 2, 100, 64, device='cuda', dtype=torch.bfloat16, requires_grad=True)"
+        " for _ in range(3))\n"
+        "out = flashgen.attention(q, k, v, mask_mod=lambda b, h, i, j: i >= j)\n"
+        "dout = torch.randn_like(out)\n"
+        "out.backward(dout)\n"
+        "ref = [t.detach().float().requires_grad_(True) for t in (q, k, v)]\n"
+        "torch.nn.functional.scaled_dot_product_attention(*ref, is_causal=True).backward(dout.float())\n"
+        "assert all((a.grad.float() - b.grad).abs().max().item() < 0.05 for a, b in zip((q, k, v), ref))\n"
+        "print('ok')\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
+
+
+@needs_sm90
+def test_spilling_backward_still_serves():
+    """A mod whose backward kernel spills a few bytes in every tile (a 50-softcap with a causal mask_mod at
+    d = 128, NVRTC 13.0) runs on the least-spilling one, with gradients within the rule."""
+    b, h, n, d = 2, 4, 700, 128
+    q, k, v = make_inputs(b, h, h, n, n, d, torch.bfloat16, "bhsd", 2.0)
+
+    def softcap(s, b_, h_, q_, kv):
+        return 50.0 * torch.tanh(s / 50.0)
+
+    def causal(b_, h_, q_, kv):
+        return q_ >= kv
+
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    out = flashgen.attention(*leaves, score_mod=softcap, mask_mod=causal)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref, tol = grad_tolerance(q, k, v, dout, False, 1 / math.sqrt(d), score_mod=softcap, mask_mod=causal)
+    for what, t, r, tl in zip(("dq", "dk", "dv"), leaves, ref, tol):
+        err = (t.grad.float() - r).abs().max().item()
+        assert err <= tl, f"{what}: max err {err:.3e} > tol {tl:.3e}"
