@@ -33,7 +33,7 @@ from ..iomodel import flops, hidden2048
 from . import baselines, options
 from .fwd import measure_ms, pick
 from .registry import Suite, register
-from .timing import Skipped, add_ratios, free, meta, prebuild, require_cuda, time_cell
+from .timing import Skipped, add_ratios, free, kernel_us, meta, prebuild, require_cuda, time_cell
 
 FAMILY_IMPLS = ("flashgen_bwd_sm90", "flashgen_bwd_dkdv")  # "flashgen_" + a family serving "bwd_dkdv"
 IMPLS = ("flashgen", "flashgen_det", *FAMILY_IMPLS, "sdpa_flash", "sdpa_cudnn")
@@ -55,6 +55,9 @@ def add_args(p) -> None:
                    help="fwd+bwd through autograd (default), the backward alone, or both")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell (default 3)")
     p.add_argument("--budget", type=float, default=0.25, help="seconds of timed calls per implementation per round")
+    p.add_argument("--kernels", action="store_true",
+                   help="also profile each implementation's call (torch.profiler, 3 calls): device time per "
+                        "kernel in each cell's 'kernels' (where the backward's time goes)")
     p.add_argument("--no-fwd-split", action="store_true",
                    help="fwd+bwd mode: do not time the forwards alone (no fwd_ms/bwd_ms per cell)")
 
@@ -66,7 +69,7 @@ def parse(args) -> dict:
     return {"d": options.head_dims(args.d), "seqlens": options.ints(args.seqlens, "seqlens"),
             "causal": list(options.CAUSAL[args.causal]), "dtype": args.dtype, "impls": impls,
             "modes": list(MODES[args.mode]), "rounds": int(args.rounds), "budget": float(args.budget),
-            "fwd_split": not args.no_fwd_split}
+            "fwd_split": not args.no_fwd_split, "kernels": bool(args.kernels)}
 
 
 def _bwd_key(dev, dtype, kind, d, causal, n):
@@ -204,6 +207,14 @@ def run(args, progress) -> dict:
                     cells = time_cell({**makers, **{tag[nm]: m for nm, m in forwards.items()}}, settings["rounds"],
                                       measure_ms(settings["budget"]))
                     fwd_cells = {nm: cells.pop(tag[nm]) for nm in forwards}
+                    if settings["kernels"]:
+                        for impl, make in makers.items():
+                            if "ms" in cells.get(impl, {}):
+                                cells[impl]["kernels"] = kernel_us(make())
+                                top = next(iter(cells[impl]["kernels"].items()), None)
+                                if top:
+                                    progress(f"  {impl}: {sum(cells[impl]['kernels'].values()):.0f} us of kernels, "
+                                             f"the largest {top[0][:60]} {top[1]:.0f} us")
                     for cell in cells.values():
                         if "ms" in cell:
                             cell["tflops"] = FLOPS_FACTOR[mode] * f / cell["ms"] / 1e9

@@ -178,6 +178,26 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def kernel_us(fn, calls: int = 3) -> dict:
+    """Device time per call of each CUDA kernel ``fn`` runs (torch.profiler over ``calls`` calls after one
+    warm-up), microseconds by kernel name, largest first: where a call's time goes, beside its timing."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+        if t > 0 and e.key not in out:
+            out[e.key] = round(t / calls, 1)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def add_ratios(row: dict, metric: str, pairs) -> None:
     """``row["ratios"][label] = metric(num) / metric(den)`` for each (label, num, den) of ``pairs`` whose
     two cells both have the metric (a higher-is-better metric: TFLOP/s, TB/s, so above 1 means ``num``
