@@ -284,3 +284,33 @@ def example_mods(b, hq, nq, nk):
 
 MOD_NAMES = ["causal", "sliding", "prefix_lm", "document", "block_sparse", "alibi", "softcap", "relative", "relative_bf16",
         "alibi_causal", "softcap_document"]  # the keys of example_mods
+
+
+def warm_mods(request, tmp_path_factory, calls, backward: bool = False) -> None:
+    """A mods module's precompile: dispatch's kernels for ``calls`` ((mod names, head dim, dtype, query
+    lengths), ...) of ``example_mods``, the forward's at each length (and the causal key's for masks),
+    with ``backward`` the backward's dK/dV kernel too; compiled in parallel (``warm``)."""
+    if precompile_skipped(request) or not is_sm90():
+        return
+    from flashgen import dispatch, mods
+    from flashgen.api.device import Device
+    from flashgen.api.modcall import mod_spec
+    from flashgen.problem import ProblemKey
+
+    dev = Device.of(torch.cuda.current_device())
+
+    def pick(verify):
+        out = set()
+        for names, d, dtype, lengths in calls:
+            for name in names:
+                score, mask = example_mods(2, 4, 64, 64)[name]
+                pair = mods.pair(mods.trace_score_mod(score) if score else None,
+                                 mods.trace_mask_mod(mask) if mask else None)
+                mods.register(pair)
+                out |= {mod_spec(dtype, d, nq, dev, pair, verify, causal_like) for nq in lengths
+                        for causal_like in ((False, True) if mask else (False,))}
+                if backward:
+                    key = ProblemKey("bwd_dkdv", dev.arch, dtype, d, False, 1024, "")
+                    out.add(dispatch.mod_backward_spec(key, dev.smem_budget, mods.token_number(pair), verify))
+        return out
+    warm([], tmp_path_factory, pick)

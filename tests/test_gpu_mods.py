@@ -21,7 +21,7 @@ pytestmark = [
 
 import flashgen  # noqa: E402
 from flashgen.reference import allowance, reference  # noqa: E402
-from gpu_util import MOD_NAMES, example_mods, is_sm90, make_inputs, poison_output, precompile_skipped, to_bhsd, warm  # noqa: E402
+from gpu_util import MOD_NAMES, example_mods, is_sm90, make_inputs, poison_output, to_bhsd, warm_mods  # noqa: E402
 
 needs_sm90 = pytest.mark.skipif(not is_sm90(), reason="user mods run on fwd_sm90 (an sm_90 GPU)")
 
@@ -36,29 +36,10 @@ CALLS = [(MOD_NAMES, 128, "bf16", [nq for nq, _ in SEQLENS] + [1000, 777]),
 
 @pytest.fixture(scope="module", autouse=True)
 def _precompile(request, tmp_path_factory):
-    if precompile_skipped(request) or not is_sm90():
-        return
-    from flashgen import mods
-    from flashgen.api.device import Device
-    from flashgen.api.modcall import mod_spec
-
-    dev = Device.of(torch.cuda.current_device())
-
-    def pick(verify):
-        out = set()
-        for names, d, dtype, lengths in CALLS:
-            for name in names:
-                score, mask = example_mods(2, 4, 64, 64)[name]
-                pair = mods.pair(mods.trace_score_mod(score) if score else None,
-                                 mods.trace_mask_mod(mask) if mask else None)
-                mods.register(pair)
-                out |= {mod_spec(dtype, d, nq, dev, pair, verify, causal_like) for nq in lengths
-                        for causal_like in ((False, True) if mask else (False,))}
-        return out
-    warm([], tmp_path_factory, pick)
+    warm_mods(request, tmp_path_factory, CALLS)
 
 
-def checkexample_mods(b, hq, hk, nq, nk, d, dtype, name, layout="bhsd", block_mask=False):
+def check_mods(b, hq, hk, nq, nk, d, dtype, name, layout="bhsd", block_mask=False):
     q, k, v = make_inputs(b, hq, hk, nq, nk, d, dtype, layout)
     score_mod, mask_mod = example_mods(b, hq, nq, nk)[name]
     scale = 1.0 / math.sqrt(d)
@@ -90,7 +71,7 @@ def checkexample_mods(b, hq, hk, nq, nk, d, dtype, name, layout="bhsd", block_ma
 @pytest.mark.parametrize("nq,nk", SEQLENS)
 @pytest.mark.parametrize("name", MOD_NAMES)
 def test_mods_bf16(name, nq, nk):
-    checkexample_mods(2, 4, 2, nq, nk, 128, torch.bfloat16, name)
+    check_mods(2, 4, 2, nq, nk, 128, torch.bfloat16, name)
 
 
 @needs_sm90
@@ -98,13 +79,13 @@ def test_mods_bf16(name, nq, nk):
 @pytest.mark.parametrize("name", ["causal", "document", "alibi", "softcap_document"])
 @pytest.mark.parametrize("d", [64, 256])
 def test_mods_head_dims_fp16(name, nq, nk, d):
-    checkexample_mods(1, 4, 1, nq, nk, d, torch.float16, name, layout="bshd")
+    check_mods(1, 4, 1, nq, nk, d, torch.float16, name, layout="bshd")
 
 
 @needs_sm90
 @pytest.mark.parametrize("name", ["causal", "sliding", "block_sparse", "alibi_causal"])
 def test_mods_given_block_mask(name):
-    checkexample_mods(2, 4, 4, 1000, 1500, 128, torch.bfloat16, name, block_mask=True)
+    check_mods(2, 4, 4, 1000, 1500, 128, torch.bfloat16, name, block_mask=True)
 
 
 @needs_sm90

@@ -24,7 +24,7 @@ pytestmark = [
 
 import flashgen  # noqa: E402
 from flashgen.reference import allowance, grad_tolerance, reference  # noqa: E402
-from gpu_util import MOD_NAMES, example_mods, is_sm90, make_inputs, precompile_skipped, to_bhsd, warm  # noqa: E402
+from gpu_util import MOD_NAMES, example_mods, is_sm90, make_inputs, to_bhsd, warm_mods  # noqa: E402
 
 needs_sm90 = pytest.mark.skipif(not is_sm90(), reason="the mods' backward runs on bwd_sm90 (an sm_90 GPU)")
 
@@ -34,29 +34,9 @@ SMALL = ["causal", "document", "alibi", "softcap_document", "relative_bf16"]
 
 @pytest.fixture(scope="module", autouse=True)
 def _precompile(request, tmp_path_factory):
-    if precompile_skipped(request) or not is_sm90():
-        return
-    from flashgen import dispatch, mods
-    from flashgen.api.device import Device
-    from flashgen.api.modcall import mod_spec
-    from flashgen.problem import ProblemKey
-
-    dev = Device.of(torch.cuda.current_device())
-
-    def pick(verify):
-        out = set()
-        for names, d, dtype in ((MOD_NAMES, 128, "bf16"), (SMALL, 64, "fp16"), (SMALL, 128, "fp16")):
-            for name in names:
-                score, mask = example_mods(2, 4, 64, 64)[name]
-                pair = mods.pair(mods.trace_score_mod(score) if score else None,
-                                 mods.trace_mask_mod(mask) if mask else None)
-                mods.register(pair)
-                out |= {mod_spec(dtype, d, nq, dev, pair, verify, causal_like) for nq, _ in SEQLENS
-                        for causal_like in ((False, True) if mask else (False,))}
-                key = ProblemKey("bwd_dkdv", dev.arch, dtype, d, False, 1024, "")
-                out.add(dispatch.mod_backward_spec(key, dev.smem_budget, mods.token_number(pair), verify))
-        return out
-    warm([], tmp_path_factory, pick)
+    lengths = [nq for nq, _ in SEQLENS] + [1000, 700]
+    warm_mods(request, tmp_path_factory, [(MOD_NAMES, 128, "bf16", lengths), (SMALL, 64, "fp16", lengths),
+                                          (SMALL, 128, "fp16", lengths)], backward=True)
 
 
 def check_mod_grads(b, hq, hk, nq, nk, d, dtype, name, layout="bhsd", block_mask=None):
