@@ -360,7 +360,8 @@ def test_host_launch_sequence(monkeypatch, how):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(device, "current_device", lambda: 0)
     monkeypatch.setattr(device, "current_stream", lambda i: 0)
-    monkeypatch.setattr(backward, "load", lambda spec, index: FakeKernel(spec))
+    monkeypatch.setattr(backward, "load", lambda spec, index, **options: FakeKernel(spec))
+    monkeypatch.setattr(backward, "ensure_context", lambda index: None)  # (no CUDA driver here)
     monkeypatch.setattr(tma, "encode", lambda ptr, dtype, dims, strides, box: maps.append((dtype, tuple(dims), tuple(box)))
                         or bytes(range(128)))
     b, h, hk, nq, nk, d = 2, 8, 2, 300, 333, 128
