@@ -223,6 +223,11 @@ def _show(sources, gpu) -> None:
         print(f"# {origin}: {table.path}\n#   gpu {m['gpu']} ({m.get('device_name', '')}), {m['arch']}, "
               f"{m['smem_per_block']} B smem/block, source {m['source']}, {m['date']}, "
               + ", ".join(f"{k} {v}" for k, v in m["versions"].items()))
+        if "model_check" in m:
+            c = m["model_check"]
+            print(f"#   ranked by the cost model; checked on the {c['gpu']} ({c['keys']}, {c['measured']} keys, "
+                  f"{c['date']}): its pick {c['geomean_regret']:.3f}x the measured best's time on average, "
+                  f"{c['worst_regret']:.3f}x at worst, median rank correlation {c['median_spearman']:.2f}")
         print(f"{'key':42s} {'spec':44s} {'ms':>8s} {'TFLOP/s':>8s} {'gain':>6s} {'from':>8s}")
         for key in sorted(table.entries, key=lambda k: (k.kind, k.dtype, k.head_dim, k.causal, k.bucket)):
             e = table.entries[key]

@@ -1,7 +1,8 @@
 """Tuned tables: one YAML file per GPU, the user's results first, then the one shipped with flashgen.
 
     meta:     format, gpu, device_name, arch, sms, smem_per_block, source,
-              date, versions {flashgen, nvrtc, cuda, cupy, torch}
+              date, versions {flashgen, nvrtc, cuda, cupy, torch},
+              model_check (a model-ranked table: MODEL_CHECK, the cost model against measurement)
     entries:  - key:        {kind, arch, dtype, head_dim, causal, bucket}
                             (kind is the problem: "fwd" for the forward, whatever family serves it;
                             bwd_dkdv, bwd_dkdv_nodq or bwd_dq for the backward's tuned kernels, head_dim
@@ -68,7 +69,18 @@ _KEY_FIELDS = {"kind": str, "arch": str, "dtype": str, "head_dim": int, "causal"
 _KEY_OPTIONAL = {"variant": str}  # absent for a plain problem
 _META_FIELDS = {"format": int, "gpu": str, "arch": str, "sms": int, "smem_per_block": int, "source": str,
                 "date": str, "versions": dict}
-_META_OPTIONAL = {"device_name": str}
+_META_OPTIONAL = {"device_name": str, "model_check": dict}
+# A model-ranked table's ``model_check``: how the cost model that ranked it fared against measurement where
+# both can be had (the H200), so that a table nobody measured says how far to trust it.
+_CHECK_FIELDS = {"gpu": str, "keys": str, "measured": int, "geomean_regret": float, "worst_regret": float,
+                 "median_spearman": float, "command": str, "date": str}
+# The cost model's last check (``flashgen tune --validate-model`` on the H200, docs/perf/h200/tuner_validate.txt,
+# docs/perf/tuner.md); written into every model-ranked table's meta. Measure again when the model changes.
+MODEL_CHECK = {"gpu": "h200", "keys": "forward, d 64/128, N 1k/4k, causal both (bf16)", "measured": 8,
+               "geomean_regret": 1.017, "worst_regret": 1.047, "median_spearman": 0.85,
+               "command": "flashgen tune --gpu h200 --d 64,128 --seqlens 1024,4096 --causal both --validate-model "
+                          "--trials 16",
+               "date": "2026-12-04"}
 _ENTRY_REQUIRED = ("key", "spec", "time_ms", "source")
 _ENTRY_FIELDS = frozenset((*_ENTRY_REQUIRED, "tflops", "baseline", "speedup", "runners_up", "trials", "candidates",
                            "failures"))
@@ -123,10 +135,13 @@ def versions() -> dict:
 def make_meta(profile, source: str, device_name: str | None = None) -> dict:
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
-    return {"format": FORMAT, "gpu": profile.name, "device_name": device_name or profile.device_name,
+    meta = {"format": FORMAT, "gpu": profile.name, "device_name": device_name or profile.device_name,
             "arch": profile.arch, "sms": profile.sms, "smem_per_block": profile.smem_per_block, "source": source,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "versions": versions()}
+    if source == "model":
+        meta["model_check"] = dict(MODEL_CHECK)
+    return meta
 
 
 def default_path(gpu: str) -> Path:
@@ -148,6 +163,28 @@ def _typed(where, what, value, want):
     if type(value) is not want:  # bool is not an int here, nor the other way round
         raise ConfigError(where, f"{what} must be {want.__name__}, got {value!r}")
     return value
+
+
+def _model_check(where, meta) -> None:
+    """``meta.model_check``: only in a model-ranked table, exactly _CHECK_FIELDS, regrets >= 1, rho in [-1, 1]."""
+    check = meta["model_check"]
+    if meta.get("source") != "model":
+        raise ConfigError(where, "meta.model_check belongs to a model-ranked table (meta.source model)")
+    if set(check) != set(_CHECK_FIELDS):
+        raise ConfigError(where, f"meta.model_check must have exactly {', '.join(sorted(_CHECK_FIELDS))}, got "
+                                 f"{', '.join(sorted(map(str, check)))}")
+    for name, want in _CHECK_FIELDS.items():
+        value = check[name]
+        if want is float and type(value) is int:
+            value = float(value)
+        _typed(where, f"meta.model_check.{name}", value, want)
+    for name in ("geomean_regret", "worst_regret"):
+        if not (math.isfinite(check[name]) and 1.0 <= check[name] <= 1e3):
+            raise ConfigError(where, f"meta.model_check.{name} must be a regret (>= 1), got {check[name]!r}")
+    if not -1.0 <= check["median_spearman"] <= 1.0:
+        raise ConfigError(where, f"meta.model_check.median_spearman must be in [-1, 1], got {check['median_spearman']!r}")
+    if check["measured"] < 1 or check["worst_regret"] < check["geomean_regret"]:
+        raise ConfigError(where, "meta.model_check: no key measured, or a worst regret below the mean")
 
 
 def _number(where, what, value, allow_none=False):
@@ -375,6 +412,8 @@ def load(path, gpu: str | None = None) -> Table:
     unknown = sorted(map(str, set(meta) - set(_META_FIELDS) - set(_META_OPTIONAL)))
     if unknown:
         raise ConfigError(where, f"unknown meta field(s): {', '.join(unknown)}")
+    if "model_check" in meta:
+        _model_check(where, meta)
     entries = doc["entries"]
     if meta["format"] in (1, 2):
         entries = _migrate_entries(where, entries, meta["format"])

@@ -483,3 +483,37 @@ def test_show_without_a_gpu_lists_the_shipped_tables(capsys):
     assert code == 0, err
     for gpu in tables.shipped_gpus():
         assert str(tables.shipped_path(gpu)) in out
+
+
+def test_model_ranked_tables_carry_the_cost_models_check(tmp_path, capsys):
+    """A model-ranked table's meta says how the cost model fared against measurement (tables.MODEL_CHECK,
+    the H200's --validate-model figures); the shipped A100 table carries it and `show` prints it."""
+    a100 = gpus.get("a100")
+    path = tables.save(tables.Table(meta=tables.make_meta(a100, "model")), tmp_path / "a100.yaml")
+    assert tables.load(path, gpu="a100").meta["model_check"] == tables.MODEL_CHECK
+    assert "model_check" not in tables.make_meta(a100, "measured")
+    shipped = tables.load(tables.shipped_path("a100"), gpu="a100")
+    assert shipped.meta["source"] == "model" and shipped.meta["model_check"] == tables.MODEL_CHECK
+    code, out, err = run_main(capsys, "show", "--gpu", "a100")
+    assert code == 0, err
+    assert f"{tables.MODEL_CHECK['geomean_regret']:.3f}x the measured best's time on average" in out
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"source": "measured"}, "belongs to a model-ranked table"),
+    ({"check": {"geomean_regret": 0.9}}, "must be a regret"),
+    ({"check": {"worst_regret": 1.001}}, "worst regret below the mean"),
+    ({"check": {"median_spearman": 1.5}}, r"in \[-1, 1\]"),
+    ({"check": {"measured": "8"}}, "must be int"),
+    ({"check": {"extra": 1}}, "must have exactly"),
+    ({"drop": "command"}, "must have exactly"),
+])
+def test_a_bad_model_check_is_refused(tmp_path, change, message):
+    meta = tables.make_meta(gpus.get("a100"), "model")
+    meta["source"] = change.get("source", "model")
+    meta["model_check"].update(change.get("check", {}))
+    meta["model_check"].pop(change.get("drop", "-"), None)
+    path = tmp_path / "a100.yaml"
+    path.write_text(yaml.safe_dump({"meta": meta, "entries": []}))
+    with pytest.raises(ConfigError, match=message):
+        tables.load(path, gpu="a100")
