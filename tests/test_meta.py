@@ -112,3 +112,37 @@ def test_meta_model_forward():
         block = Block()
         y = block(torch.empty(2, 77, 512, dtype=BF16))
     assert y.shape == (2, 77, 512) and y.device.type == "meta"
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_mods_shapes(layout):
+    """User mods on meta tensors: the mods are traced (captures anywhere) and the arguments checked, then
+    outputs of the right shapes; nothing is compiled or launched, no block mask is made."""
+    slopes = torch.rand(6)
+    q, k = (meta(2, 6, 113, 64), meta(2, 2, 203, 64)) if layout == "bhsd" else (meta(2, 113, 6, 64), meta(2, 203, 2, 64))
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx).abs()
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    out, lse = flashgen.attention(q, k, k, layout=layout, score_mod=alibi, mask_mod=causal, return_lse=True)
+    assert out.shape == q.shape and out.dtype == BF16 and out.device.type == "meta"
+    assert lse.shape == (2, 6, 113) and lse.dtype == torch.float32
+    mask = flashgen.create_block_mask(causal, None, None, 113, 203, device="cpu")
+    assert flashgen.attention(q, k, k, layout=layout, block_mask=mask).shape == q.shape
+
+
+def test_mods_checks_on_meta():
+    q, k = meta(2, 6, 113, 64), meta(2, 4, 203, 64)
+    with pytest.raises(ValueError, match="heads"):  # 6 query heads over 4 KV heads
+        flashgen.attention(q, k, k, mask_mod=lambda b, h, i, j: i >= j)
+    k = meta(2, 2, 203, 64)
+    with pytest.raises(ValueError, match="control flow"):
+        flashgen.attention(q, k, k, score_mod=lambda s, b, h, i, j: s if i > j else -s)
+    with pytest.raises(ValueError, match="made for"):
+        flashgen.attention(q, k, k, block_mask=flashgen.create_block_mask(lambda b, h, i, j: i >= j, None, None,
+                                                                          50, 50, device="cpu"))
+    with pytest.raises(UnsupportedError, match="causal"):
+        flashgen.attention(q, k, k, causal=True, mask_mod=lambda b, h, i, j: i >= j)

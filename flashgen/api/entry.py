@@ -12,7 +12,7 @@ from .autograd import attention_op
 from .checks import check_attention_call, check_flag, on_meta
 from .device import is_compiling
 from .forward import ALGORITHMS, forward
-from .modcall import mod_attention, mod_forward
+from .modcall import mod_attention, mod_forward, mod_meta
 
 
 def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, layout: str = "bhsd",
@@ -114,8 +114,8 @@ def _with_mods(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorit
     if is_compiling():
         raise UnsupportedError("score_mod / mask_mod do not run under torch.compile (the mods are traced by "
                                "flashgen, not by dynamo): call flashgen.attention outside the compiled region")
-    if on_meta(q):
-        raise UnsupportedError("score_mod / mask_mod have no meta (shape-only) path")
+    if on_meta(q):  # shapes only
+        return mod_meta(q, k, v, softmax_scale, layout, return_lse, score_mod, mask_mod, block_mask)
     if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v)):
         return mod_attention(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask)
     return mod_forward(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask)

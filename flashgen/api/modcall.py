@@ -160,7 +160,19 @@ def _packed(struct, captures, tiles) -> tuple[int, bytes]:
     return start, bytes(scratch)[start:end]
 
 
-def _plan(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask):
+def mod_meta(q, k, v, softmax_scale, layout, return_lse, score_mod, mask_mod, block_mask):
+    """The call on meta tensors (``device="meta"`` model tooling, FLOP counters): every check of the
+    arguments, the mods traced (captured tensors may sit on any device here), and outputs of the right
+    shapes (no kernel, no block mask made, no autograd: a forward's shapes)."""
+    (b, h, nq, _), *_ = _checked(q, k, v, softmax_scale, layout, return_lse, score_mod, mask_mod, block_mask,
+                                 allow_cpu=True)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    return (out, q.new_empty((b, h, nq), dtype=torch.float32)) if return_lse else out
+
+
+def _checked(q, k, v, softmax_scale, layout, return_lse, score_mod, mask_mod, block_mask, allow_cpu=False):
+    """The call's checks and traces: (dims (b, h, nq, d), strides of q, (hk, nk), strides of k, of v, the
+    softmax scale, the mask_mod (the block mask's where one is given), the traced pair)."""
     (b, h, nq, d), sq, (hk, nk), sk, sv, scale, _ = check_attention_call(
         q, k, v, False, softmax_scale, layout, return_lse, None, 0.0, None, None)
     if block_mask is not None and not isinstance(block_mask, BlockMask):
@@ -176,13 +188,20 @@ def _plan(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod,
                              "carries its mask_mod)")
         mask_mod = block_mask.mask_mod
         check_block_mask_shape(block_mask, b, h, nq, nk)
-    score_graph = mods.trace_score_mod(score_mod) if score_mod is not None else None
-    mask_graph = mods.trace_mask_mod(mask_mod) if mask_mod is not None else None
+    score_graph = mods.trace_score_mod(score_mod, allow_cpu=allow_cpu) if score_mod is not None else None
+    mask_graph = mods.trace_mask_mod(mask_mod, allow_cpu=allow_cpu) if mask_mod is not None else None
     pair = mods.pair(score_graph, mask_graph)
     for t in pair.captures:
-        if t.device != q.device:
+        if t.device != q.device and not allow_cpu:
             raise ValueError(f"a mod captures a tensor on {t.device}; q is on {q.device}: captured tensors must be "
                              "on q's device")
+    return (b, h, nq, d), sq, (hk, nk), sk, sv, scale, mask_mod, pair
+
+
+def _plan(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask):
+    (b, h, nq, d), sq, (hk, nk), sk, sv, scale, mask_mod, pair = _checked(
+        q, k, v, softmax_scale, layout, return_lse, score_mod, mask_mod, block_mask)
+    score_graph, mask_graph = pair.score, pair.mask
     index = index_of(q)
     functions = (score_mod, mask_mod)
     if not (nq and b and h):
