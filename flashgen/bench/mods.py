@@ -1,6 +1,7 @@
-"""The ``mods`` suite: user mods (``score_mod`` / ``mask_mod``, flashgen.mods) in flashgen's forward, next to
-flashgen's built-in equivalent and FlexAttention (torch ``flex_attention`` compiled, with its block mask)
-running the same Python functions, in the same interleaved rounds.
+"""The ``mods`` suite: user mods (``score_mod`` / ``mask_mod``, flashgen.mods) in flashgen's forward (or, with
+``--mode fwd+bwd``, a forward and its backward: ``torch.autograd.grad`` with a random dO, counted as 3.5
+forwards), next to flashgen's built-in equivalent and FlexAttention (torch ``flex_attention`` compiled,
+with its block mask) running the same Python functions, in the same interleaved rounds.
 
 Cases (bf16, d = 128 unless ``--d``; the mods are FlexAttention's examples):
 
