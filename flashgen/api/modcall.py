@@ -6,7 +6,8 @@ A mask comes with a block mask (``flashgen.api.blockmask``), made at the kernel'
 visits only the key blocks it lists and calls the mask only on the partial ones. The forward runs on
 ``fwd_sm90`` (sm_90a), the backward on ``bwd_sm90`` (head-dim tiles 64 and 128): the score_mod's
 derivative (``mods.derivative``) multiplies dS, the block mask is listed per key block
-(``BlockMask.for_key_tile``). Captured tensors get no gradient.
+(``BlockMask.for_key_tile``). Captured tensors that require grad get theirs from ``api.capturegrad`` (torch,
+a block of rows at a time).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from ..settings import logger
 from ..problem import ProblemKey, bucket_of, bwd_head_dim_tile, head_dim_tile
 from ..variants import Variant
 from .backward import attention_backward
+from .capturegrad import capture_grads
 from .blockmask import BlockMask, create_block_mask
 from .checks import DTYPES, check_attention_call, check_forced_spec, check_int32, contiguous_strides
 from .device import Device, index_of
@@ -46,38 +48,57 @@ def mod_forward(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mas
 
 
 def mod_attention(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask):
-    """The same with gradients for q, k and v (``bwd_sm90`` with the mods; captured tensors get none, so
-    one that requires grad is refused)."""
-    out, lse = _ModAttention.apply(q, k, v, softmax_scale, layout, spec, score_mod, mask_mod, block_mask)
+    """The same with gradients: q, k and v (``bwd_sm90`` with the mods) and the captured tensors that
+    require grad (``api.capturegrad``, with torch)."""
+    wanted = _grad_captures(score_mod, mask_mod, block_mask)
+    out, lse = _ModAttention.apply(q, k, v, softmax_scale, layout, spec, score_mod, mask_mod, block_mask, *wanted)
     return (out, lse) if return_lse else out
+
+
+def _grad_captures(score_mod, mask_mod, block_mask) -> tuple:
+    """The captured tensors of the call's mods that require grad (traced here: the trace is cached)."""
+    found = []
+    if callable(score_mod):  # (the plan checks the captures' device)
+        found += mods.trace_score_mod(score_mod, allow_cpu=True).captures
+    mask = block_mask.mask_mod if isinstance(block_mask, BlockMask) else mask_mod
+    if callable(mask):
+        found += mods.trace_mask_mod(mask, allow_cpu=True).captures
+    out = []
+    for t in found:
+        if t.requires_grad and not any(t is o for o in out):
+            out.append(t)
+    return tuple(out)
 
 
 class _ModAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, layout, spec, score_mod, mask_mod, block_mask):
+    def forward(ctx, q, k, v, softmax_scale, layout, spec, score_mod, mask_mod, block_mask, *wanted):
         out, lse, plan = _run(q, k, v, softmax_scale, layout, True, spec, score_mod, mask_mod, block_mask, True)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, *wanted)
         ctx.plan, ctx.layout = plan, layout
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *wanted = ctx.saved_tensors
         plan = ctx.plan
         if plan.base.kernel is None or (dout is None and dlse is None):
-            return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)) + (None,) * 6
+            return ((torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)) + (None,) * 6
+                    + tuple(torch.zeros_like(t) for t in wanted))
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv = attention_backward(dout, q, k, v, out, lse, False, plan.scale, ctx.layout, dlse=dlse,
                                         mods=backward_of(plan, q))
-        return (dq, dk, dv) + (None,) * 6
+        extra = capture_grads(plan.pair, wanted, q, k, v, out, lse, dout, dlse, plan.scale, ctx.layout) if wanted \
+            else []
+        return (dq, dk, dv) + (None,) * 6 + tuple(extra)
 
 
 def _run(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask, grads=False):
     """(out, lse or None, the plan) of a forward with mods. ``grads``: the backward will follow, so what it
-    cannot serve is refused before this launch (captures that require grad, a head dim or GPU without
-    bwd_sm90), and its kernel is chosen now."""
+    cannot serve is refused before this launch (a head dim or GPU without bwd_sm90), and its kernel is
+    chosen now."""
     try:
         sig = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
                q.device, k.device, v.device, softmax_scale, type(softmax_scale), layout, return_lse,
@@ -92,10 +113,6 @@ def _run(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, 
         if sig is not None:
             _plans.put(sig, plan)
     if grads:
-        needing = [t for t in plan.pair.captures if t.requires_grad]
-        if needing:
-            raise UnsupportedError(f"a mod captures a tensor that requires grad (shape {tuple(needing[0].shape)}): "
-                                   "flashgen computes no gradient for captured tensors; detach it")
         if plan.base.kernel is not None:
             backward_of(plan, q)
     if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
