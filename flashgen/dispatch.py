@@ -12,7 +12,6 @@ import functools
 
 from . import families, tables
 from .codegen import build
-from .codegen.launch import SPILL_PROBLEMS
 from .errors import CompileError, UnsupportedError
 from .families.base import first_clean
 from .problem import ProblemKey
@@ -107,11 +106,10 @@ def mod_backward_spec(key: ProblemKey, smem_budget: int, token: int, verify: boo
         return candidates[0]
     spilling = []
     for spec in candidates:
-        problems = resource_problems(spec)
-        if not problems:
+        if not resource_problems(spec):
             return spec
-        if all(p.startswith(SPILL_PROBLEMS) for p in problems):
-            report = build(spec).report
+        report = build(spec).report
+        if not report.problems(spills=False):
             spilling.append((report.spill_stores + report.spill_loads + report.stack_frame, spec))
     return min(spilling, key=lambda x: x[0])[1] if spilling else candidates[-1]
 

@@ -248,13 +248,16 @@ def test_captured_tensors_get_their_gradients(monkeypatch):
     def mask(bb, hh, qi, ki):
         return (qi >= ki) | (ki < 3)
 
-    def fake_run(q_, k_, v_, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask, grads=False):
-        with torch.no_grad():
-            out, lse = reference(q_, k_, v_, False, scale, score_mod=score_mod, mask_mod=mask_mod)
+    def fake_planned(q_, k_, v_, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask):
         pair = mods.pair(mods.trace_score_mod(score_mod, allow_cpu=True), mods.trace_mask_mod(mask_mod, allow_cpu=True))
-        return out, lse, SimpleNamespace(base=SimpleNamespace(kernel=object()), pair=pair, scale=scale)
+        return SimpleNamespace(base=SimpleNamespace(kernel=object()), pair=pair, scale=scale)
 
-    monkeypatch.setattr(modcall, "_run", fake_run)
+    def fake_launch(plan, q_, k_, v_, return_lse):
+        with torch.no_grad():
+            return reference(q_, k_, v_, False, scale, score_mod=score, mask_mod=mask)
+
+    monkeypatch.setattr(modcall, "_planned", fake_planned)
+    monkeypatch.setattr(modcall, "_launch", fake_launch)
     monkeypatch.setattr(modcall, "backward_of", lambda plan, q_: None)
     monkeypatch.setattr(modcall, "attention_backward", lambda dout, q_, k_, v_, *a, **kw: (
         torch.zeros_like(q_), torch.zeros_like(k_), torch.zeros_like(v_)))

@@ -230,7 +230,7 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
         **stride_values("o", so), **stride_values("dout", sdo), nq=nq, nq_pad=nq_pad, heads=h, d=d)))
 
     if kv_fam is not bwd.DKDV and not separate:  # bwd_sm90: Q, K, V, dO and dQ through tensor maps
-        kv = load(kv_spec, index, accept_spills=mods is not None and mods.accept_spills)
+        kv = load(kv_spec, index, accept_spills=mods is not None)  # (the least-spilling tile: mod_backward_spec)
         params = kv.params(lse2=lse2.data_ptr(), dsum=dsum.data_ptr(), dq_acc=dq_acc.data_ptr(), dk=dk.data_ptr(),
                            dv=dv.data_ptr(), **stride_values("dk", sdk), **stride_values("dv", sdv), **common)
         if mods is not None:

@@ -18,7 +18,7 @@ import torch
 
 from .. import dispatch, families, mods
 from ..codegen import load
-from ..codegen.launch import SPILL_PROBLEMS, ensure_context
+from ..codegen.launch import ensure_context
 from ..errors import UnsupportedError
 from ..settings import logger
 from ..problem import ProblemKey, bucket_of, bwd_head_dim_tile, head_dim_tile
@@ -43,37 +43,30 @@ _made_lock = threading.Lock()
 
 def mod_forward(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask):
     """The forward of ``attention(q, k, v, score_mod=..., mask_mod=..., block_mask=...)`` (no autograd)."""
-    out, lse, _ = _run(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask)
+    plan = _planned(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask)
+    out, lse = _launch(plan, q, k, v, return_lse)
     return (out, lse) if return_lse else out
 
 
 def mod_attention(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask):
     """The same with gradients: q, k and v (``bwd_sm90`` with the mods) and the captured tensors that
-    require grad (``api.capturegrad``, with torch)."""
-    wanted = _grad_captures(score_mod, mask_mod, block_mask)
-    out, lse = _ModAttention.apply(q, k, v, softmax_scale, layout, spec, score_mod, mask_mod, block_mask, *wanted)
+    require grad (``api.capturegrad``, with torch). What the backward cannot serve (a head dim or GPU
+    without bwd_sm90) is refused before the forward's launch, and its kernel is chosen then."""
+    plan = _planned(q, k, v, softmax_scale, layout, True, spec, score_mod, mask_mod, block_mask)
+    if plan.base.kernel is not None:
+        backward_of(plan, q)
+    wanted = []  # the captures that require grad, each once (they join the function's inputs)
+    for t in plan.pair.captures:
+        if t.requires_grad and not any(t is w for w in wanted):
+            wanted.append(t)
+    out, lse = _ModAttention.apply(q, k, v, plan, layout, *wanted)
     return (out, lse) if return_lse else out
-
-
-def _grad_captures(score_mod, mask_mod, block_mask) -> tuple:
-    """The captured tensors of the call's mods that require grad (traced here: the trace is cached)."""
-    found = []
-    if callable(score_mod):  # (the plan checks the captures' device)
-        found += mods.trace_score_mod(score_mod, allow_cpu=True).captures
-    mask = block_mask.mask_mod if isinstance(block_mask, BlockMask) else mask_mod
-    if callable(mask):
-        found += mods.trace_mask_mod(mask, allow_cpu=True).captures
-    out = []
-    for t in found:
-        if t.requires_grad and not any(t is o for o in out):
-            out.append(t)
-    return tuple(out)
 
 
 class _ModAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, layout, spec, score_mod, mask_mod, block_mask, *wanted):
-        out, lse, plan = _run(q, k, v, softmax_scale, layout, True, spec, score_mod, mask_mod, block_mask, True)
+    def forward(ctx, q, k, v, plan, layout, *wanted):
+        out, lse = _launch(plan, q, k, v, True)
         ctx.save_for_backward(q, k, v, out, lse, *wanted)
         ctx.plan, ctx.layout = plan, layout
         ctx.set_materialize_grads(False)
@@ -84,7 +77,7 @@ class _ModAttention(torch.autograd.Function):
         q, k, v, out, lse, *wanted = ctx.saved_tensors
         plan = ctx.plan
         if plan.base.kernel is None or (dout is None and dlse is None):
-            return ((torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)) + (None,) * 6
+            return ((torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None)
                     + tuple(torch.zeros_like(t) for t in wanted))
         if dout is None:
             dout = torch.zeros_like(out)
@@ -92,13 +85,11 @@ class _ModAttention(torch.autograd.Function):
                                         mods=backward_of(plan, q))
         extra = capture_grads(plan.pair, wanted, q, k, v, out, lse, dout, dlse, plan.scale, ctx.layout) if wanted \
             else []
-        return (dq, dk, dv) + (None,) * 6 + tuple(extra)
+        return (dq, dk, dv, None, None) + tuple(extra)
 
 
-def _run(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask, grads=False):
-    """(out, lse or None, the plan) of a forward with mods. ``grads``: the backward will follow, so what it
-    cannot serve is refused before this launch (a head dim or GPU without bwd_sm90), and its kernel is
-    chosen now."""
+def _planned(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask):
+    """The call's plan: from the plan cache while the mods still trace to its graphs, else made."""
     try:
         sig = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
                q.device, k.device, v.device, softmax_scale, type(softmax_scale), layout, return_lse,
@@ -112,9 +103,11 @@ def _run(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, 
         plan = _plan(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask)
         if sig is not None:
             _plans.put(sig, plan)
-    if grads:
-        if plan.base.kernel is not None:
-            backward_of(plan, q)
+    return plan
+
+
+def _launch(plan, q, k, v, return_lse):
+    """(out, lse or None) of the plan's forward on these tensors."""
     if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
         raise ValueError("q, k, v must be 16-byte aligned (16-byte loads), got addresses "
                          f"{q.data_ptr():#x}, {k.data_ptr():#x}, {v.data_ptr():#x}")
@@ -125,11 +118,16 @@ def _run(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, 
         params = plan.base.params_for(q.data_ptr(), k.data_ptr(), v.data_ptr())
         params.o = out.data_ptr()
         params.lse = lse.data_ptr() if lse is not None else 0
-        plan.fill(params)
+        fill_mods(params, plan.offset, plan.blob)
         if plan.base.counters:
             params.sched = tile_counters(plan.base.device_index)
         plan.base.launch(params)
-    return out, lse, plan
+    return out, lse
+
+
+def fill_mods(params, offset: int, blob: bytes) -> None:
+    """Copy a packed range of mod fields (``_packed``) into a launch's parameter block."""
+    ctypes.memmove(ctypes.addressof(params) + offset, blob, len(blob))
 
 
 class _ModPlan:
@@ -156,8 +154,6 @@ class _ModPlan:
         return ((score_fn is None or mods.trace_score_mod(score_fn) is self.pair.score)
                 and (mask_fn is None or mods.trace_mask_mod(mask_fn) is self.pair.mask))
 
-    def fill(self, params) -> None:
-        ctypes.memmove(ctypes.addressof(params) + self.offset, self.blob, len(self.blob))
 
 
 def _packed(struct, captures, tiles) -> tuple[int, bytes]:
@@ -279,10 +275,10 @@ class ModBackward:
         key = ProblemKey("bwd_dkdv", dev.arch, DTYPES[q.dtype], bwd_head_dim_tile(d), False,
                          bucket_of(plan.base.lse_shape[-1]), "")
         self.spec = dispatch.mod_backward_spec(key, dev.smem_budget, mods.token_number(pair), verify=True)
-        # Spills only where no tile builds clean (dispatch.mod_backward_spec): taken, and said once.
+        # Spills only where no tile builds clean (dispatch.mod_backward_spec): taken, and said once (the
+        # load still refuses any other problem).
         problems = dispatch.resource_problems(self.spec)
-        self.accept_spills = bool(problems) and all(p.startswith(SPILL_PROBLEMS) for p in problems)
-        if self.accept_spills:
+        if problems:
             logger().info("mods %s: the backward kernel %s spills (%s): no bwd_sm90 tile holds this mod's functions "
                           "in registers; it runs anyway", pair.token, self.spec.name, "; ".join(problems))
         k_in, c_out = pair.factors
@@ -296,7 +292,8 @@ class ModBackward:
         self.offset, self.blob = _packed(families.family("bwd_sm90").param_struct(), tuple(pair.captures), tiles)
 
     def fill(self, params) -> None:
-        ctypes.memmove(ctypes.addressof(params) + self.offset, self.blob, len(self.blob))
+        fill_mods(params, self.offset, self.blob)
+
 
 
 def backward_of(plan: "_ModPlan", q) -> ModBackward:

@@ -38,14 +38,15 @@ class Report:
     static_smem: int
     warnings: tuple = ()
 
-    def problems(self, max_registers: int = 255) -> list[str]:
-        """Reasons to refuse this binary (spills, local memory, serialized wgmma...)."""
+    def problems(self, max_registers: int = 255, spills: bool = True) -> list[str]:
+        """Reasons to refuse this binary (spills, local memory, serialized wgmma...); ``spills=False``
+        leaves out the spills and local memory (a caller that takes the least-spilling tile)."""
         out = []
         if self.registers <= 0:  # no resource report at all: nothing vouches for the binary
             out.append("no ptxas resource usage in the NVRTC log (cannot check registers and spills)")
-        if self.spill_stores or self.spill_loads:
+        if spills and (self.spill_stores or self.spill_loads):
             out.append(f"spills: {self.spill_stores} B stored, {self.spill_loads} B loaded")
-        if self.stack_frame:
+        if spills and self.stack_frame:
             out.append(f"stack frame of {self.stack_frame} B (local memory)")
         if self.registers > max_registers:
             out.append(f"{self.registers} registers > {max_registers}")

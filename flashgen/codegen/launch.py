@@ -10,8 +10,7 @@ from .compiler import build
 
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
-_ARGV = ctypes.c_void_p * 1
-SPILL_PROBLEMS = ("spills:", "stack frame")  # the starts of Report.problems' spill and local-memory entries  # the kernel's one argument: the address of its parameter struct
+_ARGV = ctypes.c_void_p * 1  # the kernel's one argument: the address of its parameter struct
 _loaded: dict = {}
 _lock = threading.Lock()
 
@@ -205,9 +204,7 @@ def load_kernel(spec, device_index: int, accept_spills: bool = False) -> Kernel:
         if kern is not None:
             return kern
         binary = build(spec)
-        problems = binary.report.problems()
-        if accept_spills:
-            problems = [p for p in problems if not p.startswith(SPILL_PROBLEMS)]
+        problems = binary.report.problems(spills=not accept_spills)
         if problems and not settings.allow_spills():  # study only: time a spilling tile
             raise CompileError(f"{spec.name}: refused by its resource report: {'; '.join(problems)}", log=binary.log)
         module, function = _load_module(binary.cubin, spec.name, spec.smem_bytes(), binary.report.static_smem,
