@@ -296,3 +296,13 @@ def test_capture_gradients_read_both_layouts():
                          dout.transpose(1, 2), None, 1 / math.sqrt(8), "bshd")[0]
     torch.testing.assert_close(bhsd, bshd)
     assert bhsd.abs().sum() > 0
+
+
+def test_a_capture_only_the_mask_reads_gets_a_zero_gradient():
+    from flashgen.api.capturegrad import capture_grads
+
+    lengths = torch.tensor([5.0, 9.0], requires_grad=True)
+    pair = mods.pair(None, mods.trace_mask_mod(lambda b, h, q, kv: kv < lengths[b], allow_cpu=True))
+    q = torch.randn(2, 1, 4, 8)
+    grads = capture_grads(pair, [lengths], q, q, q, q, torch.zeros(2, 1, 4), q, None, 0.3, "bhsd")
+    assert torch.equal(grads[0], torch.zeros(2))

@@ -24,7 +24,9 @@ def capture_grads(pair, wanted, q, k, v, out, lse, dout, dlse, scale: float, lay
     """The gradients of ``wanted`` (captured tensors of ``pair``, each requiring grad) for the call
     ``out, lse = attention(q, k, v, score_mod, mask_mod)`` and the gradients ``dout`` (and ``dlse`` or None)
     of its outputs; q/k/v/out/dout in ``layout``, lse (b, h, nq). Returns one tensor per wanted capture,
-    in its dtype."""
+    in its dtype (zeros for a capture only the mask_mod reads: a mask has no gradient)."""
+    if pair.score is None:
+        return [torch.zeros_like(t) for t in wanted]
     if layout == "bshd":
         q, k, v, out, dout = (t.transpose(1, 2) for t in (q, k, v, out, dout))
     b, h, nq, _ = q.shape
