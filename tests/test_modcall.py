@@ -224,11 +224,13 @@ def test_backward_takes_the_least_spilling_tile_when_none_is_clean(tmp_path, mon
     assert spilled(spec) == min(spilled(s) for s in others)
 
 
-def test_captured_tensors_get_their_gradients(monkeypatch):
+@pytest.mark.parametrize("qkv_grad", [True, False], ids=["with-qkv", "captures-only"])
+def test_captured_tensors_get_their_gradients(monkeypatch, qkv_grad):
     """A score_mod's captured tensors that require grad get the gradient autograd gives through the fp32
     reference (api.capturegrad, a block of rows at a time; blocks of 7 rows here), beside dQ/dK/dV from the
     kernels (stood in for: no GPU here). Checked through flashgen.attention, so the autograd wiring (the
-    captures as extra inputs of the function) is what runs."""
+    captures as extra inputs of the function) is what runs; with q, k and v frozen the captures alone take
+    the autograd path, and the backward kernels are not run."""
     import math
     from types import SimpleNamespace
 
@@ -258,15 +260,17 @@ def test_captured_tensors_get_their_gradients(monkeypatch):
 
     monkeypatch.setattr(modcall, "_planned", fake_planned)
     monkeypatch.setattr(modcall, "_launch", fake_launch)
-    monkeypatch.setattr(modcall, "backward_of", lambda plan, q_: None)
+    kernel_calls = []
+    monkeypatch.setattr(modcall, "backward_of", lambda plan, q_: kernel_calls.append("plan"))
     monkeypatch.setattr(modcall, "attention_backward", lambda dout, q_, k_, v_, *a, **kw: (
-        torch.zeros_like(q_), torch.zeros_like(k_), torch.zeros_like(v_)))
+        kernel_calls.append("run"), (torch.zeros_like(q_), torch.zeros_like(k_), torch.zeros_like(v_)))[1])
     monkeypatch.setattr(capturegrad, "BLOCK_SCORES", 7 * b * h * nk)
-    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    leaves = [t.clone().requires_grad_(qkv_grad) for t in (q, k, v)]
     out, lse = flashgen.attention(*leaves, score_mod=score, mask_mod=mask, return_lse=True)
     dout, dl = torch.randn_like(out), torch.randn_like(lse)
     ((out * dout).sum() + (lse * dl).sum()).backward()
     got = (bias.grad.clone(), slopes.grad.clone())
+    assert kernel_calls == (["plan", "plan", "run"] if qkv_grad else [])
     bias.grad = slopes.grad = None
     ref_out, ref_lse = reference(q, k, v, False, scale, score_mod=score, mask_mod=mask)
     ((ref_out * dout).sum() + (ref_lse * dl).sum()).backward()

@@ -42,8 +42,11 @@ _made_lock = threading.Lock()
 
 
 def mod_forward(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask):
-    """The forward of ``attention(q, k, v, score_mod=..., mask_mod=..., block_mask=...)`` (no autograd)."""
+    """The forward of ``attention(q, k, v, score_mod=..., mask_mod=..., block_mask=...)`` where q, k and v
+    need no gradient: without autograd, unless a captured tensor requires grad (then ``mod_attention``)."""
     plan = _planned(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in plan.pair.captures):
+        return mod_attention(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask)
     out, lse = _launch(plan, q, k, v, return_lse)
     return (out, lse) if return_lse else out
 
@@ -53,8 +56,8 @@ def mod_attention(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, m
     require grad (``api.capturegrad``, with torch). What the backward cannot serve (a head dim or GPU
     without bwd_sm90) is refused before the forward's launch, and its kernel is chosen then."""
     plan = _planned(q, k, v, softmax_scale, layout, True, spec, score_mod, mask_mod, block_mask)
-    if plan.base.kernel is not None:
-        backward_of(plan, q)
+    if plan.base.kernel is not None and (q.requires_grad or k.requires_grad or v.requires_grad):
+        backward_of(plan, q)  # (captures alone need no backward kernel)
     wanted = []  # the captures that require grad, each once (they join the function's inputs)
     for t in plan.pair.captures:
         if t.requires_grad and not any(t is w for w in wanted):
@@ -81,8 +84,10 @@ class _ModAttention(torch.autograd.Function):
                     + tuple(torch.zeros_like(t) for t in wanted))
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, False, plan.scale, ctx.layout, dlse=dlse,
-                                        mods=backward_of(plan, q))
+        dq = dk = dv = None
+        if any(ctx.needs_input_grad[:3]):
+            dq, dk, dv = attention_backward(dout, q, k, v, out, lse, False, plan.scale, ctx.layout, dlse=dlse,
+                                            mods=backward_of(plan, q))
         extra = capture_grads(plan.pair, wanted, q, k, v, out, lse, dout, dlse, plan.scale, ctx.layout) if wanted \
             else []
         return (dq, dk, dv, None, None) + tuple(extra)
