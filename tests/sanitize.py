@@ -49,7 +49,7 @@ def _cases():
     import torch
 
     import flashgen
-    from flashgen import families
+    from flashgen import dispatch, families
     from flashgen.api.device import Device
     from flashgen.families import decode as dec
     from flashgen.problem import ProblemKey
@@ -71,7 +71,9 @@ def _cases():
             spec = None
             if family is not None:
                 key = ProblemKey("fwd", dev.arch, "bf16" if dtype == bf16 else "fp16", d, causal, 512)
-                spec = families.default_spec(key, dev.smem_budget, family=family)
+                # the rule's first tile this NVRTC compiles without spills (under NVRTC 13.0 the fwd_v2
+                # rule's first d128 causal tile for sm_90a spills 84 B; dispatch checks the same way)
+                spec = families.default_spec(key, dev.smem_budget, check=dispatch.resource_problems, family=family)
             out, lse = flashgen.attention(q, k, v, causal=causal, layout=layout, return_lse=True, spec=spec)
             finite(out)
             assert not bool(torch.isnan(lse).any())
