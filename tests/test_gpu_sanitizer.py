@@ -34,16 +34,10 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-# racecheck still reports potential write-after-read hazards in the d=64 non-causal bwd_sm90 kernel
-# (docs/perf/backward.md, open questions): expected to fail, strictly, until that is settled.
-RACECHECK_OPEN = pytest.mark.xfail(strict=True, reason="racecheck: bwd_sm90 d=64 non-causal, potential WAR "
-                                                        "hazards on the LSE2/D stages (docs/perf/backward.md)")
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
 @pytest.mark.skipif(find_sanitizer() is None, reason="compute-sanitizer not found")
-@pytest.mark.parametrize("tool", [t if t != "racecheck" else pytest.param(t, marks=RACECHECK_OPEN) for t in TOOLS])
+@pytest.mark.parametrize("tool", TOOLS)
 def test_sanitizer_reports_nothing(tool, tmp_path):
     out = tmp_path / "report.json"
     proc = subprocess.run([sys.executable, str(HERE / "sanitize.py"), "check", "--tools", tool, "--json", str(out)],
