@@ -32,7 +32,7 @@ def autotune(enabled: bool | None = True) -> None:
 def __getattr__(name):
     # The torch layer is imported when it is first used, so that `flashgen emit`, the spec and the
     # codegen modules work (and start quickly) without importing torch.
-    if name in ("attention", "attention_varlen", "decode", "sdpa", "create_block_mask", "BlockMask"):
+    if name in ("attention", "attention_varlen", "decode", "sdpa", "create_block_mask", "BlockMask", "quantize_fp8"):
         from . import api
 
         return getattr(api, name)
@@ -43,5 +43,5 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["attention", "attention_varlen", "decode", "sdpa", "create_block_mask", "BlockMask", "record", "autotune", "KernelSpec", "FlashgenError", "UnsupportedError", "CompileError", "ConfigError",
+__all__ = ["attention", "attention_varlen", "decode", "sdpa", "create_block_mask", "BlockMask", "quantize_fp8", "record", "autotune", "KernelSpec", "FlashgenError", "UnsupportedError", "CompileError", "ConfigError",
            "__version__"]

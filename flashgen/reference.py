@@ -15,13 +15,15 @@ from .variants import check_softcap, is_banded, window_of
 
 
 def reference(q, k, v, causal, scale, dtype=None, *, window=None, softcap=0.0, alibi_slopes=None, sinks=None,
-              score_mod=None, mask_mod=None):
+              score_mod=None, mask_mod=None, p_fp8=False):
     """(out, lse) in fp32 for bhsd q, k, v, computed in ``dtype`` (default fp32).
 
     ``window``, ``softcap``, ``alibi_slopes`` ((heads,) or (batch, heads)) and ``sinks`` ((heads,)) as
     ``flashgen.variants`` defines them; autograd runs through all of it (the sinks get a gradient).
     ``score_mod`` / ``mask_mod`` (FlexAttention's functions) are called as written, on the whole score
-    matrix and broadcast index tensors (batch, head, query, key), not through flashgen's tracer."""
+    matrix and broadcast index tensors (batch, head, query, key), not through flashgen's tracer.
+    ``p_fp8``: the FP8 kernels' mixed precision: P relative to its row's max (values in [0, 1]) rounded to
+    float8 e4m3 before P V, the row sum taken from the unrounded P (no autograd through it)."""
     import torch
 
     dtype = dtype or torch.float32
@@ -69,6 +71,14 @@ def reference(q, k, v, causal, scale, dtype=None, *, window=None, softcap=0.0, a
         p = torch.softmax(s, dim=-1)
     if sinks is not None:
         p = p[..., :nk]
+    if p_fp8:  # p = exp(s - lse): exp(s - m) is p exp(lse - m), m the row's max over its keys (not the sink)
+        m = s[..., :nk].masked_fill(hidden[..., :nk], float("-inf")) if hidden is not None else s[..., :nk]
+        m = m.float().amax(dim=-1, keepdim=True)
+        live = torch.isfinite(m)
+        grow = torch.where(live, torch.exp(lse[..., None] - m), torch.zeros_like(m))
+        p8 = (p.float() * grow).to(torch.float8_e4m3fn).float()
+        out = torch.matmul(p8, vv.float()) * torch.where(live, torch.exp(m - lse[..., None]), torch.zeros_like(m))
+        return out.float(), lse
     out = torch.matmul(p.to(dtype), vv)
     return out.float(), lse
 

@@ -96,6 +96,8 @@ class KernelSpec:
                          "boxes: for pages shorter than the boxes that run well", True)
     mod: int = _f(0, "mod", ("fwd_sm90", "bwd_sm90"), "user mods (flashgen.mods): the 48-bit token of a traced score_mod / mask_mod pair, "
                   "whose graphs are printed into the kernel as device functions (0: none)", True)
+    fp8: bool = _f(False, "fp8", ("fwd_sm90", "decode_split"), "float8 e4m3 operands with fp32 descale factors: q, k "
+                   "and v in the forward, the KV cache in decode; dtype is the output's (and decode's query's)", True)
 
     # -- identity ---------------------------------------------------------
     @property
@@ -131,7 +133,7 @@ class KernelSpec:
         values: dict = {"kind": m["kind"], "arch": arch, "dtype": m["dtype"], "causal": m["mask"] == "causal",
                         "head_dim": int(m["d"])}
         for token in m["rest"].split("_"):
-            t = _TOKEN_RE.match(token)
+            t = _token(token)
             f = _BY_TOKEN.get(t["letters"]) if t else None
             if f is None:
                 raise ValueError(f"{name!r}: unknown token {token!r}")
@@ -198,7 +200,7 @@ class KernelSpec:
         written by hand (benchmarks, tests). Not validated; ``ValueError`` for an unknown token."""
         changes = {}
         for token in filter(None, text.split("_")):
-            t = _TOKEN_RE.match(token)
+            t = _token(token)
             f = _BY_TOKEN.get(t["letters"]) if t else None
             if f is None or (f.type in ("bool", bool)) == bool(t["digits"]):
                 raise ValueError(f"{text!r}: {token!r} is not a name token "
@@ -270,6 +272,15 @@ assert len(_BY_TOKEN) == sum(1 for f in _FIELDS if f.metadata["token"]), "name t
 _NAME_RE = re.compile(r"^(?P<kind>[a-z][a-z0-9]*(?:_[a-z][a-z0-9]*)*?)_d(?P<d>\d+)_(?P<rest>[a-z0-9_]+?)"
                       r"_(?P<mask>causal|full)_(?P<dtype>[a-z0-9]+)_(?P<arch>sm\d+a?)$")
 _TOKEN_RE = re.compile(r"^(?P<letters>[a-z]+)(?P<digits>\d*)$")
+
+
+def _token(text: str):
+    """A name token's parts: {"letters": field token, "digits": its number ("" for a flag)}; a flag token
+    that ends in digits ("fp8") is matched whole. None when it is no token's spelling."""
+    f = _BY_TOKEN.get(text)
+    if f is not None and f.type in ("bool", bool):
+        return {"letters": text, "digits": ""}
+    return _TOKEN_RE.match(text)
 
 
 def fields_of(kind: str) -> tuple:

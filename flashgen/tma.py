@@ -1,7 +1,8 @@
 """TMA tensor maps (``CUtensorMap``) for the Hopper family, built by the driver.
 
 ``encode(ptr, dtype, dims, strides, box)`` returns the 128 opaque bytes of a
-tiled tensor map with 128-byte swizzle and zero fill out of bounds, made by the
+tiled tensor map with the swizzle of the box's row (128 bytes: 128-byte swizzle; a 64-byte row,
+FP8 at head dim 64: 64-byte swizzle) and zero fill out of bounds, made by the
 driver's ``cuTensorMapEncodeTiled``: through ``ctypes`` on ``libcuda.so`` (no
 dependency; the path the first H200 runs exercised), else through
 ``cuda.bindings`` (pip ``cuda-bindings``) when libcuda cannot be opened by name.
@@ -21,8 +22,11 @@ from . import settings
 from .errors import UnsupportedError
 
 # CUtensorMapDataType, CUtensorMapSwizzle and friends (cuda.h).
-DTYPE_CODES = {"fp16": 6, "fp32": 7, "bf16": 9}
-_SWIZZLE_128B = 3
+# (e4m3 travels as bytes: the TMA only moves it.)
+DTYPE_CODES = {"fp16": 6, "fp32": 7, "bf16": 9, "e4m3": 0}
+DTYPE_BYTES = {"fp16": 2, "fp32": 4, "bf16": 2, "e4m3": 1}
+# CUtensorMapSwizzle by the bytes of the box's innermost row: the span the swizzle permutes.
+SWIZZLES = {32: 1, 64: 2, 128: 3}
 _INTERLEAVE_NONE = 0
 _L2_PROMOTION_128B = 2
 _OOB_FILL_ZERO = 0
@@ -53,13 +57,13 @@ class _CtypesBackend:
                        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         self._fn = fn
 
-    def encode(self, ptr, dtype_code, dims, strides, box):
+    def encode(self, ptr, dtype_code, dims, strides, box, swizzle):
         rank = len(dims)
         out = (ctypes.c_uint64 * 16)()
         err = self._fn(ctypes.addressof(out), dtype_code, rank, ctypes.c_void_p(ptr),
                        (ctypes.c_uint64 * rank)(*dims), (ctypes.c_uint64 * (rank - 1))(*strides),
                        (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*([1] * rank)),
-                       _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_128B, _OOB_FILL_ZERO)
+                       _INTERLEAVE_NONE, swizzle, _L2_PROMOTION_128B, _OOB_FILL_ZERO)
         if err:
             raise UnsupportedError(f"cuTensorMapEncodeTiled failed (CUresult {err}) for dims {dims}, byte strides "
                                    f"{strides}, box {box} at {ptr:#x}")
@@ -74,14 +78,14 @@ class _BindingsBackend:
 
         self._drv = driver
 
-    def encode(self, ptr, dtype_code, dims, strides, box):
+    def encode(self, ptr, dtype_code, dims, strides, box, swizzle):
         drv = self._drv
         rank = len(dims)
         u32, u64 = drv.cuuint32_t, drv.cuuint64_t  # the lists take these wrappers, not Python ints
         err, tmap = drv.cuTensorMapEncodeTiled(
             drv.CUtensorMapDataType(dtype_code), u32(rank), ptr, [u64(x) for x in dims], [u64(x) for x in strides],
             [u32(x) for x in box], [u32(1) for _ in range(rank)],
-            drv.CUtensorMapInterleave(_INTERLEAVE_NONE), drv.CUtensorMapSwizzle(_SWIZZLE_128B),
+            drv.CUtensorMapInterleave(_INTERLEAVE_NONE), drv.CUtensorMapSwizzle(swizzle),
             drv.CUtensorMapL2promotion(_L2_PROMOTION_128B), drv.CUtensorMapFloatOOBfill(_OOB_FILL_ZERO))
         if int(err):
             raise UnsupportedError(f"cuTensorMapEncodeTiled failed ({err}) for dims {dims}, byte strides "
@@ -116,21 +120,26 @@ def backend():
 
 def encode(ptr: int, dtype: str, dims, strides, box) -> bytes:
     """128 bytes of a tiled tensor map: ``dims`` innermost first (elements), ``strides`` the byte
-    strides of dims 1.. (multiples of 16), ``box`` the copy box (elements). Cached."""
+    strides of dims 1.. (multiples of 16), ``box`` the copy box (elements; its row of 32, 64 or 128 bytes
+    sets the swizzle). Cached."""
     key = (ptr, dtype, tuple(dims), tuple(strides), tuple(box))
     hit = _cache.get(key)
     if hit is not None:
         return hit
     global _backend
+    row = box[0] * DTYPE_BYTES[dtype]
+    if row not in SWIZZLES:
+        raise UnsupportedError(f"a TMA box row of {row} bytes has no swizzle (32, 64 or 128 bytes)")
+    swizzle = SWIZZLES[row]
     enc = backend()
     try:
-        data = enc.encode(ptr, DTYPE_CODES[dtype], tuple(dims), tuple(strides), tuple(box))
+        data = enc.encode(ptr, DTYPE_CODES[dtype], tuple(dims), tuple(strides), tuple(box), swizzle)
     except (AttributeError, TypeError, ValueError):
         if enc.name == "ctypes" or settings.tma_backend() == "bindings":
             raise
         # A cuda.bindings whose API differs from the one written against: use the driver directly.
         _backend = _CtypesBackend()
-        data = _backend.encode(ptr, DTYPE_CODES[dtype], tuple(dims), tuple(strides), tuple(box))
+        data = _backend.encode(ptr, DTYPE_CODES[dtype], tuple(dims), tuple(strides), tuple(box), swizzle)
     with _lock:
         if len(_cache) > 8192:
             _cache.clear()

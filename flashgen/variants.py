@@ -26,7 +26,8 @@ from .errors import UnsupportedError
 UNBOUNDED = -1
 # The variant options' name tokens (KernelSpec's window, softcap, alibi and sinks fields), in field order:
 # a problem key's ``variant`` is those in use joined by "_".
-KEY_TOKENS = (("window", "win"), ("softcap", "cap"), ("alibi", "alibi"), ("sinks", "sink"), ("varlen", "vl"))
+KEY_TOKENS = (("window", "win"), ("softcap", "cap"), ("alibi", "alibi"), ("sinks", "sink"), ("varlen", "vl"),
+              ("fp8", "fp8"))
 
 
 def is_key_variant(text) -> bool:
@@ -142,13 +143,14 @@ class Variant:
     varlen: bool = False
     scored: bool = False  # a user score_mod (flashgen.mods): it takes the scaled score, the softmax runs on its result
     score_factor: float = 1.0  # (scored) c of a score_mod c * f(...) whose f the kernel prints (mods.Graph.factors)
+    fp8: bool = False  # float8 e4m3 operands with descale factors (the forward's q, k, v; decode's cache)
 
     @classmethod
     def of(cls, causal: bool, window=None, softcap=0.0, alibi: bool = False, sinks: bool = False,
-           varlen: bool = False) -> "Variant":
+           varlen: bool = False, fp8: bool = False) -> "Variant":
         left, right = window_of(causal, window)
         return cls(causal or right == 0, left, 0 if right == 0 else right, check_softcap(softcap), alibi, sinks,
-                   varlen)
+                   varlen, fp8=fp8)
 
     @property
     def windowed(self) -> bool:
@@ -163,7 +165,7 @@ class Variant:
     def flags(self) -> dict:
         """The KernelSpec fields of this variant (``causal`` among them)."""
         return {"causal": self.causal, "window": self.windowed, "softcap": self.softcap > 0,
-                "alibi": self.alibi, "sinks": self.sinks, "varlen": self.varlen}
+                "alibi": self.alibi, "sinks": self.sinks, "varlen": self.varlen, "fp8": self.fp8}
 
     def key(self) -> str:
         """The problem key's ``variant``: the tokens of the spec fields this variant sets."""
@@ -246,4 +248,4 @@ def tuning_variant(key_variant: str, causal: bool, seqlen: int) -> Variant:
         side = max(1, min(TUNING_WINDOW, seqlen // 4))
         window = (side, 0 if causal else side)
     return Variant.of(causal, window, TUNING_SOFTCAP if flags["softcap"] else 0.0, flags["alibi"], flags["sinks"],
-                      flags["varlen"])
+                      flags["varlen"], flags["fp8"])

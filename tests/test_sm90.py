@@ -108,7 +108,9 @@ def test_names_and_rules():
 
 
 def test_default_rule():
-    assert len(DEFAULTS) == 3 * 2 * 2 and all(s.kind == "fwd_sm90" for s in DEFAULTS)
+    # head dims x dtypes x causal, bf16/fp16 inputs and FP8 inputs (the fp8 variant key)
+    assert len(DEFAULTS) == 3 * 2 * 2 * 2 and all(s.kind == "fwd_sm90" for s in DEFAULTS)
+    assert sum(s.fp8 for s in DEFAULTS) == 3 * 2 * 2
     assert [s for s in families.rule_specs("sm_80", 166912) if s.kind == "fwd_sm90"] == []
     key = ProblemKey("fwd", "sm_80", "bf16", 128, False, 2048)
     assert families.serving("fwd", "sm_80") == ("fwd_v2",) and families.default_family(key) == "fwd_v2"

@@ -14,6 +14,7 @@ from ..errors import UnsupportedError
 from ..families.decode import PAGE_SIZES  # keys per page of a paged K/V cache (flashgen.decode's too)
 from ..spec import KernelSpec
 from ..variants import Variant
+from .fp8 import check_descale
 
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 LAYOUTS = ("bhsd", "bshd")
@@ -98,9 +99,11 @@ def check_heads_and_dim(hq: int, hk: int, d: int, batch: int, grid_heads: int, k
                                f"{MAX_GRID_YZ}")
 
 
-def check_attention_inputs(q, k, v, causal, softmax_scale, layout):
+def check_attention_inputs(q, k, v, causal, softmax_scale, layout, fp8: bool = False):
     """Everything ``flashgen.attention`` checks of its tensors: ((b, hq, nq, d), q strides, (hk, nk),
-    k strides, v strides, scale)."""
+    k strides, v strides, scale). ``fp8``: q, k, v are float8 e4m3 (16-byte aligned: d and the strides
+    multiples of 16 elements)."""
+    dtypes = {torch.float8_e4m3fn: "e4m3"} if fp8 else DTYPES
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -112,8 +115,13 @@ def check_attention_inputs(q, k, v, causal, softmax_scale, layout):
             raise ValueError(f"{name} must be 4-D ({layout}), got shape {tuple(t.shape)}")
         if t.device.type not in ("cuda", "meta"):
             raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
-        if t.dtype not in DTYPES:
-            raise TypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+        if t.dtype not in dtypes:
+            if fp8:
+                raise TypeError(f"{name} must be float8_e4m3fn (FP8 attention: q, k and v all FP8, with their "
+                                f"descales), got {t.dtype}")
+            hint = (": FP8 inputs take q_descale, k_descale and v_descale, and all three of q, k, v in FP8"
+                    if t.dtype == torch.float8_e4m3fn else "")
+            raise TypeError(f"{name} must be float16 or bfloat16, got {t.dtype}{hint}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if not (q.dtype == k.dtype == v.dtype):
@@ -134,11 +142,14 @@ def check_attention_inputs(q, k, v, causal, softmax_scale, layout):
     check_heads_and_dim(hq, hk, d, bq, hq, "k/v", "heads")
     check_int32("seqlen_q", nq)
     check_int32("seqlen_k", nk)
+    per16 = 16 if fp8 else 8  # elements in 16 bytes
+    if fp8 and d % 16:
+        raise UnsupportedError(f"FP8 attention takes head dims that are multiples of 16 (16-byte rows), got {d}")
     for name, t, strides in (("q", q, sq), ("k", k, sk), ("v", v, sv)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
-        if t.data_ptr() % 16 or any(x % 8 for x in strides):
-            raise ValueError(f"{name} must be 16-byte aligned with strides that are multiples of 8 elements "
+        if t.data_ptr() % 16 or any(x % per16 for x in strides):
+            raise ValueError(f"{name} must be 16-byte aligned with strides that are multiples of {per16} elements "
                              f"(16-byte loads), got strides {t.stride()} at address {t.data_ptr():#x}")
     return (bq, hq, nq, d), sq, (hk, nk), sk, sv, checked_scale(softmax_scale, d)
 
@@ -301,13 +312,32 @@ def on_meta(t) -> bool:
     return isinstance(t, torch.Tensor) and t.is_meta
 
 
-def check_attention_call(q, k, v, causal, softmax_scale, layout, return_lse, window, softcap, alibi_slopes, sinks):
+def check_attention_call(q, k, v, causal, softmax_scale, layout, return_lse, window, softcap, alibi_slopes, sinks,
+                         fp8=None):
     """Every check of a ``flashgen.attention`` call's arguments (the forward's plan and the meta path):
-    ``check_attention_inputs``'s facts and the ``Variant``."""
-    (b, h, nq, d), sq, (hk, nk), sk, sv, scale = check_attention_inputs(q, k, v, causal, softmax_scale, layout)
+    ``check_attention_inputs``'s facts and the ``Variant``. ``fp8``: (q_descale, k_descale, v_descale,
+    out_dtype) of an FP8 call (``check_fp8_options``)."""
+    (b, h, nq, d), sq, (hk, nk), sk, sv, scale = check_attention_inputs(q, k, v, causal, softmax_scale, layout,
+                                                                        fp8 is not None)
     variant, _, _ = check_variant_inputs(q, causal, window, softcap, alibi_slopes, sinks, b, h, nq, nk)
     check_flag("return_lse", return_lse)
+    if fp8 is not None:
+        check_fp8_options(q.device, b, h, hk, *fp8)
+        variant = variant.replace(fp8=True)
     return (b, h, nq, d), sq, (hk, nk), sk, sv, scale, variant
+
+
+def check_fp8_options(device, b: int, h: int, hk: int, q_descale, k_descale, v_descale, out_dtype) -> None:
+    """An FP8 call's descales (fp32 on ``device``: one factor, or (batch, heads) -- q's per query head or per
+    KV head, k's and v's per KV head) and output dtype (bf16 or fp16)."""
+    for name, t, heads in (("q_descale", q_descale, (h, hk)), ("k_descale", k_descale, (hk,)),
+                           ("v_descale", v_descale, (hk,))):
+        if t is None:
+            raise ValueError(f"FP8 inputs need q_descale, k_descale and v_descale (fp32 factors: x = x8 * "
+                             f"descale; flashgen.quantize_fp8 makes both); {name} is missing")
+        check_descale(name, t, device, b, heads)
+    if out_dtype not in DTYPES:
+        raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float16 (FP8 attention's output), got {out_dtype}")
 
 
 def check_packed_call(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, seqused_k, block_table, window,

@@ -11,14 +11,15 @@ from ..errors import UnsupportedError
 from .autograd import attention_op
 from .checks import check_attention_call, check_flag, on_meta
 from .device import is_compiling
-from .forward import ALGORITHMS, forward
+from .fp8 import FP8
+from .forward import ALGORITHMS, forward, forward_fp8
 from .modcall import mod_attention, mod_forward, mod_meta
 
 
 def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, layout: str = "bhsd",
               return_lse: bool = False, spec=None, algorithm: str = "v2", deterministic: bool = False, *,
               window=None, softcap: float = 0.0, alibi_slopes=None, sinks=None, score_mod=None, mask_mod=None,
-              block_mask=None):
+              block_mask=None, q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
     """Scaled dot-product attention, softmax(scale * q k^T) v, by a generated kernel.
 
     q: (batch, heads, seqlen_q, d) for ``layout="bhsd"`` (torch's order) or
@@ -50,6 +51,15 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     They may read captured CUDA tensors by index. They take none of causal, window, softcap, alibi_slopes
     or sinks (write those as mods), run the forward on sm_90a only, and have no backward yet.
 
+    FP8 (sm_90a): q, k and v in ``torch.float8_e4m3fn`` stand for ``x8 * descale`` with fp32
+    ``q_descale``, ``k_descale``, ``v_descale`` (all three required): one factor (shape () or (1,)) or one
+    per (batch, head), (batch, heads_kv) for k and v, (batch, heads) or (batch, heads_kv) for q
+    (FlashAttention-3's). ``flashgen.quantize_fp8`` makes both from bf16 tensors. The output is
+    ``out_dtype`` (bf16 by default, or fp16); P is rounded to e4m3 for the P V product (the row sums are
+    fp32). d a multiple of 16; causal, the window, softcap, ALiBi and sinks as above; forward only (no
+    gradient), no mods. The descales' values must be finite and positive (checked on the host: one device
+    sync per call, skipped while a CUDA graph is captured).
+
     ``spec`` forces one KernelSpec instead of dispatch's pick (for the tuner
     and for study); it must match the problem (a forward family the GPU runs:
     ``fwd_v2``, or ``fwd_sm90`` on sm_90a; dtype, causal, arch, and a head-dim
@@ -77,6 +87,11 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     dQ kernel, somewhat slower); dK and dV are deterministic either way.
     """
     check_flag("deterministic", deterministic)
+    if (q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None
+            or any(getattr(t, "dtype", None) == FP8 for t in (q, k, v))):
+        return _fp8(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm, deterministic, window,
+                    softcap, alibi_slopes, sinks, score_mod, mask_mod, block_mask, q_descale, k_descale, v_descale,
+                    out_dtype)
     if score_mod is not None or mask_mod is not None or block_mask is not None:
         return _with_mods(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm, deterministic, window,
                           softcap, alibi_slopes, sinks, score_mod, mask_mod, block_mask)
@@ -99,6 +114,31 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
                             alibi_slopes, sinks)
     return forward(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm, window, softcap,
                    alibi_slopes, sinks)
+
+
+def _fp8(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm, deterministic, window, softcap,
+         alibi_slopes, sinks, score_mod, mask_mod, block_mask, q_descale, k_descale, v_descale, out_dtype):
+    """The FP8 forward (api.forward.forward_fp8), after refusing what it does not serve."""
+    others = [name for name, on in (("score_mod", score_mod is not None), ("mask_mod", mask_mod is not None),
+                                    ("block_mask", block_mask is not None), ("deterministic", deterministic),
+                                    ("algorithm", algorithm != "v2")) if on]
+    if others:
+        raise UnsupportedError(f"FP8 attention takes none of {', '.join(others)}")
+    if out_dtype is None:
+        out_dtype = torch.bfloat16
+    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, sinks)):
+        raise UnsupportedError("FP8 attention is forward-only: no input may require grad (call it under "
+                               "torch.no_grad(), or use bf16/fp16 inputs for training)")
+    if on_meta(q):  # shapes only
+        check_attention_call(q, k, v, causal, softmax_scale, layout, return_lse, window, softcap, alibi_slopes, sinks,
+                             (q_descale, k_descale, v_descale, out_dtype))
+        out = torch.empty(q.shape, dtype=out_dtype, device="meta")
+        if not return_lse:
+            return out
+        b, h, n = (q.shape[0], q.shape[1], q.shape[2]) if layout == "bhsd" else (q.shape[0], q.shape[2], q.shape[1])
+        return out, torch.empty((b, h, n), dtype=torch.float32, device="meta")
+    return forward_fp8(q, k, v, causal, softmax_scale, layout, return_lse, spec, window, softcap, alibi_slopes, sinks,
+                       q_descale, k_descale, v_descale, out_dtype)
 
 
 def _with_mods(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm, deterministic, window, softcap,

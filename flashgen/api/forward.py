@@ -22,11 +22,13 @@ from . import autotune, baselines
 from .checks import (DTYPES, check_attention_call, check_forced_spec, check_packed_call, contiguous_strides,
                      variant_tensors)
 from .device import Device, current_device, current_stream, index_of, is_capturing
+from .fp8 import check_descale_values, descale_strides
 from .plans import PlanCache
 
 ALGORITHMS = ("v2", "v1", "standard")
 
 _plans = PlanCache("attention")
+_fp8_plans = PlanCache("attention (fp8)")
 _packed_plans = PlanCache("attention_varlen")
 
 
@@ -74,6 +76,53 @@ def forward(q, k, v, causal, softmax_scale, layout, return_lse, spec=None, algor
         if plan.counters:
             params.sched = tile_counters(plan.device_index)
         plan.launch(params)
+    return (out, lse) if return_lse else out
+
+
+def forward_fp8(q, k, v, causal, softmax_scale, layout, return_lse, spec, window, softcap, alibi_slopes, sinks,
+                q_descale, k_descale, v_descale, out_dtype):
+    """The FP8 forward behind ``attention`` (no autograd): q, k, v float8 e4m3 standing for ``x8 *
+    descale``; the output in ``out_dtype``. The descales' values are checked on the host (finite,
+    positive: one device sync) except while a CUDA graph is being captured."""
+    try:
+        sig = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+               q.device, k.device, v.device, causal, softmax_scale, layout, return_lse, spec,
+               type(causal), type(softmax_scale), type(return_lse),  # 1 == True: the types keep checks honest
+               window, type(window), softcap, type(softcap), _small(alibi_slopes), _small(sinks),
+               _small(q_descale), _small(k_descale), _small(v_descale), out_dtype)
+        plan = _fp8_plans.get(sig)
+    except (AttributeError, TypeError):  # not tensors, or an unhashable argument: the full check says why
+        sig = plan = None
+    if plan is None:
+        plan = _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec, "v2", window, softcap,
+                     alibi_slopes, sinks, fp8=(q_descale, k_descale, v_descale, out_dtype))
+        _fp8_plans.put(sig, plan)
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+        raise ValueError("q, k, v must be 16-byte aligned (16-byte loads), got addresses "
+                         f"{q.data_ptr():#x}, {k.data_ptr():#x}, {v.data_ptr():#x}")
+    if not is_capturing():
+        check_descale_values((("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)))
+    if shapes.ACTIVE and plan.record is not None:
+        shapes.note(*plan.record)
+    out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+    lse = q.new_empty(plan.lse_shape, dtype=torch.float32) if return_lse else None
+    if plan.kernel is not None:
+        ensure_context(plan.device_index)
+        params = plan.params_for(q.data_ptr(), k.data_ptr(), v.data_ptr())
+        params.o = out.data_ptr()
+        params.lse = lse.data_ptr() if lse is not None else 0
+        if alibi_slopes is not None or sinks is not None:  # (kept alive until the launch is queued)
+            slopes, params.alibi_sb, sink_logits = variant_tensors(alibi_slopes, sinks)
+            params.alibi = slopes.data_ptr() if slopes is not None else 0
+            params.sinks = sink_logits.data_ptr() if sink_logits is not None else 0
+        heads_q = q.shape[1] if layout == "bhsd" else q.shape[2]
+        params.qd, params.kd, params.vd = q_descale.data_ptr(), k_descale.data_ptr(), v_descale.data_ptr()
+        params.qd_sb, params.qd_sh, params.qd_div = descale_strides(q_descale, heads_q)
+        params.kd_sb, params.kd_sh, _ = descale_strides(k_descale, 1)
+        params.vd_sb, params.vd_sh, _ = descale_strides(v_descale, 1)
+        plan.launch(params)
+    elif lse is not None:
+        lse.fill_(float("-inf"))
     return (out, lse) if return_lse else out
 
 
@@ -238,11 +287,13 @@ class Plan:
 
 
 def _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm="v2", window=None, softcap=0.0,
-          alibi_slopes=None, sinks=None):
+          alibi_slopes=None, sinks=None, fp8=None):
+    """``fp8``: (q_descale, k_descale, v_descale, out_dtype) of an FP8 call (the key's dtype is the
+    output's, its variant carries the fp8 switch)."""
     if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     (b, h, nq, d), sq, (hk, nk), sk, sv, scale, variant = check_attention_call(
-        q, k, v, causal, softmax_scale, layout, return_lse, window, softcap, alibi_slopes, sinks)
+        q, k, v, causal, softmax_scale, layout, return_lse, window, softcap, alibi_slopes, sinks, fp8)
     if algorithm != "v2" and not variant.plain:
         raise UnsupportedError(f"algorithm={algorithm!r} serves plain and causal attention only, not "
                                f"{', '.join(variant.names())}")
@@ -251,6 +302,8 @@ def _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm="v
     if not (nq and b and h):
         return Plan(None, None, index, (b, h, nq))
     dev = Device.of(index)
+    if fp8 is not None and "fwd_sm90" not in families.serving("fwd", dev.arch):
+        raise UnsupportedError(f"FP8 attention runs on sm_90a GPUs (wgmma e4m3: H100, H200), not {dev.arch}")
     dims = (b, h, hk, nq, nk, d)
     o_strides = contiguous_strides(q.shape, layout)  # the output is allocated like q
     if algorithm != "v2":
@@ -260,13 +313,14 @@ def _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm="v
     # One problem key for the forward; the spec (tuned table, default rule or spec=) may be of any
     # forward family the arch runs, and its family decides the launch. A variant is part of the key
     # (dispatch falls back to the plain problem's tuned tile where the table has no entry for it).
-    key = ProblemKey("fwd", dev.arch, DTYPES[q.dtype], head_dim_tile(d), variant.causal, bucket_of(nq),
-                     variant.key())
+    key = ProblemKey("fwd", dev.arch, DTYPES[q.dtype if fp8 is None else fp8[3]], head_dim_tile(d), variant.causal,
+                     bucket_of(nq), variant.key())
     serving = families.serving("fwd", dev.arch)
     dispatched = spec is None
     if spec is None:
         spec = dispatch.select(key, dev.gpu, dev.smem_budget, verify=True)
-        spec = autotune.tuned_spec(key, dims, dev, spec) or spec  # (FLASHGEN_AUTOTUNE: a key without an entry)
+        if fp8 is None:  # (the first-use search times bf16/fp16 calls)
+            spec = autotune.tuned_spec(key, dims, dev, spec) or spec  # (FLASHGEN_AUTOTUNE: a key without an entry)
     else:
         if getattr(spec, "kind", None) in families.PROBLEMS["fwd"] and spec.kind not in serving:
             raise UnsupportedError(f"{spec.kind} does not run on {dev.arch} (this device); the forward here runs "

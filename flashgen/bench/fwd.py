@@ -11,6 +11,11 @@ bf16 8k matmul on the H200). Implementations:
 - ``flashgen_fwd_sm90``, ``flashgen_fwd_v2``: the pick restricted to that family (``spec=``), skipped
   where the family does not run;
 - ``flashgen_v1``, ``flashgen_standard``: ``algorithm="v1"`` / ``"standard"`` (the study algorithms);
+- ``flashgen_fp8``: the cell's inputs quantized to float8 e4m3 with one descale per (batch, head)
+  (``flashgen.quantize_fp8``, outside the timing), the FP8 forward, bf16 output; its cell carries
+  ``x_bf16``, its TFLOP/s over the ``flashgen`` cell's where both run;
+- ``sdpa_cudnn_fp8``: torch SDPA's cuDNN backend on the same FP8 tensors (skipped, with torch's reason,
+  where this torch offers no FP8 attention);
 - ``sdpa_flash``, ``sdpa_cudnn``, ``sdpa_efficient``, ``sdpa_math``: torch SDPA with one backend forced;
 - ``flex``: ``torch.nn.attention.flex_attention`` under ``torch.compile`` (a block mask when causal).
 
@@ -32,8 +37,8 @@ from .registry import Suite, register
 from .timing import Skipped, add_ratios, error_text, free, meta, prebuild, require_cuda, time_cell, time_ms
 
 FAMILY_IMPLS = ("flashgen_fwd_sm90", "flashgen_fwd_v2")  # "flashgen_" + a family serving the "fwd" problem
-IMPLS = ("flashgen", *FAMILY_IMPLS, "flashgen_v1", "flashgen_standard", "sdpa_flash", "sdpa_cudnn",
-         "sdpa_efficient", "sdpa_math", "flex")
+IMPLS = ("flashgen", *FAMILY_IMPLS, "flashgen_v1", "flashgen_standard", "flashgen_fp8", "sdpa_flash", "sdpa_cudnn",
+         "sdpa_efficient", "sdpa_math", "sdpa_cudnn_fp8", "flex")
 DEFAULT_IMPLS = ("flashgen", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient")
 RATIOS = (("x_flash", "sdpa_flash"), ("x_cudnn", "sdpa_cudnn"))
 
@@ -116,6 +121,24 @@ def _makers(settings, dev, q, k, v, d, causal, n):
             return lambda: api.attention(q, k, v, causal=causal, spec=spec)
         return make
 
+    def fp8_inputs():
+        if not hasattr(fp8_inputs, "x"):
+            fp8_inputs.x = [api.quantize_fp8(t) for t in (q, k, v)]
+        return fp8_inputs.x
+
+    def fp8_make():
+        (q8, qd), (k8, kd), (v8, vd) = fp8_inputs()
+        return lambda: api.attention(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+
+    def cudnn_fp8_make():
+        (q8, _), (k8, _), (v8, _) = fp8_inputs()
+        run = baselines.sdpa("sdpa_cudnn", q8, k8, v8, causal)
+        try:
+            run()
+        except Exception as exc:  # noqa: BLE001 -- torch's own refusal is the cell's reason
+            raise Skipped(f"torch SDPA's cuDNN backend refuses FP8 inputs: {error_text(exc)}") from None
+        return run
+
     def math_make():
         if n > settings["math_max_seqlen"]:
             raise Skipped(f"seqlen {n} > --math-max-seqlen {settings['math_max_seqlen']} (N x N fp32, slow)")
@@ -131,6 +154,10 @@ def _makers(settings, dev, q, k, v, d, causal, n):
             algorithm = impl.split("_", 1)[1]
             makers[impl] = (lambda a: lambda: (lambda: api.attention(q, k, v, causal=causal, algorithm=a)))(
                 algorithm)
+        elif impl == "flashgen_fp8":
+            makers[impl] = fp8_make
+        elif impl == "sdpa_cudnn_fp8":
+            makers[impl] = cudnn_fp8_make
         elif impl == "sdpa_math":
             makers[impl] = math_make
         elif impl in baselines.SDPA:
@@ -153,6 +180,9 @@ def prebuild_specs(settings, dev) -> set:
                     try:
                         if impl == "flashgen":
                             specs.add(pick(dev, settings["dtype"], d, causal, n, verify=False))
+                        elif impl == "flashgen_fp8":
+                            key = fwd_key(dev, settings["dtype"], d, causal, n).replace(variant="fp8")
+                            specs.add(dispatch.select(key, dev.gpu, dev.smem_budget, verify=False))
                         elif impl in FAMILY_IMPLS:
                             fam = impl[len("flashgen_"):]
                             if fam in families.serving("fwd", dev.arch):
@@ -232,6 +262,8 @@ def run(args, progress) -> dict:
                         for label, base in RATIOS:
                             if "tflops" in cells.get(base, {}):
                                 cells[impl][label] = cells[impl]["tflops"] / cells[base]["tflops"]
+                if "tflops" in cells.get("flashgen_fp8", {}) and "tflops" in cells.get("flashgen", {}):
+                    cells["flashgen_fp8"]["x_bf16"] = cells["flashgen_fp8"]["tflops"] / cells["flashgen"]["tflops"]
                 if anchor:
                     add_ratios(row, "tflops", [(label, anchor, base) for label, base in RATIOS])
                 del q, k, v

@@ -18,7 +18,8 @@ from .. import mods
 from ..errors import UnsupportedError
 from ..problem import HEAD_DIM_TILES, ProblemKey, head_dim_tile
 from ..settings import logger
-from ..spec import DTYPES, KernelSpec
+from ..spec import DTYPES, KernelSpec, fields_of
+from ..variants import key_flags
 
 PTR = ctypes.c_void_p
 I64 = ctypes.c_int64
@@ -76,6 +77,15 @@ class MODARGS(ctypes.Structure):
 MOD_PARAMS = (
     ("mod", "fg_mod_args", MODARGS), ("bm_count", "const int*", PTR), ("bm_index", "const int*", PTR),
     ("bm_sb", "int", I32), ("bm_sh", "int", I32), ("bm_nb", "int", I32),
+)
+
+
+# FP8 inputs' descale factors (fwd_sm90's fp8): fp32 pointers and their (batch, head) strides, q's with the
+# query heads per factor (api.fp8.descale_strides); null and 0 otherwise.
+FP8_PARAMS = (
+    ("qd", "const float*", PTR), ("kd", "const float*", PTR), ("vd", "const float*", PTR),
+    ("qd_sb", "int", I32), ("qd_sh", "int", I32), ("qd_div", "int", I32), ("kd_sb", "int", I32),
+    ("kd_sh", "int", I32), ("vd_sb", "int", I32), ("vd_sh", "int", I32),
 )
 
 
@@ -293,7 +303,13 @@ class Family:
         return True
 
     def spec(self, key: ProblemKey, **fields) -> KernelSpec:
-        """The spec of this kind for ``key`` with the given tile fields and the key's variant (not validated)."""
+        """The spec of this kind for ``key`` with the given tile fields and the key's variant (not validated);
+        ``UnsupportedError`` for a variant switch this kind does not take (an FP8 key off fwd_sm90)."""
+        used = {f.name for f in fields_of(self.kind)}
+        foreign = [name for name, on in key_flags(key.variant).items() if on and name not in used]
+        if foreign:
+            raise UnsupportedError(f"{self.kind} does not serve {', '.join(foreign)} (the key {key.variant!r} "
+                                   f"on {key.arch})")
         return KernelSpec(kind=self.kind, arch=key.arch, dtype=key.dtype, head_dim=self.tile(key),
                           causal=key.causal, **fields).with_tokens(key.variant)
 

@@ -10,6 +10,11 @@ sized to the SMs). The grid is 1-D over the tiles, walked in sections of
 (batch, head) pairs whose K/V fit in a share of the L2 (causal: longest rows
 first, ``tile_sections``). Q, K and V reach the kernel through TMA descriptors
 (``launch``), O and the LSE through pointers.
+
+fp8: Q, K and V in float8 e4m3 (one byte an element: a 64-byte swizzle at d = 64), wgmma k32; the
+producer warpgroup's warp 0 issues the loads and warps 1-3 transpose each V block into V^T (wgmma takes
+FP8 operands K-major only) through two raw V buffers; O is written from the registers. The descale
+factors (``FP8_PARAMS``) join the scales per tile. One tile per CTA, contiguous K/V, no mods.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from ..errors import UnsupportedError
 from ..problem import ProblemKey, smallest_tile
 from ..spec import KernelSpec
 from ..variants import PLAIN
-from .base import (F32, FWD_O32_PARAMS, I32, MOD_PARAMS, PTR, TMAP, VARIANT_PARAMS, VARLEN_PARAMS,
+from .base import (F32, FP8_PARAMS, FWD_O32_PARAMS, I32, MOD_PARAMS, PTR, TMAP, VARIANT_PARAMS, VARLEN_PARAMS,
                    Family, aligned_struct, check_mod, forward_values, hopper_checks, mod_context, strides, stride_values,
                    variant_context, varlen_pairs)
 
@@ -49,9 +54,20 @@ SM90_PARAMS = (
     # Gathered paged K/V (spec.kv_gather): the caches themselves and their (page, head, row) element strides.
     ("kc", "const elem_t*", PTR), ("vc", "const elem_t*", PTR), *strides("k", "v"),
     *MOD_PARAMS,
+    # fp8: the descale factors of q, k and v (fp32), factor (b, h) at b * sb + (h / div) * sh, h the query
+    # head for q (div: query heads per factor) and the KV head for k and v (api.fp8.descale_strides).
+    *FP8_PARAMS,
 )
 
 SM90_HEAD_DIMS = (64, 128, 256)
+# fp8's tiles: block_n whole V^T swizzle rows (64 or 128 keys; 256 is past wgmma's n for S at block_m 64
+# per consumer with the O of d = 256), and what a tile supports (FP8_FLAGS refused: api errors name them).
+FP8_BLOCK_NS = (64, 128)
+FP8_TILES = {
+    64: ((128, 128, 2, "ws"), (128, 64, 2, "ws")),
+    128: ((128, 128, 2, "ws"), (128, 64, 2, "ws")),
+    256: ((128, 64, 2, "ws"),),
+}
 
 # The cost model's terms for the flags (``Sm90Family.model_techniques``, from the H200 measurements cited
 # there): a K/V step with ping-pong or overlap and a spare stage; with overlap and none; the persistent
@@ -94,6 +110,11 @@ ABLATION = {
           "ws_pp_fx1_kr_s3", "ws_pp_fx2_kr_s3", "ws_pp_fx4_kr_s3", "ws_pp_fx1_kr_ls_s3", "ws_pp_ov_kr_ls_s3",
           "ws_kr_ls_s3"),
 }
+
+
+def is_fp8(key: ProblemKey) -> bool:
+    """Whether a forward key's inputs are FP8 (its variant carries the fp8 token)."""
+    return "fp8" in key.variant.split("_")
 
 
 def warps_for(block_m: int, warp_specialized: bool) -> int:
@@ -172,6 +193,14 @@ class Sm90Family(Family):
             raise ValueError(f"{self.kind}: kv_gather gathers paged rows (page_rows > 0) with the producer warpgroup "
                              "(warp_specialized) of a one-tile-per-CTA kernel (not persistent)")
         check_mod(self, spec)
+        if spec.fp8:
+            refused = [f for f, on in (("persistent", spec.persistent), ("page_rows", spec.page_rows),
+                                       ("kv_gather", spec.kv_gather), ("varlen", spec.varlen), ("mod", spec.mod),
+                                       ("warp_specialized off", not spec.warp_specialized)) if on]
+            if refused or spec.block_n not in FP8_BLOCK_NS:
+                raise ValueError(f"{self.kind}: fp8 runs one tile per CTA with the producer warpgroup (its warps "
+                                 f"transpose V), contiguous K/V and no mods, block_n in {FP8_BLOCK_NS}; got "
+                                 f"{', '.join(refused) or f'block_n={spec.block_n}'}")
         if spec.page_rows and spec.persistent and spec.block_m >= 192:
             raise ValueError(f"{self.kind}: page_rows with persistent at block_m {spec.block_m}: three consumer "
                              "warpgroups leave the producer 32 registers and the paged loads spill them; drop "
@@ -208,7 +237,10 @@ class Sm90Family(Family):
     @staticmethod
     def _smem(spec, pieces) -> int:
         # Q pieces of 64 rows, K and V rings, and 1 KB to align the tiles to 1024 bytes (the
-        # 128-byte swizzle's period); the mbarriers are static shared memory.
+        # 128-byte swizzle's period); the mbarriers are static shared memory. fp8: one byte an element,
+        # the V ring holds V^T, and two raw V blocks more.
+        if spec.fp8:
+            return spec.head_dim * (pieces * 64 + 2 * spec.stages * spec.block_n + 2 * spec.block_n) + 1024
         return 2 * spec.head_dim * (pieces * 64 + 2 * spec.stages * spec.block_n) + 1024
 
     def smem_bytes(self, spec) -> int:
@@ -221,7 +253,7 @@ class Sm90Family(Family):
         160 each); 128 x 40 + 256 x 232 = 64512 and 128 x 32 + 384 x 160 = 65536 registers."""
         if not spec.warp_specialized:
             return (0, 0)
-        if spec.persistent:
+        if spec.persistent or spec.fp8:  # (fp8: warps 1-3 of the producer transpose V)
             return {2: (40, 232), 3: (32, 160)}.get(self.consumers(spec), (0, 0))
         return {2: (24, 240), 3: (24, 160)}.get(self.consumers(spec), (0, 0))
 
@@ -255,8 +287,8 @@ class Sm90Family(Family):
         return factor, TILE_PROLOGUE_CLK
 
     def acc_floats(self, spec) -> int:
-        """Per consumer thread: O (head_dim / 2), S (block_n / 2) and packed P (block_n / 4)."""
-        return spec.head_dim // 2 + spec.block_n // 2 + spec.block_n // 4
+        """Per consumer thread: O (head_dim / 2), S (block_n / 2) and packed P (block_n / 4; fp8 block_n / 8)."""
+        return spec.head_dim // 2 + spec.block_n // 2 + spec.block_n // (8 if spec.fp8 else 4)
 
     def extra_checks(self, spec, profile) -> list[str]:
         return hopper_checks(self, spec, profile, "addressing and softmax state")
@@ -266,7 +298,8 @@ class Sm90Family(Family):
         return {"params": [(n, c) for n, c, _ in self.params],
                 "param_bytes": ctypes.sizeof(self.param_struct()),
                 "producer_regs": producer or 24, "consumer_regs": consumer or 240,
-                "q_pieces": self.q_pieces(spec), **variant_context(spec), **mod_context(spec)}
+                "q_pieces": self.q_pieces(spec), "in_bytes": 1 if spec.fp8 else 2,
+                **variant_context(spec), **mod_context(spec)}
 
     def param_struct(self):
         return aligned_struct(self)
@@ -277,14 +310,15 @@ class Sm90Family(Family):
         return smallest_tile(key.head_dim, SM90_HEAD_DIMS)
 
     def default_for(self, key: ProblemKey) -> bool:
-        return (key.arch == "sm_90a" and key.head_dim >= 64
-                and self.tile(key) <= SM90_MAX_PAD * key.head_dim)
+        """sm_90a where the tile pads d by at most a third; FP8 keys always (no other family serves them)."""
+        return key.arch == "sm_90a" and (is_fp8(key) or (key.head_dim >= 64
+                                                         and self.tile(key) <= SM90_MAX_PAD * key.head_dim))
 
     def rule(self, key: ProblemKey, budget: int) -> list:
         if not self.runs_on(key.arch):
             raise UnsupportedError(f"fwd_sm90 (wgmma + TMA) needs an sm_90a GPU (H100/H200), not {key.arch}")
         out = []
-        for bm, bn, st, tokens in SM90_TILES[self.tile(key)]:
+        for bm, bn, st, tokens in (FP8_TILES if is_fp8(key) else SM90_TILES)[self.tile(key)]:
             spec = self.spec(key, block_m=bm, block_n=bn, stages=st).with_tokens(tokens)
             self._fit(out, spec.replace(warps=warps_for(bm, spec.warp_specialized)), budget)
         return self._fitting(out, key, budget)
@@ -292,8 +326,8 @@ class Sm90Family(Family):
     def rule_keys(self, arch: str) -> list:
         if not self.runs_on(arch):
             return []
-        return [ProblemKey("fwd", arch, dt, d, c, 512) for d in SM90_HEAD_DIMS for dt in ("fp16", "bf16")
-                for c in (False, True)]
+        return [ProblemKey("fwd", arch, dt, d, c, 512, variant) for d in SM90_HEAD_DIMS for dt in ("fp16", "bf16")
+                for c in (False, True) for variant in ("", "fp8")]
 
     # -- launch ---------------------------------------------------------------
     def needs_tile_counters(self, spec) -> bool:
@@ -328,6 +362,7 @@ class Sm90Family(Family):
                                **({n: values[n] for n in ("k_sb", "k_sh", "k_ss", "v_sb", "v_sh", "v_ss")}
                                   if spec.kv_gather else {}))
         m_blocks = (nq + spec.block_m - 1) // spec.block_m
+        eb = 1 if spec.fp8 else 2  # bytes per element of q, k, v
         tiles = (varlen_pairs(nq, b, spec.block_m) if varlen else m_blocks * b) * h
         if tiles > 2**31 - 1:
             raise UnsupportedError(f"{tiles} tiles (m-blocks x heads x batch) are past the kernel's 32-bit tile count")
@@ -335,7 +370,7 @@ class Sm90Family(Family):
         if varlen:
             template.seqs, template.sec = b, 1
         else:
-            kv_bytes = 2 * nk * spec.head_dim * 2 // (h // hk)  # K and V per query head (GQA: shared)
+            kv_bytes = 2 * nk * spec.head_dim * eb // (h // hk)  # K and V per query head (GQA: shared)
             template.sec, template.sec_big = tile_sections(b * h, kv_bytes, dev.l2_bytes, settings.tile_section(),
                                                            causal=spec.causal)
         mb = 1 if varlen else b
@@ -344,7 +379,7 @@ class Sm90Family(Family):
         # (batch, head, seq) strides reversed: the map's order is (seq, head, batch), innermost first.
         # Passing them unreordered made the map step rows by the batch stride: garbage rows, NaN, and
         # illegal addresses on the first H200 run.
-        q_dims, q_str = tma.tensor_dims(d, nq, h, mb, sq[::-1])
+        q_dims, q_str = tma.tensor_dims(d, nq, h, mb, sq[::-1], eb)
         kv_rows, kv_batches, kv_box = nk, mb, spec.block_n
         if (kv_pages is not None) != bool(spec.page_rows):
             raise ValueError(f"{spec.name}: kv_pages={kv_pages} does not go with page_rows={spec.page_rows}")
@@ -355,10 +390,13 @@ class Sm90Family(Family):
                 raise UnsupportedError(f"paged K/V: the page size must be a power of two, got {kv_rows}")
             template.page_shift, template.bt_stride = kv_rows.bit_length() - 1, 0
         if nk:
-            k_dims, k_str = tma.tensor_dims(d, kv_rows, hk, kv_batches, sk[::-1])
-            v_dims, v_str = tma.tensor_dims(d, kv_rows, hk, kv_batches, sv[::-1])
-        box_q, box_kv = (64, 64, 1, 1), (64, kv_box, 1, 1)  # Q: one 64-row piece per consumer warpgroup
-        dtype, encode, memmove = spec.dtype, tma.encode, ctypes.memmove
+            k_dims, k_str = tma.tensor_dims(d, kv_rows, hk, kv_batches, sk[::-1], eb)
+            v_dims, v_str = tma.tensor_dims(d, kv_rows, hk, kv_batches, sv[::-1], eb)
+        # Boxes of one swizzle panel's row (128 bytes; fp8 at d = 64: 64) by the tile's rows; Q: one
+        # 64-row piece per consumer warpgroup.
+        row = min(128, spec.head_dim * eb) // eb
+        box_q, box_kv = (row, 64, 1, 1), (row, kv_box, 1, 1)
+        dtype, encode, memmove = "e4m3" if spec.fp8 else spec.dtype, tma.encode, ctypes.memmove
 
         gather = spec.kv_gather
 

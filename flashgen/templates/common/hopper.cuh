@@ -85,13 +85,29 @@ FG_DEVICE void reg_fence(fg_u32 (&r)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
 
-// Shared-memory matrix descriptor, 128-byte swizzle (PTX ISA "matrix descriptor"):
-// start address >> 4 in bits 0-13, leading byte offset >> 4 in 16-29, stride
-// byte offset >> 4 in 32-45, base offset 0 (tiles are 1024-byte aligned), mode 1
-// (128B swizzle) in bits 62-63.
-FG_DEVICE fg_u64 sw128_desc(fg_u32 addr, fg_u32 lbo, fg_u32 sbo) {
+// Shared-memory matrix descriptor (PTX ISA "matrix descriptor"): start address >> 4 in bits 0-13,
+// leading byte offset >> 4 in 16-29, stride byte offset >> 4 in 32-45, base offset 0 (tiles are aligned
+// to the swizzle's period), the swizzle mode in bits 62-63 (1: 128-byte, 2: 64-byte).
+FG_DEVICE fg_u64 smem_desc(fg_u32 addr, fg_u32 lbo, fg_u32 sbo, fg_u64 mode) {
   return static_cast<fg_u64>((addr & 0x3FFFF) >> 4) | (static_cast<fg_u64>((lbo & 0x3FFFF) >> 4) << 16) |
-         (static_cast<fg_u64>((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+         (static_cast<fg_u64>((sbo & 0x3FFFF) >> 4) << 32) | (mode << 62);
+}
+// 128-byte swizzle (tiles 1024-byte aligned).
+FG_DEVICE fg_u64 sw128_desc(fg_u32 addr, fg_u32 lbo, fg_u32 sbo) { return smem_desc(addr, lbo, sbo, 1); }
+// A K-major operand in panels of RB-byte rows (RB = 128 or 64) in the matching swizzle, as the TMA
+// writes them: stride byte offset 8 rows (the swizzle's period), leading byte offset unused (16 B).
+template <int RB>
+FG_DEVICE fg_u64 sw_desc(fg_u32 addr) {
+  static_assert(RB == 128 || RB == 64, "K-major panels of 128- or 64-byte rows");
+  return smem_desc(addr, 16, 8 * RB, RB == 128 ? 1 : 2);
+}
+
+// Four fp32 values rounded to float8 e4m3 (to nearest, saturating at +-448), a in the low byte.
+FG_DEVICE fg_u32 pack4_e4m3(float a, float b, float c, float d) {
+  unsigned short lo, hi;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(b), "f"(a));  // (the first lands high)
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(d), "f"(c));
+  return static_cast<fg_u32>(lo) | (static_cast<fg_u32>(hi) << 16);
 }
 
 // ---- named barriers and register reallocation --------------------------------

@@ -63,6 +63,14 @@
 //            across tiles. Under PINGPONG the consumers' turns run on across
 //            tiles too (one warpgroup's epilogue overlaps the other's GEMMs; the
 //            first consumer absorbs the last turn when no tile is left).
+//  FP8       (with WS, one tile per CTA) Q, K, V in float8 e4m3, one byte an element (rows of
+//            64-element panels become 128-element ones; d = 64 is one 64-byte panel in the 64-byte
+//            swizzle); wgmma k32. FP8 operands must be K-major, so V's block is transposed: the TMA
+//            brings it into one of two raw buffers, warps 1-3 of the producer warpgroup write V^T
+//            (d rows of keys) into the V stage (transpose_v), with the keys of every 16 in the order
+//            the consumers' P registers hold them. P is rounded to e4m3 (its row sums stay fp32); the
+//            descale factors join the scales per tile (fp8_scales); O goes from the registers to
+//            global memory (epilogue_direct).
 //
 // Q pieces: each consumer warpgroup's 64 Q rows are a piece of their own (a TMA
 // box of 64 rows, its own full barrier), so a warpgroup starts as soon as its
@@ -87,17 +95,26 @@
 #pragma once
 
 template <int D, int BM, int BN, int ST, bool WS, bool PINGPONG, bool OVERLAP, bool CAUSAL, bool BF16,
-          int FMA_EXP2, bool EARLY_K, bool LEAN, bool PERSISTENT, int QP, int PAGE_ROWS, bool GATHER, typename V,
-          typename Params>
+          int FMA_EXP2, bool EARLY_K, bool LEAN, bool PERSISTENT, int QP, int PAGE_ROWS, bool GATHER, bool FP8,
+          typename V, typename Params>
 struct fwd_sm90_cta {
   // (Enumerators, not static constexpr members: NVRTC emits such a member as a global object.)
   enum : int {
     NWG = BM / 64,                 // consumer warpgroups
-    PANELS = D / 64,               // 128-byte panels per row
-    QW_BYTES = 64 * D * 2,         // one consumer warpgroup's Q rows (a Q piece)
-    KV_BYTES = BN * D * 2,         // one stage of K (or of V)
+    EB = FP8 ? 1 : 2,              // bytes per element of Q, K and V
+    ROWB = D * EB < 128 ? D * EB : 128,  // bytes per swizzled row of a Q/K/V panel (64: FP8 at d = 64)
+    ROW_ELEMS = ROWB / EB,         // elements per panel row (the TMA box's width)
+    PANELS = D * EB / ROWB,        // panels per row
+    QW_BYTES = 64 * D * EB,        // one consumer warpgroup's Q rows (a Q piece)
+    KV_BYTES = BN * D * EB,        // one stage of K (or of V)
     NJ = BN / 8,                   // n8 chunks of S
-    KV_STEPS = BN / 16,            // k16 steps of P V
+    KSTEP = 32 / EB,               // k of one wgmma (32 bytes of each operand row)
+    KV_STEPS = BN / KSTEP,         // k steps of P V
+    // FP8: V^T's rows (keys) in swizzled panels of VT_ROWB bytes; VR raw V buffers that the TMA fills
+    // and the producer warpgroup's transposing warps read.
+    VT_ROWB = FP8 ? (BN < 128 ? BN : 128) : 128,
+    VR = FP8 ? 2 : 0,
+    TRANSPOSERS = 96,              // FP8: the producer warpgroup's warps 1-3 (warp 0 issues the TMA)
     NBAR = EARLY_K ? 4 : 3,        // barriers per stage
     // Paged K/V (PAGE_ROWS > 0): a K/V block is CHUNKS boxes of PAGE_ROWS rows, each from its own page.
     CHUNKS = PAGE_ROWS ? BN / PAGE_ROWS : 1,
@@ -110,10 +127,14 @@ struct fwd_sm90_cta {
                 "paged K/V: boxes of a multiple of 8 rows dividing BN (whole 1024-byte swizzle atoms), packed rows");
   static_assert(!GATHER || (PAGE_ROWS > 0 && WS && !PERSISTENT && (BN * CPR) % 128 == 0),
                 "gathered K/V rows: paged, by the producer warpgroup of a one-tile-per-CTA kernel");
+  static_assert(!FP8 || (WS && !PERSISTENT && PAGE_ROWS == 0 && !V::VARLEN_ROWS && !V::SPARSE && !V::USER &&
+                         (BN == 64 || BN == 128 || BN == 256)),
+                "FP8: a one-tile-per-CTA kernel with the producer warpgroup (its warps transpose V), contiguous K/V, "
+                "no mods, block_n 64, 128 or 256 (whole V^T swizzle rows)");
 
   const Params& p;
   int (&tile_slot)[PERSISTENT ? 2 : 1];  // PERSISTENT: the tile of tile number qi in tile_slot[qi % 2]
-  fg_u32 sQ, sK, sV, bar0, pin_slot, page_slot;
+  fg_u32 sQ, sK, sV, sVr, bar0, pin_slot, page_slot;
   int tid;
   // The current tile and its coordinates (PERSISTENT moves them on: take_tile). With packed rows
   // (V::VARLEN_ROWS, common/varlen.cuh) b is the sequence, q_off / k_off its first query and key row in
@@ -126,6 +147,9 @@ struct fwd_sm90_cta {
   // tile's K/V blocks are n_first, n_first + 1, ..., n_first + n_blocks - 1.
   V var;
   int n_first;
+  // FP8: the current tile's descale factors folded into the softmax's scales (f8_sl2 the exp2's factor,
+  // f8_scale the LSE's) and V's factor for the output (fp8_scales).
+  float f8_sl2, f8_scale, f8_v;
   // Consumer threads (set by the body once the warp roles are known): the warpgroup, this thread's index
   // in it, its warp, lane, quad row and column.
   int cw, ltid, wq, lane, g, t;
@@ -141,7 +165,8 @@ struct fwd_sm90_cta {
       : p(p), tile_slot(tile_slot) {
     sQ = (smem_base + 1023u) & ~1023u;  // 128B-swizzle tiles want 1024-byte alignment
     sK = sQ + QP * QW_BYTES;
-    sV = sK + ST * KV_BYTES;
+    sV = sK + ST * KV_BYTES;   // (FP8: V^T, written by the producer warpgroup)
+    sVr = sV + ST * KV_BYTES;  // (FP8: VR raw V blocks as the TMA brings them)
     bar0 = bars;
     pin_slot = bar0 + 8u * (QP + NBAR * ST);
     page_slot = bar0 + 8u * (QP + NBAR * ST + 1 + (PERSISTENT ? QP : 0));  // paged: CHUNKS ints after the barriers
@@ -169,6 +194,9 @@ struct fwd_sm90_cta {
     if constexpr (GATHER) fence_proxy_async_smem();
   }
   FG_DEVICE fg_u32 bar_qe(int i) const { return bar0 + 8u * (QP + NBAR * ST + 1 + i); }  // Q piece i empty
+  // FP8: raw V buffer i full (the TMA) and empty (the transposing warps), after the sched_pin target.
+  FG_DEVICE fg_u32 bar_vr(int i) const { return bar0 + 8u * (QP + NBAR * ST + 1 + i); }
+  FG_DEVICE fg_u32 bar_vre(int i) const { return bar0 + 8u * (QP + NBAR * ST + 1 + VR + i); }
 
   // Tile t -> (m_block, head, batch): the (batch, head) pairs in consecutive sections whose K/V fit in
   // the host's share of the L2 (api.tile_sections: sizes p.sec + 1 for the first p.sec_big sections,
@@ -215,8 +243,35 @@ struct fwd_sm90_cta {
     m0 = m_block * BM;
     var.set_head(p, b, hq);
     if constexpr (V::SPARSE) var.set_block_row(p, m_block);
+    if constexpr (FP8) fp8_scales();
     n_first = var.block_first(m0, BN);
     n_blocks = blocks_for(m0, BM);
+  }
+  // FP8: S is (q_descale k_descale) times the score of the dequantized inputs. The product joins the unit
+  // the scores are held in (variant.cuh): the softmax's scales, or with a softcap the factor before the
+  // tanh (the softmax's scale is then the cap); ALiBi's slope, divided by that unit, follows it. O is
+  // v_descale times P V.
+  FG_DEVICE void fp8_scales() {
+    const float qk = p.qd[b * p.qd_sb + (hq / p.qd_div) * p.qd_sh] * p.kd[b * p.kd_sb + hk * p.kd_sh];
+    f8_v = p.vd[b * p.vd_sb + hk * p.vd_sh];
+    f8_sl2 = p.scale_log2;
+    f8_scale = p.scale;
+    if constexpr (V::HAS_CAP) {
+      var.cap_in = p.cap_in * qk;
+    } else {
+      f8_sl2 *= qk;
+      f8_scale *= qk;
+      if constexpr (V::HAS_ALIBI) var.slope /= qk;
+    }
+  }
+  // The softmax's exp2 factor and the LSE's scale (FP8: with the tile's descales).
+  FG_DEVICE float sl2() const {
+    if constexpr (FP8) return f8_sl2;
+    else return p.scale_log2;
+  }
+  FG_DEVICE float lse_scale() const {
+    if constexpr (FP8) return f8_scale;
+    else return p.scale;
   }
   // PERSISTENT: the same for each next tile the CTA takes (`tile` set first).
   FG_DEVICE void take_tile() {
@@ -236,9 +291,15 @@ struct fwd_sm90_cta {
 #pragma unroll
     for (int s = 0; s < ST; ++s) {
       mbar_init(bar_k(s), GATHER ? 128 : 1);  // GATHER: one asynchronous arrive per producer thread
-      mbar_init(bar_v(s), GATHER ? 128 : 1);
+      // FP8: V^T's stage is full once every transposing thread has arrived
+      mbar_init(bar_v(s), GATHER ? 128 : FP8 ? TRANSPOSERS : 1);
       mbar_init(bar_e(s), 4 * NWG);  // lane 0 of every consumer warp
       if constexpr (EARLY_K) mbar_init(bar_ev(s), 4 * NWG);
+    }
+#pragma unroll
+    for (int i = 0; i < VR; ++i) {
+      mbar_init(bar_vr(i), 1);
+      mbar_init(bar_vre(i), TRANSPOSERS);
     }
     mbar_init_fence();
   }
@@ -285,12 +346,12 @@ struct fwd_sm90_cta {
         const int row = live ? key & ((1 << p.page_shift) - 1) : 1 << p.page_shift;
 #pragma unroll
         for (int pn = 0; pn < PANELS; ++pn)
-          tma_load_4d(dst + pn * BN * 128 + c * PAGE_ROWS * 128, map, bar, pn * 64, row, hk, page);
+          tma_load_4d(dst + pn * BN * ROWB + c * PAGE_ROWS * ROWB, map, bar, pn * ROW_ELEMS, row, hk, page);
       }
     } else {
 #pragma unroll
       for (int pn = 0; pn < PANELS; ++pn)
-        tma_load_4d(dst + pn * BN * 128, map, bar, pn * 64, k_off + kv_block(j) * BN, hk, map_batch());
+        tma_load_4d(dst + pn * BN * ROWB, map, bar, pn * ROW_ELEMS, k_off + kv_block(j) * BN, hk, map_batch());
     }
   }
   FG_DEVICE void produce(int j) { produce_at(j, j); }
@@ -374,13 +435,81 @@ struct fwd_sm90_cta {
     mbar_expect_tx(bar_qf(i), QW_BYTES);
 #pragma unroll
     for (int pn = 0; pn < PANELS; ++pn)
-      tma_load_4d(sQ + i * QW_BYTES + pn * 64 * 128, &p.tm_q, bar_qf(i), pn * 64, q_off + m0 + 64 * w, hq,
+      tma_load_4d(sQ + i * QW_BYTES + pn * 64 * ROWB, &p.tm_q, bar_qf(i), pn * ROW_ELEMS, q_off + m0 + 64 * w, hq,
                   map_batch());
   }
   FG_DEVICE void produce_q() {
 #pragma unroll
     for (int w = 0; w < NWG; ++w) produce_q_piece(w, w);
   }
+  // ---- FP8's producer warpgroup: warp 0 loads, warps 1-3 transpose V ----
+  // wgmma takes FP8 operands K-major only, so P V needs V^T (d rows of keys) in shared memory; V arrives
+  // by TMA as key rows. One thread issues every TMA (Q, K into the K ring, V into the VR raw buffers); the
+  // 96 threads of warps 1-3 turn each raw V block into the V^T stage the consumers read (bar_v), then
+  // free the raw buffer (bar_vre). V^T's key order inside every 16 keys is sigma (vt_keys): the one in
+  // which the consumers' P registers, packed straight from S's accumulators, are wgmma's A fragment.
+  FG_DEVICE void produce_fp8() {
+    produce_q();
+    for (int j = 0; j < n_blocks; ++j) {
+      const int rb = j % VR, s = j % ST;
+      if (j >= VR) mbar_wait(bar_vre(rb), ((j / VR) + 1) & 1);
+      mbar_expect_tx(bar_vr(rb), KV_BYTES);
+      load_kv(sVr + rb * KV_BYTES, &p.tm_v, bar_vr(rb), j);
+      if (j >= ST) mbar_wait(bar_e(s), ((j / ST) + 1) & 1);
+      mbar_expect_tx(bar_k(s), KV_BYTES);
+      load_kv(sK + s * KV_BYTES, &p.tm_k, bar_k(s), j);
+    }
+  }
+  // Byte offset of byte c of row r in a swizzled panel of RB-byte rows (the TMA's and wgmma's 128- or
+  // 64-byte swizzle: 16-byte chunk c / 16 XOR bits 7.. of the row's address).
+  template <int RB>
+  static FG_DEVICE fg_u32 swz(int r, int c) {
+    return static_cast<fg_u32>(r * RB + ((((c >> 4) ^ ((r * RB >> 7) & (RB / 16 - 1))) << 4) | (c & 15)));
+  }
+  // Transposing thread x (0-95): every V block of the tile. A warp's step is 16 keys x 32 bytes of d: lane
+  // (dq = lane / 4, tq = lane % 4) reads keys 2tq, 2tq + 1, 2tq + 8, 2tq + 9 of the 16 (sigma's
+  // positions 4tq .. 4tq + 3) at d bytes 4dq .. 4dq + 3 (each read a whole row for the warp: no bank
+  // conflict), and writes d rows 4dq + e, keys 4tq .. 4tq + 3, one 4-byte word each: the e order turns
+  // with dq so that the warp's 8 rows of a store have 8 different swizzle phases (no conflict).
+  FG_DEVICE void transpose_v(int x) {
+    enum : int { UNITS = (BN / 16) * (D / 32) };
+    const int w = x / 32, lane = x % 32, dq = lane / 4, tq = lane % 4, turn = (dq >> 1) & 3;
+    for (int j = 0; j < n_blocks; ++j) {
+      const int rb = j % VR, s = j % ST;
+      mbar_wait(bar_vr(rb), (j / VR) & 1);
+      if (j >= ST) mbar_wait(bar_ev(s), ((j / ST) + 1) & 1);
+      const fg_u32 src = sVr + rb * KV_BYTES, dst = sV + s * KV_BYTES;
+#pragma unroll 1
+      for (int u = w; u < UNITS; u += TRANSPOSERS / 32) {
+        const int kg = u % (BN / 16), dseg = u / (BN / 16);
+        const int c = dseg * 32 + 4 * dq;  // d byte of this lane's first column
+        const int k0 = kg * 16 + 2 * tq;
+        fg_u32 in[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int r = k0 + (i & 1) + 8 * (i >> 1);
+          const fg_u32 a = src + (c / ROWB) * BN * ROWB + swz<ROWB>(r, c % ROWB);
+          asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(in[i]) : "r"(a) : "memory");
+        }
+        const int pos = kg * 16 + 4 * tq;  // sigma position of key k0
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int e = (i + turn) & 3;
+          const fg_u32 sel = static_cast<fg_u32>(e | ((e + 4) << 4));
+          fg_u32 lo, hi, word;
+          asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(lo) : "r"(in[0]), "r"(in[1]), "r"(sel));
+          asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(hi) : "r"(in[2]), "r"(in[3]), "r"(sel));
+          asm("prmt.b32 %0, %1, %2, 0x5410;\n" : "=r"(word) : "r"(lo), "r"(hi));
+          const fg_u32 a = dst + (pos / VT_ROWB) * D * VT_ROWB + swz<VT_ROWB>(c + e, pos % VT_ROWB);
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a), "r"(word) : "memory");
+        }
+      }
+      fence_proxy_async_smem();  // the generic writes before the consumers' wgmma reads them
+      mbar_arrive(bar_v(s));
+      mbar_arrive(bar_vre(rb));
+    }
+  }
+
   // PERSISTENT's producer: every tile of this CTA. `it` is the ring position of K/V block j of the tile
   // (counted on across tiles: stage it % ST, use it / ST), `qi` the tile's number in this CTA; use u of
   // Q piece i waits for use u - 1's 'Q empty' phase.
@@ -427,9 +556,11 @@ struct fwd_sm90_cta {
   }
 
   // ---- consumer: the main loop over one tile's K/V blocks ----
-  // Offsets (in 16-byte units) for k16 step kk inside a tile of `rows` rows.
+  // Offsets (in 16-byte units) for k step kk (32 bytes of each row) inside a K-major tile of `rows` rows
+  // in panels of RB-byte rows.
+  template <int RB = ROWB>
   static FG_DEVICE fg_u64 kmajor_off(int kk, int rows) {
-    return static_cast<fg_u64>(((kk / 4) * rows * 128 + (kk % 4) * 32) >> 4);
+    return static_cast<fg_u64>((((kk * 32) / RB) * rows * RB + (kk * 32) % RB) >> 4);
   }
 
   // Ping-pong: each warpgroup's GEMM issues form "sections"; consumer 0 goes
@@ -450,12 +581,17 @@ struct fwd_sm90_cta {
   FG_DEVICE void issue_s(float (&acc_s)[BN / 2], int s) const {
     const fg_u64 dk = desc_k + static_cast<fg_u64>((s * KV_BYTES) >> 4);
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) fg_wgmma_qk(acc_s, desc_q + kmajor_off(kk, 64), dk + kmajor_off(kk, BN), kk);
+    for (int kk = 0; kk < D / KSTEP; ++kk) fg_wgmma_qk(acc_s, desc_q + kmajor_off(kk, 64), dk + kmajor_off(kk, BN), kk);
   }
   FG_DEVICE void issue_pv(float (&acc_o)[D / 2], const fg_u32 (&pa)[KV_STEPS][4], int s) const {
     const fg_u64 dv = desc_v + static_cast<fg_u64>((s * KV_BYTES) >> 4);
 #pragma unroll
-    for (int kk = 0; kk < KV_STEPS; ++kk) fg_wgmma_pv(acc_o, pa[kk], dv + static_cast<fg_u64>((kk * 16 * 128) >> 4));
+    for (int kk = 0; kk < KV_STEPS; ++kk) {
+      if constexpr (FP8)  // V^T: K-major, d rows of keys
+        fg_wgmma_pv(acc_o, pa[kk], dv + kmajor_off<VT_ROWB>(kk, D));
+      else  // V: MN-major, k16 steps of 16 key rows
+        fg_wgmma_pv(acc_o, pa[kk], dv + static_cast<fg_u64>((kk * 16 * 128) >> 4));
+    }
   }
 
   // LEAN's row max: a tree, depth ~log2(NJ) + 1 instead of the chain of fold_row_max (softmax.cuh).
@@ -526,15 +662,15 @@ struct fwd_sm90_cta {
       // LEAN: keep the old max unless this one is more than 2^8 above it (in P = 2^(scaled s - m)). The
       // scale is positive (api.checked_scale): a first finite max over -inf reads +inf and moves; both -inf
       // reads NaN and stays.
-      if constexpr (LEAN) mx = (mx - row_max[h]) * p.scale_log2 > 8.f ? mx : row_max[h];
-      const float m_scaled = max_scaled(mx, p.scale_log2);  // all masked so far: no NaN
+      if constexpr (LEAN) mx = (mx - row_max[h]) * sl2() > 8.f ? mx : row_max[h];
+      const float m_scaled = max_scaled(mx, sl2());  // all masked so far: no NaN
       if constexpr (LEAN)  // exactly 1 where the max stayed (O, l are 0 while it is -inf: any factor does)
-        alpha[h] = mx == row_max[h] ? 1.f : rescale_factor(row_max[h], m_scaled, p.scale_log2);
+        alpha[h] = mx == row_max[h] ? 1.f : rescale_factor(row_max[h], m_scaled, sl2());
       else
-        alpha[h] = rescale_factor(row_max[h], m_scaled, p.scale_log2);
+        alpha[h] = rescale_factor(row_max[h], m_scaled, sl2());
       row_max[h] = mx;
       float sum[2] = {0.f, 0.f};
-      exp2_row_mixed(acc_s, h, p.scale_log2, V::ALIBI_LINEAR ? fmaf(-off, p.scale_log2, m_scaled) : m_scaled, sum);
+      exp2_row_mixed(acc_s, h, sl2(), V::ALIBI_LINEAR ? fmaf(-off, sl2(), m_scaled) : m_scaled, sum);
       // per-thread partial; quad-summed at the end
       row_sum[h] = row_sum[h] * alpha[h] + (LEAN ? sum[0] + sum[1] : sum[0]);
     }
@@ -554,10 +690,23 @@ struct fwd_sm90_cta {
       acc_o[4 * i + 3] *= alpha[1];
     }
   }
-  // P as A fragments: k16 step kk takes n8 chunks 2kk and 2kk+1 of S.
+  // P as A fragments: k16 step kk takes n8 chunks 2kk and 2kk+1 of S. FP8: k32 step kk takes chunks
+  // 4kk .. 4kk + 3, rounded to e4m3 (satfinite) in the registers' order as they are: register 0 holds
+  // row g's columns 2t, 2t + 1 of chunks 4kk and 4kk + 1, which wgmma reads as keys 4t .. 4t + 3 of the
+  // step; V^T's key order (sigma, transpose_v) puts the matching V rows there.
   static FG_DEVICE void pack_p(fg_u32 (&pa)[KV_STEPS][4], float (&acc_s)[BN / 2]) {
 #pragma unroll
-    for (int kk = 0; kk < KV_STEPS; ++kk) p_frag<BF16>(pa[kk], acc_s, kk);
+    for (int kk = 0; kk < KV_STEPS; ++kk) {
+      if constexpr (FP8) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int c = 4 * (4 * kk + 2 * (r >> 1)) + 2 * (r & 1);  // chunk 4kk (+2), row half r & 1
+          pa[kk][r] = pack4_e4m3(acc_s[c], acc_s[c + 1], acc_s[c + 4], acc_s[c + 5]);
+        }
+      } else {
+        p_frag<BF16>(pa[kk], acc_s, kk);
+      }
+    }
   }
   // Debug (p.dbg_s != null, bench/smoke_sm90.py --isolated): the raw S = Q K^T of key block 0 of
   // query block 0 (batch 0, head 0), unscaled and unmasked, as fp32 [BM][BN] rows.
@@ -609,9 +758,10 @@ struct fwd_sm90_cta {
 
     // Descriptors: K-major SW128 (LBO 16 B, unused; SBO 1024 B) for Q and K,
     // MN-major SW128 (LBO = panel stride, SBO = 1024 B) for V.
-    c.desc_q = sw128_desc(c.sQw, 16, 1024);
-    c.desc_k = sw128_desc(c.sK, 16, 1024);
-    c.desc_v = sw128_desc(c.sV, BN * 128, 1024);
+    c.desc_q = sw_desc<ROWB>(c.sQw);
+    c.desc_k = sw_desc<ROWB>(c.sK);
+    if constexpr (FP8) c.desc_v = sw_desc<VT_ROWB>(c.sV);  // V^T: K-major
+    else c.desc_v = sw128_desc(c.sV, BN * 128, 1024);
 
     float acc_o[D / 2];
     float acc_s[BN / 2];
@@ -765,6 +915,10 @@ struct fwd_sm90_cta {
   // ---- epilogue: normalise, stage O in this warpgroup's own Q rows, store ---
   FG_DEVICE void epilogue(const Params& p, const float (&acc_o)[D / 2], const float (&row_max)[2],
                           const float (&row_sum)[2]) const {
+    if constexpr (FP8) {
+      epilogue_direct(p, acc_o, row_max, row_sum);
+      return;
+    }
     // PERSISTENT: the thread index through an opaque move, so that the compiler cannot compute the O store
     // loop's row / chunk / swizzle indices (tile-invariant) once before the tile loop and keep them live
     // through every main loop (it did: 56 B of spills at d=128 192x80, 160 registers per consumer thread).
@@ -776,7 +930,7 @@ struct fwd_sm90_cta {
     for (int h = 0; h < 2; ++h) {
       const float l = quad_sum(row_sum[h]);
       float inv, lse_sink;
-      if constexpr (V::HAS_SINK) var.finish(row_max[h], l, p.scale, inv, lse_sink);
+      if constexpr (V::HAS_SINK) var.finish(row_max[h], l, lse_scale(), inv, lse_sink);
       else inv = row_inv(l);
       const int r = wq * 16 + g + 8 * h;  // row within this warpgroup's piece
 #pragma unroll
@@ -791,7 +945,7 @@ struct fwd_sm90_cta {
       // would be loaded before the test of l, which changes the code.)
       if (p.lse != nullptr && t == 0 && row < var.nq) {
         if constexpr (V::HAS_SINK) p.lse[lse_base + row] = lse_sink;
-        else p.lse[lse_base + row] = l > 0.f ? row_max[h] * p.scale + logf(l) : -INFINITY;
+        else p.lse[lse_base + row] = l > 0.f ? row_max[h] * lse_scale() + logf(l) : -INFINITY;
       }
     }
     named_sync(2 + cw, 128);
@@ -812,13 +966,41 @@ struct fwd_sm90_cta {
       }
     }
   }
+  // FP8's epilogue: O from the registers straight to global memory, two elements a store (its Q piece,
+  // half O's bytes, cannot stage it; O's writes are small next to the K/V the tile reads), V's descale
+  // joining the normalisation.
+  FG_DEVICE void epilogue_direct(const Params& p, const float (&acc_o)[D / 2], const float (&row_max)[2],
+                                 const float (&row_sum)[2]) const {
+    const fg_i64 lse_base = row_index();
+    elem_t* o = p.o + b * p.o_sb + hq * p.o_sh;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float l = quad_sum(row_sum[h]);
+      float inv, lse_sink;
+      if constexpr (V::HAS_SINK) var.finish(row_max[h], l, lse_scale(), inv, lse_sink);
+      else inv = row_inv(l);
+      const float iv = inv * f8_v;
+      const int row = row_base + 8 * h;
+      if (row < var.nq) {
+        elem_t* dst = o + static_cast<fg_i64>(row) * p.o_ss + 2 * t;
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i)
+          if (8 * i + 2 * t < p.d)
+            *reinterpret_cast<fg_u32*>(dst + 8 * i) = pack2<BF16>(acc_o[4 * i + 2 * h] * iv, acc_o[4 * i + 2 * h + 1] * iv);
+        if (p.lse != nullptr && t == 0) {
+          if constexpr (V::HAS_SINK) p.lse[lse_base + row] = lse_sink;
+          else p.lse[lse_base + row] = l > 0.f ? row_max[h] * lse_scale() + logf(l) : -INFINITY;
+        }
+      }
+    }
+  }
 };
 
 // The kernel: the shared memory, the barriers, the warp roles (producer, consumers) and the consumers'
 // tile loop; the stages are fwd_sm90_cta's.
 template <int D, int BM, int BN, int ST, bool WS, bool PINGPONG, bool OVERLAP, bool CAUSAL, bool BF16,
           int PRODUCER_REGS, int CONSUMER_REGS, int FMA_EXP2, bool EARLY_K, bool LEAN, bool PERSISTENT, int QP,
-          int PAGE_ROWS, bool GATHER, typename V, typename Params>
+          int PAGE_ROWS, bool GATHER, bool FP8, typename V, typename Params>
 FG_DEVICE void fwd_sm90_body(const Params& p) {
   constexpr int NWG = BM / 64;  // consumer warpgroups
   static_assert(BM % 64 == 0 && D % 64 == 0 && BN % 16 == 0 && ST >= 2, "bad fwd_sm90 tile");
@@ -840,7 +1022,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   // The barriers (fwd_sm90_cta::bar_*): per Q piece, per stage, the sched_pin target, per Q piece.
   // Paged K/V: then the producer's block-table entries of the block it loads (fwd_sm90_cta::page_slot;
   // GATHER: two blocks' worth).
-  __shared__ __align__(8) fg_u64 bars[QP + NBAR * ST + 1 + (PERSISTENT ? QP : 0) + (PAGE_ROWS ? (GATHER ? BN / PAGE_ROWS : (BN / PAGE_ROWS + 1) / 2) : 0)];
+  __shared__ __align__(8) fg_u64 bars[QP + NBAR * ST + 1 + (PERSISTENT ? QP : 0) + (FP8 ? 4 : 0) + (PAGE_ROWS ? (GATHER ? BN / PAGE_ROWS : (BN / PAGE_ROWS + 1) / 2) : 0)];
   // PERSISTENT: the tile of the CTA's tile number qi in tile_slot[qi % 2], -1 when none is left. Written once
   // the tile's Q pieces are free, i.e. once every consumer is done with tile qi - 1 or qi - 2 (see
   // produce_all): the slot it overwrites (qi - 2's) has been read by all. One slot per tile, not per
@@ -849,7 +1031,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   // 4 R->UR moves before every wgmma (SASS) and 8-15 % of the persistent kernel's speed lost (H200).
   __shared__ int tile_slot[PERSISTENT ? 2 : 1];
   using cta_t = fwd_sm90_cta<D, BM, BN, ST, WS, PINGPONG, OVERLAP, CAUSAL, BF16, FMA_EXP2, EARLY_K, LEAN,
-                             PERSISTENT, QP, PAGE_ROWS, GATHER, V, Params>;
+                             PERSISTENT, QP, PAGE_ROWS, GATHER, FP8, V, Params>;
   cta_t cta(p, smem_addr(smem_raw), smem_addr(bars), tile_slot);
   const int tid = cta.tid;
 
@@ -867,7 +1049,10 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
     const int wg = tid / 128;
     if (wg == 0) {
       if constexpr (NWG >= 2) regs_dec<PRODUCER_REGS>();
-      if constexpr (GATHER) {
+      if constexpr (FP8) {
+        if (tid == 0) cta.produce_fp8();
+        else if (tid >= 32) cta.transpose_v(tid - 32);
+      } else if constexpr (GATHER) {
         if (tid == 0) cta.produce_q();
         for (int j = 0; j < cta.n_blocks; ++j) cta.gather_block(j);
         cp_async_commit();  // (no thread leaves with its copies in flight)
