@@ -47,6 +47,8 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sinks", action="store_true", help="the kernel with learned sinks")
     p.add_argument("--varlen", action="store_true",
                    help="packed rows (attention_varlen): the kernel with its work-list entry (forward, backward)")
+    p.add_argument("--fp8", action="store_true",
+                   help="float8 e4m3 inputs: the forward's q, k, v (sm_90a), decode's KV cache (--kind decode_split)")
     p.add_argument("--page-size", type=int, default=None, metavar="KEYS",
                    help=f"with --varlen: K/V from a paged cache of pages of KEYS keys (attention_varlen's "
                         f"block_table; one of {', '.join(map(str, families.decode.PAGE_SIZES))}): the paged kernel")
@@ -82,8 +84,12 @@ def spec_from_args(args):
     decode = problem == "decode_split"  # causal whatever --causal says; a window's right side is 0 or -1
     if decode and window is not None and len(window) == 2 and window[1] > 0:
         raise FlashgenError(f"--window {args.window!r}: decode's window has a right side of 0 or -1 (it is causal)")
+    fp8 = getattr(args, "fp8", False)
+    if fp8 and problem not in ("fwd", "decode_split"):
+        raise FlashgenError(f"--kind {args.kind}: --fp8 is the forward's (float8 e4m3 q, k, v) and decode's "
+                            "(--kind decode_split: a float8 e4m3 KV cache)")
     try:
-        variant = Variant.of(args.causal or decode, window, args.softcap, args.alibi, args.sinks, args.varlen)
+        variant = Variant.of(args.causal or decode, window, args.softcap, args.alibi, args.sinks, args.varlen, fp8)
     except ValueError as exc:
         raise FlashgenError(f"--window/--softcap: {exc}") from None
     page = getattr(args, "page_size", None)

@@ -224,14 +224,15 @@ def sass_of(spec, cubin: bytes, tmp_path):
 
 
 def r2ur_before_hgmma(spec, cubin: bytes, tmp_path) -> tuple[int, int]:
-    """(R2UR in the four instructions before each HGMMA, summed; HGMMA count) in NVRTC's cubin of
-    ``spec``: an R2UR there moves a per-thread value into a wgmma operand (a descriptor the compiler did
-    not know warp-uniform). Skips the test when no disassembler here reads the cubin."""
+    """(R2UR in the four instructions before each wgmma, summed; wgmma count) in NVRTC's cubin of
+    ``spec`` (HGMMA for 16-bit operands, QGMMA for FP8): an R2UR there moves a per-thread value into a
+    wgmma operand (a descriptor the compiler did not know warp-uniform). Skips the test when no
+    disassembler here reads the cubin."""
     path = tmp_path / f"{spec.name}.cubin"
     path.write_bytes(cubin)
     sass = next((t for t in (_sass(tool, str(path)) for tool in disassemblers()) if t), "")
     if not sass:
         pytest.skip("no disassembler here reads NVRTC's cubin")
     lines = [ln for ln in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", ln)]
-    at = [i for i, ln in enumerate(lines) if "HGMMA" in ln]
+    at = [i for i, ln in enumerate(lines) if re.search(r"\b[HQ]GMMA\.", ln)]
     return sum(1 for i in at for ln in lines[max(0, i - 4):i] if re.search(r"\bR2UR\b", ln)), len(at)

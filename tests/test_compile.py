@@ -32,7 +32,8 @@ SPECS = [s for arch in ARCHES for s in families.rule_specs(arch, gpus.ARCH_SMEM_
 # The sm_90a bulk loader (kv_load 4, 5) on each d=128 default decode tile: not a default yet, measured as
 # a decode loader variant (docs/perf/decode.md), so it must stay spill-free too.
 BULK_SPECS = sorted({s.replace(kv_load=h).validate() for s in SPECS
-                     if s.kind == "decode_split" and s.arch == "sm_90a" and s.head_dim == 128 for h in (4, 5)},
+                     if s.kind == "decode_split" and s.arch == "sm_90a" and s.head_dim == 128 and not s.fp8
+                     for h in (4, 5)},
                     key=lambda s: s.name)
 # Every spec a shipped tuned table (flashgen/generated/*.yaml) can pick, for that table's arch.
 SHIPPED_SPECS = sorted({e["spec"] for gpu in tables.shipped_gpus()
@@ -53,8 +54,8 @@ VARIANT_SPECS = sorted(
                              family="bwd_sm90") for d in (64, 128) for v in ("win", "cap")},
     key=lambda s: s.name)
 # The decode kernels with each variant switch alone and with all four, on every tile the decode rule picks
-# (every head dim, dtype and regime of both arches): a variant key takes the plain key's tile
-# (decode_split's rule). Every combination of switches on those tiles compiled clean once (300 kernels);
+# (every head dim, dtype and regime of both arches, with a 16-bit and with an FP8 cache): a variant key
+# takes the plain key's tile (decode_split's rule). Every combination of switches on those tiles compiled clean once (300 kernels);
 # these are the ones the tier keeps building.
 DECODE_VARIANTS = ("win", "cap", "alibi", "sink", "win_cap_alibi_sink")
 DECODE_VARIANT_SPECS = sorted({s.with_tokens(v).validate() for s in SPECS if s.kind == "decode_split"
@@ -95,6 +96,8 @@ def _keys(problem: str, arch: str) -> list:
     masks = (True,) if problem == "decode_split" else (False, True)
     keys = [families.problem_key(problem, arch, dt, d, c, 512) for d in range(8, 257, 8) for dt in DTYPES
             for c in masks]
+    if problem in ("decode_split", "fwd"):  # and FP8's (an FP8 cache, FP8 inputs: their own tiles)
+        keys += [k.replace(variant="fp8") for k in keys]
     return list(dict.fromkeys(keys))
 
 
@@ -121,9 +124,10 @@ def _picked(problem: str, arch: str) -> list:
 
 def test_default_specs_cover_every_key():
     """SPECS holds the default rule's spec for every (head dim, dtype, causal) forward key of each arch:
-    one per key on sm_80 (fwd_v2's tiles), shared between head dims on the same fwd_sm90 tile on sm_90a."""
+    one per key on sm_80 (fwd_v2's tiles), shared between head dims on the same fwd_sm90 tile on sm_90a
+    (FP8 inputs' keys: test_rule_specs_are_the_picks_of_every_key)."""
     assert len(SPECS) == len(set(SPECS))
-    fwd = [s for s in SPECS if families.family(s.kind).serves == "fwd"]
+    fwd = [s for s in SPECS if families.family(s.kind).serves == "fwd" and not getattr(s, "fp8", False)]
     assert len([s for s in fwd if s.arch == "sm_80"]) == len(fwd_v2.DEFAULT_TILES) * 2 * 2
     for arch in ARCHES:
         keys = [ProblemKey("fwd", arch, dt, d, c, 512)
@@ -180,17 +184,21 @@ def test_every_baseline_kind_has_a_default_per_key():
 
 
 def test_decode_defaults_cover_every_regime():
-    """The decode rule's spec of every (head-dim tile, dtype, regime) and the combine kernel of every
-    (head-dim tile, dtype) are compiled, with the bulk loaders on the sm_90a d=128 tiles."""
+    """The decode rule's spec of every (head-dim tile, dtype, regime), with a 16-bit and with an FP8 cache,
+    and the combine kernel of every (head-dim tile, dtype) are compiled, with the bulk loaders on the
+    sm_90a d=128 16-bit tiles."""
     for arch in ARCHES:
         for d in decode.DECODE_HEAD_DIMS:
             for dt in DTYPES:
                 key = ProblemKey("decode_split", arch, dt, d, True, 512)
                 for regime in decode.REGIMES:
                     assert decode.first_rule_spec(key, BUDGET[arch], regime) in SPECS, (key, regime)
+                    fp8 = decode.first_rule_spec(key.replace(variant="fp8"), BUDGET[arch], regime)
+                    assert fp8.fp8 and fp8 in SPECS, (key, regime)
                 assert decode.COMBINE.spec_for(arch, dt, d) in SPECS
     tile = lambda s: (s.dtype, s.block_n, s.warps, s.stages)  # noqa: E731
-    d128 = {tile(s) for s in SPECS if s.kind == "decode_split" and s.arch == "sm_90a" and s.head_dim == 128}
+    d128 = {tile(s) for s in SPECS
+            if s.kind == "decode_split" and s.arch == "sm_90a" and s.head_dim == 128 and not s.fp8}
     assert {(tile(s), s.kv_load) for s in BULK_SPECS} == {(t, h) for t in d128 for h in (4, 5)}
 
 

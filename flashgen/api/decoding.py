@@ -7,7 +7,9 @@ templates), and launches on torch's current stream with raw
 pointers: no host syncs except the optional value check; one launch per call
 (the split kernel merges its splits itself, FUSED_COMBINE); the split
 workspace is reused per stream, and inside a CUDA graph capture comes from
-torch's allocator (the graph's pool), hence capture and replay work.
+torch's allocator (the graph's pool), hence capture and replay work. An FP8
+cache (float8 e4m3 k_cache and v_cache with fp32 descales) runs the same
+kernel on byte rows; its descales stay on the device (the kernel reads them).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from .checks import (DTYPES, check_block_table_layout, check_flag, check_forced_
                      check_variant_inputs, checked_scale, extent_bytes, on_meta, overlap, variant_tensors)
 from .device import Device, current_device, current_stream, index_of
 from .device import is_capturing as _capturing
+from .fp8 import FP8, check_descale, check_descale_values, descale_strides
 from .plans import PlanCache
 
 _plans = PlanCache("decode")
@@ -49,7 +52,7 @@ def _tsig(t):
 
 def decode(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None, v_new=None,
            softmax_scale=None, num_splits=None, return_lse=False, check_values=True, spec=None, *,
-           window=None, softcap=0.0, alibi_slopes=None, sinks=None):
+           window=None, softcap=0.0, alibi_slopes=None, sinks=None, k_descale=None, v_descale=None):
     """Attention of new query tokens to a KV cache, split over the keys (Flash-Decoding).
 
     q: (batch, seqlen_q, heads_q, d); the new tokens are causal among themselves
@@ -92,6 +95,19 @@ def decode(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None
     key gets output 0 and LSE = its sink). Slopes and sinks are read at launch (one fp32 copy per call
     where they are not fp32 and contiguous); with ``check_values`` they must be finite (checked on
     the host, with the lengths).
+
+    An FP8 cache: ``k_cache`` and ``v_cache`` both ``torch.float8_e4m3fn`` (one FP8 and one 16-bit cache is
+    refused), holding k8 and v8 with K = k8 * ``k_descale`` and V = v8 * ``v_descale``; the descales are
+    fp32 on q's device, shape () or (1,) (one factor) or (batch, heads_kv) (``flashgen.quantize_fp8``
+    makes a cache and its descales). They are required with an FP8 cache and refused without one. q,
+    k_new and v_new stay fp16 or bf16 (the output is q's dtype); the cache's strides must be multiples of
+    16 elements. The kernel reads half the bytes of a 16-bit cache: it widens the FP8 rows to q's dtype
+    in registers (exactly: every e4m3 value is one in bf16 and fp16), folds the K descale into the
+    softmax's scale and the V descale into the output's normalisation, per (batch, KV head), on the
+    device. ``k_new``/``v_new`` are written into the cache as round-to-nearest e4m3 of k_new / k_descale
+    (v_new / v_descale), saturating at +-448 (``quantize_fp8``'s rounding), and attended to as written.
+    With ``check_values`` the descales must be finite and positive (checked with the lengths; skipped
+    during a CUDA graph capture like them). The variants work with an FP8 cache too.
     """
     try:
         # Flat on purpose: this tuple is built and hashed on every call (host overhead).
@@ -103,16 +119,18 @@ def decode(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None
                softmax_scale, num_splits, return_lse, check_values, spec, type(softmax_scale),
                type(num_splits), type(return_lse), type(check_values),  # 1 == True: the types keep checks honest
                window, type(window), softcap, type(softcap),
-               None if alibi_slopes is None else _tsig(alibi_slopes), None if sinks is None else _tsig(sinks))
+               None if alibi_slopes is None else _tsig(alibi_slopes), None if sinks is None else _tsig(sinks),
+               None if k_descale is None else _tsig(k_descale), None if v_descale is None else _tsig(v_descale))
         plan = _plans.get(sig)
     except (AttributeError, TypeError):  # not tensors, or unhashable: the full check says why
         sig = plan = None
     if plan is None and on_meta(q):
         return _meta_decode(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax_scale,
-                            num_splits, return_lse, check_values, spec, window, softcap, alibi_slopes, sinks)
+                            num_splits, return_lse, check_values, spec, window, softcap, alibi_slopes, sinks,
+                            k_descale, v_descale)
     if plan is None:
         plan = _plan(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax_scale, num_splits,
-                     return_lse, check_values, spec, window, softcap, alibi_slopes, sinks)
+                     return_lse, check_values, spec, window, softcap, alibi_slopes, sinks, k_descale, v_descale)
         _plans.put(sig, plan)
     if shapes.ACTIVE and plan.record is not None:  # flashgen.record: count this call's key and shape
         shapes.note(*plan.record)
@@ -128,6 +146,8 @@ def decode(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None
         check_cache_values(plan.limits, cache_seqlens, block_table)
         if alibi_slopes is not None or sinks is not None:
             check_variant_values(alibi_slopes, sinks)
+        if k_descale is not None:
+            check_descale_values((("k_descale", k_descale), ("v_descale", v_descale)))
     out = q.new_empty(q.shape)  # contiguous, q's dtype and device (cheaper than torch.empty on the host)
     lse = q.new_empty(plan.lse_shape, dtype=torch.float32) if return_lse else None
     if plan.kernel is None:
@@ -142,6 +162,8 @@ def decode(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None
         params.seqlens = cache_seqlens.data_ptr()
     if block_table is not None:
         params.block_table = block_table.data_ptr()
+    if k_descale is not None:
+        params.kd, params.vd = k_descale.data_ptr(), v_descale.data_ptr()
     if alibi_slopes is not None or sinks is not None:  # (the fp32 copies live until the launch is queued)
         slopes, _, sink_logits = variant_tensors(alibi_slopes, sinks)
         if slopes is not None:
@@ -163,11 +185,12 @@ def _refuse_grad(q, k_cache, v_cache) -> None:
 
 
 def _meta_decode(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax_scale, num_splits,
-                 return_lse, check_values, spec, window, softcap, alibi_slopes, sinks):
+                 return_lse, check_values, spec, window, softcap, alibi_slopes, sinks, k_descale, v_descale):
     """``decode`` on meta tensors: the argument checks, then outputs of the right shapes (no kernel, no
     append: a meta cache holds nothing)."""
     (b, nq, hq, _, _), *_ = _checked(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax_scale,
-                                     num_splits, return_lse, check_values, window, softcap, alibi_slopes, sinks)
+                                     num_splits, return_lse, check_values, window, softcap, alibi_slopes, sinks,
+                                     k_descale, v_descale)
     if spec is not None:
         raise UnsupportedError("spec= forces one decode kernel: not with meta tensors")
     _refuse_grad(q, k_cache, v_cache)
@@ -335,14 +358,60 @@ def _need_tensor(name, t, optional=False):
 def _check_strides(name, t):
     if t.stride(-1) != 1 and t.shape[-1] > 1:
         raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
-    if any(s % 8 for s in t.stride()[:-1]):
-        raise ValueError(f"{name} must have strides that are multiples of 8 elements (16-byte loads), "
+    per16 = 16 // t.element_size()  # elements in 16 bytes: 8, or 16 in an FP8 cache
+    if any(s % per16 for s in t.stride()[:-1]):
+        raise ValueError(f"{name} must have strides that are multiples of {per16} elements (16-byte loads), "
                          f"got strides {t.stride()}")
 
 
+def _check_dtypes(q, k_cache, v_cache, k_new, v_new) -> bool:
+    """q, k_new and v_new fp16 or bf16, all q's; the caches q's dtype too, or both float8_e4m3fn (an FP8
+    cache). Returns whether the cache is FP8."""
+    fp8 = k_cache.dtype == FP8 or v_cache.dtype == FP8
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new)):
+        if t is None:
+            continue
+        if fp8 and name in ("k_cache", "v_cache"):
+            if t.dtype != FP8:
+                other = "v_cache" if name == "k_cache" else "k_cache"
+                raise TypeError(f"{name} must be float8_e4m3fn like {other} (an FP8 cache holds K and V in FP8), "
+                                f"got {t.dtype}")
+            continue
+        if t.dtype not in DTYPES:
+            if name in ("k_cache", "v_cache"):
+                hint = " (or both caches float8_e4m3fn, with k_descale and v_descale)"
+            elif t.dtype != FP8:
+                hint = ""
+            elif name == "q":
+                hint = " (an FP8 cache takes fp16/bf16 queries, whose dtype the output has)"
+            else:
+                hint = " (new tokens come in q's dtype; an FP8 cache stores them quantized by k_descale and v_descale)"
+            raise TypeError(f"{name} must be float16 or bfloat16, got {t.dtype}{hint}")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+    return fp8
+
+
+def _check_descales(fp8: bool, k_descale, v_descale, device, batch: int, heads_kv: int) -> None:
+    """With an FP8 cache both descales, fp32 on ``device``, of shape (), (1,) or (batch, heads_kv)
+    (``api.fp8.check_descale``; their values are ``check_descale_values``'s); none without one."""
+    named = (("k_descale", k_descale), ("v_descale", v_descale))
+    if not fp8:
+        given = [n for n, t in named if t is not None]
+        if given:
+            raise ValueError(f"{given[0]} is given but the cache is not FP8: descales go with a float8_e4m3fn "
+                             "k_cache and v_cache")
+        return
+    for name, t in named:
+        if t is None:
+            raise ValueError(f"an FP8 cache needs k_descale and v_descale (fp32 factors: K = k_cache * k_descale; "
+                             f"flashgen.quantize_fp8 makes both); {name} is missing")
+        check_descale(name, t, device, batch, (heads_kv,))
+
+
 def _check(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax_scale, num_splits, return_lse,
-           check_values):
-    """All shape/dtype/device/flag checks; returns the facts the plan needs."""
+           check_values, k_descale=None, v_descale=None):
+    """All shape/dtype/device/flag checks; returns the facts the plan needs (and whether the cache is FP8)."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _need_tensor(name, t)
     for name, t in (("cache_seqlens", cache_seqlens), ("block_table", block_table), ("k_new", k_new),
@@ -359,14 +428,9 @@ def _check(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softma
     if len({t.device for _, t in given}) > 1:
         raise ValueError("all tensors must be on one device, got " + ", ".join(f"{n}: {t.device}" for n, t in given))
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new)):
-        if t is None:
-            continue
-        if t.dim() != 4:
+        if t is not None and t.dim() != 4:
             raise ValueError(f"{name} must be 4-D, got shape {tuple(t.shape)}")
-        if t.dtype not in DTYPES:
-            raise TypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+    fp8 = _check_dtypes(q, k_cache, v_cache, k_new, v_new)
     b, nq, hq, d = q.shape
     if nq < 1:
         raise ValueError(f"q must have at least one token (seqlen_q >= 1), got shape {tuple(q.shape)}")
@@ -389,6 +453,7 @@ def _check(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softma
     if dkk != d:
         raise ValueError(f"q and k_cache must have one head dim, got {d} and {dkk}")
     check_heads_and_dim(hq, hk, d, b, hk, "k_cache/v_cache", "heads_kv")
+    _check_descales(fp8, k_descale, v_descale, q.device, b, hk)
     if cache_seqlens is not None:
         if cache_seqlens.dtype != torch.int32:
             raise TypeError(f"cache_seqlens must be int32, got {cache_seqlens.dtype}")
@@ -424,7 +489,7 @@ def _check(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softma
             raise ValueError(f"num_splits must be in [1, {dk.MAX_SPLITS_USER}], got {num_splits}")
         num_splits = int(num_splits)
     limits = _Limits(capacity, nq if k_new is not None else 0, page_size, num_pages)
-    return (b, nq, hq, hk, d), scale, num_splits, limits
+    return (b, nq, hq, hk, d), scale, num_splits, limits, fp8
 
 
 def _check_variant(q, window, softcap, alibi_slopes, sinks, b, nq, hq, capacity):
@@ -444,21 +509,23 @@ def _check_variant(q, window, softcap, alibi_slopes, sinks, b, nq, hq, capacity)
 
 
 def _checked(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax_scale, num_splits, return_lse,
-             check_values, window, softcap, alibi_slopes, sinks):
+             check_values, window, softcap, alibi_slopes, sinks, k_descale=None, v_descale=None):
     """Every check of a decode call that reads no device memory (the plan and the meta path): ``_check``'s
-    facts and the variant."""
-    dims, scale, num_splits, limits = _check(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
-                                             softmax_scale, num_splits, return_lse, check_values)
+    facts and the variant (``fp8`` set for an FP8 cache)."""
+    dims, scale, num_splits, limits, fp8 = _check(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
+                                                  softmax_scale, num_splits, return_lse, check_values, k_descale,
+                                                  v_descale)
     b, nq, hq = dims[:3]
-    return dims, scale, num_splits, limits, _check_variant(q, window, softcap, alibi_slopes, sinks, b, nq, hq,
-                                                           limits.capacity)
+    variant = _check_variant(q, window, softcap, alibi_slopes, sinks, b, nq, hq, limits.capacity)
+    return dims, scale, num_splits, limits, variant.replace(fp8=fp8) if fp8 else variant
 
 
 def _plan(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax_scale, num_splits, return_lse,
-          check_values, spec, window=None, softcap=0.0, alibi_slopes=None, sinks=None) -> _Plan:
+          check_values, spec, window=None, softcap=0.0, alibi_slopes=None, sinks=None, k_descale=None,
+          v_descale=None) -> _Plan:
     (b, nq, hq, hk, d), scale, num_splits, limits, variant = _checked(
         q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax_scale, num_splits, return_lse,
-        check_values, window, softcap, alibi_slopes, sinks)
+        check_values, window, softcap, alibi_slopes, sinks, k_descale, v_descale)
     shapes.from_environment()
     index = index_of(q)
     extents = tuple(extent_bytes(t) if t is not None else 0 for t in (k_cache, v_cache, k_new, v_new))
@@ -484,7 +551,7 @@ def _plan(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax
     kern = load(spec, index)
     if num_splits is None:
         occ = dk.ctas_per_sm(spec.smem_bytes(), spec.warps * 32, kern.binary.report.registers or 255, dev.smem_per_sm)
-        num_splits = dk.num_splits_heuristic(b, hk, m_blocks, keys, spec.block_n, dev.sms, occ)
+        num_splits = dk.num_splits_heuristic(b, hk, m_blocks, keys, spec.block_n, dev.sms, occ, fill_slots=spec.fp8)
     total_rows = b * nq * hq
     plan.kernel, plan.spec, plan.splits = kern, spec, num_splits
     plan.grid = (num_splits * m_blocks, hk, b)
@@ -493,6 +560,9 @@ def _plan(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax
     ks, vs, qs = k_cache.stride(), v_cache.stride(), q.stride()
     # The variant's values: the window's left side, and with a softcap its factor and the cap as the scale.
     values = variant.values(nq, limits.capacity + nq, scale) if not variant.plain else {}
+    # An FP8 cache's descales: (batch, KV head) strides, 0 for one factor (the pointers are the call's).
+    kd_sb, kd_sh, _ = descale_strides(k_descale, hk) if k_descale is not None else (0, 0, 1)
+    vd_sb, vd_sh, _ = descale_strides(v_descale, hk) if v_descale is not None else (0, 0, 1)
     template = kern.params(
         q_sb=qs[0], q_ss=qs[1], q_sh=qs[2], k_sb=ks[0], k_ss=ks[1], k_sh=ks[2], v_sb=vs[0], v_ss=vs[1], v_sh=vs[2],
         knew_sb=s_new[0], knew_ss=s_new[1], knew_sh=s_new[2], vnew_sb=s_vnew[0], vnew_ss=s_vnew[1],
@@ -503,6 +573,7 @@ def _plan(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax
         scale=values.get("scale", scale), scale_log2=values.get("scale_log2", scale * math.log2(math.e)),
         win_left=values.get("win_left", 0) if variant.windowed else 0, cap_in=values.get("cap_in", 0.0),
         alibi_sb=(alibi_slopes.shape[1] if alibi_slopes.dim() == 2 else 0) if alibi_slopes is not None else 0,
+        kd_sb=kd_sb, kd_sh=kd_sh, vd_sb=vd_sb, vd_sh=vd_sh,
     )
     plan._template, plan._struct = bytes(template), type(template)
     if num_splits > 1:

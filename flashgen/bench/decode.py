@@ -18,8 +18,16 @@ repeat_interleave outside the timed region (recorded per cell as ``gqa``). The v
 
 Sections: ``paged`` (page 64 and 256, a random page order, against a contiguous cache of the same
 lengths, interleaved), ``splits`` (flashgen at forced split counts, interleaved; the heuristic's
-count is the row's ``splits`` in the main table) and ``host`` (per-call host time, the ``host``
-suite's decode part).
+count is the row's ``splits`` in the main table), ``fp8`` (the same cache in FP8 against the 16-bit one,
+below) and ``host`` (per-call host time, the ``host`` suite's decode part).
+
+The ``fp8`` section (``--fp8-cases``): per case, ``flashgen.decode`` over the 16-bit cache and over the
+same cache quantized to float8 e4m3 per (batch, KV head) (``flashgen.quantize_fp8``; the descales stay
+on the device), interleaved in the same rounds, same q, same shapes; ``--fp8-tiles`` adds FP8 kernels
+forced to other tiles. Each cell has tokens/s (batch x seqlen_q / time, the table's metric) and TB/s on
+the bytes that call reads (2 bytes per K/V element for the 16-bit cache, 1 for FP8); ``fp8/<dtype>`` is
+the tokens/s ratio. The notes check the FP8 cache against its bar on every case whose 16-bit K+V is at
+least 256 MB: >= 1.8x the 16-bit cache's tokens/s and >= 4.0 TB/s on the FP8 bytes read.
 """
 from __future__ import annotations
 
@@ -27,6 +35,8 @@ import math
 
 from .. import testing
 from ..families import decode as decode_family
+from ..problem import smallest_tile
+from ..spec import KernelSpec
 from . import baselines, options
 from .registry import Suite, register
 from .timing import add_ratios, free, host_row, meta, require_cuda, rotating, time_cell, time_ms
@@ -36,6 +46,11 @@ LENGTHS = (4096, 32768, 131072)
 CASES = tuple((b, hq, hk, L) for b, hq, hk in SHAPES for L in LENGTHS)
 PAGED_CASES = ((1, 32, 8, 131072), (8, 32, 8, 32768), (32, 32, 8, 32768))
 SPLIT_CASES = ((1, 32, 8, 131072), (1, 32, 32, 32768), (8, 32, 8, 131072))
+# The fp8 section's cases: one per regime at 256 MB of 16-bit K+V or more (few: b1/hk8, some: b1/hk32 and
+# b8/hk8, full: b32/hk8, many: b64/hk8), and one small read.
+FP8_CASES = ((1, 32, 8, 32768), (1, 32, 8, 131072), (1, 32, 32, 32768), (8, 32, 8, 32768), (8, 32, 8, 131072),
+             (32, 32, 8, 32768), (64, 32, 8, 8192))
+FP8_BAR = (1.8, 4.0, 256 * 2**20)  # tokens/s over the 16-bit cache's, TB/s on FP8 bytes, from this 16-bit K+V
 SPLITS = (1, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 PAGE_SIZES = (64, 256)
 IMPLS = ("flashgen", "sdpa_flash", "sdpa_cudnn")
@@ -73,6 +88,15 @@ def add_args(p) -> None:
                    help="shapes of the split-count section (default 1,32,8,131072;1,32,32,32768;8,32,8,131072; "
                         "'none')")
     p.add_argument("--splits", default=",".join(map(str, SPLITS)), help="split counts of that section")
+    p.add_argument("--fp8-cases", default=None,
+                   help="shapes of the fp8 section (an FP8 cache against the 16-bit one; default "
+                        + ";".join(",".join(map(str, c)) for c in FP8_CASES) + "; 'none')")
+    p.add_argument("--fp8-tiles", default="",
+                   help='FP8 kernels forced to these tiles in the fp8 section too, "block_n/warps/stages/kv_load,..." '
+                        '(default: only the rule\'s pick)')
+    p.add_argument("--fp8-splits", default="",
+                   help="the FP8 cache at these forced split counts too, in the fp8 section (default: only the "
+                        "heuristic's)")
     p.add_argument("--no-host", action="store_true", help="leave out the per-call host time section")
 
 
@@ -93,13 +117,61 @@ def parse(args) -> dict:
     if any(s > decode_family.MAX_SPLITS_USER for s in splits):
         raise ValueError(f"--splits: at most {decode_family.MAX_SPLITS_USER}")
     cases = _cases(args.cases, "cases", CASES)
-    if not cases:
+    fp8_cases = _cases(getattr(args, "fp8_cases", "none"), "fp8-cases", FP8_CASES)
+    if not cases and not fp8_cases:
         raise ValueError("--cases: give at least one shape b,hq,hk,L")
     return {"cases": cases, "d": int(args.d), "dtype": args.dtype,
             "impls": options.names(args.impls, IMPLS, "impls"), "rounds": int(args.rounds), "reps": int(args.reps),
             "paged": paged, "page_sizes": page_sizes,
             "split_cases": _cases(args.split_cases, "split-cases", SPLIT_CASES),
-            "splits": splits, "host": not args.no_host}
+            "splits": splits, "host": not args.no_host, "fp8_cases": fp8_cases,
+            "fp8_tiles": fp8_tiles(getattr(args, "fp8_tiles", ""), int(args.d), args.dtype),
+            "fp8_splits": fp8_splits(getattr(args, "fp8_splits", ""))}
+
+
+def fp8_splits(text) -> list:
+    """``--fp8-splits``: split counts (1 .. MAX_SPLITS_USER), each once."""
+    if not str(text).strip():
+        return []
+    splits = list(dict.fromkeys(options.ints(text, "fp8-splits")))
+    if any(s > decode_family.MAX_SPLITS_USER for s in splits):
+        raise ValueError(f"--fp8-splits: at most {decode_family.MAX_SPLITS_USER}")
+    return splits
+
+
+def fp8_impls(settings) -> list:
+    """The fp8 section's cells after the 16-bit cache's: the rule's FP8 pick, each forced tile, each forced
+    split count."""
+    return ["fp8", *("fp8_" + "/".join(map(str, t)) for t in settings["fp8_tiles"]),
+            *(f"fp8@{n}" for n in settings["fp8_splits"])]
+
+
+def fp8_tiles(text, d: int, dtype: str) -> list:
+    """``--fp8-tiles`` as (block_n, warps, stages, kv_load) tuples, each a valid FP8 decode_split tile for
+    head dim ``d`` (checked on sm_90a here; the run builds them for the GPU's arch)."""
+    tiles = []
+    for word in filter(None, (w.strip() for w in str(text).split(","))):
+        try:
+            tile = tuple(int(x) for x in word.split("/"))
+        except ValueError:
+            tile = ()
+        if len(tile) != 4:
+            raise ValueError(f"--fp8-tiles: {word!r} is not block_n/warps/stages/kv_load")
+        try:
+            fp8_tile_spec(tile, "sm_90a", d, dtype)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"--fp8-tiles {word}: {exc}") from None
+        if tile not in tiles:
+            tiles.append(tile)
+    return tiles
+
+
+def fp8_tile_spec(tile, arch: str, d: int, dtype: str):
+    """The FP8 decode_split spec of a (block_n, warps, stages, kv_load) tile for inputs of head dim ``d``."""
+    bn, w, st, load = tile
+    head_dim = smallest_tile(d, decode_family.FP8_HEAD_DIMS)
+    return KernelSpec(kind="decode_split", arch=arch, dtype=dtype, head_dim=head_dim, block_m=decode_family.ROWS,
+                      block_n=bn, warps=w, stages=st, kv_load=load, causal=True, fp8=True).validate()
 
 
 def kv_bytes(b, hk, L, d, elem=2) -> int:
@@ -133,6 +205,7 @@ class Case:
     def __init__(self, b, hq, hk, L, d, dtype, seed):
         import torch
 
+        self._fp8 = None
         self.b, self.hq, self.hk, self.L, self.d = b, hq, hk, L, d
         self.nbytes = kv_bytes(b, hk, L, d)
         self.copies = copies_for(self.nbytes)
@@ -148,13 +221,31 @@ class Case:
         return {"batch": self.b, "heads_q": self.hq, "heads_kv": self.hk, "L": self.L, "head_dim": self.d,
                 "kv_bytes": self.nbytes, "copies": self.copies}
 
-    def flashgen(self, spec=None, num_splits=None):
-        """(callable(i), plan facts) of flashgen.decode on this case, planned now."""
+    def fp8(self):
+        """The copies' caches in FP8, made once: (k8 (b, L, hk, d) views, v8 views, k descales, v descales),
+        quantized per (batch, KV head) by ``flashgen.quantize_fp8``."""
+        from ..api.fp8 import quantize_fp8
+
+        if self._fp8 is None:
+            k8, v8 = [quantize_fp8(k, per="head") for k in self.ks], [quantize_fp8(v, per="head") for v in self.vs]
+            self._fp8 = ([k.transpose(1, 2) for k, _ in k8], [v.transpose(1, 2) for v, _ in v8],
+                         [s for _, s in k8], [s for _, s in v8])
+        return self._fp8
+
+    def flashgen(self, spec=None, num_splits=None, fp8=False):
+        """(callable(i), plan facts) of flashgen.decode on this case (``fp8``: on its FP8 cache), planned now."""
         from .. import api
 
-        def fn(i):
-            return api.decode(self.qs[i], self.kc[i], self.vc[i], self.lens, num_splits=num_splits,
-                                   check_values=False, spec=spec)
+        if fp8:
+            k8, v8, kd, vd = self.fp8()
+
+            def fn(i):
+                return api.decode(self.qs[i], k8[i], v8[i], self.lens, num_splits=num_splits, check_values=False,
+                                  spec=spec, k_descale=kd[i], v_descale=vd[i])
+        else:
+            def fn(i):
+                return api.decode(self.qs[i], self.kc[i], self.vc[i], self.lens, num_splits=num_splits,
+                                  check_values=False, spec=spec)
         return fn, plan_facts(fn)
 
     def sdpa(self, name):
@@ -296,6 +387,65 @@ def split_rows(settings, dtype, progress) -> list:
     return rows
 
 
+def fp8_rows(settings, dtype, progress) -> list:
+    """Per fp8 case: flashgen.decode over the 16-bit cache, over its FP8 copy (the rule's pick) and over
+    the FP8 copy with each ``--fp8-tiles`` tile and each ``--fp8-splits`` split count forced, in
+    interleaved rounds; tokens/s and TB/s on the bytes each reads, and the tokens/s ratios to the 16-bit
+    cache."""
+    from ..api.device import Device, current_device
+
+    base, rows = settings["dtype"], []
+    arch = Device.of(current_device()).arch
+    for i, (b, hq, hk, L) in enumerate(settings["fp8_cases"]):
+        case = Case(b, hq, hk, L, settings["d"], dtype, seed=4000 + i)
+        makers = {base: case.flashgen, "fp8": lambda: case.flashgen(fp8=True)}
+        for tile in settings["fp8_tiles"]:
+            spec = fp8_tile_spec(tile, arch, settings["d"], base)
+            makers["fp8_" + "/".join(map(str, tile))] = (lambda spec: lambda: case.flashgen(spec=spec, fp8=True))(spec)
+        for n in settings["fp8_splits"]:
+            makers[f"fp8@{n}"] = (lambda n: lambda: case.flashgen(num_splits=n, fp8=True))(n)
+        cells = fp8_metrics(timed(makers, settings, case.copies, case.nbytes), base, case.nbytes, b)
+        row = {**case.row(), "kv_bytes_fp8": case.nbytes // 2, "rounds": settings["rounds"], "results": cells}
+        add_ratios(row, "tokens_per_s", [(f"{name}/{base}", name, base) for name in makers if name != base])
+        rows.append(row)
+        progress(f"fp8 b={b} hq={hq} hk={hk} L={L}: " + ", ".join(
+            f"{n}={c['tbps']:.2f} TB/s" if "tbps" in c else f"{n}=-" for n, c in cells.items())
+            + (f" (fp8/{base} {row['ratios'][f'fp8/{base}']:.3f}x tokens/s)" if f"fp8/{base}" in row.get("ratios", {})
+               else ""))
+        del case, makers
+        free()
+    return rows
+
+
+def fp8_metrics(cells: dict, base: str, nbytes: int, batch: int) -> dict:
+    """``cells`` (timed's, one new token per sequence) with each timed cell's tokens/s (batch / time) and
+    TB/s on the bytes it reads: ``nbytes`` of K and V for the ``base`` (16-bit) cache, half that for an
+    FP8 one."""
+    for name, cell in cells.items():
+        if "us" in cell:
+            cell["tbps"] = (nbytes if name == base else nbytes // 2) / cell["us"] / 1e6
+            cell["tokens_per_s"] = batch / (cell["us"] * 1e-6)
+    return cells
+
+
+def fp8_notes(rows, base: str) -> list:
+    """The FP8 cache against its bar (FP8_BAR) on every row of at least its 16-bit K+V size, and where not."""
+    speedup, tbps, least = FP8_BAR
+    out = []
+    for r in rows:
+        if r["kv_bytes"] < least:
+            continue
+        cell, ratio = r["results"].get("fp8", {}), (r.get("ratios") or {}).get(f"fp8/{base}")
+        if ratio is None or "tbps" not in cell:
+            out.append(f"b{r['batch']}/hk{r['heads_kv']}/L{r['L']}: no FP8 timing")
+            continue
+        ok = ratio >= speedup and cell["tbps"] >= tbps
+        out.append(f"b{r['batch']}/hk{r['heads_kv']}/L{r['L']} ({r['kv_bytes'] / 2**20:.0f} MB {base}): fp8 "
+                   f"{ratio:.3f}x {base} tokens/s, {cell['tbps']:.2f} TB/s of FP8 bytes "
+                   f"(bar {speedup}x, {tbps} TB/s): {'meets' if ok else 'BELOW'}")
+    return out
+
+
 def host_inputs():
     """(q, k, lens, paged k, block table) of the host-time rows: b1, hq32, hk8, 512 keys, d 128, bf16 (a
     call whose GPU work is a few µs, so bursts of calls measure the host)."""
@@ -388,6 +538,20 @@ def run(args, progress) -> dict:
                               "convention": "flashgen.decode at forced split counts (heuristic: num_splits=None), "
                                             "interleaved rounds",
                               "rows": split_rows(settings, dtype, progress)}
+        result["sections"] = sections
+        if checkpoint is not None:
+            checkpoint(result)
+    if settings["fp8_cases"]:
+        rows8 = fp8_rows(settings, dtype, progress)
+        base = settings["dtype"]
+        sections["fp8"] = {"metric": "tokens_per_s", "precision": 0, "x": "L",
+                           "panels": ["batch", "heads_q", "heads_kv"],
+                           "impls": [base, *fp8_impls(settings)],
+                           "ratios": [f"{name}/{base}" for name in fp8_impls(settings)],
+                           "convention": f"flashgen.decode, the {base} cache against its FP8 copy (per-(batch, KV "
+                                         "head) descales), interleaved rounds; cells also hold TB/s on the bytes "
+                                         "each reads",
+                           "rows": rows8, "notes": fp8_notes(rows8, base)}
         result["sections"] = sections
         if checkpoint is not None:
             checkpoint(result)

@@ -16,8 +16,15 @@ their values launch parameters. With a window (left, 0) a CTA's splits cover onl
 first one its rows see (``first_key``), so the kernel reads the window and not the cache before it,
 and the split heuristic counts those keys (``window_keys``).
 
+An FP8 cache (the spec's ``fp8``: float8 e4m3 K/V rows, fp32 descale factors) is the same kernel on
+rows of head_dim bytes: half the bytes a bf16 cache streams for the same keys. The K/V fragments are
+widened to the query's dtype in registers before each mma (templates/decode/decode_fp8.cuh), the K
+descale joins the softmax's scale and the V descale the output's normalisation, so the block loop
+gains no fp32 work per element; appended tokens are quantized as they are written.
+
 The pure-Python helpers at the end mirror the kernels' index arithmetic (split
-ranges, window starts, page lookup, causal limits, the merge) so that it is tested without a GPU.
+ranges, window starts, page lookup, causal limits, the merge) and the FP8 conversions so that they are
+tested without a GPU.
 """
 from __future__ import annotations
 
@@ -27,7 +34,7 @@ from dataclasses import dataclass
 from ..gpus import ARCH_SMEM_PER_BLOCK
 from ..problem import ProblemKey, smallest_tile
 from ..spec import DTYPES, KernelSpec
-from ..variants import UNBOUNDED
+from ..variants import UNBOUNDED, key_flags
 from .base import F32, I32, I64, PTR, Family, first_clean, strides
 
 PAGE_SIZES = (16, 32, 64, 128, 256)
@@ -46,6 +53,20 @@ KV_LOADS = {0: "cp.async.cg", 1: "cp.async.cg + L2::256B prefetch", 2: "cp.async
             5: "cp.async.bulk rows + per-warp mbarriers + L2 evict_first (sm_90a)"}
 # The bulk loader's flavours (sm_90a only), each with the cp.async flavour that stands in for it elsewhere.
 BULK_LOADS = {4: 0, 5: 2}
+# Head-dim tiles of an FP8 cache: its ring rows are head_dim bytes, swizzled in 16-byte chunks like a
+# 16-bit tile of head_dim / 2 columns, which needs at least four chunks (common/tile.cuh); d <= 32 runs in
+# the 64 tile (columns past d are zero-filled without a read, so no byte more is streamed).
+FP8_HEAD_DIMS = (64, 128, 256)
+
+
+def kv_elem_bytes(spec) -> int:
+    """Bytes per K/V element in the cache and the ring: 1 for an FP8 cache, else the dtype's 2."""
+    return 1 if spec.fp8 else 2
+
+
+def is_fp8_key(key: ProblemKey) -> bool:
+    """Whether a decode_split problem key is one of an FP8 cache (its variant holds the fp8 token)."""
+    return key_flags(key.variant)["fp8"]
 
 
 def kv_load_for(arch: str, kv_load: int) -> int:
@@ -53,8 +74,9 @@ def kv_load_for(arch: str, kv_load: int) -> int:
     return BULK_LOADS[kv_load] if kv_load in BULK_LOADS and arch != "sm_90a" else kv_load
 
 
+# k and v are kv_t: elem_t, or bytes for an FP8 cache (the entry template's typedef).
 DECODE_PARAMS = (
-    ("q", "const elem_t*", PTR), ("k", "const elem_t*", PTR), ("v", "const elem_t*", PTR),
+    ("q", "const elem_t*", PTR), ("k", "const kv_t*", PTR), ("v", "const kv_t*", PTR),
     ("knew", "const elem_t*", PTR), ("vnew", "const elem_t*", PTR),
     ("o", "elem_t*", PTR), ("lse", "float*", PTR), ("o_ws", "float*", PTR), ("lse_ws", "float*", PTR),
     ("seqlens", "const int*", PTR), ("block_table", "const int*", PTR),
@@ -68,6 +90,10 @@ DECODE_PARAMS = (
     ("nq", "int", I32), ("heads_q", "int", I32), ("group", "int", I32), ("rows", "int", I32),
     ("d", "int", I32), ("seqlen_k", "int", I32), ("page_shift", "int", I32), ("num_splits", "int", I32),
     ("scale", "float", F32), ("scale_log2", "float", F32),
+    # An FP8 cache's descale factors (fp32, one per (batch, KV head) at b * sb + hk * sh; strides 0 for
+    # one factor); null and 0 for a 16-bit cache. k, v, and their strides, are then in bytes (kv_t).
+    ("kd", "const float*", PTR), ("vd", "const float*", PTR), ("kd_sb", "int", I32), ("kd_sh", "int", I32),
+    ("vd_sb", "int", I32), ("vd_sh", "int", I32),
     # The variants' values (templates/decode/decode_variant.cuh; zero where the kernel's switch is off):
     # the window's left side (clipped to the longest sequence), the softcap's factor before the tanh (the
     # scale fields then hold the cap: flashgen.variants.Variant.values), the ALiBi slopes (fp32, (heads_q,)
@@ -114,6 +140,19 @@ DEFAULT_DECODE_TILES = {
 DECODE_TILES_BY_REGIME: dict = {128: {"some": ((128, 4, 3, 2),), "full": ((64, 4, 2, 2),)}}
 REGIME_TILE_ARCHS = ("sm_90a",)
 REGIMES = ("few", "some", "full", "many")
+# An FP8 cache's tiles (spec.fp8), per head-dim tile as DEFAULT_DECODE_TILES, for every regime. Chosen by
+# bytes, not measured yet (docs/perf/decode.md, "FP8 cache"): 128 keys of K and V are 32 KB at d = 128,
+# so 128/4/2 keeps the 16-bit tile's keys per block and warps in 68 KB, and an SM holds two such CTAs
+# (194 registers) where it held one 16-bit CTA: the widening adds integer work per key, and more warps
+# per SM hide its latency. A load pass covers 32 * warps * 16 / head_dim rows, which must divide 16 (so
+# d = 64 takes two warps), and the epilogue's scratch must fit in the ring. Four-warp tiles with 16 keys
+# per warp at d = 128 (64/4/3) spill under ptxas's 168-register choice for them (NVRTC 13.0), so the
+# fallback there has two warps of 32 keys.
+DEFAULT_DECODE_TILES_FP8 = {
+    64: ((128, 2, 4, 0), (64, 2, 4, 0)),
+    128: ((128, 4, 2, 2), (64, 2, 3, 2)),
+    256: ((32, 2, 4, 0), (64, 2, 2, 0)),
+}
 # More splits than this only where one CTA per SM needs them (num_splits_heuristic): each split adds
 # a partial (fp32 O + LSE) to write and merge, and the merge is the kernel's tail.
 MERGE_SPLITS = 16
@@ -153,22 +192,40 @@ class DecodeSplitFamily(Family):
         if spec.block_n % (16 * spec.warps):
             raise ValueError(f"{self.kind}: block_n={spec.block_n} must split into 16-key slices over "
                              f"{spec.warps} warps")
-        # The K/V loader covers 32*warps / (head_dim/8) rows per pass; a pass must
-        # stay inside one 16-row group (one page of a paged cache).
-        step = 32 * spec.warps * 8 // spec.head_dim
-        if (32 * spec.warps * 8) % spec.head_dim or step == 0 or 16 % step:
-            raise ValueError(f"{self.kind}: {spec.warps} warps do not tile head_dim={spec.head_dim} rows "
-                             "(rows per load pass must divide 16)")
+        if spec.fp8:
+            self.require(spec, (("head_dim", FP8_HEAD_DIMS),))
+            if spec.kv_load in BULK_LOADS:
+                loads = ", ".join(str(h) for h in KV_LOADS if h not in BULK_LOADS)
+                raise ValueError(f"{self.kind}: kv_load={spec.kv_load} (cp.async.bulk rows) does not load an FP8 "
+                                 f"cache (fp8 takes kv_load {loads})")
+        # The K/V loader covers 32*warps 16-byte chunks per pass, rows of head_dim * kv_elem_bytes bytes; a
+        # pass must stay inside one 16-row group (one page of a paged cache).
+        chunks = 32 * spec.warps * 16
+        row = spec.head_dim * kv_elem_bytes(spec)
+        step = chunks // row
+        if chunks % row or step == 0 or 16 % step:
+            raise ValueError(f"{self.kind}: {spec.warps} warps do not tile head_dim={spec.head_dim} rows"
+                             f"{' of FP8' if spec.fp8 else ''} (rows per load pass must divide 16)")
         if spec.kv_load in BULK_LOADS and spec.arch != "sm_90a":
             raise ValueError(f"{self.kind}: kv_load={spec.kv_load} (cp.async.bulk) needs sm_90a, not {spec.arch}")
+        # The epilogue merges the warps through fp32 scratch in the K/V ring (the template's static_assert).
+        ring = 2 * spec.stages * spec.block_n * self.row_bytes(spec)
+        scratch = 4 * (spec.warps * 16 * (spec.head_dim + 4) + 16 * spec.head_dim)
+        if scratch > ring:
+            raise ValueError(f"{self.kind}: the epilogue's {scratch} B of scratch do not fit in the {ring} B K/V "
+                             "ring it reuses (more keys per block or more stages)")
+
+    def row_bytes(self, spec) -> int:
+        """Bytes of one K or V row in the ring: head_dim elements of the cache's type, padded by 16 bytes
+        for the bulk loader (its copies cannot swizzle)."""
+        return spec.head_dim * kv_elem_bytes(spec) + (16 if spec.kv_load in BULK_LOADS else 0)
 
     def smem_bytes(self, spec) -> int:
-        # Q tile (16 rows) + K and V rings; the cross-warp reduction reuses both. The bulk loader pads
-        # each ring row by 16 bytes (its copies cannot swizzle) and adds 2 * stages * warps mbarriers.
-        # decode_smem_bytes() in the template is the same formula (static_assert).
+        # Q tile (16 rows) + K and V rings; the cross-warp reduction reuses both. The bulk loader adds
+        # 2 * stages * warps mbarriers. decode_smem_bytes() in the template is the same formula (static_assert).
         bulk = spec.kv_load in BULK_LOADS
-        row = 2 * spec.head_dim + (16 if bulk else 0)
-        return 2 * spec.head_dim * 16 + 2 * spec.stages * spec.block_n * row + (16 * spec.stages * spec.warps if bulk else 0)
+        return (2 * spec.head_dim * 16 + 2 * spec.stages * spec.block_n * self.row_bytes(spec)
+                + (16 * spec.stages * spec.warps if bulk else 0))
 
     def acc_floats(self, spec) -> int:
         return (spec.head_dim // 8 + spec.block_n // spec.warps // 8) * 4
@@ -189,28 +246,39 @@ class DecodeSplitFamily(Family):
     def key_tile(self, d: int) -> int:
         return smallest_tile(d, DECODE_HEAD_DIMS)
 
+    def tile(self, key: ProblemKey) -> int:
+        """The key's head-dim tile, or for an FP8 cache the FP8 tile that covers it (FP8_HEAD_DIMS)."""
+        return smallest_tile(key.head_dim, FP8_HEAD_DIMS) if is_fp8_key(key) else key.head_dim
+
     def rule(self, key: ProblemKey, budget: int, regime: str = "some") -> list:
-        """The rule's tiles for the regime (``decode_regime``) that fit ``budget``, in order."""
+        """The rule's tiles for the regime (``decode_regime``) that fit ``budget``, in order (an FP8
+        cache: DEFAULT_DECODE_TILES_FP8, the same in every regime)."""
         if regime not in REGIMES:
             raise ValueError(f"regime {regime!r} not in {REGIMES}")
-        d = key.head_dim
-        tiles = DECODE_TILES_BY_REGIME.get(d, {}).get(regime, ()) if key.arch in REGIME_TILE_ARCHS else ()
+        d = self.tile(key)
+        if is_fp8_key(key):
+            tiles = DEFAULT_DECODE_TILES_FP8[d]
+        else:
+            by_regime = DECODE_TILES_BY_REGIME.get(d, {}).get(regime, ()) if key.arch in REGIME_TILE_ARCHS else ()
+            tiles = by_regime + DEFAULT_DECODE_TILES[d]
         out = []
-        for bn, w, st, load in tiles + DEFAULT_DECODE_TILES[d]:
+        for bn, w, st, load in tiles:
             self._fit(out, self.spec(key, block_m=ROWS, block_n=bn, warps=w, stages=st,
                                      kv_load=kv_load_for(key.arch, load)).replace(causal=True), budget)
         return self._fitting(out, key, budget)
 
     def rule_specs(self, arch: str, budget: int) -> list:
-        """Every spec the rule can pick on ``arch`` under ``budget`` (for the compile tier)."""
+        """Every spec the rule can pick on ``arch`` under ``budget`` (for the compile tier): each head-dim
+        tile, dtype and regime, with a 16-bit and with an FP8 cache."""
         out = []
         for d in DECODE_HEAD_DIMS:
             for dtype in DTYPES:
-                key = ProblemKey(self.kind, arch, dtype, d, True, 512)
-                for regime in REGIMES:
-                    spec = self.rule(key, budget, regime)[0]
-                    if spec not in out:
-                        out.append(spec)
+                for variant in ("", "fp8"):
+                    key = ProblemKey(self.kind, arch, dtype, d, True, 512, variant)
+                    for regime in REGIMES:
+                        spec = self.rule(key, budget, regime)[0]
+                        if spec not in out:
+                            out.append(spec)
         return out
 
 
@@ -272,7 +340,7 @@ def first_rule_spec(key: ProblemKey, budget: int, regime: str = "some", check=No
 
 
 def num_splits_heuristic(batch: int, heads_kv: int, m_blocks: int, seqlen_k: int, block_n: int, sms: int,
-                         ctas_per_sm: int = 1, max_splits: int = MAX_SPLITS) -> int:
+                         ctas_per_sm: int = 1, max_splits: int = MAX_SPLITS, fill_slots: bool = False) -> int:
     """How many splits of the keys to launch: fill one wave of SM slots, but past MERGE_SPLITS
     splits only as far as one CTA per SM.
 
@@ -294,6 +362,12 @@ def num_splits_heuristic(batch: int, heads_kv: int, m_blocks: int, seqlen_k: int
     b8/hk8/L4k 3.20 at 2 (2.92 at 4).
     ``seqlen_k`` is the most keys one CTA can read: the cache's capacity (actual
     lengths live on the GPU), or with a window the keys it spans (``window_keys``).
+
+    ``fill_slots`` (an FP8 cache) drops the one-CTA-per-SM limit past MERGE_SPLITS: one wave of
+    slots at any split count. That limit holds where one CTA per SM already reads faster than HBM
+    serves (the 16-bit kernel: 74.5 GB/s per CTA, 9.8 TB/s over 132 SMs); an FP8 CTA reads its keys at
+    half the bytes but widens every K/V element to 16 bits, so per key it does more work than the
+    16-bit CTA, and one CTA per SM is predicted to fall short of HBM (docs/perf/decode.md, "FP8 cache").
     """
     slots = max(1, sms * ctas_per_sm)
     work = max(1, batch * heads_kv * m_blocks)
@@ -301,7 +375,7 @@ def num_splits_heuristic(batch: int, heads_kv: int, m_blocks: int, seqlen_k: int
     if work >= 0.8 * slots:
         return 1
     top = min(max_splits, n_blocks, slots // work)
-    if top > MERGE_SPLITS:
+    if top > MERGE_SPLITS and not fill_slots:
         top = min(top, max(MERGE_SPLITS, sms // work))
     top = max(1, top)
     per = -(-n_blocks // top)
@@ -459,3 +533,40 @@ def merge_chunked(lses, outs, chunk: int | None = None, sink: float | None = Non
         m = top
     inv = 1.0 / total if total > 0 else 0.0
     return [x * inv for x in acc], (m + math.log(total) if total > 0 else -math.inf)
+
+
+# ----------------------------------------------------------------- FP8 conversions (templates/decode/decode_fp8.cuh)
+
+E4M3_MAX = 448.0  # e4m3fn's largest finite value
+# (left shift, kept bits, the power of two that restores the value) of e4m3x2_widen_signed per 16-bit type.
+_WIDEN = {"bf16": (4, 0x87F0, 2.0 ** 120), "fp16": (7, 0xBF80, 2.0 ** 8)}
+
+
+def e4m3_widen_bits(byte: int, dtype: str) -> int:
+    """The 16-bit pattern e4m3x4_widen forms from an e4m3 ``byte`` before its multiply: the byte with its
+    sign replicated above it (prmt's sign mode), shifted and masked (``dtype`` "bf16" or "fp16"). As a
+    ``dtype`` number it is the e4m3 value over ``widen_factor(dtype)``."""
+    shift, keep, _ = _WIDEN[dtype]
+    signed = byte | (0xFF00 if byte & 0x80 else 0)
+    return (signed << shift) & keep
+
+
+def widen_factor(dtype: str) -> float:
+    """The power of two the kernel multiplies a widened e4m3 value by (2^120 for bf16, 2^8 for fp16)."""
+    return _WIDEN[dtype][2]
+
+
+def e4m3_from_float(x: float) -> int:
+    """The e4m3 byte decode_fp8.cuh's e4m3_from_float gives ``x`` (a float32 value): round to nearest
+    even, saturating at +-448, NaN to NaN; the kernel's arithmetic on the fp32 bit pattern."""
+    import struct
+
+    bits = struct.unpack("<I", struct.pack("<f", x))[0]
+    sign = (bits >> 24) & 0x80
+    if x != x:
+        return sign | 0x7F
+    a = min(abs(x), E4M3_MAX)
+    if a < 2.0 ** -6:
+        return sign | round(a * 512.0)  # Python's round: half to even, as __float2int_rn
+    v = struct.unpack("<I", struct.pack("<f", a))[0] - (120 << 23)
+    return sign | ((v + 0x7FFFF + ((v >> 20) & 1)) >> 20)

@@ -45,6 +45,17 @@
 // masks each row's lower bound; softcap and ALiBi transform every block's scores before the mask; a
 // sink joins the row's softmax in the one-split epilogue or in the merge of the splits.
 //
+// FP8 (an e4m3 cache, decode_fp8.cuh): the same loads on rows of d bytes -- half the bytes per key --
+// into a ring of byte rows (swizzled as a 16-bit tile of D/2 columns). The main loop widens the K and V
+// fragments to the query's dtype in registers between ldmatrix and mma: a plain ldmatrix of K gives a
+// thread one key's columns 4t..4t+3, whose even and odd columns become the B fragment's two k-halves,
+// so Q's A fragments are loaded with the same column order (q_frag8); the transposing ldmatrix of V
+// gives columns 2g and 2g+1 of keys 2t, 2t+1, i.e. two n8 tiles (even and odd columns) whose outputs
+// the epilogue puts back in column order. The K descale joins the softmax's scale (or the softcap's
+// factor) and the V descale the output's normalisation: no fp32 work per element. Appended keys are
+// quantized with the descales (x / descale, round to nearest, saturating) both into the cache and, for
+// the blocks that read them, into the ring. The bulk loader does not take an FP8 cache.
+//
 // Output: with one split, the normalised O in the input dtype and the LSE.
 // Otherwise the normalised fp32 O and the LSE of this split go into the
 // workspace (an empty split writes O = 0, LSE = -inf); with p.counters set,
@@ -109,13 +120,14 @@ FG_DEVICE fg_u64 kv_policy() {
 // The bulk loader (KV_LOAD 4, 5: see the top of this file) and its padded ring rows.
 template <int KV_LOAD>
 __host__ __device__ constexpr bool kv_bulk() { return KV_LOAD >= 4; }
-template <int D, int KV_LOAD>
-__host__ __device__ constexpr int kv_row_bytes() { return kv_bulk<KV_LOAD>() ? 2 * D + 16 : 2 * D; }
+// Bytes of a K/V ring row: D elements of the cache (2 bytes, 1 for FP8), padded for the bulk loader.
+template <int D, int KV_LOAD, bool FP8 = false>
+__host__ __device__ constexpr int kv_row_bytes() { return (FP8 ? D : 2 * D) + (kv_bulk<KV_LOAD>() ? 16 : 0); }
 // Dynamic shared memory: Q tile, K and V rings, and (bulk loader) 2 * ST * NW mbarriers.
 // KernelSpec.smem_bytes() must agree (static_assert in the entry template).
-template <int D, int BN, int NW, int ST, int KV_LOAD>
+template <int D, int BN, int NW, int ST, int KV_LOAD, bool FP8 = false>
 __host__ __device__ constexpr int decode_smem_bytes() {
-  return 16 * D * 2 + 2 * ST * BN * kv_row_bytes<D, KV_LOAD>() + (kv_bulk<KV_LOAD>() ? 2 * ST * NW * 8 : 0);
+  return 16 * D * 2 + 2 * ST * BN * kv_row_bytes<D, KV_LOAD, FP8>() + (kv_bulk<KV_LOAD>() ? 2 * ST * NW * 8 : 0);
 }
 
 // The merge's handshake: a GPU-scope release increment (after a CTA barrier it publishes the stores
@@ -143,7 +155,7 @@ FG_DEVICE int ld_acquire(const int* ptr) {
 // and the epilogue, which reads it, is called from there; the block-table window is the body's
 // variables (as fields of the struct they would be ordered differently); an array member would keep the
 // whole struct in memory until the loops are unrolled.
-template <int D, int BN, int NW, int ST, bool BF16, int KV_LOAD, typename VAR, typename Params>
+template <int D, int BN, int NW, int ST, bool FP8, bool BF16, int KV_LOAD, typename VAR, typename Params>
 struct decode_split_cta {
   // (Enumerators, not static constexpr members: NVRTC emits such a member as a global object.)
   enum : int {
@@ -151,16 +163,21 @@ struct decode_split_cta {
     KW = BN / NW,     // keys per warp per block
     NJ = KW / 8,      // n8 tiles of S per warp
     DJ = D / 8,       // n8 tiles of O
-    C = D / 8,        // 16-byte chunks per row
-    STEP = NT / C,    // rows one load pass covers
+    C = D / 8,        // 16-byte chunks per row of Q (and of k_new / v_new)
+    KE = FP8 ? 16 : 8,  // K/V elements per 16-byte chunk of the cache and the ring
+    KC = D / KE,      // 16-byte chunks per K/V row
+    STEP = NT / KC,   // K/V rows one load pass covers
     IPG = 16 / STEP,  // load passes per 16-row group
     G = BN / 16,      // 16-row groups (page lookups) per block
     OS = D + 4,       // fp32 row stride of the reduction scratch (bank spread)
     BULK = kv_bulk<KV_LOAD>(),
-    KV_ROW = kv_row_bytes<D, KV_LOAD>(),  // bytes per K/V ring row (padded for the bulk loader)
+    KV_ROW = kv_row_bytes<D, KV_LOAD, FP8>(),  // bytes per K/V ring row (padded for the bulk loader)
   };
-  using TT = Tile<D>;
-  static_assert(KW % 16 == 0 && NT % C == 0 && 16 % STEP == 0 && BN % 16 == 0 && ST >= 2, "bad tile shape");
+  using TT = Tile<D>;           // the Q tile
+  using KT = Tile<KE == 8 ? D : D / 2>;  // the K/V ring (cp.async loaders): rows of KV_ROW bytes
+  typedef typename kv_elem<FP8>::type cache_t;
+  static_assert(KW % 16 == 0 && NT % KC == 0 && 16 % STEP == 0 && BN % 16 == 0 && ST >= 2, "bad tile shape");
+  static_assert(!(FP8 && BULK), "the bulk loader does not take an FP8 cache");
   static_assert(NW * 16 * OS * 4 + 16 * D * 4 <= 2 * ST * BN * KV_ROW,
                 "reduction scratch and the merger's own partial must fit in the K/V ring");
   static_assert((2 * NW * 16 + 32) * 4 <= 16 * D * 2, "reduction scalars must fit in the Q tile");
@@ -179,7 +196,8 @@ struct decode_split_cta {
   int tid, lc, lr;
   bool col_ok;
   int col_bytes;
-  const elem_t *k_head, *v_head, *k_h, *v_h, *kn_h, *vn_h, *kn_head, *vn_head;
+  const cache_t *k_head, *v_head, *k_h, *v_h;
+  const elem_t *kn_h, *vn_h, *kn_head, *vn_head;
   fg_u64 policy;
   int* pages;  // [G]: the pages of the 16-row groups of the next block to load (main_loop's array)
   int w_row;   // this warp's first key row within a block
@@ -224,12 +242,12 @@ struct decode_split_cta {
     // rows past the length but within the capacity are valid memory, at most that many wasted 128-byte
     // lines). With a window the splits start where the window does, which the length decides: no warm-up.
     if (!VAR::WIN && p.seqlens != nullptr && p.block_table == nullptr && split == 0) {
-      constexpr int LINES = (2 * D + 127) / 128;  // 128-byte lines per row (a row may start mid-line: d < 64)
+      constexpr int LINES = (D * 16 / KE + 127) / 128;  // 128-byte lines per row (a row may start mid-line)
       const int rows = min(p.seqlen_k, (ST - 1) * BN);
       const fg_i64 row0 = static_cast<fg_i64>(b) * p.k_sb + hk * p.k_sh;
       const fg_i64 vrow0 = static_cast<fg_i64>(b) * p.v_sb + hk * p.v_sh;
       for (int i = threadIdx.x; i < rows * LINES; i += NW * 32) {
-        const int row = i / LINES, c = (i % LINES) * 64;
+        const int row = i / LINES, c = (i % LINES) * (8 * KE);  // elements per 128 bytes
         if (c >= p.d) continue;  // (d < D: never an address past the row, so never past the cache)
         asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p.k + row0 + row * p.k_ss + c));
         asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p.v + vrow0 + row * p.v_ss + c));
@@ -268,15 +286,16 @@ struct decode_split_cta {
     }
     // Element offsets of (batch or page, seq) are added per row group; heads and chunk columns once.
     tid = threadIdx.x;
-    lc = tid % C, lr = tid / C;
-    col_ok = lc * 8 < p.d;
-    col_bytes = col_ok ? 16 : 0;
+    lc = tid % KC, lr = tid / KC;
+    col_ok = lc * KE < p.d;
+    // (FP8: a chunk of 16 columns may hold only 8 of d, a multiple of 8; the copy zero-fills the rest.)
+    col_bytes = FP8 ? max(0, min(16, p.d - lc * KE)) : (col_ok ? 16 : 0);
     k_head = p.k + hk * p.k_sh;
     v_head = p.v + hk * p.v_sh;
-    k_h = k_head + lc * 8;
-    v_h = v_head + lc * 8;
-    kn_h = p.knew + (has_new ? b * p.knew_sb + hk * p.knew_sh + lc * 8 : 0);
-    vn_h = p.vnew + (has_new ? b * p.vnew_sb + hk * p.vnew_sh + lc * 8 : 0);
+    k_h = k_head + lc * KE;
+    v_h = v_head + lc * KE;
+    kn_h = p.knew + (has_new ? b * p.knew_sb + hk * p.knew_sh + lc * KE : 0);
+    vn_h = p.vnew + (has_new ? b * p.vnew_sb + hk * p.vnew_sh + lc * KE : 0);
     // (batch, head) bases of knew/vnew without this thread's column (the bulk loader's appended rows).
     kn_head = p.knew + (has_new ? b * p.knew_sb + hk * p.knew_sh : 0);
     vn_head = p.vnew + (has_new ? b * p.vnew_sb + hk * p.vnew_sh : 0);
@@ -285,9 +304,36 @@ struct decode_split_cta {
 
   FG_DEVICE fg_u32 full_bar(bool V, int stage) const { return sBar + ((V * ST + stage) * NW + warp) * 8; }
 
-  // ---- append: m-block 0 copies the new rows its split covers into the cache ----
+  // An FP8 cache's descale factor of this CTA's (batch, KV head): K's or V's.
+  FG_DEVICE float descale(bool V) const {
+    return V ? __ldg(p.vd + static_cast<fg_i64>(b) * p.vd_sb + hk * p.vd_sh)
+             : __ldg(p.kd + static_cast<fg_i64>(b) * p.kd_sb + hk * p.kd_sh);
+  }
+
+  // The K descale folded into the scores' scale (FP8 without a softcap) or into the softcap's factor
+  // before the tanh (with one: the scale then holds the cap, decode_variant.cuh); else as given.
+  FG_DEVICE static float scores_scale(float scale, float kd) { return FP8 && !VAR::CAP ? scale * kd : scale; }
+  FG_DEVICE static float cap_factor(float cap_in, float kd) { return FP8 && VAR::CAP ? cap_in * kd : cap_in; }
+
+  // FP8: Q's A fragment of k-step kk in the column order of a widened K register (e4m3x4_widen of one
+  // key's columns 4t..4t+3): columns (4t, 4t+2) where the 16-bit layout has (2t, 2t+1), (4t+1, 4t+3) for
+  // (2t+8, 2t+9), of rows g and g + 8 (8 bytes each from the swizzled Q tile; `cols` = Cols(g, t >> 1)).
+  FG_DEVICE void q_frag8(fg_u32 (&a)[4], fg_u32 q_g, const typename TT::Cols& cols, int kk) const {
+    const fg_u32 at = q_g + cols.col(kk) + 8 * (t & 1);
+    fg_u32 x0, x1, y0, y1;
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(x0), "=r"(x1) : "r"(at));
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(y0), "=r"(y1) : "r"(at + 8 * TT::ROW_BYTES));
+    a[0] = byte_perm(x0, x1, 0x5410u);
+    a[1] = byte_perm(y0, y1, 0x5410u);
+    a[2] = byte_perm(x0, x1, 0x7632u);
+    a[3] = byte_perm(y0, y1, 0x7632u);
+  }
+
+  // ---- append: m-block 0 copies the new rows its split covers into the cache (FP8: quantized) ----
   FG_DEVICE void append(const Params& p) {
     if (has_new && mb == 0) {
+      float kd = 1.f, vd = 1.f;
+      if constexpr (FP8) kd = descale(false), vd = descale(true);
       const int a0 = max(n_begin, len_cache), a1 = split_end;
       for (int i = tid; i < (a1 - a0) * C; i += NT) {
         const int key = a0 + i / C, c = i % C;
@@ -302,11 +348,18 @@ struct decode_split_cta {
           vo = b * p.v_sb + static_cast<fg_i64>(key) * p.v_ss;
         }
         const int rn = key - len_cache;
-        const fg_i64 co = c * 8 - lc * 8;  // the *_h pointers carry this thread's own column
-        *reinterpret_cast<fg_u32x4*>(const_cast<elem_t*>(k_h) + co + ko) =
-            *reinterpret_cast<const fg_u32x4*>(kn_h + co + rn * p.knew_ss);
-        *reinterpret_cast<fg_u32x4*>(const_cast<elem_t*>(v_h) + co + vo) =
-            *reinterpret_cast<const fg_u32x4*>(vn_h + co + rn * p.vnew_ss);
+        const fg_i64 co = c * 8 - lc * KE;  // the *_h pointers carry this thread's own column
+        const fg_u32x4* const ksrc = reinterpret_cast<const fg_u32x4*>(kn_h + co + rn * p.knew_ss);
+        const fg_u32x4* const vsrc = reinterpret_cast<const fg_u32x4*>(vn_h + co + rn * p.vnew_ss);
+        cache_t* const kdst = const_cast<cache_t*>(k_h) + co + ko;
+        cache_t* const vdst = const_cast<cache_t*>(v_h) + co + vo;
+        if constexpr (FP8) {
+          *reinterpret_cast<uint2*>(kdst) = e4m3x8_quantize<BF16>(*ksrc, kd);
+          *reinterpret_cast<uint2*>(vdst) = e4m3x8_quantize<BF16>(*vsrc, vd);
+        } else {
+          *reinterpret_cast<fg_u32x4*>(kdst) = *ksrc;
+          *reinterpret_cast<fg_u32x4*>(vdst) = *vsrc;
+        }
       }
     }
   }
@@ -366,17 +419,17 @@ struct decode_split_cta {
   // K or V of the block at key n0 into ring stage `stage` (every call passes a constant V, and the
   // function is inlined, so the branches fold away).
   FG_DEVICE void load_kv(int n0, int stage, bool V) {  // V: false loads K, true loads V
-    const elem_t* const head = V ? v_h : k_h;
+    const cache_t* const head = V ? v_h : k_h;
     const fg_i64 sb = V ? p.v_sb : p.k_sb, ss = V ? p.v_ss : p.k_ss;
-    const fg_u32 dst = (V ? sV : sK) + stage * BN * D * 2;
+    const fg_u32 dst = (V ? sV : sK) + stage * BN * KV_ROW;
     if (n0 + BN <= fast_end && !paged) {
       // Fast path, contiguous cache: the block's rows are one run of BN rows, so one pointer walks them
       // (one 64-bit multiply per block, then an add per copy; the shared-memory offsets are constants).
-      const elem_t* src = head + static_cast<fg_i64>(b) * sb + static_cast<fg_i64>(n0 + lr) * ss;
+      const cache_t* src = head + static_cast<fg_i64>(b) * sb + static_cast<fg_i64>(n0 + lr) * ss;
       const fg_i64 step = STEP * ss;
 #pragma unroll
       for (int r = 0; r < BN; r += STEP) {
-        kv_copy_16<KV_LOAD>(dst + TT::offset(r + lr, lc), src, col_bytes, policy);
+        kv_copy_16<KV_LOAD>(dst + KT::offset(r + lr, lc), src, col_bytes, policy);
         src += step;
       }
     } else if (n0 + BN <= fast_end) {
@@ -384,10 +437,10 @@ struct decode_split_cta {
 #pragma unroll
       for (int e = 0; e < G; ++e) {
         const int key0 = n0 + e * 16;
-        const elem_t* src = head + static_cast<fg_i64>(pages[e]) * sb + ((key0 & page_mask) + lr) * ss;
+        const cache_t* src = head + static_cast<fg_i64>(pages[e]) * sb + ((key0 & page_mask) + lr) * ss;
 #pragma unroll
         for (int i = 0; i < IPG; ++i) {
-          kv_copy_16<KV_LOAD>(dst + TT::offset(e * 16 + lr + i * STEP, lc), src, col_bytes, policy);
+          kv_copy_16<KV_LOAD>(dst + KT::offset(e * 16 + lr + i * STEP, lc), src, col_bytes, policy);
           src += STEP * ss;
         }
       }
@@ -400,9 +453,10 @@ struct decode_split_cta {
         const int row = lr + it * STEP;
         const int key = n0 + row;
         const bool ok = col_ok && key < n_end;
-        const elem_t* src = V ? p.v : p.k;
+        const void* src = V ? p.v : p.k;
         if (ok) {
           if (key >= len_cache) {
+            if constexpr (FP8) continue;  // quantized below
             src = nhead + static_cast<fg_i64>(key - len_cache) * nss;
           } else if (paged) {
             src = head + static_cast<fg_i64>(pages[it * STEP / 16]) * sb + (key & page_mask) * ss;
@@ -410,9 +464,33 @@ struct decode_split_cta {
             src = head + static_cast<fg_i64>(b) * sb + static_cast<fg_i64>(key) * ss;
           }
         }
-        kv_copy_16<KV_LOAD>(dst + TT::offset(row, lc), src, ok ? 16 : 0, policy);
+        kv_copy_16<KV_LOAD>(dst + KT::offset(row, lc), src, ok ? (FP8 ? col_bytes : 16) : 0, policy);
+      }
+      if constexpr (FP8) {
+        // FP8: the appended keys' rows, quantized with the descale as the append stores them into the
+        // cache (a rolled loop: the exact division's code once per copy of this function).
+        if (col_ok && n0 + BN > len_cache) {
+#pragma unroll 1
+          for (int it = 0; it < BN / STEP; ++it) {
+            const int row = lr + it * STEP;
+            const int key = n0 + row;
+            if (key >= len_cache && key < n_end)
+              store_new8(dst + KT::offset(row, lc), nhead + static_cast<fg_i64>(key - len_cache) * nss, V);
+          }
+        }
       }
     }
+  }
+  // FP8, checked path: this thread's chunk (16 columns, col_bytes of them within d) of an appended key's
+  // row of k_new / v_new at `fresh`, quantized with the descale, into the ring at `dst`.
+  FG_DEVICE void store_new8(fg_u32 dst, const elem_t* fresh, bool V) const {
+    const float ds = descale(V);
+    fg_u32x4 upper = {0u, 0u, 0u, 0u};  // columns 8..15 of the chunk, where they are within d
+    if (col_bytes == 16) upper = *reinterpret_cast<const fg_u32x4*>(fresh + 8);
+    const uint2 lo = e4m3x8_quantize<BF16>(*reinterpret_cast<const fg_u32x4*>(fresh), ds);
+    const uint2 hi = e4m3x8_quantize<BF16>(upper, ds);
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(lo.x), "r"(lo.y), "r"(hi.x), "r"(hi.y)
+                 : "memory");
   }
   // Bulk loader: this warp's KW rows of K and of V of the block at key n0 into `stage`. Whole cached
   // rows: one cp.async.bulk each (lane i: copy i, K rows then V rows); other rows (past n_end: zeros;
@@ -532,21 +610,27 @@ struct decode_split_cta {
 #pragma unroll
     for (int h = 0; h < 2; ++h) row_lim[h] = min(n_end, (r0 + g + 8 * h) / p.group + diag + 1);
     const int mask_from = min(n_end, r0 / p.group + diag + 1);  // the tile's smallest limit
+    // FP8: the scores are q . k8 (k = k8 kd), so the K descale joins the softmax's scale (or the softcap's
+    // factor before the tanh); the 16-bit kernel reads both from the parameters as before.
+    const float kd = FP8 ? descale(false) : 1.f;
     VAR var;  // the variant's per-row values (decode_variant.cuh; nothing for plain decode)
-    var.set_rows(p, b, hk, r0, g, diag);
+    var.set_rows(p, b, hk, r0, g, diag, scores_scale(p.scale_log2, kd));
 
     const int q_row = lane & 15;
     const int k_row = ((lane >> 4) << 3) + (lane & 7);
     const typename TT::Cols q_cols(q_row, lane >> 4);
-    const typename TT::Cols k_cols(k_row, (lane >> 3) & 1);
+    const typename KT::Cols k_cols(k_row, (lane >> 3) & 1);
+    const typename KT::Cols v_cols(q_row, lane >> 4);  // (FP8; the 16-bit ring's V lanes are Q's, q_cols)
+    const typename TT::Cols g_cols(g, t >> 1);         // (FP8: Q's fragments by rows g, g + 8: q_frag8)
     const fg_u32 q_base = sQ + q_row * TT::ROW_BYTES;
+    const fg_u32 q_g = sQ + g * TT::ROW_BYTES;
     // Lane offsets into a warp's K / V slice of a stage for ldmatrix: swizzled rows (TT) for cp.async,
     // padded plain rows for the bulk loader (logical chunk c at byte 16 c).
     const fg_u32 k_lane = k_row * KV_ROW + (BULK ? 16 * ((lane >> 3) & 1) : 0);
     const fg_u32 v_lane = q_row * KV_ROW + (BULK ? 16 * (lane >> 4) : 0);
     auto k_addr = [&](fg_u32 base, int nj2, int kk) -> fg_u32 {
       if constexpr (BULK) return base + k_lane + nj2 * 16 * KV_ROW + kk * 32;
-      return base + (nj2 * 16 + k_row) * TT::ROW_BYTES + k_cols.col(kk);
+      return base + (nj2 * 16 + k_row) * KT::ROW_BYTES + k_cols.col(kk);  // (FP8: kk a pair of k-steps)
     };
     auto v_addr = [&](fg_u32 base, int kk, int dj2) -> fg_u32 {
       if constexpr (BULK) return base + v_lane + kk * 16 * KV_ROW + dj2 * 32;
@@ -567,7 +651,13 @@ struct decode_split_cta {
           __syncthreads();
         }
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(qf[kk], q_base + q_cols.col(kk));
+        for (int kk = 0; kk < D / 16; ++kk) {
+          if constexpr (FP8) {
+            q_frag8(qf[kk], q_g, g_cols, kk);
+          } else {
+            ldmatrix_x4(qf[kk], q_base + q_cols.col(kk));
+          }
+        }
       }
     }
 
@@ -594,17 +684,42 @@ struct decode_split_cta {
       for (int nj = 0; nj < NJ; ++nj)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_s[nj][e] = 0.f;
+      if constexpr (FP8) {
+        // Per pair of k-steps (32 columns, two 16-byte chunks) and 16 keys one ldmatrix.x4: register m
+        // holds key 8 (m >> 1) + g's columns 4t..4t+3 of k-step 2 kp + (m & 1), widened to its B fragment.
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        fg_u32 a_ld[4];
-        if constexpr (!QREG) ldmatrix_x4(a_ld, q_base + q_cols.col(kk));
-        const fg_u32(&a)[4] = QREG ? qf[kk] : a_ld;
+        for (int kp = 0; kp < D / 32; ++kp) {
+          fg_u32 a_ld[2][4];
+          if constexpr (!QREG) {
+            q_frag8(a_ld[0], q_g, g_cols, 2 * kp);
+            q_frag8(a_ld[1], q_g, g_cols, 2 * kp + 1);
+          }
 #pragma unroll
-        for (int nj2 = 0; nj2 < NJ / 2; ++nj2) {
-          fg_u32 bfrag[4];
-          ldmatrix_x4(bfrag, k_addr(sKj, nj2, kk));
-          mma_16816<BF16>(acc_s[2 * nj2], a, bfrag[0], bfrag[1]);
-          mma_16816<BF16>(acc_s[2 * nj2 + 1], a, bfrag[2], bfrag[3]);
+          for (int nj2 = 0; nj2 < NJ / 2; ++nj2) {
+            fg_u32 kfrag[4];
+            ldmatrix_x4(kfrag, k_addr(sKj, nj2, kp));
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+              fg_u32 b0, b1;
+              e4m3x4_widen<BF16>(kfrag[m], b0, b1);
+              const fg_u32(&a)[4] = QREG ? qf[2 * kp + (m & 1)] : a_ld[m & 1];
+              mma_16816<BF16>(acc_s[2 * nj2 + (m >> 1)], a, b0, b1);
+            }
+          }
+        }
+      } else {
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+          fg_u32 a_ld[4];
+          if constexpr (!QREG) ldmatrix_x4(a_ld, q_base + q_cols.col(kk));
+          const fg_u32(&a)[4] = QREG ? qf[kk] : a_ld;
+#pragma unroll
+          for (int nj2 = 0; nj2 < NJ / 2; ++nj2) {
+            fg_u32 bfrag[4];
+            ldmatrix_x4(bfrag, k_addr(sKj, nj2, kk));
+            mma_16816<BF16>(acc_s[2 * nj2], a, bfrag[0], bfrag[1]);
+            mma_16816<BF16>(acc_s[2 * nj2 + 1], a, bfrag[2], bfrag[3]);
+          }
         }
       }
 
@@ -612,7 +727,7 @@ struct decode_split_cta {
       const int n0 = n_begin + j * BN;
       if constexpr (VAR::TRANSFORMS) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) var.transform(acc_s, h, n0 + w_row + 2 * t, p.cap_in);
+        for (int h = 0; h < 2; ++h) var.transform(acc_s, h, n0 + w_row + 2 * t, cap_factor(p.cap_in, kd));
       }
 
       // ---- mask: the split end, the sequence end, the causal diagonal (and the window's start) ----
@@ -625,7 +740,7 @@ struct decode_split_cta {
 
       // ---- online softmax (per warp) ----
 #pragma unroll
-      for (int h = 0; h < 2; ++h) softmax_step(acc_s, acc_o, h, row_max[h], row_sum[h], p.scale_log2);
+      for (int h = 0; h < 2; ++h) softmax_step(acc_s, acc_o, h, row_max[h], row_sum[h], scores_scale(p.scale_log2, kd));
 
       if constexpr (BULK) {
         mbar_wait(full_bar(true, stage), (j / ST) & 1);
@@ -640,12 +755,31 @@ struct decode_split_cta {
       for (int kk = 0; kk < KW / 16; ++kk) {
         fg_u32 a[4];
         p_frag<BF16>(a, acc_s, kk);
+        if constexpr (FP8) {
+          // Per two 16-byte chunks (32 columns) one transposing ldmatrix.x4: registers 2c and 2c + 1 hold
+          // keys 2t, 2t + 1 and 8 + 2t, 9 + 2t of columns 2g, 2g + 1 of chunk 2 dq + c, widened into the B
+          // fragments of its even-column and odd-column n8 tiles (acc_o[2 chunk], acc_o[2 chunk + 1]).
 #pragma unroll
-        for (int dj2 = 0; dj2 < DJ / 2; ++dj2) {
-          fg_u32 bfrag[4];
-          ldmatrix_x4_trans(bfrag, v_addr(sVj, kk, dj2));
-          mma_16816<BF16>(acc_o[2 * dj2], a, bfrag[0], bfrag[1]);
-          mma_16816<BF16>(acc_o[2 * dj2 + 1], a, bfrag[2], bfrag[3]);
+          for (int dq = 0; dq < D / 32; ++dq) {
+            fg_u32 vfrag[4];
+            ldmatrix_x4_trans(vfrag, sVj + (kk * 16 + q_row) * KT::ROW_BYTES + v_cols.col(dq));
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              fg_u32 e0, o0, e1, o1;
+              e4m3x4_widen<BF16>(vfrag[2 * c], e0, o0);
+              e4m3x4_widen<BF16>(vfrag[2 * c + 1], e1, o1);
+              mma_16816<BF16>(acc_o[4 * dq + 2 * c], a, e0, e1);
+              mma_16816<BF16>(acc_o[4 * dq + 2 * c + 1], a, o0, o1);
+            }
+          }
+        } else {
+#pragma unroll
+          for (int dj2 = 0; dj2 < DJ / 2; ++dj2) {
+            fg_u32 bfrag[4];
+            ldmatrix_x4_trans(bfrag, v_addr(sVj, kk, dj2));
+            mma_16816<BF16>(acc_o[2 * dj2], a, bfrag[0], bfrag[1]);
+            mma_16816<BF16>(acc_o[2 * dj2 + 1], a, bfrag[2], bfrag[3]);
+          }
         }
       }
     }
@@ -689,6 +823,11 @@ struct decode_split_cta {
         for (int h = 0; h < 2; ++h) sink_row[h] = p.sinks[VAR::head_of(p, hk, r0 + g + 8 * h)];
       }
     }
+    // FP8: the scores' scales take the K descale (as in main_loop), and the V descale scales this CTA's O.
+    float kd = 1.f, vd = 1.f;
+    if constexpr (FP8) kd = descale(false), vd = descale(true);
+    const auto scale = [&] { return scores_scale(p.scale, kd); };
+    const auto scale_log2 = [&] { return scores_scale(p.scale_log2, kd); };
     cp_async_wait<0>();
     __syncthreads();  // every warp is done with the ring (and the Q copies have landed)
     FG_PROBE(3);
@@ -717,21 +856,35 @@ struct decode_split_cta {
 #pragma unroll
       for (int w = 0; w < NW; ++w) {
         const float mw = red[w * 16 + row];
-        if (mw != -INFINITY) l_all += red[NW * 16 + w * 16 + row] * fast_exp2((mw - m_all) * p.scale_log2);
+        if (mw != -INFINITY) l_all += red[NW * 16 + w * 16 + row] * fast_exp2((mw - m_all) * scale_log2());
       }
-      const float own = row_max[h] == -INFINITY ? 0.f : fast_exp2((row_max[h] - m_all) * p.scale_log2);
+      const float own = row_max[h] == -INFINITY ? 0.f : fast_exp2((row_max[h] - m_all) * scale_log2());
       float f = l_all > 0.f ? own / l_all : 0.f;
       float sink_lse = 0.f;
       if constexpr (VAR::SINK) {  // one split covers the row: its sink joins here (else in the merge)
-        if (direct) VAR::finish_sink(m_all, l_all, p.scale, sink_row[h], own, f, sink_lse);
+        if (direct) VAR::finish_sink(m_all, l_all, scale(), sink_row[h], own, f, sink_lse);
       }
-      float* dst = s_o + (warp * 16 + row) * OS + 2 * t;
+      if constexpr (FP8) {
+        // acc_o[2c] and acc_o[2c + 1] hold chunk c's even and odd columns (main_loop): this thread's
+        // 16c + 4t .. + 3 are (even[2h], odd[2h], even[2h + 1], odd[2h + 1]).
+        f *= vd;
+        float* dst = s_o + (warp * 16 + row) * OS + 4 * t;
 #pragma unroll
-      for (int dj = 0; dj < DJ; ++dj) {
-        dst[dj * 8] = acc_o[dj][2 * h] * f;
-        dst[dj * 8 + 1] = acc_o[dj][2 * h + 1] * f;
+        for (int c = 0; c < D / 16; ++c) {
+          const float(&even)[4] = acc_o[2 * c];
+          const float(&odd)[4] = acc_o[2 * c + 1];
+          *reinterpret_cast<float4*>(dst + 16 * c) =
+              make_float4(even[2 * h] * f, odd[2 * h] * f, even[2 * h + 1] * f, odd[2 * h + 1] * f);
+        }
+      } else {
+        float* dst = s_o + (warp * 16 + row) * OS + 2 * t;
+#pragma unroll
+        for (int dj = 0; dj < DJ; ++dj) {
+          dst[dj * 8] = acc_o[dj][2 * h] * f;
+          dst[dj * 8 + 1] = acc_o[dj][2 * h + 1] * f;
+        }
       }
-      if (warp == 0 && t == 0) red[2 * NW * 16 + row] = VAR::SINK && direct ? sink_lse : row_lse(m_all, l_all, p.scale);
+      if (warp == 0 && t == 0) red[2 * NW * 16 + row] = VAR::SINK && direct ? sink_lse : row_lse(m_all, l_all, scale());
     }
     // red[2 * NW * 16 + 16]: this CTA merges (it drew the last ticket of its group). Then thread 0 of the
     // merger waits for the other splits' partials here, so the round trip overlaps the warp merge.
@@ -820,10 +973,10 @@ struct decode_split_cta {
 };
 
 // The kernel: the stages of decode_split_cta in order.
-template <int D, int BN, int NW, int ST, bool BF16, int KV_LOAD, typename VAR, typename Params>
+template <int D, int BN, int NW, int ST, bool FP8, bool BF16, int KV_LOAD, typename VAR, typename Params>
 FG_DEVICE void decode_split_body(const Params& p) {
   int wb, win_lo, win_hi;  // the block-table window (decode_split_cta::step_window)
-  decode_split_cta<D, BN, NW, ST, BF16, KV_LOAD, VAR, Params> cta(p, wb, win_lo, win_hi);
+  decode_split_cta<D, BN, NW, ST, FP8, BF16, KV_LOAD, VAR, Params> cta(p, wb, win_lo, win_hi);
   cta.append(p);
   cta.load_q(p);
   cta.main_loop(p);  // (and the epilogue)

@@ -14,7 +14,8 @@
 //            c log2 e as scale_log2 (Variant.values), so that c t is the capped score with no multiply per
 //            score (as in the prefill kernels).
 //   ALIBI    -slope |o| joins the score, in the score's units: slope / (scale_log2 ln 2) (the softmax's
-//            scale, or c with a softcap), after the softcap.
+//            scale, or c with a softcap), after the softcap. (An FP8 cache's K descale is part of the
+//            scale there, or of cap_in: the kernel's scores are q . k8, decode_split.cuh.)
 //   SINKS    exp(sink) joins the row's softmax denominator once: in the epilogue when one split does the
 //            whole row, else in the merge of the splits (merge_splits); a split's partial LSE has none.
 // Plain decode (every switch off) compiles to the code it had before the variants existed: every
@@ -40,16 +41,17 @@ struct decode_variant {
   }
 
   // This thread's rows: r0 + g + 8 h (padded rows past p.rows get values too; their results are never
-  // stored, and their head index stays within the KV head's group).
+  // stored, and their head index stays within the KV head's group). `scale_log2`: the softmax's factor
+  // on the kernel's scores (p.scale_log2, times the K descale for an FP8 cache).
   template <typename Params>
-  FG_DEVICE void set_rows(const Params& p, int b, int hk, int r0, int g, int diag) {
+  FG_DEVICE void set_rows(const Params& p, int b, int hk, int r0, int g, int diag, float scale_log2) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = r0 + g + 8 * h;
       if constexpr (ALIBI) {
         dg[h] = static_cast<float>(r / p.group + diag);
         slope[h] = p.alibi[static_cast<fg_i64>(b) * p.alibi_sb + head_of(p, hk, r)] /
-                   (p.scale_log2 * 0.6931471805599453f);
+                   (scale_log2 * 0.6931471805599453f);
       }
     }
   }
