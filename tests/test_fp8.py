@@ -82,7 +82,7 @@ def test_spec_token_and_rules():
     assert spec.replace(fp8=False).with_tokens("fp8") == spec
     # the bytes: Q, K ring, V^T ring, two raw V blocks, one byte an element
     assert spec.smem_bytes() == 128 * (128 + 2 * 3 * 128 + 2 * 128) + 1024
-    for bad in ("ws_ps", "", "ws_n96", "ws_vl"):
+    for bad in ("ws_ps", "", "ws_n96", "ws_vl", "ws_ls", "ws_m192"):
         with pytest.raises(ValueError, match="fp8"):
             fwd_sm90.variant(128, False, bad, fp8=True)
     with pytest.raises(ValueError, match="fp8"):
@@ -177,3 +177,69 @@ def test_fp8_refuses_gradients():
     k8 = torch.empty(1, 1, 16, 64, device="meta", dtype=FP8)
     with pytest.raises(UnsupportedError, match="forward-only"):
         flashgen.attention(q, k8, k8, q_descale=_ds(1), k_descale=_ds(1), v_descale=_ds(1))
+
+
+# ---- the forward's V transpose (fwd_sm90.cuh transpose_v), emulated lane by lane ----
+
+def _swz(rb: int, r: int, c: int) -> int:
+    """fwd_sm90_cta::swz: byte c of row r in a swizzled panel of rb-byte rows (the TMA's 128/64-byte swizzle)."""
+    return r * rb + ((((c >> 4) ^ ((r * rb >> 7) & (rb // 16 - 1))) << 4) | (c & 15))
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    src = a.to_bytes(4, "little") + b.to_bytes(4, "little")
+    return int.from_bytes(bytes(src[(sel >> (4 * i)) & 7] for i in range(4)), "little")
+
+
+def _sigma(pos: int) -> int:
+    """The key V^T's position ``pos`` holds: inside every 16, position 4t + i holds key [2t, 2t+1, 2t+8, 2t+9][i]
+    (the order the consumers' P registers, packed from S's accumulators, are wgmma's A fragment in)."""
+    t, i = (pos % 16) // 4, pos % 4
+    return 16 * (pos // 16) + (2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9)[i]
+
+
+@pytest.mark.parametrize("d,bn", [(64, 128), (64, 64), (128, 128), (128, 64), (256, 64), (256, 128)])
+def test_v_transpose_lane_by_lane(d, bn):
+    """The 96 transposing threads' loads, byte permutes and stores, step by step as the template issues them,
+    turn a raw V block (key rows in the TMA's swizzle) into V^T with sigma's key order, every byte written
+    once; the loads and stores stay 16- and 4-byte aligned."""
+    import random
+
+    rowb, vt_rowb = min(128, d), min(128, bn)
+    raw = bytearray(bn * d)
+    v = [[random.randrange(256) for _ in range(d)] for _ in range(bn)]
+    for r in range(bn):
+        for c in range(d):
+            raw[(c // rowb) * bn * rowb + _swz(rowb, r, c % rowb)] = v[r][c]
+    vt, written = bytearray(bn * d), [0] * (bn * d)
+    kg, per = bn // 16, 8 // (bn // 16)
+    steps = (d // 16) // per
+    for x in range(96):
+        w, lane = x // 32, x % 32
+        tq, kq, sub = lane % 4, (lane // 4) % kg, lane // (4 * kg)
+        pos = kq * 16 + 4 * tq
+        dst = (pos // vt_rowb) * d * vt_rowb
+        for st in range(w, steps, 3):
+            c = (st * per + sub) * 16
+            panel = (c // rowb) * bn * rowb
+            words = []
+            for i in range(4):
+                r = kq * 16 + 2 * tq + (i & 1) + 8 * (i >> 1)
+                a = panel + _swz(rowb, r, c % rowb)
+                assert a % 16 == 0
+                words.append([int.from_bytes(raw[a + 4 * k:a + 4 * k + 4], "little") for k in range(4)])
+            for q in range(4):
+                a, b, cc, dd = (words[i][q] for i in range(4))
+                t0, t1 = _prmt(a, b, 0x5140), _prmt(a, b, 0x7362)
+                t2, t3 = _prmt(cc, dd, 0x5140), _prmt(cc, dd, 0x7362)
+                out = (_prmt(t0, t2, 0x5410), _prmt(t0, t2, 0x7632), _prmt(t1, t3, 0x5410), _prmt(t1, t3, 0x7632))
+                for e in range(4):
+                    at = dst + _swz(vt_rowb, c + 4 * q + e, pos % vt_rowb)
+                    assert at % 4 == 0
+                    vt[at:at + 4] = out[e].to_bytes(4, "little")
+                    for k in range(4):
+                        written[at + k] += 1
+    assert written == [1] * (bn * d)
+    for n in range(d):
+        for p in range(bn):
+            assert vt[(p // vt_rowb) * d * vt_rowb + _swz(vt_rowb, n, p % vt_rowb)] == v[_sigma(p)][n], (n, p)

@@ -194,12 +194,17 @@ class Sm90Family(Family):
                              "(warp_specialized) of a one-tile-per-CTA kernel (not persistent)")
         check_mod(self, spec)
         if spec.fp8:
+            # (lean_softmax: P relative to a max up to 2^8 stale, rounded to e4m3, missed the 2x rule by up to
+            # 30 % on an H100; block_m 192: three consumer warpgroups leave the transposing warps too few
+            # registers.)
             refused = [f for f, on in (("persistent", spec.persistent), ("page_rows", spec.page_rows),
                                        ("kv_gather", spec.kv_gather), ("varlen", spec.varlen), ("mod", spec.mod),
+                                       ("lean_softmax", spec.lean_softmax), ("block_m 192", spec.block_m == 192),
                                        ("warp_specialized off", not spec.warp_specialized)) if on]
             if refused or spec.block_n not in FP8_BLOCK_NS:
                 raise ValueError(f"{self.kind}: fp8 runs one tile per CTA with the producer warpgroup (its warps "
-                                 f"transpose V), contiguous K/V and no mods, block_n in {FP8_BLOCK_NS}; got "
+                                 f"transpose V), contiguous K/V, no mods and no lean softmax, block_m 64 or 128, "
+                                 f"block_n in {FP8_BLOCK_NS}; got "
                                  f"{', '.join(refused) or f'block_n={spec.block_n}'}")
         if spec.page_rows and spec.persistent and spec.block_m >= 192:
             raise ValueError(f"{self.kind}: page_rows with persistent at block_m {spec.block_m}: three consumer "
@@ -253,7 +258,9 @@ class Sm90Family(Family):
         160 each); 128 x 40 + 256 x 232 = 64512 and 128 x 32 + 384 x 160 = 65536 registers."""
         if not spec.warp_specialized:
             return (0, 0)
-        if spec.persistent or spec.fp8:  # (fp8: warps 1-3 of the producer transpose V)
+        if spec.fp8:  # warps 1-3 of the producer transpose V: 64 registers hold a step's 16 words and addresses
+            return {2: (64, 216)}.get(self.consumers(spec), (0, 0))
+        if spec.persistent:
             return {2: (40, 232), 3: (32, 160)}.get(self.consumers(spec), (0, 0))
         return {2: (24, 240), 3: (24, 160)}.get(self.consumers(spec), (0, 0))
 

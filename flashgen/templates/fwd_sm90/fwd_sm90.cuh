@@ -466,42 +466,57 @@ struct fwd_sm90_cta {
   static FG_DEVICE fg_u32 swz(int r, int c) {
     return static_cast<fg_u32>(r * RB + ((((c >> 4) ^ ((r * RB >> 7) & (RB / 16 - 1))) << 4) | (c & 15)));
   }
-  // Transposing thread x (0-95): every V block of the tile. A warp's step is 16 keys x 32 bytes of d: lane
-  // (dq = lane / 4, tq = lane % 4) reads keys 2tq, 2tq + 1, 2tq + 8, 2tq + 9 of the 16 (sigma's
-  // positions 4tq .. 4tq + 3) at d bytes 4dq .. 4dq + 3 (each read a whole row for the warp: no bank
-  // conflict), and writes d rows 4dq + e, keys 4tq .. 4tq + 3, one 4-byte word each: the e order turns
-  // with dq so that the warp's 8 rows of a store have 8 different swizzle phases (no conflict).
+  // Transposing thread x (0-95): every V block of the tile. A warp step is 16 bytes of d (one swizzle
+  // chunk) by all BN keys, or by BN = 64 two chunks: lane (kq, tq) of a chunk reads 16 bytes of d from
+  // each of keys 2tq, 2tq + 1, 2tq + 8, 2tq + 9 of key group kq (sigma's positions 4tq .. 4tq + 3; one
+  // 16-byte load a key), turns each 4-byte column of those four words into one word of 4 keys (a 4 x 4
+  // byte transpose, eight byte permutes), and writes it to d row c + x at its group's positions 4tq ..
+  // 4tq + 3. A store's lanes all write one row (two, BN = 64), each group's 16 bytes at another swizzle
+  // chunk: no bank conflict; a load's 32 rows share 4 swizzle phases (2 wavefronts more than the 4 a
+  // 512-byte load needs). One step moves 2 KB with 4 loads, 16 stores and 32 permutes (a 4-byte-a-lane
+  // version spent ~100 instructions on 512 bytes, most of them addresses, and held the FP8 forward at
+  // 0.7x the bf16 one on an H100 whatever the pipeline).
   FG_DEVICE void transpose_v(int x) {
-    enum : int { UNITS = (BN / 16) * (D / 32) };
-    const int w = x / 32, lane = x % 32, dq = lane / 4, tq = lane % 4, turn = (dq >> 1) & 3;
+    enum : int {
+      KG = BN / 16,                    // key groups of 16
+      PER = 8 / KG,                    // d chunks a warp step covers (1 at BN = 128, 2 at BN = 64)
+      STEPS = (D / 16) / PER,          // warp steps per block
+    };
+    const int w = x / 32, lane = x % 32, tq = lane % 4, kq = (lane / 4) % KG, sub = lane / (4 * KG);
+    const int pos = kq * 16 + 4 * tq;  // sigma position of this lane's first key in V^T's rows
     for (int j = 0; j < n_blocks; ++j) {
       const int rb = j % VR, s = j % ST;
       mbar_wait(bar_vr(rb), (j / VR) & 1);
       if (j >= ST) mbar_wait(bar_ev(s), ((j / ST) + 1) & 1);
-      const fg_u32 src = sVr + rb * KV_BYTES, dst = sV + s * KV_BYTES;
+      const fg_u32 src = sVr + rb * KV_BYTES, dst = sV + s * KV_BYTES + (pos / VT_ROWB) * D * VT_ROWB;
 #pragma unroll 1
-      for (int u = w; u < UNITS; u += TRANSPOSERS / 32) {
-        const int kg = u % (BN / 16), dseg = u / (BN / 16);
-        const int c = dseg * 32 + 4 * dq;  // d byte of this lane's first column
-        const int k0 = kg * 16 + 2 * tq;
-        fg_u32 in[4];
+      for (int st = w; st < STEPS; st += TRANSPOSERS / 32) {
+        const int c = (st * PER + sub) * 16;  // this lane's d bytes c .. c + 15
+        const fg_u32 panel = src + (c / ROWB) * BN * ROWB;
+        fg_u32x4 in[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const int r = k0 + (i & 1) + 8 * (i >> 1);
-          const fg_u32 a = src + (c / ROWB) * BN * ROWB + swz<ROWB>(r, c % ROWB);
-          asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(in[i]) : "r"(a) : "memory");
+          const int r = kq * 16 + 2 * tq + (i & 1) + 8 * (i >> 1);
+          asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+                       : "=r"(in[i].x), "=r"(in[i].y), "=r"(in[i].z), "=r"(in[i].w)
+                       : "r"(panel + swz<ROWB>(r, c % ROWB)) : "memory");
         }
-        const int pos = kg * 16 + 4 * tq;  // sigma position of key k0
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int e = (i + turn) & 3;
-          const fg_u32 sel = static_cast<fg_u32>(e | ((e + 4) << 4));
-          fg_u32 lo, hi, word;
-          asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(lo) : "r"(in[0]), "r"(in[1]), "r"(sel));
-          asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(hi) : "r"(in[2]), "r"(in[3]), "r"(sel));
-          asm("prmt.b32 %0, %1, %2, 0x5410;\n" : "=r"(word) : "r"(lo), "r"(hi));
-          const fg_u32 a = dst + (pos / VT_ROWB) * D * VT_ROWB + swz<VT_ROWB>(c + e, pos % VT_ROWB);
-          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a), "r"(word) : "memory");
+        for (int q = 0; q < 4; ++q) {  // d bytes c + 4q .. c + 4q + 3
+          const fg_u32 a = word_of(in[0], q), b = word_of(in[1], q), cc = word_of(in[2], q), d = word_of(in[3], q);
+          fg_u32 t0, t1, t2, t3, out[4];
+          asm("prmt.b32 %0, %1, %2, 0x5140;\n" : "=r"(t0) : "r"(a), "r"(b));
+          asm("prmt.b32 %0, %1, %2, 0x7362;\n" : "=r"(t1) : "r"(a), "r"(b));
+          asm("prmt.b32 %0, %1, %2, 0x5140;\n" : "=r"(t2) : "r"(cc), "r"(d));
+          asm("prmt.b32 %0, %1, %2, 0x7362;\n" : "=r"(t3) : "r"(cc), "r"(d));
+          asm("prmt.b32 %0, %1, %2, 0x5410;\n" : "=r"(out[0]) : "r"(t0), "r"(t2));
+          asm("prmt.b32 %0, %1, %2, 0x7632;\n" : "=r"(out[1]) : "r"(t0), "r"(t2));
+          asm("prmt.b32 %0, %1, %2, 0x5410;\n" : "=r"(out[2]) : "r"(t1), "r"(t3));
+          asm("prmt.b32 %0, %1, %2, 0x7632;\n" : "=r"(out[3]) : "r"(t1), "r"(t3));
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            asm volatile("st.shared.b32 [%0], %1;\n"
+                         ::"r"(dst + swz<VT_ROWB>(c + 4 * q + e, pos % VT_ROWB)), "r"(out[e]) : "memory");
         }
       }
       fence_proxy_async_smem();  // the generic writes before the consumers' wgmma reads them
@@ -509,6 +524,7 @@ struct fwd_sm90_cta {
       mbar_arrive(bar_vre(rb));
     }
   }
+  static FG_DEVICE fg_u32 word_of(const fg_u32x4& v, int q) { return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w; }
 
   // PERSISTENT's producer: every tile of this CTA. `it` is the ring position of K/V block j of the tile
   // (counted on across tiles: stage it % ST, use it / ST), `qi` the tile's number in this CTA; use u of
