@@ -27,4 +27,5 @@ from .blockmask import BlockMask, create_block_mask
 from .dropin import sdpa
 from .fp8 import quantize_fp8
 
-__all__ = ["attention", "attention_backward", "attention_varlen", "decode", "sdpa", "create_block_mask", "BlockMask", "quantize_fp8"]
+__all__ = ["attention", "attention_backward", "attention_varlen", "decode", "sdpa", "create_block_mask", "BlockMask",
+           "quantize_fp8"]

@@ -14,7 +14,7 @@ from ..errors import UnsupportedError
 from ..families.decode import PAGE_SIZES  # keys per page of a paged K/V cache (flashgen.decode's too)
 from ..spec import KernelSpec
 from ..variants import Variant
-from .fp8 import check_descale
+from .fp8 import descale_shapes
 
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 LAYOUTS = ("bhsd", "bshd")
@@ -277,14 +277,29 @@ def check_packed_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     return (seqs, hq, hk, total_q, total_k, d), strides, scale
 
 
+def check_tensor_of(name: str, t, dtype, device, where: str = "q's device", what: str = "") -> None:
+    """TypeError unless ``t`` is a torch.Tensor (``what``: how the message names it) of ``dtype``, ValueError
+    unless it is on ``device`` (``where``: how the message names that)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor{what}, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {str(dtype).replace('torch.', '')}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {where} ({device}), got {t.device}")
+
+
 def check_int32_tensor(name: str, t, device) -> None:
     """TypeError unless ``t`` is an int32 tensor, ValueError unless it is on ``device``."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on q's device ({device}), got {t.device}")
+    check_tensor_of(name, t, torch.int32, device)
+
+
+def check_descale(name: str, t, device, batch: int, heads: tuple) -> None:
+    """``t`` is a descale factor tensor (api.fp8): fp32, on ``device``, of a ``descale_shapes`` shape. The
+    values (finite, positive) are ``check_descale_values``'s: reading them syncs the device."""
+    check_tensor_of(name, t, torch.float32, device, "the inputs' device", " (fp32 descale factors)")
+    shapes = descale_shapes(batch, heads)
+    if tuple(t.shape) not in shapes:
+        raise ValueError(f"{name} must have shape {' or '.join(str(s) for s in shapes)}, got {tuple(t.shape)}")
 
 
 def check_block_table_layout(block_table, rows: int, label: str, device) -> None:

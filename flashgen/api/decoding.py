@@ -26,11 +26,12 @@ from ..errors import UnsupportedError
 from ..families import decode as dk
 from ..problem import ProblemKey, bucket_of, smallest_tile
 from ..variants import PLAIN, window_of
-from .checks import (DTYPES, check_block_table_layout, check_flag, check_forced_spec, check_heads_and_dim,
-                     check_variant_inputs, checked_scale, extent_bytes, on_meta, overlap, variant_tensors)
+from .checks import (DTYPES, check_block_table_layout, check_descale, check_flag, check_forced_spec,
+                     check_heads_and_dim, check_variant_inputs, checked_scale, extent_bytes, on_meta, overlap,
+                     variant_tensors)
 from .device import Device, current_device, current_stream, index_of
 from .device import is_capturing as _capturing
-from .fp8 import FP8, check_descale, check_descale_values, descale_strides
+from .fp8 import FP8, check_descale_values, descale_strides
 from .plans import PlanCache
 
 _plans = PlanCache("decode")
@@ -394,7 +395,7 @@ def _check_dtypes(q, k_cache, v_cache, k_new, v_new) -> bool:
 
 def _check_descales(fp8: bool, k_descale, v_descale, device, batch: int, heads_kv: int) -> None:
     """With an FP8 cache both descales, fp32 on ``device``, of shape (), (1,) or (batch, heads_kv)
-    (``api.fp8.check_descale``; their values are ``check_descale_values``'s); none without one."""
+    (``api.checks.check_descale``; their values are ``check_descale_values``'s); none without one."""
     named = (("k_descale", k_descale), ("v_descale", v_descale))
     if not fp8:
         given = [n for n, t in named if t is not None]

@@ -64,20 +64,6 @@ def descale_shapes(batch: int, heads: tuple) -> tuple:
     return ((), (1,), *((batch, h) for h in dict.fromkeys(heads)))
 
 
-def check_descale(name: str, t, device, batch: int, heads: tuple) -> None:
-    """``t`` is a descale factor tensor: a torch.Tensor, fp32, on ``device``, of a ``descale_shapes`` shape.
-    The values (finite, positive) are ``check_descale_values``'s: reading them syncs the device."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor (fp32 descale factors), got {type(t).__name__}")
-    if t.dtype != torch.float32:
-        raise TypeError(f"{name} must be float32, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on the inputs' device ({device}), got {t.device}")
-    shapes = descale_shapes(batch, heads)
-    if tuple(t.shape) not in shapes:
-        raise ValueError(f"{name} must have shape {' or '.join(str(s) for s in shapes)}, got {tuple(t.shape)}")
-
-
 def check_descale_values(named) -> None:
     """Every (name, tensor) of ``named`` holds finite, positive values (one device sync for all)."""
     tensors = [t for _, t in named]

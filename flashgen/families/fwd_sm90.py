@@ -25,9 +25,9 @@ from ..errors import UnsupportedError
 from ..problem import ProblemKey, smallest_tile
 from ..spec import KernelSpec
 from ..variants import PLAIN
-from .base import (F32, FP8_PARAMS, FWD_O32_PARAMS, I32, MOD_PARAMS, PTR, TMAP, VARIANT_PARAMS, VARLEN_PARAMS,
-                   Family, aligned_struct, check_mod, forward_values, hopper_checks, mod_context, strides, stride_values,
-                   variant_context, varlen_pairs)
+from .base import (F32, FP8_PARAMS, FWD_O32_PARAMS, I32, MOD_PARAMS, PTR, TMAP, VARIANT_PARAMS,
+                   VARLEN_PARAMS, Family, aligned_struct, check_mod, forward_values, hopper_checks, mod_context,
+                   strides, stride_values, variant_context, varlen_pairs)
 
 # The parameter block: the three tensor maps first (each at a 64-byte-aligned offset, as the C
 # struct's alignas(64) wants), then what the epilogue and the masks need.

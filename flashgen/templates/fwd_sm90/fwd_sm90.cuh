@@ -928,6 +928,21 @@ struct fwd_sm90_cta {
     return (static_cast<fg_i64>(b) * p.heads + hq) * p.nq;
   }
 
+  // The end of row half h: its sum l (quad-summed), 1 / l (with a sink: the sink in the denominator) and,
+  // with a sink, the LSE.
+  FG_DEVICE void row_end(const float (&row_max)[2], const float (&row_sum)[2], int h, float& l, float& inv,
+                         float& lse_sink) const {
+    l = quad_sum(row_sum[h]);
+    if constexpr (V::HAS_SINK) var.finish(row_max[h], l, lse_scale(), inv, lse_sink);
+    else inv = row_inv(l);
+  }
+  // One row's LSE (written out, not softmax.cuh's row_lse: row_max is memory here, and row_lse's arguments
+  // would be loaded before the test of l, which changes the code).
+  FG_DEVICE void store_lse(const Params& p, fg_i64 at, float m, float l, float lse_sink) const {
+    if constexpr (V::HAS_SINK) p.lse[at] = lse_sink;
+    else p.lse[at] = l > 0.f ? m * lse_scale() + logf(l) : -INFINITY;
+  }
+
   // ---- epilogue: normalise, stage O in this warpgroup's own Q rows, store ---
   FG_DEVICE void epilogue(const Params& p, const float (&acc_o)[D / 2], const float (&row_max)[2],
                           const float (&row_sum)[2]) const {
@@ -944,10 +959,8 @@ struct fwd_sm90_cta {
     const fg_i64 lse_base = row_index();
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float l = quad_sum(row_sum[h]);
-      float inv, lse_sink;
-      if constexpr (V::HAS_SINK) var.finish(row_max[h], l, lse_scale(), inv, lse_sink);
-      else inv = row_inv(l);
+      float l, inv, lse_sink;
+      row_end(row_max, row_sum, h, l, inv, lse_sink);
       const int r = wq * 16 + g + 8 * h;  // row within this warpgroup's piece
 #pragma unroll
       for (int i = 0; i < D / 8; ++i) {
@@ -957,12 +970,7 @@ struct fwd_sm90_cta {
       }
       const int row = row_base + 8 * h;
       if constexpr (V::HAS_SINK) store_o32(p, acc_o, h, row, inv);
-      // (The LSE written out, not softmax.cuh's row_lse: row_max is memory here, and row_lse's arguments
-      // would be loaded before the test of l, which changes the code.)
-      if (p.lse != nullptr && t == 0 && row < var.nq) {
-        if constexpr (V::HAS_SINK) p.lse[lse_base + row] = lse_sink;
-        else p.lse[lse_base + row] = l > 0.f ? row_max[h] * lse_scale() + logf(l) : -INFINITY;
-      }
+      if (p.lse != nullptr && t == 0 && row < var.nq) store_lse(p, lse_base + row, row_max[h], l, lse_sink);
     }
     named_sync(2 + cw, 128);
     elem_t* o = p.o + (V::VARLEN_ROWS ? q_off * p.o_ss : b * p.o_sb) + hq * p.o_sh;
@@ -991,10 +999,8 @@ struct fwd_sm90_cta {
     elem_t* o = p.o + b * p.o_sb + hq * p.o_sh;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float l = quad_sum(row_sum[h]);
-      float inv, lse_sink;
-      if constexpr (V::HAS_SINK) var.finish(row_max[h], l, lse_scale(), inv, lse_sink);
-      else inv = row_inv(l);
+      float l, inv, lse_sink;
+      row_end(row_max, row_sum, h, l, inv, lse_sink);
       const float iv = inv * f8_v;
       const int row = row_base + 8 * h;
       if (row < var.nq) {
@@ -1003,10 +1009,7 @@ struct fwd_sm90_cta {
         for (int i = 0; i < D / 8; ++i)
           if (8 * i + 2 * t < p.d)
             *reinterpret_cast<fg_u32*>(dst + 8 * i) = pack2<BF16>(acc_o[4 * i + 2 * h] * iv, acc_o[4 * i + 2 * h + 1] * iv);
-        if (p.lse != nullptr && t == 0) {
-          if constexpr (V::HAS_SINK) p.lse[lse_base + row] = lse_sink;
-          else p.lse[lse_base + row] = l > 0.f ? row_max[h] * lse_scale() + logf(l) : -INFINITY;
-        }
+        if (p.lse != nullptr && t == 0) store_lse(p, lse_base + row, row_max[h], l, lse_sink);
       }
     }
   }
