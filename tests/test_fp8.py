@@ -243,3 +243,25 @@ def test_v_transpose_lane_by_lane(d, bn):
     for n in range(d):
         for p in range(bn):
             assert vt[(p // vt_rowb) * d * vt_rowb + _swz(vt_rowb, n, p % vt_rowb)] == v[_sigma(p)][n], (n, p)
+
+
+def test_tuner_space_of_an_fp8_key():
+    """An FP8 forward key's candidates are fwd_sm90 FP8 specs the family takes, its baseline the default
+    rule's (the paper's tile is fwd_v2's, which takes no FP8 inputs)."""
+    from flashgen import gpus
+    from flashgen.tuner import space
+
+    h200 = gpus.get("h200")
+    key = ProblemKey("fwd", "sm_90a", "bf16", 128, True, 8192, "fp8")
+    cands = space.candidates(key, h200)
+    assert cands[0] == flashgen.families.default_spec(key, h200.smem_per_block)
+    assert space.baseline_label(key) == "default-rule"
+    assert len(cands) > 5 and all(c.kind == "fwd_sm90" and c.fp8 and not c.check(h200) for c in cands)
+    assert not any(c.lean_softmax or c.persistent or c.block_m == 192 for c in cands)
+    assert space.baseline_label(key.replace(variant="")) == "paper-rule"
+
+
+def test_check_values_is_a_flag():
+    q, k, v = _meta()
+    with pytest.raises(TypeError, match="check_values"):
+        flashgen.attention(q, k, v, q_descale=_ds(1), k_descale=_ds(1), v_descale=_ds(1), check_values="no")

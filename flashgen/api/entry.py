@@ -19,7 +19,7 @@ from .modcall import mod_attention, mod_forward, mod_meta
 def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, layout: str = "bhsd",
               return_lse: bool = False, spec=None, algorithm: str = "v2", deterministic: bool = False, *,
               window=None, softcap: float = 0.0, alibi_slopes=None, sinks=None, score_mod=None, mask_mod=None,
-              block_mask=None, q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
+              block_mask=None, q_descale=None, k_descale=None, v_descale=None, out_dtype=None, check_values=True):
     """Scaled dot-product attention, softmax(scale * q k^T) v, by a generated kernel.
 
     q: (batch, heads, seqlen_q, d) for ``layout="bhsd"`` (torch's order) or
@@ -57,8 +57,9 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     (FlashAttention-3's). ``flashgen.quantize_fp8`` makes both from bf16 tensors. The output is
     ``out_dtype`` (bf16 by default, or fp16); P is rounded to e4m3 for the P V product (the row sums are
     fp32). d a multiple of 16; causal, the window, softcap, ALiBi and sinks as above; forward only (no
-    gradient), no mods. The descales' values must be finite and positive (checked on the host: one device
-    sync per call, skipped while a CUDA graph is captured).
+    gradient), no mods. The descales' values must be finite and positive: ``check_values=True`` (the
+    default) checks them on the host (one device sync per call; skipped while a CUDA graph is captured);
+    pass False in a hot loop whose descales you trust. It is FP8's only (16-bit calls read no values).
 
     ``spec`` forces one KernelSpec instead of dispatch's pick (for the tuner
     and for study); it must match the problem (a forward family the GPU runs:
@@ -87,11 +88,12 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     dQ kernel, somewhat slower); dK and dV are deterministic either way.
     """
     check_flag("deterministic", deterministic)
+    check_flag("check_values", check_values)
     if (q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None
             or any(getattr(t, "dtype", None) == FP8 for t in (q, k, v))):
         return _fp8(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm, deterministic, window,
                     softcap, alibi_slopes, sinks, score_mod, mask_mod, block_mask, q_descale, k_descale, v_descale,
-                    out_dtype)
+                    out_dtype, check_values)
     if score_mod is not None or mask_mod is not None or block_mask is not None:
         return _with_mods(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm, deterministic, window,
                           softcap, alibi_slopes, sinks, score_mod, mask_mod, block_mask)
@@ -117,7 +119,8 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
 
 
 def _fp8(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm, deterministic, window, softcap,
-         alibi_slopes, sinks, score_mod, mask_mod, block_mask, q_descale, k_descale, v_descale, out_dtype):
+         alibi_slopes, sinks, score_mod, mask_mod, block_mask, q_descale, k_descale, v_descale, out_dtype,
+         check_values):
     """The FP8 forward (api.forward.forward_fp8), after refusing what it does not serve."""
     others = [name for name, on in (("score_mod", score_mod is not None), ("mask_mod", mask_mod is not None),
                                     ("block_mask", block_mask is not None), ("deterministic", deterministic),
@@ -138,7 +141,7 @@ def _fp8(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm, de
         b, h, n = (q.shape[0], q.shape[1], q.shape[2]) if layout == "bhsd" else (q.shape[0], q.shape[2], q.shape[1])
         return out, torch.empty((b, h, n), dtype=torch.float32, device="meta")
     return forward_fp8(q, k, v, causal, softmax_scale, layout, return_lse, spec, window, softcap, alibi_slopes, sinks,
-                       q_descale, k_descale, v_descale, out_dtype)
+                       q_descale, k_descale, v_descale, out_dtype, check_values)
 
 
 def _with_mods(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorithm, deterministic, window, softcap,

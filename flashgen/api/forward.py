@@ -80,10 +80,10 @@ def forward(q, k, v, causal, softmax_scale, layout, return_lse, spec=None, algor
 
 
 def forward_fp8(q, k, v, causal, softmax_scale, layout, return_lse, spec, window, softcap, alibi_slopes, sinks,
-                q_descale, k_descale, v_descale, out_dtype):
+                q_descale, k_descale, v_descale, out_dtype, check_values=True):
     """The FP8 forward behind ``attention`` (no autograd): q, k, v float8 e4m3 standing for ``x8 *
-    descale``; the output in ``out_dtype``. The descales' values are checked on the host (finite,
-    positive: one device sync) except while a CUDA graph is being captured."""
+    descale``; the output in ``out_dtype``. With ``check_values`` the descales' values are checked on the
+    host (finite, positive: one device sync) except while a CUDA graph is being captured."""
     try:
         sig = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
                q.device, k.device, v.device, causal, softmax_scale, layout, return_lse, spec,
@@ -100,7 +100,7 @@ def forward_fp8(q, k, v, causal, softmax_scale, layout, return_lse, spec, window
     if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
         raise ValueError("q, k, v must be 16-byte aligned (16-byte loads), got addresses "
                          f"{q.data_ptr():#x}, {k.data_ptr():#x}, {v.data_ptr():#x}")
-    if not is_capturing():
+    if check_values and not is_capturing():
         check_descale_values((("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)))
     if shapes.ACTIVE and plan.record is not None:
         shapes.note(*plan.record)

@@ -128,7 +128,8 @@ def _makers(settings, dev, q, k, v, d, causal, n):
 
     def fp8_make():
         (q8, qd), (k8, kd), (v8, vd) = fp8_inputs()
-        return lambda: api.attention(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+        return lambda: api.attention(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
+                                     check_values=False)
 
     def cudnn_fp8_make():
         (q8, _), (k8, _), (v8, _) = fp8_inputs()

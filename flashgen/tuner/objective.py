@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from ..bench.timing import time_ms
 from ..codegen import build
 from ..errors import CompileError
-from ..reference import grad_tolerance, tolerance
+from ..reference import allowance, grad_tolerance, reference, tolerance
 from .. import variants
 from . import cost, space
 
@@ -193,6 +193,8 @@ class MeasuredObjective:
             return self._check_backward(spec)
         if getattr(spec, "varlen", False):
             return self._check_varlen(spec)
+        if getattr(spec, "fp8", False):
+            return self._check_fp8(spec)
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[spec.dtype]
         dev = self.device
         d = spec.head_dim - 8 if spec.head_dim > 32 else spec.head_dim  # a masked head-dim tail too
@@ -205,6 +207,31 @@ class MeasuredObjective:
             err = (out.float() - ref).abs().max().item()
             if not err <= tol:  # NaN fails too
                 return f"max error {err:.3e} > {tol:.3e} at nq={nq}, nk={nk}, d={d}"
+        return ""
+
+    def _check_fp8(self, spec) -> str:
+        """'' when an FP8 call with ``spec`` forced meets the rule against the P-in-e4m3 emulation (the GPU
+        tier's, tests/test_gpu_fp8.py) on fresh random odd-sized GQA inputs quantized per head, else why not."""
+        import torch
+
+        from ..api import attention
+        from ..api.fp8 import dequantize_fp8, quantize_fp8
+
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[spec.dtype]
+        dev = self.device
+        d = spec.head_dim - 16 if spec.head_dim > 32 else spec.head_dim  # a masked head-dim tail too
+        for nq, nk in ((203, 317), (317, 203), (1, 77)):
+            (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8(torch.randn(2, h, n, d, device=dev))
+                                            for h, n in ((4, nq), (2, nk), (2, nk)))
+            kw = variant_kwargs(variants.spec_key(spec), spec.causal, max(nq, nk), 2, 4, dev)
+            out = attention(q8, k8, v8, causal=spec.causal, spec=spec, q_descale=qd, k_descale=kd, v_descale=vd,
+                            out_dtype=dtype, **kw)
+            qf, kf, vf = (dequantize_fp8(x, ds) for x, ds in ((q8, qd), (k8, kd), (v8, vd)))
+            ref, _ = reference(qf, kf, vf, spec.causal, d ** -0.5, **kw)
+            emu, _ = reference(qf, kf, vf, spec.causal, d ** -0.5, p_fp8=True, **kw)
+            err, tol = (out.float() - ref).abs().max().item(), allowance(emu.to(dtype), ref, dtype)
+            if not err <= tol:  # NaN fails too
+                return f"max error {err:.3e} > {tol:.3e} at nq={nq}, nk={nk}, d={d} (fp8)"
         return ""
 
     def _check_varlen(self, spec) -> str:
@@ -269,14 +296,23 @@ class MeasuredObjective:
         if variants.key_flags(key.variant)["varlen"]:
             return self._time_varlen(key, spec)
         b, h, hk, nq, nk, d = space.measured_shape(key, self.shapes)
-        sig = (key.dtype, b, h, hk, nq, nk, d)
+        fp8 = variants.key_flags(key.variant)["fp8"]
+        sig = (key.dtype, b, h, hk, nq, nk, d, fp8)
         if sig not in self._inputs:
             self._inputs.clear()  # one shape at a time: 3 x 64 MB, larger than L2
             dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[key.dtype]
-            self._inputs[sig] = (torch.randn(b, h, nq, d, device=self.device, dtype=dtype),
-                                 *(torch.randn(b, hk, nk, d, device=self.device, dtype=dtype) for _ in range(2)))
-        q, k, v = self._inputs[sig]
+            qkv = (torch.randn(b, h, nq, d, device=self.device, dtype=dtype),
+                   *(torch.randn(b, hk, nk, d, device=self.device, dtype=dtype) for _ in range(2)))
+            if fp8:  # FP8 inputs (per-head descales) with the key's dtype as the output's
+                from ..api.fp8 import quantize_fp8
+
+                (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8(t) for t in qkv)
+                qkv = (q8, k8, v8, {"q_descale": qd, "k_descale": kd, "v_descale": vd, "out_dtype": dtype,
+                                    "check_values": False})
+            self._inputs[sig] = qkv
+        q, k, v, *fp8_kw = self._inputs[sig]
         kw = variant_kwargs(key.variant, key.causal, max(nq, nk), b, h, self.device)
+        kw.update(fp8_kw[0] if fp8_kw else {})
         return median_ms(lambda: attention(q, k, v, causal=key.causal, spec=spec, **kw))
 
     def _time_varlen(self, key, spec) -> float:
