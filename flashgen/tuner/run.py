@@ -563,9 +563,10 @@ def add_arguments(p) -> None:
     p.add_argument("--seqlens", default=None, help=f"seqlen buckets to tune (default all: {BUCKETS})")
     p.add_argument("--variant", default=None,
                    help="forward variants to tune, comma-separated: 'none' (plain) or tokens joined by '_' "
-                        "(win, cap, alibi, sink, vl; e.g. none,win,cap,vl); a window is measured at 4096 keys (a "
-                        "quarter of the length below 16k), a softcap at 50, packed rows (vl: attention_varlen) "
-                        "at seeded random lengths from seqlen/8 to seqlen (default: plain only)")
+                        "(win, cap, alibi, sink, vl, fp8; e.g. none,win,cap,vl); a window is measured at 4096 keys "
+                        "(a quarter of the length below 16k), a softcap at 50, packed rows (vl: attention_varlen) "
+                        "at seeded random lengths from seqlen/8 to seqlen, FP8 inputs (fp8: sm_90a) quantized "
+                        "per head (default: plain only)")
     p.add_argument("--kind", default=None, help="problem kind (default fwd: every forward family the GPU runs, "
                                                   "fwd_v2 and on sm_90a fwd_sm90); fwd_v2 or fwd_sm90 restricts "
                                                   "the forward to that family; bwd: the backward's main kernel "
