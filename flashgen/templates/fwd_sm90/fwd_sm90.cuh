@@ -472,8 +472,9 @@ struct fwd_sm90_cta {
   // 16-byte load a key), turns each 4-byte column of those four words into one word of 4 keys (a 4 x 4
   // byte transpose, eight byte permutes), and writes it to d row c + x at its group's positions 4tq ..
   // 4tq + 3. A store's lanes all write one row (two, BN = 64), each group's 16 bytes at another swizzle
-  // chunk: no bank conflict; a load's 32 rows share 4 swizzle phases (2 wavefronts more than the 4 a
-  // 512-byte load needs). One step moves 2 KB with 4 loads, 16 stores and 32 permutes (a 4-byte-a-lane
+  // chunk: no bank conflict (BN = 64: two-way); a load is two-way (the 8 lanes of a 16-byte access phase
+  // read rows 16 apart in pairs, one swizzle phase each: 8 wavefronts where 512 bytes need 4). One step
+  // moves 2 KB with 4 loads, 16 stores and 32 permutes (a 4-byte-a-lane
   // version spent ~100 instructions on 512 bytes, most of them addresses, and held the FP8 forward at
   // 0.7x the bf16 one on an H100 whatever the pipeline).
   FG_DEVICE void transpose_v(int x) {
