@@ -130,3 +130,35 @@ def test_fp8_matches_bf16_forward():
     ob = flashgen.attention(qb, kb, vb, causal=True).float()
     rel = (o8 - ob).norm() / ob.norm()
     assert rel < 0.05, f"relative difference {rel:.3e}"
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -1.0])
+def test_fp8_refuses_bad_descale_values(bad):
+    """A non-finite or non-positive descale is refused before the launch (check_values, the default)."""
+    (q8, k8, v8), (qd, kd, vd) = _quantized(1, 2, 2, 64, 64, 64, "bhsd", "head")
+    kd = kd.clone()
+    kd[0, 1] = bad
+    with pytest.raises(ValueError, match="k_descale must hold finite, positive"):
+        flashgen.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
+
+
+def test_fp8_cuda_graph_replay():
+    """An FP8 call captured in a CUDA graph (no host check inside the capture) replays to the eager result,
+    with new values in the captured inputs and descales."""
+    (q8, k8, v8), (qd, kd, vd) = _quantized(2, 4, 2, 500, 700, 128, "bhsd", "head")
+    kw = dict(causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+    flashgen.attention(q8, k8, v8, **kw)  # compile, load and plan outside the capture
+    torch.cuda.synchronize()
+    g, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(g):
+            static_out = flashgen.attention(q8, k8, v8, **kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    (q2, k2, v2), (qd2, kd2, vd2) = _quantized(2, 4, 2, 500, 700, 128, "bhsd", "head")
+    for dst, src in ((q8, q2), (k8, k2), (v8, v2), (qd, qd2), (kd, kd2), (vd, vd2)):
+        dst.copy_(src)
+    g.replay()
+    torch.cuda.synchronize()
+    eager = flashgen.attention(q8, k8, v8, **kw)
+    assert torch.equal(static_out, eager)
