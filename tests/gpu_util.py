@@ -231,6 +231,18 @@ def check_decode_output(out, lse, q, ref, ref_lse, tol, ns):
     return masked
 
 
+def capture(fn):
+    """(graph, outputs): ``fn()`` captured in a CUDA graph on a side stream (its first call, the compile,
+    load and plan, already made outside the capture, as a graph needs)."""
+    g, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(g):
+            out = fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    return g, out
+
+
 def check_decode_lse(lse, ref_lse, low_lse, masked, ns):
     """The LSE of the rows that see a key, within 1e-3 of the fp32 reference's (relative to its magnitude,
     at least 1) or the 2x rule against ``low_lse`` (the reference in the input dtype), if looser."""

@@ -21,6 +21,7 @@ from flashgen.api import decoding as decode_entry
 from flashgen.families import FAMILIES
 from flashgen.families import decode as dk
 from flashgen.problem import ProblemKey, bucket_of
+from fake_util import fake
 
 F16, BF16 = torch.float16, torch.bfloat16
 
@@ -446,21 +447,6 @@ def test_combine_family_fixes_unused_fields():
 # ---------------------------------------------------------------- validation (no GPU)
 
 
-
-
-def _fake_mode():
-    try:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-    except ImportError:  # pragma: no cover
-        pytest.skip("torch has no FakeTensorMode")
-    return FakeTensorMode()
-
-
-def fake(*shape, dtype=BF16, device="cuda"):
-    with _fake_mode():
-        return torch.empty(*shape, dtype=dtype, device=device)
-
-
 def call(*args, **kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -539,9 +525,7 @@ def test_bad_paged_arguments(no_launch, over, exc, message):
 
 def test_strides_are_checked(no_launch):
     """A last dimension that is not contiguous is refused."""
-    with _fake_mode():
-        q = torch.empty_strided((B, NQ, HQ, D), (NQ * HQ * 2 * D, HQ * 2 * D, 2 * D, 2), dtype=BF16,
-                                device="cuda")
+    q = fake(B, NQ, HQ, D, strides=(NQ * HQ * 2 * D, HQ * 2 * D, 2 * D, 2))
     with pytest.raises(ValueError, match="contiguous in its last dimension"):
         call(**good(q=q))
 

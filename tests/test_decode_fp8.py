@@ -22,6 +22,7 @@ from flashgen import families, gpus
 from flashgen.api.fp8 import check_descale_values
 from flashgen.families import decode as dk
 from flashgen.problem import ProblemKey
+from fake_util import fake
 from flashgen.spec import KernelSpec
 from cli_util import run_main
 
@@ -359,19 +360,6 @@ def test_fragment_layout_computes_qk_and_pv(dtype, d, kw):
 
 
 # ---------------------------------------------------------------- flashgen.decode's checks (no GPU)
-
-
-def _fake_mode():
-    try:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-    except ImportError:  # pragma: no cover
-        pytest.skip("torch has no FakeTensorMode")
-    return FakeTensorMode()
-
-
-def fake(*shape, dtype=BF16, device="cuda"):
-    with _fake_mode():
-        return torch.empty(shape, dtype=dtype, device=device)
 
 
 def call(*args, **kwargs):

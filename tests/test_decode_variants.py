@@ -21,20 +21,10 @@ from flashgen.api import decoding as decode_entry
 from flashgen.families import decode as dk
 from flashgen.reference import reference
 from flashgen.variants import UNBOUNDED, Variant
+from fake_util import fake
 
 BF16 = torch.bfloat16
 B, NQ, HQ, HK, D, L = 3, 2, 8, 2, 128, 100
-
-
-
-
-def fake(*shape, dtype=BF16, device="cuda"):
-    try:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-    except ImportError:  # pragma: no cover
-        pytest.skip("torch has no FakeTensorMode")
-    with FakeTensorMode():
-        return torch.empty(*shape, dtype=dtype, device=device)
 
 
 def good(**over):

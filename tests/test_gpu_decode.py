@@ -21,7 +21,7 @@ pytestmark = [
 
 from flashgen.families.decode import DECODE_TILES_BY_REGIME, DEFAULT_DECODE_TILES  # noqa: E402
 from flashgen.reference import allowance  # noqa: E402
-from gpu_util import DTYPES, bits, check_decode_output, flat_cache, make_case, poison  # noqa: E402
+from gpu_util import DTYPES, bits, capture, check_decode_output, flat_cache, make_case, poison  # noqa: E402
 
 
 def reference(case, scale, dtype=torch.float32):
@@ -220,13 +220,7 @@ def test_cuda_graph_capture_and_replay():
             case["k_new"], case["v_new"])
     flashgen.decode(*args, return_lse=True)  # compile, load and plan outside the capture
     torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(g):
-            static_out, static_lse = flashgen.decode(*args, return_lse=True)
-    torch.cuda.current_stream().wait_stream(stream)
+    g, (static_out, static_lse) = capture(lambda: flashgen.decode(*args, return_lse=True))
     bt, k_cache, v_cache = case["block_table"], case["k_cache"], case["v_cache"]
     in_use = set(bt[bt >= 0].tolist())
     spares = [p for p in range(k_cache.shape[0]) if p not in in_use]

@@ -27,7 +27,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host)"),
 ]
 
-from gpu_util import DTYPES, check_decode_lse, check_decode_output, make_case, poison  # noqa: E402
+from gpu_util import DTYPES, capture, check_decode_lse, check_decode_output, make_case, poison  # noqa: E402
 
 from flashgen.families.decode import DEFAULT_DECODE_TILES_FP8  # noqa: E402
 from flashgen.reference import allowance, reference  # noqa: E402
@@ -360,13 +360,7 @@ def test_cuda_graph_capture_and_replay():
             case["k_new"], case["v_new"])
     flashgen.decode(*args, **kw)  # compile, load and plan outside the capture
     torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(g):
-            static_out, static_lse = flashgen.decode(*args, **kw)
-    torch.cuda.current_stream().wait_stream(stream)
+    g, (static_out, static_lse) = capture(lambda: flashgen.decode(*args, **kw))
     for step in range(3):
         case["q"].copy_(torch.randn_like(case["q"]))
         case["k_new"].copy_(torch.randn_like(case["k_new"]))

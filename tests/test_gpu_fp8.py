@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from gpu_util import is_sm90, poison_output, to_bhsd, variant_inputs  # noqa: E402
+from gpu_util import capture, is_sm90, poison_output, to_bhsd, variant_inputs  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -149,12 +149,7 @@ def test_fp8_cuda_graph_replay():
     kw = dict(causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
     flashgen.attention(q8, k8, v8, **kw)  # compile, load and plan outside the capture
     torch.cuda.synchronize()
-    g, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(g):
-            static_out = flashgen.attention(q8, k8, v8, **kw)
-    torch.cuda.current_stream().wait_stream(stream)
+    g, static_out = capture(lambda: flashgen.attention(q8, k8, v8, **kw))
     (q2, k2, v2), (qd2, kd2, vd2) = _quantized(2, 4, 2, 500, 700, 128, "bhsd", "head")
     for dst, src in ((q8, q2), (k8, k2), (v8, v2), (qd, qd2), (kd, kd2), (vd, vd2)):
         dst.copy_(src)

@@ -33,6 +33,7 @@ import flashgen.codegen
 import flashgen.dispatch
 from flashgen import UnsupportedError, testing
 from flashgen.api.checks import check_attention_inputs
+from fake_util import fake as fake_tensor
 
 F16, BF16 = torch.float16, torch.bfloat16
 
@@ -56,18 +57,9 @@ def meta(*shape, dtype=F16):
     return torch.empty(*shape, dtype=dtype, device="meta")
 
 
-def _fake_mode():
-    try:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-    except ImportError:  # pragma: no cover -- depends on the torch build
-        pytest.skip("torch has no FakeTensorMode: cannot make CUDA-device tensors without a GPU")
-    return FakeTensorMode()
-
-
 def fake(*shape, dtype=F16, device="cuda"):
     """A storage-less tensor that reports a CUDA device (no GPU needed)."""
-    with _fake_mode():
-        return torch.empty(*shape, dtype=dtype, device=device)
+    return fake_tensor(*shape, dtype=dtype, device=device)
 
 
 def _fake_data_ptr_works() -> bool:
