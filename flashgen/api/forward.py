@@ -32,6 +32,15 @@ _fp8_plans = PlanCache("attention (fp8)")
 _packed_plans = PlanCache("attention_varlen")
 
 
+def _point_at_variant(params, alibi_slopes, sinks):
+    """The parameter block's slope and sink pointers (fp32 contiguous copies where the tensors are not:
+    ``variant_tensors``); returns what they point at, which the caller keeps until the launch is queued."""
+    slopes, params.alibi_sb, sink_logits = variant_tensors(alibi_slopes, sinks)
+    params.alibi = slopes.data_ptr() if slopes is not None else 0
+    params.sinks = sink_logits.data_ptr() if sink_logits is not None else 0
+    return slopes, sink_logits
+
+
 def _small(t):
     """What a plan's signature records of an optional small tensor (ALiBi slopes, sinks)."""
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
@@ -69,10 +78,8 @@ def forward(q, k, v, causal, softmax_scale, layout, return_lse, spec=None, algor
         params.o = out.data_ptr()
         params.lse = lse.data_ptr() if lse is not None else 0
         params.o32 = out32.data_ptr() if out32 is not None else 0
-        if alibi_slopes is not None or sinks is not None:  # (kept alive until the launch is queued)
-            slopes, params.alibi_sb, sink_logits = variant_tensors(alibi_slopes, sinks)
-            params.alibi = slopes.data_ptr() if slopes is not None else 0
-            params.sinks = sink_logits.data_ptr() if sink_logits is not None else 0
+        if alibi_slopes is not None or sinks is not None:
+            keep = _point_at_variant(params, alibi_slopes, sinks)  # noqa: F841 -- alive until the launch is queued
         if plan.counters:
             params.sched = tile_counters(plan.device_index)
         plan.launch(params)
@@ -96,6 +103,9 @@ def forward_fp8(q, k, v, causal, softmax_scale, layout, return_lse, spec, window
     if plan is None:
         plan = _plan(q, k, v, causal, softmax_scale, layout, return_lse, spec, "v2", window, softcap,
                      alibi_slopes, sinks, fp8=(q_descale, k_descale, v_descale, out_dtype))
+        # (b, h) strides of the factors, and query heads per q factor (their shapes are in the signature)
+        plan.descales = (*descale_strides(q_descale, q.shape[1] if layout == "bhsd" else q.shape[2]),
+                         *descale_strides(k_descale, 1)[:2], *descale_strides(v_descale, 1)[:2])
         _fp8_plans.put(sig, plan)
     if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
         raise ValueError("q, k, v must be 16-byte aligned (16-byte loads), got addresses "
@@ -111,15 +121,11 @@ def forward_fp8(q, k, v, causal, softmax_scale, layout, return_lse, spec, window
         params = plan.params_for(q.data_ptr(), k.data_ptr(), v.data_ptr())
         params.o = out.data_ptr()
         params.lse = lse.data_ptr() if lse is not None else 0
-        if alibi_slopes is not None or sinks is not None:  # (kept alive until the launch is queued)
-            slopes, params.alibi_sb, sink_logits = variant_tensors(alibi_slopes, sinks)
-            params.alibi = slopes.data_ptr() if slopes is not None else 0
-            params.sinks = sink_logits.data_ptr() if sink_logits is not None else 0
-        heads_q = q.shape[1] if layout == "bhsd" else q.shape[2]
+        if alibi_slopes is not None or sinks is not None:
+            keep = _point_at_variant(params, alibi_slopes, sinks)  # noqa: F841 -- alive until the launch is queued
         params.qd, params.kd, params.vd = q_descale.data_ptr(), k_descale.data_ptr(), v_descale.data_ptr()
-        params.qd_sb, params.qd_sh, params.qd_div = descale_strides(q_descale, heads_q)
-        params.kd_sb, params.kd_sh, _ = descale_strides(k_descale, 1)
-        params.vd_sb, params.vd_sh, _ = descale_strides(v_descale, 1)
+        (params.qd_sb, params.qd_sh, params.qd_div, params.kd_sb, params.kd_sh, params.vd_sb,
+         params.vd_sh) = plan.descales
         plan.launch(params)
     elif lse is not None:
         lse.fill_(float("-inf"))
@@ -180,10 +186,8 @@ def packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         params.used_k = seqused_k.data_ptr()
     if block_table is not None:
         params.bt, params.bt_stride = block_table.data_ptr(), block_table.stride(0)
-    if alibi_slopes is not None or sinks is not None:  # (kept alive until the launch is queued)
-        slopes, params.alibi_sb, sink_logits = variant_tensors(alibi_slopes, sinks)
-        params.alibi = slopes.data_ptr() if slopes is not None else 0
-        params.sinks = sink_logits.data_ptr() if sink_logits is not None else 0
+    if alibi_slopes is not None or sinks is not None:
+        keep = _point_at_variant(params, alibi_slopes, sinks)  # noqa: F841 -- alive until the launch is queued
     idx = plan.device_index
     if idx == current_device():
         _launch_packed(plan, params, current_stream(idx))
@@ -269,12 +273,14 @@ class Plan:
     packed parameter block with the inputs filled in (fwd_sm90: their tensor maps, cached per address
     triple); ``counters``: the launch takes the stream's tile counters (a persistent kernel)."""
 
-    __slots__ = ("kernel", "grid", "device_index", "lse_shape", "params_for", "counters", "list_ints", "record")
+    __slots__ = ("kernel", "grid", "device_index", "lse_shape", "params_for", "counters", "list_ints", "record",
+                 "descales")
 
     def __init__(self, kernel, grid, device_index, lse_shape, params_for=None, counters=False):
         self.kernel, self.grid, self.device_index, self.lse_shape = kernel, grid, device_index, lse_shape
         self.params_for, self.counters, self.list_ints = params_for, counters, 0
         self.record = None  # (ProblemKey, shape) of a dispatched call, for flashgen.record
+        self.descales = ()  # an FP8 call's descale strides (forward_fp8)
 
     def launch(self, params) -> None:
         """Enqueue the kernel on the current stream of the plan's device."""
