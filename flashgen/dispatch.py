@@ -51,9 +51,14 @@ def select(key: ProblemKey, gpu: str | None, smem_budget: int, verify: bool = Fa
     if gpu is not None:
         spec = tables.lookup(gpu, key)
         if spec is None and key.variant:
-            # A variant the table has no entry for runs on the tile tuned for its plain problem.
+            # A variant the table has no entry for runs on the tile tuned for its plain problem, where
+            # the variant takes that tile (FP8 takes none of bf16's 192-row or lean-softmax tiles);
+            # otherwise the default rule, which knows the variant's tiles.
             plain = tables.lookup(gpu, key.replace(variant=""))
-            spec = plain.with_tokens(key.variant).validate() if plain is not None else None
+            try:
+                spec = plain.with_tokens(key.variant).validate() if plain is not None else None
+            except (TypeError, ValueError):
+                spec = None
         if spec is not None and (family is None or spec.kind == family):
             if spec.kind not in families.serving(key.kind, key.arch):  # the table refuses such entries
                 raise UnsupportedError(f"the tuned {gpu} table's entry for {key} is a {spec.kind} kernel, which "

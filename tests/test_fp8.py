@@ -99,6 +99,22 @@ def test_rule_and_compile_tier_take_fp8_keys():
         flashgen.families.default_spec(ProblemKey("fwd", "sm_80", "bf16", 128, False, 8192, "fp8"), 166912)
 
 
+def test_shipped_tables_leave_fp8_to_its_rule():
+    """An FP8 key with no entry of its own in a shipped table does not take the plain problem's tuned
+    tile where FP8 refuses it (the H200's bf16 d=128 tiles are 192-row or lean): the FP8 rule serves."""
+    from flashgen import dispatch, tables
+
+    for gpu in ("h100", "h200"):
+        for d in (64, 128, 256):
+            for causal in (False, True):
+                key = ProblemKey("fwd", "sm_90a", "bf16", d, causal, 8192, "fp8")
+                spec = dispatch.select(key, gpu, 232448 - 1024)
+                assert spec.kind == "fwd_sm90" and spec.fp8, (gpu, d, causal, spec.name)
+                plain = tables.lookup(gpu, key.replace(variant=""))
+                if plain is not None and plain.kind == "fwd_sm90" and not (plain.block_m == 192 or plain.lean_softmax):
+                    assert (spec.block_m, spec.block_n) == (plain.block_m, plain.block_n)
+
+
 def test_tma_swizzle_follows_the_box_row():
     assert tma.SWIZZLES[128 * tma.DTYPE_BYTES["e4m3"]] == 3 and tma.SWIZZLES[64 * tma.DTYPE_BYTES["e4m3"]] == 2
     with pytest.raises(UnsupportedError, match="swizzle"):
