@@ -166,7 +166,10 @@ def test_cli_takes_fp8_for_decode_and_the_forward(capsys):
     code, out, _ = run_main(capsys, "emit", "--kind", "decode_split", "--fp8", "--d", "96", "--arch", "sm_80")
     assert code == 0 and "// spec: decode_split_d128_m16_n128_w4_s2_ld2_fp8_causal_bf16_sm80" in out
     code, out, _ = run_main(capsys, "emit", "--fp8", "--d", "128", "--causal", "--arch", "sm_90a")
-    assert code == 0 and "// spec: fwd_sm90_d128_m128_n128_w12_s2_ws_fp8_causal_bf16_sm90a" in out
+    assert code == 0 and "// spec: fwd_sm90_d128_m128_n128_w12_s2_ws_pp_fp8_causal_bf16_sm90a" in out
+    # a GPU whose table holds bf16 tiles FP8 refuses (the H200's d = 128): the FP8 rule's tile
+    code, out, _ = run_main(capsys, "emit", "--kind", "fwd_sm90", "--fp8", "--d", "128", "--gpu", "h200")
+    assert code == 0 and "// spec: fwd_sm90_d128_m128_n128_w12_s2_ws_pp_fp8_full_bf16_sm90a" in out
     for argv, text in ((("--kind", "fwd_v2", "--fp8", "--d", "64"), "does not serve fp8"),
                        (("--kind", "bwd_dkdv", "--fp8", "--d", "64"), "--fp8 is the forward's")):
         code, _, err = run_main(capsys, "emit", *argv)

@@ -63,10 +63,13 @@ SM90_HEAD_DIMS = (64, 128, 256)
 # fp8's tiles: block_n whole V^T swizzle rows (64 or 128 keys; 256 is past wgmma's n for S at block_m 64
 # per consumer with the O of d = 256), and what a tile supports (FP8_FLAGS refused: api errors name them).
 FP8_BLOCK_NS = (64, 128)
+# In order of preference, from the FP8 ablation (docs/perf/fp8.md; measured on an H100, none of it on
+# an H200 yet), against plain warp specialization: ping-pong at d = 128 (+5-21 %), ping-pong with a
+# third stage at d = 256 (+0-4 %), overlap with a third stage at d = 64 (+1-7 %).
 FP8_TILES = {
-    64: ((128, 128, 2, "ws"), (128, 64, 2, "ws")),
-    128: ((128, 128, 2, "ws"), (128, 64, 2, "ws")),
-    256: ((128, 64, 2, "ws"),),
+    64: ((128, 128, 3, "ws_ov"), (128, 128, 2, "ws"), (128, 64, 2, "ws")),
+    128: ((128, 128, 2, "ws_pp"), (128, 128, 2, "ws"), (128, 64, 2, "ws")),
+    256: ((128, 64, 3, "ws_pp"), (128, 64, 2, "ws")),
 }
 
 # The cost model's terms for the flags (``Sm90Family.model_techniques``, from the H200 measurements cited
