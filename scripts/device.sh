@@ -11,9 +11,10 @@
 # together with its options. Each step writes into its own folder, packed as $OUT/<step>.tgz as soon
 # as the step ends (a step stopped by its timeout is packed with what it wrote so far: a suite's
 # <suite>.partial.json): the table (table.txt), the progress log, the JSON and the PNG of a suite;
-# pytest.log and junit.xml of the tests. $OUT/summary.txt holds the GPU, clocks and commit, and one
-# line per step; it is printed last with the head of each table. The device tool brings
-# back at most 8 files of $OUT: summary.txt and up to 7 steps per call.
+# pytest.log, junit.xml and failures.txt (each failure's report as it happened, kept when the time
+# limit stops pytest before its own report) of the tests. $OUT/summary.txt holds the GPU, clocks and
+# commit, and one line per step; it is printed last with the head of each table. The device tool
+# brings back at most 8 files of $OUT: summary.txt and up to 7 steps per call.
 #
 # Environment: OUT (default ./bench-results/device), FLASHGEN_COMMIT (the commit to record: a device
 # copy has no .git), FLASHGEN_HOME (default: a fresh temporary folder, so every kernel is compiled by
@@ -94,7 +95,7 @@ for spec in "$@"; do
     targets=("${words[@]:1}")
     [ ${#targets[@]} -eq 0 ] && targets=(tests/)
     timeout -k 10 "$limit" python3 -m pytest -q -m gpu "${targets[@]}" --junitxml="$dir/junit.xml" \
-      > "$dir/pytest.log" 2>&1
+      --failure-log="$dir/failures.txt" > "$dir/pytest.log" 2>&1
     rc=$?
     last=$(grep -E "passed|failed|error|skipped|no tests ran" "$dir/pytest.log" | tail -1)
   else
@@ -133,6 +134,8 @@ for step in "${STEPS[@]}"; do
     echo "---- $step"
     grep -E "^(FAILED|ERROR)" "$W/$step/pytest.log" | head -20
     tail -n 3 "$W/$step/pytest.log"
+    # failures as they happened (kept when the step's time limit cut pytest before its report)
+    [ -s "$W/$step/failures.txt" ] && grep -A12 "^==== " "$W/$step/failures.txt" | head -60
   fi
 done
 ls -la "$OUT"

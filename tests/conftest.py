@@ -12,7 +12,8 @@ the other tests run (``build_util.CompileSession``).
 
 Options: ``--update-golden`` rewrites the golden sources of tests/test_render.py instead of comparing
 them (after an intended template change); ``--no-precompile`` makes the GPU test modules skip their
-parallel precompile step; ``--compile-tier-home DIR`` keeps the compile tier's binaries in DIR across
+parallel precompile step; ``--failure-log FILE`` appends each failure's report to FILE as it happens;
+``--compile-tier-home DIR`` keeps the compile tier's binaries in DIR across
 runs (a kernel whose source, options or compiler changed compiles again). Nothing GPU-specific is
 registered here: GPU tests (tests/test_gpu_*.py) mark themselves with ``pytest.mark.gpu`` and skip
 themselves without CUDA.
@@ -30,10 +31,28 @@ from flashgen.testing import ENVIRONMENT
 def pytest_addoption(parser):
     parser.addoption("--update-golden", action="store_true", help="rewrite tests/golden/ instead of comparing")
     parser.addoption("--no-precompile", action="store_true", help="GPU tests: skip the parallel precompile step")
+    parser.addoption("--failure-log", metavar="FILE", default=None,
+                     help="append each failure's report to FILE as it happens (a run stopped by a time limit "
+                          "keeps what failed before the stop; pytest prints its reports only at the end)")
     parser.addoption("--compile-tier-home", metavar="DIR", default=None,
                      help="the compile tier's FLASHGEN_HOME, kept across runs (default: a new one per run); "
                           "its binary cache is keyed by source, options, arch and versions, so only changed "
                           "kernels compile again")
+
+
+def pytest_runtest_logreport(report):
+    """``--failure-log FILE``: each failed phase's report appended to FILE at once."""
+    path = _failure_log[0]
+    if path and report.failed:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n\n")
+
+
+_failure_log: list = [None]
+
+
+def pytest_configure(config):
+    _failure_log[0] = config.getoption("--failure-log")
 
 
 @pytest.fixture
