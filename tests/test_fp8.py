@@ -214,35 +214,65 @@ def _sigma(pos: int) -> int:
     return 16 * (pos // 16) + (2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9)[i]
 
 
-@pytest.mark.parametrize("d,bn", [(64, 128), (64, 64), (128, 128), (128, 64), (256, 64), (256, 128)])
+def _wavefronts(addresses: list[int], width: int) -> int:
+    """Shared-memory wavefronts one warp access of ``width`` bytes a lane takes: lanes go in phases of
+    128 / width, and a phase takes as many wavefronts as the most distinct 4-byte words one bank holds."""
+    per_phase, total = 128 // width, 0
+    for p0 in range(0, len(addresses), per_phase):
+        banks: dict[int, set[int]] = {}
+        for a in addresses[p0:p0 + per_phase]:
+            for word in range(a // 4, (a + width) // 4):
+                banks.setdefault(word % 32, set()).add(word)
+        total += max(len(words) for words in banks.values())
+    return total
+
+
+def _vt_at(d: int, bn: int, n: int, p: int) -> int:
+    """Byte offset of V^T's (d row n, sigma position p) in a stage: panels of 128 keys (one of bn keys at
+    bn = 64), each d rows of its row bytes in that swizzle; the last is 64-byte rows at bn = 192."""
+    rb = min(128, bn - p // 128 * 128)
+    return p // 128 * d * 128 + _swz(rb, n, p % 128)
+
+
+@pytest.mark.parametrize("d,bn", [(64, 128), (64, 64), (64, 192), (128, 128), (128, 64), (128, 192), (256, 64),
+                                  (256, 128)])
 def test_v_transpose_lane_by_lane(d, bn):
     """The 96 transposing threads' loads, byte permutes and stores, step by step as the template issues them,
     turn a raw V block (key rows in the TMA's swizzle) into V^T with sigma's key order, every byte written
-    once; the loads and stores stay 16- and 4-byte aligned."""
+    once; the loads and stores stay 16- and 4-byte aligned, a load takes two wavefronts per 128 bytes (the
+    counted conflict), a store one (two with 64-key spans)."""
     import random
 
-    rowb, vt_rowb = min(128, d), min(128, bn)
+    rowb = min(128, d)
     raw = bytearray(bn * d)
     v = [[random.randrange(256) for _ in range(d)] for _ in range(bn)]
     for r in range(bn):
         for c in range(d):
             raw[(c // rowb) * bn * rowb + _swz(rowb, r, c % rowb)] = v[r][c]
     vt, written = bytearray(bn * d), [0] * (bn * d)
-    kg, per = bn // 16, 8 // (bn // 16)
-    steps = (d // 16) // per
+    kg = bn // 16
+    kgs = 8 if kg == 8 else 4
+    per = 8 // kgs
+    csteps = (d // 16) // per
+    steps = (kg // kgs) * csteps
+    last = bn % 128 if bn > 128 and bn % 128 else min(bn, 128)
+    loads: dict[tuple, list[int]] = {}   # (warp, step, i) -> the warp's load addresses, lane order
+    stores: dict[tuple, list[int]] = {}
     for x in range(96):
         w, lane = x // 32, x % 32
-        tq, kq, sub = lane % 4, (lane // 4) % kg, lane // (4 * kg)
-        pos = kq * 16 + 4 * tq
-        dst = (pos // vt_rowb) * d * vt_rowb
+        tq, kq, sub = lane % 4, (lane // 4) % kgs, lane // (4 * kgs)
         for st in range(w, steps, 3):
-            c = (st * per + sub) * 16
-            panel = (c // rowb) * bn * rowb
+            key0 = (st // csteps) * kgs * 16 + kq * 16
+            c = ((st % csteps) * per + sub) * 16
+            rbp = last if key0 >= bn // 128 * 128 else min(bn, 128)
+            pos = key0 + 4 * tq
+            panel, out_panel = (c // rowb) * bn * rowb, pos // 128 * d * 128
             words = []
             for i in range(4):
-                r = kq * 16 + 2 * tq + (i & 1) + 8 * (i >> 1)
+                r = key0 + 2 * tq + (i & 1) + 8 * (i >> 1)
                 a = panel + _swz(rowb, r, c % rowb)
                 assert a % 16 == 0
+                loads.setdefault((w, st, i), []).append(a)
                 words.append([int.from_bytes(raw[a + 4 * k:a + 4 * k + 4], "little") for k in range(4)])
             for q in range(4):
                 a, b, cc, dd = (words[i][q] for i in range(4))
@@ -250,15 +280,33 @@ def test_v_transpose_lane_by_lane(d, bn):
                 t2, t3 = _prmt(cc, dd, 0x5140), _prmt(cc, dd, 0x7362)
                 out = (_prmt(t0, t2, 0x5410), _prmt(t0, t2, 0x7632), _prmt(t1, t3, 0x5410), _prmt(t1, t3, 0x7632))
                 for e in range(4):
-                    at = dst + _swz(vt_rowb, c + 4 * q + e, pos % vt_rowb)
+                    at = out_panel + _swz(rbp, c + 4 * q + e, pos % 128)
                     assert at % 4 == 0
+                    stores.setdefault((w, st, q, e), []).append(at)
                     vt[at:at + 4] = out[e].to_bytes(4, "little")
                     for k in range(4):
                         written[at + k] += 1
     assert written == [1] * (bn * d)
     for n in range(d):
         for p in range(bn):
-            assert vt[(p // vt_rowb) * d * vt_rowb + _swz(vt_rowb, n, p % vt_rowb)] == v[_sigma(p)][n], (n, p)
+            assert vt[_vt_at(d, bn, n, p)] == v[_sigma(p)][n], (n, p)
+    assert {_wavefronts(a, 16) for a in loads.values()} == {8}
+    assert {_wavefronts(a, 4) for a in stores.values()} == {1 if kgs == 8 else 2}
+
+
+def test_192_key_blocks_compile_clean():
+    """block_n 192 (V^T in a 128-key panel and a 64-key one, two descriptors) compiles without spills or
+    serialized wgmma where S, O and P fit (d 64, 128); d = 256 spills and the family's check refuses it."""
+    from flashgen import gpus
+    from flashgen.codegen.compiler import compile_source
+    from flashgen.codegen.render import render
+
+    spec = fwd_sm90.variant(128, True, "ws_pp", fp8=True, block_n=192)
+    report = compile_source(render(spec), "sm_90a", spec.name).report
+    assert report.spill_stores == report.spill_loads == report.stack_frame == 0 and report.problems() == []
+    assert spec.smem_bytes() <= gpus.get("h200").smem_per_block
+    assert spec.check(gpus.get("h200")) == []
+    assert fwd_sm90.variant(256, False, "ws", fp8=True, block_n=192).check(gpus.get("h200"))
 
 
 def test_tuner_space_of_an_fp8_key():

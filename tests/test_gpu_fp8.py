@@ -30,8 +30,10 @@ from flashgen.reference import allowance, reference  # noqa: E402
 
 SEQLENS = [(1, 1), (113, 203), (128, 217), (1, 239), (239, 1), (799, 3), (256, 512), (512, 256),
            (1023, 1024), (2048, 2048)]
-# Forced tiles: every FP8 technique the family takes, over the rule's tile shapes.
-TILES = ["ws", "ws_n64", "ws_s3", "ws_ov_s3", "ws_pp", "ws_pp_s3", "ws_pp_ov_s3", "ws_kr_s3", "ws_pp_fx1_kr_s3", "ws_m64"]
+# Forced tiles: every FP8 technique the family takes, over the rule's tile shapes and 192-key blocks (V^T in
+# a 128-key and a 64-key panel).
+TILES = ["ws", "ws_n64", "ws_s3", "ws_ov_s3", "ws_pp", "ws_pp_s3", "ws_pp_ov_s3", "ws_kr_s3", "ws_pp_fx1_kr_s3",
+         "ws_m64", "ws_n192", "ws_pp_n192", "ws_pp_s3_n192"]
 
 
 def _quantized(b, hq, hk, nq, nk, d, layout, per, q_per_kv=False, magnitude=1.0):

@@ -60,9 +60,10 @@ SM90_PARAMS = (
 )
 
 SM90_HEAD_DIMS = (64, 128, 256)
-# fp8's tiles: block_n whole V^T swizzle rows (64 or 128 keys; 256 is past wgmma's n for S at block_m 64
-# per consumer with the O of d = 256), and what a tile supports (FP8_FLAGS refused: api errors name them).
-FP8_BLOCK_NS = (64, 128)
+# fp8's tiles: block_n in V^T panels of whole 64- or 128-byte swizzle rows (192: a 128-key panel and a
+# 64-key one), and what a tile supports (refused flags: api errors name them). Whether S, O and P fit the
+# consumers' registers is the resource check's (192 keys: 96 accumulators of S a thread; d = 256 spills).
+FP8_BLOCK_NS = (64, 128, 192)
 # In order of preference, from the FP8 ablation (docs/perf/fp8.md; measured on an H100, none of it on
 # an H200 yet), against plain warp specialization: ping-pong at d = 128 (+5-21 %), ping-pong with a
 # third stage at d = 256 (+0-4 %), overlap with a third stage at d = 64 (+1-7 %).

@@ -67,7 +67,8 @@
 //            64-element panels become 128-element ones; d = 64 is one 64-byte panel in the 64-byte
 //            swizzle); wgmma k32. FP8 operands must be K-major, so V's block is transposed: the TMA
 //            brings it into one of two raw buffers, warps 1-3 of the producer warpgroup write V^T
-//            (d rows of keys) into the V stage (transpose_v), with the keys of every 16 in the order
+//            (d rows of keys, in panels of 128 keys; a 64-key one in the 64-byte swizzle ends a
+//            192-key block) into the V stage (transpose_v), with the keys of every 16 in the order
 //            the consumers' P registers hold them. P is rounded to e4m3 (its row sums stay fp32); the
 //            descale factors join the scales per tile (fp8_scales); O goes from the registers to
 //            global memory (epilogue_direct).
@@ -110,9 +111,11 @@ struct fwd_sm90_cta {
     NJ = BN / 8,                   // n8 chunks of S
     KSTEP = 32 / EB,               // k of one wgmma (32 bytes of each operand row)
     KV_STEPS = BN / KSTEP,         // k steps of P V
-    // FP8: V^T's rows (keys) in swizzled panels of VT_ROWB bytes; VR raw V buffers that the TMA fills
-    // and the producer warpgroup's transposing warps read.
+    // FP8: V^T's rows (keys) in swizzled panels of 128-byte rows (one of BN bytes at BN = 64), the last
+    // of VT_LAST-byte rows (64 at BN = 192: its own 64-byte swizzle, so a stage stays BN * D bytes); VR
+    // raw V buffers that the TMA fills and the producer warpgroup's transposing warps read.
     VT_ROWB = FP8 ? (BN < 128 ? BN : 128) : 128,
+    VT_LAST = FP8 && BN > 128 && BN % 128 ? BN % 128 : VT_ROWB,
     VR = FP8 ? 2 : 0,
     TRANSPOSERS = 96,              // FP8: the producer warpgroup's warps 1-3 (warp 0 issues the TMA)
     NBAR = EARLY_K ? 4 : 3,        // barriers per stage
@@ -128,9 +131,9 @@ struct fwd_sm90_cta {
   static_assert(!GATHER || (PAGE_ROWS > 0 && WS && !PERSISTENT && (BN * CPR) % 128 == 0),
                 "gathered K/V rows: paged, by the producer warpgroup of a one-tile-per-CTA kernel");
   static_assert(!FP8 || (WS && !PERSISTENT && PAGE_ROWS == 0 && !V::VARLEN_ROWS && !V::SPARSE && !V::USER &&
-                         (BN == 64 || BN == 128 || BN == 256)),
+                         (BN == 64 || BN == 128 || BN == 192)),
                 "FP8: a one-tile-per-CTA kernel with the producer warpgroup (its warps transpose V), contiguous K/V, "
-                "no mods, block_n 64, 128 or 256 (whole V^T swizzle rows)");
+                "no mods, block_n 64, 128 or 192 (V^T panels of whole 64- or 128-byte swizzle rows)");
 
   const Params& p;
   int (&tile_slot)[PERSISTENT ? 2 : 1];  // PERSISTENT: the tile of tile number qi in tile_slot[qi % 2]
@@ -158,7 +161,7 @@ struct fwd_sm90_cta {
   int qp;
   fg_u32 sQw;
   int n_live, row_base;
-  fg_u64 desc_q, desc_k, desc_v;
+  fg_u64 desc_q, desc_k, desc_v, desc_vl;  // (desc_vl: FP8's last V^T panel, when its rows are narrower)
 
   // ---- setup: shared-memory carve-up, the first tile ----
   FG_DEVICE fwd_sm90_cta(const Params& p, fg_u32 smem_base, fg_u32 bars, int (&tile_slot)[PERSISTENT ? 2 : 1])
@@ -467,62 +470,73 @@ struct fwd_sm90_cta {
     return static_cast<fg_u32>(r * RB + ((((c >> 4) ^ ((r * RB >> 7) & (RB / 16 - 1))) << 4) | (c & 15)));
   }
   // Transposing thread x (0-95): every V block of the tile. A warp step is 16 bytes of d (one swizzle
-  // chunk) by all BN keys, or by BN = 64 two chunks: lane (kq, tq) of a chunk reads 16 bytes of d from
-  // each of keys 2tq, 2tq + 1, 2tq + 8, 2tq + 9 of key group kq (sigma's positions 4tq .. 4tq + 3; one
-  // 16-byte load a key), turns each 4-byte column of those four words into one word of 4 keys (a 4 x 4
-  // byte transpose, eight byte permutes), and writes it to d row c + x at its group's positions 4tq ..
-  // 4tq + 3. A store's lanes all write one row (two, BN = 64), each group's 16 bytes at another swizzle
-  // chunk: no bank conflict (BN = 64: two-way); a load is two-way (the 8 lanes of a 16-byte access phase
-  // read rows 16 apart in pairs, one swizzle phase each: 8 wavefronts where 512 bytes need 4). One step
-  // moves 2 KB with 4 loads, 16 stores and 32 permutes (a 4-byte-a-lane
-  // version spent ~100 instructions on 512 bytes, most of them addresses, and held the FP8 forward at
-  // 0.7x the bf16 one on an H100 whatever the pipeline).
+  // chunk) by a span of 128 keys, or two chunks by a span of 64 keys (BN = 64, and BN = 192 in three
+  // spans): lane (kq, tq) of a chunk reads 16 bytes of d from each of keys 2tq, 2tq + 1, 2tq + 8,
+  // 2tq + 9 of key group kq of the span (sigma's positions 4tq .. 4tq + 3; one 16-byte load a key), turns
+  // each 4-byte column of those four words into one word of 4 keys (a 4 x 4 byte transpose, eight byte
+  // permutes), and writes it to d row c + x at its group's positions 4tq .. 4tq + 3. A store's lanes all
+  // write one row (two, with 64-key spans), each group's 16 bytes at another swizzle chunk: no bank
+  // conflict (64-key spans: two-way); a load is two-way (the 8 lanes of a 16-byte access phase read rows
+  // 16 apart in pairs, one swizzle phase each; reading the pairs of odd groups the other way round made
+  // the loads conflict-free and measured no faster: docs/perf/fp8.md). One step moves 2 KB with 4 loads,
+  // 16 stores and 32 permutes (a 4-byte-a-lane version spent ~100 instructions on 512 bytes, most of them
+  // addresses, and held the FP8 forward at 0.7x the bf16 one on an H100 whatever the pipeline).
   FG_DEVICE void transpose_v(int x) {
     enum : int {
       KG = BN / 16,                    // key groups of 16
-      PER = 8 / KG,                    // d chunks a warp step covers (1 at BN = 128, 2 at BN = 64)
-      STEPS = (D / 16) / PER,          // warp steps per block
+      KGS = KG == 8 ? 8 : 4,           // key groups a warp step covers (its span: 16 KGS keys)
+      PER = 8 / KGS,                   // d chunks a warp step covers
+      CSTEPS = (D / 16) / PER,         // warp steps per span
+      STEPS = (KG / KGS) * CSTEPS,     // warp steps per block
     };
-    const int w = x / 32, lane = x % 32, tq = lane % 4, kq = (lane / 4) % KG, sub = lane / (4 * KG);
-    const int pos = kq * 16 + 4 * tq;  // sigma position of this lane's first key in V^T's rows
+    const int w = x / 32, lane = x % 32, tq = lane % 4, kq = (lane / 4) % KGS, sub = lane / (4 * KGS);
     for (int j = 0; j < n_blocks; ++j) {
       const int rb = j % VR, s = j % ST;
       mbar_wait(bar_vr(rb), (j / VR) & 1);
       if (j >= ST) mbar_wait(bar_ev(s), ((j / ST) + 1) & 1);
-      const fg_u32 src = sVr + rb * KV_BYTES, dst = sV + s * KV_BYTES + (pos / VT_ROWB) * D * VT_ROWB;
+      const fg_u32 src = sVr + rb * KV_BYTES, dst = sV + s * KV_BYTES;
 #pragma unroll 1
       for (int st = w; st < STEPS; st += TRANSPOSERS / 32) {
-        const int c = (st * PER + sub) * 16;  // this lane's d bytes c .. c + 15
-        const fg_u32 panel = src + (c / ROWB) * BN * ROWB;
-        fg_u32x4 in[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int r = kq * 16 + 2 * tq + (i & 1) + 8 * (i >> 1);
-          asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
-                       : "=r"(in[i].x), "=r"(in[i].y), "=r"(in[i].z), "=r"(in[i].w)
-                       : "r"(panel + swz<ROWB>(r, c % ROWB)) : "memory");
-        }
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {  // d bytes c + 4q .. c + 4q + 3
-          const fg_u32 a = word_of(in[0], q), b = word_of(in[1], q), cc = word_of(in[2], q), d = word_of(in[3], q);
-          fg_u32 t0, t1, t2, t3, out[4];
-          asm("prmt.b32 %0, %1, %2, 0x5140;\n" : "=r"(t0) : "r"(a), "r"(b));
-          asm("prmt.b32 %0, %1, %2, 0x7362;\n" : "=r"(t1) : "r"(a), "r"(b));
-          asm("prmt.b32 %0, %1, %2, 0x5140;\n" : "=r"(t2) : "r"(cc), "r"(d));
-          asm("prmt.b32 %0, %1, %2, 0x7362;\n" : "=r"(t3) : "r"(cc), "r"(d));
-          asm("prmt.b32 %0, %1, %2, 0x5410;\n" : "=r"(out[0]) : "r"(t0), "r"(t2));
-          asm("prmt.b32 %0, %1, %2, 0x7632;\n" : "=r"(out[1]) : "r"(t0), "r"(t2));
-          asm("prmt.b32 %0, %1, %2, 0x5410;\n" : "=r"(out[2]) : "r"(t1), "r"(t3));
-          asm("prmt.b32 %0, %1, %2, 0x7632;\n" : "=r"(out[3]) : "r"(t1), "r"(t3));
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            asm volatile("st.shared.b32 [%0], %1;\n"
-                         ::"r"(dst + swz<VT_ROWB>(c + 4 * q + e, pos % VT_ROWB)), "r"(out[e]) : "memory");
-        }
+        const int key0 = (st / CSTEPS) * KGS * 16 + kq * 16;  // this lane's key group (warp-uniform span)
+        const int c = ((st % CSTEPS) * PER + sub) * 16;          // this lane's d bytes c .. c + 15
+        if (VT_LAST != VT_ROWB && key0 >= BN / 128 * 128) transpose_chunk<VT_LAST>(src, dst, key0, c, tq);
+        else transpose_chunk<VT_ROWB>(src, dst, key0, c, tq);
       }
       fence_proxy_async_smem();  // the generic writes before the consumers' wgmma reads them
       mbar_arrive(bar_v(s));
       mbar_arrive(bar_vre(rb));
+    }
+  }
+  // One lane's part of a warp step: keys key0 + [2tq, 2tq + 1, 2tq + 8, 2tq + 9], d bytes c .. c + 15, from
+  // the raw block at src into the V^T stage at dst, whose panel there has RBP-byte rows.
+  template <int RBP>
+  static FG_DEVICE void transpose_chunk(fg_u32 src, fg_u32 dst, int key0, int c, int tq) {
+    const int pos = key0 + 4 * tq;  // sigma position of the lane's first key in V^T's rows
+    const fg_u32 panel = src + (c / ROWB) * BN * ROWB, out_panel = dst + (pos / 128) * D * 128;
+    fg_u32x4 in[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = key0 + 2 * tq + (i & 1) + 8 * (i >> 1);
+      asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+                   : "=r"(in[i].x), "=r"(in[i].y), "=r"(in[i].z), "=r"(in[i].w)
+                   : "r"(panel + swz<ROWB>(r, c % ROWB)) : "memory");
+    }
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {  // d bytes c + 4q .. c + 4q + 3
+      const fg_u32 a = word_of(in[0], q), b = word_of(in[1], q), cc = word_of(in[2], q), d = word_of(in[3], q);
+      fg_u32 t0, t1, t2, t3, out[4];
+      asm("prmt.b32 %0, %1, %2, 0x5140;\n" : "=r"(t0) : "r"(a), "r"(b));
+      asm("prmt.b32 %0, %1, %2, 0x7362;\n" : "=r"(t1) : "r"(a), "r"(b));
+      asm("prmt.b32 %0, %1, %2, 0x5140;\n" : "=r"(t2) : "r"(cc), "r"(d));
+      asm("prmt.b32 %0, %1, %2, 0x7362;\n" : "=r"(t3) : "r"(cc), "r"(d));
+      asm("prmt.b32 %0, %1, %2, 0x5410;\n" : "=r"(out[0]) : "r"(t0), "r"(t2));
+      asm("prmt.b32 %0, %1, %2, 0x7632;\n" : "=r"(out[1]) : "r"(t0), "r"(t2));
+      asm("prmt.b32 %0, %1, %2, 0x5410;\n" : "=r"(out[2]) : "r"(t1), "r"(t3));
+      asm("prmt.b32 %0, %1, %2, 0x7632;\n" : "=r"(out[3]) : "r"(t1), "r"(t3));
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        asm volatile("st.shared.b32 [%0], %1;\n"
+                     ::"r"(out_panel + swz<RBP>(c + 4 * q + e, pos % 128)), "r"(out[e]) : "memory");
     }
   }
   static FG_DEVICE fg_u32 word_of(const fg_u32x4& v, int q) { return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w; }
@@ -601,11 +615,13 @@ struct fwd_sm90_cta {
     for (int kk = 0; kk < D / KSTEP; ++kk) fg_wgmma_qk(acc_s, desc_q + kmajor_off(kk, 64), dk + kmajor_off(kk, BN), kk);
   }
   FG_DEVICE void issue_pv(float (&acc_o)[D / 2], const fg_u32 (&pa)[KV_STEPS][4], int s) const {
-    const fg_u64 dv = desc_v + static_cast<fg_u64>((s * KV_BYTES) >> 4);
+    const fg_u64 stage = static_cast<fg_u64>((s * KV_BYTES) >> 4), dv = desc_v + stage;
 #pragma unroll
     for (int kk = 0; kk < KV_STEPS; ++kk) {
-      if constexpr (FP8)  // V^T: K-major, d rows of keys
-        fg_wgmma_pv(acc_o, pa[kk], dv + kmajor_off<VT_ROWB>(kk, D));
+      if constexpr (FP8) {  // V^T: K-major, d rows of keys, panels of 128 keys (the last maybe narrower)
+        const bool last = VT_LAST != VT_ROWB && (kk * 32) / 128 == BN / 128;
+        fg_wgmma_pv(acc_o, pa[kk], (last ? desc_vl : desc_v) + stage + kmajor_off<128>(kk, D));
+      }
       else  // V: MN-major, k16 steps of 16 key rows
         fg_wgmma_pv(acc_o, pa[kk], dv + static_cast<fg_u64>((kk * 16 * 128) >> 4));
     }
@@ -777,7 +793,10 @@ struct fwd_sm90_cta {
     // MN-major SW128 (LBO = panel stride, SBO = 1024 B) for V.
     c.desc_q = sw_desc<ROWB>(c.sQw);
     c.desc_k = sw_desc<ROWB>(c.sK);
-    if constexpr (FP8) c.desc_v = sw_desc<VT_ROWB>(c.sV);  // V^T: K-major
+    if constexpr (FP8) {  // V^T: K-major
+      c.desc_v = sw_desc<VT_ROWB>(c.sV);
+      c.desc_vl = sw_desc<VT_LAST>(c.sV);
+    }
     else c.desc_v = sw128_desc(c.sV, BN * 128, 1024);
 
     float acc_o[D / 2];
