@@ -10,6 +10,7 @@ Suites (one module each, registered with ``register(Suite(...))`` when imported)
 - ``host``: per-call host time of ``flashgen.attention`` / ``flashgen.decode`` with cached plans;
 - ``startup``: time to the first ``flashgen.attention`` result of a new process (warm and cold cache);
 - ``sass``: no GPU: ptxas reports and SASS instruction counts of every kernel dispatch can pick;
+- ``stalls``: Nsight Compute on named forward kernels: issue slots, pipes, warp stall reasons;
 - ``variants``: window, softcap, ALiBi, sinks next to the plain kernel and FlexAttention;
 - ``varlen``: packed rows next to dense rows and SDPA on the padded batch;
 - ``mods``: user score_mod / mask_mod next to flashgen's built-in equivalents and FlexAttention;
@@ -39,11 +40,13 @@ from .registry import SUITES, Suite, register
 
 __all__ = ["SUITES", "Suite", "register", "suites", "BUILT_IN"]
 
-BUILT_IN = ("fwd", "bwd", "decode", "ablation", "ab", "host", "startup", "sass", "variants", "varlen", "models", "mods")
+BUILT_IN = ("fwd", "bwd", "decode", "ablation", "ab", "host", "startup", "sass", "stalls", "variants", "varlen", "models",
+            "mods")
 
 
 def suites() -> dict[str, Suite]:
     """Every registered suite (importing the built-in ones first; none of them imports torch at import)."""
-    from . import ab, ablation, bwd, decode, fwd, host, models, mods, sass, startup, variants, varlen  # noqa: F401 -- each registers itself
+    from . import (ab, ablation, bwd, decode, fwd, host, models, mods, sass, stalls, startup,  # noqa: F401
+                   variants, varlen)  # (each registers itself)
 
     return SUITES

@@ -1,0 +1,123 @@
+"""The ``stalls`` bench suite without a GPU: its options, the ncu command it builds, the digest of ncu's raw CSV,
+and a whole run against a stand-in ``ncu`` (a script that prints a CSV, or fails)."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+
+import pytest
+
+from flashgen.bench import stalls
+from cli_util import run_main
+
+FP8 = "fwd_sm90_d128_m128_n128_w12_s2_ws_pp_fp8_full_bf16_sm90a"
+BF16 = "fwd_sm90_d128_m128_n128_w12_s3_ws_ov_causal_bf16_sm90a"
+
+# ncu --csv --page raw: a header of metric names, a row of units, one row per profiled launch.
+CSV = "\n".join([
+    "==PROF== Connected to process 4242",
+    '"ID","Process ID","Kernel Name","gpu__time_duration.sum","smsp__issue_active.avg.pct_of_peak_sustained_active",'
+    '"sm__throughput.avg.pct_of_peak_sustained_elapsed","sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_'
+    'sustained_active","sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active",'
+    '"smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",'
+    '"smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio","launch__grid_size"',
+    '"","","","usecond","%","%","%","%","inst","inst",""',
+    f'"0","4242","{FP8}","1,421.50","31.2","44.0","38.5","61.0","2.75","0.40","1024"',
+    "==PROF== Disconnected from process 4242",
+])
+
+
+def test_digest_reads_the_raw_page():
+    got = stalls.digest(CSV)
+    assert got == {"duration": 1421.5, "issue_pct": 31.2, "sm_pct": 44.0, "pipe_tensor_op_gmma": 38.5,
+                   "pipe_xu": 61.0, "stall_barrier": 2.75, "stall_long_scoreboard": 0.4}
+    ns = CSV.replace('"usecond"', '"nsecond"')
+    assert stalls.digest(ns)["duration"] == pytest.approx(1.4215)
+    with pytest.raises(ValueError, match="no ncu CSV"):
+        stalls.digest("==PROF== No kernels were profiled.")
+
+
+def test_ncu_command_profiles_one_launch_of_the_named_kernel(tmp_path):
+    args = type("A", (), {"kernels": FP8, "shape": "1,16,4096,128", "skip": 3, "sections": "WarpStateStats",
+                          "ncu": "/opt/ncu", "top": 5})()
+    settings = stalls.parse(args)
+    cmd = stalls.ncu_command(settings, settings["specs"][0])
+    assert cmd[:2] == ["/opt/ncu", "--clock-control"] and "none" in cmd
+    assert cmd[cmd.index("-k") + 1] == f"regex:^{FP8}$"
+    assert cmd[cmd.index("--launch-skip") + 1] == "3" and cmd[cmd.index("--launch-count") + 1] == "1"
+    assert cmd[cmd.index("--section") + 1] == "WarpStateStats"
+    assert cmd[-6:] == [sys.executable, "-m", "flashgen.bench.stalls", FP8, "1,16,4096,128", "4"]  # skip + 1
+
+
+@pytest.mark.parametrize("argv,text", [
+    (["--kernels", ""], "name at least one kernel"),
+    (["--kernels", "fwd_sm90_nonsense"], "--kernels 'fwd_sm90_nonsense'"),
+    (["--kernels", "decode_split_d128_m16_n128_w4_s2_ld2_causal_bf16_sm90a"], "profiles the forward"),
+    (["--kernels", BF16, "--shape", "1,2,3"], "b,h,n,d"),
+    (["--kernels", BF16, "--shape", "1,2,128,256"], "head-dim tile 128 < d = 256"),
+    (["--kernels", BF16, "--skip", "-1"], "--skip"),
+    (["--kernels", BF16, "--sections", "Warp;rm -rf"], "--sections"),
+])
+def test_bad_options_are_one_line(capsys, tmp_path, argv, text):
+    code, _, err = run_main(capsys, "bench", "stalls", "--out", str(tmp_path), *argv)
+    assert code == 2 and text in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def _fake_ncu(tmp_path, body: str) -> str:
+    path = tmp_path / "ncu"
+    path.write_text(f"#!{sys.executable}\n{body}\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def test_a_run_against_a_stand_in_ncu(capsys, tmp_path):
+    """The suite runs ncu once per kernel, keeps each CSV, and tabulates the digest; a kernel ncu fails on is
+    a row with the error, the others stand."""
+    script = ("import sys\n"
+              f"csv = {CSV!r}\n"
+              "name = sys.argv[sys.argv.index('-k') + 1]\n"
+              f"if {BF16!r} in name:\n    sys.stderr.write('==ERROR== profiling failed\\n'); sys.exit(1)\n"
+              "print(csv)")
+    ncu = _fake_ncu(tmp_path, script)
+    out = tmp_path / "out"
+    code, stdout, err = run_main(capsys, "bench", "stalls", "--out", str(out), "--no-plot", "--ncu", ncu,
+                                 "--kernels", f"{FP8},{BF16}", "--top", "1")
+    assert code == 0, err
+    result = json.loads((out / "stalls.json").read_text())
+    fp8, bf16 = result["rows"]
+    assert fp8["results"]["duration"]["value"] == 1421.5 and fp8["results"]["stall_barrier"]["value"] == 2.75
+    assert "stall_long_scoreboard" not in result["impls"]  # --top 1: the largest reason only
+    assert "ncu exited 1" in bf16["error"] and "profiling failed" in bf16["error"]
+    assert (out / "stalls" / f"{FP8}.csv").read_text().startswith("==PROF==")
+    assert FP8 in stdout and "1421.50" in stdout
+
+
+def test_a_missing_ncu_is_one_line(capsys, tmp_path):
+    code, _, err = run_main(capsys, "bench", "stalls", "--out", str(tmp_path), "--kernels", FP8,
+                            "--ncu", str(tmp_path / "no-such-ncu"))
+    assert code == 2 and "not found" in err and len(err.strip().splitlines()) == 1
+    assert not os.path.exists(tmp_path / "stalls")  # refused before anything ran
+
+
+@pytest.mark.gpu
+def test_the_suite_on_the_gpu_host(capsys, tmp_path):
+    """With a CUDA device and ncu: a bf16 and an FP8 kernel profiled, each with a duration and stall reasons."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm_90 GPU")
+    import shutil
+
+    if shutil.which("ncu") is None:
+        pytest.skip("no ncu on PATH")
+    out = tmp_path / "out"
+    code, _, err = run_main(capsys, "bench", "stalls", "--out", str(out), "--no-plot", "--kernels", f"{FP8},{BF16}",
+                            "--shape", "1,8,2048,128")
+    assert code == 0, err
+    rows = json.loads((out / "stalls.json").read_text())["rows"]
+    assert [r["kernel"] for r in rows] == [FP8, BF16]
+    for r in rows:
+        assert "error" not in r, r.get("error")
+        assert r["results"]["duration"]["value"] > 0
+        assert any(k.startswith("stall_") and "value" in v for k, v in r["results"].items())
