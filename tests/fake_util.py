@@ -3,6 +3,8 @@ layer's checks: an entry point sees a CUDA tensor of the right shape, dtype and 
 needed. Imported by the test modules after their ``pytest.importorskip("torch")``."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -18,3 +20,12 @@ def fake(*shape, dtype=torch.bfloat16, device="cuda", strides=None):
         if strides is not None:
             return torch.empty_strided(shape, strides, dtype=dtype, device=device)
         return torch.empty(shape, dtype=dtype, device=device)
+
+
+def decode_quietly(*args, **kwargs):
+    """``flashgen.decode`` on fake tensors with its warnings silenced (the checks under test raise first)."""
+    import flashgen
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return flashgen.decode(*args, **kwargs)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import re
-import warnings
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from flashgen.api import decoding as decode_entry
 from flashgen.families import FAMILIES
 from flashgen.families import decode as dk
 from flashgen.problem import ProblemKey, bucket_of
-from fake_util import fake
+from fake_util import decode_quietly as call, fake
 
 F16, BF16 = torch.float16, torch.bfloat16
 
@@ -445,12 +444,6 @@ def test_combine_family_fixes_unused_fields():
 
 
 # ---------------------------------------------------------------- validation (no GPU)
-
-
-def call(*args, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return flashgen.decode(*args, **kwargs)
 
 
 B, NQ, HQ, HK, D, L = 3, 2, 8, 2, 128, 100

@@ -12,7 +12,6 @@ from __future__ import annotations
 import random
 import re
 import struct
-import warnings
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from flashgen import families, gpus
 from flashgen.api.fp8 import check_descale_values
 from flashgen.families import decode as dk
 from flashgen.problem import ProblemKey
-from fake_util import fake
+from fake_util import decode_quietly as call, fake
 from flashgen.spec import KernelSpec
 from cli_util import run_main
 
@@ -363,12 +362,6 @@ def test_fragment_layout_computes_qk_and_pv(dtype, d, kw):
 
 
 # ---------------------------------------------------------------- flashgen.decode's checks (no GPU)
-
-
-def call(*args, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return flashgen.decode(*args, **kwargs)
 
 
 B, NQ, HQ, HK, D, L = 3, 2, 8, 2, 128, 100
