@@ -121,8 +121,8 @@ FG_DEVICE int ceil_div(int a, int b) { return (a + b - 1) / b; }
 // p_frag after it (P as mma A fragments) are the same in every family too. fwd_v2, fwd_v1 and
 // decode_split call softmax_step; fwd_sm90 calls the single operations, because its step differs.
 //
-// Not here, because their arithmetic or its order differs: fwd_sm90's lean softmax (a tree for the row
-// max, two partial sums, a conditional max), its exp2 on the FMA pipe, and its O rescale (both rows in
+// Not here, because their arithmetic or its order differs: fwd_sm90's lean softmax (two partial sums,
+// a conditional max), its exp2 on the FMA pipe, and its O rescale (both rows in
 // one pass after the step: the same multiplies in another order, which the compiler schedules
 // differently), all in fwd_sm90.cuh; the standard kernel's softmax pass (a lane-wise running max over
 // 8-element chunks merged by a butterfly over the warp: standard.cuh); the backward kernels, which
@@ -165,6 +165,22 @@ FG_DEVICE float fold_row_max(F& s, int h, float m) {
   for (int nj = 0; nj < frag<F>::N8; ++nj)
     m = fmaxf(m, fmaxf(frag<F>::at(s, nj, 2 * h), frag<F>::at(s, nj, 2 * h + 1)));
   return m;
+}
+
+// The same maximum as a tree: the same 2 N8 max instructions, a dependent path of ~log2(N8) + 2
+// instead of N8 + 1 (the max is exact in any order). fwd_sm90 takes it at d = 64 and with its lean
+// softmax, where the short GEMMs leave the chain's latency on the softmax's path (docs/perf/fp8.md).
+template <typename F>
+FG_DEVICE float tree_row_max(F& s, int h, float m) {
+  enum { N8 = frag<F>::N8 };
+  float v[N8];
+#pragma unroll
+  for (int nj = 0; nj < N8; ++nj) v[nj] = fmaxf(frag<F>::at(s, nj, 2 * h), frag<F>::at(s, nj, 2 * h + 1));
+#pragma unroll
+  for (int w = 1; w < N8; w *= 2)
+#pragma unroll
+    for (int i = 0; i + w < N8; i += 2 * w) v[i] = fmaxf(v[i], v[i + w]);
+  return fmaxf(m, v[0]);
 }
 
 // A row that has seen only masked keys keeps max -inf: use 0 so that exp2(-inf - 0) = 0 instead of NaN.

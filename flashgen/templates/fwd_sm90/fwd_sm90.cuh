@@ -117,6 +117,7 @@ struct fwd_sm90_cta {
     VT_ROWB = FP8 ? (BN < 128 ? BN : 128) : 128,
     VT_LAST = FP8 && BN > 128 && BN % 128 ? BN % 128 : VT_ROWB,
     VR = FP8 ? 2 : 0,
+    TREE_MAX = LEAN || D <= 64,    // the row max as a tree (softmax below)
     TRANSPOSERS = 96,              // FP8: the producer warpgroup's warps 1-3 (warp 0 issues the TMA)
     NBAR = EARLY_K ? 4 : 3,        // barriers per stage
     // Paged K/V (PAGE_ROWS > 0): a K/V block is CHUNKS boxes of PAGE_ROWS rows, each from its own page.
@@ -627,17 +628,6 @@ struct fwd_sm90_cta {
     }
   }
 
-  // LEAN's row max: a tree, depth ~log2(NJ) + 1 instead of the chain of fold_row_max (softmax.cuh).
-  static FG_DEVICE float tree_row_max(float (&s)[BN / 2], int h, float m) {
-    float v[NJ];
-#pragma unroll
-    for (int nj = 0; nj < NJ; ++nj) v[nj] = fmaxf(s[4 * nj + 2 * h], s[4 * nj + 2 * h + 1]);
-#pragma unroll
-    for (int w = 1; w < NJ; w *= 2)
-#pragma unroll
-      for (int i = 0; i + w < NJ; i += 2 * w) v[i] = fmaxf(v[i], v[i + w]);
-    return fmaxf(m, v[0]);
-  }
   // P = exp2(s scale_log2 - m_scaled) in place for row half h, its sum added to sum[0]: exp2_row
   // (softmax.cuh) but with FMA_EXP2 of every 8 n8 chunks on the FMA pipe and, LEAN, two partial sums
   // (sum[e] for the even / odd column of each pair: half the dependent FADD chain). Local to this
@@ -685,9 +675,12 @@ struct fwd_sm90_cta {
     for (int h = 0; h < 2; ++h) {
       float mx;
       const float off = var.alibi_row_offset(row_base + 8 * h, n0 + 2 * t);
+      // The row max as a tree at d = 64 and with LEAN (a chain elsewhere: the same value, bit for bit):
+      // at d = 64 the GEMMs are short and the chain's latency showed (H100, docs/perf/fp8.md: FP8
+      // +2-9 %, bf16 +1-4 %); at d = 128 and 256 the tree measured within the spread (0.95-1.03x).
       if constexpr (V::ALIBI_LINEAR)
-        mx = fmaxf(row_max[h], (LEAN ? tree_row_max(acc_s, h, -INFINITY) : fold_row_max(acc_s, h, -INFINITY)) + off);
-      else if constexpr (LEAN)
+        mx = fmaxf(row_max[h], (TREE_MAX ? tree_row_max(acc_s, h, -INFINITY) : fold_row_max(acc_s, h, -INFINITY)) + off);
+      else if constexpr (TREE_MAX)
         mx = tree_row_max(acc_s, h, row_max[h]);
       else
         mx = fold_row_max(acc_s, h, row_max[h]);
