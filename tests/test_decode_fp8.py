@@ -19,7 +19,7 @@ import torch
 import flashgen
 from flashgen import families, gpus
 from flashgen.api.fp8 import check_descale_values
-from flashgen.families import decode as dk
+from flashgen.families import decode as dk, fwd_sm90
 from flashgen.problem import ProblemKey
 from fake_util import decode_quietly as call, fake
 from flashgen.spec import KernelSpec
@@ -164,11 +164,16 @@ def test_cli_takes_fp8_for_decode_and_the_forward(capsys):
     on sm_90a; --fp8 where no kernel serves it is a one-line error."""
     code, out, _ = run_main(capsys, "emit", "--kind", "decode_split", "--fp8", "--d", "96", "--arch", "sm_80")
     assert code == 0 and "// spec: decode_split_d128_m16_n128_w4_s2_ld2_fp8_causal_bf16_sm80" in out
+    bm, bn, st, tokens = fwd_sm90.FP8_TILES[128][0]  # the FP8 rule's first tile
+
+    def first(causal):
+        return fwd_sm90.variant(128, causal, tokens, fp8=True, block_m=bm, block_n=bn, stages=st).name
+
     code, out, _ = run_main(capsys, "emit", "--fp8", "--d", "128", "--causal", "--arch", "sm_90a")
-    assert code == 0 and "// spec: fwd_sm90_d128_m128_n128_w12_s2_ws_pp_fp8_causal_bf16_sm90a" in out
+    assert code == 0 and f"// spec: {first(True)}\n" in out
     # a GPU whose table holds bf16 tiles FP8 refuses (the H200's d = 128): the FP8 rule's tile
     code, out, _ = run_main(capsys, "emit", "--kind", "fwd_sm90", "--fp8", "--d", "128", "--gpu", "h200")
-    assert code == 0 and "// spec: fwd_sm90_d128_m128_n128_w12_s2_ws_pp_fp8_full_bf16_sm90a" in out
+    assert code == 0 and f"// spec: {first(False)}\n" in out
     for argv, text in ((("--kind", "fwd_v2", "--fp8", "--d", "64"), "does not serve fp8"),
                        (("--kind", "bwd_dkdv", "--fp8", "--d", "64"), "--fp8 is the forward's")):
         code, _, err = run_main(capsys, "emit", *argv)

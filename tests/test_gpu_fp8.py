@@ -104,14 +104,17 @@ def test_fp8_fp16_output():
     check_fp8(2, 4, 4, 300, 300, 128, False, out_dtype=torch.float16)
 
 
-@pytest.mark.parametrize("tokens", TILES)
-@pytest.mark.parametrize("d", [64, 128, 256])
+# Every tile of TILES the family's check takes at each head dim (192-key blocks at d = 256 need more
+# shared memory and registers than a block has: test_fp8.py checks that they are refused).
+TILE_CASES = [(tokens, d) for d in (64, 128, 256) for tokens in TILES
+              if not fwd_sm90.variant(d, False, tokens, fp8=True).check(gpus.get("h200"))]
+
+
+@pytest.mark.parametrize("tokens,d", TILE_CASES, ids=[f"d{d}-{t}" for t, d in TILE_CASES])
 @pytest.mark.parametrize("causal", [False, True])
 def test_fp8_tiles(tokens, d, causal):
     spec = fwd_sm90.variant(d, causal, tokens, fp8=True)
-    problems = spec.check(gpus.get("h200"))
-    if problems:  # (a tile the family refuses here: too much shared memory, or registers)
-        pytest.skip(f"{spec.name}: {'; '.join(problems)}")
+    assert spec.check(gpus.get("h200")) == []
     check_fp8(2, 4, 2, 1023, 1100, d, causal, spec=spec)
 
 

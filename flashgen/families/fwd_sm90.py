@@ -64,12 +64,13 @@ SM90_HEAD_DIMS = (64, 128, 256)
 # 64-key one), and what a tile supports (refused flags: api errors name them). Whether S, O and P fit the
 # consumers' registers is the resource check's (192 keys: 96 accumulators of S a thread; d = 256 spills).
 FP8_BLOCK_NS = (64, 128, 192)
-# In order of preference, from the FP8 ablation (docs/perf/fp8.md; measured on an H100, none of it on
-# an H200 yet), against plain warp specialization: ping-pong at d = 128 (+5-21 %), ping-pong with a
-# third stage at d = 256 (+0-4 %), overlap with a third stage at d = 64 (+1-7 %).
+# In order of preference, from the FP8 ablations (docs/perf/fp8.md; measured on an H100, none of it on
+# an H200 yet), against plain warp specialization: ping-pong at d = 128 (+5-21 %), there over 192-key
+# blocks (-7 to +16 % against 128 keys per cell over three runs, +5 % on average), ping-pong with a third
+# stage at d = 256 (+0-4 %), overlap with a third stage at d = 64 (+1-7 %).
 FP8_TILES = {
     64: ((128, 128, 3, "ws_ov"), (128, 128, 2, "ws"), (128, 64, 2, "ws")),
-    128: ((128, 128, 2, "ws_pp"), (128, 128, 2, "ws"), (128, 64, 2, "ws")),
+    128: ((128, 192, 2, "ws_pp"), (128, 128, 2, "ws_pp"), (128, 128, 2, "ws"), (128, 64, 2, "ws")),
     256: ((128, 64, 3, "ws_pp"), (128, 64, 2, "ws")),
 }
 
