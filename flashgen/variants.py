@@ -249,3 +249,24 @@ def tuning_variant(key_variant: str, causal: bool, seqlen: int) -> Variant:
         window = (side, 0 if causal else side)
     return Variant.of(causal, window, TUNING_SOFTCAP if flags["softcap"] else 0.0, flags["alibi"], flags["sinks"],
                       flags["varlen"], flags["fp8"])
+
+
+def tuning_kwargs(key_variant: str, causal: bool, n: int, heads: int, device) -> dict:
+    """``flashgen.attention``'s variant keywords for a measurement of ``key_variant`` (the tuner's trials,
+    the stalls bench's profiled call): the window and softcap of ``tuning_variant``, geometric ALiBi
+    slopes, random sinks; {} for the plain variant."""
+    if not key_variant:
+        return {}
+    import torch
+
+    v = tuning_variant(key_variant, causal, n)
+    kw: dict = {}
+    if v.windowed:
+        kw["window"] = (v.left, v.right)
+    if v.softcap:
+        kw["softcap"] = v.softcap
+    if v.alibi:
+        kw["alibi_slopes"] = torch.tensor(alibi_slopes(heads), device=device)
+    if v.sinks:
+        kw["sinks"] = torch.randn(heads, device=device, dtype=torch.float32)
+    return kw

@@ -3,12 +3,20 @@
 Each ``--kernels`` name (``KernelSpec.from_name``, a forward family: fwd_sm90, fwd_v2) runs in a child
 process under ``ncu`` (``--clock-control none``: the clocks as the benchmarks see them) on one
 ``--shape`` ``b,h,n,d`` (bhsd, self-attention; the kernel's own causal flag and dtype; FP8 kernels on
-inputs quantized per (batch, head)); ncu profiles one launch after ``--skip`` warm-up calls, with the
+inputs quantized per (batch, head); a kernel with a window, softcap, ALiBi or sinks at the tuner's
+values, ``variants.tuning_kwargs``); ncu profiles one launch after ``--skip`` warm-up calls, with the
 sections of ``--sections``. Per kernel the table gives the duration, the issue slots' busy share, the
 pipes' utilization ncu reports (the tensor pipe, the FMA and ALU pipes, XU: MUFU) and the warp stall
 reasons, as cycles per issued instruction, the largest first. Every ncu CSV is kept beside the JSON
 (``OUT/stalls/<kernel>.csv``): the table is a digest of it. Needs the GPU host's ncu (``--ncu``);
 gVisor machines have no hardware counters (the device notes say which runtime has them).
+
+``--source`` adds a second profile of the same launch with ncu's warp sampling per SASS instruction
+(``SourceCounters``), kept as ``OUT/stalls/<kernel>.source.csv`` (``--page source``) and digested per
+loop: instructions grouped by how often they executed (a loop body's instructions all run the same
+number of times), and for the groups holding the most samples, each opcode's share of the group's
+samples and its main stall reason. That is where a warp's time goes inside its main loop: the
+softmax's exp2s, the row max, the GEMM issue and waits, the barrier waits (docs/perf/fp8.md used it).
 """
 from __future__ import annotations
 
@@ -22,6 +30,7 @@ from pathlib import Path
 
 from ..errors import UnsupportedError
 from ..spec import KernelSpec
+from ..variants import spec_key, tuning_kwargs
 from . import options
 from .registry import Suite, register
 from .timing import error_text, meta
@@ -44,6 +53,8 @@ def add_args(p) -> None:
     p.add_argument("--sections", default=SECTIONS, help=f"ncu sections (default {SECTIONS})")
     p.add_argument("--ncu", default="ncu", help="the ncu executable (default: ncu on PATH)")
     p.add_argument("--top", type=int, default=8, help="stall reasons in the table, the largest first (default 8)")
+    p.add_argument("--source", action="store_true",
+                   help="also sample stalls per SASS instruction (a second ncu run) and digest the hottest loops")
 
 
 def parse(args) -> dict:
@@ -59,6 +70,9 @@ def parse(args) -> dict:
         if spec.kind not in FORWARD_KINDS:
             raise ValueError(f"--kernels {name!r}: a {spec.kind} kernel; this suite profiles the forward "
                              f"({', '.join(FORWARD_KINDS)})")
+        if getattr(spec, "varlen", False) or getattr(spec, "mod", ""):
+            raise ValueError(f"--kernels {name!r}: packed rows and mods need their own inputs; this suite runs "
+                             "dense (b, h, n, d) calls (with a kernel's window, softcap, ALiBi or sinks)")
         specs.append(spec)
     shape = options.ints(args.shape, "shape")
     if len(shape) != 4 or min(shape) < 1:
@@ -72,18 +86,87 @@ def parse(args) -> dict:
     if not sections or not all(re.fullmatch(r"[A-Za-z]+", s) for s in sections):
         raise ValueError(f"--sections {args.sections!r}: ncu section names, comma-separated")
     return {"specs": specs, "shape": shape, "skip": args.skip, "sections": sections, "ncu": args.ncu,
-            "top": args.top}
+            "top": args.top, "source": bool(getattr(args, "source", False))}
 
 
-def ncu_command(settings: dict, spec: KernelSpec) -> list[str]:
-    """The ncu command line that profiles launch ``skip`` of ``spec`` in a child ``launch``."""
-    cmd = [settings["ncu"], "--clock-control", "none", "--csv", "--page", "raw",
-           "-k", f"regex:^{re.escape(spec.name)}$", "--launch-skip", str(settings["skip"]), "--launch-count", "1"]
-    for section in settings["sections"]:
+def ncu_command(settings: dict, spec: KernelSpec, report: Path | None = None) -> list[str]:
+    """The ncu command line that profiles launch ``skip`` of ``spec`` in a child ``launch``: the raw page
+    as CSV on stdout, or with ``report`` the per-instruction sampling (SourceCounters) saved as
+    ``report``.ncu-rep."""
+    cmd = [settings["ncu"], "--clock-control", "none"]
+    cmd += ["--csv", "--page", "raw"] if report is None else ["-f", "-o", str(report)]
+    cmd += ["-k", f"regex:^{re.escape(spec.name)}$", "--launch-skip", str(settings["skip"]), "--launch-count", "1"]
+    for section in (settings["sections"] if report is None else ["SourceCounters", "WarpStateStats"]):
         cmd += ["--section", section]
     b, h, n, d = settings["shape"]
     return cmd + [sys.executable, "-m", "flashgen.bench.stalls", spec.name, f"{b},{h},{n},{d}",
                   str(settings["skip"] + 1)]
+
+
+def source_command(settings: dict, report: Path) -> list[str]:
+    """ncu reading a saved report's source page: one CSV row per SASS instruction."""
+    return [settings["ncu"], "-i", str(report), "--page", "source", "--csv", "--print-source", "sass"]
+
+
+_SAMPLES = "Warp Stall Sampling (All Samples)"
+_EXECUTED = "Instructions Executed"
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+def source_digest(text: str, groups: int = 3, ops: int = 8) -> dict:
+    """The hottest loops of ncu's ``--page source --csv`` output: instructions grouped by their execution
+    count, the ``groups`` groups with the most samples, each with its instruction count, executions,
+    share of all samples and its ``ops`` heaviest opcodes (share of the group's samples, main stall
+    reason). ValueError when the text holds no per-instruction table."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"Address"')), None)
+    if start is None:
+        raise ValueError("no per-instruction table in ncu's source page")
+    rows = list(csv.reader(io.StringIO("\n".join(lines[start:]))))
+    header, body = rows[0], [r for r in rows[1:] if len(r) == len(rows[0])]
+    col = {name: i for i, name in enumerate(header)}
+    if _SAMPLES not in col or _EXECUTED not in col or "Source" not in col:
+        raise ValueError("ncu's source page lacks the sampling or execution columns")
+    reasons = [n for n in header if n.startswith("stall_") and "(Not Issued)" not in n]
+    total = sum(_number(r[col[_SAMPLES]]) for r in body)
+    by_count: dict = {}
+    for r in body:
+        by_count.setdefault(int(_number(r[col[_EXECUTED]])), []).append(r)
+    ranked = sorted(((sum(_number(r[col[_SAMPLES]]) for r in members), count, members)
+                     for count, members in by_count.items() if count > 0), key=lambda g: -g[0])
+    out = []
+    for samples, count, members in ranked[:groups]:
+        per_op: dict = {}
+        for r in members:
+            words = r[col["Source"]].split()
+            op = (words[1] if words and words[0].startswith("@") and len(words) > 1 else (words or ["?"])[0])
+            op = op.split(".")[0]
+            entry = per_op.setdefault(op, {"op": op, "count": 0, "samples": 0.0, "reasons": {}})
+            entry["count"] += 1
+            entry["samples"] += _number(r[col[_SAMPLES]])
+            for reason in reasons:
+                entry["reasons"][reason[6:]] = entry["reasons"].get(reason[6:], 0.0) + _number(r[col[reason]])
+        heavy = sorted(per_op.values(), key=lambda e: -e["samples"])[:ops]
+        out.append({"instructions": len(members), "executions": count,
+                    "share": round(100 * samples / total, 1) if total else 0.0,
+                    "ops": [{"op": e["op"], "count": e["count"],
+                             "share": round(100 * e["samples"] / samples, 1) if samples else 0.0,
+                             "reason": max(e["reasons"], key=e["reasons"].get) if e["reasons"] else ""}
+                            for e in heavy]})
+    return {"samples": total, "groups": out}
+
+
+def source_lines(name: str, digest_: dict) -> list[str]:
+    """One note per group: the kernel, the group's size and share, its opcodes' shares and reasons."""
+    return [f"{name}: {g['instructions']} instructions x {g['executions']} executions, {g['share']} % of the "
+            f"samples: " + ", ".join(f"{o['op']} x{o['count']} {o['share']} % ({o['reason']})" for o in g["ops"])
+            for g in digest_["groups"]]
 
 
 def digest(text: str) -> dict:
@@ -124,7 +207,7 @@ def run(args, progress) -> dict:
         raise ValueError(f"--ncu {settings['ncu']!r}: not found (Nsight Compute runs on the GPU host)")
     folder = Path(args.out) / "stalls"
     folder.mkdir(parents=True, exist_ok=True)
-    rows, found = [], {}
+    rows, found, source_notes = [], {}, []
     for spec in settings["specs"]:
         progress(f"ncu: {spec.name} on {','.join(map(str, settings['shape']))}")
         row = {"kernel": spec.name, "kind": spec.kind, "results": {}}
@@ -145,6 +228,13 @@ def run(args, progress) -> dict:
         for k, v in values.items():
             if k.startswith("stall_"):
                 found[k] = max(found.get(k, 0.0), v)
+        if settings["source"]:
+            try:
+                row["source"] = profile_source(settings, spec, folder)
+                source_notes += source_lines(spec.name, row["source"])
+            except Exception as exc:  # noqa: BLE001 -- the raw figures stand without the per-instruction view
+                row["source_error"] = error_text(exc, 400)
+                source_notes.append(f"{spec.name}: no per-instruction view ({row['source_error']})")
         rows.append(row)
     top = sorted(found, key=found.get, reverse=True)[:settings["top"]]
     pipes = sorted({k for r in rows for k in r["results"] if k.startswith("pipe_")})
@@ -160,7 +250,23 @@ def run(args, progress) -> dict:
                           "(%), stall reasons (cycles per issued instruction, the largest over the kernels)",
             "settings": {"shape": settings["shape"], "skip": settings["skip"], "sections": settings["sections"],
                          "kernels": [s.name for s in settings["specs"]]},
-            "rows": rows, "notes": [f"ncu CSVs: {folder}"]}
+            "rows": rows, "notes": [f"ncu CSVs: {folder}", *source_notes]}
+
+
+def profile_source(settings: dict, spec: KernelSpec, folder: Path) -> dict:
+    """The per-instruction sampling of ``spec``'s profiled launch: a saved report, its source page kept as
+    ``<kernel>.source.csv`` and digested (``source_digest``)."""
+    base = folder / spec.name  # ncu -o appends .ncu-rep
+    report = folder / f"{spec.name}.ncu-rep"
+    run_ = subprocess.run(ncu_command(settings, spec, report=base), capture_output=True, text=True, timeout=900)
+    if run_.returncode != 0:
+        raise RuntimeError(f"ncu exited {run_.returncode}: {(run_.stderr or run_.stdout).strip()[-300:]}")
+    page = subprocess.run(source_command(settings, report), capture_output=True, text=True, timeout=300)
+    (folder / f"{spec.name}.source.csv").write_text(page.stdout)
+    if page.returncode != 0:
+        raise RuntimeError(f"ncu -i exited {page.returncode}: {(page.stderr or page.stdout).strip()[-300:]}")
+    report.unlink(missing_ok=True)  # the CSV holds what the digest reads; reports run to megabytes
+    return source_digest(page.stdout)
 
 
 def launch(name: str, shape: str, calls: int) -> None:
@@ -178,6 +284,8 @@ def launch(name: str, shape: str, calls: int) -> None:
     if spec.fp8:
         (q, qd), (k, kd), (v, vd) = (quantize_fp8(t) for t in (q, k, v))
         extra = {"q_descale": qd, "k_descale": kd, "v_descale": vd, "out_dtype": dtype, "check_values": False}
+    # the kernel's variant at the tuner's values (window 4096, softcap 50, geometric slopes, random sinks)
+    extra.update(tuning_kwargs(spec_key(spec), spec.causal, n, h, "cuda"))
     for _ in range(calls):
         attention(q, k, v, causal=spec.causal, spec=spec, **extra)
     torch.cuda.synchronize()
@@ -191,4 +299,5 @@ if __name__ == "__main__":  # the child under ncu (``ncu_command``)
         sys.exit(2)
 else:
     register(Suite("stalls", "Nsight Compute on named forward kernels: duration, issue slots, pipes and warp "
-                             "stall reasons per kernel (the GPU host's ncu)", add_args, run))
+                             "stall reasons per kernel, per SASS instruction with --source (the GPU host's ncu)",
+                   add_args, run))

@@ -100,26 +100,6 @@ def model_shape(key, shapes=None) -> tuple:
 TIMING = {"budget_s": 0.05, "min_reps": 5, "max_reps": 30, "warmup": 2}
 
 
-def variant_kwargs(key_variant: str, causal: bool, n: int, b: int, h: int, device) -> dict:
-    """``flashgen.attention``'s variant keywords for a tuning measurement of ``key_variant`` (the
-    window and softcap of ``variants.tuning_variant``; geometric ALiBi slopes; random sinks)."""
-    import torch
-
-    if not key_variant:
-        return {}
-    v = variants.tuning_variant(key_variant, causal, n)
-    kw: dict = {}
-    if v.windowed:
-        kw["window"] = (v.left, v.right)
-    if v.softcap:
-        kw["softcap"] = v.softcap
-    if v.alibi:
-        kw["alibi_slopes"] = torch.tensor(variants.alibi_slopes(h), device=device)
-    if v.sinks:
-        kw["sinks"] = torch.randn(h, device=device, dtype=torch.float32)
-    return kw
-
-
 def median_ms(fn) -> float:
     """Median time of ``fn`` in ms from CUDA events: a short budget per trial (the shared timer)."""
     return time_ms(fn, **TIMING)["ms"]
@@ -201,7 +181,7 @@ class MeasuredObjective:
         for nq, nk in ((203, 317), (317, 203), (1, 77)):
             q = torch.randn(2, 4, nq, d, device=dev, dtype=dtype)
             k, v = (torch.randn(2, 2, nk, d, device=dev, dtype=dtype) for _ in range(2))
-            kw = variant_kwargs(variants.spec_key(spec), spec.causal, max(nq, nk), 2, 4, dev)
+            kw = variants.tuning_kwargs(variants.spec_key(spec), spec.causal, max(nq, nk), 4, dev)
             out = attention(q, k, v, causal=spec.causal, spec=spec, **kw)
             ref, tol = tolerance(q, k, v, spec.causal, d ** -0.5, **kw)
             err = (out.float() - ref).abs().max().item()
@@ -223,7 +203,7 @@ class MeasuredObjective:
         for nq, nk in ((203, 317), (317, 203), (1, 77)):
             (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8(torch.randn(2, h, n, d, device=dev))
                                             for h, n in ((4, nq), (2, nk), (2, nk)))
-            kw = variant_kwargs(variants.spec_key(spec), spec.causal, max(nq, nk), 2, 4, dev)
+            kw = variants.tuning_kwargs(variants.spec_key(spec), spec.causal, max(nq, nk), 4, dev)
             out = attention(q8, k8, v8, causal=spec.causal, spec=spec, q_descale=qd, k_descale=kd, v_descale=vd,
                             out_dtype=dtype, **kw)
             qf, kf, vf = (dequantize_fp8(x, ds) for x, ds in ((q8, qd), (k8, kd), (v8, vd)))
@@ -249,7 +229,7 @@ class MeasuredObjective:
         k, v = (torch.randn(sum(k_lens), hk, d, device=dev, dtype=dtype) for _ in range(2))
         cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], device=dev, dtype=torch.int32)
                       for n in (q_lens, k_lens))
-        kw = variant_kwargs(variants.spec_key(spec), spec.causal, max(k_lens), 1, h, dev)
+        kw = variants.tuning_kwargs(variants.spec_key(spec), spec.causal, max(k_lens), h, dev)
         out = attention_varlen(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), spec.causal, spec=spec, **kw)
         for s, (nq, nk) in enumerate(zip(q_lens, k_lens)):
             if not nq:
@@ -311,7 +291,7 @@ class MeasuredObjective:
                                     "check_values": False})
             self._inputs[sig] = qkv
         q, k, v, *fp8_kw = self._inputs[sig]
-        kw = variant_kwargs(key.variant, key.causal, max(nq, nk), b, h, self.device)
+        kw = variants.tuning_kwargs(key.variant, key.causal, max(nq, nk), h, self.device)
         kw.update(fp8_kw[0] if fp8_kw else {})
         return median_ms(lambda: attention(q, k, v, causal=key.causal, spec=spec, **kw))
 
@@ -333,7 +313,7 @@ class MeasuredObjective:
             cu = torch.tensor([0, *itertools.accumulate(lengths)], device=self.device, dtype=torch.int32)
             self._inputs[sig] = (*qkv, cu)
         q, k, v, cu = self._inputs[sig]
-        kw = variant_kwargs(key.variant, key.causal, n, 1, h, self.device)
+        kw = variants.tuning_kwargs(key.variant, key.causal, n, h, self.device)
         return median_ms(lambda: attention_varlen(q, k, v, cu, cu, n, n, key.causal, spec=spec, check_values=False,
                                                   **kw))
 
