@@ -14,6 +14,7 @@ from cli_util import run_main
 
 FP8 = "fwd_sm90_d128_m128_n128_w12_s2_ws_pp_fp8_full_bf16_sm90a"
 BF16 = "fwd_sm90_d128_m128_n128_w12_s3_ws_ov_causal_bf16_sm90a"
+BWD = "bwd_sm90_d128_m64_n128_w12_s2_causal_bf16_sm90a"
 
 # ncu --csv --page raw: a header of metric names, a row of units, one row per profiled launch.
 CSV = "\n".join([
@@ -98,6 +99,7 @@ def test_ncu_command_profiles_one_launch_of_the_named_kernel(tmp_path):
     (["--kernels", BF16, "--shape", "1,2,3"], "b,h,n,d"),
     (["--kernels", BF16, "--shape", "1,2,128,256"], "head-dim tile 128 < d = 256"),
     (["--kernels", "fwd_sm90_d128_m128_n128_w12_s3_ws_ov_vl_causal_bf16_sm90a"], "packed rows and mods"),
+    (["--kernels", "bwd_sm90_d128_m64_n128_w12_s2_cap_causal_bf16_sm90a"], "profiled plain"),
     (["--kernels", BF16, "--skip", "-1"], "--skip"),
     (["--kernels", BF16, "--sections", "Warp;rm -rf"], "--sections"),
 ])
@@ -163,6 +165,16 @@ def test_source_against_a_stand_in_ncu(capsys, tmp_path):
     assert "MUFU x2 60.0 % (wait)" in stdout and "no per-instruction view" in stdout
 
 
+def test_a_backward_kernel_is_taken():
+    """The dK/dV kernels (bwd_sm90, bwd_dkdv) are profiled too: the same ncu command, the child runs the
+    backward with the kernel forced."""
+    args = type("A", (), {"kernels": BWD, "shape": "1,16,4096,128", "skip": 2, "sections": "WarpStateStats",
+                          "ncu": "/opt/ncu", "top": 5})()
+    settings = stalls.parse(args)
+    cmd = stalls.ncu_command(settings, settings["specs"][0])
+    assert cmd[cmd.index("-k") + 1] == f"regex:^{BWD}$" and cmd[-3:] == [BWD, "1,16,4096,128", "3"]
+
+
 def test_a_variant_kernel_is_called_with_its_options():
     """The profiled child calls a kernel with a window, softcap, ALiBi or sinks with the tuner's values of
     them (variants.tuning_kwargs, shared with the tuner's trials); a plain or FP8-only kernel with none."""
@@ -187,7 +199,8 @@ def test_a_missing_ncu_is_one_line(capsys, tmp_path):
 
 @pytest.mark.gpu
 def test_the_suite_on_the_gpu_host(capsys, tmp_path):
-    """With a CUDA device and ncu: a bf16 and an FP8 kernel profiled, each with a duration and stall reasons."""
+    """With a CUDA device and ncu: a bf16 and an FP8 forward and a dK/dV kernel profiled, each with a duration,
+    stall reasons and its main loop's opcodes."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm_90 GPU")
@@ -196,16 +209,16 @@ def test_the_suite_on_the_gpu_host(capsys, tmp_path):
     if shutil.which("ncu") is None:
         pytest.skip("no ncu on PATH")
     out = tmp_path / "out"
-    code, _, err = run_main(capsys, "bench", "stalls", "--out", str(out), "--no-plot", "--kernels", f"{FP8},{BF16}",
+    code, _, err = run_main(capsys, "bench", "stalls", "--out", str(out), "--no-plot", "--kernels", f"{FP8},{BF16},{BWD}",
                             "--shape", "1,8,2048,128", "--source")
     assert code == 0, err
     rows = json.loads((out / "stalls.json").read_text())["rows"]
-    assert [r["kernel"] for r in rows] == [FP8, BF16]
+    assert [r["kernel"] for r in rows] == [FP8, BF16, BWD]
     for r in rows:
         assert "error" not in r, r.get("error")
         assert r["results"]["duration"]["value"] > 0
         assert any(k.startswith("stall_") and "value" in v for k, v in r["results"].items())
         assert "source_error" not in r, r.get("source_error")
-        loop = r["source"]["groups"][0]  # the consumers' K/V loop: wgmma and the softmax's exp2s in it
+        loop = r["source"]["groups"][0]  # the main loop: its wgmma or the softmax's exp2s among its heaviest
         assert loop["executions"] > 1 and loop["share"] > 20
-        assert {"MUFU"} & {o["op"] for o in loop["ops"]}
+        assert {"MUFU", "HGMMA", "QGMMA"} & {o["op"] for o in loop["ops"]}

@@ -1,7 +1,8 @@
-"""The ``stalls`` suite: Nsight Compute's view of named forward kernels, where their time goes.
+"""The ``stalls`` suite: Nsight Compute's view of named attention kernels, where their time goes.
 
-Each ``--kernels`` name (``KernelSpec.from_name``, a forward family: fwd_sm90, fwd_v2) runs in a child
-process under ``ncu`` (``--clock-control none``: the clocks as the benchmarks see them) on one
+Each ``--kernels`` name (``KernelSpec.from_name``: a forward family, fwd_sm90 or fwd_v2, or the
+backward's dK/dV kernel, bwd_sm90 or bwd_dkdv, run by ``api.backward.attention_backward`` with the
+kernel forced, after a default forward; plain backward kernels only) runs in a child process under ``ncu`` (``--clock-control none``: the clocks as the benchmarks see them) on one
 ``--shape`` ``b,h,n,d`` (bhsd, self-attention; the kernel's own causal flag and dtype; FP8 kernels on
 inputs quantized per (batch, head); a kernel with a window, softcap, ALiBi or sinks at the tuner's
 values, ``variants.tuning_kwargs``); ncu profiles one launch after ``--skip`` warm-up calls, with the
@@ -37,6 +38,7 @@ from .timing import error_text, meta
 
 SECTIONS = "SpeedOfLight,SchedulerStats,WarpStateStats,ComputeWorkloadAnalysis"
 FORWARD_KINDS = ("fwd_sm90", "fwd_v2")
+BACKWARD_KINDS = ("bwd_sm90", "bwd_dkdv")  # the dK/dV kernel ("bwd_dkdv" in attention_backward's specs)
 # Raw metric names -> table columns: a stall reason's cycles per issued instruction (the name ncu's
 # WarpStateStats section computes from), a pipe's busy share, and the two headline figures.
 _STALL = re.compile(r"^smsp__average_warps?_(?:latency_)?issue_stalled_([a-z_]+?)(?:_per_issue_active)?\.ratio$")
@@ -47,7 +49,7 @@ _TO_US = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3
 
 
 def add_args(p) -> None:
-    p.add_argument("--kernels", required=True, help="forward kernels to profile (full names, comma-separated)")
+    p.add_argument("--kernels", required=True, help="forward or dK/dV kernels to profile (full names, comma-separated)")
     p.add_argument("--shape", default="2,16,8192,128", help="b,h,n,d (default 2,16,8192,128)")
     p.add_argument("--skip", type=int, default=2, help="warm-up calls before the profiled one (default 2)")
     p.add_argument("--sections", default=SECTIONS, help=f"ncu sections (default {SECTIONS})")
@@ -67,9 +69,12 @@ def parse(args) -> dict:
             spec = KernelSpec.from_name(name)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"--kernels {name!r}: {exc}") from None
-        if spec.kind not in FORWARD_KINDS:
+        if spec.kind not in FORWARD_KINDS + BACKWARD_KINDS:
             raise ValueError(f"--kernels {name!r}: a {spec.kind} kernel; this suite profiles the forward "
-                             f"({', '.join(FORWARD_KINDS)})")
+                             f"({', '.join(FORWARD_KINDS)}) and the backward's dK/dV kernel "
+                             f"({', '.join(BACKWARD_KINDS)})")
+        if spec.kind in BACKWARD_KINDS and (spec_key(spec) or getattr(spec, "mod", "")):
+            raise ValueError(f"--kernels {name!r}: backward kernels are profiled plain (no variant, mod or fp8)")
         if getattr(spec, "varlen", False) or getattr(spec, "mod", ""):
             raise ValueError(f"--kernels {name!r}: packed rows and mods need their own inputs; this suite runs "
                              "dense (b, h, n, d) calls (with a kernel's window, softcap, ALiBi or sinks)")
@@ -280,6 +285,16 @@ def launch(name: str, shape: str, calls: int) -> None:
     b, h, n, d = (int(x) for x in shape.split(","))
     dtype = torch.bfloat16 if spec.dtype == "bf16" else torch.float16
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(3))
+    if spec.kind in BACKWARD_KINDS:  # the default forward once, then the forced dK/dV kernel's backward
+        from ..api.backward import attention_backward
+
+        scale = d ** -0.5
+        out, lse = attention(q, k, v, causal=spec.causal, softmax_scale=scale, return_lse=True)
+        dout = torch.randn_like(out)
+        for _ in range(calls):
+            attention_backward(dout, q, k, v, out, lse, spec.causal, scale, specs={"bwd_dkdv": spec})
+        torch.cuda.synchronize()
+        return
     extra = {}
     if spec.fp8:
         (q, qd), (k, kd), (v, vd) = (quantize_fp8(t) for t in (q, k, v))
@@ -298,6 +313,6 @@ if __name__ == "__main__":  # the child under ncu (``ncu_command``)
         print(f"stalls launch: {exc}", file=sys.stderr)
         sys.exit(2)
 else:
-    register(Suite("stalls", "Nsight Compute on named forward kernels: duration, issue slots, pipes and warp "
+    register(Suite("stalls", "Nsight Compute on named forward and dK/dV kernels: duration, issue slots, pipes and warp "
                              "stall reasons per kernel, per SASS instruction with --source (the GPU host's ncu)",
                    add_args, run))
