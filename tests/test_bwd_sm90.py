@@ -205,10 +205,11 @@ def test_smem_layout_model(d, bn):
     Where the TMA puts Q, K, V, dO (128-byte swizzle: 16-byte chunk (c/8) ^ (r%8) of a 128-byte row,
     64-column panels) must be where the wgmma descriptors read them: K-major (start + k16 step,
     SBO 1024) for S^T = K_w Q^T and dP^T; MN-major (LBO = panel stride, SBO 1024) for dO / Q as B of
-    dV / dK. The dS^T stores (row base XOR 16 nj) must be where the MN-major A descriptor of dQ = dS K
+    dV / dK. The dS^T stores (a per-lane base XOR 32 kk) must be where the MN-major A descriptor of dQ = dS K
     reads dS, and K's MN-major B, started inside a swizzle row for a warpgroup's columns, must read
     K[:, its columns] -- assuming, as for the K-major k steps of the forward (start + 32 B), that the
-    swizzle applies to the computed address. The fp32 staging stores (row base XOR 32 (nj % 4)) must
+    swizzle applies to the computed address (the dS^T stores are stmatrix x4: lane l addresses row l % 8 of
+matrix l / 8). The fp32 staging stores (row base XOR 32 (nj % 4)) must
     be where the TMA's reduce reads a 32-column box (128-byte swizzle on 4-byte elements).
     """
     import numpy as np
@@ -247,17 +248,25 @@ def test_smem_layout_model(d, bn):
             for c in range(d):
                 smem[tma_addr(base, rows, r, c)] = M[r, c]
     dS = rng.integers(-3, 4, size=(bm, bn))  # queries x keys
-    # dS^T stores: thread (wq, g, t) of warpgroup cw, row h, chunk nj: (key r, queries 8 nj + 2t, +1)
+    # dS^T stores, stmatrix x4 per k16 step kk of warp wq in warpgroup cw: lane l addresses row l % 8 of
+    # matrix l / 8; matrix i's row r is written from register i of lanes 4r .. 4r + 3, lane 4r + t holding
+    # its pair at columns 2t, 2t + 1; register i of a thread is da[kk][i], (key row g + 8 (i % 2),
+    # queries 8 (2kk + i // 2) + 2t, + 1) with g = r.
+    written = set()
     for cw in range(nwg):
         for wq in range(4):
-            for g in range(8):
-                for t in range(4):
-                    for h in range(2):
-                        r = cw * 64 + wq * 16 + g + 8 * h
-                        base = (sdS + r * 128 + (g << 4) + 4 * t) + buf * ds_bytes
-                        for nj in range(bm // 8):
-                            a = base ^ (nj << 4)
-                            smem[a], smem[a + 2] = dS[8 * nj + 2 * t, r], dS[8 * nj + 2 * t + 1, r]
+            bases = [sdS + (cw * 64 + wq * 16 + 8 * ((lane >> 3) & 1) + (lane & 7)) * 128
+                     + ((((lane >> 4) ^ lane) & 7) << 4) + buf * ds_bytes for lane in range(32)]
+            for kk in range(bm // 16):
+                for i in range(4):
+                    for r in range(8):
+                        row_addr = bases[8 * i + r] ^ (kk << 5)
+                        key, nj = cw * 64 + wq * 16 + r + 8 * (i % 2), 2 * kk + i // 2
+                        for t in range(4):
+                            a = row_addr + 4 * t
+                            smem[a], smem[a + 2] = dS[8 * nj + 2 * t, key], dS[8 * nj + 2 * t + 1, key]
+                            written |= {a, a + 2}
+    assert len(written) == bn * bm  # every element of the buffer once
     for cw in range(nwg):
         # S^T = K_w Q^T (and dP^T = V_w dO^T, same descriptors)
         for A, B, sa, sb in ((K, Q, sK, sQ), (V, dO, sV, sdO)):

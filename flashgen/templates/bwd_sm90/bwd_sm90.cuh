@@ -80,7 +80,14 @@ FG_DEVICE fg_u64 opaque_desc(fg_u64 x) {
   asm volatile("mov.b64 %0, %0;\n" : "+l"(x));
   return x;
 }
-FG_DEVICE void sts_u32(fg_u32 addr, fg_u32 v) { asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v)); }
+// Four 8x8 matrices of 16-bit pairs to shared memory in one instruction: register i of every lane is its
+// pair (row lane / 4, columns 2 (lane % 4), + 1) of matrix i, and lane l gives the address of row l % 8
+// of matrix l / 8 (16 bytes). The m16n8 accumulator layout is that fragment, so a thread's A-fragment
+// registers of one k16 step (rows g, g + 8 of two n8 chunks) go out as one x4.
+FG_DEVICE void stsm_x4(fg_u32 addr, const fg_u32 (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3]));
+}
 FG_DEVICE void sts_f32x2(fg_u32 addr, float a, float b) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b));
 }
@@ -384,15 +391,18 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
       }
     }
     // dS^T rows of this warpgroup into buffer it % 2 (free: every warpgroup passed the previous
-    // block's barrier after its dQ GEMM on the buffer before it had completed).
-    // Row r's chunk nj sits at chunk nj ^ (r % 8): with r % 8 == g (16 wq + 8 h adds multiples
-    // of 8), the address is one per-row base XOR 16 nj (bits 4-6 only). The bases are rebuilt per
-    // block (opaque): held across the loop they would be 16 more registers.
+    // block's barrier after its dQ GEMM on the buffer before it had completed), by stmatrix: step kk's
+    // four registers da[kk] are (rows +0 / +8) x (chunks 2kk / 2kk + 1) of the warp's 16 key rows, and
+    // lane l addresses row l % 8 of matrix l / 8: key row 16 wq + 8 ((l / 8) % 2) + l % 8, chunk
+    // 2kk + l / 16. Row r's chunk c sits at chunk c ^ (r % 8) (r % 8 == l % 8), so the address is one
+    // per-lane base XOR 32 kk (the buffer and the row are 1024- and 128-byte aligned: bits 4-6 are the
+    // chunk's). The base is rebuilt per block (opaque), as the dQ staging's are. (Sixteen 4-byte
+    // stores a thread before: 4 instructions now.)
+    {
+      const fg_u32 base = opaque(sdS + (cw * 64 + wq * 16 + 8 * ((lane >> 3) & 1) + (lane & 7)) * 128 +
+                                 ((((lane >> 4) ^ lane) & 7) << 4)) + buf;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const fg_u32 base = opaque(sdS + (cw * 64 + krow + 8 * h) * 128 + (g << 4) + 4 * t) + buf;
-#pragma unroll
-      for (int nj = 0; nj < NJ; ++nj) sts_u32(base ^ (nj << 4), da[nj / 2][2 * (nj % 2) + h]);
+      for (int kk = 0; kk < NJ / 2; ++kk) stsm_x4(base ^ (kk << 5), da[kk]);
     }
     fence_async_smem();
     if constexpr (DQW == 0) {
