@@ -129,11 +129,7 @@ def source_digest(text: str, groups: int = 3, ops: int = 8) -> dict:
     count, the ``groups`` groups with the most samples, each with its instruction count, executions,
     share of all samples and its ``ops`` heaviest opcodes (share of the group's samples, main stall
     reason). ValueError when the text holds no per-instruction table."""
-    lines = text.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith('"Address"')), None)
-    if start is None:
-        raise ValueError("no per-instruction table in ncu's source page")
-    rows = list(csv.reader(io.StringIO("\n".join(lines[start:]))))
+    rows = _csv_table(text, '"Address"', "no per-instruction table in ncu's source page")
     header, body = rows[0], [r for r in rows[1:] if len(r) == len(rows[0])]
     col = {name: i for i, name in enumerate(header)}
     if _SAMPLES not in col or _EXECUTED not in col or "Source" not in col:
@@ -174,15 +170,21 @@ def source_lines(name: str, digest_: dict) -> list[str]:
             for g in digest_["groups"]]
 
 
+def _csv_table(text: str, first: str, missing: str) -> list:
+    """The rows of the CSV table in ncu's output (its log lines come first) from the line that starts with
+    ``first`` (its header's first cell); ValueError(``missing``) when there is none."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith(first)), None)
+    if start is None:
+        raise ValueError(missing)
+    return list(csv.reader(io.StringIO("\n".join(lines[start:]))))
+
+
 def digest(text: str) -> dict:
     """{column: number} from ncu's ``--csv --page raw`` output of one profiled launch: ``duration`` (us),
     ``issue_pct``, ``sm_pct``, ``pipe_<name>`` (per cent busy) and ``stall_<reason>`` (cycles per issued
     instruction). ValueError when the text holds no profiled launch."""
-    lines = text.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
-    if start is None:
-        raise ValueError("no ncu CSV in the output (no kernel matched, or ncu could not profile)")
-    rows = list(csv.reader(io.StringIO("\n".join(lines[start:]))))
+    rows = _csv_table(text, '"ID"', "no ncu CSV in the output (no kernel matched, or ncu could not profile)")
     header, body = rows[0], rows[1:]
     units = body.pop(0) if body and body[0] and body[0][0] == "" else [""] * len(header)
     if not body:

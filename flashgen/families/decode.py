@@ -29,6 +29,7 @@ tested without a GPU.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 from ..gpus import ARCH_SMEM_PER_BLOCK
@@ -559,8 +560,6 @@ def widen_factor(dtype: str) -> float:
 def e4m3_from_float(x: float) -> int:
     """The e4m3 byte decode_fp8.cuh's e4m3_from_float gives ``x`` (a float32 value): round to nearest
     even, saturating at +-448, NaN to NaN; the kernel's arithmetic on the fp32 bit pattern."""
-    import struct
-
     bits = struct.unpack("<I", struct.pack("<f", x))[0]
     sign = (bits >> 24) & 0x80
     if x != x:
