@@ -56,7 +56,8 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{name}", type=int, help=f"override the {name.replace('-', '_')} the rule picks")
     p.add_argument("--score-mod", metavar="FILE.py:NAME", default=None,
                    help="a score_mod(score, b, h, q_idx, kv_idx) function in FILE (which is imported, so it runs): "
-                        "the fwd_sm90 kernel with it, traced (flashgen.mods); --causal: the causal key's tile")
+                        "the forward kernel with it (fwd_sm90 on sm_90a, else fwd_v2), traced (flashgen.mods); "
+                        "--causal: the causal key's tile")
     p.add_argument("--mask-mod", metavar="FILE.py:NAME", default=None,
                    help="a mask_mod(b, h, q_idx, kv_idx) function in FILE, likewise (with --score-mod or alone)")
 
@@ -145,7 +146,7 @@ def _user_function(text: str, option: str):
 
 
 def _mod_spec_from_args(args):
-    """The fwd_sm90 kernel ``flashgen.attention`` runs with these mods (traced here; captured tensors may
+    """The forward kernel ``flashgen.attention`` runs with these mods (traced here; captured tensors may
     be on the CPU, nothing is launched), registered so that it renders and builds in this process."""
     others = [o for o, on in (("--window", args.window is not None), ("--softcap", args.softcap != 0.0),
                               ("--alibi", args.alibi), ("--sinks", args.sinks), ("--varlen", args.varlen),
@@ -153,8 +154,9 @@ def _mod_spec_from_args(args):
     if others:
         raise FlashgenError(f"--score-mod/--mask-mod take none of {', '.join(others)}: a mod expresses them")
     arch = args.arch or (gpus.get(args.gpu).arch if args.gpu else "sm_90a")
-    if args.kind not in ("fwd", "fwd_sm90") or arch != "sm_90a":
-        raise FlashgenError("--score-mod/--mask-mod: mods run in the Hopper forward (--kind fwd or fwd_sm90, sm_90a)")
+    if args.kind not in ("fwd",) + dispatch.MOD_FAMILIES or (args.kind == "fwd_sm90" and arch != "sm_90a"):
+        raise FlashgenError("--score-mod/--mask-mod: mods run in the forward (--kind fwd, fwd_sm90 on sm_90a, or "
+                            "fwd_v2)")
     if args.d % 8 or not 8 <= args.d <= 256:
         raise FlashgenError(f"--d {args.d}: head dims are multiples of 8 from 8 to 256")
     try:
@@ -170,7 +172,11 @@ def _mod_spec_from_args(args):
     key = ProblemKey("fwd", arch, args.dtype, head_dim_tile(args.d), args.causal, bucket_of(args.seqlen), "")
     # verified as the call's own pick is (a tile whose kernel spills with these mods gives way): the kernel
     # the call would run, at the price of compiling it here
-    spec = dispatch.mod_spec(key, args.gpu, budget, mods.token_number(pair), verify=True)
+    try:
+        spec = dispatch.mod_spec(key, args.gpu, budget, mods.token_number(pair), verify=True,
+                                 family=None if args.kind == "fwd" else args.kind)
+    except UnsupportedError as exc:
+        raise FlashgenError(str(exc)) from None
     overrides = {f: getattr(args, f) for f in ("block_m", "block_n", "warps", "stages") if getattr(args, f) is not None}
     try:
         return spec.replace(**overrides).validate()

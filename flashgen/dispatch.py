@@ -74,16 +74,18 @@ def select(key: ProblemKey, gpu: str | None, smem_budget: int, verify: bool = Fa
     return families.default_spec(key, smem_budget, check=check, family=family, **rule_args)
 
 
-def mod_spec(key: ProblemKey, gpu: str | None, smem_budget: int, token: int, verify: bool = False) -> KernelSpec:
+def mod_spec(key: ProblemKey, gpu: str | None, smem_budget: int, token: int, verify: bool = False,
+             family: str | None = None) -> KernelSpec:
     """The kernel of a call with user mods (flashgen.mods; ``token`` the pair's number, KernelSpec.mod):
-    ``key``'s fwd_sm90 tile (a mod's own key is not tuned: the plain key's entry, or the causal key's
-    for a mask that skips much of the square, with the mods' own causal flag off), then the rule's
-    tiles in order where the mods' kernel spills (a mod's functions take registers: captured reads,
-    indices; three consumer warpgroups keep 160 each), then those tiles with 64-key blocks (half the
-    score registers: a 4-D capture's reads spill the d = 64 tiles of 128 keys). ``verify``: the resource
-    check, as ``select``."""
-    picked = select(key, gpu, smem_budget, verify=verify, family="fwd_sm90")
-    rule = [s for s in families.family("fwd_sm90").rule(key, smem_budget) if s != picked]
+    ``key``'s tile in ``family`` (``mod_family``'s by default: fwd_sm90 where it is the default, else
+    fwd_v2). A mod's own key is not tuned: the plain key's entry, or the causal key's for a mask that
+    skips much of the square, with the mods' own causal flag off. Then the rule's tiles in order where the
+    mods' kernel spills (a mod's functions take registers: captured reads, indices; three consumer
+    warpgroups keep 160 each), then those tiles with 64-key blocks (half the score registers: a 4-D
+    capture's reads spill the d = 64 tiles of 128 keys). ``verify``: the resource check, as ``select``."""
+    family = family or mod_family(key)
+    picked = select(key, gpu, smem_budget, verify=verify, family=family)
+    rule = [s for s in families.family(family).rule(key, smem_budget) if s != picked]
     narrow = [s.replace(block_n=64) for s in [picked] + rule if s.block_n > 64]
     candidates = []
     for s in [picked] + rule + narrow:
@@ -91,6 +93,22 @@ def mod_spec(key: ProblemKey, gpu: str | None, smem_budget: int, token: int, ver
         if s not in candidates:
             candidates.append(s.validate())
     return first_clean(candidates, resource_problems if verify else None)
+
+
+# The forward families that take user mods, in preference order.
+MOD_FAMILIES = ("fwd_sm90", "fwd_v2")
+
+
+def mod_family(key: ProblemKey) -> str:
+    """The forward family a call with mods runs on for ``key``: the default one where it takes mods (fwd_sm90
+    on sm_90a), else fwd_v2 (every arch with mma.sync). UnsupportedError where neither serves."""
+    default = families.default_family(key)
+    if default in MOD_FAMILIES:
+        return default
+    if "fwd_v2" in families.serving(key.kind, key.arch):
+        return "fwd_v2"
+    raise UnsupportedError(f"score_mod / mask_mod: no forward family that takes mods ({', '.join(MOD_FAMILIES)}) "
+                           f"serves {key.arch}")
 
 
 def mod_backward_spec(key: ProblemKey, smem_budget: int, token: int, verify: bool = False) -> KernelSpec:

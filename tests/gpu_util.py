@@ -308,11 +308,13 @@ MOD_NAMES = ["causal", "sliding", "prefix_lm", "document", "block_sparse", "alib
         "alibi_causal", "softcap_document"]  # the keys of example_mods
 
 
-def warm_mods(request, tmp_path_factory, calls, backward: bool = False) -> None:
+def warm_mods(request, tmp_path_factory, calls, backward: bool = False, families=("fwd_sm90",)) -> None:
     """A mods module's precompile: dispatch's kernels for ``calls`` ((mod names, head dim, dtype, query
-    lengths), ...) of ``example_mods``, the forward's at each length (and the causal key's for masks),
-    with ``backward`` the backward's dK/dV kernel too; compiled in parallel (``warm``)."""
-    if precompile_skipped(request) or not is_sm90():
+    lengths), ...) of ``example_mods``, the forward's at each length (and the causal key's for masks) in
+    each of ``families`` that runs here, with ``backward`` the backward's dK/dV kernel too; compiled in
+    parallel (``warm``)."""
+    families = [f for f in families if f != "fwd_sm90" or is_sm90()]
+    if precompile_skipped(request) or not families:
         return
     from flashgen import dispatch, mods
     from flashgen.api.device import Device
@@ -329,9 +331,9 @@ def warm_mods(request, tmp_path_factory, calls, backward: bool = False) -> None:
                 pair = mods.pair(mods.trace_score_mod(score) if score else None,
                                  mods.trace_mask_mod(mask) if mask else None)
                 mods.register(pair)
-                out |= {mod_spec(dtype, d, nq, dev, pair, verify, causal_like) for nq in lengths
-                        for causal_like in ((False, True) if mask else (False,))}
-                if backward:
+                out |= {mod_spec(dtype, d, nq, dev, pair, verify, causal_like, family) for nq in lengths
+                        for causal_like in ((False, True) if mask else (False,)) for family in families}
+                if backward and is_sm90():
                     key = ProblemKey("bwd_dkdv", dev.arch, dtype, d, False, 1024, "")
                     out.add(dispatch.mod_backward_spec(key, dev.smem_budget, mods.token_number(pair), verify))
         return out

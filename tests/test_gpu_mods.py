@@ -1,4 +1,5 @@
-"""GPU tier for user mods (flashgen.mods, api.modcall): FlexAttention's example mods in fwd_sm90.
+"""GPU tier for user mods (flashgen.mods, api.modcall): FlexAttention's example mods in the forward, on
+fwd_sm90 (sm_90a's pick) and fwd_v2 (the other GPUs'; forced here through ``dispatch.mod_family``).
 
 Each call against the fp32 reference with the 2x rule: the reference calls the mod functions as
 written on the whole score matrix (``flashgen.reference``), the kernel runs their traced graphs; the
@@ -24,6 +25,7 @@ from flashgen.reference import allowance, reference  # noqa: E402
 from gpu_util import MOD_NAMES, example_mods, is_sm90, make_inputs, poison_output, to_bhsd, warm_mods  # noqa: E402
 
 needs_sm90 = pytest.mark.skipif(not is_sm90(), reason="user mods run on fwd_sm90 (an sm_90 GPU)")
+FAMILIES = ["fwd_sm90", "fwd_v2"]
 
 SEQLENS = [(1, 1), (113, 203), (1, 239), (239, 1), (799, 3), (1023, 1024), (2048, 2048)]
 
@@ -36,7 +38,30 @@ CALLS = [(MOD_NAMES, 128, "bf16", [nq for nq, _ in SEQLENS] + [1000, 777]),
 
 @pytest.fixture(scope="module", autouse=True)
 def _precompile(request, tmp_path_factory):
-    warm_mods(request, tmp_path_factory, CALLS)
+    warm_mods(request, tmp_path_factory, CALLS, families=FAMILIES)
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request, monkeypatch):
+    """The forward family the calls run on: dispatch's choice, or fwd_v2 forced (a fresh plan cache, whose
+    plans do not record the family)."""
+    from flashgen import dispatch
+    from flashgen.api import modcall
+
+    if request.param == "fwd_sm90" and not is_sm90():
+        pytest.skip("fwd_sm90 needs an sm_90 GPU")
+    if dispatch.mod_family(_fwd_key()) != request.param:
+        monkeypatch.setattr(dispatch, "mod_family", lambda key: request.param)
+    modcall._plans.clear()
+    yield request.param
+    modcall._plans.clear()
+
+
+def _fwd_key():
+    from flashgen.api.device import Device
+    from flashgen.problem import ProblemKey
+
+    return ProblemKey("fwd", Device.of(torch.cuda.current_device()).arch, "bf16", 128, False, 1024, "")
 
 
 def check_mods(b, hq, hk, nq, nk, d, dtype, name, layout="bhsd", block_mask=False):
@@ -67,25 +92,33 @@ def check_mods(b, hq, hk, nq, nk, d, dtype, name, layout="bhsd", block_mask=Fals
     return out
 
 
-@needs_sm90
 @pytest.mark.parametrize("nq,nk", SEQLENS)
 @pytest.mark.parametrize("name", MOD_NAMES)
-def test_mods_bf16(name, nq, nk):
+def test_mods_bf16(family, name, nq, nk):
     check_mods(2, 4, 2, nq, nk, 128, torch.bfloat16, name)
+    assert _ran(family)
 
 
-@needs_sm90
 @pytest.mark.parametrize("nq,nk", [(113, 203), (799, 3), (1023, 1024)])
 @pytest.mark.parametrize("name", ["causal", "document", "alibi", "softcap_document"])
 @pytest.mark.parametrize("d", [64, 256])
-def test_mods_head_dims_fp16(name, nq, nk, d):
+def test_mods_head_dims_fp16(family, name, nq, nk, d):
     check_mods(1, 4, 1, nq, nk, d, torch.float16, name, layout="bshd")
+    assert _ran(family)
 
 
-@needs_sm90
 @pytest.mark.parametrize("name", ["causal", "sliding", "block_sparse", "alibi_causal"])
-def test_mods_given_block_mask(name):
+def test_mods_given_block_mask(family, name):
     check_mods(2, 4, 4, 1000, 1500, 128, torch.bfloat16, name, block_mask=True)
+    assert _ran(family)
+
+
+def _ran(family) -> bool:
+    """Whether every plan the test made runs a kernel of ``family``."""
+    from flashgen.api import modcall
+
+    kinds = {p.base.kernel.spec.kind for p in modcall._plans.values() if p.base.kernel is not None}
+    return kinds == {family}
 
 
 @needs_sm90

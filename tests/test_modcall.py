@@ -25,6 +25,13 @@ def document(b, h, q, kv):
     return (DOC[q] == DOC[kv]) & (q >= kv)
 
 
+def relative16(score, b, h, q, kv):
+    return score + REL16[h, q - kv + 100]
+
+
+REL16 = torch.randn(8, 300).to(torch.bfloat16)
+
+
 def registered(score=None, mask=None):
     pair = mods.pair(mods.trace_score_mod(score, allow_cpu=True) if score else None,
                      mods.trace_mask_mod(mask, allow_cpu=True) if mask else None)
@@ -54,9 +61,14 @@ def test_mod_spec_rules(change, match):
         spec.replace(**change).validate()
 
 
-def test_mod_field_belongs_to_fwd_sm90_only():
-    with pytest.raises(ValueError, match="not a field of this kind"):
-        KernelSpec(kind="fwd_v2", head_dim=64, block_m=64, block_n=64, warps=4, mod=5).validate()
+def test_mod_field_belongs_to_the_mod_families_only():
+    """fwd_sm90, fwd_v2 and bwd_sm90 take a mod token; the mma.sync backward and decode do not."""
+    assert KernelSpec(kind="fwd_v2", head_dim=64, block_m=64, block_n=64, warps=4, mod=5).validate().mod == 5
+    for kind in ("bwd_dkdv", "decode_split"):
+        with pytest.raises(ValueError, match="not a field of this kind"):
+            KernelSpec(kind=kind, head_dim=64, block_m=64, block_n=64, warps=4, mod=5).validate()
+    with pytest.raises(ValueError, match="built-in variant"):
+        KernelSpec(kind="fwd_v2", head_dim=64, block_m=64, block_n=64, warps=4, mod=5, causal=True).validate()
 
 
 def test_rendered_source_holds_the_traced_functions():
@@ -87,6 +99,47 @@ def test_mod_kernels_compile_without_spills(score, mask, tokens, d, tmp_path, mo
     spec = mod_spec(registered(score, mask), tokens, d)
     binary = build(spec)
     assert binary.report.spill_stores == 0 and binary.report.spill_loads == 0, binary.report
+
+
+def softcap(score, b, h, q, kv):
+    return 30.0 * torch.tanh(score / 30.0)
+
+
+@pytest.mark.parametrize("arch,budget", [("sm_80", 166912), ("sm_86", 101376), ("sm_90a", 232448)])
+def test_mod_family_by_arch(arch, budget):
+    """fwd_sm90 serves mods where it is the default forward (sm_90a), fwd_v2 everywhere else; the block mask's
+    list walk and the traced functions reach fwd_v2's source."""
+    from flashgen import dispatch
+    from flashgen.problem import ProblemKey
+
+    key = ProblemKey("fwd", arch, "bf16", 128, True, 4096, "")
+    want = "fwd_sm90" if arch == "sm_90a" else "fwd_v2"
+    assert dispatch.mod_family(key) == want
+    pair = registered(alibi, document)
+    spec = dispatch.mod_spec(key, None, budget, mods.token_number(pair), family="fwd_v2")
+    assert spec.kind == "fwd_v2" and spec.mod == mods.token_number(pair) and not spec.causal
+    src = render(spec)
+    assert "fg_mod_variant<true, true>" in src and "FG_DEVICE bool fg_mask_mod(" in src
+    assert "var.set_block_row(p, m_block)" in src and "SLOPES" not in src
+
+
+@pytest.mark.parametrize("score,mask,arch,d", [
+    (alibi, document, "sm_80", 64), (alibi, document, "sm_80", 128), (softcap, None, "sm_86", 128),
+    (None, document, "sm_90a", 256), (relative16, document, "sm_80", 128), (softcap, document, "sm_89", 64)])
+def test_fwd_v2_mod_kernels_compile_without_spills(score, mask, arch, d, tmp_path, monkeypatch):
+    """dispatch's fwd_v2 kernel with mods (the rule's tiles, stepping past any that spill) builds clean for
+    the GPUs without fwd_sm90 (offline NVRTC)."""
+    from flashgen import dispatch, gpus
+    from flashgen.codegen import build
+    from flashgen.problem import ProblemKey
+
+    monkeypatch.setenv("FLASHGEN_HOME", str(tmp_path))
+    pair = registered(score, mask)
+    key = ProblemKey("fwd", arch, "bf16", d, mask is not None, 4096, "")
+    spec = dispatch.mod_spec(key, None, gpus.ARCH_SMEM_PER_BLOCK[arch], mods.token_number(pair), verify=True,
+                             family="fwd_v2")
+    report = build(spec).report
+    assert spec.kind == "fwd_v2" and report.spill_stores == 0 and report.stack_frame == 0, (spec.name, report)
 
 
 MASK4 = torch.randn(1, 1, 113, 203).to(torch.bfloat16)
@@ -157,13 +210,6 @@ def test_mod_fields_are_packed_once_at_their_offsets():
     offset, blob = _packed(struct, (), keys)
     ctypes.memmove(ctypes.addressof(params) + offset, blob, len(blob))
     assert (params.bm_sb, params.bm_sh, params.bm_nb) == (0, 3, 2) and not params.mod.t[0]
-
-
-def relative16(score, b, h, q, kv):
-    return score + REL16[h, q - kv + 100]
-
-
-REL16 = torch.randn(8, 300).to(torch.bfloat16)
 
 
 @pytest.mark.parametrize("score,mask", [(alibi, None), (None, document), (alibi, document), (relative16, None),

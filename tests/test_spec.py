@@ -14,13 +14,14 @@ from flashgen.spec import ARCHS, DTYPES, fields_of
 
 FWD = FAMILIES["fwd_v2"]
 
-NAME_RE = re.compile(r"^fwd_v2_d\d+_m\d+_n\d+_w\d+_s\d+(_r[12])?(_win)?(_cap)?(_alibi)?(_sink)?(_vl)?_(causal|full)_(fp16|bf16)_sm\d+a?$")
+NAME_RE = re.compile(r"^fwd_v2_d\d+_m\d+_n\d+_w\d+_s\d+(_r[12])?(_win)?(_cap)?(_alibi)?(_sink)?(_vl)?(_mod\d+)?_(causal|full)_(fp16|bf16)"
+                     r"_sm\d+a?$")
 
 
 def _allowed(field: str) -> tuple:
     """The values of one KernelSpec field that the fwd_v2 family supports (read from the code)."""
     fixed = {"kind": tuple(FAMILIES), "arch": ARCHS, "dtype": DTYPES, "causal": (False, True),
-             "refill": FWD.REFILLS, **{f: (False, True) for f in VARIANT_FIELDS}}
+             "refill": FWD.REFILLS, **{f: (False, True) for f in VARIANT_FIELDS}, "mod": (0, 5)}
     if field in fixed:
         return fixed[field]
     for attr in (field + "s", field):  # head_dim -> head_dims, warps -> warps
@@ -31,13 +32,14 @@ def _allowed(field: str) -> tuple:
 
 
 FIELDS = [f.name for f in fields_of("fwd_v2")]
-VARIANT_FIELDS = ("window", "softcap", "alibi", "sinks", "varlen")  # compile-time switches: off over the grid below
+# compile-time switches (and a user mod's token): off over the grid below
+VARIANT_FIELDS = ("window", "softcap", "alibi", "sinks", "varlen", "mod")
 
 
 def _valid_specs():
     """Every fwd_v2 spec that passes validate(), over the product of every field's supported values
     (the decode and backward families have their own rules and tests)."""
-    for values in itertools.product(*(("fwd_v2",) if f == "kind" else (False,) if f in VARIANT_FIELDS
+    for values in itertools.product(*(("fwd_v2",) if f == "kind" else (_allowed(f)[0],) if f in VARIANT_FIELDS
                                       else _allowed(f) for f in FIELDS)):
         spec = KernelSpec(**dict(zip(FIELDS, values)))
         if spec.block_m % (16 * spec.warps) == 0:

@@ -4,7 +4,8 @@ The mods are traced once into expression graphs (``flashgen.mods``); the pair's 
 (``KernelSpec.mod``), whose kernel prints the graphs as device functions (templates/common/mod.cuh).
 A mask comes with a block mask (``flashgen.api.blockmask``), made at the kernel's tile: the kernel
 visits only the key blocks it lists and calls the mask only on the partial ones. The forward runs on
-``fwd_sm90`` (sm_90a), the backward on ``bwd_sm90`` (head-dim tiles 64 and 128): the score_mod's
+``fwd_sm90`` (sm_90a) or ``fwd_v2`` (every other GPU: ``dispatch.mod_family``), the backward on
+``bwd_sm90`` (sm_90a, head-dim tiles 64 and 128; elsewhere a call with mods has no backward): the score_mod's
 derivative (``mods.derivative``) multiplies dS, the block mask is listed per key block
 (``BlockMask.for_key_tile``). Captured tensors that require grad get theirs from ``api.capturegrad`` (torch,
 a block of rows at a time).
@@ -225,8 +226,6 @@ def _plan(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod,
     if not (nq and b and h):
         return _ModPlan(Plan(None, None, index, (b, h, nq)), pair, None, functions)
     dev = Device.of(index)
-    if dev.arch != "sm_90a":
-        raise UnsupportedError(f"score_mod / mask_mod run on the Hopper kernels (sm_90a); this device is {dev.arch}")
     mods.register(pair)
     if mask_graph is not None and block_mask is None:
         block_mask = _made_for(mask_mod, b, h, nq, nk, q.device)
@@ -240,9 +239,10 @@ def _plan(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod,
         spec = mod_spec(DTYPES[q.dtype], d, nq, dev, pair, causal_like=sparse)
     else:
         key = ProblemKey("fwd", dev.arch, DTYPES[q.dtype], head_dim_tile(d), False, bucket_of(nq), "")
-        if getattr(spec, "kind", None) != "fwd_sm90":
-            raise UnsupportedError(f"score_mod / mask_mod run on fwd_sm90 specs, got {getattr(spec, 'name', spec)!r}")
-        check_forced_spec(spec, {"kind": ("fwd_sm90",), "dtype": key.dtype, "arch": dev.arch, "causal": False,
+        if getattr(spec, "kind", None) not in dispatch.MOD_FAMILIES:
+            raise UnsupportedError(f"score_mod / mask_mod run on {' or '.join(dispatch.MOD_FAMILIES)} specs, got "
+                                   f"{getattr(spec, 'name', spec)!r}")
+        check_forced_spec(spec, {"kind": dispatch.MOD_FAMILIES, "dtype": key.dtype, "arch": dev.arch, "causal": False,
                                  "mod": mods.token_number(pair)}, d, dev.smem_budget)
     kern = load(spec, dev.index)
     fam = families.family(spec.kind)
@@ -308,11 +308,13 @@ def backward_of(plan: "_ModPlan", q) -> ModBackward:
     return plan.backward
 
 
-def mod_spec(dtype: str, d: int, nq: int, dev, pair, verify: bool = True, causal_like: bool = False):
+def mod_spec(dtype: str, d: int, nq: int, dev, pair, verify: bool = True, causal_like: bool = False,
+             family: str | None = None):
     """The kernel of a call with mods on this device (``dispatch.mod_spec``; ``causal_like``: a block mask
-    that skips much of the square takes the causal key's tile)."""
+    that skips much of the square takes the causal key's tile; ``family``: fwd_sm90 or fwd_v2, by default
+    ``dispatch.mod_family``'s)."""
     key = ProblemKey("fwd", dev.arch, dtype, head_dim_tile(d), causal_like, bucket_of(nq), "")
-    return dispatch.mod_spec(key, dev.gpu, dev.smem_budget, mods.token_number(pair), verify)
+    return dispatch.mod_spec(key, dev.gpu, dev.smem_budget, mods.token_number(pair), verify, family)
 
 
 def check_block_mask_shape(block_mask, b: int, h: int, nq: int, nk: int) -> None:

@@ -2,15 +2,16 @@
 
 Split-Q: each warp owns block_m / warps query rows (16-row slices) of one
 (batch, head); K/V blocks of block_n rows stream through ``stages`` shared-memory
-stages; ``refill`` says where in the loop the next block's copy is issued.
+stages; ``refill`` says where in the loop the next block's copy is issued. User mods (``mod``:
+score_mod / mask_mod, templates/common/mod.cuh) run here as in fwd_sm90, for the GPUs without it.
 templates/fwd_v2/.
 """
 from __future__ import annotations
 
 from ..problem import ProblemKey
 from ..variants import PLAIN
-from .base import (FWD_O32_PARAMS, FWD_PARAMS, VARIANT_PARAMS, VARLEN_PARAMS, Family, forward_values, variant_context,
-                   varlen_pairs)
+from .base import (FWD_O32_PARAMS, FWD_PARAMS, MOD_PARAMS, VARIANT_PARAMS, VARLEN_PARAMS, Family, check_mod,
+                   forward_values, mod_context, variant_context, varlen_pairs)
 
 # The default rule: per head-dim tile, (block_m, block_n, warps, stages, refill, causal, arch) in
 # order of preference, None meaning any; the first that fits the GPU's shared memory is used.
@@ -35,8 +36,12 @@ class FwdV2Family(Family):
     def value_rules(self) -> tuple:
         return (*super().value_rules(), ("refill", self.REFILLS))
 
+    def validate(self, spec) -> None:
+        super().validate(spec)
+        check_mod(self, spec)
+
     def context(self, spec) -> dict:
-        return {**super().context(spec), **variant_context(spec)}
+        return {**super().context(spec), **variant_context(spec), **mod_context(spec)}
 
     def rule(self, key: ProblemKey, budget: int) -> list:
         out = []
@@ -71,6 +76,7 @@ class FwdV2Family(Family):
 
 
 FAMILY = FwdV2Family(
-    "fwd_v2", "fwd_v2/fwd_v2.cu.j2", FWD_PARAMS + VARIANT_PARAMS + FWD_O32_PARAMS + VARLEN_PARAMS, problem="fwd", tiles=DEFAULT_TILES,
+    "fwd_v2", "fwd_v2/fwd_v2.cu.j2", FWD_PARAMS + VARIANT_PARAMS + FWD_O32_PARAMS + VARLEN_PARAMS + MOD_PARAMS,
+    problem="fwd", tiles=DEFAULT_TILES,
     tune_space=(("block_m", (64, 128, 192)), ("block_n", (32, 48, 64, 96, 128)), ("warps", (4, 8)),
                 ("stages", (2, 3, 4)), ("refill", (0, 1, 2))))

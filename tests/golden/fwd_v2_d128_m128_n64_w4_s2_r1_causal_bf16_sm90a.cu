@@ -476,6 +476,55 @@ struct fg_variant {
   }
 };
 
+// ---- common/mod_args.cuh ----
+// What a kernel's user mods read (flashgen/mods.py prints them as fg_score_mod and fg_mask_mod from a
+// traced expression graph; templates/common/mod.cuh calls them): up to four captured tensors, each as
+// its address, element strides and sizes over up to four dimensions (unused ones: stride 0, size 1).
+// Every index a mod reads with is clamped into its dimension (fg_clampi): an index outside the tensor
+// reads the nearest element instead of faulting. The block is part of every fwd_sm90 parameter block
+// (all zero where the kernel has no mods).
+#pragma once
+
+struct fg_mod_args {
+  const void* t[4];
+  long long s[4][4];
+  int n[4][4];
+};
+
+FG_DEVICE int fg_clampi(int x, int n) { return min(max(x, 0), n - 1); }
+// Half-precision captures without CUDA's headers (NVRTC finds none): fp16 through cvt, bf16 as the top
+// half of an fp32.
+FG_DEVICE float fg_half_to_float(unsigned short x) {
+  float f;
+  asm("{ .reg .b16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }\n" : "=f"(f) : "h"(x));
+  return f;
+}
+FG_DEVICE float fg_bf16_to_float(unsigned short x) { return __uint_as_float(static_cast<unsigned>(x) << 16); }
+
+// The hardware's approximations the printed mods use for / and the float functions (flashgen/mods/graph.py:
+// the exact forms are instruction sequences; these are one MUFU issue each), beside common.cuh's
+// fast_exp2 and fast_tanh.
+FG_DEVICE float fg_rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+FG_DEVICE float fg_lg2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+FG_DEVICE float fg_sqrt(float x) {
+  float y;
+  asm("sqrt.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+FG_DEVICE float fg_rsqrt(float x) {
+  float y;
+  asm("rsqrt.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // ---- common/varlen.cuh ----
 // Packed rows (varlen): a call's sequences laid end to end in q (total_q rows) and k, v (total_k rows).
 // Sequence s owns query rows [cu_q[s], cu_q[s + 1]) and the keys [cu_k[s], cu_k[s] + nk) with
@@ -680,7 +729,9 @@ struct Tile {
 // with the scale folded into exp2, P packed straight from the S accumulators
 // into A fragments, O += P V. Only the key blocks some row of the CTA sees are
 // loaded (V: common/variant.cuh). Normalisation by the row sum (and a sink)
-// happens once, at the end.
+// happens once, at the end. User mods with a block mask (V::SPARSE,
+// common/mod.cuh): the CTA walks its query block's list of key blocks instead of
+// a range, masking only the partial ones.
 #pragma once
 
 template <int D, int BM, int BN, int NW, int ST, int REFILL, bool CAUSAL, bool BF16, typename V, typename Params>
@@ -700,10 +751,11 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  // grid = (query blocks, heads, batch). Causal: the longest rows (highest query blocks) launch first.
+  // grid = (query blocks, heads, batch). Causal (and a block mask: causal-like masks are the common
+  // ones): the longest rows (highest query blocks) launch first.
   // Packed rows (V::VARLEN_ROWS, common/varlen.cuh): grid = (the host's bound on the list, heads, 1),
   // blockIdx.x the list's pair (sequence b, query block), longest first; past the list, nothing to do.
-  int m_block = CAUSAL ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
+  int m_block = (CAUSAL || V::SPARSE) ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
   int b = blockIdx.z;
   const int hq = blockIdx.y, hk = hq / p.group;
   // The keys each row sees (bottom-right aligned), the score transforms and the sink of this head; the
@@ -726,8 +778,13 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
   const elem_t* k = p.k + k_rows + hk * p.k_sh;
   const elem_t* v = p.v + v_rows + hk * p.v_sh;
   var.set_head(p, b, hq);
+  if constexpr (V::SPARSE) var.set_block_row(p, m_block);
   const int n_first = var.block_first(m0, BN);
-  const int n_blocks = max(0, var.block_end(m0, BM, BN) - n_first);
+  int n_blocks;
+  if constexpr (V::SPARSE) n_blocks = m0 < var.nq ? var.count : 0;  // (the list's length)
+  else n_blocks = max(0, var.block_end(m0, BM, BN) - n_first);
+  // The key block of the CTA's j-th K/V block: a block mask's list entry, else the range's.
+  auto kv_block = [&](int j) { if constexpr (V::SPARSE) return var.block_at(j); else return n_first + j; };
 
   // Prologue: Q (its own group), then K/V blocks 0 .. ST-2.
   TQ::template load<BM, NT>(sQ, q, p.q_ss, m0, var.nq, p.d);
@@ -735,8 +792,8 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) {
     if (s < n_blocks) {
-      TQ::template load<BN, NT>(sK + s * BN * D * 2, k, p.k_ss, (n_first + s) * BN, var.nk, p.d);
-      TQ::template load<BN, NT>(sV + s * BN * D * 2, v, p.v_ss, (n_first + s) * BN, var.nk, p.d);
+      TQ::template load<BN, NT>(sK + s * BN * D * 2, k, p.k_ss, kv_block(s) * BN, var.nk, p.d);
+      TQ::template load<BN, NT>(sV + s * BN * D * 2, v, p.v_ss, kv_block(s) * BN, var.nk, p.d);
     }
     cp_async_commit();
   }
@@ -775,8 +832,8 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
       const int jn = j + ST - 1;
       if (jn < n_blocks) {
         const int sn = jn % ST;
-        TQ::template load<BN, NT>(sK + sn * BN * D * 2, k, p.k_ss, (n_first + jn) * BN, var.nk, p.d);
-        TQ::template load<BN, NT>(sV + sn * BN * D * 2, v, p.v_ss, (n_first + jn) * BN, var.nk, p.d);
+        TQ::template load<BN, NT>(sK + sn * BN * D * 2, k, p.k_ss, kv_block(jn) * BN, var.nk, p.d);
+        TQ::template load<BN, NT>(sV + sn * BN * D * 2, v, p.v_ss, kv_block(jn) * BN, var.nk, p.d);
       }
       cp_async_commit();
     };
@@ -816,14 +873,17 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
     if constexpr (REFILL == 1) refill();
 
     // ---- transforms, then the mask (only blocks that cross the sequence end or a row's range) ----
-    const int n0 = (n_first + j) * BN;
+    const int n0 = kv_block(j) * BN;
     if constexpr (V::TRANSFORMS) {
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
         for (int h = 0; h < 2; ++h) var.transform(acc_s[mi], h, m0 + warp * RW + mi * 16 + g + 8 * h, n0 + 2 * t);
     }
-    if (var.needs_mask(n0, BN, m0, m0 + BM - 1)) {
+    bool masked;
+    if constexpr (V::SPARSE) masked = var.partial_at(j) || n0 + BN > var.nk;  // (the list's flag)
+    else masked = var.needs_mask(n0, BN, m0, m0 + BM - 1);
+    if (masked) {
       // Columns outside the row's range are hidden; one compare per element against per-row bounds
       // instead of building row and column indices.
 #pragma unroll
@@ -954,6 +1014,12 @@ struct fwd_v2_d128_m128_n64_w4_s2_r1_causal_bf16_sm90a_params {
   const int* used_k;
   int* vl_tiles;
   int seqs;
+  fg_mod_args mod;
+  const int* bm_count;
+  const int* bm_index;
+  int bm_sb;
+  int bm_sh;
+  int bm_nb;
 };
 
 static_assert(2 * 128 * (128 + 2 * 2 * 64) == 98304,

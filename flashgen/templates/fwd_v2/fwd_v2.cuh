@@ -9,7 +9,9 @@
 // with the scale folded into exp2, P packed straight from the S accumulators
 // into A fragments, O += P V. Only the key blocks some row of the CTA sees are
 // loaded (V: common/variant.cuh). Normalisation by the row sum (and a sink)
-// happens once, at the end.
+// happens once, at the end. User mods with a block mask (V::SPARSE,
+// common/mod.cuh): the CTA walks its query block's list of key blocks instead of
+// a range, masking only the partial ones.
 #pragma once
 
 template <int D, int BM, int BN, int NW, int ST, int REFILL, bool CAUSAL, bool BF16, typename V, typename Params>
@@ -29,10 +31,11 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  // grid = (query blocks, heads, batch). Causal: the longest rows (highest query blocks) launch first.
+  // grid = (query blocks, heads, batch). Causal (and a block mask: causal-like masks are the common
+  // ones): the longest rows (highest query blocks) launch first.
   // Packed rows (V::VARLEN_ROWS, common/varlen.cuh): grid = (the host's bound on the list, heads, 1),
   // blockIdx.x the list's pair (sequence b, query block), longest first; past the list, nothing to do.
-  int m_block = CAUSAL ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
+  int m_block = (CAUSAL || V::SPARSE) ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
   int b = blockIdx.z;
   const int hq = blockIdx.y, hk = hq / p.group;
   // The keys each row sees (bottom-right aligned), the score transforms and the sink of this head; the
@@ -55,8 +58,13 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
   const elem_t* k = p.k + k_rows + hk * p.k_sh;
   const elem_t* v = p.v + v_rows + hk * p.v_sh;
   var.set_head(p, b, hq);
+  if constexpr (V::SPARSE) var.set_block_row(p, m_block);
   const int n_first = var.block_first(m0, BN);
-  const int n_blocks = max(0, var.block_end(m0, BM, BN) - n_first);
+  int n_blocks;
+  if constexpr (V::SPARSE) n_blocks = m0 < var.nq ? var.count : 0;  // (the list's length)
+  else n_blocks = max(0, var.block_end(m0, BM, BN) - n_first);
+  // The key block of the CTA's j-th K/V block: a block mask's list entry, else the range's.
+  auto kv_block = [&](int j) { if constexpr (V::SPARSE) return var.block_at(j); else return n_first + j; };
 
   // Prologue: Q (its own group), then K/V blocks 0 .. ST-2.
   TQ::template load<BM, NT>(sQ, q, p.q_ss, m0, var.nq, p.d);
@@ -64,8 +72,8 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) {
     if (s < n_blocks) {
-      TQ::template load<BN, NT>(sK + s * BN * D * 2, k, p.k_ss, (n_first + s) * BN, var.nk, p.d);
-      TQ::template load<BN, NT>(sV + s * BN * D * 2, v, p.v_ss, (n_first + s) * BN, var.nk, p.d);
+      TQ::template load<BN, NT>(sK + s * BN * D * 2, k, p.k_ss, kv_block(s) * BN, var.nk, p.d);
+      TQ::template load<BN, NT>(sV + s * BN * D * 2, v, p.v_ss, kv_block(s) * BN, var.nk, p.d);
     }
     cp_async_commit();
   }
@@ -104,8 +112,8 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
       const int jn = j + ST - 1;
       if (jn < n_blocks) {
         const int sn = jn % ST;
-        TQ::template load<BN, NT>(sK + sn * BN * D * 2, k, p.k_ss, (n_first + jn) * BN, var.nk, p.d);
-        TQ::template load<BN, NT>(sV + sn * BN * D * 2, v, p.v_ss, (n_first + jn) * BN, var.nk, p.d);
+        TQ::template load<BN, NT>(sK + sn * BN * D * 2, k, p.k_ss, kv_block(jn) * BN, var.nk, p.d);
+        TQ::template load<BN, NT>(sV + sn * BN * D * 2, v, p.v_ss, kv_block(jn) * BN, var.nk, p.d);
       }
       cp_async_commit();
     };
@@ -145,14 +153,17 @@ FG_DEVICE void fwd_v2_body(const Params& p) {
     if constexpr (REFILL == 1) refill();
 
     // ---- transforms, then the mask (only blocks that cross the sequence end or a row's range) ----
-    const int n0 = (n_first + j) * BN;
+    const int n0 = kv_block(j) * BN;
     if constexpr (V::TRANSFORMS) {
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
         for (int h = 0; h < 2; ++h) var.transform(acc_s[mi], h, m0 + warp * RW + mi * 16 + g + 8 * h, n0 + 2 * t);
     }
-    if (var.needs_mask(n0, BN, m0, m0 + BM - 1)) {
+    bool masked;
+    if constexpr (V::SPARSE) masked = var.partial_at(j) || n0 + BN > var.nk;  // (the list's flag)
+    else masked = var.needs_mask(n0, BN, m0, m0 + BM - 1);
+    if (masked) {
       // Columns outside the row's range are hidden; one compare per element against per-row bounds
       // instead of building row and column indices.
 #pragma unroll
