@@ -22,6 +22,9 @@ Cases (bf16, d = 128 unless ``--d``; the mods are FlexAttention's examples):
   causal call's, and a new process's time from ``import flashgen`` to its first result with the
   kernel in the disk cache (median of 3 processes).
 
+``--family fwd_v2`` runs flashgen's calls (the mods and the built-in equivalent) on the mma.sync forward, the
+kernel of the GPUs without fwd_sm90, to compare the two there.
+
 TFLOP/s count the visible (query, key) pairs (the block mask's ``pairs``). ``x_builtin`` and ``x_flex``:
 flashgen's mods over the built-in equivalent / over FlexAttention (above 1: the mods are faster).
 """
@@ -37,8 +40,10 @@ import sys
 import time
 from dataclasses import dataclass
 
+from .. import dispatch, mods
 from .. import settings as flashgen_settings
-from ..variants import alibi_slopes
+from ..problem import ProblemKey, bucket_of, head_dim_tile
+from ..variants import Variant, alibi_slopes
 from . import baselines, options
 from .registry import Suite, register
 from .timing import Skipped, add_ratios, free, host_us, meta, require_cuda, time_cell, time_ms
@@ -62,6 +67,7 @@ CASE_NAMES = (*dict.fromkeys(c.name for c in CASES), "host")
 IMPLS = ("flashgen", "builtin", "flex")
 RATIOS = (("x_builtin", "builtin"), ("x_flex", "flex"))
 MODES = ("fwd", "fwd+bwd")
+FAMILIES = ("auto", "fwd_v2")
 BWD_FLOPS = 2.5  # the backward's FLOPs over the forward's (the suite convention)
 WINDOW, SOFTCAP, DOCS = 4096, 50.0, 16
 
@@ -76,6 +82,9 @@ def add_args(p) -> None:
                         "output with a random dO; counted as 3.5 forwards)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per cell (default 5; the median counts)")
     p.add_argument("--budget", type=float, default=0.25, help="seconds of timed calls per implementation per round")
+    p.add_argument("--family", choices=FAMILIES, default="auto",
+                   help="the forward family of flashgen's calls, mods and built-in alike: dispatch's (auto, the "
+                        "default) or fwd_v2 (the mma.sync kernel the GPUs without fwd_sm90 run)")
 
 
 def parse(args) -> dict:
@@ -83,7 +92,7 @@ def parse(args) -> dict:
     options.positive(args.budget, "budget")
     return {"cases": options.names(args.cases, CASE_NAMES, "cases"), "d": options.head_dims(str(args.d))[0],
             "impls": options.names(args.impls, IMPLS, "impls"), "mode": args.mode, "rounds": int(args.rounds),
-            "budget": float(args.budget)}
+            "budget": float(args.budget), "family": getattr(args, "family", "auto")}
 
 
 def doc_bounds(n: int, docs: int, seed: int) -> list:
@@ -160,13 +169,14 @@ def run(args, progress) -> dict:
         block_mask = api.create_block_mask(mask_mod, None, None, case.n, case.n)
         pairs = block_mask.for_tile(128, 128).pairs
         flop = 4.0 * case.batch * case.heads * pairs * d * (1 + BWD_FLOPS if grads else 1)
+        mod_spec, builtin_spec = _forced(settings["family"], q, score_mod, block_mask, builtin, bounds)
         makers = {}
         for impl in settings["impls"]:
             if impl == "flashgen":
-                makers[impl] = lambda: _timed(lambda: api.attention(q, k, v, score_mod=score_mod, block_mask=block_mask),
-                                              (q, k, v), grads)
+                makers[impl] = lambda: _timed(lambda: api.attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                                                    spec=mod_spec), (q, k, v), grads)
             elif impl == "builtin":
-                makers[impl] = lambda: _timed(*_builtin(q, k, v, builtin, bounds, api), grads)
+                makers[impl] = lambda: _timed(*_builtin(q, k, v, builtin, bounds, api, builtin_spec), grads)
             else:
                 makers[impl] = lambda: _timed(_flex(q, k, v, score_mod, mask_mod, case), (q, k, v), grads)
         measure = lambda fn: time_ms(fn, budget_s=settings["budget"], min_reps=5, max_reps=30, warmup=2)["ms"]  # noqa: E731
@@ -177,6 +187,8 @@ def run(args, progress) -> dict:
                 cell["tflops"] = flop / cell["ms"] / 1e9
         if "ms" in cells.get("flashgen", {}):  # the kernel the mods ran on (the plan of this case's call)
             cells["flashgen"]["spec"] = _mod_kernel(q, block_mask)
+        if builtin_spec is not None and "ms" in cells.get("builtin", {}):
+            cells["builtin"]["spec"] = builtin_spec.name
         label = f"{case.name}_gqa" if case.heads != case.kv_heads and case.name == "causal" else case.name
         row = {"case": label, "head_dim": d, "seqlen": case.n, "batch": case.batch, "heads": case.heads,
                "kv_heads": case.kv_heads, "pairs": pairs, "rounds": settings["rounds"], "results": cells}
@@ -286,9 +298,36 @@ def _timed(fn, inputs, grads: bool):
     return lambda: torch.autograd.grad(fn(), inputs, dout)
 
 
-def _builtin(q, k, v, builtin, bounds, api):
+def _forced(family: str, q, score_mod, block_mask, builtin, bounds):
+    """(the mods call's spec, the built-in call's spec) in ``family``: (None, None) for dispatch's picks
+    ("auto"), else the kernels dispatch takes in that family (the mods' by ``api.modcall.mod_spec``, as the
+    call would; the built-in's its variant key's pick)."""
+    if family == "auto":
+        return None, None
+    from ..api.device import Device
+    from ..api.modcall import CAUSAL_LIKE, mod_spec
+
+    dev = Device.of(q.device.index)
+    d, n = q.shape[-1], q.shape[-2]
+    mask_mod = block_mask.mask_mod
+    pair = mods.pair(mods.trace_score_mod(score_mod) if score_mod else None,
+                     mods.trace_mask_mod(mask_mod) if mask_mod else None)
+    mods.register(pair)
+    spec = mod_spec("bf16", d, n, dev, pair, causal_like=block_mask.sparsity() >= CAUSAL_LIKE, family=family)
+    if bounds is not None:
+        variant = Variant.of(True, None, 0.0, False, False).replace(varlen=True)
+    elif builtin is not None:
+        variant = Variant.of(builtin.get("causal", False), builtin.get("window"), builtin.get("softcap", 0.0),
+                             builtin.get("alibi_slopes") is not None, False)
+    else:
+        return spec, None
+    key = ProblemKey("fwd", dev.arch, "bf16", head_dim_tile(d), variant.causal, bucket_of(n), variant.key())
+    return spec, dispatch.select(key, dev.gpu, dev.smem_budget, verify=True, family=family)
+
+
+def _builtin(q, k, v, builtin, bounds, api, spec=None):
     """(the call, its inputs) of flashgen's own equivalent of a case: ``attention`` with its variant keywords,
-    or ``attention_varlen`` over the case's documents (one row of packed sequences)."""
+    or ``attention_varlen`` over the case's documents (one row of packed sequences); ``spec`` forces a kernel."""
     import torch
 
     if bounds is not None:
@@ -296,11 +335,11 @@ def _builtin(q, k, v, builtin, bounds, api):
         longest = max(b - a for a, b in zip(bounds, bounds[1:]))
         packed = tuple(t.detach()[0].transpose(0, 1).contiguous().requires_grad_(t.requires_grad)
                        for t in (q, k, v))  # (total, heads, d)
-        return (lambda: api.attention_varlen(*packed, cu, cu, longest, longest, causal=True, check_values=False),
-                packed)
+        return (lambda: api.attention_varlen(*packed, cu, cu, longest, longest, causal=True, check_values=False,
+                                             spec=spec), packed)
     if builtin is None:
         raise Skipped("no built-in equivalent")
-    return lambda: api.attention(q, k, v, **builtin), (q, k, v)
+    return lambda: api.attention(q, k, v, spec=spec, **builtin), (q, k, v)
 
 
 def _flex(q, k, v, score_mod, mask_mod, case):
