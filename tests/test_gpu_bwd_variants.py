@@ -103,7 +103,7 @@ def family(request, monkeypatch):
 @pytest.mark.parametrize("variant", VARIANTS, ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
-def test_backward(family, nq, nk, variant, causal, d):
+def test_backward(family, nq, nk, variant, causal, d, monkeypatch):
     if family == "bwd_sm90":
         from flashgen import dispatch, families
         from flashgen.api.device import Device
@@ -115,9 +115,12 @@ def test_backward(family, nq, nk, variant, causal, d):
                        "sinks" in variant)
         key = ProblemKey("bwd_dkdv", dev.arch, "bf16", d, v.causal, 512, v.backward().key())
         spec = families.default_spec(key, dev.smem_budget, family="bwd_sm90")
-        problems = dispatch.resource_problems(spec)
-        if problems:  # forced: refused; by default the mma.sync kernel serves (test_backward[bwd_dkdv-...])
-            pytest.skip(f"{spec.name} spills with this NVRTC ({'; '.join(problems)})")
+        if dispatch.resource_problems(spec):
+            # (d = 128 with every variant at once spills 8-12 B under NVRTC 13.0.) Forced, the kernel is
+            # refused by its resource report; by default the mma.sync kernel serves the call.
+            with pytest.raises(flashgen.CompileError, match="refused by its resource report"):
+                check_grads(nq, nk, d, causal, variant)
+            monkeypatch.delenv("FLASHGEN_BWD_FAMILY")
     check_grads(nq, nk, d, causal, variant)
 
 
