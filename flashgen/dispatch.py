@@ -95,6 +95,21 @@ def mod_spec(key: ProblemKey, gpu: str | None, smem_budget: int, token: int, ver
     return first_clean(candidates, resource_problems if verify else None)
 
 
+def mod_decode_spec(key: ProblemKey, gpu: str | None, smem_budget: int, token: int, regime: str,
+                    verify: bool = False) -> KernelSpec:
+    """The decode_split kernel of a decode call with user mods: ``key``'s (a plain decode key) pick for
+    ``regime`` with the pair's token, then the rule's other tiles where a mod's functions make it spill.
+    ``verify``: the resource check, as ``select``."""
+    picked = select(key, gpu, smem_budget, verify=verify, regime=regime)
+    rule = families.family(key.kind).rule(key, smem_budget, regime=regime)
+    candidates = []
+    for s in [picked] + rule:
+        s = s.replace(mod=token)
+        if s not in candidates:
+            candidates.append(s.validate())
+    return first_clean(candidates, resource_problems if verify else None)
+
+
 # The forward families that take user mods, in preference order.
 MOD_FAMILIES = ("fwd_sm90", "fwd_v2")
 

@@ -94,7 +94,7 @@ class KernelSpec:
     kv_gather: bool = _f(False, "ga", _SM90, "paged K/V rows gathered by the producer warpgroup with cp.async (16 bytes "
                          "a thread, rows of a block sharing a block-table entry in runs of page_rows) instead of TMA "
                          "boxes: for pages shorter than the boxes that run well", True)
-    mod: int = _f(0, "mod", ("fwd_sm90", "fwd_v2", "bwd_sm90"), "user mods (flashgen.mods): the 48-bit token of a traced score_mod / mask_mod pair, "
+    mod: int = _f(0, "mod", ("fwd_sm90", "fwd_v2", "bwd_sm90", "decode_split"), "user mods (flashgen.mods): the 48-bit token of a traced score_mod / mask_mod pair, "
                   "whose graphs are printed into the kernel as device functions (0: none)", True)
     fp8: bool = _f(False, "fp8", ("fwd_sm90", "decode_split"), "float8 e4m3 operands with fp32 descale factors: q, k "
                    "and v in the forward, the KV cache in decode; dtype is the output's (and decode's query's)", True)

@@ -322,6 +322,7 @@ def test_variant_specs_spell_their_switches():
     plain = dk.first_rule_spec(key.replace(variant=""), 232448, "few")
     assert "2, decode_variant<false, false, false, false>>(p);" in render(plain)
     assert spec.replace(window=False, softcap=False, alibi=False, sinks=False) == plain
-    assert [n for n, _, _ in dk.DECODE_PARAMS[-5:]] == ["win_left", "cap_in", "alibi_sb", "alibi", "sinks"]
+    assert [n for n, _, _ in dk.DECODE_PARAMS[-11:-6]] == ["win_left", "cap_in", "alibi_sb", "alibi", "sinks"]
+    assert [n for n, _, _ in dk.DECODE_PARAMS[-6:]] == ["mod", "bm_count", "bm_index", "bm_sb", "bm_sh", "bm_nb"]
     with pytest.raises(ValueError, match="not a field of this kind"):
         KernelSpec(kind="decode_combine", sinks=True).validate()

@@ -62,9 +62,9 @@ def test_mod_spec_rules(change, match):
 
 
 def test_mod_field_belongs_to_the_mod_families_only():
-    """fwd_sm90, fwd_v2 and bwd_sm90 take a mod token; the mma.sync backward and decode do not."""
+    """fwd_sm90, fwd_v2, bwd_sm90 and decode_split take a mod token; the mma.sync backward kernels do not."""
     assert KernelSpec(kind="fwd_v2", head_dim=64, block_m=64, block_n=64, warps=4, mod=5).validate().mod == 5
-    for kind in ("bwd_dkdv", "decode_split"):
+    for kind in ("bwd_dkdv", "bwd_dq"):
         with pytest.raises(ValueError, match="not a field of this kind"):
             KernelSpec(kind=kind, head_dim=64, block_m=64, block_n=64, warps=4, mod=5).validate()
     with pytest.raises(ValueError, match="built-in variant"):
@@ -191,13 +191,13 @@ def test_mod_fields_are_packed_once_at_their_offsets():
     import ctypes
 
     from flashgen.api.blockmask import block_mask_from_dense
-    from flashgen.api.modcall import _packed
+    from flashgen.api.modcall import pack_mod_fields
 
     struct = fwd_sm90.FAMILY.param_struct()
     bias = torch.randn(3, 40)[:, ::2]
     doc = torch.arange(7, dtype=torch.int32)
     tiles = block_mask_from_dense(torch.rand(2, 1, 100, 90) < 0.5).for_tile(64, 80)
-    offset, blob = _packed(struct, (bias, doc), tiles)
+    offset, blob = pack_mod_fields(struct, (bias, doc), tiles)
     params = struct()
     ctypes.memmove(ctypes.addressof(params) + offset, blob, len(blob))
     assert params.mod.t[0] == bias.data_ptr() and params.mod.t[1] == doc.data_ptr() and not params.mod.t[2]
@@ -207,7 +207,7 @@ def test_mod_fields_are_packed_once_at_their_offsets():
     assert (params.bm_sb, params.bm_sh, params.bm_nb) == (2, 0, 2)  # (batch stride: 1 head x 2 query blocks)
     assert params.nq == 0 and params.tiles == 0  # nothing outside the range is touched
     keys = block_mask_from_dense(torch.rand(1, 3, 100, 300) < 0.5).for_key_tile(64, 128)  # (1, 3, 3 key blocks)
-    offset, blob = _packed(struct, (), keys)
+    offset, blob = pack_mod_fields(struct, (), keys)
     ctypes.memmove(ctypes.addressof(params) + offset, blob, len(blob))
     assert (params.bm_sb, params.bm_sh, params.bm_nb) == (0, 3, 2) and not params.mod.t[0]
 
@@ -356,3 +356,57 @@ def test_a_capture_only_the_mask_reads_gets_a_zero_gradient():
     q = torch.randn(2, 1, 4, 8)
     grads = capture_grads(pair, [lengths], q, q, q, q, torch.zeros(2, 1, 4), q, None, 0.3, "bhsd")
     assert torch.equal(grads[0], torch.zeros(2))
+
+
+# ---- decode (decode_split): mods on every block, no block mask
+
+def window_mask(b, h, q, kv):
+    return q - kv <= 100
+
+
+def test_decode_spec_takes_mods_alone():
+    base = dict(kind="decode_split", head_dim=128, block_m=16, block_n=128, warps=4, stages=2, causal=True)
+    assert KernelSpec(**base, mod=5).validate().mod == 5
+    for change in ({"window": True}, {"softcap": True}, {"sinks": True}, {"fp8": True}):
+        with pytest.raises(ValueError, match="no built-in variant"):
+            KernelSpec(**base, mod=5, **change).validate()
+    with pytest.raises(ValueError, match="not a mod token"):
+        KernelSpec(**base, mod=1 << 48).validate()
+
+
+@pytest.mark.parametrize("score,mask,arch,d", [
+    (alibi, window_mask, "sm_90a", 128), (softcap, None, "sm_80", 64), (None, document, "sm_90a", 256),
+    (relative16, window_mask, "sm_86", 128)])
+def test_decode_mod_kernels_compile_without_spills(score, mask, arch, d, tmp_path, monkeypatch):
+    """dispatch's decode_split kernel with mods (the plain key's tile, then the rule's) builds clean offline, and
+    its source calls the traced functions through decode_mod_variant."""
+    from flashgen import dispatch, gpus
+    from flashgen.codegen import build
+    from flashgen.problem import ProblemKey
+
+    monkeypatch.setenv("FLASHGEN_HOME", str(tmp_path))
+    pair = registered(score, mask)
+    key = ProblemKey("decode_split", arch, "bf16", d, True, 4096, "")
+    spec = dispatch.mod_decode_spec(key, None, gpus.ARCH_SMEM_PER_BLOCK[arch], mods.token_number(pair), "some",
+                                    verify=True)
+    report = build(spec).report
+    assert spec.kind == "decode_split" and spec.mod == mods.token_number(pair)
+    assert report.spill_stores == 0 and report.stack_frame == 0, (spec.name, report)
+    src = render(spec)
+    flags = ", ".join("true" if f else "false" for f in (score is not None, mask is not None))
+    assert f"decode_mod_variant<{flags}>" in src and "SLOPES[" not in src and "window_mask" not in src
+
+
+def test_decode_with_mods_on_meta_and_refusals():
+    """On meta tensors a decode call with mods checks and traces them and returns the output's shape; a mod
+    beside a built-in variant, or a mod that is not a function, is refused before anything runs."""
+    q = torch.empty(2, 1, 8, 128, device="meta", dtype=torch.bfloat16)
+    cache = torch.empty(2, 300, 2, 128, device="meta", dtype=torch.bfloat16)
+    out, lse = flashgen.decode(q, cache, cache, score_mod=alibi, mask_mod=window_mask, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (2, 8, 1)
+    with pytest.raises(flashgen.UnsupportedError, match="window"):
+        flashgen.decode(q, cache, cache, score_mod=alibi, window=(64, 0))
+    with pytest.raises(TypeError, match="score_mod must be a function"):
+        flashgen.decode(q, cache, cache, score_mod=5)
+    with pytest.raises(mods.ModError):
+        flashgen.decode(q, cache, cache, score_mod=lambda s, b, h, qi, kv: torch.sin(s))

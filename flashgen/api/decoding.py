@@ -19,7 +19,7 @@ from threading import get_ident
 
 import torch
 
-from .. import dispatch, shapes
+from .. import dispatch, mods, shapes
 from ..codegen import load
 from ..codegen.launch import ensure_context
 from ..errors import UnsupportedError
@@ -32,6 +32,7 @@ from .checks import (DTYPES, check_block_table_layout, check_descale, check_flag
 from .device import Device, current_device, current_stream, index_of
 from .device import is_capturing as _capturing
 from .fp8 import FP8, check_descale_values, descale_strides
+from .modcall import fill_mods, pack_mod_fields
 from .plans import PlanCache
 
 _plans = PlanCache("decode")
@@ -53,7 +54,8 @@ def _tsig(t):
 
 def decode(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None, v_new=None,
            softmax_scale=None, num_splits=None, return_lse=False, check_values=True, spec=None, *,
-           window=None, softcap=0.0, alibi_slopes=None, sinks=None, k_descale=None, v_descale=None):
+           window=None, softcap=0.0, alibi_slopes=None, sinks=None, k_descale=None, v_descale=None,
+           score_mod=None, mask_mod=None):
     """Attention of new query tokens to a KV cache, split over the keys (Flash-Decoding).
 
     q: (batch, seqlen_q, heads_q, d); the new tokens are causal among themselves
@@ -109,6 +111,14 @@ def decode(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None
     (v_new / v_descale), saturating at +-448 (``quantize_fp8``'s rounding), and attended to as written.
     With ``check_values`` the descales must be finite and positive (checked with the lengths; skipped
     during a CUDA graph capture like them). The variants work with an FP8 cache too.
+
+    User mods (``flashgen.attention``'s, FlexAttention's signatures, traced by ``flashgen.mods``):
+    ``score_mod(score, b, h, q_idx, kv_idx)`` changes each scaled score and ``mask_mod(b, h, q_idx, kv_idx)``
+    hides keys where it is False, with q_idx the new token's position in its sequence (token i at
+    i + L - seqlen_q) and kv_idx the key's, so a mod written for a sequence's prefill means the same here.
+    Decode stays causal (a new token sees no later key); the mask_mod hides keys on top of that and is
+    evaluated per score (no block mask: no key block is skipped). They take none of window, softcap,
+    alibi_slopes, sinks or an FP8 cache (write those as mods).
     """
     try:
         # Flat on purpose: this tuple is built and hashed on every call (host overhead).
@@ -121,17 +131,21 @@ def decode(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None
                type(num_splits), type(return_lse), type(check_values),  # 1 == True: the types keep checks honest
                window, type(window), softcap, type(softcap),
                None if alibi_slopes is None else _tsig(alibi_slopes), None if sinks is None else _tsig(sinks),
-               None if k_descale is None else _tsig(k_descale), None if v_descale is None else _tsig(v_descale))
+               None if k_descale is None else _tsig(k_descale), None if v_descale is None else _tsig(v_descale),
+               score_mod, mask_mod)
         plan = _plans.get(sig)
     except (AttributeError, TypeError):  # not tensors, or unhashable: the full check says why
         sig = plan = None
+    if plan is not None and plan.mods is not None and not plan.mods.current():  # a capture was rebound
+        plan = None
     if plan is None and on_meta(q):
         return _meta_decode(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax_scale,
                             num_splits, return_lse, check_values, spec, window, softcap, alibi_slopes, sinks,
-                            k_descale, v_descale)
+                            k_descale, v_descale, score_mod, mask_mod)
     if plan is None:
         plan = _plan(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax_scale, num_splits,
-                     return_lse, check_values, spec, window, softcap, alibi_slopes, sinks, k_descale, v_descale)
+                     return_lse, check_values, spec, window, softcap, alibi_slopes, sinks, k_descale, v_descale,
+                     score_mod, mask_mod)
         _plans.put(sig, plan)
     if shapes.ACTIVE and plan.record is not None:  # flashgen.record: count this call's key and shape
         shapes.note(*plan.record)
@@ -186,12 +200,14 @@ def _refuse_grad(q, k_cache, v_cache) -> None:
 
 
 def _meta_decode(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax_scale, num_splits,
-                 return_lse, check_values, spec, window, softcap, alibi_slopes, sinks, k_descale, v_descale):
-    """``decode`` on meta tensors: the argument checks, then outputs of the right shapes (no kernel, no
-    append: a meta cache holds nothing)."""
+                 return_lse, check_values, spec, window, softcap, alibi_slopes, sinks, k_descale, v_descale,
+                 score_mod=None, mask_mod=None):
+    """``decode`` on meta tensors: the argument checks (the mods traced; their captures may be anywhere),
+    then outputs of the right shapes (no kernel, no append: a meta cache holds nothing)."""
     (b, nq, hq, _, _), *_ = _checked(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax_scale,
                                      num_splits, return_lse, check_values, window, softcap, alibi_slopes, sinks,
                                      k_descale, v_descale)
+    _traced_mods(q, score_mod, mask_mod, window, softcap, alibi_slopes, sinks, k_descale, allow_cpu=True)
     if spec is not None:
         raise UnsupportedError("spec= forces one decode kernel: not with meta tensors")
     _refuse_grad(q, k_cache, v_cache)
@@ -316,12 +332,54 @@ def _check_append_aliasing(extents, kp, vp, knp, vnp) -> None:
                                  "separate buffers")
 
 
+class _Mods:
+    """A decode plan's user mods: the traced pair (its captures kept alive: their addresses are in the plan's
+    parameter template) and the functions it was traced from."""
+
+    __slots__ = ("pair", "functions")
+
+    def __init__(self, pair, functions):
+        self.pair, self.functions = pair, functions
+
+    def current(self) -> bool:
+        """Whether the functions still trace to this pair (``api.modcall``'s rule: a captured tensor rebound,
+        a changed constant, gives a new graph and so a new plan)."""
+        score_fn, mask_fn = self.functions
+        return ((score_fn is None or mods.trace_score_mod(score_fn) is self.pair.score)
+                and (mask_fn is None or mods.trace_mask_mod(mask_fn) is self.pair.mask))
+
+
+def _traced_mods(q, score_mod, mask_mod, window, softcap, alibi_slopes, sinks, k_descale, allow_cpu=False):
+    """The decode call's user mods, checked and traced: the pair, or None without mods. TypeError for a
+    non-function; UnsupportedError beside a built-in variant or an FP8 cache; ValueError for a capture off
+    q's device (``allow_cpu``: the meta path, which launches nothing)."""
+    if score_mod is None and mask_mod is None:
+        return None
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(f"score_mod must be a function (score, b, h, q_idx, kv_idx) -> score, got {score_mod!r}")
+    if mask_mod is not None and not callable(mask_mod):
+        raise TypeError(f"mask_mod must be a function (b, h, q_idx, kv_idx) -> bool, got {mask_mod!r}")
+    others = [n for n, on in (("window", window is not None), ("softcap", softcap != 0.0),
+                              ("alibi_slopes", alibi_slopes is not None), ("sinks", sinks is not None),
+                              ("an FP8 cache", k_descale is not None)) if on]
+    if others:
+        raise UnsupportedError(f"score_mod / mask_mod take none of {', '.join(others)} in flashgen.decode: a mod "
+                               "expresses its own scores and mask")
+    pair = mods.pair(mods.trace_score_mod(score_mod, allow_cpu=allow_cpu) if score_mod is not None else None,
+                     mods.trace_mask_mod(mask_mod, allow_cpu=allow_cpu) if mask_mod is not None else None)
+    for t in pair.captures:
+        if t.device != q.device and not allow_cpu:
+            raise ValueError(f"a mod captures a tensor on {t.device}; q is on {q.device}: captured tensors must be "
+                             "on q's device")
+    return pair
+
+
 class _Plan:
     """Everything about a call that depends only on its signature (see ``api.plans``)."""
 
     __slots__ = ("kernel", "grid", "combine", "combine_grid", "device_index", "lse_shape", "ws_numel",
                  "ws_lse_offset", "ctr_numel", "splits", "limits", "spec", "extents", "variant", "_template",
-                 "_struct", "_ctemplate", "_cstruct", "record")
+                 "_struct", "_ctemplate", "_cstruct", "record", "mods")
 
     def __init__(self, device_index, lse_shape, limits, extents=(0, 0, 0, 0)):
         self.device_index, self.lse_shape, self.limits = device_index, lse_shape, limits
@@ -332,6 +390,7 @@ class _Plan:
         self.variant = PLAIN
         self._template = self._struct = self._ctemplate = self._cstruct = None
         self.record = None  # (ProblemKey, shape) of a dispatched call, for flashgen.record
+        self.mods = None  # _Mods of a call with user mods
 
     def key_ranges(self, length: int, nq: int, group: int, m_block: int = 0) -> list:
         """The K/V rows [begin, end) each split of m-block ``m_block`` reads for a sequence of ``length``
@@ -523,15 +582,23 @@ def _checked(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, soft
 
 def _plan(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax_scale, num_splits, return_lse,
           check_values, spec, window=None, softcap=0.0, alibi_slopes=None, sinks=None, k_descale=None,
-          v_descale=None) -> _Plan:
+          v_descale=None, score_mod=None, mask_mod=None) -> _Plan:
     (b, nq, hq, hk, d), scale, num_splits, limits, variant = _checked(
         q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax_scale, num_splits, return_lse,
         check_values, window, softcap, alibi_slopes, sinks, k_descale, v_descale)
+    pair = _traced_mods(q, score_mod, mask_mod, window, softcap, alibi_slopes, sinks, k_descale)
     shapes.from_environment()
     index = index_of(q)
     extents = tuple(extent_bytes(t) if t is not None else 0 for t in (k_cache, v_cache, k_new, v_new))
     plan = _Plan(index, (b, hq, nq), limits, extents)
     plan.variant = variant
+    if pair is not None:
+        mods.register(pair)
+        plan.mods = _Mods(pair, (score_mod, mask_mod))
+        k_in, c_out = pair.factors  # c f(k score): k joins the scale the score_mod is given, c the softmax's
+        if not 2.0 ** -126 <= abs(scale * k_in) < 2.0 ** 127:
+            raise UnsupportedError(f"score_mod's constant factor {k_in!r} on the score times the softmax scale "
+                                   f"{scale!r} leaves float32's normal range")
     if b == 0 or hq == 0:
         return plan
     dev = Device.of(index)
@@ -541,14 +608,18 @@ def _plan(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax
     rows = nq * group
     m_blocks = -(-rows // dk.ROWS)
     keys = dk.window_keys(limits.capacity, nq, variant.left)  # the most keys a CTA reads
+    token = mods.token_number(pair) if pair is not None else 0
     if spec is None:  # (verify: a tile this NVRTC would refuse gives way to the rule's next one)
         key = ProblemKey(dk.SPLIT.kind, dev.arch, dtype, tile, True, bucket_of(keys), variant.key())
-        spec = dispatch.select(key, dev.gpu, dev.smem_budget, verify=True,
-                               regime=dk.decode_regime(b * hk * m_blocks, dev.sms))
-        plan.record = (key, (b, hq, hk, nq, limits.capacity, d))
+        regime = dk.decode_regime(b * hk * m_blocks, dev.sms)
+        if pair is not None:  # (the plain key's pick with the mods; the rule's next tiles where it spills)
+            spec = dispatch.mod_decode_spec(key, dev.gpu, dev.smem_budget, token, regime, verify=True)
+        else:
+            spec = dispatch.select(key, dev.gpu, dev.smem_budget, verify=True, regime=regime)
+            plan.record = (key, (b, hq, hk, nq, limits.capacity, d))
     else:
-        check_forced_spec(spec, {"kind": dk.SPLIT.kind, "dtype": dtype, "arch": dev.arch, **variant.flags()}, d,
-                          dev.smem_budget)
+        check_forced_spec(spec, {"kind": dk.SPLIT.kind, "dtype": dtype, "arch": dev.arch, "mod": token,
+                                 **variant.flags()}, d, dev.smem_budget)
     kern = load(spec, index)
     if num_splits is None:
         occ = dk.ctas_per_sm(spec.smem_bytes(), spec.warps * 32, kern.binary.report.registers or 255, dev.smem_per_sm)
@@ -559,8 +630,11 @@ def _plan(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax
     s_new = k_new.stride() if k_new is not None else (0, 0, 0)
     s_vnew = v_new.stride() if v_new is not None else (0, 0, 0)
     ks, vs, qs = k_cache.stride(), v_cache.stride(), q.stride()
-    # The variant's values: the window's left side, and with a softcap its factor and the cap as the scale.
+    # The variant's values: the window's left side, and with a softcap its factor and the cap as the scale
+    # (a score_mod: the scale, times k, before it, and c as the softmax's scale).
     values = variant.values(nq, limits.capacity + nq, scale) if not variant.plain else {}
+    if pair is not None and pair.score is not None:
+        values = variant.replace(scored=True, score_factor=c_out).values(nq, limits.capacity + nq, scale * k_in)
     # An FP8 cache's descales: (batch, KV head) strides, 0 for one factor (the pointers are the call's).
     kd_sb, kd_sh, _ = descale_strides(k_descale, hk) if k_descale is not None else (0, 0, 1)
     vd_sb, vd_sh, _ = descale_strides(v_descale, hk) if v_descale is not None else (0, 0, 1)
@@ -576,6 +650,9 @@ def _plan(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, softmax
         alibi_sb=(alibi_slopes.shape[1] if alibi_slopes.dim() == 2 else 0) if alibi_slopes is not None else 0,
         kd_sb=kd_sb, kd_sh=kd_sh, vd_sb=vd_sb, vd_sh=vd_sh,
     )
+    if pair is not None:  # the captures' addresses, strides and sizes (fixed while the plan is current)
+        offset, blob = pack_mod_fields(type(template), tuple(pair.captures), None)
+        fill_mods(template, offset, blob)
     plan._template, plan._struct = bytes(template), type(template)
     if num_splits > 1:
         plan.ws_numel = num_splits * total_rows * (d + 1)

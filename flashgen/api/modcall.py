@@ -132,7 +132,7 @@ def _launch(plan, q, k, v, return_lse):
 
 
 def fill_mods(params, offset: int, blob: bytes) -> None:
-    """Copy a packed range of mod fields (``_packed``) into a launch's parameter block."""
+    """Copy a packed range of mod fields (``pack_mod_fields``) into a launch's parameter block."""
     ctypes.memmove(ctypes.addressof(params) + offset, blob, len(blob))
 
 
@@ -150,7 +150,7 @@ class _ModPlan:
         self.captures = tuple(pair.captures)
         self.offset, self.blob = 0, b""
         if struct is not None:
-            self.offset, self.blob = _packed(struct, self.captures, tiles)
+            self.offset, self.blob = pack_mod_fields(struct, self.captures, tiles)
 
     def current(self) -> bool:
         """Whether the mods still trace to the graphs this plan was made for: the tracer's cache answers
@@ -162,7 +162,7 @@ class _ModPlan:
 
 
 
-def _packed(struct, captures, tiles) -> tuple[int, bytes]:
+def pack_mod_fields(struct, captures, tiles) -> tuple[int, bytes]:
     """(offset, bytes) of a parameter block's mod fields (families.base.MOD_PARAMS, contiguous from ``mod``
     to ``bm_nb``) for these captures and block lists."""
     scratch = struct()
@@ -294,7 +294,8 @@ class ModBackward:
             tiles = plan.block_mask.for_key_tile(self.spec.block_m, self.spec.block_n)
             check_int32("the block mask's rows", tiles.counts.numel())
         self.tiles = tiles  # (kept alive with the captures while the plan lives)
-        self.offset, self.blob = _packed(families.family("bwd_sm90").param_struct(), tuple(pair.captures), tiles)
+        self.offset, self.blob = pack_mod_fields(families.family("bwd_sm90").param_struct(), tuple(pair.captures),
+                                                 tiles)
 
     def fill(self, params) -> None:
         fill_mods(params, self.offset, self.blob)

@@ -36,7 +36,8 @@ from ..gpus import ARCH_SMEM_PER_BLOCK
 from ..problem import ProblemKey, smallest_tile
 from ..spec import DTYPES, KernelSpec
 from ..variants import UNBOUNDED, key_flags
-from .base import F32, I32, I64, PTR, Family, first_clean, strides
+from .. import mods
+from .base import F32, I32, I64, MOD_PARAMS, MOD_TOKEN_LIMIT, PTR, Family, first_clean, strides
 
 PAGE_SIZES = (16, 32, 64, 128, 256)
 MAX_SPLITS = 128          # the heuristic's ceiling (num_splits= may go higher, up to MAX_SPLITS_USER)
@@ -101,6 +102,8 @@ DECODE_PARAMS = (
     # or (batch, heads_q): batch stride 0 or heads_q) and the sinks (fp32, (heads_q,)).
     ("win_left", "int", I32), ("cap_in", "float", F32), ("alibi_sb", "int", I32),
     ("alibi", "const float*", PTR), ("sinks", "const float*", PTR),
+    # User mods (templates/decode/decode_mod.cuh): their captured tensors; no block mask (zero).
+    *MOD_PARAMS,
 )
 
 COMBINE_PARAMS = (
@@ -207,6 +210,11 @@ class DecodeSplitFamily(Family):
         if chunks % row or step == 0 or 16 % step:
             raise ValueError(f"{self.kind}: {spec.warps} warps do not tile head_dim={spec.head_dim} rows"
                              f"{' of FP8' if spec.fp8 else ''} (rows per load pass must divide 16)")
+        if not 0 <= spec.mod < MOD_TOKEN_LIMIT:
+            raise ValueError(f"{self.kind}: mod={spec.mod} is not a mod token (0 <= mod < 2^48)")
+        if spec.mod and (spec.window or spec.softcap or spec.alibi or spec.sinks or spec.fp8):
+            raise ValueError(f"{self.kind}: mod={spec.mod} takes no built-in variant (window, softcap, alibi, sinks) "
+                             "and no FP8 cache: a mod expresses its own mask and scores")
         if spec.kv_load in BULK_LOADS and spec.arch != "sm_90a":
             raise ValueError(f"{self.kind}: kv_load={spec.kv_load} (cp.async.bulk) needs sm_90a, not {spec.arch}")
         # The epilogue merges the warps through fp32 scratch in the K/V ring (the template's static_assert).
@@ -236,12 +244,19 @@ class DecodeSplitFamily(Family):
         shared memory (plus the driver's 1 KB each). Without it ptxas caps those kernels at 128 registers
         and the n128 tile spills; with it ptxas may use what that residency leaves. 0: no minimum given
         (the cp.async kernels keep their plain bounds). And ``variant_type``, the decode_variant
-        instantiation of the spec's window, softcap, alibi and sinks switches."""
+        instantiation of the spec's window, softcap, alibi and sinks switches (with user mods the
+        decode_mod_variant of the traced pair, whose functions are ``mod_source``)."""
         ctx = super().context(spec)
         per_sm = ARCH_SMEM_PER_BLOCK["sm_90a"] + 1024
         ctx["min_ctas"] = max(1, per_sm // (self.smem_bytes(spec) + 1024)) if spec.kv_load in BULK_LOADS else 0
         flags = (spec.window, spec.softcap, spec.alibi, spec.sinks)
         ctx["variant_type"] = "decode_variant<" + ", ".join("true" if f else "false" for f in flags) + ">"
+        ctx["mod_source"] = ""
+        if spec.mod:  # user mods: the traced pair's functions (this process must have traced them)
+            pair = mods.lookup(mods.token_text(spec.mod))
+            ctx["mod_source"] = pair.cuda()
+            flags = (pair.score is not None, pair.mask is not None)
+            ctx["variant_type"] = "decode_mod_variant<" + ", ".join("true" if f else "false" for f in flags) + ">"
         return ctx
 
     def key_tile(self, d: int) -> int:

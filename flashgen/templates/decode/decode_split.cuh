@@ -43,7 +43,8 @@
 // Variants (VAR, decode_variant.cuh: compile-time switches, values in the parameter block): a window
 // moves the splits' first key to the CTA's first visible one (so the kernel reads the window only) and
 // masks each row's lower bound; softcap and ALiBi transform every block's scores before the mask; a
-// sink joins the row's softmax in the one-split epilogue or in the merge of the splits.
+// sink joins the row's softmax in the one-split epilogue or in the merge of the splits. User mods
+// (decode_mod.cuh) take the same interface: the score_mod as a transform, the mask_mod on every block.
 //
 // FP8 (an e4m3 cache, decode_fp8.cuh): the same loads on rows of d bytes -- half the bytes per key --
 // into a ring of byte rows (swizzled as a 16-bit tile of D/2 columns). The main loop widens the K and V
@@ -733,9 +734,9 @@ struct decode_split_cta {
       // ---- mask: the split end, the sequence end, the causal diagonal (and the window's start) ----
       // A window masks every block: the test for the blocks its start crosses (a register across the
       // loop) made the n64 tile spill, and the mask is a few selects per score of a memory-bound loop.
-      if (VAR::WIN || n0 + BN > mask_from) {
+      if (VAR::MASK_ALL || n0 + BN > mask_from) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) VAR::mask(p, acc_s, h, r0 + g + 8 * h, diag, n0 + w_row + 2 * t, row_lim[h]);
+        for (int h = 0; h < 2; ++h) var.mask(p, acc_s, h, r0 + g + 8 * h, diag, n0 + w_row + 2 * t, row_lim[h]);
       }
 
       // ---- online softmax (per warp) ----

@@ -24,7 +24,9 @@
 
 template <bool WINDOW, bool SOFTCAP, bool ALIBI, bool SINKS>
 struct decode_variant {
-  enum : int { WIN = WINDOW, CAP = SOFTCAP, SLOPES = ALIBI, SINK = SINKS, TRANSFORMS = SOFTCAP || ALIBI };
+  // (MASK_ALL: every block is masked, not only those the causal edge or a split's end crosses.)
+  enum : int { WIN = WINDOW, CAP = SOFTCAP, SLOPES = ALIBI, SINK = SINKS, TRANSFORMS = SOFTCAP || ALIBI,
+               MASK_ALL = WINDOW };
   float dg[2];      // ALIBI: row half h's diagonal key tok + diag (o = key - dg)
   float slope[2];   // ALIBI: row half h's slope over the score's unit
 
