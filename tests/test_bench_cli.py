@@ -423,8 +423,10 @@ def _variants_result():
     for batch, plain in ((1, 4.1), (4, 4.4)):
         row = {"batch": batch, "L": 131072, "results": {"plain": cell(125.0, plain), "window": cell(5.2, 3.2),
                                                         "sinks": cell(126.0, 4.0),
-                                                        "softcap": {"error": "RuntimeError: no softcap"}}}
-        row["ratios"] = {"window_x_plain": 3.2 / plain, "sinks_x_plain": 4.0 / plain}
+                                                        "softcap": {"error": "RuntimeError: no softcap"},
+                                                        "alibi": cell(126.0, 4.0), "alibi_mod": cell(127.0, 3.9)}}
+        row["ratios"] = {"window_x_plain": 3.2 / plain, "sinks_x_plain": 4.0 / plain, "alibi_x_plain": 4.0 / plain,
+                         "alibi_mod_x_plain": 3.9 / plain, "alibi_mod_x_builtin": 3.9 / 4.0}
         decode.append(row)
     return {"suite": "variants", "meta": {}, "metric": "tflops", "x": "case", "panels": ["head_dim"],
             "impls": ["flashgen", "flashgen_plain", "flex"], "ratios": ["x_plain", "x_flex"], "rows": rows,
@@ -491,11 +493,13 @@ def test_variants_table_has_the_decode_section():
     text = report.table(_variants_result())
     section = text[text.index("[decode]"):].splitlines()
     head = section[1].split()
-    assert head[:2] == ["L", "batch"] and head[2:6] == ["plain", "window", "sinks", "softcap"]
-    assert head[6:] == ["window_x_plain", "sinks_x_plain", "softcap_x_plain"]
+    assert head[:2] == ["L", "batch"]
+    assert head[2:9] == ["plain", "window", "sinks", "softcap", "alibi", "softcap_mod", "alibi_mod"]
+    assert head[9:] == ["window_x_plain", "sinks_x_plain", "softcap_x_plain", "alibi_x_plain", "softcap_mod_x_plain",
+                        "alibi_mod_x_plain", "softcap_mod_x_builtin", "alibi_mod_x_builtin"]
     first = section[3].split()
-    assert first[:5] == ["131072", "1", "4.10", "3.20", "4.00"] and first[5] == "err"
-    assert "0.780" in first and "RuntimeError: no softcap" in text
+    assert first[:5] == ["131072", "1", "4.10", "3.20", "4.00"] and first[5] == "err" and first[6] == "4.00"
+    assert "0.780" in first and "0.975" in first and "RuntimeError: no softcap" in text
 
 
 def test_categorical_plot_has_one_tick_per_variant(tmp_path):

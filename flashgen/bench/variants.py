@@ -20,14 +20,15 @@ FlexAttention), above 1 meaning flashgen's variant is faster. ``--cands`` adds c
 names, ``c1``, ``c2``, ... in the table) for the variant call, timed where their flags fit the case.
 
 - ``decode`` (the section of that name): ``flashgen.decode`` over a 128k-key cache, bf16, GQA 32/8, one
-  new token, batch 1 and 4: plain, window (4096, 0), one sink per head, softcap 50, the four timed in
-  the same interleaved rounds (per round: ``--decode-reps`` calls back to back, replayed from a CUDA graph,
+  new token, batch 1 and 4: plain, window (4096, 0), one sink per head, softcap 50, ALiBi, and softcap
+  and ALiBi written as score_mods (``softcap_mod``, ``alibi_mod``), all timed in the same interleaved rounds (per round: ``--decode-reps`` calls back to back, replayed from a CUDA graph,
   value checks off; a windowed call reads 8-34 MB, shorter than its own host work, so per-call events
   would time the host). TB/s on the K/V bytes each call reads: the whole cache, or with
   the window its 4097 keys per sequence; the window's calls rotate over sequence lengths 4225 keys apart
   (disjoint windows of one cache, at least 256 MB in all) so that L2 does not serve them. Each variant
   carries ``<variant>_x_plain``: its TB/s over the plain decode's (for the window: how well it streams
-  the keys it reads, not the time it saves), plus the plan's spec and split count.
+  the keys it reads, not the time it saves), plus the plan's spec and split count; the mods carry
+  ``<mod>_x_builtin``, over the built-in variant they write out.
 """
 from __future__ import annotations
 
@@ -72,7 +73,10 @@ DECODE_BATCHES = (1, 4)
 DECODE_L, DECODE_HEADS, DECODE_KV_HEADS = 131072, 32, 8
 DECODE_WINDOW = 4096
 DECODE_VARIANTS = (("plain", {}), ("window", {"window": (DECODE_WINDOW, 0)}), ("sinks", {"sinks": "per head"}),
-                   ("softcap", {"softcap": 50.0}))
+                   ("softcap", {"softcap": 50.0}), ("alibi", {"alibi_slopes": "per head"}),
+                   ("softcap_mod", {"score_mod": "softcap"}), ("alibi_mod", {"score_mod": "alibi"}))
+# The mods' ratios to the built-in variant they write out.
+DECODE_MOD_RATIOS = (("softcap_mod_x_builtin", "softcap_mod", "softcap"), ("alibi_mod_x_builtin", "alibi_mod", "alibi"))
 CASE_NAMES = (*dict.fromkeys(c.name for c in CASES), "decode")
 
 
@@ -192,9 +196,12 @@ def decode_rows(settings, progress) -> list:
         k = torch.randn(batch, DECODE_L, DECODE_KV_HEADS, d, device="cuda", dtype=torch.bfloat16, generator=gen)
         v = torch.randn_like(k)
         sinks = torch.randn(DECODE_HEADS, device="cuda", generator=gen)
+        slopes = torch.tensor(alibi_slopes(DECODE_HEADS), device="cuda")
         makers, facts, nbytes, copies = {}, {}, {}, {}
         for name, opts in DECODE_VARIANTS:
-            kw = {**opts, **({"sinks": sinks} if "sinks" in opts else {})}
+            kw = {**opts, **({"sinks": sinks} if "sinks" in opts else {}),
+                  **({"alibi_slopes": slopes} if "alibi_slopes" in opts else {}),
+                  **({"score_mod": _decode_mod(opts["score_mod"], slopes)} if "score_mod" in opts else {})}
             read = decode_keys(name, DECODE_L)
             nbytes[name] = decode_bench.kv_bytes(batch, DECODE_KV_HEADS, read, d)
             copies[name] = decode_bench.copies_for(nbytes[name]) if name == "window" else 1
@@ -217,7 +224,8 @@ def decode_rows(settings, progress) -> list:
         row = {"batch": batch, "L": DECODE_L, "heads": DECODE_HEADS, "kv_heads": DECODE_KV_HEADS, "head_dim": d,
                "window": DECODE_WINDOW, "rounds": settings["rounds"], "reps": settings["decode_reps"],
                "results": cells}
-        add_ratios(row, "tbps", [(f"{name}_x_plain", name, "plain") for name, _ in DECODE_VARIANTS[1:]])
+        add_ratios(row, "tbps", [(f"{name}_x_plain", name, "plain") for name, _ in DECODE_VARIANTS[1:]]
+                   + list(DECODE_MOD_RATIOS))
         rows.append(row)
         progress(f"decode b={batch}: " + ", ".join(f"{n}={c['tbps']:.2f}" if "tbps" in c else f"{n}=-"
                                                    for n, c in cells.items())
@@ -227,16 +235,27 @@ def decode_rows(settings, progress) -> list:
     return rows
 
 
+def _decode_mod(name: str, slopes):
+    """The score_mod that writes out a built-in decode variant: the softcap of DECODE_VARIANTS, or ALiBi with
+    ``slopes`` (one per head; q_idx is the new token's position, as decode's ALiBi offset counts it)."""
+    import torch
+
+    if name == "softcap":
+        return lambda score, b, h, q, kv: 50.0 * torch.tanh(score / 50.0)
+    return lambda score, b, h, q, kv: score - slopes[h] * (q - kv).abs()
+
+
 def decode_section(rows, settings) -> dict:
     """The ``decode`` section of the suite's result (a table of its own: TB/s, one row per batch)."""
     return {"metric": "tbps", "precision": 2, "x": "batch", "panels": ["L"],
             "impls": [name for name, _ in DECODE_VARIANTS],
-            "ratios": [f"{name}_x_plain" for name, _ in DECODE_VARIANTS[1:]],
+            "ratios": [f"{name}_x_plain" for name, _ in DECODE_VARIANTS[1:]] + [r for r, _, _ in DECODE_MOD_RATIOS],
             "convention": f"flashgen.decode, bf16, d = {settings['d']}, GQA {DECODE_HEADS}/{DECODE_KV_HEADS}, one new "
                           f"token; TB/s = K/V bytes read (window: its {DECODE_WINDOW + 1} keys per sequence) / time per "
                           "call (back-to-back calls replayed from a CUDA graph); "
                           f"median of {settings['rounds']} interleaved rounds; <variant>_x_plain: its TB/s over the "
-                          "plain decode's", "rows": rows}
+                          "plain decode's; <mod>_x_builtin: the variant written as a score_mod over the built-in",
+            "rows": rows}
 
 
 def run(args, progress) -> dict:
