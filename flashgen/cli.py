@@ -154,9 +154,11 @@ def _mod_spec_from_args(args):
     if others:
         raise FlashgenError(f"--score-mod/--mask-mod take none of {', '.join(others)}: a mod expresses them")
     arch = args.arch or (gpus.get(args.gpu).arch if args.gpu else "sm_90a")
-    if args.kind not in ("fwd",) + dispatch.MOD_FAMILIES or (args.kind == "fwd_sm90" and arch != "sm_90a"):
+    decode = args.kind == "decode_split"
+    kinds = ("fwd", "decode_split") + dispatch.MOD_FAMILIES
+    if args.kind not in kinds or (args.kind == "fwd_sm90" and arch != "sm_90a"):
         raise FlashgenError("--score-mod/--mask-mod: mods run in the forward (--kind fwd, fwd_sm90 on sm_90a, or "
-                            "fwd_v2)")
+                            "fwd_v2) and in decode (--kind decode_split)")
     if args.d % 8 or not 8 <= args.d <= 256:
         raise FlashgenError(f"--d {args.d}: head dims are multiples of 8 from 8 to 256")
     try:
@@ -169,12 +171,16 @@ def _mod_spec_from_args(args):
         raise FlashgenError(str(exc)) from None
     mods.register(pair)
     budget = gpus.get(args.gpu).smem_per_block if args.gpu else gpus.ARCH_SMEM_PER_BLOCK[arch]
-    key = ProblemKey("fwd", arch, args.dtype, head_dim_tile(args.d), args.causal, bucket_of(args.seqlen), "")
     # verified as the call's own pick is (a tile whose kernel spills with these mods gives way): the kernel
     # the call would run, at the price of compiling it here
     try:
-        spec = dispatch.mod_spec(key, args.gpu, budget, mods.token_number(pair), verify=True,
-                                 family=None if args.kind == "fwd" else args.kind)
+        if decode:  # (decode is causal; the split rule's middle regime, as the plain decode emit takes)
+            key = families.problem_key("decode_split", arch, args.dtype, args.d, True, args.seqlen)
+            spec = dispatch.mod_decode_spec(key, args.gpu, budget, mods.token_number(pair), "some", verify=True)
+        else:
+            key = ProblemKey("fwd", arch, args.dtype, head_dim_tile(args.d), args.causal, bucket_of(args.seqlen), "")
+            spec = dispatch.mod_spec(key, args.gpu, budget, mods.token_number(pair), verify=True,
+                                     family=None if args.kind == "fwd" else args.kind)
     except UnsupportedError as exc:
         raise FlashgenError(str(exc)) from None
     overrides = {f: getattr(args, f) for f in ("block_m", "block_n", "warps", "stages") if getattr(args, f) is not None}

@@ -229,6 +229,11 @@ def test_emit_and_compile_with_mods(capsys, tmp_path, monkeypatch):
     report = json.loads(out)
     assert report["spill_stores"] == 0 and "_mod" in report["spec"]
     # other GPUs (and --kind fwd_v2 on sm_90a): the mma.sync forward with the same functions
+    code, out, err = run_main(capsys, "emit", "--d", "128", "--kind", "decode_split", "--score-mod", f"{path}:alibi",
+                              "--mask-mod", f"{path}:document")
+    assert code == 0, err
+    name = out.splitlines()[1].split()[-1]
+    assert name.startswith("decode_split_d128_") and "_mod" in name and "decode_mod_variant<true, true>>(p);" in out
     for extra, suffix in ((["--gpu", "a100"], "_full_bf16_sm80"), (["--arch", "sm_90a", "--kind", "fwd_v2"], "_sm90a")):
         code, out, err = run_main(capsys, "emit", "--d", "128", "--score-mod", f"{path}:alibi", *extra)
         assert code == 0, err
@@ -245,6 +250,7 @@ def test_emit_and_compile_with_mods(capsys, tmp_path, monkeypatch):
     (["--score-mod", "{path}"], "FILE.py:NAME"),
     (["--score-mod", "{path}:alibi", "--softcap", "5"], "take none of --softcap"),
     (["--score-mod", "{path}:alibi", "--kind", "bwd_dkdv"], "mods run in the forward"),
+    (["--score-mod", "{path}:alibi", "--kind", "decode_split", "--window", "64,0"], "take none of --window"),
     (["--score-mod", "{path}:alibi", "--kind", "fwd_sm90", "--arch", "sm_80"], "fwd_sm90 on sm_90a"),
 ])
 def test_mod_options_refused_in_one_line(capsys, tmp_path, args, match):

@@ -59,7 +59,8 @@ def decode_mods(hq, lmax):
             "empty_rows": (None, nothing_for_odd_heads)}
 
 
-NAMES = list(decode_mods(1, 1))
+NAMES = ["alibi", "softcap", "relative", "window", "document", "prefix_or_recent", "alibi_window", "softcap_document",
+         "empty_rows"]  # the keys of decode_mods
 
 
 def reference(case, scale, score_mod, mask_mod, dtype=torch.float32):
