@@ -161,3 +161,7 @@ def test_plain_and_mod_calls_share_nothing_stale():
                                   score_mod=score_mod)
         assert (out.float() - ref).abs().max().item() <= allowance(low, ref, torch.bfloat16)
         slopes = torch.rand(8, device="cuda") * 2  # rebound: the next alibi call must read these
+
+
+def test_case_names_are_the_mods():
+    assert NAMES == list(decode_mods(1, 1))
