@@ -216,6 +216,40 @@ def flat_cache(case, name):
     return out
 
 
+def decode_reference(case, scale, dtype=torch.float32, score_mod=None, mask_mod=None):
+    """(out (b, nq, hq, d), lse (b, hq, nq)) in fp32 of a ``make_case`` decode case, scores in ``dtype``:
+    bottom-right causal, then (user mods) ``score_mod`` on the scores (in fp32) and ``mask_mod`` hiding more,
+    both as written on whole tensors, with q_idx the new token's position (token i of nq at i + L - nq)
+    and kv_idx the key's."""
+    q = case["q"]
+    b, nq, hq, d = q.shape
+    hk = case["k_flat"].shape[2]
+    outs, lses = [], []
+    for i, n in enumerate(case["lens"]):
+        k, v = case["k_flat"][i, :n], case["v_flat"][i, :n]
+        if case["k_new"] is not None:
+            k, v = torch.cat([k, case["k_new"][i]]), torch.cat([v, case["v_new"][i]])
+        lt = k.shape[0]
+        qq = q[i].transpose(0, 1).to(dtype)                                   # (hq, nq, d)
+        kk = k.transpose(0, 1).to(dtype).repeat_interleave(hq // hk, dim=0)   # (hq, lt, d)
+        vv = v.transpose(0, 1).to(dtype).repeat_interleave(hq // hk, dim=0)
+        s = torch.matmul(qq, kk.transpose(-1, -2)) * scale
+        qi = torch.arange(nq, device=q.device)[:, None] + (lt - nq)
+        j = torch.arange(lt, device=q.device)[None, :]
+        seen = j <= qi
+        if score_mod is not None or mask_mod is not None:
+            h, bi = torch.arange(hq, device=q.device)[:, None, None], torch.tensor(i, device=q.device)
+            if score_mod is not None:
+                s = score_mod(s.float(), bi, h, qi[None], j[None]).to(dtype)
+            if mask_mod is not None:
+                seen = seen & mask_mod(bi, h, qi[None], j[None])
+        s = s.masked_fill(~seen, float("-inf"))
+        lses.append(torch.logsumexp(s.float(), dim=-1))
+        p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
+        outs.append(torch.matmul(p.to(dtype), vv).float().transpose(0, 1))
+    return torch.stack(outs), torch.stack(lses)
+
+
 def check_decode_output(out, lse, q, ref, ref_lse, tol, ns):
     """One flashgen.decode result against its reference: q's shape and dtype, the LSE's shape, finite, the
     output within ``tol``, the LSE -inf exactly where the reference's is, no NaN. Returns the -inf mask."""

@@ -21,32 +21,13 @@ pytestmark = [
 
 from flashgen.families.decode import DECODE_TILES_BY_REGIME, DEFAULT_DECODE_TILES  # noqa: E402
 from flashgen.reference import allowance  # noqa: E402
-from gpu_util import DTYPES, bits, capture, check_decode_output, flat_cache, make_case, poison  # noqa: E402
+from gpu_util import (DTYPES, bits, capture, check_decode_output, decode_reference, flat_cache, make_case,  # noqa: E402
+                      poison)
 
 
 def reference(case, scale, dtype=torch.float32):
     """(out (b, nq, hq, d), lse (b, hq, nq)) in fp32, computed in ``dtype``; bottom-right causal."""
-    q = case["q"]
-    b, nq, hq, d = q.shape
-    hk = case["k_flat"].shape[2]
-    outs, lses = [], []
-    for i, n in enumerate(case["lens"]):
-        k, v = case["k_flat"][i, :n], case["v_flat"][i, :n]
-        if case["k_new"] is not None:
-            k = torch.cat([k, case["k_new"][i]])
-            v = torch.cat([v, case["v_new"][i]])
-        lt = k.shape[0]
-        qq = q[i].transpose(0, 1).to(dtype)                                   # (hq, nq, d)
-        kk = k.transpose(0, 1).to(dtype).repeat_interleave(hq // hk, dim=0)   # (hq, lt, d)
-        vv = v.transpose(0, 1).to(dtype).repeat_interleave(hq // hk, dim=0)
-        s = torch.matmul(qq, kk.transpose(-1, -2)) * scale
-        ti = torch.arange(nq, device=q.device)[:, None]
-        j = torch.arange(lt, device=q.device)[None, :]
-        s = s.masked_fill(j > ti + lt - nq, float("-inf"))
-        lses.append(torch.logsumexp(s.float(), dim=-1))
-        p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
-        outs.append(torch.matmul(p.to(dtype), vv).float().transpose(0, 1))
-    return torch.stack(outs), torch.stack(lses)
+    return decode_reference(case, scale, dtype)
 
 
 def check_case(b, nq, L, d, hq, hk, page, with_new, dtype_name, num_splits_list=(None, 1), spec=None):

@@ -21,7 +21,7 @@ pytestmark = [
 ]
 
 from flashgen.reference import allowance  # noqa: E402
-from gpu_util import DTYPES, check_decode_lse, check_decode_output, make_case, poison  # noqa: E402
+from gpu_util import DTYPES, check_decode_lse, check_decode_output, decode_reference, make_case, poison  # noqa: E402
 
 
 def decode_mods(hq, lmax):
@@ -64,35 +64,8 @@ NAMES = ["alibi", "softcap", "relative", "window", "document", "prefix_or_recent
 
 
 def reference(case, scale, score_mod, mask_mod, dtype=torch.float32):
-    """(out (b, nq, hq, d), lse (b, hq, nq)) in fp32, scores in ``dtype``: decode's causal limit, then the mods
-    with q_idx the new token's position and kv_idx the key's."""
-    q = case["q"]
-    b, nq, hq, d = q.shape
-    hk = case["k_flat"].shape[2]
-    outs, lses = [], []
-    for i, n in enumerate(case["lens"]):
-        k, v = case["k_flat"][i, :n], case["v_flat"][i, :n]
-        if case["k_new"] is not None:
-            k, v = torch.cat([k, case["k_new"][i]]), torch.cat([v, case["v_new"][i]])
-        lt = k.shape[0]
-        qq = q[i].transpose(0, 1).to(dtype)
-        kk = k.transpose(0, 1).to(dtype).repeat_interleave(hq // hk, dim=0)
-        vv = v.transpose(0, 1).to(dtype).repeat_interleave(hq // hk, dim=0)
-        s = (torch.matmul(qq, kk.transpose(-1, -2)) * scale).float()
-        h = torch.arange(hq, device=q.device)[:, None, None]
-        qi = torch.arange(nq, device=q.device)[None, :, None] + (lt - nq)
-        j = torch.arange(lt, device=q.device)[None, None, :]
-        bi = torch.tensor(i, device=q.device)
-        if score_mod is not None:
-            s = score_mod(s, bi, h, qi, j).float()
-        seen = (j <= qi).expand(s.shape)
-        if mask_mod is not None:
-            seen = seen & mask_mod(bi, h, qi, j).expand(s.shape)
-        s = s.masked_fill(~seen, float("-inf")).to(dtype)
-        lses.append(torch.logsumexp(s.float(), dim=-1))
-        p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
-        outs.append(torch.matmul(p.to(dtype), vv).float().transpose(0, 1))
-    return torch.stack(outs), torch.stack(lses)
+    """(out, lse) in fp32, scores in ``dtype``: decode's causal limit, then the mods (``decode_reference``)."""
+    return decode_reference(case, scale, dtype, score_mod, mask_mod)
 
 
 def check_mods(b, nq, L, d, hq, hk, page, with_new, dtype_name, name):

@@ -24,6 +24,34 @@
 // so that the branch calling it compiles (unused) everywhere else.
 __device__ float fg_score_mod_grad(float score, int b, int h, int q, int kv, const fg_mod_args& a, float& grad);
 
+// The score_mod on row half hh of an accumulator fragment: query q of head h in batch b, this thread's
+// first column c0; the raw score times `scale` is what the function takes.
+template <typename F>
+FG_DEVICE void fg_score_mod_row(F& s, int hh, int b, int h, int q, int c0, float scale, const fg_mod_args& a) {
+#pragma unroll
+  for (int nj = 0; nj < frag<F>::N8; ++nj)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float& x = frag<F>::at(s, nj, 2 * hh + e);
+      x = fg_score_mod(x * scale, b, h, q, c0 + 8 * nj + e, a);
+    }
+}
+
+// The keys at or past `limit`, and (MASK) those the mask_mod hides, of row half hh become -inf (indices as
+// fg_score_mod_row's).
+template <bool MASK, typename F>
+FG_DEVICE void fg_mask_mod_row(F& s, int hh, int b, int h, int q, int c0, int limit, const fg_mod_args& a) {
+#pragma unroll
+  for (int nj = 0; nj < frag<F>::N8; ++nj)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int col = c0 + 8 * nj + e;
+      bool seen = col < limit;
+      if constexpr (MASK) seen = seen && fg_mask_mod(b, h, q, col, a);
+      if (!seen) frag<F>::at(s, nj, 2 * hh + e) = -INFINITY;
+    }
+}
+
 template <bool SCORE, bool MASK, bool GRAD = false>
 struct fg_mod_variant {
   enum : int { RIGHT = 0, LEFT = 0, TRANSFORMS = SCORE, HAS_SINK = 0, HAS_CAP = 0, HAS_ALIBI = 0, PLAIN = 0,
@@ -69,25 +97,11 @@ struct fg_mod_variant {
   // Row half hh of S (row `row_`, this thread's first column c0).
   template <typename F>
   FG_DEVICE void transform(F& s, int hh, int row_, int c0) const {
-#pragma unroll
-    for (int nj = 0; nj < frag<F>::N8; ++nj)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float& x = frag<F>::at(s, nj, 2 * hh + e);
-        x = fg_score_mod(x * scale, b, h, row_, c0 + 8 * nj + e, *args);
-      }
+    fg_score_mod_row(s, hh, b, h, row_, c0, scale, *args);
   }
   template <typename F>
   FG_DEVICE void mask(F& s, int hh, int row_, int c0) const {
-#pragma unroll
-    for (int nj = 0; nj < frag<F>::N8; ++nj)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int col = c0 + 8 * nj + e;
-        bool seen = col < nk;
-        if constexpr (MASK) seen = seen && fg_mask_mod(b, h, row_, col, *args);
-        if (!seen) frag<F>::at(s, nj, 2 * hh + e) = -INFINITY;
-      }
+    fg_mask_mod_row<MASK>(s, hh, b, h, row_, c0, nk, *args);
   }
   // The backward's walk: without a mask every query block sees every key block.
   FG_DEVICE int query_first(int, int) const { return 0; }

@@ -1,5 +1,6 @@
 // User mods in decode_split (flashgen.mods; fg_score_mod and fg_mask_mod are printed before this header
-// from the traced graphs, fg_mod_args carries their captured tensors): the decode_variant interface
+// from the traced graphs, fg_mod_args carries their captured tensors, common/mod.cuh's row helpers call
+// them): the decode_variant interface
 // (decode_variant.cuh) with the score_mod applied to every score and the mask_mod on every block.
 //
 // Indices: b the sequence, h the query head of the packed row, q_idx the new token's position in its
@@ -33,28 +34,15 @@ struct decode_mod_variant : decode_variant<false, false, false, false> {
     }
   }
 
-  // The score_mod on row half h of S; c0 is the key of this thread's first column.
+  // The score_mod on row half h of S; c0 is the key of this thread's first column (common/mod.cuh).
   template <typename F>
   FG_DEVICE void transform(F& s, int h, int c0, float cap_in) const {
-#pragma unroll
-    for (int nj = 0; nj < frag<F>::N8; ++nj)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float& x = frag<F>::at(s, nj, 2 * h + e);
-        x = fg_score_mod(x * cap_in, b_, hq[h], qi[h], c0 + 8 * nj + e, *args);
-      }
+    fg_score_mod_row(s, h, b_, hq[h], qi[h], c0, cap_in, *args);
   }
 
   // The kernel's limit (keys at or past `hi`), then the mask_mod.
   template <typename Params, typename F>
   FG_DEVICE void mask(const Params& p, F& s, int h, int r, int diag, int c0, int hi) const {
-    mask_row(s, h, hi - c0);
-    if constexpr (MASK) {
-#pragma unroll
-      for (int nj = 0; nj < frag<F>::N8; ++nj)
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-          if (!fg_mask_mod(b_, hq[h], qi[h], c0 + 8 * nj + e, *args)) frag<F>::at(s, nj, 2 * h + e) = -INFINITY;
-    }
+    fg_mask_mod_row<MASK>(s, h, b_, hq[h], qi[h], c0, hi, *args);
   }
 };
