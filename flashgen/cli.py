@@ -10,13 +10,12 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
 import warnings
 
-from . import dispatch, families, gpus, mods, settings, tables
+from . import dispatch, families, files, gpus, mods, settings, tables
 from .bench.cli import add_parser as add_bench
 from .codegen import build, render
 from .errors import FlashgenError, UnsupportedError
@@ -127,22 +126,11 @@ def spec_from_args(args):
 
 
 def _user_function(text: str, option: str):
-    """The function NAME of ``FILE.py:NAME``: FILE is imported (its code runs, as the user's own program's)."""
-    path, sep, name = str(text).rpartition(":")
-    if not sep or not path.endswith(".py") or not name.isidentifier():
-        raise FlashgenError(f"{option} {text!r}: FILE.py:NAME")
-    if not os.path.isfile(path):
-        raise FlashgenError(f"{option}: no file {path!r}")
-    where = importlib.util.spec_from_file_location(f"flashgen_user_mods_{abs(hash(path))}", path)
-    module = importlib.util.module_from_spec(where)
+    """The function NAME of ``FILE.py:NAME`` (``files.user_function``), its errors as one line naming ``option``."""
     try:
-        where.loader.exec_module(module)
-    except Exception as exc:  # noqa: BLE001 -- the user's file: its error in one line
-        raise FlashgenError(f"{option}: importing {path} raised {type(exc).__name__}: {exc}") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise FlashgenError(f"{option}: {path} has no function {name!r}")
-    return fn
+        return files.user_function(text)
+    except ValueError as exc:
+        raise FlashgenError(f"{option} {exc}" if str(exc).startswith("'") else f"{option}: {exc}") from None
 
 
 def _mod_spec_from_args(args):

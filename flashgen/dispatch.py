@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 
-from . import families, tables
+from . import families, tables, variants
 from .codegen import build
 from .errors import CompileError, UnsupportedError
 from .families.base import first_clean
@@ -77,13 +77,19 @@ def select(key: ProblemKey, gpu: str | None, smem_budget: int, verify: bool = Fa
 def mod_spec(key: ProblemKey, gpu: str | None, smem_budget: int, token: int, verify: bool = False,
              family: str | None = None) -> KernelSpec:
     """The kernel of a call with user mods (flashgen.mods; ``token`` the pair's number, KernelSpec.mod):
-    ``key``'s tile in ``family`` (``mod_family``'s by default: fwd_sm90 where it is the default, else
-    fwd_v2). A mod's own key is not tuned: the plain key's entry, or the causal key's for a mask that
-    skips much of the square, with the mods' own causal flag off. Then the rule's tiles in order where the
+    the tuned table's entry for the mods' own key (variant "mod<token>", non-causal: ``flashgen tune
+    --score-mod/--mask-mod``) where it is a ``family`` kernel that builds clean here; else ``key``'s tile in
+    ``family`` (``mod_family``'s by default: fwd_sm90 where it is the default, else fwd_v2): the plain
+    key's entry, or the causal key's for a mask that skips much of the square, with the mods' own causal
+    flag off. Then the rule's tiles in order where the
     mods' kernel spills (a mod's functions take registers: captured reads, indices; three consumer
     warpgroups keep 160 each), then those tiles with 64-key blocks (half the score registers: a 4-D
     capture's reads spill the d = 64 tiles of 128 keys). ``verify``: the resource check, as ``select``."""
     family = family or mod_family(key)
+    if gpu is not None:  # the mods' own tuned entry (``flashgen tune --score-mod/--mask-mod``), keyed by their hash
+        own = tables.lookup(gpu, key.replace(causal=False, variant=variants.mod_key(token)))
+        if own is not None and own.kind == family and not (verify and resource_problems(own)):
+            return own
     picked = select(key, gpu, smem_budget, verify=verify, family=family)
     rule = [s for s in families.family(family).rule(key, smem_budget) if s != picked]
     narrow = [s.replace(block_n=64) for s in [picked] + rule if s.block_n > 64]

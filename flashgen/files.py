@@ -9,11 +9,15 @@ umask, locks that leave nothing behind, and reads that refuse what is not a smal
 - ``read_regular(path, limit)``: the bytes of a regular file of at most ``limit`` bytes;
   ``OSError`` subclasses for anything else (a directory, a FIFO, a device, a dangling link, a
   file too large), so that no read blocks or fills the memory.
+- ``user_function(text)``: the function NAME of a ``FILE.py:NAME`` the command line names (a user mod:
+  ``flashgen emit/compile/tune --score-mod``); FILE is imported, so its code runs, as the user's own
+  program's would. ``ValueError`` says what is wrong, in one line.
 """
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib.util
 import os
 import stat
 import tempfile
@@ -80,3 +84,22 @@ def read_regular(path, limit: int) -> bytes:
     if len(data) > limit:
         raise TooLarge(f"{path} has more than the {limit} bytes accepted")
     return data
+
+
+def user_function(text: str):
+    """The function NAME of ``FILE.py:NAME`` (FILE imported); ``ValueError`` naming what is wrong."""
+    path, sep, name = str(text).rpartition(":")
+    if not sep or not path.endswith(".py") or not name.isidentifier():
+        raise ValueError(f"{text!r}: FILE.py:NAME")
+    if not os.path.isfile(path):
+        raise ValueError(f"no file {path!r}")
+    where = importlib.util.spec_from_file_location(f"flashgen_user_mods_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(where)
+    try:
+        where.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 -- the user's file: its error in one line
+        raise ValueError(f"importing {path} raised {type(exc).__name__}: {exc}") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"{path} has no function {name!r}")
+    return fn

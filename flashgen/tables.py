@@ -206,7 +206,10 @@ def _key(where, record, arch: str) -> ProblemKey:
             _typed(where, f"key.{name}", record[name], want)
     if not variants.is_key_variant(record.get("variant", "")):
         raise ConfigError(where, f"key.variant {record['variant']!r} is not variant tokens (win, cap, alibi, sink "
-                                 "in that order, joined by '_')")
+                                 "in that order, joined by '_'), nor one user mods' mod<token>")
+    if variants.mod_of(record.get("variant", "")) and (record.get("kind") != "fwd" or record.get("causal")):
+        raise ConfigError(where, f"key.variant {record['variant']!r} (user mods) is a forward key's, not causal: "
+                                 "a mod expresses its own mask")
     if record["kind"] not in families.problems() or record["arch"] not in ARCHS or record["dtype"] not in DTYPES:
         raise ConfigError(where, f"unknown kind, arch or dtype in key {record!r}")
     if record["arch"] != arch:
@@ -241,7 +244,7 @@ def _spec(where, record, key, profile) -> KernelSpec:
     for name in ("arch", "dtype", "causal"):
         if getattr(spec, name) != getattr(key, name):
             raise ConfigError(where, f"spec {spec.name} does not match its key ({name}: {getattr(key, name)!r})")
-    if spec != spec.replace(**variants.VARIANT_OFF).with_tokens(key.variant):
+    if spec != spec.replace(**variants.VARIANT_OFF, mod=0).with_tokens(key.variant):
         raise ConfigError(where, f"spec {spec.name} does not match its key (variant: {key.variant!r})")
     tile = families.family(spec.kind).tile(key)
     if spec.head_dim != tile:

@@ -30,9 +30,29 @@ KEY_TOKENS = (("window", "win"), ("softcap", "cap"), ("alibi", "alibi"), ("sinks
               ("fp8", "fp8"))
 
 
+MOD_KEY_LIMIT = 1 << 48  # a mod key's number: KernelSpec.mod's range (families.base.MOD_TOKEN_LIMIT)
+
+
+def mod_key(token: int) -> str:
+    """The problem-key variant of user mods (flashgen.mods) whose pair's number is ``token``: "mod<token>",
+    the kernel name's own spelling of KernelSpec.mod (a mod call's tuned entry is keyed by its pair's hash)."""
+    if type(token) is not int or not 0 < token < MOD_KEY_LIMIT:
+        raise ValueError(f"a mod token is an int in (0, 2^48), got {token!r}")
+    return f"mod{token}"
+
+
+def mod_of(text: str) -> int:
+    """The mod token of a problem key's variant ("mod<token>"), 0 for every other variant."""
+    if isinstance(text, str) and text.startswith("mod") and text[3:].isdigit() and text[3:4] != "0" \
+            and int(text[3:]) < MOD_KEY_LIMIT:
+        return int(text[3:])
+    return 0
+
+
 def is_key_variant(text) -> bool:
-    """Whether ``text`` is a problem key's variant: "" or tokens of KEY_TOKENS in their order, once each."""
-    if text == "":
+    """Whether ``text`` is a problem key's variant: "" or tokens of KEY_TOKENS in their order, once each, or
+    one user mods' "mod<token>" alone (``mod_key``: a mod takes no built-in variant)."""
+    if text == "" or mod_of(text):
         return True
     tokens = [t for _, t in KEY_TOKENS]
     parts = text.split("_") if isinstance(text, str) else [None]

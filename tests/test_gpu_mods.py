@@ -64,11 +64,21 @@ def _fwd_key():
     return ProblemKey("fwd", Device.of(torch.cuda.current_device()).arch, "bf16", 128, False, 1024, "")
 
 
-def check_mods(b, hq, hk, nq, nk, d, dtype, name, layout="bhsd", block_mask=False):
+def check_mods(b, hq, hk, nq, nk, d, dtype, name, layout="bhsd", block_mask=False, tokens=None):
+    """One call with ``example_mods``' ``name`` against the reference; ``tokens``: a fwd_sm90 tile (name tokens,
+    fwd_sm90.variant's) forced with the mods' token instead of dispatch's pick."""
     q, k, v = make_inputs(b, hq, hk, nq, nk, d, dtype, layout)
     score_mod, mask_mod = example_mods(b, hq, nq, nk)[name]
     scale = 1.0 / math.sqrt(d)
     extra = {"score_mod": score_mod, "mask_mod": mask_mod}
+    if tokens is not None:
+        from flashgen import mods
+        from flashgen.families import fwd_sm90
+
+        pair = mods.pair(mods.trace_score_mod(score_mod) if score_mod else None,
+                         mods.trace_mask_mod(mask_mod) if mask_mod else None)
+        extra["spec"] = fwd_sm90.variant(d, False, tokens).replace(dtype={torch.bfloat16: "bf16"}.get(dtype, "fp16"),
+                                                                   mod=mods.token_number(pair)).validate()
     if block_mask and mask_mod is not None:
         extra = {"score_mod": score_mod, "block_mask": flashgen.create_block_mask(mask_mod, b, hq, nq, nk)}
     poison_output(q)
@@ -111,6 +121,16 @@ def test_mods_head_dims_fp16(family, name, nq, nk, d):
 def test_mods_given_block_mask(family, name):
     check_mods(2, 4, 4, 1000, 1500, 128, torch.bfloat16, name, block_mask=True)
     assert _ran(family)
+
+
+@needs_sm90
+@pytest.mark.parametrize("tokens", ["ws_ov_ls_ps_s2", "ws_pp_ps_s3_n96"])
+@pytest.mark.parametrize("name", ["causal", "document", "alibi_causal", "block_sparse"])
+def test_mods_on_persistent_tiles(name, tokens):
+    """The persistent tiles (a tuned mods entry may be one: the cost model ranks them first) walk each
+    tile's block list as the one-tile kernels do."""
+    check_mods(2, 4, 2, 1023, 1024, 128, torch.bfloat16, name, tokens=tokens)
+    check_mods(1, 4, 4, 239, 1, 128, torch.bfloat16, name, tokens=tokens)
 
 
 def _ran(family) -> bool:

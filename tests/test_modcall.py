@@ -410,3 +410,73 @@ def test_decode_with_mods_on_meta_and_refusals():
         flashgen.decode(q, cache, cache, score_mod=5)
     with pytest.raises(mods.ModError):
         flashgen.decode(q, cache, cache, score_mod=lambda s, b, h, qi, kv: torch.sin(s))
+
+
+# ---- tuning keyed by the mods' hash
+
+def test_mod_key_variant_grammar():
+    from flashgen import variants
+
+    assert variants.mod_key(5) == "mod5" and variants.mod_of("mod5") == 5 and variants.is_key_variant("mod5")
+    for text in ("mod", "mod0", "mod05", "win_mod5", "mod5_win", f"mod{1 << 48}", "modx"):
+        assert not variants.is_key_variant(text) and variants.mod_of(text) == 0, text
+    for bad in (0, -1, 1 << 48, True, "5"):
+        with pytest.raises(ValueError):
+            variants.mod_key(bad)
+
+
+def test_tables_hold_mod_keys_and_refuse_mismatches(tmp_path):
+    """A mod key's entry (forward, non-causal) round-trips through a table file; its spec must carry that
+    token, and a plain key's spec none."""
+    import yaml
+
+    from flashgen import ConfigError, gpus, tables
+    from flashgen.problem import ProblemKey
+
+    spec = mod_spec(registered(alibi), "ws_ov_s3")
+    key = ProblemKey("fwd", "sm_90a", "bf16", 128, False, 4096, f"mod{spec.mod}")
+    path = tmp_path / "h200.yaml"
+    tables.save(tables.Table(meta=tables.make_meta(gpus.get("h200"), "model")), path)
+    base = yaml.safe_load(path.read_text())
+    record = {"key": tables.key_record(key), "spec": spec.to_dict(), "time_ms": 1.0, "source": "model"}
+
+    def load_with(entry):
+        path.write_text(yaml.safe_dump({**base, "entries": [entry]}))
+        return tables.load(path)
+
+    assert load_with(record).spec(key) == spec
+    for change, msg in (({"key": {**record["key"], "variant": "mod7"}}, "does not match its key"),
+                        ({"key": {**record["key"], "variant": ""}}, "does not match its key"),
+                        ({"key": {**record["key"], "causal": True}}, "not causal")):
+        with pytest.raises(ConfigError, match=msg):
+            load_with({**record, **change})
+
+
+def test_tune_model_keys_the_winner_by_the_mods_hash(capsys, tmp_path, monkeypatch):
+    """flashgen tune --score-mod/--mask-mod (ranked by the model, no GPU) writes the entry of the mods' own key
+    ("mod<token>"), and dispatch's pick for a call with those mods is that entry; other mods keep the plain
+    key's tile."""
+    from cli_util import run_main
+    from flashgen import dispatch
+    from flashgen.problem import ProblemKey
+
+    monkeypatch.setenv("FLASHGEN_HOME", str(tmp_path / "home"))
+    path = tmp_path / "my_mods.py"
+    path.write_text("import torch\nslopes = torch.rand(16)\n"
+                    "def alibi(score, b, h, q_idx, kv_idx):\n    return score - slopes[h] * (q_idx - kv_idx).abs()\n"
+                    "def causal(b, h, q_idx, kv_idx):\n    return q_idx >= kv_idx\n")
+    code, out, err = run_main(capsys, "tune", "--gpu", "h200", "--d", "128", "--seqlens", "4096", "--model",
+                              "--score-mod", f"{path}:alibi", "--mask-mod", f"{path}:causal", "--trials", "6",
+                              "--space", "persistent=false", "--quiet")
+    assert code == 0, err
+    from flashgen import tables
+
+    table = tables.load(tmp_path / "home" / "configs" / "h200.yaml")
+    (key,) = table.entries
+    assert key.variant.startswith("mod") and not key.causal and key.kind == "fwd"
+    dispatch.clear()
+    call_key = ProblemKey("fwd", "sm_90a", "bf16", 128, True, 4096, "")
+    picked = dispatch.mod_spec(call_key, "h200", 232448, int(key.variant[3:]))
+    assert picked.mod == int(key.variant[3:]) and picked == tables.lookup("h200", key)
+    other = dispatch.mod_spec(call_key, "h200", 232448, mods.token_number(registered(alibi)))
+    assert other != picked and other.mod == mods.token_number(registered(alibi))

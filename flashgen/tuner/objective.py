@@ -30,10 +30,30 @@ from ..bench.timing import time_ms
 from ..codegen import build
 from ..errors import CompileError
 from ..reference import allowance, grad_tolerance, reference, tolerance
-from .. import variants
+from .. import mods, variants
 from . import cost, space
 
 STATUSES = ("ok", "constraint", "compile_error", "launch_error", "wrong")
+
+# User mods a tune measures (``flashgen tune --score-mod/--mask-mod``): their pair's token -> (score_mod,
+# mask_mod), the functions the trials' calls pass (the kernels take the traced graphs, the call the functions).
+MOD_FUNCTIONS: dict = {}
+
+
+def mod_kwargs(token: int, reference_side: bool = False) -> dict:
+    """``flashgen.attention``'s score_mod / mask_mod keywords for a mod spec's trials; ``reference_side``: the
+    traced graphs' evaluators instead (the printed code's semantics, indices clamped into the captures, so
+    that the check's odd sizes read them as the kernel does)."""
+    score_fn, mask_fn = MOD_FUNCTIONS[token]
+    if not reference_side:
+        return {k: f for k, f in (("score_mod", score_fn), ("mask_mod", mask_fn)) if f is not None}
+    pair = mods.lookup(mods.token_text(token))
+    out = {}
+    if pair.score is not None:
+        out["score_mod"] = pair.score.evaluate
+    if pair.mask is not None:
+        out["mask_mod"] = lambda b, h, q, kv: pair.mask.evaluate(None, b, h, q, kv)
+    return out
 
 
 @dataclass
@@ -182,7 +202,9 @@ class MeasuredObjective:
             q = torch.randn(2, 4, nq, d, device=dev, dtype=dtype)
             k, v = (torch.randn(2, 2, nk, d, device=dev, dtype=dtype) for _ in range(2))
             kw = variants.tuning_kwargs(variants.spec_key(spec), spec.causal, max(nq, nk), 4, dev)
-            out = attention(q, k, v, causal=spec.causal, spec=spec, **kw)
+            out = attention(q, k, v, causal=spec.causal, spec=spec, **kw, **(mod_kwargs(spec.mod) if spec.mod else {}))
+            if spec.mod:
+                kw = mod_kwargs(spec.mod, reference_side=True)
             ref, tol = tolerance(q, k, v, spec.causal, d ** -0.5, **kw)
             err = (out.float() - ref).abs().max().item()
             if not err <= tol:  # NaN fails too
@@ -293,6 +315,8 @@ class MeasuredObjective:
         q, k, v, *fp8_kw = self._inputs[sig]
         kw = variants.tuning_kwargs(key.variant, key.causal, max(nq, nk), h, self.device)
         kw.update(fp8_kw[0] if fp8_kw else {})
+        if variants.mod_of(key.variant):
+            kw.update(mod_kwargs(variants.mod_of(key.variant)))
         return median_ms(lambda: attention(q, k, v, causal=key.causal, spec=spec, **kw))
 
     def _time_varlen(self, key, spec) -> float:

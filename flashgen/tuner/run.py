@@ -26,14 +26,14 @@ import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from .. import dispatch, families, gpus, settings, tables, variants
+from .. import dispatch, families, files, gpus, mods, settings, tables, variants
 from ..codegen import build
 from ..errors import CompileError, FlashgenError
 from ..problem import BUCKETS
 from ..spec import DTYPES, KernelSpec
 from .. import shapes as record_file
 from . import space, store, study, validation
-from .objective import MeasuredObjective, ModelObjective, timing_calls
+from .objective import MOD_FUNCTIONS, MeasuredObjective, ModelObjective, timing_calls
 
 DEFAULT_TRIALS = 100
 
@@ -52,6 +52,11 @@ def precompile(specs, jobs: int, log=None) -> dict:
     import multiprocessing
 
     unique = list(dict.fromkeys(specs))
+    # User mods' kernels render from this process's traced graphs: compiled here, not in the spawned workers.
+    here, unique = [s for s in unique if getattr(s, "mod", 0)], [s for s in unique if not getattr(s, "mod", 0)]
+    if here:
+        jobs = 1
+        unique = here + unique
     t0 = time.monotonic()
     tty = log is not None and sys.stderr.isatty()
     out = {}
@@ -183,6 +188,12 @@ def parse_scope(args):
             raise FlashgenError(f"--seqlens {n}: tuned lengths are the buckets {BUCKETS}")
     text = getattr(args, "variant", None)
     variant_list = [("" if v == "none" else v) for v in _csv(text, str, "variant")] if text else [""]
+    if getattr(args, "score_mod", None) or getattr(args, "mask_mod", None):
+        if text or args.kind not in ("fwd", "fwd_sm90", "fwd_v2") or str(args.causal).lower() == "true":
+            raise FlashgenError("--score-mod/--mask-mod tune the forward's key of those mods (non-causal: a mod "
+                                "expresses its own mask): not with --variant, --kind " + str(args.kind)
+                                + " or --causal true")
+        causals, variant_list = [False], [variants.mod_key(traced_mods(args))]
     for v in variant_list:
         if not variants.is_key_variant(v):
             raise FlashgenError(f"--variant {v!r}: 'none' or variant tokens joined by '_' (win, cap, alibi, sink, "
@@ -193,6 +204,28 @@ def parse_scope(args):
         if v and only is None and args.kind != "fwd":
             raise FlashgenError(f"--variant: only the forward's keys take a variant, not --kind {args.kind}")
     return profile, space.problem_keys(args.kind, profile.arch, dtypes, ds, causals, buckets, variant_list), only
+
+
+def traced_mods(args) -> int:
+    """The token of ``--score-mod``/``--mask-mod`` (FILE.py:NAME, FILE imported; the functions traced and
+    registered, and kept for the measured trials: ``objective.MOD_FUNCTIONS``). A measured tune needs their
+    captured tensors on the GPU (the file runs on the GPU host); ranking by the model (--model) takes any."""
+    fns = []
+    for option, text in (("--score-mod", args.score_mod), ("--mask-mod", args.mask_mod)):
+        try:
+            fns.append(files.user_function(text) if text else None)
+        except ValueError as exc:
+            raise FlashgenError(f"{option}: {exc}") from None
+    score_fn, mask_fn = fns
+    try:
+        pair = mods.pair(mods.trace_score_mod(score_fn, allow_cpu=args.model) if score_fn else None,
+                         mods.trace_mask_mod(mask_fn, allow_cpu=args.model) if mask_fn else None)
+    except mods.ModError as exc:
+        raise FlashgenError(str(exc)) from None
+    mods.register(pair)
+    token = mods.token_number(pair)
+    MOD_FUNCTIONS[token] = (score_fn, mask_fn)
+    return token
 
 
 def recorded_keys(path, profile) -> tuple[list, dict, list]:
@@ -567,6 +600,12 @@ def add_arguments(p) -> None:
                         "(a quarter of the length below 16k), a softcap at 50, packed rows (vl: attention_varlen) "
                         "at seeded random lengths from seqlen/8 to seqlen, FP8 inputs (fp8: sm_90a) quantized "
                         "per head (default: plain only)")
+    p.add_argument("--score-mod", metavar="FILE.py:NAME", default=None,
+                   help="tune the forward's key of this score_mod (the key is its traced pair's hash: "
+                        "attention calls with the same mods take the winner); FILE is imported; measured, its "
+                        "captured tensors must be on the GPU")
+    p.add_argument("--mask-mod", metavar="FILE.py:NAME", default=None,
+                   help="likewise a mask_mod (with --score-mod or alone)")
     p.add_argument("--kind", default=None, help="problem kind (default fwd: every forward family the GPU runs, "
                                                   "fwd_v2 and on sm_90a fwd_sm90); fwd_v2 or fwd_sm90 restricts "
                                                   "the forward to that family; bwd: the backward's main kernel "
