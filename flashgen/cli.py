@@ -15,7 +15,7 @@ import os
 import sys
 import warnings
 
-from . import dispatch, families, files, gpus, mods, settings, tables
+from . import dispatch, families, gpus, mods, settings, tables
 from .bench.cli import add_parser as add_bench
 from .codegen import build, render
 from .errors import FlashgenError, UnsupportedError
@@ -125,14 +125,6 @@ def spec_from_args(args):
     return spec
 
 
-def _user_function(text: str, option: str):
-    """The function NAME of ``FILE.py:NAME`` (``files.user_function``), its errors as one line naming ``option``."""
-    try:
-        return files.user_function(text)
-    except ValueError as exc:
-        raise FlashgenError(f"{option} {exc}" if str(exc).startswith("'") else f"{option}: {exc}") from None
-
-
 def _mod_spec_from_args(args):
     """The forward kernel ``flashgen.attention`` runs with these mods (traced here; captured tensors may
     be on the CPU, nothing is launched), registered so that it renders and builds in this process."""
@@ -150,14 +142,9 @@ def _mod_spec_from_args(args):
     if args.d % 8 or not 8 <= args.d <= 256:
         raise FlashgenError(f"--d {args.d}: head dims are multiples of 8 from 8 to 256")
     try:
-        score = mods.trace_score_mod(_user_function(args.score_mod, "--score-mod"), allow_cpu=True) \
-            if args.score_mod else None
-        mask = mods.trace_mask_mod(_user_function(args.mask_mod, "--mask-mod"), allow_cpu=True) \
-            if args.mask_mod else None
-        pair = mods.pair(score, mask)
+        pair, _ = mods.from_files(args.score_mod, args.mask_mod, allow_cpu=True)
     except mods.ModError as exc:
         raise FlashgenError(str(exc)) from None
-    mods.register(pair)
     budget = gpus.get(args.gpu).smem_per_block if args.gpu else gpus.ARCH_SMEM_PER_BLOCK[arch]
     # verified as the call's own pick is (a tile whose kernel spills with these mods gives way): the kernel
     # the call would run, at the price of compiling it here

@@ -46,15 +46,16 @@ def family(request, monkeypatch):
     """The forward family the calls run on: dispatch's choice, or fwd_v2 forced (a fresh plan cache, whose
     plans do not record the family)."""
     from flashgen import dispatch
-    from flashgen.api import modcall
+    from flashgen.api.plans import cache
 
+    plans = cache("attention with mods")
     if request.param == "fwd_sm90" and not is_sm90():
         pytest.skip("fwd_sm90 needs an sm_90 GPU")
     if dispatch.mod_family(_fwd_key()) != request.param:
         monkeypatch.setattr(dispatch, "mod_family", lambda key: request.param)
-    modcall._plans.clear()
+    plans.clear()
     yield request.param
-    modcall._plans.clear()
+    plans.clear()
 
 
 def _fwd_key():
@@ -135,9 +136,9 @@ def test_mods_on_persistent_tiles(name, tokens):
 
 def _ran(family) -> bool:
     """Whether every plan the test made runs a kernel of ``family``."""
-    from flashgen.api import modcall
+    from flashgen.api.plans import cache
 
-    kinds = {p.base.kernel.spec.kind for p in modcall._plans.values() if p.base.kernel is not None}
+    kinds = {p.base.kernel.spec.kind for p in cache("attention with mods").values() if p.base.kernel is not None}
     return kinds == {family}
 
 

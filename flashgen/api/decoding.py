@@ -32,7 +32,7 @@ from .checks import (DTYPES, check_block_table_layout, check_descale, check_flag
 from .device import Device, current_device, current_stream, index_of
 from .device import is_capturing as _capturing
 from .fp8 import FP8, check_descale_values, descale_strides
-from .modcall import fill_mods, pack_mod_fields
+from .modcall import check_mod_functions, fill_mods, pack_mod_fields, still_traced, traced_pair
 from .plans import PlanCache
 
 _plans = PlanCache("decode")
@@ -342,11 +342,7 @@ class _Mods:
         self.pair, self.functions = pair, functions
 
     def current(self) -> bool:
-        """Whether the functions still trace to this pair (``api.modcall``'s rule: a captured tensor rebound,
-        a changed constant, gives a new graph and so a new plan)."""
-        score_fn, mask_fn = self.functions
-        return ((score_fn is None or mods.trace_score_mod(score_fn) is self.pair.score)
-                and (mask_fn is None or mods.trace_mask_mod(mask_fn) is self.pair.mask))
+        return still_traced(self.pair, self.functions)
 
 
 def _traced_mods(q, score_mod, mask_mod, window, softcap, alibi_slopes, sinks, k_descale, allow_cpu=False):
@@ -355,23 +351,14 @@ def _traced_mods(q, score_mod, mask_mod, window, softcap, alibi_slopes, sinks, k
     q's device (``allow_cpu``: the meta path, which launches nothing)."""
     if score_mod is None and mask_mod is None:
         return None
-    if score_mod is not None and not callable(score_mod):
-        raise TypeError(f"score_mod must be a function (score, b, h, q_idx, kv_idx) -> score, got {score_mod!r}")
-    if mask_mod is not None and not callable(mask_mod):
-        raise TypeError(f"mask_mod must be a function (b, h, q_idx, kv_idx) -> bool, got {mask_mod!r}")
+    check_mod_functions(score_mod, mask_mod)
     others = [n for n, on in (("window", window is not None), ("softcap", softcap != 0.0),
                               ("alibi_slopes", alibi_slopes is not None), ("sinks", sinks is not None),
                               ("an FP8 cache", k_descale is not None)) if on]
     if others:
         raise UnsupportedError(f"score_mod / mask_mod take none of {', '.join(others)} in flashgen.decode: a mod "
                                "expresses its own scores and mask")
-    pair = mods.pair(mods.trace_score_mod(score_mod, allow_cpu=allow_cpu) if score_mod is not None else None,
-                     mods.trace_mask_mod(mask_mod, allow_cpu=allow_cpu) if mask_mod is not None else None)
-    for t in pair.captures:
-        if t.device != q.device and not allow_cpu:
-            raise ValueError(f"a mod captures a tensor on {t.device}; q is on {q.device}: captured tensors must be "
-                             "on q's device")
-    return pair
+    return traced_pair(q, score_mod, mask_mod, allow_cpu)
 
 
 class _Plan:

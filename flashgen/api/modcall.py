@@ -153,12 +153,16 @@ class _ModPlan:
             self.offset, self.blob = pack_mod_fields(struct, self.captures, tiles)
 
     def current(self) -> bool:
-        """Whether the mods still trace to the graphs this plan was made for: the tracer's cache answers
-        from a fingerprint of what each function reads (a captured global rebound to another tensor, a
-        changed constant: a new graph, and a new plan)."""
-        score_fn, mask_fn = self.functions
-        return ((score_fn is None or mods.trace_score_mod(score_fn) is self.pair.score)
-                and (mask_fn is None or mods.trace_mask_mod(mask_fn) is self.pair.mask))
+        return still_traced(self.pair, self.functions)
+
+
+def still_traced(pair, functions) -> bool:
+    """Whether the mod ``functions`` (score_mod, mask_mod) still trace to ``pair``'s graphs: the tracer's cache
+    answers from a fingerprint of what each function reads (a captured global rebound to another tensor, a
+    changed constant: a new graph, and a new plan)."""
+    score_fn, mask_fn = functions
+    return ((score_fn is None or mods.trace_score_mod(score_fn) is pair.score)
+            and (mask_fn is None or mods.trace_mask_mod(mask_fn) is pair.mask))
 
 
 
@@ -197,24 +201,35 @@ def _checked(q, k, v, softmax_scale, layout, return_lse, score_mod, mask_mod, bl
     if block_mask is not None and not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask must be a flashgen BlockMask (flashgen.create_block_mask), got "
                         f"{type(block_mask).__name__}")
-    if score_mod is not None and not callable(score_mod):
-        raise TypeError(f"score_mod must be a function (score, b, h, q_idx, kv_idx) -> score, got {score_mod!r}")
-    if mask_mod is not None and not callable(mask_mod):
-        raise TypeError(f"mask_mod must be a function (b, h, q_idx, kv_idx) -> bool, got {mask_mod!r}")
+    check_mod_functions(score_mod, mask_mod)
     if block_mask is not None:
         if mask_mod is not None and mask_mod is not block_mask.mask_mod:
             raise ValueError("mask_mod and block_mask.mask_mod differ: pass one of them (the block mask "
                              "carries its mask_mod)")
         mask_mod = block_mask.mask_mod
         check_block_mask_shape(block_mask, b, h, nq, nk)
-    score_graph = mods.trace_score_mod(score_mod, allow_cpu=allow_cpu) if score_mod is not None else None
-    mask_graph = mods.trace_mask_mod(mask_mod, allow_cpu=allow_cpu) if mask_mod is not None else None
-    pair = mods.pair(score_graph, mask_graph)
-    for t in pair.captures:
+    pair = traced_pair(q, score_mod, mask_mod, allow_cpu)
+    return (b, h, nq, d), sq, (hk, nk), sk, sv, scale, mask_mod, pair
+
+
+def check_mod_functions(score_mod, mask_mod) -> None:
+    """TypeError unless each given mod is a function."""
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(f"score_mod must be a function (score, b, h, q_idx, kv_idx) -> score, got {score_mod!r}")
+    if mask_mod is not None and not callable(mask_mod):
+        raise TypeError(f"mask_mod must be a function (b, h, q_idx, kv_idx) -> bool, got {mask_mod!r}")
+
+
+def traced_pair(q, score_mod, mask_mod, allow_cpu: bool = False):
+    """The traced pair of a call's mods (``flashgen.mods``; ``ModError`` for what the tracer refuses);
+    ValueError for a captured tensor off q's device (``allow_cpu``: the meta path, which launches nothing)."""
+    found = mods.pair(mods.trace_score_mod(score_mod, allow_cpu=allow_cpu) if score_mod is not None else None,
+                      mods.trace_mask_mod(mask_mod, allow_cpu=allow_cpu) if mask_mod is not None else None)
+    for t in found.captures:
         if t.device != q.device and not allow_cpu:
             raise ValueError(f"a mod captures a tensor on {t.device}; q is on {q.device}: captured tensors must be "
                              "on q's device")
-    return (b, h, nq, d), sq, (hk, nk), sk, sv, scale, mask_mod, pair
+    return found
 
 
 def _plan(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask):

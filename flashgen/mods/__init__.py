@@ -47,6 +47,7 @@ import types
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from .. import files
 from .grad import derivative
 from .graph import MAX_CAPTURES, Graph, ModError, Node, UnknownModError, passthrough_cuda
 from .trace import SUPPORTED, Sym, is_tensor, trace
@@ -215,6 +216,24 @@ class ModPair:
         slot0 = len(self.score.captures) if self.score else 0
         mask = self.mask.cuda("fg_mask_mod", slot0) if self.mask else passthrough_cuda("mask", "fg_mask_mod")
         return score + "\n" + mask
+
+
+def from_files(score_text: str | None, mask_text: str | None, allow_cpu: bool = False,
+               labels=("--score-mod", "--mask-mod")) -> tuple:
+    """(pair, (score_fn, mask_fn)) of the functions ``FILE.py:NAME`` names (``files.user_function``: FILE is
+    imported), traced and registered: the command line's mods (``flashgen emit/compile/tune --score-mod``).
+    ``ModError`` naming ``labels``' option for a file or function that is not there, and as ``trace``'s."""
+    fns = []
+    for label, text in zip(labels, (score_text, mask_text)):
+        try:
+            fns.append(files.user_function(text) if text else None)
+        except ValueError as exc:
+            raise ModError(f"{label} {exc}" if str(exc).startswith("'") else f"{label}: {exc}") from None
+    score_fn, mask_fn = fns
+    found = ModPair(trace_score_mod(score_fn, allow_cpu=allow_cpu) if score_fn else None,
+                    trace_mask_mod(mask_fn, allow_cpu=allow_cpu) if mask_fn else None)
+    register(found)
+    return found, (score_fn, mask_fn)
 
 
 def pair(score: Graph | None, mask: Graph | None) -> ModPair:

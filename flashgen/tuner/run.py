@@ -26,7 +26,7 @@ import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from .. import dispatch, families, files, gpus, mods, settings, tables, variants
+from .. import dispatch, families, gpus, mods, settings, tables, variants
 from ..codegen import build
 from ..errors import CompileError, FlashgenError
 from ..problem import BUCKETS
@@ -207,24 +207,15 @@ def parse_scope(args):
 
 
 def traced_mods(args) -> int:
-    """The token of ``--score-mod``/``--mask-mod`` (FILE.py:NAME, FILE imported; the functions traced and
-    registered, and kept for the measured trials: ``objective.MOD_FUNCTIONS``). A measured tune needs their
-    captured tensors on the GPU (the file runs on the GPU host); ranking by the model (--model) takes any."""
-    fns = []
-    for option, text in (("--score-mod", args.score_mod), ("--mask-mod", args.mask_mod)):
-        try:
-            fns.append(files.user_function(text) if text else None)
-        except ValueError as exc:
-            raise FlashgenError(f"{option}: {exc}") from None
-    score_fn, mask_fn = fns
+    """The token of ``--score-mod``/``--mask-mod`` (``mods.from_files``: traced and registered), their
+    functions kept for the measured trials (``objective.MOD_FUNCTIONS``). A measured tune needs their captured
+    tensors on the GPU (the file runs on the GPU host); ranking by the model (--model) takes any."""
     try:
-        pair = mods.pair(mods.trace_score_mod(score_fn, allow_cpu=args.model) if score_fn else None,
-                         mods.trace_mask_mod(mask_fn, allow_cpu=args.model) if mask_fn else None)
+        pair, functions = mods.from_files(args.score_mod, args.mask_mod, allow_cpu=args.model)
     except mods.ModError as exc:
         raise FlashgenError(str(exc)) from None
-    mods.register(pair)
     token = mods.token_number(pair)
-    MOD_FUNCTIONS[token] = (score_fn, mask_fn)
+    MOD_FUNCTIONS[token] = functions
     return token
 
 
