@@ -323,6 +323,9 @@ def example_mods(b, hq, nq, nk):
     def alibi(score, b_, h, q, kv):
         return score - slopes[h] * (q + diag[0] - kv).abs()
 
+    def alibi_flex(score, b_, h, q, kv):  # FlexAttention's spelling (no |.|): a bias linear in kv without a mask
+        return score + (kv - q) * slopes[h]
+
     def softcap(score, b_, h, q, kv):
         return 30.0 * torch.tanh(score / 30.0)
 
@@ -334,12 +337,13 @@ def example_mods(b, hq, nq, nk):
 
     return {"causal": (None, causal), "sliding": (None, sliding), "prefix_lm": (None, prefix_lm),
             "document": (None, document), "block_sparse": (None, block_sparse), "alibi": (alibi, None),
+            "alibi_flex": (alibi_flex, None),
             "softcap": (softcap, None), "relative": (relative, None), "relative_bf16": (relative_bf16, None),
             "alibi_causal": (alibi, causal), "softcap_document": (softcap, document)}
 
 
-MOD_NAMES = ["causal", "sliding", "prefix_lm", "document", "block_sparse", "alibi", "softcap", "relative", "relative_bf16",
-        "alibi_causal", "softcap_document"]  # the keys of example_mods
+MOD_NAMES = ["causal", "sliding", "prefix_lm", "document", "block_sparse", "alibi", "alibi_flex", "softcap", "relative",
+             "relative_bf16", "alibi_causal", "softcap_document"]  # the keys of example_mods
 
 
 def warm_mods(request, tmp_path_factory, calls, backward: bool = False, families=("fwd_sm90",)) -> None:

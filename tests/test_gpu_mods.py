@@ -32,8 +32,8 @@ SEQLENS = [(1, 1), (113, 203), (1, 239), (239, 1), (799, 3), (1023, 1024), (2048
 
 # (mods, head dim, dtype, query lengths) of the tests below: their kernels are compiled in parallel first.
 CALLS = [(MOD_NAMES, 128, "bf16", [nq for nq, _ in SEQLENS] + [1000, 777]),
-         (["causal", "document", "alibi", "softcap_document"], 64, "fp16", [113, 799, 1023]),
-         (["causal", "document", "alibi", "softcap_document"], 256, "fp16", [113, 799, 1023])]
+         (["causal", "document", "alibi", "alibi_causal", "softcap_document"], 64, "fp16", [113, 799, 1023]),
+         (["causal", "document", "alibi", "alibi_causal", "softcap_document"], 256, "fp16", [113, 799, 1023])]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -111,7 +111,7 @@ def test_mods_bf16(family, name, nq, nk):
 
 
 @pytest.mark.parametrize("nq,nk", [(113, 203), (799, 3), (1023, 1024)])
-@pytest.mark.parametrize("name", ["causal", "document", "alibi", "softcap_document"])
+@pytest.mark.parametrize("name", ["causal", "document", "alibi", "alibi_causal", "softcap_document"])
 @pytest.mark.parametrize("d", [64, 256])
 def test_mods_head_dims_fp16(family, name, nq, nk, d):
     check_mods(1, 4, 1, nq, nk, d, torch.float16, name, layout="bshd")
