@@ -163,6 +163,7 @@ class Variant:
     varlen: bool = False
     scored: bool = False  # a user score_mod (flashgen.mods): it takes the scaled score, the softmax runs on its result
     score_factor: float = 1.0  # (scored) c of a score_mod c * f(...) whose f the kernel prints (mods.Graph.factors)
+    linear: bool = False  # (scored) f is a bias linear in kv, added to the raw scores (mods.linear): raw softmax units
     fp8: bool = False  # float8 e4m3 operands with descale factors (the forward's q, k, v; decode's cache)
 
     @classmethod
@@ -208,9 +209,10 @@ class Variant:
         right = 0 if self.causal else (nq if self.right == UNBOUNDED else min(self.right, nq))
         out = {"win_left": left, "win_right": right, "cap_in": 0.0}
         if self.scored:  # the kernel scales the raw score for the mod (cap_in); the softmax runs on c f
-            out.update(cap_in=scale, scale_log2=self.score_factor * math.log2(math.e))
+            units = scale if self.linear else 1.0  # linear: the scores stay raw, the bias comes over the scale
+            out.update(cap_in=scale, scale_log2=self.score_factor * units * math.log2(math.e))
             if forward:
-                out["scale"] = self.score_factor
+                out["scale"] = self.score_factor * units
         if self.softcap:
             out.update(cap_in=scale / self.softcap, scale_log2=self.softcap * math.log2(math.e))
             if forward:

@@ -222,7 +222,9 @@ def test_emit_and_compile_with_mods(capsys, tmp_path, monkeypatch):
     assert code == 0, err
     name = out.splitlines()[1].split()[-1]
     assert "_mod" in name and name.endswith("_full_bf16_sm90a")  # the mods' kernel is never causal itself
-    assert "FG_DEVICE float fg_score_mod(" in out and "fg_mod_variant<true, true>" in out
+    assert "FG_DEVICE float fg_score_mod(" in out and "FG_DEVICE bool fg_mask_mod(" in out
+    # (ALiBi under the document mask's q >= kv is a bias linear in kv: fwd_sm90's LINEAR form)
+    assert "fg_mod_variant<true, true, false, true, true>" in out and "FG_DEVICE float fg_score_mod_kv(" in out
     assert "slopes" not in out and "document(" not in out
     code, out, err = run_main(capsys, "compile", "--d", "64", "--mask-mod", f"{path}:document", "--json")
     assert code == 0, err

@@ -74,7 +74,8 @@ def test_mod_field_belongs_to_the_mod_families_only():
 def test_rendered_source_holds_the_traced_functions():
     pair = registered(alibi, document)
     src = render(mod_spec(pair))
-    assert "fg_mod_variant<true, true>" in src
+    # (alibi under document's q >= kv is a bias linear in kv: tests/test_mods_linear.py)
+    assert "fg_mod_variant<true, true, false, true, true>" in src
     assert "FG_DEVICE float fg_score_mod(" in src and "FG_DEVICE bool fg_mask_mod(" in src
     assert pair.token in src
     assert "SLOPES" not in src and "DOC" not in src  # user names never reach the source

@@ -264,7 +264,8 @@ def _plan(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod,
     dims = (b, h, hk, nq, nk, d)
     o_strides = contiguous_strides(q.shape, layout)  # the output is allocated like q
     grid, params_for = fam.launch(kern, dims, (sq, sk, sv), o_strides, scale * k_in, dev,
-                                  Variant(scored=score_graph is not None, score_factor=c_out))
+                                  Variant(scored=score_graph is not None, score_factor=c_out,
+                                          linear=fam.linear_mod(spec)))
     base = Plan(kern, grid, dev.index, (b, h, nq), params_for, fam.needs_tile_counters(spec))
     tiles = None
     if mask_graph is not None:

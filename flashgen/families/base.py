@@ -146,16 +146,19 @@ def variant_context(spec) -> dict:
 MOD_TOKEN_LIMIT = 1 << 48  # a spec's ``mod``: the first 12 hex digits of a mod pair's hash, as a number
 
 
-def mod_context(spec, backward: bool = False) -> dict:
+def mod_context(spec, backward: bool = False, linear: bool = False) -> dict:
     """The template's user mods: ``mod_source``, the device functions printed from the pair of traced graphs
     the spec's ``mod`` token names (flashgen.mods; this process must have traced them), and the
     ``variant_type`` that calls them (common/mod.cuh); nothing for a spec without mods. ``backward``: the
-    backward kernel's functions (``ModPair.cuda_backward``: the score_mod unfolded, with its derivative)."""
+    backward kernel's functions (``ModPair.cuda_backward``: the score_mod unfolded, with its derivative).
+    ``linear`` (``Family.linear_mod``): the score_mod as a column-only bias (LINEAR)."""
     if not spec.mod:
         return {"mod_source": ""}
     pair = mods.lookup(mods.token_text(spec.mod))
     flags = [pair.score is not None, pair.mask is not None] + ([pair.score_grad is not None] if backward else [])
-    return {"mod_source": pair.cuda_backward() if backward else pair.cuda(),
+    if linear:
+        flags += [False, True, pair.linear.q_coef is not None]
+    return {"mod_source": pair.cuda_backward() if backward else pair.cuda(linear=linear),
             "variant_type": "fg_mod_variant<" + ", ".join("true" if f else "false" for f in flags) + ">"}
 
 
@@ -224,11 +227,19 @@ class Family:
     # own tuple shape in ``rule``).
     tiles: dict = field(default_factory=dict, compare=False, repr=False)
     _struct: list = field(default_factory=list, compare=False, repr=False)
+    # Whether the forward adds a score_mod that is a bias linear in kv (flashgen.mods.linear) to the raw
+    # scores as a column-only term (common/mod.cuh's LINEAR), the way its causal ALiBi runs.
+    linear_mods: bool = False
 
     @property
     def serves(self) -> str:
         """The problem kind this family serves."""
         return self.problem or self.kind
+
+    def linear_mod(self, spec) -> bool:
+        """Whether ``spec``'s kernel runs its score_mod in the linear form (``linear_mods`` and a pair that has
+        it): the kernel's template flag and the launch's softmax units (``Variant.linear``) both follow it."""
+        return bool(spec.mod) and self.linear_mods and mods.lookup(mods.token_text(spec.mod)).linear is not None
 
     # -- spec rules ---------------------------------------------------------
     def require(self, spec, rules) -> None:

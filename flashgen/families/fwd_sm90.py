@@ -311,7 +311,7 @@ class Sm90Family(Family):
                 "param_bytes": ctypes.sizeof(self.param_struct()),
                 "producer_regs": producer or 24, "consumer_regs": consumer or 240,
                 "q_pieces": self.q_pieces(spec), "in_bytes": 1 if spec.fp8 else 2,
-                **variant_context(spec), **mod_context(spec)}
+                **variant_context(spec), **mod_context(spec, linear=self.linear_mod(spec))}
 
     def param_struct(self):
         return aligned_struct(self)
@@ -449,7 +449,7 @@ class Sm90Family(Family):
 FAMILY = Sm90Family(
     "fwd_sm90", "fwd_sm90/fwd_sm90.cu.j2", SM90_PARAMS, problem="fwd", head_dims=SM90_HEAD_DIMS,
     block_ms=(64, 128, 192), block_ns=(64, 80, 96, 112, 128, 144, 160, 176, 192), warps=(4, 8, 12, 16),
-    stages=(2, 3, 4), archs=("sm_90a",), tiles=SM90_TILES,
+    stages=(2, 3, 4), archs=("sm_90a",), tiles=SM90_TILES, linear_mods=True,
     # wgmma with warp specialization: the fraction of the datasheet rate FlashAttention-3 reports (661 of
     # 989 TFLOP/s at d = 128; arXiv 2407.08608), for the cost model; not fitted.
     tensor_fraction=0.67,

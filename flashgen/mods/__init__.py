@@ -40,6 +40,7 @@ score_mod's value in one function (``ModPair.cuda_backward``).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import sys
 import threading
@@ -50,6 +51,7 @@ from dataclasses import dataclass, field
 from .. import files
 from .grad import derivative
 from .graph import MAX_CAPTURES, Graph, ModError, Node, UnknownModError, passthrough_cuda
+from .linear import linear_form
 from .trace import SUPPORTED, Sym, is_tensor, trace
 
 __all__ = ["SUPPORTED", "Graph", "ModError", "ModPair", "Node", "Sym", "UnknownModError", "derivative", "lookup",
@@ -182,10 +184,25 @@ class ModPair:
         before fg_score_mod and runs the softmax on c times its result (1.0, 1.0 without a score_mod)."""
         return self.score.factors() if self.score else (1.0, 1.0)
 
-    def cuda(self) -> str:
+    @functools.cached_property
+    def linear(self):
+        """The score_mod's ``mods.linear.LinearForm`` (a bias linear in kv: x + a(b, h) kv + r(b, h, q), with
+        |q - kv| read as q - kv where the mask_mod orders the keys), or None."""
+        return linear_form(self.score, self.mask)
+
+    def cuda(self, linear: bool = False) -> str:
         """``fg_score_mod`` (its factors folded out: ``factors``) and ``fg_mask_mod`` (a pass-through one
-        for a missing half)."""
+        for a missing half); ``linear`` (a pair whose ``linear`` is not None) adds that form's functions, of
+        the same arguments: ``fg_score_mod_lin`` (f, |.| rewritten), ``fg_score_mod_kv`` (a) and, where r is
+        linear in q, ``fg_score_mod_q`` (its coefficient)."""
         score = self.score.cuda("fg_score_mod", fold=True) if self.score else passthrough_cuda("score", "fg_score_mod")
+        if linear:
+            form = self.linear
+            if form is None:
+                raise ModError(f"mod {self.token}: its score_mod is not a bias linear in kv_idx")
+            score += "\n" + form.f.cuda("fg_score_mod_lin") + "\n" + form.kv_coef.cuda("fg_score_mod_kv")
+            if form.q_coef is not None:
+                score += "\n" + form.q_coef.cuda("fg_score_mod_q")
         slot0 = len(self.score.captures) if self.score else 0
         mask = self.mask.cuda("fg_mask_mod", slot0) if self.mask else passthrough_cuda("mask", "fg_mask_mod")
         return score + "\n" + mask

@@ -13,39 +13,7 @@ from __future__ import annotations
 
 import math
 
-from .graph import Graph, ModError, Node
-
-
-class _Builder:
-    """The derivative's node list: the original nodes first (their positions kept), then the new ones,
-    each distinct node once."""
-
-    def __init__(self, nodes):
-        self.nodes = list(nodes)
-        self.seen = {(n.op, n.dtype, n.args): i for i, n in enumerate(nodes)}
-
-    def add(self, op: str, *args, dtype: str = "f32") -> int:
-        key = (op, dtype, tuple(args))
-        if key not in self.seen:
-            self.seen[key] = len(self.nodes)
-            self.nodes.append(Node(op, dtype, tuple(args)))
-        return self.seen[key]
-
-    def const(self, value: float) -> int:
-        return self.add("const", float(value))
-
-    # Arithmetic that skips a zero (None) derivative.
-    def plus(self, a, b):
-        return b if a is None else a if b is None else self.add("add", a, b)
-
-    def minus(self, a, b):
-        return a if b is None else self.add("neg", b) if a is None else self.add("sub", a, b)
-
-    def times(self, a, b):
-        return None if a is None or b is None else self.add("mul", a, b)
-
-    def over(self, a, b):
-        return None if a is None else self.add("div", a, b)
+from .graph import Builder, Graph, ModError, Node
 
 
 def derivative(graph: Graph) -> Graph:
@@ -53,17 +21,14 @@ def derivative(graph: Graph) -> Graph:
     if graph.kind != "score":
         raise ModError("only a score_mod has a derivative with respect to the score")
     nodes = graph.nodes
-    out = _Builder(nodes)
+    out = Builder(nodes)
     d: list = []  # d[i]: the position of node i's derivative, None where it is 0
     for i, n in enumerate(nodes):
         d.append(None if n.dtype != "f32" else _rule(out, i, n, nodes, d))
-    result = d[-1] if d[-1] is not None else out.const(0.0)
-    if result != len(out.nodes) - 1:  # a graph's result is its last node: end on a copy of it
-        out.nodes.append(Node("add", "f32", (result, out.const(0.0))))
-    return Graph(graph.kind, tuple(out.nodes), graph.captures, graph.capture_types)
+    return out.graph(graph, d[-1] if d[-1] is not None else out.const(0.0))
 
 
-def _rule(out: _Builder, i: int, n: Node, nodes, d):
+def _rule(out: Builder, i: int, n: Node, nodes, d):
     op, a = n.op, n.args
     if op == "in":
         return out.const(1.0) if a[0] == "score" else None

@@ -240,6 +240,45 @@ class Graph:
         return form.format(*v)
 
 
+class Builder:
+    """A node list grown from a graph's: the original nodes first (their positions kept), then the new
+    ones, each distinct node once (the derivative's, the linear form's coefficients)."""
+
+    def __init__(self, nodes):
+        self.nodes = list(nodes)
+        self.seen = {(n.op, n.dtype, n.args): i for i, n in enumerate(nodes)}
+
+    def add(self, op: str, *args, dtype: str = "f32") -> int:
+        key = (op, dtype, tuple(args))
+        if key not in self.seen:
+            self.seen[key] = len(self.nodes)
+            self.nodes.append(Node(op, dtype, tuple(args)))
+        return self.seen[key]
+
+    def const(self, value: float) -> int:
+        return self.add("const", float(value))
+
+    # Arithmetic that skips a zero (None) term.
+    def plus(self, a, b):
+        return b if a is None else a if b is None else self.add("add", a, b)
+
+    def minus(self, a, b):
+        return a if b is None else self.add("neg", b) if a is None else self.add("sub", a, b)
+
+    def times(self, a, b):
+        return None if a is None or b is None else self.add("mul", a, b)
+
+    def over(self, a, b):
+        return None if a is None else self.add("div", a, b)
+
+    def graph(self, like: Graph, result: int) -> Graph:
+        """A graph of ``like``'s kind and captures whose result is node ``result`` (an f32 node): a graph's
+        result is its last node, so it ends on a copy of it where it is not."""
+        if result != len(self.nodes) - 1:
+            self.nodes.append(Node("add", "f32", (result, self.const(0.0))))
+        return Graph(like.kind, tuple(self.nodes), like.captures, like.capture_types)
+
+
 # Loads by capture dtype. The kernels include no CUDA header (NVRTC has no include path), so 16-bit floats
 # are read as their bits: bfloat16 is the high half of a float32, float16 goes through PTX's cvt.
 _C_LOAD = {"float32": "__ldg(reinterpret_cast<const float*>({t}) + ({off}))",

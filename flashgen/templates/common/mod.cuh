@@ -23,6 +23,10 @@
 // The derivative's function is printed only for a backward kernel whose score_mod has one; declared here
 // so that the branch calling it compiles (unused) everywhere else.
 __device__ float fg_score_mod_grad(float score, int b, int h, int q, int kv, const fg_mod_args& a, float& grad);
+// Likewise the linear form's functions (LINEAR: flashgen.mods.linear), printed only for such a kernel.
+__device__ float fg_score_mod_lin(float score, int b, int h, int q, int kv, const fg_mod_args& a);
+__device__ float fg_score_mod_kv(float score, int b, int h, int q, int kv, const fg_mod_args& a);
+__device__ float fg_score_mod_q(float score, int b, int h, int q, int kv, const fg_mod_args& a);
 
 // The score_mod on row half hh of an accumulator fragment: query q of head h in batch b, this thread's
 // first column c0; the raw score times `scale` is what the function takes.
@@ -52,12 +56,19 @@ FG_DEVICE void fg_mask_mod_row(F& s, int hh, int b, int h, int q, int c0, int li
     }
 }
 
-template <bool SCORE, bool MASK, bool GRAD = false>
+// LINEAR (fwd_sm90 only): the score_mod is x + a(b, h) kv + r(b, h, q) (flashgen.mods.linear: a is
+// fg_score_mod_kv, r(q) fg_score_mod_lin at x = 0, kv = 0) and runs as the built-in causal ALiBi does
+// (ALIBI_LINEAR): the scores stay raw q.k (the host sets the softmax's scales to the softmax scale's),
+// transform_cols adds a / scale times the column's offset in the block with one FFMA per score, and
+// alibi_row_offset gives the rest, (a c0 + r(q)) / scale. LINEAR_ROWS: r(q) = beta q + r(0) (beta is
+// fg_score_mod_q), so the offset is two FMAs on values set once per head, with no call of r in the loop.
+template <bool SCORE, bool MASK, bool GRAD = false, bool LINEAR = false, bool LINEAR_ROWS = false>
 struct fg_mod_variant {
-  enum : int { RIGHT = 0, LEFT = 0, TRANSFORMS = SCORE, HAS_SINK = 0, HAS_CAP = 0, HAS_ALIBI = 0, PLAIN = 0,
-               VARLEN_ROWS = 0, ALIBI_LINEAR = 0, SPARSE = MASK, DS_FACTOR = SCORE && GRAD, USER = 1 };
+  enum : int { RIGHT = 0, LEFT = 0, TRANSFORMS = SCORE && !LINEAR, HAS_SINK = 0, HAS_CAP = 0, HAS_ALIBI = 0,
+               PLAIN = 0, VARLEN_ROWS = 0, ALIBI_LINEAR = LINEAR, SPARSE = MASK, DS_FACTOR = SCORE && GRAD, USER = 1 };
   int nq, nk, diag, b, h, count;
   float scale;
+  float col_slope, row_slope, row_const, inv_scale;  // LINEAR: a, beta, r(0) over the scale; 1 / scale
   const fg_mod_args* args;
   const int* row;  // MASK: this query block's entries of bm_index
 
@@ -71,11 +82,18 @@ struct fg_mod_variant {
     args = &p.mod;
     b = h = count = 0;
     row = nullptr;
+    col_slope = row_slope = row_const = 0.f;
+    inv_scale = LINEAR ? 1.f / scale : 1.f;
   }
   template <typename Params>
   FG_DEVICE void set_head(const Params& p, int b_, int hq) {
     b = b_;
     h = hq;
+    if constexpr (LINEAR) col_slope = fg_score_mod_kv(0.f, b, h, 0, 0, *args) * inv_scale;
+    if constexpr (LINEAR_ROWS) {
+      row_slope = fg_score_mod_q(0.f, b, h, 0, 0, *args) * inv_scale;
+      row_const = fg_score_mod_lin(0.f, b, h, 0, 0, *args) * inv_scale;
+    }
   }
   // MASK: the block list of query block m_block of (b, h) (set_head first).
   template <typename Params>
@@ -123,8 +141,16 @@ struct fg_mod_variant {
   FG_DEVICE static float dS_factor(float g) { return g; }
 
   template <typename F>
-  FG_DEVICE void transform_cols(F&, int) const {}
-  FG_DEVICE float alibi_row_offset(int, int) const { return 0.f; }
+  FG_DEVICE void transform_cols(F& s, int hh) const {
+    if constexpr (LINEAR) alibi_cols(s, hh, col_slope);
+  }
+  FG_DEVICE float alibi_row_offset(int row_, int c0) const {
+    if constexpr (LINEAR_ROWS)
+      return fmaf(col_slope, static_cast<float>(c0), fmaf(row_slope, static_cast<float>(row_), row_const));
+    else if constexpr (LINEAR)
+      return fmaf(col_slope, static_cast<float>(c0), fg_score_mod_lin(0.f, b, h, row_, 0, *args) * inv_scale);
+    return 0.f;
+  }
   FG_DEVICE void finish(float m, float l, float scale_, float& inv, float& lse) const {
     inv = row_inv(l);
     lse = row_lse(m, l, scale_);
