@@ -78,6 +78,8 @@ class KernelSpec:
     dp_late: bool = _f(False, "dpl", ("bwd_sm90",), "dP^T's GEMM issued after P^T instead of while P^T is computed: "
                        "its accumulators are not live there (for user mods whose functions need the registers)",
                        True)
+    det: bool = _f(False, "det", ("bwd_sm90",), "deterministic dQ: the CTAs add to each query block's fp32 dQ in a "
+                   "fixed order (a counter per block), so dQ has the same bits on every run", True)
     # The variants (flashgen.variants): compile-time switches; their values (the window's sides, the
     # softcap, the slopes and sinks) are launch parameters, so one kernel serves every window or cap.
     window: bool = _f(False, "win", _VARIANTS, "a sliding window: keys outside (left, right) of the diagonal "

@@ -12,8 +12,8 @@ folder holding a ``flashgen`` package: another checkout, to show a report a chan
 tool run spends its time in NVRTC), then once under each tool, and exits 1 if any tool reports an
 error or a hazard, or a run fails. The cases: the forward through dispatch (fwd_sm90 where it is the
 default, fwd_v2 elsewhere) and fwd_v2 forced, at odd sizes, GQA, both layouts, causal and not; the
-backward (bwd_sm90 and the mma.sync kernels, deterministic dQ too); decode split and unsplit over short
-ragged caches (lengths 0, 5 and 650 of 704), contiguous and paged, with appends, each regime's tile, and
+backward (bwd_sm90 and the mma.sync kernels; deterministic dQ too, bwd_sm90's det twin where it serves);
+decode split and unsplit over short ragged caches (lengths 0, 5 and 650 of 704), contiguous and paged, with appends, each regime's tile, and
 one long cache. tests/test_gpu_sanitizer.py runs ``check`` as a GPU test.
 """
 from __future__ import annotations
@@ -124,6 +124,7 @@ def _cases():
         for causal in (False, True):
             cases.append((f"bwd d{d} 113x203 gqa {'causal' if causal else 'full'}", bwd(2, 4, 2, 113, 203, d, causal)))
     cases.append(("bwd d128 239x1023 causal deterministic", bwd(1, 2, 1, 239, 1023, 128, True, deterministic=True)))
+    cases.append(("bwd d64 300x700 gqa deterministic", bwd(2, 4, 2, 300, 700, 64, False, deterministic=True)))
     short = [0, 5, 650]
     for page in (None, 16):
         for with_new in (False, True):

@@ -29,7 +29,9 @@ DEFAULTS = [s for s in families.rule_specs("sm_90a", BUDGET) if s.kind == "bwd_s
 VARIANTS = [bwd90(d, 128, st, w, c, dt) for d in (64, 128) for st in (2, 3) for w in (0, 1)
             for c in (False, True) for dt in ("bf16", "fp16")] + [
     bwd90(64, 64, st, w, c) for st in (2, 3) for w in (0, 1) for c in (False, True)]
-ALL = list(dict.fromkeys(DEFAULTS + VARIANTS))
+# deterministic=True's twins of the defaults (dQ's adds take turns: the det field)
+DET = [s.replace(det=True) for s in DEFAULTS]
+ALL = list(dict.fromkeys(DEFAULTS + VARIANTS + DET))
 
 
 def test_names_and_rules():
@@ -38,6 +40,15 @@ def test_names_and_rules():
     assert s.validate() is s and s.feasible(H200)
     assert KernelSpec.from_dict(s.to_dict()) == s == KernelSpec.from_name(s.name)
     assert bwd90(dq_write=1).name == "bwd_sm90_d128_m64_n128_w12_s2_dq1_full_bf16_sm90a"
+    det = s.replace(det=True).validate()
+    assert det.name == "bwd_sm90_d128_m64_n128_w12_s2_det_causal_bf16_sm90a" and KernelSpec.from_name(det.name) == det
+    assert KernelSpec.from_dict(det.to_dict()) == det and "det" not in s.to_dict()
+    for change in ({"dq_write": 1}, {"varlen": True}, {"mod": 5}):
+        with pytest.raises(ValueError, match="det .deterministic dQ. takes the TMA adds"):
+            det.replace(causal=False, **change).validate()
+    from flashgen.codegen import render
+
+    assert "false,\n                true>(p);" in render(det) and "false,\n                false>(p);" in render(s)
     with pytest.raises(ValueError, match="warps"):
         s.replace(warps=8).validate()
     with pytest.raises(ValueError, match="block_m"):
@@ -395,12 +406,21 @@ def test_host_launch_sequence(monkeypatch, how):
     assert sorted(maps) == sorted([("bf16", (d, nq, h, b), (64, 64, 1, 1))] * 2 + [("bf16", (d, nk, hk, b), (64, 128, 1, 1))] * 2
                                   + [("fp32", (d, nq, h, b), (32, 64, 1, 1))])
     launched.clear()
-    if how == "env":
+    if how == "env":  # deterministic: the det twin of the same tile (dQ's adds take turns), or the mma.sync pair
+        backward.attention_backward(do, q, k, v, out, lse, True, 0.1, deterministic=True)
+        assert [s.kind for s, _, _ in launched] == ["bwd_preprocess", "bwd_sm90", "bwd_convert"]
+        assert launched[1][0] == bwd90(causal=True).replace(det=True) and launched[1][1] == (3, hk, b)
+        launched.clear()
+        monkeypatch.setattr(backward, "_refused", lambda spec: True)  # a twin that spills: not taken
         backward.attention_backward(do, q, k, v, out, lse, True, 0.1, deterministic=True)
         assert [s.kind for s, _, _ in launched] == ["bwd_preprocess", "bwd_dkdv_nodq", "bwd_dq"]
     else:
-        with pytest.raises(ValueError, match="atomic"):
+        with pytest.raises(ValueError, match="adds dQ in any order"):
             backward.attention_backward(do, q, k, v, out, lse, True, 0.1, deterministic=True, specs=specs)
+        det = {"bwd_dkdv": bwd90(causal=True).replace(det=True)}
+        backward.attention_backward(do, q, k, v, out, lse, True, 0.1, deterministic=True, specs=det)
+        assert [s.kind for s, _, _ in launched] == ["bwd_preprocess", "bwd_sm90", "bwd_convert"]
+        assert launched[1][0] == det["bwd_dkdv"]
 
 
 def test_wgmma_descriptors_stay_in_uniform_registers(tmp_path, compiled):

@@ -78,8 +78,12 @@ PAGED_SPECS = sorted({paged_spec(s, page) for s in VARLEN_SPECS if s.kind == "fw
                      | {paged_spec(s, 16, gather=True) for s in VARLEN_SPECS
                         if s.kind == "fwd_sm90" and s.warp_specialized},
                      key=lambda s: s.name)
+# deterministic=True: the det twin of every Hopper dK/dV kernel a plain key can get (api.backward.deterministic_sm90;
+# a variant's twin that spills is refused there, and the mma.sync pair serves it).
+DET_SPECS = sorted({s.replace(det=True, dq_write=0).validate() for s in SPECS + SHIPPED_SPECS if s.kind == "bwd_sm90"},
+                   key=lambda s: s.name)
 ALL_SPECS = list(dict.fromkeys(SPECS + BULK_SPECS + SHIPPED_SPECS + VARIANT_SPECS
-                               + DECODE_VARIANT_SPECS + VARLEN_SPECS + PAGED_SPECS))  # each spec once, in that order
+                               + DECODE_VARIANT_SPECS + VARLEN_SPECS + PAGED_SPECS + DET_SPECS))  # each spec once, in that order
 BUDGET = gpus.ARCH_SMEM_PER_BLOCK
 BASELINE_KINDS = (*standard.KINDS, fwd_v1.KIND)
 

@@ -4,10 +4,12 @@ Four launches on torch's current stream (FlashAttention-2's algorithm,
 families/bwd.py): ``bwd_preprocess`` (D = rowsum(dO * O) - dLSE, LSE * log2 e,
 zeroes the dQ accumulator), the dK/dV kernel (K/V outer; dQ by fp32 atomics
 into the accumulator), ``bwd_convert`` (accumulator * scale -> dQ). With
-``deterministic=True`` the dK/dV kernel skips dQ (``bwd_dkdv_nodq``) and a
-query-outer ``bwd_dq`` kernel computes dQ without atomics, so the result does
-not depend on the order in which blocks run. The non-deterministic backward
-uses that pair too for the head dims where it is faster (``bwd.DQ_MODE``).
+``deterministic=True`` the result does not depend on the order in which blocks
+run: where ``bwd_sm90`` serves the call its ``det`` twin adds dQ in a fixed
+order (a turn counter per query block, templates/bwd_sm90); elsewhere the dK/dV
+kernel skips dQ (``bwd_dkdv_nodq``) and a query-outer ``bwd_dq`` kernel computes
+dQ without atomics. The non-deterministic backward uses that pair too for the
+head dims where it is faster (``bwd.DQ_MODE``).
 
 The dK/dV kernel is the ``bwd_dkdv`` problem's pick: on sm_90a ``bwd_sm90``
 where it serves the call (TMA + wgmma, dQ into the same accumulator; head-dim
@@ -175,13 +177,16 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
         raise UnsupportedError("the backward of score_mod / mask_mod runs on bwd_sm90, whose tensor maps need "
                                "16-byte aligned q, k, v, dout with strides in multiples of 16 bytes")
     if forced is not None and forced.kind != bwd.DKDV.kind:  # a Hopper kernel: dQ always into the accumulator
-        if deterministic or dq_mode == "separate":
-            raise ValueError(f"a {forced.kind} spec computes dQ by atomic adds: not with deterministic=True or "
-                             "dq_mode='separate'")
+        if (deterministic and not forced.det) or dq_mode == "separate":
+            raise ValueError(f"a {forced.kind} spec without det adds dQ in any order: not with deterministic=True "
+                             "(take its det twin) or dq_mode='separate'")
         if forced.head_dim != d_tile:
             raise ValueError(f"spec {forced.name} has head-dim tile {forced.head_dim}, this call needs {d_tile}")
         dq_mode = "atomic"
-    if deterministic:
+    if deterministic and forced is None and mods is None and packed is None:
+        forced = deterministic_sm90(key, dev, (q, k, v, dout))  # dQ's adds in a fixed order, else the mma.sync pair
+        dq_mode = "atomic" if forced is not None else "separate"
+    elif deterministic and dq_mode != "atomic":
         dq_mode = "separate"
     elif dq_mode is None:
         dq_mode = bwd.dq_mode(d_tile)
@@ -208,6 +213,9 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
     if shapes.ACTIVE and not specs:  # flashgen.record: the key of the backward's main kernel, as tuned
         shapes.note(key.replace(kind="bwd_dkdv_nodq" if separate else "bwd_dkdv"), (b, h, hk, nq, nk, d))
     dq_acc = None if separate else torch.empty((b, h, nq, d_tile), dtype=torch.float32, device=q.device)
+    det = kv_spec is not None and getattr(kv_spec, "det", False)
+    # det: one turn counter per (batch, query head, query block of 64), from zero (templates/bwd_sm90)
+    dq_sem = torch.zeros(b * h * (nq_pad // 64), dtype=torch.int32, device=q.device) if det else None
     scale = float(softmax_scale)
     slopes, alibi_sb, _ = variant_tensors(alibi_slopes, None)
     common = {**bwd.common_values(nq, nk, nq_pad, h, hk, d, scale),
@@ -231,7 +239,8 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
 
     if kv_fam is not bwd.DKDV and not separate:  # bwd_sm90: Q, K, V, dO and dQ through tensor maps
         kv = load(kv_spec, index, accept_spills=mods is not None)  # (the least-spilling tile: mod_backward_spec)
-        params = kv.params(lse2=lse2.data_ptr(), dsum=dsum.data_ptr(), dq_acc=dq_acc.data_ptr(), dk=dk.data_ptr(),
+        params = kv.params(lse2=lse2.data_ptr(), dsum=dsum.data_ptr(), dq_acc=dq_acc.data_ptr(),
+                           dq_sem=dq_sem.data_ptr() if dq_sem is not None else 0, dk=dk.data_ptr(),
                            dv=dv.data_ptr(), **stride_values("dk", sdk), **stride_values("dv", sdv), **common)
         if mods is not None:
             mods.fill(params)
@@ -277,6 +286,20 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
         dsinks = -(p_sink * dsum[:, :, :nq]).sum(dim=(0, 2))
         return dq, dk, dv, dsinks.to(sinks.dtype)
     return dq, dk, dv
+
+
+def deterministic_sm90(key: ProblemKey, dev, tensors):
+    """The deterministic dK/dV kernel for ``key`` where bwd_sm90 serves it: dispatch's bwd_sm90 pick with
+    ``det`` on (dQ added by the TMA in a fixed order); None where the mma.sync kernels serve the key, or
+    where the det twin's build is refused."""
+    family = dkdv_family(key, tensors)
+    if family not in (None, "bwd_sm90"):
+        return None
+    spec = dispatch.select(key, dev.gpu, dev.smem_budget, verify=True, family=family)
+    if spec.kind != "bwd_sm90":
+        return None
+    twin = spec.replace(det=True, dq_write=0).validate()
+    return None if _refused(twin) else twin
 
 
 @functools.lru_cache(maxsize=256)

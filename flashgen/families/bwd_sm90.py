@@ -22,7 +22,7 @@ from .base import (F32, I32, MOD_PARAMS, PTR, TMAP, VARIANT_PARAMS, VARLEN_PARAM
 SM90_BWD_PARAMS = (
     ("tm_q", "fg_tmap", TMAP), ("tm_k", "fg_tmap", TMAP), ("tm_v", "fg_tmap", TMAP), ("tm_do", "fg_tmap", TMAP),
     ("tm_dq", "fg_tmap", TMAP),
-    ("lse2", "const float*", PTR), ("dsum", "const float*", PTR), ("dq_acc", "float*", PTR),
+    ("lse2", "const float*", PTR), ("dsum", "const float*", PTR), ("dq_acc", "float*", PTR), ("dq_sem", "int*", PTR),
     ("dk", "elem_t*", PTR), ("dv", "elem_t*", PTR),
     *strides("dk", "dv"),
     ("nq", "int", I32), ("nk", "int", I32), ("nq_pad", "int", I32), ("heads", "int", I32), ("group", "int", I32),
@@ -58,6 +58,9 @@ class Bwd90Family(Family):
         self.require(spec, (("head_dim", self.head_dims), ("block_m", self.block_ms), ("block_n", self.block_ns),
                             ("stages", self.stages), ("arch", self.archs), ("dq_write", tuple(DQ_WRITES))))
         check_mod(self, spec)
+        if spec.det and (spec.dq_write != 0 or spec.varlen or spec.mod):
+            raise ValueError(f"{self.kind}: det (deterministic dQ) takes the TMA adds (dq_write 0) and dense rows: "
+                             "no varlen, no mods")
         want = 4 * (self.consumers(spec) + 1)
         if spec.warps != want:
             raise ValueError(f"{self.kind}: block_n={spec.block_n} means {self.consumers(spec)} consumer "
@@ -104,7 +107,7 @@ class Bwd90Family(Family):
         return {"params": [(n, c) for n, c, _ in self.params], "param_bytes": ctypes.sizeof(self.param_struct()),
                 "producer_regs": producer or 24, "consumer_regs": consumer or 240, "dq_n": self.dq_cols(spec),
                 "staging_bytes": self.staging_bytes(spec), "dq_write_how": DQ_WRITES[spec.dq_write],
-                "dp_late": spec.dp_late, **variant_context(spec), **mod_context(spec, backward=True)}
+                "dp_late": spec.dp_late, "det": spec.det, **variant_context(spec), **mod_context(spec, backward=True)}
 
     def param_struct(self):
         return aligned_struct(self)

@@ -30,6 +30,16 @@
 //     DQW = 1: red.global.add.v2.f32 straight from the accumulators.
 // dK is scaled by the softmax scale at the end (dQ's scale: bwd_convert).
 //
+// Deterministic (DET, DQW = 0): the CTAs that add to one (batch, query head, query block) of dQ take
+// turns in a fixed order, so the fp32 sums, and dQ, are the same bits on every run. p.dq_sem holds one
+// counter per (batch, query head, query block), zeroed by the host; a consumer warpgroup's thread 0
+// waits (acquire) until it reads NWG * its CTA's position, adds its dQ panels, waits for the adds to
+// land, and increments it (release). The position is the order in which the CTAs reach the block
+// anyway: ascending key blocks without a right bound (every CTA walks the query blocks from the first),
+// descending with one (causal: the key block nearest the diagonal reaches the block first), and then
+// blockIdx.x counts the key blocks from the last, so that a CTA only ever waits for CTAs launched
+// before it.
+//
 // Masking: keys >= nk (zero-filled by the TMA) get P = 0; blocks that cross a
 // row's visible range (the causal diagonal, a window's sides: V, common/variant.cuh)
 // are masked per element (bottom-right alignment); query rows >= nq read zero
@@ -58,6 +68,22 @@ FG_DEVICE void tma_reduce_add_4d(const fg_tmap* map, fg_u32 src, int c0, int c1,
       ::"l"(reinterpret_cast<fg_u64>(map)), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
 }
 FG_DEVICE void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// DET's turn-taking on a dQ counter (see the top of this file). The wait is bounded (2^22 reads): a turn
+// that never comes (a broken scheduling assumption) ends it rather than hanging the GPU, and the GPU
+// tests' comparison of repeated runs would see the order change. (A trap there cost the d = 128 kernel
+// 780 bytes of spills and serialized its wgmmas: ptxas C7512.)
+FG_DEVICE void dq_turn_wait(const int* sem, int target) {
+  int v;
+  for (int spins = 0; spins < (1 << 22); ++spins) {
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(sem) : "memory");
+    if (v >= target) break;
+  }
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the TMA adds that follow come after the read
+}
+FG_DEVICE void dq_turn_done(int* sem) {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the TMA adds (landed) before the release
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(sem) : "memory");
+}
 // Wait until at most N bulk groups of this thread are still reading their shared-memory source.
 template <int N>
 FG_DEVICE void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory"); }
@@ -120,7 +146,7 @@ struct bwd_sparse_walk {
 };
 
 template <int D, int BM, int BN, int ST, int DQW, bool CAUSAL, bool BF16, int PRODUCER_REGS, int CONSUMER_REGS,
-          typename V, bool DPL, typename Params>
+          typename V, bool DPL, bool DET, typename Params>
 FG_DEVICE void bwd_sm90_body(const Params& p) {
   constexpr int NWG = BN / 64;            // consumer warpgroups, 64 keys each
   constexpr int PANELS = D / 64;          // 128-byte panels per row of Q, K, V, dO
@@ -134,6 +160,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   static_assert(BM == 64, "a dS^T row is one 128-byte swizzle row (64 queries)");
   static_assert(BN % 64 == 0 && D % 64 == 0 && ST >= 2, "bad bwd_sm90 tile");
   static_assert(DQ_N % 32 == 0 && DQ_N <= 256, "dQ columns per warpgroup: whole 32-column fp32 panels");
+  static_assert(!DET || (DQW == 0 && !V::VARLEN_ROWS && !V::SPARSE), "deterministic dQ: TMA adds, dense rows");
 
   extern __shared__ unsigned char smem_raw[];
   // K/V, then per stage: full Q (+LSE2), full dO (+D), empty.
@@ -155,7 +182,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   auto bar_e = [&](int s) { return bar_kv + 8u * (1 + 2 * ST + s); };
 
   const int tid = threadIdx.x;
-  int b = blockIdx.z, n_block = blockIdx.x;
+  int b = blockIdx.z, n_block = DET && V::RIGHT ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int hk = blockIdx.y;
   V var(p);
   // Packed rows (V::VARLEN_ROWS, common/varlen.cuh): blockIdx.x is the work list's (sequence b, key
@@ -452,12 +479,22 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
       fence_async_smem();
       named_sync(2 + cw, 128);
       if (ltid == 0) {
+        int* sem = nullptr;
+        if constexpr (DET) {  // this CTA's turn among those that add to this query block
+          sem = p.dq_sem + (static_cast<fg_i64>(b) * p.heads + hq) * (p.nq_pad / BM) + m0 / BM;
+          const int turn = V::RIGHT ? var.block_end(m0, BM, BN) - 1 - n_block : n_block - var.block_first(m0, BN);
+          dq_turn_wait(sem, turn * NWG);
+        }
 #pragma unroll
         for (int pn = 0; pn < DQ_N / 32; ++pn) {
           const int panel = cw * DQ_N / 32 + pn;
           tma_reduce_add_4d(&p.tm_dq, sStg + panel * BM * 128, panel * 32, q_off + m0, hq, mb);
         }
         bulk_commit();
+        if constexpr (DET) {
+          bulk_wait<0>();
+          dq_turn_done(sem);
+        }
       }
     } else {
       float* dq = p.dq_acc + ((static_cast<fg_i64>(mb) * p.heads + hq) * p.nq + q_off + m0) * D + cw * DQ_N + 2 * t;
