@@ -51,6 +51,9 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=None, metavar="KEYS",
                    help=f"with --varlen: K/V from a paged cache of pages of KEYS keys (attention_varlen's "
                         f"block_table; one of {', '.join(map(str, families.decode.PAGE_SIZES))}): the paged kernel")
+    p.add_argument("--deterministic", action="store_true",
+                   help="--kind bwd_dkdv or bwd_sm90: the dK/dV kernel deterministic=True runs (bwd_sm90's det "
+                        "twin: dQ added in a fixed order)")
     for name in ("block-m", "block-n", "warps", "stages"):
         p.add_argument(f"--{name}", type=int, help=f"override the {name.replace('-', '_')} the rule picks")
     p.add_argument("--score-mod", metavar="FILE.py:NAME", default=None,
@@ -110,6 +113,15 @@ def spec_from_args(args):
         spec = dispatch.select(key, args.gpu, budget, family=family)
     except (TypeError, ValueError) as exc:
         raise FlashgenError(f"{args.kind}: {exc}") from None
+    if getattr(args, "deterministic", False) and problem != "bwd_dkdv_nodq" and problem != "bwd_dq":
+        if problem != "bwd_dkdv":
+            raise FlashgenError(f"--kind {args.kind}: --deterministic is the backward's (--kind bwd_dkdv, "
+                                "bwd_sm90, bwd_dkdv_nodq, bwd_dq)")
+        twin = dispatch.deterministic_twin(spec)
+        if twin is None:
+            raise FlashgenError(f"--deterministic: here ({spec.kind}) deterministic=True computes dQ in "
+                                "bwd_dkdv_nodq and bwd_dq: --kind bwd_dkdv_nodq and --kind bwd_dq")
+        spec = twin
     # "is not None": an explicit 0 must reach validate() and be refused, not be dropped as falsy.
     overrides = {f: getattr(args, f) for f in ("block_m", "block_n", "warps", "stages")
                  if getattr(args, f) is not None}
@@ -130,6 +142,7 @@ def _mod_spec_from_args(args):
     be on the CPU, nothing is launched), registered so that it renders and builds in this process."""
     others = [o for o, on in (("--window", args.window is not None), ("--softcap", args.softcap != 0.0),
                               ("--alibi", args.alibi), ("--sinks", args.sinks), ("--varlen", args.varlen),
+                              ("--deterministic", getattr(args, "deterministic", False)),
                               ("--page-size", getattr(args, "page_size", None) is not None)) if on]
     if others:
         raise FlashgenError(f"--score-mod/--mask-mod take none of {', '.join(others)}: a mod expresses them")

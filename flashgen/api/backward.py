@@ -295,11 +295,8 @@ def deterministic_sm90(key: ProblemKey, dev, tensors):
     family = dkdv_family(key, tensors)
     if family not in (None, "bwd_sm90"):
         return None
-    spec = dispatch.select(key, dev.gpu, dev.smem_budget, verify=True, family=family)
-    if spec.kind != "bwd_sm90":
-        return None
-    twin = spec.replace(det=True, dq_write=0).validate()
-    return None if _refused(twin) else twin
+    twin = dispatch.deterministic_twin(dispatch.select(key, dev.gpu, dev.smem_budget, verify=True, family=family))
+    return None if twin is None or _refused(twin) else twin
 
 
 @functools.lru_cache(maxsize=256)
