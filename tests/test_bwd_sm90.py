@@ -352,11 +352,9 @@ def test_sass_has_hgmma_tma_and_reduce(tmp_path, compiled):
         assert op in sass, op
 
 
-@pytest.mark.parametrize("how", ["env", "specs"])
-def test_host_launch_sequence(monkeypatch, how):
-    """attention_backward with bwd_sm90 (meta tensors, a fake device and loader): preprocess (which
-    zeroes the dQ accumulator), bwd_sm90 over (key blocks, KV heads, batch) with its maps and
-    parameters, then bwd_convert; deterministic=True keeps the mma.sync pair."""
+def fake_device(monkeypatch):
+    """The backward's launches without a GPU: a fake sm_90a device and loader; returns the (spec, grid,
+    params) list the launches fill and the tensor maps' (dtype, dims, box) list."""
     torch = pytest.importorskip("torch")
     from flashgen import tma
     from flashgen.api import backward, device
@@ -384,6 +382,19 @@ def test_host_launch_sequence(monkeypatch, how):
     monkeypatch.setattr(backward, "ensure_context", lambda index: None)  # (no CUDA driver here)
     monkeypatch.setattr(tma, "encode", lambda ptr, dtype, dims, strides, box: maps.append((dtype, tuple(dims), tuple(box)))
                         or bytes(range(128)))
+    return launched, maps
+
+
+@pytest.mark.parametrize("how", ["env", "specs"])
+def test_host_launch_sequence(monkeypatch, how):
+    """attention_backward with bwd_sm90 (meta tensors, a fake device and loader): preprocess (which
+    zeroes the dQ accumulator), bwd_sm90 over (key blocks, KV heads, batch) with its maps and
+    parameters, then bwd_convert; deterministic=True takes the same tile's det twin (the mma.sync pair
+    where the twin spills)."""
+    torch = pytest.importorskip("torch")
+    from flashgen.api import backward
+
+    launched, maps = fake_device(monkeypatch)
     b, h, hk, nq, nk, d = 2, 8, 2, 300, 333, 128
     q, do = (torch.empty(b, h, nq, d, dtype=torch.bfloat16, device="meta") for _ in range(2))
     k, v = (torch.empty(b, hk, nk, d, dtype=torch.bfloat16, device="meta") for _ in range(2))
@@ -421,6 +432,32 @@ def test_host_launch_sequence(monkeypatch, how):
         backward.attention_backward(do, q, k, v, out, lse, True, 0.1, deterministic=True, specs=det)
         assert [s.kind for s, _, _ in launched] == ["bwd_preprocess", "bwd_sm90", "bwd_convert"]
         assert launched[1][0] == det["bwd_dkdv"]
+
+
+def test_torch_deterministic_algorithms_take_the_deterministic_path(monkeypatch):
+    """torch.use_deterministic_algorithms(True) when the backward runs: the det twin, as deterministic=True
+    gives; a backward with no deterministic form (mods) raises torch's RuntimeError, or warns with
+    warn_only=True."""
+    torch = pytest.importorskip("torch")
+    from flashgen.api import backward
+
+    launched, _ = fake_device(monkeypatch)
+    q, do = (torch.empty(1, 4, 200, 64, dtype=torch.bfloat16, device="meta") for _ in range(2))
+    out, lse = torch.empty_like(q), torch.empty(1, 4, 200, device="meta")
+    torch.use_deterministic_algorithms(True)
+    try:
+        backward.attention_backward(do, q, q, q, out, lse, False, 0.1)
+        assert launched[1][0] == bwd90(d=64, st=3).replace(det=True)
+        with pytest.raises(RuntimeError, match="score_mod / mask_mod .* torch.use_deterministic_algorithms"):
+            backward.attention_backward(do, q, q, q, out, lse, False, 0.1, mods=object())
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        with pytest.warns(UserWarning, match="no deterministic form"):
+            backward._alert_nondeterministic("this backward")
+    finally:
+        torch.use_deterministic_algorithms(False)
+    launched.clear()
+    backward.attention_backward(do, q, q, q, out, lse, False, 0.1)
+    assert not launched[1][0].det
 
 
 def test_wgmma_descriptors_stay_in_uniform_registers(tmp_path, compiled):

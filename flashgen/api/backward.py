@@ -4,11 +4,12 @@ Four launches on torch's current stream (FlashAttention-2's algorithm,
 families/bwd.py): ``bwd_preprocess`` (D = rowsum(dO * O) - dLSE, LSE * log2 e,
 zeroes the dQ accumulator), the dK/dV kernel (K/V outer; dQ by fp32 atomics
 into the accumulator), ``bwd_convert`` (accumulator * scale -> dQ). With
-``deterministic=True`` the result does not depend on the order in which blocks
-run: where ``bwd_sm90`` serves the call its ``det`` twin adds dQ in a fixed
-order (a turn counter per query block, templates/bwd_sm90); elsewhere the dK/dV
-kernel skips dQ (``bwd_dkdv_nodq``) and a query-outer ``bwd_dq`` kernel computes
-dQ without atomics. The non-deterministic backward uses that pair too for the
+``deterministic=True`` (or with ``torch.use_deterministic_algorithms(True)`` on)
+the result does not depend on the order in which blocks run: where ``bwd_sm90``
+serves the call its ``det`` twin adds dQ in a fixed order (a turn counter per
+query block, templates/bwd_sm90); elsewhere the dK/dV kernel skips dQ
+(``bwd_dkdv_nodq``) and a query-outer ``bwd_dq`` kernel computes dQ without
+atomics. The non-deterministic backward uses that pair too for the
 head dims where it is faster (``bwd.DQ_MODE``).
 
 The dK/dV kernel is the ``bwd_dkdv`` problem's pick: on sm_90a ``bwd_sm90``
@@ -22,6 +23,7 @@ Used by the autograd op in ``flashgen.api.autograd``; callable directly for stud
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -136,6 +138,13 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
     ``mods`` (``api.modcall.ModBackward``): user mods, served by its ``bwd_sm90`` spec, its variant and
     scales, and its mod fields in the kernel's parameters.
     """
+    if not deterministic and torch.are_deterministic_algorithms_enabled():
+        # torch.use_deterministic_algorithms(True): the deterministic path where there is one, else torch's
+        # alert (an error, or a warning with warn_only=True)
+        if mods is None:
+            deterministic = True
+        else:
+            _alert_nondeterministic("the backward of flashgen.attention with score_mod / mask_mod")
     if dout.shape != q.shape:
         raise ValueError(f"dout must have the shape of q {tuple(q.shape)}, got {tuple(dout.shape)}")
     if dout.dtype != q.dtype:
@@ -286,6 +295,17 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
         dsinks = -(p_sink * dsum[:, :, :nq]).sum(dim=(0, 2))
         return dq, dk, dv, dsinks.to(sinks.dtype)
     return dq, dk, dv
+
+
+def _alert_nondeterministic(what: str) -> None:
+    """torch's rule for an operation without a deterministic algorithm while torch.use_deterministic_algorithms
+    is on: RuntimeError, or a warning with warn_only=True."""
+    text = (f"{what} adds dQ in an order that varies between runs and has no deterministic form, but "
+            "torch.use_deterministic_algorithms(True) is set")
+    if torch.is_deterministic_algorithms_warn_only_enabled():
+        warnings.warn(text, stacklevel=3)
+    else:
+        raise RuntimeError(text)
 
 
 def deterministic_sm90(key: ProblemKey, dev, tensors):

@@ -85,8 +85,10 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     Differentiable: when q, k or v requires grad (or under torch.compile) the
     call goes through the ``flashgen::attn_fwd`` custom op, whose backward runs
     flashgen's backward kernels (``flashgen.api.autograd``). ``deterministic=True``
-    makes dQ independent of the order of atomic adds (a separate query-outer
-    dQ kernel, somewhat slower); dK and dV are deterministic either way.
+    (or ``torch.use_deterministic_algorithms(True)`` when the backward runs) makes dQ
+    independent of the order of its adds (on sm_90a the Hopper kernel adds in a fixed
+    order, elsewhere a separate query-outer dQ kernel computes it; somewhat slower);
+    dK and dV are deterministic either way.
     """
     check_flag("deterministic", deterministic)
     check_flag("check_values", check_values)
