@@ -481,3 +481,34 @@ def test_tune_model_keys_the_winner_by_the_mods_hash(capsys, tmp_path, monkeypat
     assert picked.mod == int(key.variant[3:]) and picked == tables.lookup("h200", key)
     other = dispatch.mod_spec(call_key, "h200", 232448, mods.token_number(registered(alibi)))
     assert other != picked and other.mod == mods.token_number(registered(alibi))
+
+
+def test_mod_keys_count_the_pairs_their_mask_lets_through():
+    """The tuner's FLOPs of a mod key (its table entry's TFLOP/s, its time estimate) count the (query, key)
+    pairs the mask_mod lets through, as the benchmarks do; a score_mod alone leaves the square."""
+    from flashgen import variants
+    from flashgen.problem import ProblemKey
+    from flashgen.tuner import space
+
+    n, d = 1024, 128
+    plain = ProblemKey("fwd", "sm_90a", "bf16", d, False, n, "")
+    b, h = space.measured_shape(plain)[:2]
+
+    def key_of(pair):
+        return plain.replace(variant=variants.mod_key(mods.token_number(pair)))
+
+    def causal(b_, h_, q, kv):
+        return q >= kv
+
+    doc = torch.arange(n, dtype=torch.int32) // 100
+
+    def docs(b_, h_, q, kv):
+        return (doc[q] == doc[kv]) & (q >= kv)
+
+    assert space.key_flops(key_of(registered(mask=causal))) == 4.0 * b * h * (n * (n + 1) // 2) * d
+    q, kv = torch.arange(n).view(-1, 1), torch.arange(n).view(1, -1)
+    visible = int(((doc[q] == doc[kv]) & (q >= kv)).sum())
+    assert space.key_flops(key_of(registered(alibi, docs))) == 4.0 * b * h * visible * d
+    assert space.key_flops(key_of(registered(alibi))) == space.key_flops(plain)
+    bwd = key_of(registered(mask=causal)).replace(kind="bwd_dkdv")
+    assert space.key_flops(bwd) == 2.5 * space.key_flops(key_of(registered(mask=causal)))

@@ -29,11 +29,12 @@ its family's default rule, not the paper's forward rule.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 
 from .. import families as registry
-from .. import iomodel, variants
+from .. import iomodel, mods, variants
 from ..errors import UnsupportedError
 from ..families import bwd
 from ..problem import BUCKETS, ProblemKey, bwd_head_dim_tile, head_dim_tile
@@ -112,8 +113,13 @@ def measured_shape(key: ProblemKey, shapes=None) -> tuple[int, int, int, int, in
 def key_flops(key: ProblemKey, shape=None) -> float:
     """The work one timed call of ``key`` does: the forward's matmul FLOPs at ``problem_shape`` (or at
     ``shape``, a ``measured_shape``), 2.5 times that for a backward key (its five GEMMs against the
-    forward's two: the papers' convention, also ``flashgen bench bwd``'s)."""
+    forward's two: the papers' convention, also ``flashgen bench bwd``'s). Only the (query, key) pairs a
+    variant's mask, or a mod key's mask_mod (``mod_pairs``), lets through count."""
     work = 2.5 if is_backward(key.kind) else 1.0
+    if variants.mod_of(key.variant):  # user mods: the pairs their mask_mod lets through
+        b, h, _, nq, nk, d = shape if shape is not None else measured_shape(key)
+        pairs = mod_pairs(key, b, h, nq, nk)
+        return (4.0 * pairs * d if pairs is not None else iomodel.flops(b, h, nq, nk, d, False)) * work
     if shape is not None and not variants.key_flags(key.variant)["varlen"]:
         b, h, _, nq, nk, d = shape
         if key.variant:
@@ -126,6 +132,23 @@ def key_flops(key: ProblemKey, shape=None) -> float:
         lengths = tuning_lengths(key) if v.varlen else [n] * b
         return 4.0 * h * sum(v.pairs(m, m) for m in lengths) * d * work
     return iomodel.flops(b, h, n, n, d, key.causal) * work
+
+
+@functools.lru_cache(maxsize=64)
+def mod_pairs(key: ProblemKey, b: int, h: int, nq: int, nk: int) -> int | None:
+    """The (query, key) pairs a mod key's mask_mod lets through over (b, h, nq, nk), counted by the block
+    mask the call makes (flashgen.api.create_block_mask, on the captures' device), or None for mods without
+    a mask_mod. The pair must be registered in this process (``flashgen tune --mask-mod`` traces it)."""
+    pair = mods.lookup(mods.token_text(variants.mod_of(key.variant)))
+    if pair.mask is None:
+        return None
+    from ..api.blockmask import create_block_mask
+
+    graph = pair.mask
+    device = graph.captures[0].device if graph.captures else "cpu"
+    block_mask = create_block_mask(lambda b_, h_, q, kv: graph.evaluate(None, b_, h_, q, kv), b, h, nq, nk,
+                                   device=device)
+    return block_mask.for_tile(128, 128).pairs
 
 
 def key_name(key: ProblemKey) -> str:
