@@ -272,6 +272,25 @@ def test_deterministic_hopper_kernel(shape, layout, d, causal):
             assert torch.equal(a, b)
 
 
+def test_torch_deterministic_algorithms():
+    """torch.use_deterministic_algorithms(True): the backward takes the deterministic path without
+    deterministic=True (bwd_sm90's det twin on sm_90a), within the rule and the same bits twice."""
+    from flashgen.api import backward
+
+    torch.use_deterministic_algorithms(True, warn_only=True)  # (warn_only: torch's own ops in the test)
+    try:
+        backward.last_specs.clear()
+        check(1, 8, 2, 1023, 777, 128, "bf16", True)
+        spec = backward.last_specs[torch.cuda.current_device()]
+        assert spec.det if is_sm90() else spec.kind == "bwd_dkdv_nodq", spec.name
+        q, k, v, dout = make(1, 8, 2, 1023, 777, 128, torch.bfloat16, "bhsd")
+        first = run_flashgen(q, k, v, dout, True, "bhsd")[1]
+        again = run_flashgen(q, k, v, dout, True, "bhsd")[1]
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 def test_lse_gradient():
     """A loss that uses the returned LSE too: its gradient flows (dS gains P * dLSE)."""
     import flashgen
