@@ -458,6 +458,14 @@ def test_torch_deterministic_algorithms_take_the_deterministic_path(monkeypatch)
     launched.clear()
     backward.attention_backward(do, q, q, q, out, lse, False, 0.1)
     assert not launched[1][0].det
+    # kernels forced for study (the tuner's dQ keys): deterministic=True keeps the caller's mma.sync pair
+    from flashgen.problem import ProblemKey
+
+    dq_spec = families.default_spec(ProblemKey("bwd_dq", "sm_90a", "bf16", 64, False, 512, ""), BUDGET)
+    launched.clear()
+    backward.attention_backward(do, q, q, q, out, lse, False, 0.1, deterministic=True, specs={"bwd_dq": dq_spec})
+    assert [s.kind for s, _, _ in launched] == ["bwd_preprocess", "bwd_dkdv_nodq", "bwd_dq"]
+    assert launched[2][0] == dq_spec
 
 
 def test_wgmma_descriptors_stay_in_uniform_registers(tmp_path, compiled):

@@ -192,7 +192,7 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
         if forced.head_dim != d_tile:
             raise ValueError(f"spec {forced.name} has head-dim tile {forced.head_dim}, this call needs {d_tile}")
         dq_mode = "atomic"
-    if deterministic and forced is None and mods is None and packed is None:
+    if deterministic and not specs and mods is None and packed is None:  # (forced kernels: the caller's pair)
         forced = deterministic_sm90(key, dev, (q, k, v, dout))  # dQ's adds in a fixed order, else the mma.sync pair
         dq_mode = "atomic" if forced is not None else "separate"
     elif deterministic and dq_mode != "atomic":

@@ -14,7 +14,8 @@ Modes (``--mode``; ``both`` gives one row of each per cell, ``mode`` is a panel 
 Implementations:
 
 - ``flashgen``: ``flashgen.attention`` through autograd (the dK/dV family dispatch picks);
-- ``flashgen_det``: the same with ``deterministic=True`` (a separate dQ kernel, no atomics);
+- ``flashgen_det``: the same with ``deterministic=True`` (on sm_90a bwd_sm90's det twin, dQ added in a
+  fixed order; elsewhere a separate dQ kernel, no atomics);
 - ``flashgen_bwd_sm90``, ``flashgen_bwd_dkdv``: the dK/dV kernel of that family (dispatch's pick
   restricted to it) passed as ``attention_backward(..., specs={"bwd_dkdv": spec})``; in ``fwd+bwd``
   mode after a forward without autograd (what the autograd op runs, less its bookkeeping); skipped
