@@ -92,13 +92,42 @@ def test_ncu_command_profiles_one_launch_of_the_named_kernel(tmp_path):
     assert page[:3] == ["/opt/ncu", "-i", str(tmp_path / f"{FP8}.ncu-rep")] and "source" in page
 
 
+MOD = "fwd_sm90_d128_m128_n128_w12_s3_ws_ov_mod7576215852385_full_bf16_sm90a"  # the causal mask_mod's kernel
+
+
+def test_a_mod_kernel_runs_with_its_case_functions():
+    """--mods CASE: a mod kernel named in --kernels is called with the functions of that flashgen bench mods
+    case, built at --shape; the child gets the case after the kernel's launch arguments."""
+    pytest.importorskip("torch")
+    from flashgen.bench.mods import case_token
+
+    args = type("A", (), {"kernels": f"{MOD},{BF16}", "shape": "2,16,8192,128", "skip": 2, "sections": "WarpStateStats",
+                          "ncu": "ncu", "top": 5, "mods": "causal"})()
+    settings = stalls.parse(args)
+    mod, plain = settings["specs"]
+    assert mod.mod == case_token("causal", 2, 16, 8192)
+    assert stalls.ncu_command(settings, mod)[-4:] == [MOD, "2,16,8192,128", "3", "causal"]
+    assert stalls.ncu_command(settings, plain)[-3:] == [BF16, "2,16,8192,128", "3"]
+
+
+@pytest.mark.parametrize("argv,text", [
+    (["--kernels", MOD], "a kernel with user mods; --mods CASE"),
+    (["--kernels", MOD, "--mods", "alibi"], "are not --mods alibi's"),
+    (["--kernels", MOD, "--mods", "nonsense"], "--mods 'nonsense': one of causal"),
+])
+def test_mod_kernels_need_their_case(capsys, tmp_path, argv, text):
+    pytest.importorskip("torch")
+    code, _, err = run_main(capsys, "bench", "stalls", "--out", str(tmp_path), *argv)
+    assert code == 2 and text in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
 @pytest.mark.parametrize("argv,text", [
     (["--kernels", ""], "name at least one kernel"),
     (["--kernels", "fwd_sm90_nonsense"], "--kernels 'fwd_sm90_nonsense'"),
     (["--kernels", "decode_split_d128_m16_n128_w4_s2_ld2_causal_bf16_sm90a"], "profiles the forward"),
     (["--kernels", BF16, "--shape", "1,2,3"], "b,h,n,d"),
     (["--kernels", BF16, "--shape", "1,2,128,256"], "head-dim tile 128 < d = 256"),
-    (["--kernels", "fwd_sm90_d128_m128_n128_w12_s3_ws_ov_vl_causal_bf16_sm90a"], "packed rows and mods"),
+    (["--kernels", "fwd_sm90_d128_m128_n128_w12_s3_ws_ov_vl_causal_bf16_sm90a"], "packed rows need their own inputs"),
     (["--kernels", "bwd_sm90_d128_m64_n128_w12_s2_cap_causal_bf16_sm90a"], "profiled plain"),
     (["--kernels", BF16, "--skip", "-1"], "--skip"),
     (["--kernels", BF16, "--sections", "Warp;rm -rf"], "--sections"),

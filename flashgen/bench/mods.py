@@ -103,6 +103,17 @@ def doc_bounds(n: int, docs: int, seed: int) -> list:
     return [0, *cuts, n]
 
 
+def case_token(name: str, batch: int, heads: int, n: int) -> int:
+    """The mod token (``KernelSpec.mod``) of case ``name``'s functions built for (batch, heads, n): traced on
+    the CPU (a token depends on the graphs, not on where their tensors are). ValueError for an unknown case."""
+    if name not in {c.name for c in CASES}:
+        raise ValueError(f"--mods {name!r}: one of {', '.join(dict.fromkeys(c.name for c in CASES))}")
+    score_mod, mask_mod, _, _ = case_mods(Case(name, n, heads, heads, batch), "cpu")
+    pair = mods.pair(mods.trace_score_mod(score_mod, allow_cpu=True) if score_mod else None,
+                     mods.trace_mask_mod(mask_mod, allow_cpu=True) if mask_mod else None)
+    return mods.token_number(pair)
+
+
 def case_mods(case: Case, device):
     """(score_mod, mask_mod, built-in keywords or None, packed documents' bounds or None) of a case."""
     import torch

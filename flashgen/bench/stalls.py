@@ -5,7 +5,9 @@ backward's dK/dV kernel, bwd_sm90 or bwd_dkdv, run by ``api.backward.attention_b
 kernel forced, after a default forward; plain backward kernels only) runs in a child process under ``ncu`` (``--clock-control none``: the clocks as the benchmarks see them) on one
 ``--shape`` ``b,h,n,d`` (bhsd, self-attention; the kernel's own causal flag and dtype; FP8 kernels on
 inputs quantized per (batch, head); a kernel with a window, softcap, ALiBi or sinks at the tuner's
-values, ``variants.tuning_kwargs``); ncu profiles one launch after ``--skip`` warm-up calls, with the
+values, ``variants.tuning_kwargs``; a forward kernel with user mods called with the functions of the
+``--mods`` case of ``flashgen bench mods``, built at that shape, whose token must be the kernel's);
+ncu profiles one launch after ``--skip`` warm-up calls, with the
 sections of ``--sections``. Per kernel the table gives the duration, the issue slots' busy share, the
 pipes' utilization ncu reports (the tensor pipe, the FMA and ALU pipes, XU: MUFU) and the warp stall
 reasons, as cycles per issued instruction, the largest first. Every ncu CSV is kept beside the JSON
@@ -33,6 +35,7 @@ from ..errors import UnsupportedError
 from ..spec import KernelSpec
 from ..variants import spec_key, tuning_kwargs
 from . import options
+from .mods import Case, case_mods, case_token
 from .registry import Suite, register
 from .timing import error_text, meta
 
@@ -55,6 +58,10 @@ def add_args(p) -> None:
     p.add_argument("--sections", default=SECTIONS, help=f"ncu sections (default {SECTIONS})")
     p.add_argument("--ncu", default="ncu", help="the ncu executable (default: ncu on PATH)")
     p.add_argument("--top", type=int, default=8, help="stall reasons in the table, the largest first (default 8)")
+    p.add_argument("--mods", default=None, metavar="CASE",
+                   help="the score_mod / mask_mod of the mod kernels in --kernels: a case of flashgen bench mods "
+                        "(causal, alibi, softcap, window, document, relative), built at --shape (that suite's "
+                        "JSON names its kernels)")
     p.add_argument("--source", action="store_true",
                    help="also sample stalls per SASS instruction (a second ncu run) and digest the hottest loops")
 
@@ -75,13 +82,23 @@ def parse(args) -> dict:
                              f"({', '.join(BACKWARD_KINDS)})")
         if spec.kind in BACKWARD_KINDS and (spec_key(spec) or getattr(spec, "mod", "")):
             raise ValueError(f"--kernels {name!r}: backward kernels are profiled plain (no variant, mod or fp8)")
-        if getattr(spec, "varlen", False) or getattr(spec, "mod", ""):
-            raise ValueError(f"--kernels {name!r}: packed rows and mods need their own inputs; this suite runs "
-                             "dense (b, h, n, d) calls (with a kernel's window, softcap, ALiBi or sinks)")
+        if getattr(spec, "varlen", False):
+            raise ValueError(f"--kernels {name!r}: packed rows need their own inputs; this suite runs dense "
+                             "(b, h, n, d) calls (with a kernel's window, softcap, ALiBi, sinks or --mods)")
+        if getattr(spec, "mod", 0) and getattr(args, "mods", None) is None:
+            raise ValueError(f"--kernels {name!r}: a kernel with user mods; --mods CASE names their functions "
+                             "(a flashgen bench mods case)")
         specs.append(spec)
     shape = options.ints(args.shape, "shape")
     if len(shape) != 4 or min(shape) < 1:
         raise ValueError(f"--shape {args.shape!r}: b,h,n,d, positive integers")
+    case = getattr(args, "mods", None)
+    if case is not None:
+        token = case_token(case, shape[0], shape[1], shape[2])
+        for spec in specs:
+            if spec.mod and spec.mod != token:
+                raise ValueError(f"--kernels {spec.name}: its mods (token {spec.mod}) are not --mods {case}'s at "
+                                 f"--shape {args.shape} (token {token})")
     for spec in specs:
         if spec.head_dim < shape[3]:
             raise ValueError(f"--kernels {spec.name}: head-dim tile {spec.head_dim} < d = {shape[3]}")
@@ -91,7 +108,7 @@ def parse(args) -> dict:
     if not sections or not all(re.fullmatch(r"[A-Za-z]+", s) for s in sections):
         raise ValueError(f"--sections {args.sections!r}: ncu section names, comma-separated")
     return {"specs": specs, "shape": shape, "skip": args.skip, "sections": sections, "ncu": args.ncu,
-            "top": args.top, "source": bool(getattr(args, "source", False))}
+            "top": args.top, "source": bool(getattr(args, "source", False)), "mods": case}
 
 
 def ncu_command(settings: dict, spec: KernelSpec, report: Path | None = None) -> list[str]:
@@ -105,7 +122,7 @@ def ncu_command(settings: dict, spec: KernelSpec, report: Path | None = None) ->
         cmd += ["--section", section]
     b, h, n, d = settings["shape"]
     return cmd + [sys.executable, "-m", "flashgen.bench.stalls", spec.name, f"{b},{h},{n},{d}",
-                  str(settings["skip"] + 1)]
+                  str(settings["skip"] + 1)] + ([settings["mods"]] if spec.mod else [])
 
 
 def source_command(settings: dict, report: Path) -> list[str]:
@@ -276,8 +293,9 @@ def profile_source(settings: dict, spec: KernelSpec, folder: Path) -> dict:
     return source_digest(page.stdout)
 
 
-def launch(name: str, shape: str, calls: int) -> None:
-    """The child ncu profiles: ``calls`` calls of kernel ``name`` on fresh inputs of ``shape``."""
+def launch(name: str, shape: str, calls: int, case: str | None = None) -> None:
+    """The child ncu profiles: ``calls`` calls of kernel ``name`` on fresh inputs of ``shape`` (a kernel with
+    mods: with the functions of mods case ``case``)."""
     import torch
 
     from ..api.entry import attention
@@ -298,6 +316,13 @@ def launch(name: str, shape: str, calls: int) -> None:
         torch.cuda.synchronize()
         return
     extra = {}
+    if spec.mod:  # the case's functions at this shape (parse checked that their token is the kernel's)
+        score_mod, mask_mod, _, _ = case_mods(Case(case, n, h, h, b), "cuda")
+        extra = {k: f for k, f in (("score_mod", score_mod), ("mask_mod", mask_mod)) if f is not None}
+        for _ in range(calls):
+            attention(q, k, v, spec=spec, **extra)
+        torch.cuda.synchronize()
+        return
     if spec.fp8:
         (q, qd), (k, kd), (v, vd) = (quantize_fp8(t) for t in (q, k, v))
         extra = {"q_descale": qd, "k_descale": kd, "v_descale": vd, "out_dtype": dtype, "check_values": False}
@@ -310,7 +335,7 @@ def launch(name: str, shape: str, calls: int) -> None:
 
 if __name__ == "__main__":  # the child under ncu (``ncu_command``)
     try:
-        launch(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+        launch(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else None)
     except (UnsupportedError, ValueError, TypeError) as exc:
         print(f"stalls launch: {exc}", file=sys.stderr)
         sys.exit(2)
