@@ -158,10 +158,12 @@ def mod_backward_spec(key: ProblemKey, smem_budget: int, token: int, verify: boo
     return min(spilling, key=lambda x: x[0])[1] if spilling else candidates[-1]
 
 
+@functools.lru_cache(maxsize=256)
 def deterministic_twin(spec: KernelSpec) -> KernelSpec | None:
     """The dK/dV kernel ``deterministic=True`` runs where dispatch picks ``spec``: bwd_sm90's ``det`` twin of
     it (dQ's adds in a fixed order; packed rows and mods excepted), or None where the mma.sync pair
-    (bwd_dkdv_nodq + bwd_dq) computes dQ instead. (The torch layer also gives up a twin whose build spills.)"""
+    (bwd_dkdv_nodq + bwd_dq) computes dQ instead. (The torch layer also gives up a twin whose build spills.)
+    Cached: the backward asks on every deterministic call."""
     if spec.kind != "bwd_sm90" or spec.varlen or spec.mod:
         return None
     return spec.replace(det=True, dq_write=0).validate()
