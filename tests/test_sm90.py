@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from flashgen import KernelSpec, UnsupportedError, dispatch, families, gpus
+from flashgen import KernelSpec, UnsupportedError, dispatch, families, gpus, mods
 from flashgen.codegen import parse_ptxas_log
 from flashgen.families.fwd_sm90 import ABLATION, FAMILY, persist_ctas_per_sm, tile_sections, variant, warps_for
 from flashgen.problem import ProblemKey, smallest_tile
@@ -361,6 +361,14 @@ def test_persist_plan_grid_and_tiles(causal, monkeypatch):
     # 32 pairs of 1 MiB K/V: sections of 16 within a quarter of 50 MiB, causal all 32 within half of it
     assert plain_grid == (32 * 16, 1, 1) and not p.sched
     assert (p.tiles, p.m_blocks, p.sec, p.sec_big) == (512, 16, 32 if causal else 16, 0)
+    # User mods: a mask_mod's block mask is walked in causal's order and takes causal's sections; a
+    # score_mod alone keeps the full square's
+    masked = mods.pair(mods.trace_score_mod(lambda s, b, h, q, kv: s * 0.5, allow_cpu=True),
+                       mods.trace_mask_mod(lambda b, h, q, kv: q >= kv, allow_cpu=True) if causal else None)
+    token = mods.token_number(masked)
+    mods.register(masked)
+    p = plan_for(spec.replace(persistent=False, causal=False, mod=token), 2, 16, 2048)[1](16, 32, 48)
+    assert (p.sec, p.sec_big) == (32 if causal else 16, 0)
 
 
 @pytest.mark.parametrize("pairs, kv_bytes, l2", [(128, 1 << 20, 50 << 20), (16, 8 << 20, 50 << 20), (7, 1, 50 << 20),

@@ -162,6 +162,12 @@ def mod_context(spec, backward: bool = False, linear: bool = False) -> dict:
             "variant_type": "fg_mod_variant<" + ", ".join("true" if f else "false" for f in flags) + ">"}
 
 
+def mod_masked(spec) -> bool:
+    """Whether the spec's user mods include a mask_mod: the kernels then walk a block mask's lists
+    (V::SPARSE, common/mod.cuh), in the causal kernels' order (the longest query rows first)."""
+    return bool(spec.mod) and mods.lookup(mods.token_text(spec.mod)).mask is not None
+
+
 def check_mod(family, spec) -> None:
     """ValueError unless ``spec.mod`` is a mod token (or 0) and, when set, no built-in variant is on."""
     if not 0 <= spec.mod < MOD_TOKEN_LIMIT:

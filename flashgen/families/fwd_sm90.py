@@ -26,7 +26,7 @@ from ..problem import ProblemKey, smallest_tile
 from ..spec import KernelSpec
 from ..variants import PLAIN
 from .base import (F32, FP8_PARAMS, FWD_O32_PARAMS, I32, MOD_PARAMS, PTR, TMAP, VARIANT_PARAMS,
-                   VARLEN_PARAMS, Family, aligned_struct, check_mod, forward_values, hopper_checks, mod_context,
+                   VARLEN_PARAMS, Family, aligned_struct, check_mod, forward_values, hopper_checks, mod_context, mod_masked,
                    strides, stride_values, variant_context, varlen_pairs)
 
 # The parameter block: the three tensor maps first (each at a 64-byte-aligned offset, as the C
@@ -144,7 +144,8 @@ def tile_sections(pairs: int, kv_bytes: int, l2_bytes: int, per: int | None = No
     ``per`` is what keeps a section's K/V (``kv_bytes`` per pair) within a quarter of the L2 (Hopper's L2
     is two partitions, and data every SM reads may be held in both: half the L2, halved again for what
     else stays there; with half of it the persistent kernel at d = 128, N = 2k ran 6 % slower than pair
-    after pair), causal within half of it: its tiles are unequal, and more pairs per section balance the
+    after pair), causal (and a mask_mod's block mask, walked in causal's order) within half of it: its
+    tiles are unequal, and more pairs per section balance the
     SMs better (causal +0.4 to +5.9 % at d = 128, +0.4 to +0.8 % at d = 64 in interleaved rounds on the
     H200, while non-causal with half read -1.7 to +1 %). Inside a section the kernel walks m-block by
     m-block over every pair (causal: longest rows first, so the short tiles fill the tail); the hardware
@@ -384,7 +385,7 @@ class Sm90Family(Family):
         else:
             kv_bytes = 2 * nk * spec.head_dim * eb // (h // hk)  # K and V per query head (GQA: shared)
             template.sec, template.sec_big = tile_sections(b * h, kv_bytes, dev.l2_bytes, settings.tile_section(),
-                                                           causal=spec.causal)
+                                                           causal=spec.causal or mod_masked(spec))
         mb = 1 if varlen else b
         struct = type(template)
         off_q, off_k, off_v = struct.tm_q.offset, struct.tm_k.offset, struct.tm_v.offset
