@@ -26,7 +26,7 @@ def bwd90(d=128, bn=128, st=2, dq_write=0, causal=False, dtype="bf16"):
 
 DEFAULTS = [s for s in families.rule_specs("sm_90a", BUDGET) if s.kind == "bwd_sm90"]
 # What the GPU tests and the backward benchmark's variants run beside the defaults.
-VARIANTS = [bwd90(d, 128, st, w, c, dt) for d in (64, 128) for st in (2, 3) for w in (0, 1)
+VARIANTS = [bwd90(d, 128, st, w, c, dt) for d in (32, 64, 96, 128) for st in (2, 3) for w in (0, 1)
             for c in (False, True) for dt in ("bf16", "fp16")] + [
     bwd90(64, 64, st, w, c) for st in (2, 3) for w in (0, 1) for c in (False, True)]
 # deterministic=True's twins of the defaults (dQ's adds take turns: the det field)
@@ -54,7 +54,7 @@ def test_names_and_rules():
     with pytest.raises(ValueError, match="block_m"):
         s.replace(block_m=128).validate()
     with pytest.raises(ValueError, match="head_dim"):
-        s.replace(head_dim=96).validate()
+        s.replace(head_dim=160).validate()
     with pytest.raises(ValueError, match="arch"):
         s.replace(arch="sm_80").validate()
     with pytest.raises(ValueError, match="dq_write"):
@@ -79,7 +79,11 @@ def test_family_rules_and_smem_formula():
         want = 2 * d * 2 * bn + 2 * st * 64 * d * 2 + 2 * bn * 64 * 2 + (64 * d * 4 if s.dq_write == 0 else 0) \
             + 2 * st * 64 * 4 + 1024
         assert s.smem_bytes() == want, s.name
-        assert fam.dq_cols(s) == d // (bn // 64)
+        if d % 64 == 0:
+            assert fam.dq_cols(s) == (d // (bn // 64),) * 2
+    assert fam.dq_cols(bwd90(96)) == (64, 32) and fam.dq_cols(bwd90(32)) == (32, 0)
+    assert fam.dq_cols(bwd90(96, bn=64)) == (96, 96) and fam.panel_cols(bwd90(96)) == 32
+    assert fam.panel_cols(bwd90(128)) == 64 and fam.panel_cols(bwd90(32)) == 32
     ctx = bwd90().context()
     assert ctx["dq_n"] == 64 and ctx["producer_regs"] == 24 and ctx["consumer_regs"] == 240
     assert ctx["param_bytes"] % 64 == 0
@@ -99,14 +103,14 @@ def test_dispatch():
     key = ProblemKey("bwd_dkdv", "sm_90a", "bf16", 128, True, 4096)
     assert families.default_spec(key, BUDGET).kind == "bwd_sm90"
     assert dispatch.select(key, "h200", BUDGET).kind == "bwd_sm90"
-    assert len(DEFAULTS) == 2 * 2 * 2 and all(s.kind == "bwd_sm90" and not s.check(H200) for s in DEFAULTS)
+    assert len(DEFAULTS) == 4 * 2 * 2 and all(s.kind == "bwd_sm90" and not s.check(H200) for s in DEFAULTS)
     assert [s for s in families.rule_specs("sm_80", 166912) if s.kind == "bwd_sm90"] == []
     k64 = ProblemKey("bwd_dkdv", "sm_90a", "fp16", 64, False, 2048)
     assert dispatch.select(k64, "h200", BUDGET, family="bwd_sm90") == bwd90(d=64, st=3, dtype="fp16")
     with pytest.raises(UnsupportedError, match="bwd_sm90 does not serve"):
         dispatch.select(ProblemKey("bwd_dkdv", "sm_80", "fp16", 64, False, 2048), None, 166912, family="bwd_sm90")
     with pytest.raises(UnsupportedError, match="head-dim tile"):
-        families.default_spec(ProblemKey("bwd_dkdv", "sm_90a", "bf16", 96, False, 2048), BUDGET, family="bwd_sm90")
+        families.default_spec(ProblemKey("bwd_dkdv", "sm_90a", "bf16", 160, False, 2048), BUDGET, family="bwd_sm90")
     # a smaller shared memory: the d=64 rule falls back to 2 stages
     small = families.default_spec(k64, bwd90(d=64, st=3).smem_bytes() - 1)
     assert small.kind == "bwd_sm90" and small.stages == 2
@@ -124,7 +128,7 @@ def test_tune_space_candidates():
 
 
 def test_family_switch(monkeypatch):
-    """Unset, dispatch picks (None) where bwd_sm90 serves (sm_90a, d tile 64/128) and the mma.sync family
+    """Unset, dispatch picks (None) where bwd_sm90 serves (sm_90a, d tile 32/64/96/128) and the mma.sync family
     elsewhere, or where a tensor's strides are not the TMA's; FLASHGEN_BWD_FAMILY forces one family where
     it serves. (The separate-dQ mode never asks: it runs bwd_dkdv_nodq.)"""
     from flashgen.api import backward
@@ -134,12 +138,13 @@ def test_family_switch(monkeypatch):
 
     monkeypatch.delenv("FLASHGEN_BWD_FAMILY", raising=False)
     assert backward.dkdv_family(key("sm_90a", 128)) is None
-    assert backward.dkdv_family(key("sm_90a", 96)) == "bwd_dkdv"
+    assert backward.dkdv_family(key("sm_90a", 160)) == "bwd_dkdv"
     assert backward.dkdv_family(key("sm_80", 64)) == "bwd_dkdv"
     monkeypatch.setenv("FLASHGEN_BWD_FAMILY", "bwd_sm90")
     assert backward.dkdv_family(key("sm_90a", 128)) == "bwd_sm90"
     assert backward.dkdv_family(key("sm_90a", 64)) == "bwd_sm90"
-    assert backward.dkdv_family(key("sm_90a", 96)) == "bwd_dkdv"
+    assert backward.dkdv_family(key("sm_90a", 96)) == "bwd_sm90"
+    assert backward.dkdv_family(key("sm_90a", 160)) == "bwd_dkdv"
     assert backward.dkdv_family(key("sm_80", 128)) == "bwd_dkdv"
     monkeypatch.setenv("FLASHGEN_BWD_FAMILY", "bwd_dkdv")
     assert backward.dkdv_family(key("sm_90a", 128)) == "bwd_dkdv"
@@ -149,25 +154,28 @@ def test_family_switch(monkeypatch):
 
 
 def test_backward_default_rule_is_bwd_sm90_on_sm90a():
-    """The bwd_dkdv problem's default rule: bwd_sm90 on sm_90a at d tiles 64/128 (measured 1.6-1.9x),
-    the mma.sync family elsewhere; family="bwd_dkdv" gives the mma.sync rule where bwd_sm90 cannot run."""
+    """The bwd_dkdv problem's default rule: bwd_sm90 on sm_90a at d tiles 32/64/96/128 (measured faster
+    than the mma.sync kernel's: docs/perf/backward.md), the mma.sync family elsewhere; family="bwd_dkdv"
+    gives the mma.sync rule where bwd_sm90 cannot run."""
     budget = H200.smem_per_block
-    for d in (64, 128):
+    for d in (32, 64, 96, 128):
         key = ProblemKey("bwd_dkdv", "sm_90a", "bf16", d, False, 4096)
         assert families.default_spec(key, budget).kind == "bwd_sm90"
         mma = dispatch.select(key, None, budget, family="bwd_dkdv")
         assert mma.kind == "bwd_dkdv" and mma == families.default_spec(key, budget, family="bwd_dkdv")
-    for arch, d in (("sm_90a", 96), ("sm_80", 128)):
+    for arch, d in (("sm_90a", 160), ("sm_80", 128)):
         key = ProblemKey("bwd_dkdv", arch, "bf16", d, True, 4096)
         assert families.default_spec(key, 163840).kind == "bwd_dkdv"
     with pytest.raises(ValueError, match="does not serve"):
         families.default_spec(ProblemKey("bwd_dkdv", "sm_90a", "bf16", 64, False, 512), budget, family="fwd_v2")
 
 
+@pytest.mark.parametrize("d,D", [(40, 64), (72, 96)])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-def test_tensor_maps(monkeypatch, layout):
-    """The five maps: (d, seq, head, batch) with the tensors' byte strides, 64-column boxes of block_m
-    (Q, dO) or block_n (K, V) rows; dQ's fp32 accumulator (D, nq, h, b) with 32-column boxes."""
+def test_tensor_maps(monkeypatch, layout, d, D):
+    """The five maps: (d, seq, head, batch) with the tensors' byte strides, boxes of one swizzle panel's
+    columns (64; 32 where the tile D is an odd multiple of 32) by block_m (Q, dO) or block_n (K, V) rows;
+    dQ's fp32 accumulator (D, nq, h, b) with 32-column boxes."""
     torch = pytest.importorskip("torch")
     from flashgen import tma
     from flashgen.api.checks import dims as bhs_dims
@@ -175,7 +183,7 @@ def test_tensor_maps(monkeypatch, layout):
     calls = []
     monkeypatch.setattr(tma, "encode", lambda ptr, dtype, dims, strides, box: calls.append(
         (ptr, dtype, tuple(dims), tuple(strides), tuple(box))) or bytes(128))
-    b, h, hk, nq, nk, d, D = 2, 8, 2, 100, 77, 40, 64
+    b, h, hk, nq, nk = 2, 8, 2, 100, 77
     shape = (lambda n, hh: (b, hh, n, d)) if layout == "bhsd" else (lambda n, hh: (b, n, hh, d))
     q, k, v, do = (torch.empty(shape(n, hh), device="meta") for n, hh in ((nq, h), (nk, hk), (nk, hk), (nq, h)))
     spec = bwd90(d=D)
@@ -202,46 +210,58 @@ def test_tensor_maps(monkeypatch, layout):
 
     for ptr, t, n, hh, rows in ((16, q, nq, h, 64), (32, k, nk, hk, 128), (48, v, nk, hk, 128), (64, do, nq, h, 64)):
         dims, strides = want(t, n, hh)
-        assert byptr[ptr][1:] == ("bf16", dims, strides, (64, rows, 1, 1)), (layout, ptr)
+        assert byptr[ptr][1:] == ("bf16", dims, strides, (64 if D % 64 == 0 else 32, rows, 1, 1)), (layout, ptr)
     assert byptr[80][1:] == ("fp32", (D, nq, h, b), (4 * D, 4 * nq * D, 4 * h * nq * D), (32, 64, 1, 1))
 
 
 # ---------------------------------------------------------------- the addressing model
 
 
-@pytest.mark.parametrize("d,bn", [(64, 128), (128, 128), (64, 64)])
+@pytest.mark.parametrize("d,bn", [(64, 128), (128, 128), (64, 64), (32, 128), (96, 128), (96, 64), (32, 64)])
 def test_smem_layout_model(d, bn):
     """CPU model of bwd_sm90's shared-memory addressing (the constants of bwd_sm90.cuh, restated).
 
-    Where the TMA puts Q, K, V, dO (128-byte swizzle: 16-byte chunk (c/8) ^ (r%8) of a 128-byte row,
-    64-column panels) must be where the wgmma descriptors read them: K-major (start + k16 step,
-    SBO 1024) for S^T = K_w Q^T and dP^T; MN-major (LBO = panel stride, SBO 1024) for dO / Q as B of
-    dV / dK. The dS^T stores (a per-lane base XOR 32 kk) must be where the MN-major A descriptor of dQ = dS K
-    reads dS, and K's MN-major B, started inside a swizzle row for a warpgroup's columns, must read
-    K[:, its columns] -- assuming, as for the K-major k steps of the forward (start + 32 B), that the
-    swizzle applies to the computed address (the dS^T stores are stmatrix x4: lane l addresses row l % 8 of
-matrix l / 8). The fp32 staging stores (row base XOR 32 (nj % 4)) must
-    be where the TMA's reduce reads a 32-column box (128-byte swizzle on 4-byte elements).
+    Where the TMA puts Q, K, V, dO (panels of rb-byte rows, rb = 128 where d is a multiple of 64, else
+    64, in the matching swizzle: 16-byte chunk c ^ (r % (rb / 16)) of a row) must be where the wgmma
+    descriptors read them: K-major (start + k16 step, SBO 8 rows) for S^T = K_w Q^T and dP^T; MN-major
+    (LBO = panel stride, SBO 8 rows) for dO / Q as B of dV / dK. The dS^T stores (a per-lane base XOR 32
+    kk) must be where the MN-major A descriptor of dQ = dS K reads dS (128-byte rows), and K's MN-major B,
+    started inside a swizzle row for a warpgroup's columns, must read K[:, its columns] -- assuming, as
+    for the K-major k steps of the forward (start + 32 B), that the swizzle applies to the computed
+    address (the dS^T stores are stmatrix x4: lane l addresses row l % 8 of matrix l / 8). dQ's 32-column
+    panels split over the warpgroups as the kernel splits them (the first take one more; each computes
+    the widest share over a window ending at d, and stages only its own columns). The fp32
+    staging stores (row base XOR 32 (nj % 4)) must be where the TMA's reduce reads a 32-column box
+    (128-byte swizzle on 4-byte elements).
     """
     import numpy as np
 
     bm, st, nwg = 64, 2, bn // 64
-    dq_n = d // nwg
+    rb = 128 if d % 64 == 0 else 64  # bytes per swizzle row of Q, K, V, dO
+    pc, kpp = rb // 2, rb // 32  # columns per panel, k16 steps per panel row
+    dqp = d // 32
+    dq_lo, dq_hi = dqp // nwg * 32, -(-dqp // nwg) * 32
+    dq_n = [dq_hi if dq_lo == dq_hi or cw < dqp % nwg else dq_lo for cw in range(nwg)]
+    dq_c0 = [cw * dq_lo + min(cw, dqp % nwg) * 32 for cw in range(nwg)]
+    dq_w0 = [min(c0, d - dq_hi) for c0 in dq_c0]
+    assert sum(dq_n) == d and all(dq_c0[cw] + dq_n[cw] == (dq_c0 + [d])[cw + 1] for cw in range(nwg))
+    assert families.family("bwd_sm90").dq_cols(bwd90(d, bn)) == (dq_hi, dq_lo)
 
-    def swz(addr):  # the 128B swizzle on a 1024-aligned base: bits 4-6 ^= bits 7-9
-        return addr ^ (((addr >> 7) & 7) << 4)
+    def swz(addr, row=128):  # the swizzle on a base aligned to its period: chunk bits ^= row bits
+        return addr ^ (((addr >> 7) & (row // 16 - 1)) << 4)
 
-    def tma_addr(base, rows, r, c, elem=2):  # box of 128 bytes x rows, one box per panel
-        per = 128 // elem
-        return swz(base + (c // per) * rows * 128 + r * 128 + (c % per) * elem)
+    def tma_addr(base, rows, r, c, elem=2, row=128):  # box of `row` bytes x rows, one box per panel
+        per = row // elem
+        return swz(base + (c // per) * rows * row + r * row + (c % per) * elem, row)
 
     def kmajor(start, i, k):
-        return swz(start + (i // 8) * 1024 + (i % 8) * 128 + 2 * k)
+        return swz(start + (i // 8) * 8 * rb + (i % 8) * rb + 2 * k, rb)
 
-    def mnmajor(start, lbo, k, n):
-        return swz(start + (n // 64) * lbo + (k // 8) * 1024 + (k % 8) * 128 + 2 * (n % 64))
+    def mnmajor(start, lbo, k, n, row=rb):
+        per = row // 2
+        return swz(start + (n // per) * lbo + (k // 8) * 8 * row + (k % 8) * row + 2 * (n % per), row)
 
-    kmajor_off = lambda kk, rows: (kk // 4) * rows * 128 + (kk % 4) * 32  # noqa: E731
+    kmajor_off = lambda kk, rows: (kk // kpp) * rows * rb + (kk % kpp) * 32  # noqa: E731
     kv_bytes, qt_bytes, ds_bytes = bn * d * 2, bm * d * 2, bn * bm * 2
     sK = 0
     sV = sK + kv_bytes
@@ -249,6 +269,7 @@ matrix l / 8). The fp32 staging stores (row base XOR 32 (nj % 4)) must
     sdO = sQ + st * qt_bytes
     sdS = sdO + st * qt_bytes
     sStg = sdS + 2 * ds_bytes
+    assert all(x % 1024 == 0 for x in (sV, sQ, sdO, sdS, sStg, qt_bytes))  # (the swizzles' periods)
     rng = np.random.default_rng(0)
     s, buf = 1, 1  # stage 1, dS buffer 1
     smem = {}
@@ -257,7 +278,7 @@ matrix l / 8). The fp32 staging stores (row base XOR 32 (nj % 4)) must
     for M, base, rows in ((K, sK, bn), (V, sV, bn), (Q, sQ + s * qt_bytes, bm), (dO, sdO + s * qt_bytes, bm)):
         for r in range(rows):
             for c in range(d):
-                smem[tma_addr(base, rows, r, c)] = M[r, c]
+                smem[tma_addr(base, rows, r, c, row=rb)] = M[r, c]
     dS = rng.integers(-3, 4, size=(bm, bn))  # queries x keys
     # dS^T stores, stmatrix x4 per k16 step kk of warp wq in warpgroup cw: lane l addresses row l % 8 of
     # matrix l / 8; matrix i's row r is written from register i of lanes 4r .. 4r + 3, lane 4r + t holding
@@ -278,12 +299,13 @@ matrix l / 8). The fp32 staging stores (row base XOR 32 (nj % 4)) must
                             smem[a], smem[a + 2] = dS[8 * nj + 2 * t, key], dS[8 * nj + 2 * t + 1, key]
                             written |= {a, a + 2}
     assert len(written) == bn * bm  # every element of the buffer once
+    staged = set()
     for cw in range(nwg):
         # S^T = K_w Q^T (and dP^T = V_w dO^T, same descriptors)
         for A, B, sa, sb in ((K, Q, sK, sQ), (V, dO, sV, sdO)):
             S = np.zeros((64, bm), dtype=np.int64)
             for kk in range(d // 16):
-                a0 = sa + cw * 64 * 128 + kmajor_off(kk, bn)
+                a0 = sa + cw * 64 * rb + kmajor_off(kk, bn)
                 b0 = sb + s * qt_bytes + kmajor_off(kk, bm)
                 Am = np.array([[smem[kmajor(a0, i, k)] for k in range(16)] for i in range(64)])
                 Bm = np.array([[smem[kmajor(b0, n, k)] for k in range(16)] for n in range(bm)])
@@ -294,33 +316,38 @@ matrix l / 8). The fp32 staging stores (row base XOR 32 (nj % 4)) must
         for B, sb in ((dO, sdO), (Q, sQ)):
             O = np.zeros((64, d), dtype=np.int64)
             for kk in range(bm // 16):
-                b0 = sb + s * qt_bytes + kk * 16 * 128
-                Bm = np.array([[smem[mnmajor(b0, bm * 128, k, n)] for n in range(d)] for k in range(16)])
+                b0 = sb + s * qt_bytes + kk * 16 * rb
+                Bm = np.array([[smem[mnmajor(b0, bm * rb, k, n)] for n in range(d)] for k in range(16)])
                 O += P[:, 16 * kk:16 * kk + 16] @ Bm
             assert (O == P @ B).all()
-        # dQ[:, cw cols] = dS K[:, cw cols]: A = dS MN-major from sdS, B = K MN-major from inside a row
-        kstart = sK + (cw * dq_n // 64) * bn * 128 + (cw * dq_n % 64) * 2
-        dQ = np.zeros((bm, dq_n), dtype=np.int64)
+        n, c0, w0 = dq_n[cw], dq_c0[cw], dq_w0[cw]
+        assert w0 <= c0 and c0 + n <= w0 + dq_hi <= d and w0 % 32 == 0
+        # dQ[:, window] = dS K[:, window]: A = dS MN-major (128-byte rows) from sdS, B = K MN-major
+        kstart = sK + (w0 // pc) * bn * rb + (w0 % pc) * 2
+        dQ = np.zeros((bm, dq_hi), dtype=np.int64)
         for kk in range(bn // 16):
             a0 = sdS + buf * ds_bytes + kk * 16 * 128
-            Am = np.array([[smem[mnmajor(a0, ds_bytes, k, m)] for k in range(16)] for m in range(bm)])
-            Bm = np.array([[smem[mnmajor(kstart + kk * 16 * 128, bn * 128, k, n)] for n in range(dq_n)]
+            Am = np.array([[smem[mnmajor(a0, ds_bytes, k, m, row=128)] for k in range(16)] for m in range(bm)])
+            Bm = np.array([[smem[mnmajor(kstart + kk * 16 * rb, bn * rb, k, j)] for j in range(dq_hi)]
                            for k in range(16)])
             dQ += Am @ Bm
-        assert (dQ == dS @ K[:, cw * dq_n:(cw + 1) * dq_n]).all()
-        # staging: thread (wq, g, t), row h, chunk nj holds dQ[krow + 8h, cw dq_n + 8 nj + 2t (+1)]
+        assert (dQ == dS @ K[:, w0:w0 + dq_hi]).all()
+        skip = (c0 - w0) // 8
+        # staging: thread (wq, g, t), row h, its own chunks nj hold dQ[krow + 8h, w0 + 8 nj + 2t (+1)]
         for wq in range(4):
             for g in range(8):
                 for t in range(4):
                     for h in range(2):
                         r = wq * 16 + g + 8 * h
-                        base = sStg + (cw * dq_n // 32) * bm * 128 + r * 128 + (((t >> 1) ^ g) << 4) + (t & 1) * 8
-                        for nj in range(dq_n // 8):
+                        base = sStg + (w0 // 32) * bm * 128 + r * 128 + (((t >> 1) ^ g) << 4) + (t & 1) * 8
+                        for nj in range(skip, skip + n // 8):
                             a = (base ^ ((nj % 4) << 5)) + (nj // 4) * bm * 128
-                            col = cw * dq_n + 8 * nj + 2 * t
+                            col = w0 + 8 * nj + 2 * t
                             for e in range(2):
                                 assert a + 4 * e == tma_addr(sStg + (col // 32) * bm * 128, bm, r, (col + e) % 32,
                                                              elem=4), (cw, wq, g, t, h, nj, e)
+                                staged.add((r, col + e))
+    assert len(staged) == bm * d  # every dQ column from one warpgroup
 
 
 # ---------------------------------------------------------------- compiles

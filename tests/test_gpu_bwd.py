@@ -7,7 +7,7 @@ in the input dtype, + the input dtype's rounding-sized atol. Inputs and output g
 
 Both dK/dV families run the checks parametrized by ``family``: the mma.sync kernel (bwd_dkdv,
 forced through FLASHGEN_BWD_FAMILY=bwd_dkdv) and the Hopper kernel (bwd_sm90, the default where it
-serves: sm_90a, d 64/128; forced the same way); ``-k bwd_sm90`` selects the latter. Its variants
+serves: sm_90a, d tiles 32/64/96/128; forced the same way); ``-k bwd_sm90`` selects the latter. Its variants
 (stages, dQ write mode, 64-key tiles) run through ``specs=``; the unparametrized tests (training,
 torch.compile, determinism) take the default path.
 """
@@ -32,7 +32,7 @@ from gpu_util import DTYPES, is_sm90, precompile_skipped, to_bhsd, warm  # noqa:
 
 def _dispatch_picks(verify):
     """Every kernel dispatch picks for this module's calls (the launch paths pass ``verify=True``): the
-    forward, and each backward problem at d 32/64/128/256 (each dK/dV family where it serves), and on
+    forward, and each backward problem at d 32/64/96/128/256 (each dK/dV family where it serves), and on
     sm_90a bwd_sm90's default rule at every key it has a tile for."""
     from flashgen import dispatch, families
     from flashgen.api.device import Device
@@ -42,7 +42,7 @@ def _dispatch_picks(verify):
     dev = Device.of(torch.cuda.current_device())
     specs = set()
     backward = ("bwd_preprocess", "bwd_dkdv", "bwd_dkdv_nodq", "bwd_dq", "bwd_convert")
-    for d in (32, 64, 128, 256):
+    for d in (32, 64, 96, 128, 256):
         for dtype in ("bf16", "fp16"):
             for causal in (False, True):
                 for problem in ("fwd", *backward):
@@ -129,11 +129,16 @@ def use_family(family, d, monkeypatch):
     backward.last_specs.clear()
 
 
-def ran_family(family):
-    """The dK/dV family the last backward launched is ``family``."""
+def ran_family(family, d=None):
+    """The dK/dV family the last backward launched is ``family`` (the mma.sync family at a head dim ``d``
+    whose dQ mode is separate: its dK/dV kernel without dQ, bwd_dkdv_nodq)."""
     from flashgen.api import backward
+    from flashgen.families import bwd
+    from flashgen.problem import bwd_head_dim_tile
 
     ran = backward.last_specs[torch.cuda.current_device()]
+    if family == "bwd_dkdv" and d is not None and bwd.dq_mode(bwd_head_dim_tile(d)) == "separate":
+        family = "bwd_dkdv_nodq"
     assert ran.kind == family, ran.name
 
 
@@ -146,16 +151,16 @@ def _sm90(d, bn=128, st=2, dq_write=0, causal=False, dtype="bf16"):
 
 # bwd_sm90 variants beside its default rule: the other ring depth, the red.global dQ write
 # (families.bwd_sm90.DQ_WRITES), 64-key tiles.
-SM90_VARIANTS = [_sm90(d, 128, st, dq_write, c, dt) for d in (64, 128) for st, dq_write in ((2, 1), (3, 0))
+SM90_VARIANTS = [_sm90(d, 128, st, dq_write, c, dt) for d in (32, 64, 96, 128) for st, dq_write in ((2, 1), (3, 0))
                  for c in (False, True) for dt in ("bf16", "fp16")] + [
-    _sm90(64, 64, 2, dq_write, c) for dq_write in (0, 1) for c in (False, True)]
+    _sm90(d, 64, 2, dq_write, c) for d in (32, 64, 96) for dq_write in (0, 1) for c in (False, True)]
 
 
 FAMILIES = ["bwd_dkdv", "bwd_sm90"]
 
 
 def serves(family: str, d: int) -> bool:
-    """Whether ``family`` has a head-dim tile for d (bwd_sm90: 64 and 128; the mma.sync kernels: all)."""
+    """Whether ``family`` has a head-dim tile for d (bwd_sm90: 32, 64, 96, 128; the mma.sync kernels: all)."""
     from flashgen.families.bwd_sm90 import BWD_SM90_TILES
     from flashgen.problem import bwd_head_dim_tile
 
@@ -163,7 +168,7 @@ def serves(family: str, d: int) -> bool:
 
 
 # (family, head dim) pairs each family serves: no case is collected only to be skipped.
-FAMILY_DIMS = [(f, d) for d in (32, 64, 128, 256) for f in FAMILIES if serves(f, d)]
+FAMILY_DIMS = [(f, d) for d in (32, 64, 96, 128, 256) for f in FAMILIES if serves(f, d)]
 FAMILY_DIM_IDS = [f"{f}-d{d}" for f, d in FAMILY_DIMS]
 
 
@@ -174,7 +179,7 @@ def test_grads_bf16(nq, nk, d, causal, family, monkeypatch):
     """Every seqlen pair x head dim x causal, bf16, MHA."""
     use_family(family, d, monkeypatch)
     check(2, 3, 3, nq, nk, d, "bf16", causal)
-    ran_family(family)
+    ran_family(family, d)
 
 
 # (1, 239) for bwd_sm90 only: the mma.sync kernels run it in test_grads_bf16.
@@ -188,7 +193,7 @@ def test_grads_fp16_gqa(nq, nk, d, causal, family, monkeypatch):
     """fp16 with GQA 4:1: dK, dV summed over the four query heads of each KV head."""
     use_family(family, d, monkeypatch)
     check(1, 8, 2, nq, nk, d, "fp16", causal)
-    ran_family(family)
+    ran_family(family, d)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -199,7 +204,7 @@ def test_grads_bshd_gqa(nq, nk, causal, dtype, family, monkeypatch):
     """The (batch, seqlen, heads, d) layout through strides, with GQA 4:1 and an odd head dim (40)."""
     use_family(family, 40, monkeypatch)
     check(2, 4, 1, nq, nk, 40, dtype, causal, layout="bshd")
-    ran_family(family)
+    ran_family(family, 40)
 
 
 @pytest.mark.parametrize("spec", SM90_VARIANTS, ids=lambda s: s.name)
@@ -248,7 +253,7 @@ def test_deterministic_mode_is_bitwise_reproducible(d, causal):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [32, 64, 96, 128])
 @pytest.mark.parametrize("shape,layout", [((2, 8, 2, 1023, 1024), "bhsd"), ((1, 4, 4, 113, 2051), "bshd"),
                                           ((3, 6, 3, 2049, 333), "bhsd"), ((1, 16, 2, 4096, 4096), "bshd"),
                                           ((2, 2, 1, 1, 239), "bhsd"), ((1, 2, 2, 239, 1), "bshd")])
@@ -322,7 +327,7 @@ def test_rows_that_see_no_key_get_zero_gradients(family, monkeypatch):
     _, (dq, dk, dv) = run_flashgen(q, k, v, dout, True, "bhsd")
     assert torch.all(dq[:, :, :200] == 0)
     assert torch.isfinite(grads[0].float()).all()
-    ran_family(family)
+    ran_family(family, 64)
 
 
 # ---------------------------------------------------------------- training

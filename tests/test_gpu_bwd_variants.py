@@ -102,7 +102,7 @@ def family(request, monkeypatch):
 @pytest.mark.parametrize("nq,nk", SEQLENS)
 @pytest.mark.parametrize("variant", VARIANTS, ids=str)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 def test_backward(family, nq, nk, variant, causal, d, monkeypatch):
     if family == "bwd_sm90":
         from flashgen import dispatch, families

@@ -71,7 +71,7 @@ def test_mod_grads_bf16(name, nq, nk):
 @needs_sm90
 @pytest.mark.parametrize("nq,nk", [(113, 203), (799, 3), (1023, 1024)])
 @pytest.mark.parametrize("name", SMALL)
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 def test_mod_grads_fp16_bshd(name, nq, nk, d):
     check_mod_grads(1, 4, 1, nq, nk, d, torch.float16, name, layout="bshd")
 

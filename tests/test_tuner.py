@@ -857,11 +857,14 @@ def test_bwd_candidates_validate_and_fit(gpu, kind, d):
 
 def test_bwd_problem_keys_follow_the_dq_mode():
     """--kind bwd: per head dim the main kernel of dispatch's dQ mode, on the backward's tile
-    (224 runs on 256); a key kind by name: that kind."""
-    keys = space.problem_keys("bwd", "sm_90a", ["bf16"], [64, 96, 128, 224], [True], [2048])
-    got = {(k.kind, k.head_dim) for k in keys}
+    (224 runs on 256): the mma.sync kernel's mode (separate at 96 and 160) where it is the default,
+    the dK/dV kernel with dQ where bwd_sm90 serves; a key kind by name: that kind."""
     assert families.bwd.dq_mode(96) == "separate" and families.bwd.dq_mode(128) == "atomic"
-    assert got == {("bwd_dkdv", 64), ("bwd_dkdv_nodq", 96), ("bwd_dkdv", 128), ("bwd_dkdv", 256)}
+    keys = space.problem_keys("bwd", "sm_90a", ["bf16"], [64, 96, 128, 160, 224], [True], [2048])
+    got = {(k.kind, k.head_dim) for k in keys}
+    assert got == {("bwd_dkdv", 64), ("bwd_dkdv", 96), ("bwd_dkdv", 128), ("bwd_dkdv_nodq", 160), ("bwd_dkdv", 256)}
+    keys = space.problem_keys("bwd", "sm_80", ["bf16"], [64, 96], [True], [2048])
+    assert {(k.kind, k.head_dim) for k in keys} == {("bwd_dkdv", 64), ("bwd_dkdv_nodq", 96)}
     keys = space.problem_keys("bwd_dq", "sm_80", ["fp16"], [56], [False, True], [512, 1024])
     assert {(k.kind, k.head_dim, k.dtype) for k in keys} == {("bwd_dq", 64, "fp16")} and len(keys) == 4
     assert all(space.is_backward(k) for k in space.BWD_KEY_MODES) and not space.is_backward("fwd")

@@ -14,7 +14,7 @@ head dims where it is faster (``bwd.DQ_MODE``).
 
 The dK/dV kernel is the ``bwd_dkdv`` problem's pick: on sm_90a ``bwd_sm90``
 where it serves the call (TMA + wgmma, dQ into the same accumulator; head-dim
-tiles 64 and 128, strides its tensor maps can step), else the mma.sync
+tiles 32, 64, 96 and 128, strides its tensor maps can step), else the mma.sync
 ``bwd_dkdv``. ``FLASHGEN_BWD_FAMILY=bwd_dkdv`` (or ``=bwd_sm90``) forces one
 family for study; ``specs={"bwd_dkdv": <KernelSpec>}`` forces one kernel.
 
@@ -197,9 +197,7 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
         dq_mode = "atomic" if forced is not None else "separate"
     elif deterministic and dq_mode != "atomic":
         dq_mode = "separate"
-    elif dq_mode is None:
-        dq_mode = bwd.dq_mode(d_tile)
-    elif dq_mode not in bwd.DQ_MODES:
+    elif dq_mode is not None and dq_mode not in bwd.DQ_MODES:
         raise ValueError(f"dq_mode must be one of {bwd.DQ_MODES}, got {dq_mode!r}")
     if forced is not None:
         kv_spec = forced
@@ -213,6 +211,10 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
             # softcap and a window spills): the mma.sync kernel serves it.
             kv_spec = dispatch.select(key, dev.gpu, dev.smem_budget, verify=True,
                                       family=families.fallback_family("bwd_dkdv", dev.arch))
+        if dq_mode is None:  # bwd.DQ_MODE is the mma.sync kernel's rule; the Hopper kernel adds into the accumulator
+            dq_mode = bwd.dq_mode(d_tile) if kv_spec.kind == bwd.DKDV.kind else "atomic"
+            if dq_mode == "separate":
+                kv_spec = None
     kv_fam = families.family(kv_spec.kind) if kv_spec is not None else bwd.DKDV
     if kv_fam is bwd.DKDV and dq_mode == "atomic" and b * h * nq * d_tile >= 2**32:
         # bwd_dkdv addresses the fp32 dQ accumulator by 32-bit element offsets.

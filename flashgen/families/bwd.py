@@ -111,7 +111,8 @@ DQ_TILES = {
     **{d: ((64, 32, 8, 2, None, None),) for d in (192, 256)},
 }
 
-# How the non-deterministic backward computes dQ, per head-dim tile: "atomic" (the dK/dV kernel adds
+# How the non-deterministic backward computes dQ with the mma.sync dK/dV kernel (bwd_sm90, where it serves,
+# always adds into the accumulator), per head-dim tile: "atomic" (the dK/dV kernel adds
 # dS K into an fp32 accumulator, then bwd_convert) or "separate" (bwd_dkdv_nodq + the query-outer
 # bwd_dq kernel, the deterministic mode's kernels: two more GEMMs, no atomics). Measured on the H200:
 # the separate kernel was 1.16-1.22x faster fwd+bwd at d=128 and 0.87-0.90x at d=64 with scalar
@@ -122,7 +123,8 @@ DQ_MODE = {d: ("separate" if d in (96, 160) else "atomic") for d in BWD_HEAD_DIM
 
 
 def dq_mode(head_dim_tile: int) -> str:
-    """The dQ mode of the non-deterministic backward for a head-dim tile (``DQ_MODE``)."""
+    """The dQ mode of the non-deterministic backward with the mma.sync dK/dV kernel for a head-dim tile
+    (``DQ_MODE``)."""
     return DQ_MODE.get(head_dim_tile, "atomic")
 
 

@@ -2,7 +2,8 @@
 a producer warpgroup (templates/bwd_sm90/), sm_90a only. It serves the ``bwd_dkdv`` problem beside the
 mma.sync ``bwd_dkdv`` kernel and runs between the same preprocess and convert kernels (families/bwd.py).
 
-block_n = 64 x consumer warpgroups (each owns 64 keys); block_m = 64 queries per step; warps = 4 x
+Head-dim tiles 32, 64, 96, 128 (Q, K, V, dO in swizzle panels of 64 columns, or of 32 where the tile is an
+odd multiple of 32). block_n = 64 x consumer warpgroups (each owns 64 keys); block_m = 64 queries per step; warps = 4 x
 (consumer warpgroups + the producer warpgroup); stages: the Q/dO ring; ``dq_write``: how dQ reaches
 the accumulator (DQ_WRITES). Always warp-specialized (the producer is not a field here).
 """
@@ -39,9 +40,13 @@ DQ_WRITES = {0: "TMA reduce-add from a shared-memory staging tile", 1: "red.glob
 # and warps = 4 (block_n / 64 + 1). FA3's shape: two consumer warpgroups of 64 keys and a producer.
 # d=64 takes a 3-stage Q/dO ring (shared memory to spare, one CTA per SM either way); d=128 two (three
 # fit: 231936 + 64 B of 232448, measured as a variant). Measured 1.6-1.9x the mma.sync kernel's
-# backward on the H200 (docs/perf/backward.md), hence the default where it has a tile.
+# backward on the H200 (docs/perf/backward.md), hence the default where it has a tile. d=32 and 96 in
+# panels of 64-byte rows (panel_cols): fwd+bwd 1.2-1.3x (32) and 2.2-2.4x (96) the mma.sync path on an
+# H100; 32 takes d=64's rings, 96 d=128's.
 BWD_SM90_TILES = {
+    32: ((128, 3, 0), (128, 2, 0)),
     64: ((128, 3, 0), (128, 2, 0)),
+    96: ((128, 2, 0),),
     128: ((128, 2, 0),),
 }
 
@@ -50,9 +55,18 @@ class Bwd90Family(Family):
     def consumers(self, spec) -> int:
         return spec.block_n // 64
 
-    def dq_cols(self, spec) -> int:
-        """dQ columns each consumer warpgroup computes (its share of the head dim)."""
-        return spec.head_dim // self.consumers(spec)
+    def dq_cols(self, spec) -> tuple[int, int]:
+        """dQ columns the consumer warpgroups add, (most, fewest): the head dim's 32-column fp32 panels
+        split over them, the first warpgroups taking one more where they do not split evenly (d = 96: 64
+        and 32; d = 32: 32 and none). Each computes the most (one wgmma shape) and adds its own."""
+        panels, wgs = spec.head_dim // 32, self.consumers(spec)
+        return -(-panels // wgs) * 32, panels // wgs * 32
+
+    @staticmethod
+    def panel_cols(spec) -> int:
+        """Columns per swizzle panel of the Q, K, V, dO tiles (and their TMA boxes): 64 (128-byte rows)
+        where the head dim is a multiple of 64, else 32 (64-byte rows: d = 32, 96)."""
+        return 64 if spec.head_dim % 64 == 0 else 32
 
     def validate(self, spec) -> None:
         self.require(spec, (("head_dim", self.head_dims), ("block_m", self.block_ms), ("block_n", self.block_ns),
@@ -65,9 +79,8 @@ class Bwd90Family(Family):
         if spec.warps != want:
             raise ValueError(f"{self.kind}: block_n={spec.block_n} means {self.consumers(spec)} consumer "
                              f"warpgroup(s) and a producer: warps={want}, got {spec.warps}")
-        if self.dq_cols(spec) % 32:
-            raise ValueError(f"{self.kind}: head_dim={spec.head_dim} does not split into 32-column dQ panels "
-                             f"over {self.consumers(spec)} warpgroups")
+        if spec.head_dim % 32:
+            raise ValueError(f"{self.kind}: head_dim={spec.head_dim} is not a multiple of 32 (the dQ panels)")
 
     def complete(self, knobs: dict) -> dict:
         """block_m is fixed (64) and warps follows from block_n: neither is a knob."""
@@ -97,7 +110,7 @@ class Bwd90Family(Family):
         """fp32 values live per consumer thread at the peak: dK and dV (head_dim / 2 each) plus
         S^T and dP^T (block_m / 2 each), or plus packed P^T, dS^T and the dQ part."""
         d, bm = spec.head_dim, spec.block_m
-        return d + max(bm, bm // 2 + self.dq_cols(spec) // 2)
+        return d + max(bm, bm // 2 + self.dq_cols(spec)[0] // 2)
 
     def extra_checks(self, spec, profile) -> list[str]:
         return hopper_checks(self, spec, profile, "addressing")
@@ -105,7 +118,8 @@ class Bwd90Family(Family):
     def context(self, spec) -> dict:
         producer, consumer = self.regs(spec)
         return {"params": [(n, c) for n, c, _ in self.params], "param_bytes": ctypes.sizeof(self.param_struct()),
-                "producer_regs": producer or 24, "consumer_regs": consumer or 240, "dq_n": self.dq_cols(spec),
+                "producer_regs": producer or 24, "consumer_regs": consumer or 240,
+                "dq_n": self.dq_cols(spec)[0],
                 "staging_bytes": self.staging_bytes(spec), "dq_write_how": DQ_WRITES[spec.dq_write],
                 "dp_late": spec.dp_late, "det": spec.det, **variant_context(spec), **mod_context(spec, backward=True)}
 
@@ -138,6 +152,7 @@ class Bwd90Family(Family):
         name -> (data_ptr, element strides (batch, head, seq)) for q, k, v, dout and the fp32 dq_acc."""
         b, h, hk, nq, nk, d, d_tile = dims
         struct = type(params)
+        cols = self.panel_cols(spec)
         base = ctypes.addressof(params)
         rows = {"q": (nq, h, spec.block_m), "dout": (nq, h, spec.block_m), "k": (nk, hk, spec.block_n),
                 "v": (nk, hk, spec.block_n)}
@@ -146,13 +161,13 @@ class Bwd90Family(Family):
             n, heads, box = rows[name]
             dims4, strides4 = tma.tensor_dims(d, n, heads, b, st[::-1])
             ctypes.memmove(base + getattr(struct, fld).offset,
-                           tma.encode(ptr, spec.dtype, dims4, strides4, (64, box, 1, 1)), 128)
+                           tma.encode(ptr, spec.dtype, dims4, strides4, (cols, box, 1, 1)), 128)
         ptr, st = tensors["dq_acc"]
         dims4, strides4 = tma.tensor_dims(d_tile, nq, h, b, st[::-1], elem_bytes=4)
         ctypes.memmove(base + struct.tm_dq.offset, tma.encode(ptr, "fp32", dims4, strides4, (32, spec.block_m, 1, 1)),
                        128)
 
 
-FAMILY = Bwd90Family("bwd_sm90", "bwd_sm90/bwd_sm90.cu.j2", SM90_BWD_PARAMS, problem="bwd_dkdv", head_dims=(64, 128),
+FAMILY = Bwd90Family("bwd_sm90", "bwd_sm90/bwd_sm90.cu.j2", SM90_BWD_PARAMS, problem="bwd_dkdv", head_dims=(32, 64, 96, 128),
                      block_ms=(64,), block_ns=(64, 128), warps=(8, 12), stages=(2, 3), archs=("sm_90a",),
                      tiles=BWD_SM90_TILES, gemms=5, query_outer=False, tune_space=(("block_n", (64, 128)), ("stages", (2, 3)), ("dq_write", (0, 1))))

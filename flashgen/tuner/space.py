@@ -67,9 +67,13 @@ def tune_kinds() -> tuple:
                                       if k not in TUNED_PROBLEMS))
 
 
-def bwd_main_kind(tile: int) -> str:
-    """The key kind of the backward's main kernel for a head-dim tile in the default dQ mode."""
-    return "bwd_dkdv" if bwd.dq_mode(tile) == "atomic" else "bwd_dkdv_nodq"
+def bwd_main_kind(tile: int, arch: str) -> str:
+    """The key kind of the backward's main kernel for a head-dim tile in the default dQ mode: the dK/dV
+    kernel with dQ ("bwd_dkdv"), unless the arch's default for it is the mma.sync kernel and that
+    kernel's dQ mode at the tile is the separate kernel (bwd.DQ_MODE)."""
+    key = ProblemKey("bwd_dkdv", arch, "bf16", tile, False, BUCKETS[0])
+    mma = registry.default_family(key) == registry.fallback_family("bwd_dkdv", arch)
+    return "bwd_dkdv_nodq" if mma and bwd.dq_mode(tile) == "separate" else "bwd_dkdv"
 
 
 def problem_keys(kind: str, arch: str, dtypes, head_dims, causals, buckets=BUCKETS, variants=("",)) -> list[ProblemKey]:
@@ -77,7 +81,7 @@ def problem_keys(kind: str, arch: str, dtypes, head_dims, causals, buckets=BUCKE
     "bwd" gives each head dim's ``bwd_main_kind``; a backward key kind its own keys), for each of
     ``variants`` (problem-key variant tokens; "" plain)."""
     if kind == "bwd" or is_backward(kind):
-        kinds = {t: bwd_main_kind(t) if kind == "bwd" else problem_of(kind)
+        kinds = {t: bwd_main_kind(t, arch) if kind == "bwd" else problem_of(kind)
                  for t in sorted({bwd_head_dim_tile(d) for d in head_dims})}
     else:
         kinds = {t: problem_of(kind) for t in sorted({head_dim_tile(d) for d in head_dims})}

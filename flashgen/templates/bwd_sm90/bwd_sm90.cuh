@@ -52,7 +52,10 @@
 //
 // Shared-memory tiles are the forward's (fwd_sm90.cuh): rows of 64 16-bit
 // elements (128 bytes) with the 128-byte swizzle (16-byte chunk c of row r at
-// c ^ (r % 8)), tiles of more than 64 columns in panels of rows x 128 bytes.
+// c ^ (r % 8)), tiles of more than 64 columns in panels of rows x 128 bytes;
+// where D is an odd multiple of 32 (32, 96), panels of 32 columns (64-byte rows,
+// the 64-byte swizzle: chunk c of row r at c ^ ((r / 2) % 4)). dS^T and the
+// fp32 dQ staging keep 128-byte rows.
 #pragma once
 
 // ---- bulk copies, bulk reductions, the async-proxy fence ----------------------
@@ -149,17 +152,28 @@ template <int D, int BM, int BN, int ST, int DQW, bool CAUSAL, bool BF16, int PR
           typename V, bool DPL, bool DET, typename Params>
 FG_DEVICE void bwd_sm90_body(const Params& p) {
   constexpr int NWG = BN / 64;            // consumer warpgroups, 64 keys each
-  constexpr int PANELS = D / 64;          // 128-byte panels per row of Q, K, V, dO
+  // Q, K, V, dO rows in panels of RB-byte swizzle rows: 128 bytes (64 columns) where D is a multiple of
+  // 64, else 64 bytes (32 columns: D = 32, 96), so that no panel holds columns past the tile.
+  constexpr int RB = D % 64 == 0 ? 128 : 64;
+  constexpr int PC = RB / 2;              // columns per panel
+  constexpr int PANELS = D / PC;          // panels per row
+  constexpr int KPP = RB / 32;            // k16 steps per K-major panel row
+  constexpr fg_u64 SWZ = RB == 128 ? 1 : 2;  // the descriptors' swizzle mode
   constexpr int KV_BYTES = BN * D * 2;    // the K (or V) tile
   constexpr int QT_BYTES = BM * D * 2;    // one stage of Q (or dO)
   constexpr int DS_BYTES = BN * BM * 2;   // one dS^T buffer: BN rows of BM = 64 elements
-  constexpr int DQ_N = D / NWG;           // dQ columns per consumer warpgroup
+  // dQ's D / 32 fp32 panels split over the consumer warpgroups: the first DQP % NWG take DQ_HI columns,
+  // the others DQ_LO (D = 96: 64 and 32; D = 32: 32 and none; else D / NWG each). Every warpgroup's dQ
+  // GEMM is DQ_HI wide (one wgmma shape: a branch between two made ptxas serialize the wgmmas, C7511 /
+  // C7519), over a window of the columns that ends at D where its own are fewer; it adds only its own.
+  constexpr int DQP = D / 32;
+  constexpr int DQ_LO = DQP / NWG * 32, DQ_HI = (DQP + NWG - 1) / NWG * 32;
   constexpr int STG_BYTES = DQW == 0 ? BM * D * 4 : 0;  // fp32 dQ staging: D/32 panels of BM x 128 bytes
   constexpr int NJ = BM / 8;              // n8 chunks of S^T / dP^T
   constexpr int KS = BM / 16;             // k16 steps of dV / dK
   static_assert(BM == 64, "a dS^T row is one 128-byte swizzle row (64 queries)");
-  static_assert(BN % 64 == 0 && D % 64 == 0 && ST >= 2, "bad bwd_sm90 tile");
-  static_assert(DQ_N % 32 == 0 && DQ_N <= 256, "dQ columns per warpgroup: whole 32-column fp32 panels");
+  static_assert(BN % 64 == 0 && D % 32 == 0 && ST >= 2, "bad bwd_sm90 tile");
+  static_assert(DQ_HI <= 256, "dQ columns per warpgroup: one wgmma");
   static_assert(!DET || (DQW == 0 && !V::VARLEN_ROWS && !V::SPARSE), "deterministic dQ: TMA adds, dense rows");
 
   extern __shared__ unsigned char smem_raw[];
@@ -236,8 +250,8 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
       mbar_expect_tx(bar_kv, 2 * KV_BYTES);
 #pragma unroll
       for (int pn = 0; pn < PANELS; ++pn) {
-        tma_load_4d(sK + pn * BN * 128, &p.tm_k, bar_kv, pn * 64, k_off + n0, hk, mb);
-        tma_load_4d(sV + pn * BN * 128, &p.tm_v, bar_kv, pn * 64, k_off + n0, hk, mb);
+        tma_load_4d(sK + pn * BN * RB, &p.tm_k, bar_kv, pn * PC, k_off + n0, hk, mb);
+        tma_load_4d(sV + pn * BN * RB, &p.tm_v, bar_kv, pn * PC, k_off + n0, hk, mb);
       }
       int qh = 0, qm = m_first;
       bwd_sparse_walk walk{nullptr, -1, 0, 0};
@@ -257,12 +271,12 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
         mbar_expect_tx(bar_q(s), QT_BYTES + ROW_BYTES);
 #pragma unroll
         for (int pn = 0; pn < PANELS; ++pn)
-          tma_load_4d(sQ + s * QT_BYTES + pn * BM * 128, &p.tm_q, bar_q(s), pn * 64, q_off + m0, hq, mb);
+          tma_load_4d(sQ + s * QT_BYTES + pn * BM * RB, &p.tm_q, bar_q(s), pn * PC, q_off + m0, hq, mb);
         bulk_load(sL + s * ROW_BYTES, p.lse2 + row, ROW_BYTES, bar_q(s));
         mbar_expect_tx(bar_do(s), QT_BYTES + ROW_BYTES);
 #pragma unroll
         for (int pn = 0; pn < PANELS; ++pn)
-          tma_load_4d(sdO + s * QT_BYTES + pn * BM * 128, &p.tm_do, bar_do(s), pn * 64, q_off + m0, hq, mb);
+          tma_load_4d(sdO + s * QT_BYTES + pn * BM * RB, &p.tm_do, bar_do(s), pn * PC, q_off + m0, hq, mb);
         bulk_load(sDd + s * ROW_BYTES, p.dsum + row, ROW_BYTES, bar_do(s));
         if (!V::SPARSE && ++qm == m_end) {
           qm = m_first;
@@ -280,22 +294,33 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   const int g = lane / 4, t = lane % 4;
   const int key0 = n0 + cw * 64;               // this warpgroup's first key
   const int krow = wq * 16 + g;                // this thread's key rows: krow and krow + 8 (of the 64)
+  // This warpgroup's dQ columns [dq_c0, dq_c0 + dq_n), inside its GEMM's window [dq_w0, dq_w0 + DQ_HI):
+  // accumulator chunks (8 columns) dq_skip .. dq_skip + dq_n / 8 are its own.
+  const int dq_n = DQ_LO == DQ_HI || cw < DQP % NWG ? DQ_HI : DQ_LO;
+  const int dq_c0 = cw * DQ_LO + min(cw, DQP % NWG) * 32, dq_w0 = min(dq_c0, D - DQ_HI);
+  const int dq_skip = (dq_c0 - dq_w0) / 8;
+  auto dq_own = [&](int nj) { return DQ_LO == DQ_HI || (nj >= dq_skip && nj < dq_skip + dq_n / 8); };
 
-  // Descriptors (fwd_sm90.cuh): K-major SW128 (LBO 16 B, unused; SBO 1024 B) for the S^T / dP^T
-  // operands; MN-major SW128 (LBO = panel stride, SBO = 1024 B) for dO, Q as B of dV / dK, dS as A
-  // and K as B of dQ. K for dQ: this warpgroup's DQ_N columns start in panel cw*DQ_N/64, at byte
-  // 2 (cw*DQ_N % 64) of its rows (inside the swizzle row: the swizzle is applied to the address).
-  const fg_u64 desc_k = sw128_desc(sK + cw * 64 * 128, 16, 1024);
-  const fg_u64 desc_v = sw128_desc(sV + cw * 64 * 128, 16, 1024);
-  const fg_u64 desc_q = sw128_desc(sQ, 16, 1024);
-  const fg_u64 desc_do = sw128_desc(sdO, 16, 1024);
-  const fg_u64 desc_qmn = sw128_desc(sQ, BM * 128, 1024);
-  const fg_u64 desc_domn = sw128_desc(sdO, BM * 128, 1024);
+  // Descriptors (fwd_sm90.cuh) in the panels' swizzle (RB): K-major (LBO 16 B, unused; SBO 8 rows) for
+  // the S^T / dP^T operands; MN-major (LBO = panel stride, SBO = 8 rows) for dO, Q as B of dV / dK and
+  // K as B of dQ; dS as A of dQ: MN-major SW128 (its rows are 64 queries). K for dQ: this warpgroup's
+  // columns start in panel dq_c0 / PC, at byte 2 (dq_c0 % PC) of its rows (inside the swizzle row: the
+  // swizzle is applied to the address). (Its GEMM reads the window from dq_w0.)
+  const fg_u64 desc_k = smem_desc(sK + cw * 64 * RB, 16, 8 * RB, SWZ);
+  const fg_u64 desc_v = smem_desc(sV + cw * 64 * RB, 16, 8 * RB, SWZ);
+  const fg_u64 desc_q = smem_desc(sQ, 16, 8 * RB, SWZ);
+  const fg_u64 desc_do = smem_desc(sdO, 16, 8 * RB, SWZ);
+  const fg_u64 desc_qmn = smem_desc(sQ, BM * RB, 8 * RB, SWZ);
+  const fg_u64 desc_domn = smem_desc(sdO, BM * RB, 8 * RB, SWZ);
   const fg_u64 desc_ds = sw128_desc(sdS, DS_BYTES, 1024);
-  const fg_u64 desc_kmn = sw128_desc(sK + (cw * DQ_N / 64) * BN * 128 + (cw * DQ_N % 64) * 2, BN * 128, 1024);
-  // Offsets (16-byte units) of k16 step kk: K-major inside a tile of `rows` rows; MN-major: 16 rows.
-  auto kmajor_off = [](int kk, int rows) { return static_cast<fg_u64>(((kk / 4) * rows * 128 + (kk % 4) * 32) >> 4); };
-  auto mn_off = [](int kk) { return static_cast<fg_u64>(kk * 16 * 128 >> 4); };
+  const fg_u64 desc_kmn = smem_desc(sK + (dq_w0 / PC) * BN * RB + (dq_w0 % PC) * 2, BN * RB, 8 * RB, SWZ);
+  // Offsets (16-byte units) of k16 step kk: K-major inside a tile of `rows` rows (KPP steps a panel
+  // row); MN-major: 16 rows (of RB bytes; dS's: 128).
+  auto kmajor_off = [](int kk, int rows) {
+    return static_cast<fg_u64>(((kk / KPP) * rows * RB + (kk % KPP) * 32) >> 4);
+  };
+  auto mn_off = [](int kk) { return static_cast<fg_u64>(kk * 16 * RB >> 4); };
+  auto ds_off = [](int kk) { return static_cast<fg_u64>(kk * 16 * 128 >> 4); };
 
   float acc_dk[D / 2], acc_dv[D / 2];
 #pragma unroll
@@ -304,7 +329,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
     acc_dv[i] = 0.f;
   }
 
-  float acc_s[BM / 2], acc_dp[BM / 2], acc_dq[DQ_N / 2];
+  float acc_s[BM / 2], acc_dp[BM / 2], acc_dq[DQ_HI / 2];
   mbar_wait(bar_kv, 0);  // always: the CTA must not exit with the K/V copy in flight
   int hc = 0, mc = m_first;
   bwd_sparse_walk walk{nullptr, -1, 0, 0};
@@ -450,7 +475,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
     {
       const fg_u64 da_ = opaque_desc(desc_ds) + static_cast<fg_u64>(buf >> 4), db_ = opaque_desc(desc_kmn);
 #pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) fg_wgmma_dq(acc_dq, da_ + mn_off(kk), db_ + mn_off(kk), kk);
+      for (int kk = 0; kk < BN / 16; ++kk) fg_wgmma_dq(acc_dq, da_ + ds_off(kk), db_ + mn_off(kk), kk);
     }
     wgmma_commit();
     wgmma_wait<1>();
@@ -464,17 +489,18 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
     wgmma_wait<0>();
     reg_fence(acc_dq);
 
-    // ---- dQ_i += the part: thread's rows krow, krow + 8; columns cw*DQ_N + 8 nj + 2t (+1)
+    // ---- dQ_i += the part: thread's rows krow, krow + 8; columns dq_w0 + 8 nj + 2t (+1), its own nj
     if constexpr (DQW == 0) {
-      // Column cw*DQ_N + 8 nj + 2t is in panel cw*DQ_N/32 + nj/4, 16-byte chunk 2 (nj % 4) + t/2,
+      // Column dq_w0 + 8 nj + 2t is in panel dq_w0/32 + nj/4, 16-byte chunk 2 (nj % 4) + t/2,
       // at byte 8 (t % 2); the chunk is swizzled with the row (r % 8 == g): per-row base XOR 32 (nj % 4).
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const fg_u32 base = opaque(sStg + (cw * DQ_N / 32) * BM * 128 + (krow + 8 * h) * 128 +
+        const fg_u32 base = opaque(sStg + (dq_w0 / 32) * BM * 128 + (krow + 8 * h) * 128 +
                                    (((t >> 1) ^ g) << 4) + (t & 1) * 8);
 #pragma unroll
-        for (int nj = 0; nj < DQ_N / 8; ++nj)
-          sts_f32x2((base ^ ((nj % 4) << 5)) + (nj / 4) * BM * 128, acc_dq[4 * nj + 2 * h], acc_dq[4 * nj + 2 * h + 1]);
+        for (int nj = 0; nj < DQ_HI / 8; ++nj)
+          if (dq_own(nj))
+            sts_f32x2((base ^ ((nj % 4) << 5)) + (nj / 4) * BM * 128, acc_dq[4 * nj + 2 * h], acc_dq[4 * nj + 2 * h + 1]);
       }
       fence_async_smem();
       named_sync(2 + cw, 128);
@@ -486,9 +512,10 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
           dq_turn_wait(sem, turn * NWG);
         }
 #pragma unroll
-        for (int pn = 0; pn < DQ_N / 32; ++pn) {
-          const int panel = cw * DQ_N / 32 + pn;
-          tma_reduce_add_4d(&p.tm_dq, sStg + panel * BM * 128, panel * 32, q_off + m0, hq, mb);
+        for (int pn = 0; pn < DQ_HI / 32; ++pn) {
+          const int panel = dq_c0 / 32 + pn;
+          if (DQ_LO == DQ_HI || pn < dq_n / 32)
+            tma_reduce_add_4d(&p.tm_dq, sStg + panel * BM * 128, panel * 32, q_off + m0, hq, mb);
         }
         bulk_commit();
         if constexpr (DET) {
@@ -497,14 +524,15 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
         }
       }
     } else {
-      float* dq = p.dq_acc + ((static_cast<fg_i64>(mb) * p.heads + hq) * p.nq + q_off + m0) * D + cw * DQ_N + 2 * t;
+      float* dq = p.dq_acc + ((static_cast<fg_i64>(mb) * p.heads + hq) * p.nq + q_off + m0) * D + dq_w0 + 2 * t;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = krow + 8 * h;
         if (m0 + r < var.nq) {
 #pragma unroll
-          for (int nj = 0; nj < DQ_N / 8; ++nj)
-            red_add_f32x2(dq + r * D + 8 * nj, acc_dq[4 * nj + 2 * h], acc_dq[4 * nj + 2 * h + 1]);
+          for (int nj = 0; nj < DQ_HI / 8; ++nj)
+            if (dq_own(nj))
+              red_add_f32x2(dq + r * D + 8 * nj, acc_dq[4 * nj + 2 * h], acc_dq[4 * nj + 2 * h + 1]);
         }
       }
     }
