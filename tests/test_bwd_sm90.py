@@ -76,7 +76,7 @@ def test_family_rules_and_smem_formula():
     fam = bwd90().family
     for s in ALL:
         d, bn, st = s.head_dim, s.block_n, s.stages
-        want = 2 * d * 2 * bn + 2 * st * 64 * d * 2 + 2 * bn * 64 * 2 + (64 * d * 4 if s.dq_write == 0 else 0) \
+        want = 2 * d * 2 * bn + 2 * st * 64 * d * 2 + 2 * bn * 64 * 2 + ((2 if s.det else 1) * 64 * d * 4 if s.dq_write == 0 else 0) \
             + 2 * st * 64 * 4 + 1024
         assert s.smem_bytes() == want, s.name
         if d % 64 == 0:
@@ -86,6 +86,14 @@ def test_family_rules_and_smem_formula():
     assert fam.panel_cols(bwd90(128)) == 64 and fam.panel_cols(bwd90(32)) == 32
     ctx = bwd90().context()
     assert ctx["dq_n"] == 64 and ctx["producer_regs"] == 24 and ctx["consumer_regs"] == 240
+    # det: two staging tiles (the consumers write one while the dQ writer adds the other); the writer
+    # lives in the producer warpgroup's 24 registers (168 x 384 at launch = 128 x 24 + 256 x 240)
+    det = bwd90().replace(det=True)
+    assert det.context()["producer_regs"] == 24 and det.smem_bytes() == bwd90().smem_bytes() + 64 * 128 * 4
+    for s in ALL:
+        producer, consumer = fam.regs(s)
+        assert 128 * producer + 128 * (s.warps // 4 - 1) * consumer <= 168 * 128 * (s.warps // 4) or not producer
+    assert det.smem_bytes() <= H200.smem_per_block
     assert ctx["param_bytes"] % 64 == 0
     struct = fam.param_struct()
     for name in ("tm_q", "tm_k", "tm_v", "tm_do", "tm_dq"):

@@ -91,7 +91,9 @@ class Bwd90Family(Family):
         return out
 
     def staging_bytes(self, spec) -> int:
-        return 4 * spec.block_m * spec.head_dim if spec.dq_write == 0 else 0
+        """The fp32 dQ staging tile (dq_write 0): two with det, one the consumers write while the dQ
+        writer adds the other."""
+        return (2 if spec.det else 1) * 4 * spec.block_m * spec.head_dim if spec.dq_write == 0 else 0
 
     def smem_bytes(self, spec) -> int:
         # K, V (once); Q, dO (ring); two dS^T buffers; the fp32 dQ staging tile (dq_write 0);
@@ -103,7 +105,10 @@ class Bwd90Family(Family):
         return 2 * d * (2 * bn + 2 * st * bm) + 4 * bn * bm + self.staging_bytes(spec) + 8 * st * rows + 1024
 
     def regs(self, spec) -> tuple[int, int]:
-        """(producer, consumer) registers per thread after setmaxnreg (two or more consumers)."""
+        """(producer, consumer) registers per thread after setmaxnreg (two or more consumers). The pool is
+        what the launch gave the CTA (168 a thread at 384 threads, the allocation's granularity), so
+        128 x 24 + 256 x 240 is all of it: with 32 for the producer warpgroup (det's dQ writer lives
+        there) the consumers' setmaxnreg.inc to 240 waited forever (a hang on the H100)."""
         return {2: (24, 240), 3: (24, 160)}.get(self.consumers(spec), (0, 0))
 
     def acc_floats(self, spec) -> int:

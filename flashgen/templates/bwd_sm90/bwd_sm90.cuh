@@ -32,9 +32,11 @@
 //
 // Deterministic (DET, DQW = 0): the CTAs that add to one (batch, query head, query block) of dQ take
 // turns in a fixed order, so the fp32 sums, and dQ, are the same bits on every run. p.dq_sem holds one
-// counter per (batch, query head, query block), zeroed by the host; a consumer warpgroup's thread 0
-// waits (acquire) until it reads NWG * its CTA's position, adds its dQ panels, waits for the adds to
-// land, and increments it (release). The position is the order in which the CTAs reach the block
+// counter per (batch, query head, query block), zeroed by the host. The consumers stage dQ_i in one of
+// two buffers and arrive on its full barrier; a dQ writer (lane 0 of the producer warpgroup's second
+// warp) waits for the buffer, waits (acquire) until the counter reads its CTA's position, adds every
+// dQ panel, waits for the adds to land, increments the counter (release) and frees the buffer. So the
+// consumers wait for a turn only when they are two blocks ahead of it. The position is the order in which the CTAs reach the block
 // anyway: ascending key blocks without a right bound (every CTA walks the query blocks from the first),
 // descending with one (causal: the key block nearest the diagonal reaches the block first), and then
 // blockIdx.x counts the key blocks from the last, so that a CTA only ever waits for CTAs launched
@@ -168,7 +170,8 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   // C7519), over a window of the columns that ends at D where its own are fewer; it adds only its own.
   constexpr int DQP = D / 32;
   constexpr int DQ_LO = DQP / NWG * 32, DQ_HI = (DQP + NWG - 1) / NWG * 32;
-  constexpr int STG_BYTES = DQW == 0 ? BM * D * 4 : 0;  // fp32 dQ staging: D/32 panels of BM x 128 bytes
+  constexpr int STG_ONE = BM * D * 4;     // one fp32 dQ staging tile: D/32 panels of BM x 128 bytes
+  constexpr int STG_BYTES = DQW == 0 ? (DET ? 2 : 1) * STG_ONE : 0;  // (DET: two, for the dQ writer)
   constexpr int NJ = BM / 8;              // n8 chunks of S^T / dP^T
   constexpr int KS = BM / 16;             // k16 steps of dV / dK
   static_assert(BM == 64, "a dS^T row is one 128-byte swizzle row (64 queries)");
@@ -177,8 +180,8 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   static_assert(!DET || (DQW == 0 && !V::VARLEN_ROWS && !V::SPARSE), "deterministic dQ: TMA adds, dense rows");
 
   extern __shared__ unsigned char smem_raw[];
-  // K/V, then per stage: full Q (+LSE2), full dO (+D), empty.
-  __shared__ __align__(8) fg_u64 bars[1 + 3 * ST];
+  // K/V, then per stage: full Q (+LSE2), full dO (+D), empty; DET: full and empty per staging buffer.
+  __shared__ __align__(8) fg_u64 bars[1 + 3 * ST + (DET ? 4 : 0)];
   const fg_u32 sK = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const fg_u32 sV = sK + KV_BYTES;
   const fg_u32 sQ = sV + KV_BYTES;
@@ -194,6 +197,8 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   auto bar_q = [&](int s) { return bar_kv + 8u * (1 + s); };
   auto bar_do = [&](int s) { return bar_kv + 8u * (1 + ST + s); };
   auto bar_e = [&](int s) { return bar_kv + 8u * (1 + 2 * ST + s); };
+  auto bar_sf = [&](int i) { return bar_kv + 8u * (1 + 3 * ST + i); };      // DET: staging buffer i written
+  auto bar_se = [&](int i) { return bar_kv + 8u * (1 + 3 * ST + 2 + i); };  // DET: its adds have landed
 
   const int tid = threadIdx.x;
   int b = blockIdx.z, n_block = DET && V::RIGHT ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
@@ -239,6 +244,12 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
       mbar_init(bar_do(s), 1);
       mbar_init(bar_e(s), 128 * NWG);  // every consumer thread
     }
+    if constexpr (DET) {
+      for (int i = 0; i < 2; ++i) {
+        mbar_init(bar_sf(i), 128 * NWG);  // every consumer thread, after its staging stores
+        mbar_init(bar_se(i), 1);          // the dQ writer
+      }
+    }
     mbar_init_fence();
   }
   __syncthreads();
@@ -279,6 +290,25 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
           tma_load_4d(sdO + s * QT_BYTES + pn * BM * RB, &p.tm_do, bar_do(s), pn * PC, q_off + m0, hq, mb);
         bulk_load(sDd + s * ROW_BYTES, p.dsum + row, ROW_BYTES, bar_do(s));
         if (!V::SPARSE && ++qm == m_end) {
+          qm = m_first;
+          ++qh;
+        }
+      }
+    } else if (DET && tid == 32) {  // the dQ writer: the steps in the consumers' order (dense rows)
+      int qh = 0, qm = m_first;
+      for (int it = 0; it < total; ++it) {
+        const int i = it & 1, hq = hk * p.group + qh, m0 = qm * BM;
+        mbar_wait(bar_sf(i), (it >> 1) & 1);
+        int* sem = p.dq_sem + (static_cast<fg_i64>(b) * p.heads + hq) * (p.nq_pad / BM) + qm;
+        dq_turn_wait(sem, V::RIGHT ? var.block_end(m0, BM, BN) - 1 - n_block : n_block - var.block_first(m0, BN));
+#pragma unroll 1
+        for (int pn = 0; pn < D / 32; ++pn)
+          tma_reduce_add_4d(&p.tm_dq, sStg + i * STG_ONE + pn * BM * 128, pn * 32, m0, hq, mb);
+        bulk_commit();
+        bulk_wait<0>();
+        dq_turn_done(sem);
+        mbar_arrive(bar_se(i));
+        if (++qm == m_end) {
           qm = m_first;
           ++qh;
         }
@@ -457,7 +487,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
       for (int kk = 0; kk < NJ / 2; ++kk) stsm_x4(base ^ (kk << 5), da[kk]);
     }
     fence_async_smem();
-    if constexpr (DQW == 0) {
+    if constexpr (DQW == 0 && !DET) {
       if (ltid == 0) bulk_wait_read<0>();  // the previous dQ reduce has read the staging tile
     }
     named_sync(1, 128 * NWG);  // every warpgroup's dS^T is in sdS
@@ -491,11 +521,16 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
 
     // ---- dQ_i += the part: thread's rows krow, krow + 8; columns dq_w0 + 8 nj + 2t (+1), its own nj
     if constexpr (DQW == 0) {
+      // DET: buffer it % 2, free once the writer's adds of block it - 2 have landed.
+      const fg_u32 stg = DET ? sStg + static_cast<fg_u32>(it & 1) * STG_ONE : sStg;
+      if constexpr (DET) {
+        if (it >= 2) mbar_wait(bar_se(it & 1), ((it >> 1) - 1) & 1);
+      }
       // Column dq_w0 + 8 nj + 2t is in panel dq_w0/32 + nj/4, 16-byte chunk 2 (nj % 4) + t/2,
       // at byte 8 (t % 2); the chunk is swizzled with the row (r % 8 == g): per-row base XOR 32 (nj % 4).
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const fg_u32 base = opaque(sStg + (dq_w0 / 32) * BM * 128 + (krow + 8 * h) * 128 +
+        const fg_u32 base = opaque(stg + (dq_w0 / 32) * BM * 128 + (krow + 8 * h) * 128 +
                                    (((t >> 1) ^ g) << 4) + (t & 1) * 8);
 #pragma unroll
         for (int nj = 0; nj < DQ_HI / 8; ++nj)
@@ -503,24 +538,18 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
             sts_f32x2((base ^ ((nj % 4) << 5)) + (nj / 4) * BM * 128, acc_dq[4 * nj + 2 * h], acc_dq[4 * nj + 2 * h + 1]);
       }
       fence_async_smem();
-      named_sync(2 + cw, 128);
-      if (ltid == 0) {
-        int* sem = nullptr;
-        if constexpr (DET) {  // this CTA's turn among those that add to this query block
-          sem = p.dq_sem + (static_cast<fg_i64>(b) * p.heads + hq) * (p.nq_pad / BM) + m0 / BM;
-          const int turn = V::RIGHT ? var.block_end(m0, BM, BN) - 1 - n_block : n_block - var.block_first(m0, BN);
-          dq_turn_wait(sem, turn * NWG);
-        }
+      if constexpr (DET) {
+        mbar_arrive(bar_sf(it & 1));  // to the dQ writer
+      } else {
+        named_sync(2 + cw, 128);
+        if (ltid == 0) {
 #pragma unroll
-        for (int pn = 0; pn < DQ_HI / 32; ++pn) {
-          const int panel = dq_c0 / 32 + pn;
-          if (DQ_LO == DQ_HI || pn < dq_n / 32)
-            tma_reduce_add_4d(&p.tm_dq, sStg + panel * BM * 128, panel * 32, q_off + m0, hq, mb);
-        }
-        bulk_commit();
-        if constexpr (DET) {
-          bulk_wait<0>();
-          dq_turn_done(sem);
+          for (int pn = 0; pn < DQ_HI / 32; ++pn) {
+            const int panel = dq_c0 / 32 + pn;
+            if (DQ_LO == DQ_HI || pn < dq_n / 32)
+              tma_reduce_add_4d(&p.tm_dq, sStg + panel * BM * 128, panel * 32, q_off + m0, hq, mb);
+          }
+          bulk_commit();
         }
       }
     } else {
@@ -537,7 +566,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
       }
     }
   }
-  if constexpr (DQW == 0) {
+  if constexpr (DQW == 0 && !DET) {
     if (ltid == 0) bulk_wait<0>();  // every dQ reduce has landed before the CTA exits
   }
 
