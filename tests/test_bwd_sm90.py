@@ -26,8 +26,8 @@ def bwd90(d=128, bn=128, st=2, dq_write=0, causal=False, dtype="bf16"):
 
 DEFAULTS = [s for s in families.rule_specs("sm_90a", BUDGET) if s.kind == "bwd_sm90"]
 # What the GPU tests and the backward benchmark's variants run beside the defaults.
-VARIANTS = [bwd90(d, 128, st, w, c, dt) for d in (32, 64, 96, 128) for st in (2, 3) for w in (0, 1)
-            for c in (False, True) for dt in ("bf16", "fp16")] + [
+VARIANTS = [bwd90(d, 128, st, w, c, dt) for d in (32, 64, 96, 128) for st in (2, 3) for w in (0, 1, 2)
+            for c in (False, True) for dt in ("bf16", "fp16") if (d, st, w) != (128, 3, 2)] + [
     bwd90(64, 64, st, w, c) for st in (2, 3) for w in (0, 1) for c in (False, True)]
 # deterministic=True's twins of the defaults (dQ's adds take turns: the det field)
 DET = [s.replace(det=True) for s in DEFAULTS]
@@ -58,7 +58,11 @@ def test_names_and_rules():
     with pytest.raises(ValueError, match="arch"):
         s.replace(arch="sm_80").validate()
     with pytest.raises(ValueError, match="dq_write"):
-        s.replace(dq_write=2).validate()
+        s.replace(dq_write=3).validate()
+    assert bwd90(dq_write=2).name == "bwd_sm90_d128_m64_n128_w12_s2_dq2_full_bf16_sm90a"
+    for change in ({"varlen": True}, {"mod": 5}):
+        with pytest.raises(ValueError, match="dq_write 2 .the dQ writer warp. walks dense rows"):
+            bwd90(dq_write=2).replace(**change).validate()
     with pytest.raises(ValueError, match="not a field of this kind"):
         s.replace(warp_specialized=True).validate()
     assert s.check(gpus.get("a100"))  # not an sm_90a GPU
@@ -76,7 +80,8 @@ def test_family_rules_and_smem_formula():
     fam = bwd90().family
     for s in ALL:
         d, bn, st = s.head_dim, s.block_n, s.stages
-        want = 2 * d * 2 * bn + 2 * st * 64 * d * 2 + 2 * bn * 64 * 2 + ((2 if s.det else 1) * 64 * d * 4 if s.dq_write == 0 else 0) \
+        staging = {0: 2 if s.det else 1, 1: 0, 2: 2}[s.dq_write]  # (tiles: two where the dQ writer adds them)
+        want = 2 * d * 2 * bn + 2 * st * 64 * d * 2 + 2 * bn * 64 * 2 + staging * 64 * d * 4 \
             + 2 * st * 64 * 4 + 1024
         assert s.smem_bytes() == want, s.name
         if d % 64 == 0:
@@ -132,7 +137,12 @@ def test_tune_space_candidates():
     sm90 = [c for c in cands if c.kind == "bwd_sm90"]
     assert sm90 and all(not c.check(H200) for c in sm90)
     assert {c.block_n for c in sm90} == {128} and {c.stages for c in sm90} == {2, 3}
-    assert {c.dq_write for c in sm90} == {0, 1}
+    assert {c.dq_write for c in sm90} == {0, 1, 2}
+    # the dQ writer's second staging tile does not fit beside a 3-stage d = 128 ring
+    assert {(c.stages, c.dq_write) for c in sm90} == {(2, 0), (2, 1), (2, 2), (3, 0), (3, 1)}
+    # a varlen key: the writer walks dense rows only
+    vl = space.candidates(ProblemKey("bwd_dkdv", "sm_90a", "bf16", 128, True, 4096, "vl"), H200, only=("bwd_sm90",))
+    assert vl and {c.dq_write for c in vl if c.kind == "bwd_sm90"} == {0, 1}
 
 
 def test_family_switch(monkeypatch):

@@ -27,10 +27,12 @@
 //     DQW = 0: staged in shared memory (fp32 panels of 32 columns, 128-byte
 //              swizzle) and added by the TMA (cp.reduce.async.bulk.tensor .add,
 //              rows >= nq clipped by the tensor map);
-//     DQW = 1: red.global.add.v2.f32 straight from the accumulators.
+//     DQW = 1: red.global.add.v2.f32 straight from the accumulators;
+//     DQW = 2: as 0, from two staging tiles, the adds issued by the dQ writer
+//              (below) instead of a consumer thread (dense rows, no mods).
 // dK is scaled by the softmax scale at the end (dQ's scale: bwd_convert).
 //
-// Deterministic (DET, DQW = 0): the CTAs that add to one (batch, query head, query block) of dQ take
+// Deterministic (DET, DQW = 0; its writer as DQW = 2's, with turns): the CTAs that add to one (batch, query head, query block) of dQ take
 // turns in a fixed order, so the fp32 sums, and dQ, are the same bits on every run. p.dq_sem holds one
 // counter per (batch, query head, query block), zeroed by the host. The consumers stage dQ_i in one of
 // two buffers and arrive on its full barrier; a dQ writer (lane 0 of the producer warpgroup's second
@@ -170,18 +172,20 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   // C7519), over a window of the columns that ends at D where its own are fewer; it adds only its own.
   constexpr int DQP = D / 32;
   constexpr int DQ_LO = DQP / NWG * 32, DQ_HI = (DQP + NWG - 1) / NWG * 32;
+  constexpr bool WRITER = DET || DQW == 2;  // the dQ writer adds the staged parts
   constexpr int STG_ONE = BM * D * 4;     // one fp32 dQ staging tile: D/32 panels of BM x 128 bytes
-  constexpr int STG_BYTES = DQW == 0 ? (DET ? 2 : 1) * STG_ONE : 0;  // (DET: two, for the dQ writer)
+  constexpr int STG_BYTES = DQW != 1 ? (WRITER ? 2 : 1) * STG_ONE : 0;  // (the writer's: two)
   constexpr int NJ = BM / 8;              // n8 chunks of S^T / dP^T
   constexpr int KS = BM / 16;             // k16 steps of dV / dK
   static_assert(BM == 64, "a dS^T row is one 128-byte swizzle row (64 queries)");
   static_assert(BN % 64 == 0 && D % 32 == 0 && ST >= 2, "bad bwd_sm90 tile");
   static_assert(DQ_HI <= 256, "dQ columns per warpgroup: one wgmma");
-  static_assert(!DET || (DQW == 0 && !V::VARLEN_ROWS && !V::SPARSE), "deterministic dQ: TMA adds, dense rows");
+  static_assert(!DET || DQW == 0, "deterministic dQ: the TMA adds");
+  static_assert(!WRITER || (!V::VARLEN_ROWS && !V::SPARSE), "the dQ writer walks dense rows");
 
   extern __shared__ unsigned char smem_raw[];
-  // K/V, then per stage: full Q (+LSE2), full dO (+D), empty; DET: full and empty per staging buffer.
-  __shared__ __align__(8) fg_u64 bars[1 + 3 * ST + (DET ? 4 : 0)];
+  // K/V, then per stage: full Q (+LSE2), full dO (+D), empty; WRITER: full and empty per staging tile.
+  __shared__ __align__(8) fg_u64 bars[1 + 3 * ST + (WRITER ? 4 : 0)];
   const fg_u32 sK = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const fg_u32 sV = sK + KV_BYTES;
   const fg_u32 sQ = sV + KV_BYTES;
@@ -197,8 +201,8 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   auto bar_q = [&](int s) { return bar_kv + 8u * (1 + s); };
   auto bar_do = [&](int s) { return bar_kv + 8u * (1 + ST + s); };
   auto bar_e = [&](int s) { return bar_kv + 8u * (1 + 2 * ST + s); };
-  auto bar_sf = [&](int i) { return bar_kv + 8u * (1 + 3 * ST + i); };      // DET: staging buffer i written
-  auto bar_se = [&](int i) { return bar_kv + 8u * (1 + 3 * ST + 2 + i); };  // DET: its adds have landed
+  auto bar_sf = [&](int i) { return bar_kv + 8u * (1 + 3 * ST + i); };      // WRITER: staging tile i written
+  auto bar_se = [&](int i) { return bar_kv + 8u * (1 + 3 * ST + 2 + i); };  // WRITER: the adds have read it
 
   const int tid = threadIdx.x;
   int b = blockIdx.z, n_block = DET && V::RIGHT ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
@@ -236,7 +240,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
     tma_prefetch_map(&p.tm_k);
     tma_prefetch_map(&p.tm_v);
     tma_prefetch_map(&p.tm_do);
-    if constexpr (DQW == 0) tma_prefetch_map(&p.tm_dq);
+    if constexpr (DQW != 1) tma_prefetch_map(&p.tm_dq);
     mbar_init(bar_kv, 1);
 #pragma unroll
     for (int s = 0; s < ST; ++s) {
@@ -244,7 +248,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
       mbar_init(bar_do(s), 1);
       mbar_init(bar_e(s), 128 * NWG);  // every consumer thread
     }
-    if constexpr (DET) {
+    if constexpr (WRITER) {
       for (int i = 0; i < 2; ++i) {
         mbar_init(bar_sf(i), 128 * NWG);  // every consumer thread, after its staging stores
         mbar_init(bar_se(i), 1);          // the dQ writer
@@ -294,25 +298,33 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
           ++qh;
         }
       }
-    } else if (DET && tid == 32) {  // the dQ writer: the steps in the consumers' order (dense rows)
+    } else if (WRITER && tid == 32) {  // the dQ writer: the steps in the consumers' order (dense rows)
       int qh = 0, qm = m_first;
       for (int it = 0; it < total; ++it) {
         const int i = it & 1, hq = hk * p.group + qh, m0 = qm * BM;
         mbar_wait(bar_sf(i), (it >> 1) & 1);
-        int* sem = p.dq_sem + (static_cast<fg_i64>(b) * p.heads + hq) * (p.nq_pad / BM) + qm;
-        dq_turn_wait(sem, V::RIGHT ? var.block_end(m0, BM, BN) - 1 - n_block : n_block - var.block_first(m0, BN));
+        int* sem = nullptr;
+        if constexpr (DET) {
+          sem = p.dq_sem + (static_cast<fg_i64>(b) * p.heads + hq) * (p.nq_pad / BM) + qm;
+          dq_turn_wait(sem, V::RIGHT ? var.block_end(m0, BM, BN) - 1 - n_block : n_block - var.block_first(m0, BN));
+        }
 #pragma unroll 1
         for (int pn = 0; pn < D / 32; ++pn)
           tma_reduce_add_4d(&p.tm_dq, sStg + i * STG_ONE + pn * BM * 128, pn * 32, m0, hq, mb);
         bulk_commit();
-        bulk_wait<0>();
-        dq_turn_done(sem);
+        if constexpr (DET) {
+          bulk_wait<0>();  // landed: the turn passes on
+          dq_turn_done(sem);
+        } else {
+          bulk_wait_read<0>();  // read: the tile is free (the adds land on their own)
+        }
         mbar_arrive(bar_se(i));
         if (++qm == m_end) {
           qm = m_first;
           ++qh;
         }
       }
+      if constexpr (!DET) bulk_wait<0>();  // every add has landed before the CTA exits
     }
     return;
   }
@@ -487,7 +499,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
       for (int kk = 0; kk < NJ / 2; ++kk) stsm_x4(base ^ (kk << 5), da[kk]);
     }
     fence_async_smem();
-    if constexpr (DQW == 0 && !DET) {
+    if constexpr (DQW == 0 && !WRITER) {
       if (ltid == 0) bulk_wait_read<0>();  // the previous dQ reduce has read the staging tile
     }
     named_sync(1, 128 * NWG);  // every warpgroup's dS^T is in sdS
@@ -520,10 +532,10 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
     reg_fence(acc_dq);
 
     // ---- dQ_i += the part: thread's rows krow, krow + 8; columns dq_w0 + 8 nj + 2t (+1), its own nj
-    if constexpr (DQW == 0) {
-      // DET: buffer it % 2, free once the writer's adds of block it - 2 have landed.
-      const fg_u32 stg = DET ? sStg + static_cast<fg_u32>(it & 1) * STG_ONE : sStg;
-      if constexpr (DET) {
+    if constexpr (DQW != 1) {
+      // WRITER: tile it % 2, free once the writer's adds of block it - 2 have read it.
+      const fg_u32 stg = WRITER ? sStg + static_cast<fg_u32>(it & 1) * STG_ONE : sStg;
+      if constexpr (WRITER) {
         if (it >= 2) mbar_wait(bar_se(it & 1), ((it >> 1) - 1) & 1);
       }
       // Column dq_w0 + 8 nj + 2t is in panel dq_w0/32 + nj/4, 16-byte chunk 2 (nj % 4) + t/2,
@@ -538,7 +550,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
             sts_f32x2((base ^ ((nj % 4) << 5)) + (nj / 4) * BM * 128, acc_dq[4 * nj + 2 * h], acc_dq[4 * nj + 2 * h + 1]);
       }
       fence_async_smem();
-      if constexpr (DET) {
+      if constexpr (WRITER) {
         mbar_arrive(bar_sf(it & 1));  // to the dQ writer
       } else {
         named_sync(2 + cw, 128);
@@ -566,7 +578,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
       }
     }
   }
-  if constexpr (DQW == 0 && !DET) {
+  if constexpr (DQW == 0 && !WRITER) {
     if (ltid == 0) bulk_wait<0>();  // every dQ reduce has landed before the CTA exits
   }
 
