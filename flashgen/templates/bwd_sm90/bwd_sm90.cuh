@@ -32,13 +32,14 @@
 //              (below) instead of a consumer thread (dense rows, no mods).
 // dK is scaled by the softmax scale at the end (dQ's scale: bwd_convert).
 //
-// Deterministic (DET, DQW = 0; its writer as DQW = 2's, with turns): the CTAs that add to one (batch, query head, query block) of dQ take
-// turns in a fixed order, so the fp32 sums, and dQ, are the same bits on every run. p.dq_sem holds one
-// counter per (batch, query head, query block), zeroed by the host. The consumers stage dQ_i in one of
-// two buffers and arrive on its full barrier; a dQ writer (lane 0 of the producer warpgroup's second
-// warp) waits for the buffer, waits (acquire) until the counter reads its CTA's position, adds every
-// dQ panel, waits for the adds to land, increments the counter (release) and frees the buffer. So the
-// consumers wait for a turn only when they are two blocks ahead of it. The position is the order in which the CTAs reach the block
+// Deterministic (DET, DQW = 0; its writer as DQW = 2's, with turns): the CTAs that add to one (batch,
+// query head, query block) of dQ take turns in a fixed order, so the fp32 sums, and dQ, are the same
+// bits on every run. p.dq_sem holds one counter per (batch, query head, query block), zeroed by the
+// host. The consumers stage dQ_i in one of two buffers and arrive on its full barrier; a dQ writer
+// (lane 0 of the producer warpgroup's second warp) waits for the buffer, waits (acquire) until the
+// counter reads its CTA's position, adds every dQ panel, waits for the adds to land, increments the
+// counter (release) and frees the buffer. So the consumers wait for a turn only when they are two
+// blocks ahead of it. The position is the order in which the CTAs reach the block
 // anyway: ascending key blocks without a right bound (every CTA walks the query blocks from the first),
 // descending with one (causal: the key block nearest the diagonal reaches the block first), and then
 // blockIdx.x counts the key blocks from the last, so that a CTA only ever waits for CTAs launched
@@ -547,7 +548,8 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
 #pragma unroll
         for (int nj = 0; nj < DQ_HI / 8; ++nj)
           if (dq_own(nj))
-            sts_f32x2((base ^ ((nj % 4) << 5)) + (nj / 4) * BM * 128, acc_dq[4 * nj + 2 * h], acc_dq[4 * nj + 2 * h + 1]);
+            sts_f32x2((base ^ ((nj % 4) << 5)) + (nj / 4) * BM * 128, acc_dq[4 * nj + 2 * h],
+                      acc_dq[4 * nj + 2 * h + 1]);
       }
       fence_async_smem();
       if constexpr (WRITER) {
