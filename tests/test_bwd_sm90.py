@@ -479,6 +479,38 @@ def test_host_launch_sequence(monkeypatch, how):
         assert launched[1][0] == det["bwd_dkdv"]
 
 
+def test_head_dim_96_routes_by_family(monkeypatch):
+    """d = 80 (tile 96): by default bwd_sm90 (dQ into the accumulator, 32-column boxes), whose dQ mode is
+    always the accumulator's; the mma.sync family forced keeps its separate dQ kernel there (bwd.DQ_MODE);
+    an mma.sync spec forced through specs= runs the separate pair as before; an explicit dq_mode wins."""
+    torch = pytest.importorskip("torch")
+    from flashgen.api import backward
+
+    launched, maps = fake_device(monkeypatch)
+    b, h, hk, nq, nk, d = 1, 4, 2, 200, 130, 80
+    q, do = (torch.empty(b, h, nq, d, dtype=torch.bfloat16, device="meta") for _ in range(2))
+    k, v = (torch.empty(b, hk, nk, d, dtype=torch.bfloat16, device="meta") for _ in range(2))
+    out, lse = torch.empty_like(q), torch.empty(b, h, nq, device="meta")
+
+    def kinds(**kw):
+        launched.clear()
+        backward.attention_backward(do, q, k, v, out, lse, False, 0.1, **kw)
+        return [s.kind for s, _, _ in launched]
+
+    monkeypatch.delenv("FLASHGEN_BWD_FAMILY", raising=False)
+    assert kinds() == ["bwd_preprocess", "bwd_sm90", "bwd_convert"]
+    assert launched[1][0] == bwd90(96) and launched[1][1] == (2, hk, b)
+    assert ("bf16", (d, nq, h, b), (32, 64, 1, 1)) in maps and ("fp32", (96, nq, h, b), (32, 64, 1, 1)) in maps
+    assert kinds(deterministic=True)[1] == "bwd_sm90" and launched[1][0] == bwd90(96).replace(det=True)
+    assert kinds(dq_mode="separate") == ["bwd_preprocess", "bwd_dkdv_nodq", "bwd_dq"]
+    monkeypatch.setenv("FLASHGEN_BWD_FAMILY", "bwd_dkdv")
+    assert kinds() == ["bwd_preprocess", "bwd_dkdv_nodq", "bwd_dq"]
+    assert kinds(dq_mode="atomic") == ["bwd_preprocess", "bwd_dkdv", "bwd_convert"]
+    monkeypatch.delenv("FLASHGEN_BWD_FAMILY")
+    mma = dispatch.select(ProblemKey("bwd_dkdv", "sm_90a", "bf16", 96, False, 512), None, BUDGET, family="bwd_dkdv")
+    assert kinds(specs={"bwd_dkdv": mma}) == ["bwd_preprocess", "bwd_dkdv_nodq", "bwd_dq"]
+
+
 def test_torch_deterministic_algorithms_take_the_deterministic_path(monkeypatch):
     """torch.use_deterministic_algorithms(True) when the backward runs: the det twin, as deterministic=True
     gives; a backward with no deterministic form (mods) raises torch's RuntimeError, or warns with

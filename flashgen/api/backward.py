@@ -211,10 +211,10 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
             # softcap and a window spills): the mma.sync kernel serves it.
             kv_spec = dispatch.select(key, dev.gpu, dev.smem_budget, verify=True,
                                       family=families.fallback_family("bwd_dkdv", dev.arch))
-        if dq_mode is None:  # bwd.DQ_MODE is the mma.sync kernel's rule; the Hopper kernel adds into the accumulator
-            dq_mode = bwd.dq_mode(d_tile) if kv_spec.kind == bwd.DKDV.kind else "atomic"
-            if dq_mode == "separate":
-                kv_spec = None
+    if dq_mode is None:  # bwd.DQ_MODE is the mma.sync kernel's rule; the Hopper kernel adds into the accumulator
+        dq_mode = bwd.dq_mode(d_tile) if kv_spec.kind == bwd.DKDV.kind else "atomic"
+        if dq_mode == "separate" and forced is None:
+            kv_spec = None  # bwd_dkdv_nodq, below
     kv_fam = families.family(kv_spec.kind) if kv_spec is not None else bwd.DKDV
     if kv_fam is bwd.DKDV and dq_mode == "atomic" and b * h * nq * d_tile >= 2**32:
         # bwd_dkdv addresses the fp32 dQ accumulator by 32-bit element offsets.
