@@ -20,15 +20,19 @@ BUDGET = gpus.ARCH_SMEM_PER_BLOCK["sm_90a"]
 
 
 def bwd90(d=128, bn=128, st=2, dq_write=0, causal=False, dtype="bf16"):
+    consumers = 2 if d > 128 else bn // 64  # (above 128: two warpgroups over the same 64 keys)
     return KernelSpec(kind="bwd_sm90", arch="sm_90a", dtype=dtype, head_dim=d, block_m=64, block_n=bn,
-                      warps=4 * (bn // 64 + 1), stages=st, dq_write=dq_write, causal=causal)
+                      warps=4 * (consumers + 1), stages=st, dq_write=dq_write, causal=causal)
 
 
 DEFAULTS = [s for s in families.rule_specs("sm_90a", BUDGET) if s.kind == "bwd_sm90"]
 # What the GPU tests and the backward benchmark's variants run beside the defaults.
 VARIANTS = [bwd90(d, 128, st, w, c, dt) for d in (32, 64, 96, 128) for st in (2, 3) for w in (0, 1, 2)
             for c in (False, True) for dt in ("bf16", "fp16") if (d, st, w) != (128, 3, 2)] + [
-    bwd90(64, 64, st, w, c) for st in (2, 3) for w in (0, 1) for c in (False, True)]
+    bwd90(64, 64, st, w, c) for st in (2, 3) for w in (0, 1) for c in (False, True)] + [
+    # above d = 128, dK/dV split by columns over 64 keys (served through specs= only, not the rule yet)
+    bwd90(d, 64, 2, w, c, dt) for d, w in ((192, 0), (192, 1), (256, 1)) for c in (False, True)
+    for dt in ("bf16", "fp16")]
 # deterministic=True's twins of the defaults (dQ's adds take turns: the det field)
 DET = [s.replace(det=True) for s in DEFAULTS]
 ALL = list(dict.fromkeys(DEFAULTS + VARIANTS + DET))
@@ -81,14 +85,23 @@ def test_family_rules_and_smem_formula():
     for s in ALL:
         d, bn, st = s.head_dim, s.block_n, s.stages
         staging = {0: 2 if s.det else 1, 1: 0, 2: 2}[s.dq_write]  # (tiles: two where the dQ writer adds them)
-        want = 2 * d * 2 * bn + 2 * st * 64 * d * 2 + 2 * bn * 64 * 2 + staging * 64 * d * 4 \
+        p_t = 2 * bn * 64 * 2 if d > 128 else 0  # (split: P^T's two buffers)
+        want = 2 * d * 2 * bn + 2 * st * 64 * d * 2 + 2 * bn * 64 * 2 + p_t + staging * 64 * d * 4 \
             + 2 * st * 64 * 4 + 1024
         assert s.smem_bytes() == want, s.name
         if d % 64 == 0:
-            assert fam.dq_cols(s) == (d // (bn // 64),) * 2
+            assert fam.dq_cols(s) == (d // fam.consumers(s),) * 2
     assert fam.dq_cols(bwd90(96)) == (64, 32) and fam.dq_cols(bwd90(32)) == (32, 0)
     assert fam.dq_cols(bwd90(96, bn=64)) == (96, 96) and fam.panel_cols(bwd90(96)) == 32
     assert fam.panel_cols(bwd90(128)) == 64 and fam.panel_cols(bwd90(32)) == 32
+    # above 128: two consumer warpgroups over 64 keys, d / 2 columns each, starting on a panel
+    assert fam.consumers(bwd90(256, bn=64)) == 2 and fam.dq_cols(bwd90(192, bn=64)) == (96, 96)
+    assert fam.panel_cols(bwd90(192, bn=64)) == 32 and fam.panel_cols(bwd90(256, bn=64)) == 64
+    ctx = bwd90(256, bn=64, dq_write=1).context()
+    assert (ctx["split"], ctx["qn"], ctx["dkv_n"], ctx["dq_n"]) == (True, 32, 128, 128)
+    with pytest.raises(ValueError, match="block_n=64"):
+        bwd90(256, bn=128).validate()
+    assert any("shared memory" in r for r in bwd90(256, bn=64).check(H200))  # the fp32 staging does not fit
     ctx = bwd90().context()
     assert ctx["dq_n"] == 64 and ctx["producer_regs"] == 24 and ctx["consumer_regs"] == 240
     # det: two staging tiles (the consumers write one while the dQ writer adds the other); the writer
@@ -235,7 +248,8 @@ def test_tensor_maps(monkeypatch, layout, d, D):
 # ---------------------------------------------------------------- the addressing model
 
 
-@pytest.mark.parametrize("d,bn", [(64, 128), (128, 128), (64, 64), (32, 128), (96, 128), (96, 64), (32, 64)])
+@pytest.mark.parametrize("d,bn", [(64, 128), (128, 128), (64, 64), (32, 128), (96, 128), (96, 64), (32, 64),
+                                  (192, 64), (256, 64)])
 def test_smem_layout_model(d, bn):
     """CPU model of bwd_sm90's shared-memory addressing (the constants of bwd_sm90.cuh, restated).
 
@@ -250,12 +264,18 @@ def test_smem_layout_model(d, bn):
     panels split over the warpgroups as the kernel splits them (the first take one more; each computes
     the widest share over a window ending at d, and stages only its own columns). The fp32
     staging stores (row base XOR 32 (nj % 4)) must be where the TMA's reduce reads a 32-column box
-    (128-byte swizzle on 4-byte elements).
+    (128-byte swizzle on 4-byte elements). Above d = 128 (split): both warpgroups hold every key, S^T
+    / dP^T for 32 queries each (B's rows from 32 cw), P^T and dS^T stored with that query offset, and
+    dV / dK of d / 2 columns each from SS descriptors (A K-major from the P^T / dS^T buffers, B MN-major
+    from the warpgroup's first panel).
     """
     import numpy as np
 
-    bm, st, nwg = 64, 2, bn // 64
-    rb = 128 if d % 64 == 0 else 64  # bytes per swizzle row of Q, K, V, dO
+    split = d > 128
+    bm, st, nwg = 64, 2, 2 if split else bn // 64
+    half = d // 2 if split else d  # a warpgroup's dK / dV columns
+    qn = bm // 2 if split else bm  # a warpgroup's S^T / dP^T queries
+    rb = 128 if half % 64 == 0 and d % 64 == 0 else 64  # bytes per swizzle row of Q, K, V, dO
     pc, kpp = rb // 2, rb // 32  # columns per panel, k16 steps per panel row
     dqp = d // 32
     dq_lo, dq_hi = dqp // nwg * 32, -(-dqp // nwg) * 32
@@ -286,8 +306,9 @@ def test_smem_layout_model(d, bn):
     sQ = sV + kv_bytes
     sdO = sQ + st * qt_bytes
     sdS = sdO + st * qt_bytes
-    sStg = sdS + 2 * ds_bytes
-    assert all(x % 1024 == 0 for x in (sV, sQ, sdO, sdS, sStg, qt_bytes))  # (the swizzles' periods)
+    sP = sdS + 2 * ds_bytes  # (split: P^T's two buffers)
+    sStg = sP + (2 * ds_bytes if split else 0)
+    assert all(x % 1024 == 0 for x in (sV, sQ, sdO, sdS, sP, sStg, qt_bytes))  # (the swizzles' periods)
     rng = np.random.default_rng(0)
     s, buf = 1, 1  # stage 1, dS buffer 1
     smem = {}
@@ -297,47 +318,62 @@ def test_smem_layout_model(d, bn):
         for r in range(rows):
             for c in range(d):
                 smem[tma_addr(base, rows, r, c, row=rb)] = M[r, c]
-    dS = rng.integers(-3, 4, size=(bm, bn))  # queries x keys
+    dS, P = (rng.integers(-3, 4, size=(bm, bn)) for _ in range(2))  # queries x keys
     # dS^T stores, stmatrix x4 per k16 step kk of warp wq in warpgroup cw: lane l addresses row l % 8 of
     # matrix l / 8; matrix i's row r is written from register i of lanes 4r .. 4r + 3, lane 4r + t holding
     # its pair at columns 2t, 2t + 1; register i of a thread is da[kk][i], (key row g + 8 (i % 2),
-    # queries 8 (2kk + i // 2) + 2t, + 1) with g = r.
+    # queries qh0 + 8 (2kk + i // 2) + 2t, + 1) with g = r (split: qh0 = 32 cw, the rows every key's, and
+    # P^T stored likewise 2 buffers after).
     written = set()
-    for cw in range(nwg):
-        for wq in range(4):
-            bases = [sdS + (cw * 64 + wq * 16 + 8 * ((lane >> 3) & 1) + (lane & 7)) * 128
-                     + ((((lane >> 4) ^ lane) & 7) << 4) + buf * ds_bytes for lane in range(32)]
-            for kk in range(bm // 16):
-                for i in range(4):
-                    for r in range(8):
-                        row_addr = bases[8 * i + r] ^ (kk << 5)
-                        key, nj = cw * 64 + wq * 16 + r + 8 * (i % 2), 2 * kk + i // 2
-                        for t in range(4):
-                            a = row_addr + 4 * t
-                            smem[a], smem[a + 2] = dS[8 * nj + 2 * t, key], dS[8 * nj + 2 * t + 1, key]
-                            written |= {a, a + 2}
-    assert len(written) == bn * bm  # every element of the buffer once
+    for M, off in ((dS, 0), (P, 2 * ds_bytes)) if split else ((dS, 0),):
+        for cw in range(nwg):
+            qh0, k0 = (qn * cw, 0) if split else (0, cw * 64)
+            for wq in range(4):
+                bases = [sdS + (k0 + wq * 16 + 8 * ((lane >> 3) & 1) + (lane & 7)) * 128
+                         + ((((lane >> 4) ^ lane) & 7) << 4) + buf * ds_bytes for lane in range(32)]
+                for kk in range(qn // 16):
+                    for i in range(4):
+                        for r in range(8):
+                            row_addr = (bases[8 * i + r] + off) ^ ((kk + qh0 // 16) << 5)
+                            key, nj = k0 + wq * 16 + r + 8 * (i % 2), 2 * kk + i // 2
+                            for t in range(4):
+                                a = row_addr + 4 * t
+                                q = qh0 + 8 * nj + 2 * t
+                                smem[a], smem[a + 2] = M[q, key], M[q + 1, key]
+                                written |= {a, a + 2}
+    assert len(written) == bn * bm * (2 if split else 1)  # every element of the buffers once
     staged = set()
     for cw in range(nwg):
         # S^T = K_w Q^T (and dP^T = V_w dO^T, same descriptors)
+        qh0, k0, dkv0 = (qn * cw, 0, half * cw) if split else (0, cw * 64, 0)
         for A, B, sa, sb in ((K, Q, sK, sQ), (V, dO, sV, sdO)):
-            S = np.zeros((64, bm), dtype=np.int64)
+            S = np.zeros((64, qn), dtype=np.int64)
             for kk in range(d // 16):
-                a0 = sa + cw * 64 * rb + kmajor_off(kk, bn)
-                b0 = sb + s * qt_bytes + kmajor_off(kk, bm)
+                a0 = sa + k0 * rb + kmajor_off(kk, bn)
+                b0 = sb + s * qt_bytes + qh0 * rb + kmajor_off(kk, bm)
                 Am = np.array([[smem[kmajor(a0, i, k)] for k in range(16)] for i in range(64)])
-                Bm = np.array([[smem[kmajor(b0, n, k)] for k in range(16)] for n in range(bm)])
+                Bm = np.array([[smem[kmajor(b0, n, k)] for k in range(16)] for n in range(qn)])
                 S += Am @ Bm.T
-            assert (S == A[cw * 64:cw * 64 + 64] @ B.T).all()
-        # dV += P^T dO, dK += dS^T Q: B MN-major, LBO = the panel stride of a 64-row tile
-        P = rng.integers(-3, 4, size=(64, bm))
-        for B, sb in ((dO, sdO), (Q, sQ)):
-            O = np.zeros((64, d), dtype=np.int64)
+            assert (S == A[k0:k0 + 64] @ B[qh0:qh0 + qn].T).all()
+        # dV += P^T dO, dK += dS^T Q: B MN-major from the warpgroup's first column (a panel's), LBO = the
+        # panel stride of a 64-row tile; A from registers (a random P^T here), or (split) K-major from the
+        # P^T / dS^T buffers (128-byte rows of 64 queries, k16 step kk at byte 32 kk)
+        Pr = rng.integers(-3, 4, size=(64, bm))
+        assert dkv0 % pc == 0
+        for B, sb, At, sa in ((dO, sdO, P.T, sP), (Q, sQ, dS.T, sdS)):
+            At = At if split else Pr
+            O = np.zeros((64, half), dtype=np.int64)
             for kk in range(bm // 16):
-                b0 = sb + s * qt_bytes + kk * 16 * rb
-                Bm = np.array([[smem[mnmajor(b0, bm * rb, k, n)] for n in range(d)] for k in range(16)])
-                O += P[:, 16 * kk:16 * kk + 16] @ Bm
-            assert (O == P @ B).all()
+                b0 = sb + s * qt_bytes + (dkv0 // pc) * bm * rb + kk * 16 * rb
+                Bm = np.array([[smem[mnmajor(b0, bm * rb, k, n)] for n in range(half)] for k in range(16)])
+                if split:
+                    a0 = sa + buf * ds_bytes + 32 * kk
+                    Am = np.array([[smem[swz(a0 + (i // 8) * 1024 + (i % 8) * 128 + 2 * k)] for k in range(16)]
+                                   for i in range(64)])
+                else:
+                    Am = At[:, 16 * kk:16 * kk + 16]
+                O += Am @ Bm
+            assert (O == At @ B[:, dkv0:dkv0 + half]).all()
         n, c0, w0 = dq_n[cw], dq_c0[cw], dq_w0[cw]
         assert w0 <= c0 and c0 + n <= w0 + dq_hi <= d and w0 % 32 == 0
         # dQ[:, window] = dS K[:, window]: A = dS MN-major (128-byte rows) from sdS, B = K MN-major

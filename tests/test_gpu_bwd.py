@@ -145,15 +145,19 @@ def ran_family(family, d=None):
 def _sm90(d, bn=128, st=2, dq_write=0, causal=False, dtype="bf16"):
     from flashgen import KernelSpec
 
+    consumers = 2 if d > 128 else bn // 64  # (above 128: two warpgroups over the same 64 keys)
     return KernelSpec(kind="bwd_sm90", arch="sm_90a", dtype=dtype, head_dim=d, block_m=64, block_n=bn,
-                      warps=4 * (bn // 64 + 1), stages=st, dq_write=dq_write, causal=causal)
+                      warps=4 * (consumers + 1), stages=st, dq_write=dq_write, causal=causal)
 
 
 # bwd_sm90 variants beside its default rule: the other ring depth, the red.global dQ write and the dQ
 # writer warp (families.bwd_sm90.DQ_WRITES), 64-key tiles.
 SM90_VARIANTS = [_sm90(d, 128, st, dq_write, c, dt) for d in (32, 64, 96, 128)
                  for st, dq_write in ((2, 1), (3, 0), (2, 2)) for c in (False, True) for dt in ("bf16", "fp16")] + [
-    _sm90(d, 64, 2, dq_write, c) for d in (32, 64, 96) for dq_write in (0, 1, 2) for c in (False, True)]
+    _sm90(d, 64, 2, dq_write, c) for d in (32, 64, 96) for dq_write in (0, 1, 2) for c in (False, True)] + [
+    # above d = 128: dK/dV split by columns over 64 keys (specs= only until measured)
+    _sm90(d, 64, 2, dq_write, c, dt) for d, dq_write in ((192, 0), (192, 1), (256, 1)) for c in (False, True)
+    for dt in ("bf16", "fp16")]
 
 
 FAMILIES = ["bwd_dkdv", "bwd_sm90"]
@@ -211,7 +215,8 @@ def test_grads_bshd_gqa(nq, nk, causal, dtype, family, monkeypatch):
 @pytest.mark.parametrize("nq,nk", [(113, 203), (1023, 1024), (1, 239)])
 def test_grads_bwd_sm90_variants(nq, nk, spec):
     """bwd_sm90's variants through specs= (GQA 4:1): the 3-stage ring, dQ by red.global.add from
-    registers (dq_write 1) and by the dQ writer warp (dq_write 2), one consumer warpgroup (64-key tiles)."""
+    registers (dq_write 1) and by the dQ writer warp (dq_write 2), one consumer warpgroup (64-key tiles),
+    and head dims 192 / 256 with dK/dV split by columns."""
     if not is_sm90():
         pytest.skip("bwd_sm90 needs an sm_90a GPU")
     check(2, 4, 1, nq, nk, spec.head_dim, spec.dtype, spec.causal, spec=spec)

@@ -53,8 +53,16 @@ BWD_SM90_TILES = {
 
 
 class Bwd90Family(Family):
+    @staticmethod
+    def split(spec) -> bool:
+        """Head dims above 128: dK and dV split by columns over two consumer warpgroups of the same 64
+        keys (S^T / dP^T by queries, P^T and dS^T through shared memory): each warpgroup's dK/dV for
+        all the columns would not fit its registers. Served through ``specs=`` only (not the rule)
+        until measured on a GPU."""
+        return spec.head_dim > 128
+
     def consumers(self, spec) -> int:
-        return spec.block_n // 64
+        return 2 if self.split(spec) else spec.block_n // 64
 
     def dq_cols(self, spec) -> tuple[int, int]:
         """dQ columns the consumer warpgroups add, (most, fewest): the head dim's 32-column fp32 panels
@@ -63,11 +71,13 @@ class Bwd90Family(Family):
         panels, wgs = spec.head_dim // 32, self.consumers(spec)
         return -(-panels // wgs) * 32, panels // wgs * 32
 
-    @staticmethod
-    def panel_cols(spec) -> int:
+    @classmethod
+    def panel_cols(cls, spec) -> int:
         """Columns per swizzle panel of the Q, K, V, dO tiles (and their TMA boxes): 64 (128-byte rows)
-        where the head dim is a multiple of 64, else 32 (64-byte rows: d = 32, 96)."""
-        return 64 if spec.head_dim % 64 == 0 else 32
+        where the head dim (split: a warpgroup's half, which must start on a panel) is a multiple of 64,
+        else 32 (64-byte rows: d = 32, 96, 192)."""
+        d = spec.head_dim // 2 if cls.split(spec) else spec.head_dim
+        return 64 if d % 64 == 0 else 32
 
     def validate(self, spec) -> None:
         self.require(spec, (("head_dim", self.head_dims), ("block_m", self.block_ms), ("block_n", self.block_ns),
@@ -84,6 +94,9 @@ class Bwd90Family(Family):
                              f"warpgroup(s) and a producer: warps={want}, got {spec.warps}")
         if spec.head_dim % 32:
             raise ValueError(f"{self.kind}: head_dim={spec.head_dim} is not a multiple of 32 (the dQ panels)")
+        if self.split(spec) and spec.block_n != 64:
+            raise ValueError(f"{self.kind}: head_dim={spec.head_dim} splits dK/dV by columns over 64 keys: "
+                             f"block_n=64, got {spec.block_n}")
 
     def complete(self, knobs: dict) -> dict:
         """block_m is fixed (64) and warps follows from block_n: neither is a knob."""
@@ -106,7 +119,8 @@ class Bwd90Family(Family):
         # first row, 4 floats more each.
         bm, bn, d, st = spec.block_m, spec.block_n, spec.head_dim, spec.stages
         rows = bm + (4 if spec.varlen else 0)
-        return 2 * d * (2 * bn + 2 * st * bm) + 4 * bn * bm + self.staging_bytes(spec) + 8 * st * rows + 1024
+        p_t = 4 * bn * bm if self.split(spec) else 0  # split: P^T through shared memory, two buffers as dS^T's
+        return 2 * d * (2 * bn + 2 * st * bm) + 4 * bn * bm + p_t + self.staging_bytes(spec) + 8 * st * rows + 1024
 
     def regs(self, spec) -> tuple[int, int]:
         """(producer, consumer) registers per thread after setmaxnreg (two or more consumers). The pool is
@@ -116,10 +130,11 @@ class Bwd90Family(Family):
         return {2: (24, 240), 3: (24, 160)}.get(self.consumers(spec), (0, 0))
 
     def acc_floats(self, spec) -> int:
-        """fp32 values live per consumer thread at the peak: dK and dV (head_dim / 2 each) plus
-        S^T and dP^T (block_m / 2 each), or plus packed P^T, dS^T and the dQ part."""
-        d, bm = spec.head_dim, spec.block_m
-        return d + max(bm, bm // 2 + self.dq_cols(spec)[0] // 2)
+        """fp32 values live per consumer thread at the peak: dK and dV (head_dim / 2 each; split: half
+        that) plus S^T and dP^T (block_m / 2 each; split: half that), or plus packed P^T, dS^T and the dQ
+        part."""
+        d, q = (spec.head_dim // 2, spec.block_m // 2) if self.split(spec) else (spec.head_dim, spec.block_m)
+        return d + max(q, q // 2 + self.dq_cols(spec)[0] // 2)
 
     def extra_checks(self, spec, profile) -> list[str]:
         return hopper_checks(self, spec, profile, "addressing")
@@ -128,7 +143,9 @@ class Bwd90Family(Family):
         producer, consumer = self.regs(spec)
         return {"params": [(n, c) for n, c, _ in self.params], "param_bytes": ctypes.sizeof(self.param_struct()),
                 "producer_regs": producer or 24, "consumer_regs": consumer or 240,
-                "dq_n": self.dq_cols(spec)[0],
+                "dq_n": self.dq_cols(spec)[0], "split": self.split(spec),
+                "qn": spec.block_m // 2 if self.split(spec) else spec.block_m,
+                "dkv_n": spec.head_dim // 2 if self.split(spec) else spec.head_dim,
                 "staging_bytes": self.staging_bytes(spec), "dq_write_how": DQ_WRITES[spec.dq_write],
                 "dp_late": spec.dp_late, "det": spec.det, **variant_context(spec), **mod_context(spec, backward=True)}
 
@@ -177,6 +194,6 @@ class Bwd90Family(Family):
                        128)
 
 
-FAMILY = Bwd90Family("bwd_sm90", "bwd_sm90/bwd_sm90.cu.j2", SM90_BWD_PARAMS, problem="bwd_dkdv", head_dims=(32, 64, 96, 128),
+FAMILY = Bwd90Family("bwd_sm90", "bwd_sm90/bwd_sm90.cu.j2", SM90_BWD_PARAMS, problem="bwd_dkdv", head_dims=(32, 64, 96, 128, 192, 256),
                      block_ms=(64,), block_ns=(64, 128), warps=(8, 12), stages=(2, 3), archs=("sm_90a",),
                      tiles=BWD_SM90_TILES, gemms=5, query_outer=False, tune_space=(("block_n", (64, 128)), ("stages", (2, 3)), ("dq_write", (0, 1, 2))))

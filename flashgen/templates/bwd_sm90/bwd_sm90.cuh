@@ -32,6 +32,11 @@
 //              (below) instead of a consumer thread (dense rows, no mods).
 // dK is scaled by the softmax scale at the end (dQ's scale: bwd_convert).
 //
+// Head dims above 128 (SPLIT): 64 keys a CTA and both consumer warpgroups over all of them; warpgroup
+// cw computes S^T / dP^T for queries [32 cw, 32 cw + 32) (m64n32), stores its P^T and dS^T columns
+// (sP, sdS), and after the barrier adds dV[:, its D / 2 columns] += P^T dO and dK likewise by SS wgmmas
+// (A K-major from sP / sdS, B from the columns' first panel), then dQ as above (D / 2 columns each).
+//
 // Deterministic (DET, DQW = 0; its writer as DQW = 2's, with turns): the CTAs that add to one (batch,
 // query head, query block) of dQ take turns in a fixed order, so the fp32 sums, and dQ, are the same
 // bits on every run. p.dq_sem holds one counter per (batch, query head, query block), zeroed by the
@@ -156,10 +161,15 @@ struct bwd_sparse_walk {
 template <int D, int BM, int BN, int ST, int DQW, bool CAUSAL, bool BF16, int PRODUCER_REGS, int CONSUMER_REGS,
           typename V, bool DPL, bool DET, typename Params>
 FG_DEVICE void bwd_sm90_body(const Params& p) {
-  constexpr int NWG = BN / 64;            // consumer warpgroups, 64 keys each
-  // Q, K, V, dO rows in panels of RB-byte swizzle rows: 128 bytes (64 columns) where D is a multiple of
-  // 64, else 64 bytes (32 columns: D = 32, 96), so that no panel holds columns past the tile.
-  constexpr int RB = D % 64 == 0 ? 128 : 64;
+  // SPLIT (D > 128): dK and dV split by columns over two consumer warpgroups of the same 64 keys (each
+  // warpgroup's D floats of dK/dV a thread, beside S^T and dP^T, pass the registers above 128): S^T and
+  // dP^T split by queries (32 each), P^T and dS^T through shared memory, dV / dK by SS wgmmas.
+  constexpr bool SPLIT = D > 128;
+  constexpr int NWG = SPLIT ? 2 : BN / 64;  // consumer warpgroups: 64 keys each, or (SPLIT) D / 2 columns
+  // Q, K, V, dO rows in panels of RB-byte swizzle rows: 128 bytes (64 columns) where D (SPLIT: D / 2, a
+  // warpgroup's columns, which must start on a panel) is a multiple of 64, else 64 bytes (32 columns:
+  // D = 32, 96, 192), so that no panel holds columns past the tile.
+  constexpr int RB = D % 64 == 0 && (!SPLIT || (D / 2) % 64 == 0) ? 128 : 64;
   constexpr int PC = RB / 2;              // columns per panel
   constexpr int PANELS = D / PC;          // panels per row
   constexpr int KPP = RB / 32;            // k16 steps per K-major panel row
@@ -176,10 +186,14 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   constexpr bool WRITER = DET || DQW == 2;  // the dQ writer adds the staged parts
   constexpr int STG_ONE = BM * D * 4;     // one fp32 dQ staging tile: D/32 panels of BM x 128 bytes
   constexpr int STG_BYTES = DQW != 1 ? (WRITER ? 2 : 1) * STG_ONE : 0;  // (the writer's: two)
-  constexpr int NJ = BM / 8;              // n8 chunks of S^T / dP^T
+  constexpr int QN = SPLIT ? BM / 2 : BM;  // queries of a warpgroup's S^T / dP^T
+  constexpr int DKV = SPLIT ? D / 2 : D;  // columns of a warpgroup's dK / dV
+  constexpr int NJ = QN / 8;              // n8 chunks of S^T / dP^T
+  constexpr int KP = QN / 16;             // k16 steps of P^T / dS^T in registers
   constexpr int KS = BM / 16;             // k16 steps of dV / dK
   static_assert(BM == 64, "a dS^T row is one 128-byte swizzle row (64 queries)");
-  static_assert(BN % 64 == 0 && D % 32 == 0 && ST >= 2, "bad bwd_sm90 tile");
+  static_assert(BN % 64 == 0 && D % 32 == 0 && ST >= 2 && (!SPLIT || (BN == 64 && (D / 2) % 32 == 0)),
+                "bad bwd_sm90 tile");
   static_assert(DQ_HI <= 256, "dQ columns per warpgroup: one wgmma");
   static_assert(!DET || DQW == 0, "deterministic dQ: the TMA adds");
   static_assert(!WRITER || (!V::VARLEN_ROWS && !V::SPARSE), "the dQ writer walks dense rows");
@@ -192,7 +206,8 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   const fg_u32 sQ = sV + KV_BYTES;
   const fg_u32 sdO = sQ + ST * QT_BYTES;
   const fg_u32 sdS = sdO + ST * QT_BYTES;
-  const fg_u32 sStg = sdS + 2 * DS_BYTES;
+  const fg_u32 sP = sdS + 2 * DS_BYTES;  // SPLIT: P^T, two buffers as dS^T's
+  const fg_u32 sStg = sP + (SPLIT ? 2 * DS_BYTES : 0);
   // Packed rows: a sequence's LSE2 / D rows need not start 16-byte aligned (no padding between
   // sequences), so each stage's copy starts at the aligned row before and holds 4 floats more (RS).
   constexpr int RS = V::VARLEN_ROWS ? BM + 4 : BM;  // floats per stage of LSE2 (and of D)
@@ -335,7 +350,9 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   const int cw = __shfl_sync(0xffffffffu, wg, 0) - 1;  // warp-uniform for the compiler (fwd_sm90.cuh, cw)
   const int ltid = tid % 128, wq = ltid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
-  const int key0 = n0 + cw * 64;               // this warpgroup's first key
+  const int key0 = n0 + (SPLIT ? 0 : cw * 64);  // this warpgroup's first key
+  const int qh0 = SPLIT ? cw * QN : 0;           // its first query of a block (S^T, dP^T)
+  const int dkv0 = SPLIT ? cw * DKV : 0;         // its first column of dK / dV
   const int krow = wq * 16 + g;                // this thread's key rows: krow and krow + 8 (of the 64)
   // This warpgroup's dQ columns [dq_c0, dq_c0 + dq_n), inside its GEMM's window [dq_w0, dq_w0 + DQ_HI):
   // accumulator chunks (8 columns) dq_skip .. dq_skip + dq_n / 8 are its own.
@@ -349,13 +366,16 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   // K as B of dQ; dS as A of dQ: MN-major SW128 (its rows are 64 queries). K for dQ: this warpgroup's
   // columns start in panel dq_c0 / PC, at byte 2 (dq_c0 % PC) of its rows (inside the swizzle row: the
   // swizzle is applied to the address). (Its GEMM reads the window from dq_w0.)
-  const fg_u64 desc_k = smem_desc(sK + cw * 64 * RB, 16, 8 * RB, SWZ);
-  const fg_u64 desc_v = smem_desc(sV + cw * 64 * RB, 16, 8 * RB, SWZ);
-  const fg_u64 desc_q = smem_desc(sQ, 16, 8 * RB, SWZ);
-  const fg_u64 desc_do = smem_desc(sdO, 16, 8 * RB, SWZ);
-  const fg_u64 desc_qmn = smem_desc(sQ, BM * RB, 8 * RB, SWZ);
-  const fg_u64 desc_domn = smem_desc(sdO, BM * RB, 8 * RB, SWZ);
+  // SPLIT: S^T / dP^T of every key for queries qh0.. (B's rows start there); dV / dK's B from column
+  // dkv0 (a panel's first) and A (P^T, dS^T) K-major from shared memory (128-byte rows of 64 queries).
+  const fg_u64 desc_k = smem_desc(sK + (SPLIT ? 0 : cw * 64 * RB), 16, 8 * RB, SWZ);
+  const fg_u64 desc_v = smem_desc(sV + (SPLIT ? 0 : cw * 64 * RB), 16, 8 * RB, SWZ);
+  const fg_u64 desc_q = smem_desc(sQ + qh0 * RB, 16, 8 * RB, SWZ);
+  const fg_u64 desc_do = smem_desc(sdO + qh0 * RB, 16, 8 * RB, SWZ);
+  const fg_u64 desc_qmn = smem_desc(sQ + (dkv0 / PC) * BM * RB, BM * RB, 8 * RB, SWZ);
+  const fg_u64 desc_domn = smem_desc(sdO + (dkv0 / PC) * BM * RB, BM * RB, 8 * RB, SWZ);
   const fg_u64 desc_ds = sw128_desc(sdS, DS_BYTES, 1024);
+  const fg_u64 desc_pk = sw128_desc(sP, 16, 1024), desc_dsk = sw128_desc(sdS, 16, 1024);  // (SPLIT)
   const fg_u64 desc_kmn = smem_desc(sK + (dq_w0 / PC) * BN * RB + (dq_w0 % PC) * 2, BN * RB, 8 * RB, SWZ);
   // Offsets (16-byte units) of k16 step kk: K-major inside a tile of `rows` rows (KPP steps a panel
   // row); MN-major: 16 rows (of RB bytes; dS's: 128).
@@ -365,14 +385,14 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   auto mn_off = [](int kk) { return static_cast<fg_u64>(kk * 16 * RB >> 4); };
   auto ds_off = [](int kk) { return static_cast<fg_u64>(kk * 16 * 128 >> 4); };
 
-  float acc_dk[D / 2], acc_dv[D / 2];
+  float acc_dk[DKV / 2], acc_dv[DKV / 2];
 #pragma unroll
-  for (int i = 0; i < D / 2; ++i) {
+  for (int i = 0; i < DKV / 2; ++i) {
     acc_dk[i] = 0.f;
     acc_dv[i] = 0.f;
   }
 
-  float acc_s[BM / 2], acc_dp[BM / 2], acc_dq[DQ_HI / 2];
+  float acc_s[QN / 2], acc_dp[QN / 2], acc_dq[DQ_HI / 2];
   mbar_wait(bar_kv, 0);  // always: the CTA must not exit with the K/V copy in flight
   int hc = 0, mc = m_first;
   bwd_sparse_walk walk{nullptr, -1, 0, 0};
@@ -420,21 +440,21 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
     // ---- P^T (packed 16-bit pairs in the A-fragment order) while dP^T runs
     wgmma_wait<DP_LATE ? 0 : 1>();
     reg_fence(acc_s);
-    fg_u32 pa[KS][4], da[KS][4];
+    fg_u32 pa[KP][4], da[KP][4];
     {
-      bool need_mask = var.needs_mask(key0, 64, m0, m0 + BM - 1);
+      bool need_mask = var.needs_mask(key0, 64, m0 + qh0, m0 + qh0 + QN - 1);
       if constexpr (V::SPARSE) need_mask = partial || key0 + 64 > var.nk;
       if constexpr (V::USER) need_mask = need_mask || m0 + BM > var.nq;  // (a mod's value past the rows: hidden)
 #pragma unroll
       for (int nj = 0; nj < NJ; ++nj) {
         float l2[2];
         if constexpr (V::VARLEN_ROWS) {
-          const fg_u32 at = sL + (s * RS + (q_off & 3) + 8 * nj + 2 * t) * 4;
-          const int q = m0 + 8 * nj + 2 * t;
+          const fg_u32 at = sL + (s * RS + (q_off & 3) + qh0 + 8 * nj + 2 * t) * 4;
+          const int q = m0 + qh0 + 8 * nj + 2 * t;
           l2[0] = q < var.nq ? lds_f32(at) : INFINITY;
           l2[1] = q + 1 < var.nq ? lds_f32(at + 4) : INFINITY;
         } else {
-          lds_f32x2(sL + s * BM * 4 + (8 * nj + 2 * t) * 4, l2[0], l2[1]);
+          lds_f32x2(sL + s * BM * 4 + (qh0 + 8 * nj + 2 * t) * 4, l2[0], l2[1]);
         }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -445,12 +465,12 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
             if constexpr (V::PLAIN) {
               if (need_mask) {
                 const int key = key0 + krow + 8 * h;
-                const int q = m0 + 8 * nj + 2 * t + e;
+                const int q = m0 + qh0 + 8 * nj + 2 * t + e;
                 if (key >= (V::VARLEN_ROWS ? var.nk : p.nk) || (CAUSAL && key > q + diag)) x = -INFINITY;
               }
             } else {
               float tv;
-              x = var.score(x, m0 + 8 * nj + 2 * t + e, key0 + krow + 8 * h, need_mask, tv);
+              x = var.score(x, m0 + qh0 + 8 * nj + 2 * t + e, key0 + krow + 8 * h, need_mask, tv);
               if constexpr (V::DS_FACTOR) acc_s[4 * nj + 2 * h + e] = tv;  // for dS's factor
             }
             pe[e] = fast_exp2(fmaf(x, p.scale_log2, -l2[e]));
@@ -467,11 +487,11 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
     for (int nj = 0; nj < NJ; ++nj) {
       float dd[2];
       if constexpr (V::VARLEN_ROWS) {  // (rows past the sequence have P = 0: any D does)
-        const fg_u32 at = sDd + (s * RS + (q_off & 3) + 8 * nj + 2 * t) * 4;
+        const fg_u32 at = sDd + (s * RS + (q_off & 3) + qh0 + 8 * nj + 2 * t) * 4;
         dd[0] = lds_f32(at);
         dd[1] = lds_f32(at + 4);
       } else {
-        lds_f32x2(sDd + s * BM * 4 + (8 * nj + 2 * t) * 4, dd[0], dd[1]);
+        lds_f32x2(sDd + s * BM * 4 + (qh0 + 8 * nj + 2 * t) * 4, dd[0], dd[1]);
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -492,12 +512,17 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
     // 2kk + l / 16. Row r's chunk c sits at chunk c ^ (r % 8) (r % 8 == l % 8), so the address is one
     // per-lane base XOR 32 kk (the buffer and the row are 1024- and 128-byte aligned: bits 4-6 are the
     // chunk's). The base is rebuilt per block (opaque), as the dQ staging's are. (Sixteen 4-byte
-    // stores a thread before: 4 instructions now.)
+    // stores a thread before: 4 instructions now.) SPLIT: every key row, this warpgroup's queries
+    // from qh0 (chunk 2 (kk + qh0 / 16) + l / 16: XOR 32 (kk + qh0 / 16)), and P^T likewise into sP.
     {
-      const fg_u32 base = opaque(sdS + (cw * 64 + wq * 16 + 8 * ((lane >> 3) & 1) + (lane & 7)) * 128 +
+      const fg_u32 base = opaque(sdS + ((SPLIT ? 0 : cw * 64) + wq * 16 + 8 * ((lane >> 3) & 1) + (lane & 7)) * 128 +
                                  ((((lane >> 4) ^ lane) & 7) << 4)) + buf;
 #pragma unroll
-      for (int kk = 0; kk < NJ / 2; ++kk) stsm_x4(base ^ (kk << 5), da[kk]);
+      for (int kk = 0; kk < KP; ++kk) stsm_x4(base ^ ((kk + qh0 / 16) << 5), da[kk]);
+      if constexpr (SPLIT) {  // (sP: 1024-byte aligned, 2 DS_BYTES after sdS)
+#pragma unroll
+        for (int kk = 0; kk < KP; ++kk) stsm_x4((base + 2 * DS_BYTES) ^ ((kk + qh0 / 16) << 5), pa[kk]);
+      }
     }
     fence_async_smem();
     if constexpr (DQW == 0 && !WRITER) {
@@ -505,14 +530,23 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
     }
     named_sync(1, 128 * NWG);  // every warpgroup's dS^T is in sdS
 
-    // ---- dV += P^T dO_i, dK += dS^T Q_i (RS), then dQ_i part = dS K (SS)
+    // ---- dV += P^T dO_i, dK += dS^T Q_i (RS; SPLIT: SS, A from sP / sdS), then dQ_i part = dS K (SS)
     wgmma_fence();
     {
       const fg_u64 dv_ = opaque_desc(desc_domn) + so, dk_ = opaque_desc(desc_qmn) + so;
+      if constexpr (SPLIT) {  // A: 64 key rows of 128 bytes, k16 step kk at byte 32 kk of the row
+        const fg_u64 pk_ = opaque_desc(desc_pk) + static_cast<fg_u64>(buf >> 4);
+        const fg_u64 sk_ = opaque_desc(desc_dsk) + static_cast<fg_u64>(buf >> 4);
 #pragma unroll
-      for (int kk = 0; kk < KS; ++kk) fg_wgmma_dkv(acc_dv, pa[kk], dv_ + mn_off(kk));
+        for (int kk = 0; kk < KS; ++kk) fg_wgmma_dkv(acc_dv, pk_ + 2 * kk, dv_ + mn_off(kk));
 #pragma unroll
-      for (int kk = 0; kk < KS; ++kk) fg_wgmma_dkv(acc_dk, da[kk], dk_ + mn_off(kk));
+        for (int kk = 0; kk < KS; ++kk) fg_wgmma_dkv(acc_dk, sk_ + 2 * kk, dk_ + mn_off(kk));
+      } else {
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) fg_wgmma_dkv(acc_dv, pa[kk], dv_ + mn_off(kk));
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) fg_wgmma_dkv(acc_dk, da[kk], dk_ + mn_off(kk));
+      }
     }
     wgmma_commit();
     {
@@ -594,8 +628,8 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
     elem_t* rk = dk + static_cast<fg_i64>(key) * p.dk_ss;
     elem_t* rv = dv + static_cast<fg_i64>(key) * p.dv_ss;
 #pragma unroll
-    for (int nj = 0; nj < D / 8; ++nj) {
-      const int col = 8 * nj + 2 * t;
+    for (int nj = 0; nj < DKV / 8; ++nj) {
+      const int col = dkv0 + 8 * nj + 2 * t;
       if (col < p.d) {
         *reinterpret_cast<fg_u32*>(rk + col) = pack2<BF16>(acc_dk[4 * nj + 2 * h] * p.scale, acc_dk[4 * nj + 2 * h + 1] * p.scale);
         *reinterpret_cast<fg_u32*>(rv + col) = pack2<BF16>(acc_dv[4 * nj + 2 * h], acc_dv[4 * nj + 2 * h + 1]);
