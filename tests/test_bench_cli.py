@@ -72,6 +72,9 @@ def test_load_refuses_a_non_result(tmp_path):
     (["bench", "bwd", "--impls", "flashgen,flashgen_bwd_x"], "unknown flashgen_bwd_x"),
     (["bench", "bwd", "--d", "300"], "multiples of 8"),
     (["bench", "bwd", "--rounds", "-2"], "--rounds"),
+    (["bench", "bwd", "--dkdv", "bwd_sm90_d128_bogus"], "--dkdv bwd_sm90_d128_bogus"),
+    (["bench", "bwd", "--dkdv", "fwd_v2_d128_m128_n64_w4_s2_full_bf16_sm90a"], "not a bf16 dK/dV kernel"),
+    (["bench", "bwd", "--dkdv", "bwd_sm90_d128_m64_n128_w12_s2_dq2_full_fp16_sm90a"], "not a bf16 dK/dV kernel"),
     (["bench", "decode", "--cases", "1,32,8"], "is not b,hq,hk,L"),
     (["bench", "decode", "--cases", "1,32,7,4096"], "must divide"),
     (["bench", "decode", "--cases", "1,32,8,0"], "positive"),
@@ -669,3 +672,29 @@ def test_ab_split_words():
     assert ab._splits_for("c4", None, 2, 32, 8, None) == 1
     assert ab._splits_for("12", None, 2, 32, 8, None) == 12
     assert ab._splits_for("h", None, 2, 32, 8, None) is None and ab._splits_for(None, None, 2, 32, 8, None) is None
+
+
+def test_bwd_dkdv_columns():
+    """--dkdv: each named dK/dV kernel is a 'dkdv:NAME' column after --impls, prebuilt with the cells'
+    kernels; in a cell of another head-dim tile or causal flag it is skipped with the reason."""
+    from types import SimpleNamespace
+
+    names = "bwd_sm90_d128_m64_n128_w12_s2_dq2_causal_bf16_sm90a,bwd_sm90_d256_m64_n64_w12_s2_dq1_full_bf16_sm90a"
+    args = SimpleNamespace(impls="flashgen,sdpa_cudnn", dtype="bf16", rounds=2, budget=0.1, d="128,256",
+                           seqlens="2048", causal="both", mode="fwd+bwd", no_fwd_split=False, kernels=False,
+                           dkdv=names + "," + names.split(",")[0])
+    settings = bwd.parse(args)
+    assert settings["impls"] == ["flashgen", "sdpa_cudnn"] + [f"dkdv:{n}" for n in names.split(",")]
+
+    class Dev:
+        arch, gpu, smem_budget = "sm_90a", "h200", 232448
+
+    built = bwd.prebuild_specs(settings, Dev())
+    assert {s.name for s in built} >= set(names.split(","))
+    torch = pytest.importorskip("torch")
+    tensors = tuple(torch.empty(1, 16, 2048, 128, device="meta") for _ in range(4))
+    makers, forwards = bwd._makers(settings, Dev(), "fwd+bwd", tensors, 128, False, 2048)
+    assert set(makers) == set(settings["impls"]) and set(forwards) == {"flashgen", "sdpa_cudnn"}
+    with pytest.raises(timing.Skipped, match="not this cell's kernel"):
+        makers["dkdv:" + names.split(",")[0]]()  # causal kernel, non-causal cell
+

@@ -20,6 +20,9 @@ Implementations:
   restricted to it) passed as ``attention_backward(..., specs={"bwd_dkdv": spec})``; in ``fwd+bwd``
   mode after a forward without autograd (what the autograd op runs, less its bookkeeping); skipped
   where the family does not serve the cell;
+- ``dkdv:NAME`` (``--dkdv``, full kernel names): that dK/dV kernel the same way, in the cells of its
+  head-dim tile, causal flag and dtype (skipped in the others): variants beside the rule's pick, such
+  as another ``dq_write`` or a tile the rule does not take yet;
 - ``sdpa_flash``, ``sdpa_cudnn``: torch SDPA with that backend forced.
 
 In ``fwd+bwd`` mode each implementation's forward is timed alone in the same rounds (flashgen's
@@ -31,6 +34,8 @@ from __future__ import annotations
 
 from .. import dispatch, families
 from ..iomodel import flops, hidden2048
+from ..problem import bwd_head_dim_tile
+from ..spec import KernelSpec
 from . import baselines, options
 from .fwd import measure_ms, pick
 from .registry import Suite, register
@@ -61,10 +66,31 @@ def add_args(p) -> None:
                         "kernel in each cell's 'kernels' (where the backward's time goes)")
     p.add_argument("--no-fwd-split", action="store_true",
                    help="fwd+bwd mode: do not time the forwards alone (no fwd_ms/bwd_ms per cell)")
+    p.add_argument("--dkdv", default="",
+                   help="dK/dV kernels to time too (full names, comma-separated): each a 'dkdv:NAME' column, "
+                        "run in the cells of its head-dim tile, causal flag and dtype")
+
+
+def dkdv_specs(text: str, dtype: str) -> list:
+    """The ``--dkdv`` kernels: full names of kernels serving the dK/dV problem, in the suite's dtype."""
+    specs = []
+    for name in (x.strip() for x in str(text).split(",")):
+        if not name:
+            continue
+        try:
+            spec = KernelSpec.from_name(name)
+        except ValueError as exc:
+            raise ValueError(f"--dkdv {name}: {exc}") from None
+        if families.family(spec.kind).serves != "bwd_dkdv" or spec.dtype != dtype:
+            raise ValueError(f"--dkdv {name}: not a {dtype} dK/dV kernel (the bwd_dkdv problem's families: "
+                             f"{', '.join(families.PROBLEMS['bwd_dkdv'])})")
+        specs.append(spec)
+    return list(dict.fromkeys(specs))
 
 
 def parse(args) -> dict:
     impls = options.names(args.impls, IMPLS, "impls")
+    impls += [f"dkdv:{s.name}" for s in dkdv_specs(getattr(args, "dkdv", ""), args.dtype)]
     options.positive(args.rounds, "rounds", integer=True)
     options.positive(args.budget, "budget")
     return {"d": options.head_dims(args.d), "seqlens": options.ints(args.seqlens, "seqlens"),
@@ -101,6 +127,8 @@ def prebuild_specs(settings, dev) -> set:
                     except Exception:  # noqa: BLE001
                         pass
                 for impl in settings["impls"]:
+                    if impl.startswith("dkdv:"):
+                        specs.add(KernelSpec.from_name(impl[len("dkdv:"):]))
                     fam = impl[len("flashgen_"):] if impl in FAMILY_IMPLS else None
                     if fam and fam in families.serving("bwd_dkdv", dev.arch):
                         try:
@@ -129,6 +157,12 @@ def _makers(settings, dev, mode, tensors, d, causal, n):
             raise Skipped(f"{fam} does not serve this cell (dispatch gives {spec.kind})")
         return spec
 
+    def named_spec(name):
+        spec = KernelSpec.from_name(name)
+        if (spec.head_dim, spec.causal) != (bwd_head_dim_tile(d), causal):
+            raise Skipped(f"{name} is not this cell's kernel (head-dim tile {bwd_head_dim_tile(d)}, causal {causal})")
+        return spec
+
     def grads(out):
         return torch.autograd.grad(out, (q, k, v), dout)
 
@@ -148,9 +182,11 @@ def _makers(settings, dev, mode, tensors, d, causal, n):
                     out, lse = saved()
                     return lambda: attention_backward(dout, qd, kd, vd, out, lse, causal, scale, deterministic=det)
                 makers[impl] = make
-        elif impl in FAMILY_IMPLS:
-            def make(fam=impl[len("flashgen_"):]):
-                specs = {"bwd_dkdv": family_spec(fam)}
+        elif impl in FAMILY_IMPLS or impl.startswith("dkdv:"):
+            def make(impl=impl):
+                name = impl.split(":", 1)[1] if impl.startswith("dkdv:") else None
+                spec = named_spec(name) if name else family_spec(impl[len("flashgen_"):])
+                specs = {"bwd_dkdv": spec}
                 if mode == "fwd+bwd":
                     def run():
                         out, lse = api.attention(qd, kd, vd, causal=causal, return_lse=True)
@@ -170,7 +206,7 @@ def _makers(settings, dev, mode, tensors, d, causal, n):
     forwards = {}
     if mode == "fwd+bwd" and settings["fwd_split"]:
         for impl in settings["impls"]:
-            name = "flashgen" if impl.startswith("flashgen") else impl
+            name = "flashgen" if impl.startswith(("flashgen", "dkdv:")) else impl
             if name in forwards:
                 continue
             if name == "flashgen":
@@ -220,7 +256,7 @@ def run(args, progress) -> dict:
                         if "ms" in cell:
                             cell["tflops"] = FLOPS_FACTOR[mode] * f / cell["ms"] / 1e9
                     for impl, cell in cells.items():
-                        base = fwd_cells.get("flashgen" if impl.startswith("flashgen") else impl, {})
+                        base = fwd_cells.get("flashgen" if impl.startswith(("flashgen", "dkdv:")) else impl, {})
                         if "ms" in cell and "ms" in base:
                             bwd_ms = cell["ms"] - base["ms"]
                             cell.update(fwd_ms=base["ms"], bwd_ms=bwd_ms,
