@@ -153,6 +153,10 @@ def test_tune_space_candidates():
     assert {c.dq_write for c in sm90} == {0, 1, 2}
     # the dQ writer's second staging tile does not fit beside a 3-stage d = 128 ring
     assert {(c.stages, c.dq_write) for c in sm90} == {(2, 0), (2, 1), (2, 2), (3, 0), (3, 1)}
+    # above 128: the split tile (64 keys, 12 warps) whatever block_n the space names, where it fits
+    big = [c for c in space.candidates(ProblemKey("bwd_dkdv", "sm_90a", "bf16", 256, True, 4096), H200)
+           if c.kind == "bwd_sm90"]
+    assert [c.name for c in big] == ["bwd_sm90_d256_m64_n64_w12_s2_dq1_causal_bf16_sm90a"]
     # a varlen key: the writer walks dense rows only
     vl = space.candidates(ProblemKey("bwd_dkdv", "sm_90a", "bf16", 128, True, 4096, "vl"), H200, only=("bwd_sm90",))
     assert vl and {c.dq_write for c in vl if c.kind == "bwd_sm90"} == {0, 1}

@@ -99,11 +99,13 @@ class Bwd90Family(Family):
                              f"block_n=64, got {spec.block_n}")
 
     def complete(self, knobs: dict) -> dict:
-        """block_m is fixed (64) and warps follows from block_n: neither is a knob."""
+        """block_m is fixed (64) and warps follows from block_n (above head dim 128: two consumer
+        warpgroups whatever block_n): neither is a knob."""
         out = dict(knobs)
         out.setdefault("block_m", 64)
         if "warps" not in out and "block_n" in out:
-            out["warps"] = 4 * (out["block_n"] // 64 + 1)
+            consumers = 2 if out.get("head_dim", 0) > 128 else out["block_n"] // 64
+            out["warps"] = 4 * (consumers + 1)
         return out
 
     def staging_bytes(self, spec) -> int:

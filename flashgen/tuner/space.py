@@ -176,8 +176,8 @@ def families(key: ProblemKey, only=None) -> tuple:
 def make_spec(key: ProblemKey, kind: str, **knobs) -> KernelSpec:
     """The ``kind`` spec of ``key`` at one point of that family's ``tune_space`` (not validated)."""
     fam = registry.family(kind)
-    return KernelSpec(kind=kind, arch=key.arch, dtype=key.dtype, head_dim=fam.tile(key), causal=key.causal,
-                      **fam.complete(knobs)).with_tokens(key.variant)
+    return KernelSpec(kind=kind, arch=key.arch, dtype=key.dtype, causal=key.causal,
+                      **fam.complete({"head_dim": fam.tile(key), **knobs})).with_tokens(key.variant)
 
 
 def _paper_family(key: ProblemKey) -> str:
