@@ -57,8 +57,8 @@ class Bwd90Family(Family):
     def split(spec) -> bool:
         """Head dims above 128: dK and dV split by columns over two consumer warpgroups of the same 64
         keys (S^T / dP^T by queries, P^T and dS^T through shared memory): each warpgroup's dK/dV for
-        all the columns would not fit its registers. Served through ``specs=`` only (not the rule)
-        until measured on a GPU."""
+        all the columns would not fit its registers. Through ``specs=`` and the tuner's candidates,
+        not the rule, until measured on a GPU."""
         return spec.head_dim > 128
 
     def consumers(self, spec) -> int:
