@@ -470,20 +470,25 @@ def fake_device(monkeypatch):
     return launched, maps
 
 
+def meta_inputs(b, h, hk, nq, nk, d):
+    """q, k, v, dout, out and lse of a bf16 backward call as meta tensors (bhsd)."""
+    torch = pytest.importorskip("torch")
+    q, do = (torch.empty(b, h, nq, d, dtype=torch.bfloat16, device="meta") for _ in range(2))
+    k, v = (torch.empty(b, hk, nk, d, dtype=torch.bfloat16, device="meta") for _ in range(2))
+    return q, k, v, do, torch.empty_like(q), torch.empty(b, h, nq, device="meta")
+
+
 @pytest.mark.parametrize("how", ["env", "specs"])
 def test_host_launch_sequence(monkeypatch, how):
     """attention_backward with bwd_sm90 (meta tensors, a fake device and loader): preprocess (which
     zeroes the dQ accumulator), bwd_sm90 over (key blocks, KV heads, batch) with its maps and
     parameters, then bwd_convert; deterministic=True takes the same tile's det twin (the mma.sync pair
     where the twin spills)."""
-    torch = pytest.importorskip("torch")
     from flashgen.api import backward
 
     launched, maps = fake_device(monkeypatch)
     b, h, hk, nq, nk, d = 2, 8, 2, 300, 333, 128
-    q, do = (torch.empty(b, h, nq, d, dtype=torch.bfloat16, device="meta") for _ in range(2))
-    k, v = (torch.empty(b, hk, nk, d, dtype=torch.bfloat16, device="meta") for _ in range(2))
-    out, lse = torch.empty_like(q), torch.empty(b, h, nq, device="meta")
+    q, k, v, do, out, lse = meta_inputs(b, h, hk, nq, nk, d)
     specs = None
     if how == "env":
         monkeypatch.setenv("FLASHGEN_BWD_FAMILY", "bwd_sm90")
@@ -523,14 +528,11 @@ def test_head_dim_96_routes_by_family(monkeypatch):
     """d = 80 (tile 96): by default bwd_sm90 (dQ into the accumulator, 32-column boxes), whose dQ mode is
     always the accumulator's; the mma.sync family forced keeps its separate dQ kernel there (bwd.DQ_MODE);
     an mma.sync spec forced through specs= runs the separate pair as before; an explicit dq_mode wins."""
-    torch = pytest.importorskip("torch")
     from flashgen.api import backward
 
     launched, maps = fake_device(monkeypatch)
     b, h, hk, nq, nk, d = 1, 4, 2, 200, 130, 80
-    q, do = (torch.empty(b, h, nq, d, dtype=torch.bfloat16, device="meta") for _ in range(2))
-    k, v = (torch.empty(b, hk, nk, d, dtype=torch.bfloat16, device="meta") for _ in range(2))
-    out, lse = torch.empty_like(q), torch.empty(b, h, nq, device="meta")
+    q, k, v, do, out, lse = meta_inputs(b, h, hk, nq, nk, d)
 
     def kinds(**kw):
         launched.clear()
