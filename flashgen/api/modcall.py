@@ -223,8 +223,7 @@ def check_mod_functions(score_mod, mask_mod) -> None:
 def traced_pair(q, score_mod, mask_mod, allow_cpu: bool = False):
     """The traced pair of a call's mods (``flashgen.mods``; ``ModError`` for what the tracer refuses);
     ValueError for a captured tensor off q's device (``allow_cpu``: the meta path, which launches nothing)."""
-    found = mods.pair(mods.trace_score_mod(score_mod, allow_cpu=allow_cpu) if score_mod is not None else None,
-                      mods.trace_mask_mod(mask_mod, allow_cpu=allow_cpu) if mask_mod is not None else None)
+    found = mods.trace_pair(score_mod, mask_mod, allow_cpu=allow_cpu)
     for t in found.captures:
         if t.device != q.device and not allow_cpu:
             raise ValueError(f"a mod captures a tensor on {t.device}; q is on {q.device}: captured tensors must be "

@@ -109,9 +109,7 @@ def case_token(name: str, batch: int, heads: int, n: int) -> int:
     if name not in {c.name for c in CASES}:
         raise ValueError(f"--mods {name!r}: one of {', '.join(dict.fromkeys(c.name for c in CASES))}")
     score_mod, mask_mod, _, _ = case_mods(Case(name, n, heads, heads, batch), "cpu")
-    pair = mods.pair(mods.trace_score_mod(score_mod, allow_cpu=True) if score_mod else None,
-                     mods.trace_mask_mod(mask_mod, allow_cpu=True) if mask_mod else None)
-    return mods.token_number(pair)
+    return mods.token_number(mods.trace_pair(score_mod, mask_mod, allow_cpu=True))
 
 
 def case_mods(case: Case, device):
@@ -321,8 +319,7 @@ def _forced(family: str, q, score_mod, block_mask, builtin, bounds):
     dev = Device.of(q.device.index)
     d, n = q.shape[-1], q.shape[-2]
     mask_mod = block_mask.mask_mod
-    pair = mods.pair(mods.trace_score_mod(score_mod) if score_mod else None,
-                     mods.trace_mask_mod(mask_mod) if mask_mod else None)
+    pair = mods.trace_pair(score_mod, mask_mod)
     mods.register(pair)
     spec = mod_spec("bf16", d, n, dev, pair, causal_like=block_mask.sparsity() >= CAUSAL_LIKE, family=family)
     if bounds is not None:

@@ -154,7 +154,7 @@ def mod_context(spec, backward: bool = False, linear: bool = False) -> dict:
     ``linear`` (``Family.linear_mod``): the score_mod as a column-only bias (LINEAR)."""
     if not spec.mod:
         return {"mod_source": ""}
-    pair = mods.lookup(mods.token_text(spec.mod))
+    pair = mods.of_number(spec.mod)
     flags = [pair.score is not None, pair.mask is not None] + ([pair.score_grad is not None] if backward else [])
     if linear:
         flags += [False, True, pair.linear.q_coef is not None]
@@ -165,7 +165,7 @@ def mod_context(spec, backward: bool = False, linear: bool = False) -> dict:
 def mod_masked(spec) -> bool:
     """Whether the spec's user mods include a mask_mod: the kernels then walk a block mask's lists
     (V::SPARSE, common/mod.cuh), in the causal kernels' order (the longest query rows first)."""
-    return bool(spec.mod) and mods.lookup(mods.token_text(spec.mod)).mask is not None
+    return bool(spec.mod) and mods.of_number(spec.mod).mask is not None
 
 
 def check_mod(family, spec) -> None:
@@ -245,7 +245,7 @@ class Family:
     def linear_mod(self, spec) -> bool:
         """Whether ``spec``'s kernel runs its score_mod in the linear form (``linear_mods`` and a pair that has
         it): the kernel's template flag and the launch's softmax units (``Variant.linear``) both follow it."""
-        return bool(spec.mod) and self.linear_mods and mods.lookup(mods.token_text(spec.mod)).linear is not None
+        return bool(spec.mod) and self.linear_mods and mods.of_number(spec.mod).linear is not None
 
     # -- spec rules ---------------------------------------------------------
     def require(self, spec, rules) -> None:

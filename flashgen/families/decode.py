@@ -253,7 +253,7 @@ class DecodeSplitFamily(Family):
         ctx["variant_type"] = "decode_variant<" + ", ".join("true" if f else "false" for f in flags) + ">"
         ctx["mod_source"] = ""
         if spec.mod:  # user mods: the traced pair's functions (this process must have traced them)
-            pair = mods.lookup(mods.token_text(spec.mod))
+            pair = mods.of_number(spec.mod)
             ctx["mod_source"] = pair.cuda()
             flags = (pair.score is not None, pair.mask is not None)
             ctx["variant_type"] = "decode_mod_variant<" + ", ".join("true" if f else "false" for f in flags) + ">"

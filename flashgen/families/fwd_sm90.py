@@ -26,8 +26,8 @@ from ..problem import ProblemKey, smallest_tile
 from ..spec import KernelSpec
 from ..variants import PLAIN
 from .base import (F32, FP8_PARAMS, FWD_O32_PARAMS, I32, MOD_PARAMS, PTR, TMAP, VARIANT_PARAMS,
-                   VARLEN_PARAMS, Family, aligned_struct, check_mod, forward_values, hopper_checks, mod_context, mod_masked,
-                   strides, stride_values, variant_context, varlen_pairs)
+                   VARLEN_PARAMS, Family, aligned_struct, check_mod, forward_values, hopper_checks, mod_context,
+                   mod_masked, strides, stride_values, variant_context, varlen_pairs)
 
 # The parameter block: the three tensor maps first (each at a 64-byte-aligned offset, as the C
 # struct's alignas(64) wants), then what the epilogue and the masks need.
@@ -145,9 +145,9 @@ def tile_sections(pairs: int, kv_bytes: int, l2_bytes: int, per: int | None = No
     is two partitions, and data every SM reads may be held in both: half the L2, halved again for what
     else stays there; with half of it the persistent kernel at d = 128, N = 2k ran 6 % slower than pair
     after pair), causal (and a mask_mod's block mask, walked in causal's order) within half of it: its
-    tiles are unequal, and more pairs per section balance the
-    SMs better (causal +0.4 to +5.9 % at d = 128, +0.4 to +0.8 % at d = 64 in interleaved rounds on the
-    H200, while non-causal with half read -1.7 to +1 %). Inside a section the kernel walks m-block by
+    tiles are unequal, and more pairs per section balance the SMs better (causal +0.4 to +5.9 % at
+    d = 128, +0.4 to +0.8 % at d = 64 in interleaved rounds on the H200, while non-causal with half read
+    -1.7 to +1 %). Inside a section the kernel walks m-block by
     m-block over every pair (causal: longest rows first, so the short tiles fill the tail); the hardware
     hands tiles to SMs in that order (docs/perf/forward-hopper.md, "Tile order")."""
     if per is None:

@@ -55,7 +55,8 @@ from .linear import linear_form
 from .trace import SUPPORTED, Sym, is_tensor, trace
 
 __all__ = ["SUPPORTED", "Graph", "ModError", "ModPair", "Node", "Sym", "UnknownModError", "derivative", "lookup",
-           "pair", "register", "token_number", "token_text", "trace_mask_mod", "trace_score_mod"]
+           "of_number", "pair", "register", "token_number", "token_text", "trace_mask_mod", "trace_pair",
+           "trace_score_mod"]
 
 
 def trace_score_mod(fn, *, allow_cpu: bool = False) -> Graph:
@@ -247,8 +248,7 @@ def from_files(score_text: str | None, mask_text: str | None, allow_cpu: bool = 
         except ValueError as exc:
             raise ModError(f"{label} {exc}" if str(exc).startswith("'") else f"{label}: {exc}") from None
     score_fn, mask_fn = fns
-    found = ModPair(trace_score_mod(score_fn, allow_cpu=allow_cpu) if score_fn else None,
-                    trace_mask_mod(mask_fn, allow_cpu=allow_cpu) if mask_fn else None)
+    found = trace_pair(score_fn, mask_fn, allow_cpu=allow_cpu)
     register(found)
     return found, (score_fn, mask_fn)
 
@@ -256,6 +256,12 @@ def from_files(score_text: str | None, mask_text: str | None, allow_cpu: bool = 
 def pair(score: Graph | None, mask: Graph | None) -> ModPair:
     """The pair of a call's traced mods (``ModError`` for more than 4 captures together)."""
     return ModPair(score, mask)
+
+
+def trace_pair(score_fn, mask_fn, allow_cpu: bool = False) -> ModPair:
+    """The pair of a score_mod and a mask_mod function (either may be None), each traced (``trace``)."""
+    return ModPair(trace_score_mod(score_fn, allow_cpu=allow_cpu) if score_fn is not None else None,
+                   trace_mask_mod(mask_fn, allow_cpu=allow_cpu) if mask_fn is not None else None)
 
 
 _REGISTRY: dict = {}
@@ -290,4 +296,9 @@ def token_number(mods: ModPair) -> int:
 def token_text(number: int) -> str:
     """The token (12 hex digits) of a KernelSpec's ``mod`` number."""
     return f"{number:012x}"
+
+
+def of_number(number: int) -> ModPair:
+    """The registered pair of a KernelSpec's ``mod`` number (``lookup``'s errors)."""
+    return lookup(token_text(number))
 

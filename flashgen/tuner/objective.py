@@ -47,7 +47,7 @@ def mod_kwargs(token: int, reference_side: bool = False) -> dict:
     score_fn, mask_fn = MOD_FUNCTIONS[token]
     if not reference_side:
         return {k: f for k, f in (("score_mod", score_fn), ("mask_mod", mask_fn)) if f is not None}
-    pair = mods.lookup(mods.token_text(token))
+    pair = mods.of_number(token)
     out = {}
     if pair.score is not None:
         out["score_mod"] = pair.score.evaluate

@@ -144,7 +144,7 @@ def mod_pairs(key: ProblemKey, b: int, h: int, nq: int, nk: int) -> int | None:
     """The (query, key) pairs a mod key's mask_mod lets through over (b, h, nq, nk), counted by the block
     mask the call makes (flashgen.api.create_block_mask, on the captures' device), or None for mods without
     a mask_mod. The pair must be registered in this process (``flashgen tune --mask-mod`` traces it)."""
-    pair = mods.lookup(mods.token_text(variants.mod_of(key.variant)))
+    pair = mods.of_number(variants.mod_of(key.variant))
     if pair.mask is None:
         return None
     from ..api.blockmask import create_block_mask
