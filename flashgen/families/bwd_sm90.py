@@ -2,10 +2,11 @@
 a producer warpgroup (templates/bwd_sm90/), sm_90a only. It serves the ``bwd_dkdv`` problem beside the
 mma.sync ``bwd_dkdv`` kernel and runs between the same preprocess and convert kernels (families/bwd.py).
 
-Head-dim tiles 32, 64, 96, 128 (Q, K, V, dO in swizzle panels of 64 columns, or of 32 where the tile is an
-odd multiple of 32). block_n = 64 x consumer warpgroups (each owns 64 keys); block_m = 64 queries per step; warps = 4 x
-(consumer warpgroups + the producer warpgroup); stages: the Q/dO ring; ``dq_write``: how dQ reaches
-the accumulator (DQ_WRITES). Always warp-specialized (the producer is not a field here).
+Head-dim tiles 32, 64, 96, 128 in the rule, 192 and 256 split (``split``); Q, K, V, dO in swizzle
+panels of 64 columns, or of 32 where a warpgroup's columns are an odd multiple of 32. block_n = 64 x
+consumer warpgroups (each owns 64 keys; split: two warpgroups over 64 keys); block_m = 64 queries per
+step; warps = 4 x (consumer warpgroups + the producer warpgroup); stages: the Q/dO ring; ``dq_write``:
+how dQ reaches the accumulator (DQ_WRITES). Always warp-specialized (the producer is not a field here).
 """
 from __future__ import annotations
 
@@ -196,6 +197,7 @@ class Bwd90Family(Family):
                        128)
 
 
-FAMILY = Bwd90Family("bwd_sm90", "bwd_sm90/bwd_sm90.cu.j2", SM90_BWD_PARAMS, problem="bwd_dkdv", head_dims=(32, 64, 96, 128, 192, 256),
-                     block_ms=(64,), block_ns=(64, 128), warps=(8, 12), stages=(2, 3), archs=("sm_90a",),
-                     tiles=BWD_SM90_TILES, gemms=5, query_outer=False, tune_space=(("block_n", (64, 128)), ("stages", (2, 3)), ("dq_write", (0, 1, 2))))
+FAMILY = Bwd90Family("bwd_sm90", "bwd_sm90/bwd_sm90.cu.j2", SM90_BWD_PARAMS, problem="bwd_dkdv",
+                     head_dims=(32, 64, 96, 128, 192, 256), block_ms=(64,), block_ns=(64, 128), warps=(8, 12),
+                     stages=(2, 3), archs=("sm_90a",), tiles=BWD_SM90_TILES, gemms=5, query_outer=False,
+                     tune_space=(("block_n", (64, 128)), ("stages", (2, 3)), ("dq_write", (0, 1, 2))))
