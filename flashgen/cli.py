@@ -117,7 +117,7 @@ def spec_from_args(args):
         if problem != "bwd_dkdv":
             raise FlashgenError(f"--kind {args.kind}: --deterministic is the backward's (--kind bwd_dkdv, "
                                 "bwd_sm90, bwd_dkdv_nodq, bwd_dq)")
-        twin = dispatch.deterministic_twin(spec)
+        twin = dispatch.deterministic_twin(spec, budget)
         if twin is None:
             raise FlashgenError(f"--deterministic: here ({spec.kind}) deterministic=True computes dQ in "
                                 "bwd_dkdv_nodq and bwd_dq: --kind bwd_dkdv_nodq and --kind bwd_dq")

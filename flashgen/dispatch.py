@@ -133,7 +133,7 @@ def mod_family(key: ProblemKey) -> str:
 
 
 def mod_backward_spec(key: ProblemKey, smem_budget: int, token: int, verify: bool = False) -> KernelSpec:
-    """The dK/dV kernel of a call with user mods: ``key`` (a ``bwd_dkdv`` key, head-dim tile 64 or 128) served
+    """The dK/dV kernel of a call with user mods: ``key`` (a ``bwd_dkdv`` key of a head-dim tile bwd_sm90 has) served
     by ``bwd_sm90`` with the mods' token, the rule's tiles in order, then each with dP^T's GEMM issued after
     P^T (``dp_late``: a mod's functions that do not fit beside dP^T's accumulators). ``verify``: the first
     that builds clean, else the one that spills least (at d = 128 a mod's functions can leave ptxas a few
@@ -159,14 +159,16 @@ def mod_backward_spec(key: ProblemKey, smem_budget: int, token: int, verify: boo
 
 
 @functools.lru_cache(maxsize=256)
-def deterministic_twin(spec: KernelSpec) -> KernelSpec | None:
+def deterministic_twin(spec: KernelSpec, smem_budget: int) -> KernelSpec | None:
     """The dK/dV kernel ``deterministic=True`` runs where dispatch picks ``spec``: bwd_sm90's ``det`` twin of
     it (dQ's adds in a fixed order; packed rows and mods excepted), or None where the mma.sync pair
-    (bwd_dkdv_nodq + bwd_dq) computes dQ instead. (The torch layer also gives up a twin whose build spills.)
-    Cached: the backward asks on every deterministic call."""
+    (bwd_dkdv_nodq + bwd_dq) computes dQ instead: there, and where the twin's two fp32 dQ staging tiles
+    do not fit ``smem_budget`` beside the rest (head dims above 128). (The torch layer also gives up a
+    twin whose build spills.) Cached: the backward asks on every deterministic call."""
     if spec.kind != "bwd_sm90" or spec.varlen or spec.mod:
         return None
-    return spec.replace(det=True, dq_write=0).validate()
+    twin = spec.replace(det=True, dq_write=0).validate()
+    return twin if twin.smem_bytes() <= smem_budget else None
 
 
 # The first-use search (``FLASHGEN_AUTOTUNE``, ``flashgen.autotune``): a function of one

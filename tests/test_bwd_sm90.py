@@ -30,11 +30,11 @@ DEFAULTS = [s for s in families.rule_specs("sm_90a", BUDGET) if s.kind == "bwd_s
 VARIANTS = [bwd90(d, 128, st, w, c, dt) for d in (32, 64, 96, 128) for st in (2, 3) for w in (0, 1, 2)
             for c in (False, True) for dt in ("bf16", "fp16") if (d, st, w) != (128, 3, 2)] + [
     bwd90(64, 64, st, w, c) for st in (2, 3) for w in (0, 1) for c in (False, True)] + [
-    # above d = 128, dK/dV split by columns over 64 keys (served through specs= only, not the rule yet)
+    # above d = 128, dK/dV split by columns over 64 keys (the rule's dQ write and the other one at 192)
     bwd90(d, 64, 2, w, c, dt) for d, w in ((192, 0), (192, 1), (256, 1)) for c in (False, True)
     for dt in ("bf16", "fp16")]
 # deterministic=True's twins of the defaults (dQ's adds take turns: the det field)
-DET = [s.replace(det=True) for s in DEFAULTS]
+DET = [t for t in (dispatch.deterministic_twin(s, BUDGET) for s in DEFAULTS) if t is not None]
 ALL = list(dict.fromkeys(DEFAULTS + VARIANTS + DET))
 
 
@@ -129,7 +129,10 @@ def test_dispatch():
     key = ProblemKey("bwd_dkdv", "sm_90a", "bf16", 128, True, 4096)
     assert families.default_spec(key, BUDGET).kind == "bwd_sm90"
     assert dispatch.select(key, "h200", BUDGET).kind == "bwd_sm90"
-    assert len(DEFAULTS) == 4 * 2 * 2 and all(s.kind == "bwd_sm90" and not s.check(H200) for s in DEFAULTS)
+    assert len(DEFAULTS) == 6 * 2 * 2 and all(s.kind == "bwd_sm90" and not s.check(H200) for s in DEFAULTS)
+    # above d = 128 the det twin's two fp32 staging tiles do not fit: deterministic=True takes the mma.sync pair
+    assert {s.head_dim for s in DEFAULTS if dispatch.deterministic_twin(s, BUDGET) is None} == {192, 256}
+    assert len(DET) == 4 * 2 * 2 and all(not t.check(H200) for t in DET)
     assert [s for s in families.rule_specs("sm_80", 166912) if s.kind == "bwd_sm90"] == []
     k64 = ProblemKey("bwd_dkdv", "sm_90a", "fp16", 64, False, 2048)
     assert dispatch.select(k64, "h200", BUDGET, family="bwd_sm90") == bwd90(d=64, st=3, dtype="fp16")

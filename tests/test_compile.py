@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from flashgen import families, gpus, tables
+from flashgen import dispatch, families, gpus, tables
 from flashgen.codegen import parse_ptxas_log
 from flashgen.errors import UnsupportedError
 from flashgen.families import bwd, bwd_sm90, decode, fwd_v1, fwd_v2, paged_spec, standard
@@ -43,7 +43,7 @@ SHIPPED_SPECS = sorted({e["spec"] for gpu in tables.shipped_gpus()
 # rule's tile): the forward's with a window and with all four switches, on both arches; the mma.sync
 # backward's with a window, a softcap and ALiBi together (every dK/dV and dQ kernel); the Hopper backward's
 # with one switch each (its window + softcap pair at d = 128 spills and falls back to the mma.sync kernel:
-# flashgen.api.backward).
+# flashgen.api.backward), and its split tiles (192, 256) with three together.
 VARIANT_SPECS = sorted(
     {families.default_spec(ProblemKey("fwd", arch, "bf16", d, c, 512, v), BUDGET_OF[arch])
      for arch in ARCHES for d in (64, 128) for c in (False, True) for v in ("win", "win_cap_alibi_sink")}
@@ -51,7 +51,9 @@ VARIANT_SPECS = sorted(
                              family=fam)
        for kind, fam in (("bwd_dkdv", "bwd_dkdv"), ("bwd_dkdv_nodq", None), ("bwd_dq", None)) for c in (False, True)}
     | {families.default_spec(ProblemKey("bwd_dkdv", "sm_90a", "bf16", d, True, 512, v), BUDGET_OF["sm_90a"],
-                             family="bwd_sm90") for d in (64, 128) for v in ("win", "cap")},
+                             family="bwd_sm90") for d in (64, 128) for v in ("win", "cap")}
+    | {families.default_spec(ProblemKey("bwd_dkdv", "sm_90a", "bf16", d, c, 512, "win_cap_alibi"), BUDGET_OF["sm_90a"],
+                             family="bwd_sm90") for d in (192, 256) for c in (False, True)},
     key=lambda s: s.name)
 # The decode kernels with each variant switch alone and with all four, on every tile the decode rule picks
 # (every head dim, dtype and regime of both arches, with a 16-bit and with an FP8 cache): a variant key
@@ -69,7 +71,9 @@ VARLEN_SPECS = sorted(
        for arch in ARCHES for d in (64, 128) for c in (False, True) for v in ("vl", "win_vl", "win_cap_alibi_sink_vl")}
     | {families.default_spec(ProblemKey(kind, "sm_90a", "bf16", d, c, 512, "vl"), BUDGET_OF["sm_90a"], family=fam)
        for kind, fam in (("bwd_dkdv", "bwd_sm90"), ("bwd_dkdv", "bwd_dkdv"), ("bwd_dkdv_nodq", None), ("bwd_dq", None))
-       for d in (64, 128) for c in (False, True)},
+       for d in (64, 128) for c in (False, True)}
+    | {families.default_spec(ProblemKey("bwd_dkdv", "sm_90a", "bf16", d, c, 512, "vl"), BUDGET_OF["sm_90a"],
+                             family="bwd_sm90") for d in (192, 256) for c in (False, True)},
     key=lambda s: s.name)
 # Paged K/V (attention_varlen with a block table): every fwd_sm90 kernel of VARLEN_SPECS in the paged form
 # each page size gives it (families.paged_spec: boxes of gcd(page, block_n) rows), and the warp-specialized
@@ -79,8 +83,9 @@ PAGED_SPECS = sorted({paged_spec(s, page) for s in VARLEN_SPECS if s.kind == "fw
                         if s.kind == "fwd_sm90" and s.warp_specialized},
                      key=lambda s: s.name)
 # deterministic=True: the det twin of every Hopper dK/dV kernel a plain key can get (api.backward.deterministic_sm90;
-# a variant's twin that spills is refused there, and the mma.sync pair serves it).
-DET_SPECS = sorted({s.replace(det=True, dq_write=0).validate() for s in SPECS + SHIPPED_SPECS if s.kind == "bwd_sm90"},
+# a variant's twin that spills is refused there, and the mma.sync pair serves it, as it does where none fits).
+DET_SPECS = sorted({t for s in SPECS + SHIPPED_SPECS if s.kind == "bwd_sm90"
+                    for t in [dispatch.deterministic_twin(s, BUDGET_OF[s.arch])] if t is not None},
                    key=lambda s: s.name)
 ALL_SPECS = list(dict.fromkeys(SPECS + BULK_SPECS + SHIPPED_SPECS + VARIANT_SPECS
                                + DECODE_VARIANT_SPECS + VARLEN_SPECS + PAGED_SPECS + DET_SPECS))  # each spec once, in that order

@@ -7,7 +7,7 @@ in the input dtype, + the input dtype's rounding-sized atol. Inputs and output g
 
 Both dK/dV families run the checks parametrized by ``family``: the mma.sync kernel (bwd_dkdv,
 forced through FLASHGEN_BWD_FAMILY=bwd_dkdv) and the Hopper kernel (bwd_sm90, the default where it
-serves: sm_90a, d tiles 32/64/96/128; forced the same way); ``-k bwd_sm90`` selects the latter. Its variants
+serves: sm_90a, d tiles 32/64/96/128/192/256; forced the same way); ``-k bwd_sm90`` selects the latter. Its variants
 (stages, dQ write mode, 64-key tiles) run through ``specs=``; the unparametrized tests (training,
 torch.compile, determinism) take the default path.
 """
@@ -32,7 +32,7 @@ from gpu_util import DTYPES, is_sm90, precompile_skipped, to_bhsd, warm  # noqa:
 
 def _dispatch_picks(verify):
     """Every kernel dispatch picks for this module's calls (the launch paths pass ``verify=True``): the
-    forward, and each backward problem at d 32/64/96/128/256 (each dK/dV family where it serves), and on
+    forward, and each backward problem at d 32/64/96/128/160/192/256 (each dK/dV family where it serves), and on
     sm_90a bwd_sm90's default rule at every key it has a tile for."""
     from flashgen import dispatch, families
     from flashgen.api.device import Device
@@ -42,7 +42,7 @@ def _dispatch_picks(verify):
     dev = Device.of(torch.cuda.current_device())
     specs = set()
     backward = ("bwd_preprocess", "bwd_dkdv", "bwd_dkdv_nodq", "bwd_dq", "bwd_convert")
-    for d in (32, 64, 96, 128, 256):
+    for d in (32, 64, 96, 128, 160, 192, 256):
         for dtype in ("bf16", "fp16"):
             for causal in (False, True):
                 for problem in ("fwd", *backward):
@@ -164,7 +164,7 @@ FAMILIES = ["bwd_dkdv", "bwd_sm90"]
 
 
 def serves(family: str, d: int) -> bool:
-    """Whether ``family`` has a head-dim tile for d (bwd_sm90: 32, 64, 96, 128; the mma.sync kernels: all)."""
+    """Whether ``family`` has a head-dim tile for d (bwd_sm90: 32, 64, 96, 128, 192, 256; the mma.sync kernels: all)."""
     from flashgen.families.bwd_sm90 import BWD_SM90_TILES
     from flashgen.problem import bwd_head_dim_tile
 
@@ -172,7 +172,7 @@ def serves(family: str, d: int) -> bool:
 
 
 # (family, head dim) pairs each family serves: no case is collected only to be skipped.
-FAMILY_DIMS = [(f, d) for d in (32, 64, 96, 128, 256) for f in FAMILIES if serves(f, d)]
+FAMILY_DIMS = [(f, d) for d in (32, 64, 96, 128, 160, 192, 256) for f in FAMILIES if serves(f, d)]
 FAMILY_DIM_IDS = [f"{f}-d{d}" for f, d in FAMILY_DIMS]
 
 
@@ -245,7 +245,7 @@ def test_grads_both_dq_modes(nq, nk, d, causal, mode, monkeypatch):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
 def test_deterministic_mode_is_bitwise_reproducible(d, causal):
     """deterministic=True: three backward passes give bitwise identical dQ, dK, dV, within the rule."""
     check(2, 8, 2, 1023, 1024, d, "bf16", causal, deterministic=True)

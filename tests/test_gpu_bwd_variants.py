@@ -2,7 +2,7 @@
 
 dQ, dK, dV (and dsinks) through ``flashgen.attention(...).backward`` against autograd through the fp32
 reference on fp32 leaves (``flashgen.reference.grad_tolerance``: 2x the same-dtype reference's error
-+ a rounding-sized atol, the plain backward's rule), for both dK/dV families (bwd_sm90, the default on sm_90a at d 64/128,
++ a rounding-sized atol, the plain backward's rule), for both dK/dV families (bwd_sm90, the default on sm_90a,
 and the mma.sync bwd_dkdv forced through FLASHGEN_BWD_FAMILY) and the deterministic mode (bwd_dkdv_nodq
 + bwd_dq). Odd sizes, GQA 2:1, both layouts, fresh random inputs; the forward's output is checked by
 tests/test_gpu_variants.py.
@@ -122,6 +122,22 @@ def test_backward(family, nq, nk, variant, causal, d, monkeypatch):
                 check_grads(nq, nk, d, causal, variant)
             monkeypatch.delenv("FLASHGEN_BWD_FAMILY")
     check_grads(nq, nk, d, causal, variant)
+
+
+@pytest.mark.parametrize("nq,nk", [(113, 203), (239, 1), (1023, 1024)])
+@pytest.mark.parametrize("variant", VARIANTS, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [192, 256])
+def test_backward_split_tiles(nq, nk, variant, causal, d):
+    """Head dims above 128 on bwd_sm90 (the default there): its split tile, every variant."""
+    if not is_sm90():
+        pytest.skip("bwd_sm90 needs an sm_90 GPU")
+    from flashgen.api import backward
+
+    backward.last_specs.clear()
+    check_grads(nq, nk, d, causal, variant)
+    spec = backward.last_specs[torch.cuda.current_device()]
+    assert spec.kind == "bwd_sm90" and spec.head_dim == d, spec.name
 
 
 @pytest.mark.parametrize("nq,nk", [(113, 203), (239, 1), (1023, 1024)])

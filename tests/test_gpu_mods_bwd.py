@@ -36,7 +36,8 @@ SMALL = ["causal", "document", "alibi", "softcap_document", "relative_bf16"]
 def _precompile(request, tmp_path_factory):
     lengths = [nq for nq, _ in SEQLENS] + [1000, 700]
     warm_mods(request, tmp_path_factory, [(MOD_NAMES, 128, "bf16", lengths), (SMALL, 64, "fp16", lengths),
-                                          (SMALL, 128, "fp16", lengths)], backward=True)
+                                          (SMALL, 128, "fp16", lengths), (SMALL, 192, "bf16", lengths),
+                                          (SMALL, 256, "bf16", lengths)], backward=True)
 
 
 def check_mod_grads(b, hq, hk, nq, nk, d, dtype, name, layout="bhsd", block_mask=None):
@@ -74,6 +75,15 @@ def test_mod_grads_bf16(name, nq, nk):
 @pytest.mark.parametrize("d", [64, 96, 128])
 def test_mod_grads_fp16_bshd(name, nq, nk, d):
     check_mod_grads(1, 4, 1, nq, nk, d, torch.float16, name, layout="bshd")
+
+
+@needs_sm90
+@pytest.mark.parametrize("nq,nk", [(113, 203), (239, 1), (1023, 1024)])
+@pytest.mark.parametrize("name", SMALL)
+@pytest.mark.parametrize("d", [192, 256])
+def test_mod_grads_split_tiles(name, nq, nk, d):
+    """Head dims above 128: bwd_sm90's split tile (two warpgroups over the columns of 64 keys) with the mods."""
+    check_mod_grads(2, 4, 2, nq, nk, d, torch.bfloat16, name)
 
 
 @needs_sm90

@@ -239,8 +239,8 @@ def test_backward_with_mods_needs_a_bwd_sm90_tile():
     from flashgen import dispatch
     from flashgen.problem import ProblemKey
 
-    with pytest.raises(flashgen.UnsupportedError, match="head-dim tile 256"):
-        dispatch.mod_backward_spec(ProblemKey("bwd_dkdv", "sm_90a", "bf16", 256, False, 4096, ""), 232448, 5)
+    with pytest.raises(flashgen.UnsupportedError, match="head-dim tile 160"):
+        dispatch.mod_backward_spec(ProblemKey("bwd_dkdv", "sm_90a", "bf16", 160, False, 4096, ""), 232448, 5)
     with pytest.raises(flashgen.UnsupportedError, match="sm_80"):
         dispatch.mod_backward_spec(ProblemKey("bwd_dkdv", "sm_80", "bf16", 128, False, 4096, ""), 166912, 5)
     with pytest.raises(ValueError, match="built-in variant"):

@@ -6,7 +6,7 @@ zeroes the dQ accumulator), the dK/dV kernel (K/V outer; dQ by fp32 atomics
 into the accumulator), ``bwd_convert`` (accumulator * scale -> dQ). With
 ``deterministic=True`` (or with ``torch.use_deterministic_algorithms(True)`` on)
 the result does not depend on the order in which blocks run: where ``bwd_sm90``
-serves the call its ``det`` twin adds dQ in a fixed order (a turn counter per
+serves the call its ``det`` twin adds dQ in a fixed order where it fits (a turn counter per
 query block, templates/bwd_sm90); elsewhere the dK/dV kernel skips dQ
 (``bwd_dkdv_nodq``) and a query-outer ``bwd_dq`` kernel computes dQ without
 atomics. The non-deterministic backward uses that pair too for the
@@ -14,7 +14,7 @@ head dims where it is faster (``bwd.DQ_MODE``).
 
 The dK/dV kernel is the ``bwd_dkdv`` problem's pick: on sm_90a ``bwd_sm90``
 where it serves the call (TMA + wgmma, dQ into the same accumulator; head-dim
-tiles 32, 64, 96 and 128, strides its tensor maps can step), else the mma.sync
+tiles 32, 64, 96, 128, 192 and 256, strides its tensor maps can step), else the mma.sync
 ``bwd_dkdv``. ``FLASHGEN_BWD_FAMILY=bwd_dkdv`` (or ``=bwd_sm90``) forces one
 family for study; ``specs={"bwd_dkdv": <KernelSpec>}`` forces one kernel.
 
@@ -317,7 +317,8 @@ def deterministic_sm90(key: ProblemKey, dev, tensors):
     family = dkdv_family(key, tensors)
     if family not in (None, "bwd_sm90"):
         return None
-    twin = dispatch.deterministic_twin(dispatch.select(key, dev.gpu, dev.smem_budget, verify=True, family=family))
+    twin = dispatch.deterministic_twin(dispatch.select(key, dev.gpu, dev.smem_budget, verify=True, family=family),
+                                      dev.smem_budget)
     return None if twin is None or _refused(twin) else twin
 
 

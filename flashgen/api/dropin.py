@@ -11,9 +11,10 @@ which for fewer queries than keys is not flashgen's bottom-right ``causal``; tha
 
 Both read the mask where it is (its size-1 dimensions broadcast: a mod's reads are clamped into each
 dimension), with no copy. A masked call's gradients come from the mods' backward (``bwd_sm90``: head
-dims up to 128 on sm_90a; a float mask that requires grad gets its gradient too, ``api.capturegrad``). Dropout and a
-value head dim that differs from the query's are refused too. ``fallback=True`` sends what flashgen
-refuses (``UnsupportedError``) to torch's SDPA instead; argument mistakes raise either way.
+dims up to 256 but 129-160, on sm_90a; a float mask that requires grad gets its gradient too,
+``api.capturegrad``). Dropout and a value head dim that differs from the query's are refused too.
+``fallback=True`` sends what flashgen refuses (``UnsupportedError``) to torch's SDPA instead; argument
+mistakes raise either way.
 
 One difference from torch: a query row that sees no key gives 0 here (FlashAttention's convention),
 where torch's math backend gives NaN.

@@ -5,10 +5,10 @@ The mods are traced once into expression graphs (``flashgen.mods``); the pair's 
 A mask comes with a block mask (``flashgen.api.blockmask``), made at the kernel's tile: the kernel
 visits only the key blocks it lists and calls the mask only on the partial ones. The forward runs on
 ``fwd_sm90`` (sm_90a) or ``fwd_v2`` (every other GPU: ``dispatch.mod_family``), the backward on
-``bwd_sm90`` (sm_90a, head-dim tiles 32 to 128; elsewhere a call with mods has no backward): the score_mod's
-derivative (``mods.derivative``) multiplies dS, the block mask is listed per key block
-(``BlockMask.for_key_tile``). Captured tensors that require grad get theirs from ``api.capturegrad`` (torch,
-a block of rows at a time).
+``bwd_sm90`` (sm_90a, head-dim tiles 32 to 128, 192 and 256; elsewhere a call with mods has no
+backward): the score_mod's derivative (``mods.derivative``) multiplies dS, the block mask is listed per
+key block (``BlockMask.for_key_tile``). Captured tensors that require grad get theirs from
+``api.capturegrad`` (torch, a block of rows at a time).
 """
 from __future__ import annotations
 

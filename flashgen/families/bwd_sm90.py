@@ -2,7 +2,7 @@
 a producer warpgroup (templates/bwd_sm90/), sm_90a only. It serves the ``bwd_dkdv`` problem beside the
 mma.sync ``bwd_dkdv`` kernel and runs between the same preprocess and convert kernels (families/bwd.py).
 
-Head-dim tiles 32, 64, 96, 128 in the rule, 192 and 256 split (``split``); Q, K, V, dO in swizzle
+Head-dim tiles 32, 64, 96, 128, and 192 and 256 split (``split``); Q, K, V, dO in swizzle
 panels of 64 columns, or of 32 where a warpgroup's columns are an odd multiple of 32. block_n = 64 x
 consumer warpgroups (each owns 64 keys; split: two warpgroups over 64 keys); block_m = 64 queries per
 step; warps = 4 x (consumer warpgroups + the producer warpgroup); stages: the Q/dO ring; ``dq_write``:
@@ -39,17 +39,22 @@ DQ_WRITES = {0: "TMA reduce-add from a shared-memory staging tile", 1: "red.glob
              2: "TMA reduce-add from two staging tiles, issued by a dQ writer warp (dense rows, no mods)"}
 
 # The default rule: head-dim tile -> (block_n, stages, dq_write) in order of preference; block_m is 64
-# and warps = 4 (block_n / 64 + 1). FA3's shape: two consumer warpgroups of 64 keys and a producer.
+# and warps = 4 (consumer warpgroups + 1). FA3's shape: two consumer warpgroups of 64 keys and a producer.
 # d=64 takes a 3-stage Q/dO ring (shared memory to spare, one CTA per SM either way); d=128 two (three
 # fit: 231936 + 64 B of 232448, measured as a variant). Measured 1.6-1.9x the mma.sync kernel's
 # backward on the H200 (docs/perf/backward.md), hence the default where it has a tile. d=32 and 96 in
 # panels of 64-byte rows (panel_cols): fwd+bwd 1.2-1.3x (32) and 2.2-2.4x (96) the mma.sync path on an
-# H100; 32 takes d=64's rings, 96 d=128's.
+# H100; 32 takes d=64's rings, 96 d=128's. 192 and 256 split (64 keys, two warpgroups over their
+# columns), 256 with dQ by red.global (no room for the staging tile): fwd+bwd 2.1-2.4x (192) and
+# 1.8-1.9x (256) the mma.sync path on an H100. (The key tile 160 has no kernel here, its 80 columns a
+# warpgroup cannot start on a panel: the mma.sync kernel serves it.)
 BWD_SM90_TILES = {
     32: ((128, 3, 0), (128, 2, 0)),
     64: ((128, 3, 0), (128, 2, 0)),
     96: ((128, 2, 0),),
     128: ((128, 2, 0),),
+    192: ((64, 2, 0),),
+    256: ((64, 2, 1),),
 }
 
 
@@ -58,8 +63,7 @@ class Bwd90Family(Family):
     def split(spec) -> bool:
         """Head dims above 128: dK and dV split by columns over two consumer warpgroups of the same 64
         keys (S^T / dP^T by queries, P^T and dS^T through shared memory): each warpgroup's dK/dV for
-        all the columns would not fit its registers. Through ``specs=`` and the tuner's candidates,
-        not the rule, until measured on a GPU."""
+        all the columns would not fit its registers."""
         return spec.head_dim > 128
 
     def consumers(self, spec) -> int:
@@ -170,8 +174,8 @@ class Bwd90Family(Family):
                                    f"{sorted(BWD_SM90_TILES)})")
         out = []
         for bn, st, dq_write in BWD_SM90_TILES[key.head_dim]:
-            self._fit(out, self.spec(key, block_m=64, block_n=bn, warps=4 * (bn // 64 + 1), stages=st,
-                                     dq_write=dq_write), budget)
+            knobs = self.complete({"head_dim": key.head_dim, "block_n": bn, "stages": st, "dq_write": dq_write})
+            self._fit(out, self.spec(key, **{k: v for k, v in knobs.items() if k != "head_dim"}), budget)
         return self._fitting(out, key, budget)
 
     # -- launch ---------------------------------------------------------------
