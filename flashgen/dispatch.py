@@ -144,7 +144,9 @@ def mod_backward_spec(key: ProblemKey, smem_budget: int, token: int, verify: boo
     if key.arch != "sm_90a" or key.head_dim not in fam.tiles:
         raise UnsupportedError(f"the backward of score_mod / mask_mod runs on bwd_sm90 (sm_90a, head-dim tiles "
                                f"{sorted(fam.tiles)}); this call has {key.arch}, head-dim tile {key.head_dim}")
-    rule = [s.replace(causal=False, mod=token) for s in fam.rule(key.replace(causal=False, variant=""), smem_budget)]
+    rule = [s.replace(causal=False, mod=token, dq_write=0 if s.dq_write == 2 else s.dq_write)  # (the writer: no mods)
+            for s in fam.rule(key.replace(causal=False, variant=""), smem_budget)]
+    rule = list(dict.fromkeys(rule))
     candidates = [s.validate() for s in rule + [s.replace(dp_late=True) for s in rule]]
     if not verify:
         return candidates[0]

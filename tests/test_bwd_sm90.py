@@ -34,7 +34,7 @@ VARIANTS = [bwd90(d, 128, st, w, c, dt) for d in (32, 64, 96, 128) for st in (2,
     bwd90(d, 64, 2, w, c, dt) for d, w in ((192, 0), (192, 1), (256, 1)) for c in (False, True)
     for dt in ("bf16", "fp16")]
 # deterministic=True's twins of the defaults (dQ's adds take turns: the det field)
-DET = [t for t in (dispatch.deterministic_twin(s, BUDGET) for s in DEFAULTS) if t is not None]
+DET = list(dict.fromkeys(t for t in (dispatch.deterministic_twin(s, BUDGET) for s in DEFAULTS) if t is not None))
 ALL = list(dict.fromkeys(DEFAULTS + VARIANTS + DET))
 
 
@@ -129,13 +129,20 @@ def test_dispatch():
     key = ProblemKey("bwd_dkdv", "sm_90a", "bf16", 128, True, 4096)
     assert families.default_spec(key, BUDGET).kind == "bwd_sm90"
     assert dispatch.select(key, "h200", BUDGET).kind == "bwd_sm90"
-    assert len(DEFAULTS) == 6 * 2 * 2 and all(s.kind == "bwd_sm90" and not s.check(H200) for s in DEFAULTS)
+    # (d = 64 and 128 with the dQ writer warp first where DQ_WRITER_FROM puts it: 2 x 2 x 2 more specs)
+    assert len(DEFAULTS) == 6 * 2 * 2 + 8 and all(s.kind == "bwd_sm90" and not s.check(H200) for s in DEFAULTS)
     # above d = 128 the det twin's two fp32 staging tiles do not fit: deterministic=True takes the mma.sync pair
     assert {s.head_dim for s in DEFAULTS if dispatch.deterministic_twin(s, BUDGET) is None} == {192, 256}
     assert len(DET) == 4 * 2 * 2 and all(not t.check(H200) for t in DET)
     assert [s for s in families.rule_specs("sm_80", 166912) if s.kind == "bwd_sm90"] == []
     k64 = ProblemKey("bwd_dkdv", "sm_90a", "fp16", 64, False, 2048)
-    assert dispatch.select(k64, "h200", BUDGET, family="bwd_sm90") == bwd90(d=64, st=3, dtype="fp16")
+    assert dispatch.select(k64, "h200", BUDGET, family="bwd_sm90") == bwd90(d=64, st=3, dq_write=2, dtype="fp16")
+    # the dQ writer only for plain keys from DQ_WRITER_FROM's bucket on (dense rows, where it was measured)
+    assert dispatch.select(k64.replace(bucket=1024), "h200", BUDGET, family="bwd_sm90").dq_write == 0
+    assert dispatch.select(k64.replace(variant="win"), "h200", BUDGET, family="bwd_sm90").dq_write == 0
+    k128 = ProblemKey("bwd_dkdv", "sm_90a", "fp16", 128, True, 8192)
+    assert dispatch.select(k128, "h200", BUDGET).dq_write == 2
+    assert dispatch.select(k128.replace(bucket=4096), "h200", BUDGET).dq_write == 0
     with pytest.raises(UnsupportedError, match="bwd_sm90 does not serve"):
         dispatch.select(ProblemKey("bwd_dkdv", "sm_80", "fp16", 64, False, 2048), None, 166912, family="bwd_sm90")
     with pytest.raises(UnsupportedError, match="head-dim tile"):

@@ -153,9 +153,10 @@ def _sm90(d, bn=128, st=2, dq_write=0, causal=False, dtype="bf16"):
 # bwd_sm90 variants beside its default rule: the other ring depth, the red.global dQ write and the dQ
 # writer warp (families.bwd_sm90.DQ_WRITES), 64-key tiles.
 SM90_VARIANTS = [_sm90(d, 128, st, dq_write, c, dt) for d in (32, 64, 96, 128)
-                 for st, dq_write in ((2, 1), (3, 0), (2, 2)) for c in (False, True) for dt in ("bf16", "fp16")] + [
+                 for st, dq_write in ((2, 1), (3, 0), (2, 2), (3, 2)) for c in (False, True) for dt in ("bf16", "fp16")
+                 if (d, st, dq_write) != (128, 3, 2)] + [  # (the writer's two staging tiles beside 3 stages: not at 128)
     _sm90(d, 64, 2, dq_write, c) for d in (32, 64, 96) for dq_write in (0, 1, 2) for c in (False, True)] + [
-    # above d = 128: dK/dV split by columns over 64 keys (specs= only until measured)
+    # above d = 128: dK/dV split by columns over 64 keys (the rule's dQ write and, at 192, the other)
     _sm90(d, 64, 2, dq_write, c, dt) for d, dq_write in ((192, 0), (192, 1), (256, 1)) for c in (False, True)
     for dt in ("bf16", "fp16")]
 
@@ -220,6 +221,21 @@ def test_grads_bwd_sm90_variants(nq, nk, spec):
     if not is_sm90():
         pytest.skip("bwd_sm90 needs an sm_90a GPU")
     check(2, 4, 1, nq, nk, spec.head_dim, spec.dtype, spec.causal, spec=spec)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d,n,dtype", [(64, 2100, "bf16"), (64, 4097, "fp16"), (128, 8200, "bf16")])
+def test_dq_writer_by_default(d, n, dtype, causal):
+    """Plain keys of d = 64 from 2k and d = 128 from 8k: the rule's kernel has the dQ writer warp
+    (families.bwd_sm90.DQ_WRITER_FROM), through flashgen.attention's autograd, within the rule."""
+    if not is_sm90():
+        pytest.skip("bwd_sm90 needs an sm_90a GPU")
+    from flashgen.api import backward
+
+    backward.last_specs.clear()
+    check(1, 4, 2, n, n, d, dtype, causal)
+    spec = backward.last_specs[torch.cuda.current_device()]
+    assert spec.kind == "bwd_sm90" and spec.dq_write == 2, spec.name
 
 
 @pytest.mark.parametrize("causal", [False, True])

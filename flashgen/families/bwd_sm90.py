@@ -56,6 +56,11 @@ BWD_SM90_TILES = {
     192: ((64, 2, 0),),
     256: ((64, 2, 1),),
 }
+# The dQ writer warp (dq_write 2) in place of the consumers' own TMA adds, for plain keys (dense rows and
+# no variant, where it was measured) of a head-dim tile from a bucket on. fwd+bwd on an H100, two runs
+# (docs/perf/backward.md): d=64 -1 to +5 % (+2 % on average) at N = 2k-16k; d=128 +2-3 % from 8k, -1
+# to -4 % at 2k.
+DQ_WRITER_FROM = {64: 2048, 128: 8192}
 
 
 class Bwd90Family(Family):
@@ -163,6 +168,11 @@ class Bwd90Family(Family):
     def key_tile(self, d: int) -> int:
         return bwd_head_dim_tile(d)
 
+    def rule_keys(self, arch: str) -> list:
+        """The base keys and, where the rule takes the dQ writer from a bucket on, the same at that bucket."""
+        keys = super().rule_keys(arch)
+        return keys + [k.replace(bucket=DQ_WRITER_FROM[k.head_dim]) for k in keys if k.head_dim in DQ_WRITER_FROM]
+
     def default_for(self, key: ProblemKey) -> bool:
         return key.arch == "sm_90a" and key.head_dim in BWD_SM90_TILES
 
@@ -172,10 +182,12 @@ class Bwd90Family(Family):
         if key.head_dim not in BWD_SM90_TILES:
             raise UnsupportedError(f"bwd_sm90 has no head-dim tile {key.head_dim} (it serves "
                                    f"{sorted(BWD_SM90_TILES)})")
+        writer = not key.variant and key.bucket >= DQ_WRITER_FROM.get(key.head_dim, key.bucket + 1)
         out = []
         for bn, st, dq_write in BWD_SM90_TILES[key.head_dim]:
-            knobs = self.complete({"head_dim": key.head_dim, "block_n": bn, "stages": st, "dq_write": dq_write})
-            self._fit(out, self.spec(key, **{k: v for k, v in knobs.items() if k != "head_dim"}), budget)
+            for dq in ((2,) if writer and dq_write == 0 else ()) + (dq_write,):
+                knobs = self.complete({"head_dim": key.head_dim, "block_n": bn, "stages": st, "dq_write": dq})
+                self._fit(out, self.spec(key, **{k: v for k, v in knobs.items() if k != "head_dim"}), budget)
         return self._fitting(out, key, budget)
 
     # -- launch ---------------------------------------------------------------
