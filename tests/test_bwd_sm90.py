@@ -32,7 +32,10 @@ VARIANTS = [bwd90(d, 128, st, w, c, dt) for d in (32, 64, 96, 128) for st in (2,
     bwd90(64, 64, st, w, c) for st in (2, 3) for w in (0, 1) for c in (False, True)] + [
     # above d = 128, dK/dV split by columns over 64 keys (the rule's dQ write and the other one at 192)
     bwd90(d, 64, 2, w, c, dt) for d, w in ((192, 0), (192, 1), (256, 1)) for c in (False, True)
-    for dt in ("bf16", "fp16")]
+    for dt in ("bf16", "fp16")] + [
+    # the vector adds after a lane-pair swap (dq_write 3), in the tune space
+    bwd90(d, bn, 2, 3, c) for d, bn in ((32, 64), (64, 128), (96, 128), (128, 128), (192, 64), (256, 64))
+    for c in (False, True)]
 # deterministic=True's twins of the defaults (dQ's adds take turns: the det field)
 DET = list(dict.fromkeys(t for t in (dispatch.deterministic_twin(s, BUDGET) for s in DEFAULTS) if t is not None))
 ALL = list(dict.fromkeys(DEFAULTS + VARIANTS + DET))
@@ -62,7 +65,7 @@ def test_names_and_rules():
     with pytest.raises(ValueError, match="arch"):
         s.replace(arch="sm_80").validate()
     with pytest.raises(ValueError, match="dq_write"):
-        s.replace(dq_write=3).validate()
+        s.replace(dq_write=4).validate()
     assert bwd90(dq_write=2).name == "bwd_sm90_d128_m64_n128_w12_s2_dq2_full_bf16_sm90a"
     for change in ({"varlen": True}, {"mod": 5}):
         with pytest.raises(ValueError, match="dq_write 2 .the dQ writer warp. walks dense rows"):
@@ -84,7 +87,7 @@ def test_family_rules_and_smem_formula():
     fam = bwd90().family
     for s in ALL:
         d, bn, st = s.head_dim, s.block_n, s.stages
-        staging = {0: 2 if s.det else 1, 1: 0, 2: 2}[s.dq_write]  # (tiles: two where the dQ writer adds them)
+        staging = {0: 2 if s.det else 1, 1: 0, 2: 2, 3: 0}[s.dq_write]  # (tiles: two where the dQ writer adds them)
         p_t = 2 * bn * 64 * 2 if d > 128 else 0  # (split: P^T's two buffers)
         want = 2 * d * 2 * bn + 2 * st * 64 * d * 2 + 2 * bn * 64 * 2 + p_t + staging * 64 * d * 4 \
             + 2 * st * 64 * 4 + 1024
@@ -160,16 +163,17 @@ def test_tune_space_candidates():
     sm90 = [c for c in cands if c.kind == "bwd_sm90"]
     assert sm90 and all(not c.check(H200) for c in sm90)
     assert {c.block_n for c in sm90} == {128} and {c.stages for c in sm90} == {2, 3}
-    assert {c.dq_write for c in sm90} == {0, 1, 2}
+    assert {c.dq_write for c in sm90} == {0, 1, 2, 3}
     # the dQ writer's second staging tile does not fit beside a 3-stage d = 128 ring
-    assert {(c.stages, c.dq_write) for c in sm90} == {(2, 0), (2, 1), (2, 2), (3, 0), (3, 1)}
+    assert {(c.stages, c.dq_write) for c in sm90} == {(2, 0), (2, 1), (2, 2), (2, 3), (3, 0), (3, 1), (3, 3)}
     # above 128: the split tile (64 keys, 12 warps) whatever block_n the space names, where it fits
     big = [c for c in space.candidates(ProblemKey("bwd_dkdv", "sm_90a", "bf16", 256, True, 4096), H200)
            if c.kind == "bwd_sm90"]
-    assert [c.name for c in big] == ["bwd_sm90_d256_m64_n64_w12_s2_dq1_causal_bf16_sm90a"]
+    assert [c.name for c in big] == ["bwd_sm90_d256_m64_n64_w12_s2_dq1_causal_bf16_sm90a",
+                                     "bwd_sm90_d256_m64_n64_w12_s2_dq3_causal_bf16_sm90a"]
     # a varlen key: the writer walks dense rows only
     vl = space.candidates(ProblemKey("bwd_dkdv", "sm_90a", "bf16", 128, True, 4096, "vl"), H200, only=("bwd_sm90",))
-    assert vl and {c.dq_write for c in vl if c.kind == "bwd_sm90"} == {0, 1}
+    assert vl and {c.dq_write for c in vl if c.kind == "bwd_sm90"} == {0, 1, 3}
 
 
 def test_family_switch(monkeypatch):

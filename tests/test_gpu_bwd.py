@@ -150,7 +150,7 @@ def _sm90(d, bn=128, st=2, dq_write=0, causal=False, dtype="bf16"):
                       warps=4 * (consumers + 1), stages=st, dq_write=dq_write, causal=causal)
 
 
-# bwd_sm90 variants beside its default rule: the other ring depth, the red.global dQ write and the dQ
+# bwd_sm90 variants beside its default rule: the other ring depth, the red.global dQ writes and the dQ
 # writer warp (families.bwd_sm90.DQ_WRITES), 64-key tiles.
 SM90_VARIANTS = [_sm90(d, 128, st, dq_write, c, dt) for d in (32, 64, 96, 128)
                  for st, dq_write in ((2, 1), (3, 0), (2, 2), (3, 2)) for c in (False, True) for dt in ("bf16", "fp16")
@@ -158,7 +158,10 @@ SM90_VARIANTS = [_sm90(d, 128, st, dq_write, c, dt) for d in (32, 64, 96, 128)
     _sm90(d, 64, 2, dq_write, c) for d in (32, 64, 96) for dq_write in (0, 1, 2) for c in (False, True)] + [
     # above d = 128: dK/dV split by columns over 64 keys (the rule's dQ write and, at 192, the other)
     _sm90(d, 64, 2, dq_write, c, dt) for d, dq_write in ((192, 0), (192, 1), (256, 1)) for c in (False, True)
-    for dt in ("bf16", "fp16")]
+    for dt in ("bf16", "fp16")] + [
+    # the vector adds after a lane-pair swap (dq_write 3; the tune space's)
+    _sm90(d, bn, 2, 3, c) for d, bn in ((32, 64), (64, 128), (96, 128), (128, 128), (192, 64), (256, 64))
+    for c in (False, True)]
 
 
 FAMILIES = ["bwd_dkdv", "bwd_sm90"]

@@ -36,7 +36,8 @@ SM90_BWD_PARAMS = (
 
 # How dQ reaches the fp32 accumulator (KernelSpec.dq_write).
 DQ_WRITES = {0: "TMA reduce-add from a shared-memory staging tile", 1: "red.global.add.v2.f32 from registers",
-             2: "TMA reduce-add from two staging tiles, issued by a dQ writer warp (dense rows, no mods)"}
+             2: "TMA reduce-add from two staging tiles, issued by a dQ writer warp (dense rows, no mods)",
+             3: "red.global.add.v4.f32 from registers, lane pairs swapping a pair of columns"}
 
 # The default rule: head-dim tile -> (block_n, stages, dq_write) in order of preference; block_m is 64
 # and warps = 4 (consumer warpgroups + 1). FA3's shape: two consumer warpgroups of 64 keys and a producer.
@@ -121,7 +122,7 @@ class Bwd90Family(Family):
     def staging_bytes(self, spec) -> int:
         """The fp32 dQ staging tiles (dq_write 0 and 2): two where a dQ writer adds them (det, dq_write 2),
         one the consumers write while the writer adds the other."""
-        tiles = {0: 2 if spec.det else 1, 1: 0, 2: 2}[spec.dq_write]
+        tiles = {0: 2 if spec.det else 1, 1: 0, 2: 2, 3: 0}[spec.dq_write]
         return tiles * 4 * spec.block_m * spec.head_dim
 
     def smem_bytes(self, spec) -> int:
@@ -216,4 +217,4 @@ class Bwd90Family(Family):
 FAMILY = Bwd90Family("bwd_sm90", "bwd_sm90/bwd_sm90.cu.j2", SM90_BWD_PARAMS, problem="bwd_dkdv",
                      head_dims=(32, 64, 96, 128, 192, 256), block_ms=(64,), block_ns=(64, 128), warps=(8, 12),
                      stages=(2, 3), archs=("sm_90a",), tiles=BWD_SM90_TILES, gemms=5, query_outer=False,
-                     tune_space=(("block_n", (64, 128)), ("stages", (2, 3)), ("dq_write", (0, 1, 2))))
+                     tune_space=(("block_n", (64, 128)), ("stages", (2, 3)), ("dq_write", (0, 1, 2, 3))))

@@ -29,7 +29,10 @@
 //              rows >= nq clipped by the tensor map);
 //     DQW = 1: red.global.add.v2.f32 straight from the accumulators;
 //     DQW = 2: as 0, from two staging tiles, the adds issued by the dQ writer
-//              (below) instead of a consumer thread (dense rows, no mods).
+//              (below) instead of a consumer thread (dense rows, no mods);
+//     DQW = 3: as 1 with half the reductions: lanes t and t ^ 1 (t = lane % 4) swap
+//              a pair, so each holds four consecutive columns of one row
+//              (red.global.add.v4.f32).
 // dK is scaled by the softmax scale at the end (dQ's scale: bwd_convert).
 //
 // Head dims above 128 (SPLIT): 64 keys a CTA and both consumer warpgroups over all of them; warpgroup
@@ -183,9 +186,10 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   // C7519), over a window of the columns that ends at D where its own are fewer; it adds only its own.
   constexpr int DQP = D / 32;
   constexpr int DQ_LO = DQP / NWG * 32, DQ_HI = (DQP + NWG - 1) / NWG * 32;
+  constexpr bool STAGED = DQW == 0 || DQW == 2;  // dQ through a shared-memory tile and the TMA's adds
   constexpr bool WRITER = DET || DQW == 2;  // the dQ writer adds the staged parts
   constexpr int STG_ONE = BM * D * 4;     // one fp32 dQ staging tile: D/32 panels of BM x 128 bytes
-  constexpr int STG_BYTES = DQW != 1 ? (WRITER ? 2 : 1) * STG_ONE : 0;  // (the writer's: two)
+  constexpr int STG_BYTES = STAGED ? (WRITER ? 2 : 1) * STG_ONE : 0;  // (the writer's: two)
   constexpr int QN = SPLIT ? BM / 2 : BM;  // queries of a warpgroup's S^T / dP^T
   constexpr int DKV = SPLIT ? D / 2 : D;  // columns of a warpgroup's dK / dV
   constexpr int NJ = QN / 8;              // n8 chunks of S^T / dP^T
@@ -256,7 +260,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
     tma_prefetch_map(&p.tm_k);
     tma_prefetch_map(&p.tm_v);
     tma_prefetch_map(&p.tm_do);
-    if constexpr (DQW != 1) tma_prefetch_map(&p.tm_dq);
+    if constexpr (STAGED) tma_prefetch_map(&p.tm_dq);
     mbar_init(bar_kv, 1);
 #pragma unroll
     for (int s = 0; s < ST; ++s) {
@@ -567,7 +571,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
     reg_fence(acc_dq);
 
     // ---- dQ_i += the part: thread's rows krow, krow + 8; columns dq_w0 + 8 nj + 2t (+1), its own nj
-    if constexpr (DQW != 1) {
+    if constexpr (STAGED) {
       // WRITER: tile it % 2, free once the writer's adds of block it - 2 have read it.
       const fg_u32 stg = WRITER ? sStg + static_cast<fg_u32>(it & 1) * STG_ONE : sStg;
       if constexpr (WRITER) {
@@ -600,7 +604,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
           bulk_commit();
         }
       }
-    } else {
+    } else if constexpr (DQW == 1) {
       float* dq = p.dq_acc + ((static_cast<fg_i64>(mb) * p.heads + hq) * p.nq + q_off + m0) * D + dq_w0 + 2 * t;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -610,6 +614,24 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
           for (int nj = 0; nj < DQ_HI / 8; ++nj)
             if (dq_own(nj))
               red_add_f32x2(dq + r * D + 8 * nj, acc_dq[4 * nj + 2 * h], acc_dq[4 * nj + 2 * h + 1]);
+        }
+      }
+    } else {
+      // Even t keeps row krow and takes its partner's pair of that row (columns 2t + 2, 2t + 3); odd t
+      // keeps row krow + 8 and takes the partner's pair of it (columns 2t - 2, 2t - 1). Every lane
+      // shuffles (the row bound is checked after).
+      const bool odd = t & 1;
+      const int r = krow + (odd ? 8 : 0);
+      float* dq = p.dq_acc + ((static_cast<fg_i64>(mb) * p.heads + hq) * p.nq + q_off + m0 + r) * D + dq_w0 +
+                  2 * (t & ~1);
+      const bool in = m0 + r < var.nq;
+#pragma unroll
+      for (int nj = 0; nj < DQ_HI / 8; ++nj) {
+        if (dq_own(nj)) {  // acc_dq[4 nj], [4 nj + 1]: row krow; [4 nj + 2], [4 nj + 3]: row krow + 8
+          const float o0 = __shfl_xor_sync(0xffffffffu, odd ? acc_dq[4 * nj] : acc_dq[4 * nj + 2], 1);
+          const float o1 = __shfl_xor_sync(0xffffffffu, odd ? acc_dq[4 * nj + 1] : acc_dq[4 * nj + 3], 1);
+          const float k0 = odd ? acc_dq[4 * nj + 2] : acc_dq[4 * nj], k1 = odd ? acc_dq[4 * nj + 3] : acc_dq[4 * nj + 1];
+          if (in) red_add_f32x4(dq + 8 * nj, odd ? o0 : k0, odd ? o1 : k1, odd ? k0 : o0, odd ? k1 : o1);
         }
       }
     }
