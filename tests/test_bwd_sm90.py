@@ -610,3 +610,26 @@ def test_wgmma_descriptors_stay_in_uniform_registers(tmp_path, compiled):
         near, hgmma = r2ur_before_hgmma(spec, binary.cubin, tmp_path)
         assert hgmma and near <= hgmma // 4, f"{spec.name}: {near} R2UR just before its {hgmma} HGMMA"
     assert compiled
+
+
+def test_dq_vector_adds_cover_each_element_once():
+    """dq_write 3's lane-pair swap (templates/bwd_sm90): lane t of a quad holds dQ[krow + 8h][8nj + 2t + e]
+    as acc[4nj + 2h + e]; after the two shuffles with lane t ^ 1 each lane adds four consecutive columns
+    of one row (even t: row krow, from column 2t; odd t: row krow + 8, from column 2t - 2), so the quad's
+    four vector adds cover the 2 x 8 block once, each with its own value."""
+    nj_count = 4
+    acc = {t: [(h, 8 * nj + 2 * t + e) for nj in range(nj_count) for h in (0, 1) for e in (0, 1)]
+           for t in range(4)}  # acc[t][4nj + 2h + e] = the (row half, column) it holds
+    added = []
+    for t in range(4):
+        odd, partner = t & 1, acc[t ^ 1]
+        row, col0 = (1 if odd else 0), 2 * (t & ~1)
+        for nj in range(nj_count):
+            mine = acc[t][4 * nj:4 * nj + 4]
+            # each lane sends the pair of the row it does not keep: odd lanes row krow's, even lanes krow + 8's
+            got = partner[4 * nj + 2:4 * nj + 4] if odd else partner[4 * nj:4 * nj + 2]
+            keep = mine[2:4] if odd else mine[0:2]
+            vec = got + keep if odd else keep + got
+            assert vec == [(row, 8 * nj + col0 + i) for i in range(4)], (t, nj, vec)
+            added += vec
+    assert sorted(added) == sorted(x for t in range(4) for x in acc[t])
