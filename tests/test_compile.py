@@ -20,7 +20,7 @@ from flashgen.codegen import parse_ptxas_log
 from flashgen.errors import UnsupportedError
 from flashgen.families import bwd, bwd_sm90, decode, fwd_v1, fwd_v2, paged_spec, standard
 from flashgen.families.decode import PAGE_SIZES
-from flashgen.problem import HEAD_DIM_TILES, ProblemKey
+from flashgen.problem import BUCKETS, HEAD_DIM_TILES, ProblemKey
 from flashgen.spec import DTYPES
 from build_util import clean_binary
 
@@ -101,10 +101,11 @@ def compiled(compile_session):
 
 def _keys(problem: str, arch: str) -> list:
     """Every key of ``problem`` dispatch may be asked for on ``arch``: the key of every input head dim
-    (multiples of 8 up to 256, mapped to the problem's key tiles), dtype and mask (decode: causal only)."""
+    (multiples of 8 up to 256, mapped to the problem's key tiles), dtype, mask (decode: causal only) and
+    sequence bucket (bwd_sm90's rule takes the dQ writer from a bucket on)."""
     masks = (True,) if problem == "decode_split" else (False, True)
-    keys = [families.problem_key(problem, arch, dt, d, c, 512) for d in range(8, 257, 8) for dt in DTYPES
-            for c in masks]
+    keys = [families.problem_key(problem, arch, dt, d, c, n) for d in range(8, 257, 8) for dt in DTYPES
+            for c in masks for n in BUCKETS]
     if problem in ("decode_split", "fwd"):  # and FP8's (an FP8 cache, FP8 inputs: their own tiles)
         keys += [k.replace(variant="fp8") for k in keys]
     return list(dict.fromkeys(keys))
