@@ -154,7 +154,7 @@ def _sm90(d, bn=128, st=2, dq_write=0, causal=False, dtype="bf16"):
 # writer warp (families.bwd_sm90.DQ_WRITES), 64-key tiles.
 SM90_VARIANTS = [_sm90(d, 128, st, dq_write, c, dt) for d in (32, 64, 96, 128)
                  for st, dq_write in ((2, 1), (3, 0), (2, 2), (3, 2)) for c in (False, True) for dt in ("bf16", "fp16")
-                 if (d, st, dq_write) != (128, 3, 2)] + [  # (the writer's two staging tiles beside 3 stages: not at 128)
+                 if (d, st, dq_write) != (128, 3, 2)] + [  # (two staging tiles beside 3 stages: not at 128)
     _sm90(d, 64, 2, dq_write, c) for d in (32, 64, 96) for dq_write in (0, 1, 2) for c in (False, True)] + [
     # above d = 128: dK/dV split by columns over 64 keys (the rule's dQ write and, at 192, the other)
     _sm90(d, 64, 2, dq_write, c, dt) for d, dq_write in ((192, 0), (192, 1), (256, 1)) for c in (False, True)

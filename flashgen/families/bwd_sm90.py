@@ -46,7 +46,7 @@ DQ_WRITES = {0: "TMA reduce-add from a shared-memory staging tile", 1: "red.glob
 # backward on the H200 (docs/perf/backward.md), hence the default where it has a tile. d=32 and 96 in
 # panels of 64-byte rows (panel_cols): fwd+bwd 1.2-1.3x (32) and 2.2-2.4x (96) the mma.sync path on an
 # H100; 32 takes d=64's rings, 96 d=128's. 192 and 256 split (64 keys, two warpgroups over their
-# columns), 256 with dQ by red.global (no room for the staging tile): fwd+bwd 2.1-2.4x (192) and
+# columns), 256 with dQ by red.global (no room for the staging tile): fwd+bwd 2.2-2.4x (192) and
 # 1.8-1.9x (256) the mma.sync path on an H100. (The key tile 160 has no kernel here, its 80 columns a
 # warpgroup cannot start on a panel: the mma.sync kernel serves it.)
 BWD_SM90_TILES = {

@@ -630,7 +630,8 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
         if (dq_own(nj)) {  // acc_dq[4 nj], [4 nj + 1]: row krow; [4 nj + 2], [4 nj + 3]: row krow + 8
           const float o0 = __shfl_xor_sync(0xffffffffu, odd ? acc_dq[4 * nj] : acc_dq[4 * nj + 2], 1);
           const float o1 = __shfl_xor_sync(0xffffffffu, odd ? acc_dq[4 * nj + 1] : acc_dq[4 * nj + 3], 1);
-          const float k0 = odd ? acc_dq[4 * nj + 2] : acc_dq[4 * nj], k1 = odd ? acc_dq[4 * nj + 3] : acc_dq[4 * nj + 1];
+          const float k0 = odd ? acc_dq[4 * nj + 2] : acc_dq[4 * nj];
+          const float k1 = odd ? acc_dq[4 * nj + 3] : acc_dq[4 * nj + 1];
           if (in) red_add_f32x4(dq + 8 * nj, odd ? o0 : k0, odd ? o1 : k1, odd ? k0 : o0, odd ? k1 : o1);
         }
       }
