@@ -183,10 +183,12 @@ class Bwd90Family(Family):
         if key.head_dim not in BWD_SM90_TILES:
             raise UnsupportedError(f"bwd_sm90 has no head-dim tile {key.head_dim} (it serves "
                                    f"{sorted(BWD_SM90_TILES)})")
-        writer = not key.variant and key.bucket >= DQ_WRITER_FROM.get(key.head_dim, key.bucket + 1)
+        from_bucket = DQ_WRITER_FROM.get(key.head_dim)
+        writer = not key.variant and from_bucket is not None and key.bucket >= from_bucket
         out = []
         for bn, st, dq_write in BWD_SM90_TILES[key.head_dim]:
-            for dq in ((2,) if writer and dq_write == 0 else ()) + (dq_write,):
+            # the writer's tile first, the rule's own behind it (a budget without room for two staging tiles)
+            for dq in (2, dq_write) if writer and dq_write == 0 else (dq_write,):
                 knobs = self.complete({"head_dim": key.head_dim, "block_n": bn, "stages": st, "dq_write": dq})
                 self._fit(out, self.spec(key, **{k: v for k, v in knobs.items() if k != "head_dim"}), budget)
         return self._fitting(out, key, budget)

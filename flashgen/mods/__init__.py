@@ -301,4 +301,3 @@ def token_text(number: int) -> str:
 def of_number(number: int) -> ModPair:
     """The registered pair of a KernelSpec's ``mod`` number (``lookup``'s errors)."""
     return lookup(token_text(number))
-
