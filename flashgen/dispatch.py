@@ -14,6 +14,7 @@ from . import families, tables, variants
 from .codegen import build
 from .errors import CompileError, UnsupportedError
 from .families.base import first_clean
+from .families.bwd_sm90 import WRITER_DQ
 from .problem import ProblemKey
 from .settings import logger
 from .spec import KernelSpec
@@ -144,8 +145,8 @@ def mod_backward_spec(key: ProblemKey, smem_budget: int, token: int, verify: boo
     if key.arch != "sm_90a" or key.head_dim not in fam.tiles:
         raise UnsupportedError(f"the backward of score_mod / mask_mod runs on bwd_sm90 (sm_90a, head-dim tiles "
                                f"{sorted(fam.tiles)}); this call has {key.arch}, head-dim tile {key.head_dim}")
-    rule = [s.replace(causal=False, mod=token, dq_write=0 if s.dq_write == 2 else s.dq_write)  # (the writer: no mods)
-            for s in fam.rule(key.replace(causal=False, variant=""), smem_budget)]
+    rule = [s.replace(causal=False, mod=token) for s in fam.rule(key.replace(causal=False, variant=""), smem_budget)
+            if s.dq_write not in WRITER_DQ]  # (the dQ writer walks dense rows: the rule's own tile follows its)
     rule = list(dict.fromkeys(rule))
     candidates = [s.validate() for s in rule + [s.replace(dp_late=True) for s in rule]]
     if not verify:

@@ -25,6 +25,9 @@ def bwd90(d=128, bn=128, st=2, dq_write=0, causal=False, dtype="bf16"):
                       warps=4 * (consumers + 1), stages=st, dq_write=dq_write, causal=causal)
 
 
+# dq_write 4's tiles in the tests (the GPU tests' too): one warpgroup (the tile is all of dQ), an uneven split
+# (d = 96: 64 and 32 columns; d = 32 on 128 keys: 32 and none), the 3-stage Q ring, and the split tiles.
+DQ_HALVES = ((32, 64, 2), (32, 128, 2), (64, 128, 3), (96, 128, 2), (128, 128, 2), (192, 64, 2), (256, 64, 2))
 DEFAULTS = [s for s in families.rule_specs("sm_90a", BUDGET) if s.kind == "bwd_sm90"]
 # What the GPU tests and the backward benchmark's variants run beside the defaults.
 VARIANTS = [bwd90(d, 128, st, w, c, dt) for d in (32, 64, 96, 128) for st in (2, 3) for w in (0, 1, 2)
@@ -35,7 +38,9 @@ VARIANTS = [bwd90(d, 128, st, w, c, dt) for d in (32, 64, 96, 128) for st in (2,
     for dt in ("bf16", "fp16")] + [
     # the vector adds after a lane-pair swap (dq_write 3), in the tune space
     bwd90(d, bn, 2, 3, c) for d, bn in ((32, 64), (64, 128), (96, 128), (128, 128), (192, 64), (256, 64))
-    for c in (False, True)]
+    for c in (False, True)] + [
+    # one staging tile the warpgroups fill in turn beside a one-stage dO ring (dq_write 4), in the tune space
+    bwd90(d, bn, st, 4, c) for d, bn, st in DQ_HALVES for c in (False, True)]
 # deterministic=True's twins of the defaults (dQ's adds take turns: the det field)
 DET = list(dict.fromkeys(t for t in (dispatch.deterministic_twin(s, BUDGET) for s in DEFAULTS) if t is not None))
 ALL = list(dict.fromkeys(DEFAULTS + VARIANTS + DET))
@@ -65,11 +70,12 @@ def test_names_and_rules():
     with pytest.raises(ValueError, match="arch"):
         s.replace(arch="sm_80").validate()
     with pytest.raises(ValueError, match="dq_write"):
-        s.replace(dq_write=4).validate()
+        s.replace(dq_write=5).validate()
     assert bwd90(dq_write=2).name == "bwd_sm90_d128_m64_n128_w12_s2_dq2_full_bf16_sm90a"
-    for change in ({"varlen": True}, {"mod": 5}):
-        with pytest.raises(ValueError, match="dq_write 2 .the dQ writer warp. walks dense rows"):
-            bwd90(dq_write=2).replace(**change).validate()
+    for w in (2, 4):
+        for change in ({"varlen": True}, {"mod": 5}):
+            with pytest.raises(ValueError, match=f"dq_write {w} .the dQ writer warp. walks dense rows"):
+                bwd90(dq_write=w).replace(**change).validate()
     with pytest.raises(ValueError, match="not a field of this kind"):
         s.replace(warp_specialized=True).validate()
     assert s.check(gpus.get("a100"))  # not an sm_90a GPU
@@ -87,10 +93,12 @@ def test_family_rules_and_smem_formula():
     fam = bwd90().family
     for s in ALL:
         d, bn, st = s.head_dim, s.block_n, s.stages
-        staging = {0: 2 if s.det else 1, 1: 0, 2: 2, 3: 0}[s.dq_write]  # (tiles: two where the dQ writer adds them)
+        # staging tiles of d columns: two where the dQ writer adds them; dq_write 4: one of a warpgroup's columns
+        staging = {0: 2 if s.det else 1, 1: 0, 2: 2, 3: 0, 4: fam.dq_cols(s)[0] / d}[s.dq_write]
+        st_do = 1 if s.dq_write == 4 else st  # (dq_write 4: dO's ring of one stage)
         p_t = 2 * bn * 64 * 2 if d > 128 else 0  # (split: P^T's two buffers)
-        want = 2 * d * 2 * bn + 2 * st * 64 * d * 2 + 2 * bn * 64 * 2 + p_t + staging * 64 * d * 4 \
-            + 2 * st * 64 * 4 + 1024
+        want = 2 * d * 2 * bn + (st + st_do) * 64 * d * 2 + 2 * bn * 64 * 2 + p_t + staging * 64 * d * 4 \
+            + (st + st_do) * 64 * 4 + 1024
         assert s.smem_bytes() == want, s.name
         if d % 64 == 0:
             assert fam.dq_cols(s) == (d // fam.consumers(s),) * 2
@@ -105,6 +113,10 @@ def test_family_rules_and_smem_formula():
     with pytest.raises(ValueError, match="block_n=64"):
         bwd90(256, bn=128).validate()
     assert any("shared memory" in r for r in bwd90(256, bn=64).check(H200))  # the fp32 staging does not fit
+    # ... a warpgroup's half of it does, beside a one-stage dO ring: 32 KB in place of 32 KB of dO
+    assert bwd90(256, bn=64, dq_write=4).smem_bytes() == 231168 and not bwd90(256, bn=64, dq_write=4).check(H200)
+    ctx = bwd90(256, bn=64, dq_write=4).context()
+    assert (ctx["do_stages"], ctx["staging_bytes"]) == (1, 64 * 128 * 4)
     ctx = bwd90().context()
     assert ctx["dq_n"] == 64 and ctx["producer_regs"] == 24 and ctx["consumer_regs"] == 240
     # det: two staging tiles (the consumers write one while the dQ writer adds the other); the writer
@@ -163,14 +175,16 @@ def test_tune_space_candidates():
     sm90 = [c for c in cands if c.kind == "bwd_sm90"]
     assert sm90 and all(not c.check(H200) for c in sm90)
     assert {c.block_n for c in sm90} == {128} and {c.stages for c in sm90} == {2, 3}
-    assert {c.dq_write for c in sm90} == {0, 1, 2, 3}
+    assert {c.dq_write for c in sm90} == {0, 1, 2, 3, 4}
     # the dQ writer's second staging tile does not fit beside a 3-stage d = 128 ring
-    assert {(c.stages, c.dq_write) for c in sm90} == {(2, 0), (2, 1), (2, 2), (2, 3), (3, 0), (3, 1), (3, 3)}
+    assert {(c.stages, c.dq_write) for c in sm90} == {(2, 0), (2, 1), (2, 2), (2, 3), (2, 4), (3, 0), (3, 1), (3, 3),
+                                                      (3, 4)}
     # above 128: the split tile (64 keys, 12 warps) whatever block_n the space names, where it fits
     big = [c for c in space.candidates(ProblemKey("bwd_dkdv", "sm_90a", "bf16", 256, True, 4096), H200)
            if c.kind == "bwd_sm90"]
     assert [c.name for c in big] == ["bwd_sm90_d256_m64_n64_w12_s2_dq1_causal_bf16_sm90a",
-                                     "bwd_sm90_d256_m64_n64_w12_s2_dq3_causal_bf16_sm90a"]
+                                     "bwd_sm90_d256_m64_n64_w12_s2_dq3_causal_bf16_sm90a",
+                                     "bwd_sm90_d256_m64_n64_w12_s2_dq4_causal_bf16_sm90a"]
     # a varlen key: the writer walks dense rows only
     vl = space.candidates(ProblemKey("bwd_dkdv", "sm_90a", "bf16", 128, True, 4096, "vl"), H200, only=("bwd_sm90",))
     assert vl and {c.dq_write for c in vl if c.kind == "bwd_sm90"} == {0, 1, 3}
@@ -405,21 +419,27 @@ def test_smem_layout_model(d, bn):
             dQ += Am @ Bm
         assert (dQ == dS @ K[:, w0:w0 + dq_hi]).all()
         skip = (c0 - w0) // 8
-        # staging: thread (wq, g, t), row h, its own chunks nj hold dQ[krow + 8h, w0 + 8 nj + 2t (+1)]
-        for wq in range(4):
-            for g in range(8):
-                for t in range(4):
-                    for h in range(2):
-                        r = wq * 16 + g + 8 * h
-                        base = sStg + (w0 // 32) * bm * 128 + r * 128 + (((t >> 1) ^ g) << 4) + (t & 1) * 8
-                        for nj in range(skip, skip + n // 8):
-                            a = (base ^ ((nj % 4) << 5)) + (nj // 4) * bm * 128
-                            col = w0 + 8 * nj + 2 * t
-                            for e in range(2):
-                                assert a + 4 * e == tma_addr(sStg + (col // 32) * bm * 128, bm, r, (col + e) % 32,
-                                                             elem=4), (cw, wq, g, t, h, nj, e)
-                                staged.add((r, col + e))
-    assert len(staged) == bm * d  # every dQ column from one warpgroup
+        # staging: thread (wq, g, t), row h, its own chunks nj hold dQ[krow + 8h, w0 + 8 nj + 2t (+1)]; the
+        # tile of all d columns (column col in panel col / 32), or dq_write 4's of the warpgroup's own, which
+        # the dQ writer adds from its first panel at column c0 (column col in panel (col - c0) / 32)
+        for halves in (False, True):
+            pan0 = w0 // 32 - (c0 // 32 if halves else 0)
+            for wq in range(4):
+                for g in range(8):
+                    for t in range(4):
+                        for h in range(2):
+                            r = wq * 16 + g + 8 * h
+                            base = sStg + pan0 * bm * 128 + r * 128 + (((t >> 1) ^ g) << 4) + (t & 1) * 8
+                            for nj in range(skip, skip + n // 8):
+                                a = (base ^ ((nj % 4) << 5)) + (nj // 4) * bm * 128
+                                col = w0 + 8 * nj + 2 * t
+                                box = (col - c0 if halves else col) // 32
+                                for e in range(2):
+                                    assert a + 4 * e == tma_addr(sStg + box * bm * 128, bm, r, (col + e) % 32,
+                                                                 elem=4), (cw, wq, g, t, h, nj, e, halves)
+                                    staged.add((r, col + e, halves))
+                                    assert not halves or 0 <= box < dq_hi // 32  # (inside the one tile)
+    assert len(staged) == 2 * bm * d  # every dQ column from one warpgroup, both ways
 
 
 # ---------------------------------------------------------------- compiles
@@ -633,3 +653,75 @@ def test_dq_vector_adds_cover_each_element_once():
             assert vec == [(row, 8 * nj + col0 + i) for i in range(4)], (t, nj, vec)
             added += vec
     assert sorted(added) == sorted(x for t in range(4) for x in acc[t])
+
+
+def _halves_turns(nwg, steps, seed, own_barriers=True):
+    """One random schedule of dq_write 4's hand-offs (templates/bwd_sm90), restated: each step, after the
+    consumers' named barrier, warpgroup w waits on bar_se(w) (the part before its turn read: warpgroup w - 1's
+    of this step, the last one's of the step before for w = 0), stages its part and arrives on bar_sf(w); the
+    dQ writer waits on bar_sf(w) of each step in warpgroup order, has the TMA read the tile and arrives on
+    bar_se(w + 1). An mbarrier's parity wait passes once the phase of that parity has completed, i.e. while
+    its completed phases' count has the other parity (so a wait two phases early passes). Returns None,
+    or what went wrong. ``own_barriers=False``: one shared bar_se, each use u waiting for use u - 1's read
+    (the parity of u - 1)."""
+    import random
+
+    rnd = random.Random(seed)
+    done = {}  # barrier -> completed phases (one arrival completes a phase: the 128 threads as one)
+
+    def passes(bar, k):  # wait for completion k: parity k & 1
+        return done.get(bar, 0) & 1 != k & 1
+
+    tile = None  # ("written", it, w) or None (free: read)
+    cons = [[0, "sync"] for _ in range(nwg)]  # per warpgroup: step, where
+    wr = [0, 0]  # writer: step, warpgroup
+    released = -1  # the last step whose named barrier every warpgroup has reached
+    while True:
+        if all(c == [released + 1, "sync"] for c in cons):
+            released += 1
+        moves = []
+        for w, (it, where) in enumerate(cons):
+            if it == steps:
+                continue
+            if where == "sync" and released >= it:
+                moves.append(("sync", w))
+            elif where == "wait":
+                if own_barriers:
+                    k = it - 1 if w == 0 else it
+                    ok = k < 0 or passes(("se", w), k)
+                else:
+                    u = it * nwg + w
+                    ok = u == 0 or passes("se", u - 1)
+                if ok:
+                    moves.append(("stage", w))
+        if wr[0] < steps and passes(("sf", wr[1]), wr[0]):
+            moves.append(("read", None))
+        if not moves:
+            return None if wr[0] == steps and all(c[0] == steps for c in cons) else "deadlock"
+        what, w = rnd.choice(moves)
+        if what == "sync":
+            cons[w][1] = "wait"
+        elif what == "stage":
+            if tile is not None:
+                return f"warpgroup {w} staged step {cons[w][0]} over {tile}"
+            tile = ("written", cons[w][0], w)
+            done[("sf", w)] = done.get(("sf", w), 0) + 1
+            cons[w] = [cons[w][0] + 1, "sync"]
+        else:
+            it, w = wr
+            if tile != ("written", it, w):
+                return f"the writer read {tile} for step {it}, warpgroup {w}"
+            tile = None
+            nxt = ("se", (w + 1) % nwg) if own_barriers else "se"
+            done[nxt] = done.get(nxt, 0) + 1
+            wr[:] = [it + (w + 1) // nwg, (w + 1) % nwg]
+
+
+def test_dq_halves_turns_model():
+    """dq_write 4's one staging tile: over random schedules every part is staged on a free tile and read by
+    the writer once, with no deadlock, for 1-3 consumer warpgroups. The same hand-off on one shared
+    empty barrier fails: a warpgroup can wait two phases early (the parity of a phase not yet reached)."""
+    for nwg in (1, 2, 3):
+        for seed in range(300):
+            assert _halves_turns(nwg, 6, seed) is None, (nwg, seed)
+    assert any(_halves_turns(2, 6, seed, own_barriers=False) for seed in range(300))

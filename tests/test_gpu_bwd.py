@@ -161,7 +161,12 @@ SM90_VARIANTS = [_sm90(d, 128, st, dq_write, c, dt) for d in (32, 64, 96, 128)
     for dt in ("bf16", "fp16")] + [
     # the vector adds after a lane-pair swap (dq_write 3; the tune space's)
     _sm90(d, bn, 2, 3, c) for d, bn in ((32, 64), (64, 128), (96, 128), (128, 128), (192, 64), (256, 64))
-    for c in (False, True)]
+    for c in (False, True)] + [
+    # one staging tile the warpgroups fill in turn beside a one-stage dO ring (dq_write 4; the tune space's):
+    # one warpgroup, uneven column splits (96; 32 on 128 keys), the 3-stage Q ring, the split tiles
+    _sm90(d, bn, st, 4, c, dt) for d, bn, st in ((32, 64, 2), (32, 128, 2), (64, 128, 3), (96, 128, 2),
+                                                 (128, 128, 2), (192, 64, 2), (256, 64, 2))
+    for c in (False, True) for dt in (("bf16", "fp16") if d == 256 else ("bf16",))]
 
 
 FAMILIES = ["bwd_dkdv", "bwd_sm90"]
@@ -219,8 +224,8 @@ def test_grads_bshd_gqa(nq, nk, causal, dtype, family, monkeypatch):
 @pytest.mark.parametrize("nq,nk", [(113, 203), (1023, 1024), (1, 239)])
 def test_grads_bwd_sm90_variants(nq, nk, spec):
     """bwd_sm90's variants through specs= (GQA 4:1): the 3-stage ring, dQ by red.global.add from
-    registers (dq_write 1) and by the dQ writer warp (dq_write 2), one consumer warpgroup (64-key tiles),
-    and head dims 192 / 256 with dK/dV split by columns."""
+    registers (dq_write 1, 3) and by the dQ writer warp (dq_write 2, 4), one consumer warpgroup (64-key
+    tiles), and head dims 192 / 256 with dK/dV split by columns."""
     if not is_sm90():
         pytest.skip("bwd_sm90 needs an sm_90a GPU")
     check(2, 4, 1, nq, nk, spec.head_dim, spec.dtype, spec.causal, spec=spec)

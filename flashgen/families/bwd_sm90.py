@@ -37,7 +37,11 @@ SM90_BWD_PARAMS = (
 # How dQ reaches the fp32 accumulator (KernelSpec.dq_write).
 DQ_WRITES = {0: "TMA reduce-add from a shared-memory staging tile", 1: "red.global.add.v2.f32 from registers",
              2: "TMA reduce-add from two staging tiles, issued by a dQ writer warp (dense rows, no mods)",
-             3: "red.global.add.v4.f32 from registers, lane pairs swapping a pair of columns"}
+             3: "red.global.add.v4.f32 from registers, lane pairs swapping a pair of columns",
+             4: "TMA reduce-add from one staging tile of a warpgroup's columns, the warpgroups in turn, issued by "
+                "the dQ writer warp, beside a one-stage dO ring (dense rows, no mods)"}
+# The modes whose adds the dQ writer warp issues: it walks dense rows (no packed rows, no mods).
+WRITER_DQ = (2, 4)
 
 # The default rule: head-dim tile -> (block_n, stages, dq_write) in order of preference; block_m is 64
 # and warps = 4 (consumer warpgroups + 1). FA3's shape: two consumer warpgroups of 64 keys and a producer.
@@ -97,8 +101,9 @@ class Bwd90Family(Family):
         if spec.det and (spec.dq_write != 0 or spec.varlen or spec.mod):
             raise ValueError(f"{self.kind}: det (deterministic dQ) takes the TMA adds (dq_write 0) and dense rows: "
                              "no varlen, no mods")
-        if spec.dq_write == 2 and (spec.varlen or spec.mod):
-            raise ValueError(f"{self.kind}: dq_write 2 (the dQ writer warp) walks dense rows: no varlen, no mods")
+        if spec.dq_write in WRITER_DQ and (spec.varlen or spec.mod):
+            raise ValueError(f"{self.kind}: dq_write {spec.dq_write} (the dQ writer warp) walks dense rows: "
+                             "no varlen, no mods")
         want = 4 * (self.consumers(spec) + 1)
         if spec.warps != want:
             raise ValueError(f"{self.kind}: block_n={spec.block_n} means {self.consumers(spec)} consumer "
@@ -120,20 +125,27 @@ class Bwd90Family(Family):
         return out
 
     def staging_bytes(self, spec) -> int:
-        """The fp32 dQ staging tiles (dq_write 0 and 2): two where a dQ writer adds them (det, dq_write 2),
-        one the consumers write while the writer adds the other."""
+        """The fp32 dQ staging tiles (dq_write 0, 2 and 4): two where a dQ writer adds them (det, dq_write 2),
+        one the consumers write while the writer adds the other; dq_write 4 one of a warpgroup's columns."""
+        if spec.dq_write == 4:
+            return 4 * spec.block_m * self.dq_cols(spec)[0]
         tiles = {0: 2 if spec.det else 1, 1: 0, 2: 2, 3: 0}[spec.dq_write]
         return tiles * 4 * spec.block_m * spec.head_dim
 
+    @staticmethod
+    def do_stages(spec) -> int:
+        """Stages of the dO ring (and its D rows): the Q ring's, or one beside dq_write 4's staging tile."""
+        return 1 if spec.dq_write == 4 else spec.stages
+
     def smem_bytes(self, spec) -> int:
-        # K, V (once); Q, dO (ring); two dS^T buffers; the fp32 dQ staging tile (dq_write 0);
-        # LSE2 and D rows (ring, fp32); 1 KB to align the tiles to 1024 bytes. Barriers are static.
+        # K, V (once); Q, dO (rings); two dS^T buffers; the fp32 dQ staging tiles;
+        # LSE2 and D rows (rings, fp32); 1 KB to align the tiles to 1024 bytes. Barriers are static.
         # Packed rows: the LSE2 / D rows of a stage are copied from the 16-byte boundary before the tile's
         # first row, 4 floats more each.
-        bm, bn, d, st = spec.block_m, spec.block_n, spec.head_dim, spec.stages
+        bm, bn, d, st = spec.block_m, spec.block_n, spec.head_dim, spec.stages + self.do_stages(spec)
         rows = bm + (4 if spec.varlen else 0)
         p_t = 4 * bn * bm if self.split(spec) else 0  # split: P^T through shared memory, two buffers as dS^T's
-        return 2 * d * (2 * bn + 2 * st * bm) + 4 * bn * bm + p_t + self.staging_bytes(spec) + 8 * st * rows + 1024
+        return 2 * d * (2 * bn + st * bm) + 4 * bn * bm + p_t + self.staging_bytes(spec) + 4 * st * rows + 1024
 
     def regs(self, spec) -> tuple[int, int]:
         """(producer, consumer) registers per thread after setmaxnreg (two or more consumers). The pool is
@@ -159,7 +171,7 @@ class Bwd90Family(Family):
                 "dq_n": self.dq_cols(spec)[0], "split": self.split(spec),
                 "qn": spec.block_m // 2 if self.split(spec) else spec.block_m,
                 "dkv_n": spec.head_dim // 2 if self.split(spec) else spec.head_dim,
-                "staging_bytes": self.staging_bytes(spec), "dq_write_how": DQ_WRITES[spec.dq_write],
+                "staging_bytes": self.staging_bytes(spec), "do_stages": self.do_stages(spec), "dq_write_how": DQ_WRITES[spec.dq_write],
                 "dp_late": spec.dp_late, "det": spec.det, **variant_context(spec), **mod_context(spec, backward=True)}
 
     def param_struct(self):
@@ -219,4 +231,4 @@ class Bwd90Family(Family):
 FAMILY = Bwd90Family("bwd_sm90", "bwd_sm90/bwd_sm90.cu.j2", SM90_BWD_PARAMS, problem="bwd_dkdv",
                      head_dims=(32, 64, 96, 128, 192, 256), block_ms=(64,), block_ns=(64, 128), warps=(8, 12),
                      stages=(2, 3), archs=("sm_90a",), tiles=BWD_SM90_TILES, gemms=5, query_outer=False,
-                     tune_space=(("block_n", (64, 128)), ("stages", (2, 3)), ("dq_write", (0, 1, 2, 3))))
+                     tune_space=(("block_n", (64, 128)), ("stages", (2, 3)), ("dq_write", (0, 1, 2, 3, 4))))

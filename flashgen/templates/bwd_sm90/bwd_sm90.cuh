@@ -32,7 +32,10 @@
 //              (below) instead of a consumer thread (dense rows, no mods);
 //     DQW = 3: as 1 with half the reductions: lanes t and t ^ 1 (t = lane % 4) swap
 //              a pair, so each holds four consecutive columns of one row
-//              (red.global.add.v4.f32).
+//              (red.global.add.v4.f32);
+//     DQW = 4: as 2, from one staging tile of a warpgroup's columns that the
+//              warpgroups fill in turn (the writer adds each part), beside a dO ring
+//              of one stage (ST_DO): the room a whole staging tile lacks at d = 256.
 // dK is scaled by the softmax scale at the end (dQ's scale: bwd_convert).
 //
 // Head dims above 128 (SPLIT): 64 keys a CTA and both consumer warpgroups over all of them; warpgroup
@@ -186,10 +189,13 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   // C7519), over a window of the columns that ends at D where its own are fewer; it adds only its own.
   constexpr int DQP = D / 32;
   constexpr int DQ_LO = DQP / NWG * 32, DQ_HI = (DQP + NWG - 1) / NWG * 32;
-  constexpr bool STAGED = DQW == 0 || DQW == 2;  // dQ through a shared-memory tile and the TMA's adds
-  constexpr bool WRITER = DET || DQW == 2;  // the dQ writer adds the staged parts
-  constexpr int STG_ONE = BM * D * 4;     // one fp32 dQ staging tile: D/32 panels of BM x 128 bytes
-  constexpr int STG_BYTES = STAGED ? (WRITER ? 2 : 1) * STG_ONE : 0;  // (the writer's: two)
+  constexpr bool STAGED = DQW == 0 || DQW == 2 || DQW == 4;  // dQ through a shared-memory tile and the TMA's adds
+  constexpr bool HALVES = DQW == 4;       // one staging tile of DQ_HI columns, the warpgroups in turn
+  constexpr bool WRITER = DET || DQW == 2 || HALVES;  // the dQ writer adds the staged parts
+  constexpr int ST_DO = HALVES ? 1 : ST;  // stages of dO (and D): Q's ring, or one beside the halves' tile
+  constexpr int STG_ONE = BM * (HALVES ? DQ_HI : D) * 4;  // one fp32 dQ staging tile: panels of BM x 128 bytes
+  constexpr int STG_BYTES = STAGED ? (WRITER && !HALVES ? 2 : 1) * STG_ONE : 0;  // (the writer's: two)
+  constexpr int NSTG = HALVES ? NWG : 2;  // WRITER: the full / empty barrier pairs (tiles, or warpgroups' turns)
   constexpr int QN = SPLIT ? BM / 2 : BM;  // queries of a warpgroup's S^T / dP^T
   constexpr int DKV = SPLIT ? D / 2 : D;  // columns of a warpgroup's dK / dV
   constexpr int NJ = QN / 8;              // n8 chunks of S^T / dP^T
@@ -203,26 +209,29 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   static_assert(!WRITER || (!V::VARLEN_ROWS && !V::SPARSE), "the dQ writer walks dense rows");
 
   extern __shared__ unsigned char smem_raw[];
-  // K/V, then per stage: full Q (+LSE2), full dO (+D), empty; WRITER: full and empty per staging tile.
-  __shared__ __align__(8) fg_u64 bars[1 + 3 * ST + (WRITER ? 4 : 0)];
+  // K/V, then per stage: full Q (+LSE2), full dO (+D), empty; WRITER: full and empty per staging tile
+  // (HALVES: per warpgroup, its turn on the one tile).
+  __shared__ __align__(8) fg_u64 bars[1 + 3 * ST + (WRITER ? 2 * NSTG : 0)];
   const fg_u32 sK = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const fg_u32 sV = sK + KV_BYTES;
   const fg_u32 sQ = sV + KV_BYTES;
   const fg_u32 sdO = sQ + ST * QT_BYTES;
-  const fg_u32 sdS = sdO + ST * QT_BYTES;
+  const fg_u32 sdS = sdO + ST_DO * QT_BYTES;
   const fg_u32 sP = sdS + 2 * DS_BYTES;  // SPLIT: P^T, two buffers as dS^T's
   const fg_u32 sStg = sP + (SPLIT ? 2 * DS_BYTES : 0);
   // Packed rows: a sequence's LSE2 / D rows need not start 16-byte aligned (no padding between
   // sequences), so each stage's copy starts at the aligned row before and holds 4 floats more (RS).
   constexpr int RS = V::VARLEN_ROWS ? BM + 4 : BM;  // floats per stage of LSE2 (and of D)
   const fg_u32 sL = sStg + STG_BYTES;      // ST x RS floats of LSE2
-  const fg_u32 sDd = sL + ST * RS * 4;     // ST x RS floats of D
+  const fg_u32 sDd = sL + ST * RS * 4;     // ST_DO x RS floats of D
   const fg_u32 bar_kv = smem_addr(bars);
   auto bar_q = [&](int s) { return bar_kv + 8u * (1 + s); };
   auto bar_do = [&](int s) { return bar_kv + 8u * (1 + ST + s); };
   auto bar_e = [&](int s) { return bar_kv + 8u * (1 + 2 * ST + s); };
-  auto bar_sf = [&](int i) { return bar_kv + 8u * (1 + 3 * ST + i); };      // WRITER: staging tile i written
-  auto bar_se = [&](int i) { return bar_kv + 8u * (1 + 3 * ST + 2 + i); };  // WRITER: the adds have read it
+  // WRITER: staging tile i written, and its adds have read it. HALVES: bar_sf(w) warpgroup w's part written,
+  // bar_se(w) the tile free for warpgroup w (the part before its turn read).
+  auto bar_sf = [&](int i) { return bar_kv + 8u * (1 + 3 * ST + i); };
+  auto bar_se = [&](int i) { return bar_kv + 8u * (1 + 3 * ST + NSTG + i); };
 
   const int tid = threadIdx.x;
   int b = blockIdx.z, n_block = DET && V::RIGHT ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
@@ -269,9 +278,9 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
       mbar_init(bar_e(s), 128 * NWG);  // every consumer thread
     }
     if constexpr (WRITER) {
-      for (int i = 0; i < 2; ++i) {
-        mbar_init(bar_sf(i), 128 * NWG);  // every consumer thread, after its staging stores
-        mbar_init(bar_se(i), 1);          // the dQ writer
+      for (int i = 0; i < NSTG; ++i) {
+        mbar_init(bar_sf(i), 128 * (HALVES ? 1 : NWG));  // the consumer threads, after their staging stores
+        mbar_init(bar_se(i), 1);                         // the dQ writer
       }
     }
     mbar_init_fence();
@@ -288,57 +297,93 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
         tma_load_4d(sK + pn * BN * RB, &p.tm_k, bar_kv, pn * PC, k_off + n0, hk, mb);
         tma_load_4d(sV + pn * BN * RB, &p.tm_v, bar_kv, pn * PC, k_off + n0, hk, mb);
       }
-      int qh = 0, qm = m_first;
-      bwd_sparse_walk walk{nullptr, -1, 0, 0};
-      for (int it = 0; it < total; ++it) {
-        const int s = it % ST;
-        if (it >= ST) mbar_wait(bar_e(s), ((it / ST) + 1) & 1);
-        if constexpr (V::SPARSE) {
-          bool partial_unused;
-          qm = walk.next(p, b, hk, n_block, partial_unused);
-          qh = walk.qh;
-        }
-        const int hq = hk * p.group + qh, m0 = qm * BM;
-        // LSE2 / D rows: packed rows start at the 16-byte boundary at or before the tile's first row.
+      constexpr fg_u32 ROW_BYTES = RS * 4;
+      // Q_i (+ LSE2) or dO_i (+ D) of query head hq, query block m0 / BM into stage s of its ring. LSE2 / D
+      // rows: packed rows start at the 16-byte boundary at or before the tile's first row.
+      auto load = [&](bool is_q, int s, int hq, int m0) {
         const fg_i64 row = V::VARLEN_ROWS ? (static_cast<fg_i64>(hq) * p.nq_pad + q_off + m0) & ~3ll
                                           : (static_cast<fg_i64>(b) * p.heads + hq) * p.nq_pad + m0;
-        constexpr fg_u32 ROW_BYTES = RS * 4;
-        mbar_expect_tx(bar_q(s), QT_BYTES + ROW_BYTES);
+        const fg_u32 bar = is_q ? bar_q(s) : bar_do(s), dst = (is_q ? sQ : sdO) + s * QT_BYTES;
+        mbar_expect_tx(bar, QT_BYTES + ROW_BYTES);
 #pragma unroll
         for (int pn = 0; pn < PANELS; ++pn)
-          tma_load_4d(sQ + s * QT_BYTES + pn * BM * RB, &p.tm_q, bar_q(s), pn * PC, q_off + m0, hq, mb);
-        bulk_load(sL + s * ROW_BYTES, p.lse2 + row, ROW_BYTES, bar_q(s));
-        mbar_expect_tx(bar_do(s), QT_BYTES + ROW_BYTES);
-#pragma unroll
-        for (int pn = 0; pn < PANELS; ++pn)
-          tma_load_4d(sdO + s * QT_BYTES + pn * BM * RB, &p.tm_do, bar_do(s), pn * PC, q_off + m0, hq, mb);
-        bulk_load(sDd + s * ROW_BYTES, p.dsum + row, ROW_BYTES, bar_do(s));
-        if (!V::SPARSE && ++qm == m_end) {
-          qm = m_first;
-          ++qh;
+          tma_load_4d(dst + pn * BM * RB, is_q ? &p.tm_q : &p.tm_do, bar, pn * PC, q_off + m0, hq, mb);
+        bulk_load((is_q ? sL : sDd) + s * ROW_BYTES, (is_q ? p.lse2 : p.dsum) + row, ROW_BYTES, bar);
+      };
+      if constexpr (ST_DO == ST) {  // Q_i and dO_i into stage i % ST once step i - ST is done
+        int qh = 0, qm = m_first;
+        bwd_sparse_walk walk{nullptr, -1, 0, 0};
+        for (int it = 0; it < total; ++it) {
+          const int s = it % ST;
+          if (it >= ST) mbar_wait(bar_e(s), ((it / ST) + 1) & 1);
+          if constexpr (V::SPARSE) {
+            bool partial_unused;
+            qm = walk.next(p, b, hk, n_block, partial_unused);
+            qh = walk.qh;
+          }
+          const int hq = hk * p.group + qh, m0 = qm * BM;
+          load(true, s, hq, m0);
+          load(false, s, hq, m0);
+          if (!V::SPARSE && ++qm == m_end) {
+            qm = m_first;
+            ++qh;
+          }
+        }
+      } else {  // (dense rows, the writer's) dO_i once step i - ST_DO is done, and with it Q_j, j = i + ST - ST_DO
+        int qh_q = 0, qm_q = m_first, qh_d = 0, qm_d = m_first, jq = 0;
+        auto next_q = [&]() {
+          load(true, jq++ % ST, hk * p.group + qh_q, qm_q * BM);
+          if (++qm_q == m_end) {
+            qm_q = m_first;
+            ++qh_q;
+          }
+        };
+        for (int it = 0; it < total; ++it) {
+          if (it >= ST_DO) mbar_wait(bar_e((it - ST_DO) % ST), ((it - ST_DO) / ST) & 1);
+          if (jq == it) next_q();  // (the first step's)
+          load(false, it % ST_DO, hk * p.group + qh_d, qm_d * BM);
+          if (++qm_d == m_end) {
+            qm_d = m_first;
+            ++qh_d;
+          }
+          while (jq < total && jq <= it + ST - ST_DO) next_q();
         }
       }
     } else if (WRITER && tid == 32) {  // the dQ writer: the steps in the consumers' order (dense rows)
       int qh = 0, qm = m_first;
       for (int it = 0; it < total; ++it) {
         const int i = it & 1, hq = hk * p.group + qh, m0 = qm * BM;
-        mbar_wait(bar_sf(i), (it >> 1) & 1);
-        int* sem = nullptr;
-        if constexpr (DET) {
-          sem = p.dq_sem + (static_cast<fg_i64>(b) * p.heads + hq) * (p.nq_pad / BM) + qm;
-          dq_turn_wait(sem, V::RIGHT ? var.block_end(m0, BM, BN) - 1 - n_block : n_block - var.block_first(m0, BN));
-        }
+        if constexpr (HALVES) {  // each warpgroup's part in turn; the tile is then the next warpgroup's
 #pragma unroll 1
-        for (int pn = 0; pn < D / 32; ++pn)
-          tma_reduce_add_4d(&p.tm_dq, sStg + i * STG_ONE + pn * BM * 128, pn * 32, m0, hq, mb);
-        bulk_commit();
-        if constexpr (DET) {
-          bulk_wait<0>();  // landed: the turn passes on
-          dq_turn_done(sem);
+          for (int w = 0; w < NWG; ++w) {
+            mbar_wait(bar_sf(w), it & 1);
+            const int c0 = w * DQ_LO + min(w, DQP % NWG) * 32, n = DQ_LO == DQ_HI || w < DQP % NWG ? DQ_HI : DQ_LO;
+#pragma unroll 1
+            for (int pn = 0; pn < n / 32; ++pn)
+              tma_reduce_add_4d(&p.tm_dq, sStg + pn * BM * 128, c0 + pn * 32, m0, hq, mb);
+            bulk_commit();
+            bulk_wait_read<0>();
+            mbar_arrive(bar_se((w + 1) % NWG));
+          }
         } else {
-          bulk_wait_read<0>();  // read: the tile is free (the adds land on their own)
+          mbar_wait(bar_sf(i), (it >> 1) & 1);
+          int* sem = nullptr;
+          if constexpr (DET) {
+            sem = p.dq_sem + (static_cast<fg_i64>(b) * p.heads + hq) * (p.nq_pad / BM) + qm;
+            dq_turn_wait(sem, V::RIGHT ? var.block_end(m0, BM, BN) - 1 - n_block : n_block - var.block_first(m0, BN));
+          }
+#pragma unroll 1
+          for (int pn = 0; pn < D / 32; ++pn)
+            tma_reduce_add_4d(&p.tm_dq, sStg + i * STG_ONE + pn * BM * 128, pn * 32, m0, hq, mb);
+          bulk_commit();
+          if constexpr (DET) {
+            bulk_wait<0>();  // landed: the turn passes on
+            dq_turn_done(sem);
+          } else {
+            bulk_wait_read<0>();  // read: the tile is free (the adds land on their own)
+          }
+          mbar_arrive(bar_se(i));
         }
-        mbar_arrive(bar_se(i));
         if (++qm == m_end) {
           qm = m_first;
           ++qh;
@@ -402,7 +447,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   bwd_sparse_walk walk{nullptr, -1, 0, 0};
   bool partial = false;  // (V::SPARSE: the block mask's flag of this step's block)
   for (int it = 0; it < total; ++it) {
-    const int s = it % ST, ph = (it / ST) & 1;
+    const int s = it % ST, ph = (it / ST) & 1, s_do = it % ST_DO, ph_do = (it / ST_DO) & 1;
     if constexpr (V::SPARSE) {
       mc = walk.next(p, b, hk, n_block, partial);
       hc = walk.qh;
@@ -413,7 +458,8 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
       ++hc;
     }
     if constexpr (V::HAS_ALIBI || V::USER) var.set_head(p, b, hq);
-    const fg_u64 so = static_cast<fg_u64>((s * QT_BYTES) >> 4);  // stage offset of Q / dO descriptors
+    const fg_u64 so = static_cast<fg_u64>((s * QT_BYTES) >> 4);  // stage offset of Q's descriptors
+    const fg_u64 so_do = static_cast<fg_u64>((s_do * QT_BYTES) >> 4);  // and of dO's
     const fg_u32 buf = static_cast<fg_u32>(it & 1) * DS_BYTES;
 
     // ---- S^T = K_w Q_i^T and dP^T = V_w dO_i^T
@@ -430,10 +476,10 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
     // reads at d = 128: KernelSpec.dp_late, tried by dispatch when the first build spills).
     constexpr bool DP_LATE = DPL;
     auto issue_dp = [&]() {
-      mbar_wait(bar_do(s), ph);
+      mbar_wait(bar_do(s_do), ph_do);
       wgmma_fence();  // (else ptxas injects one: C7519)
       {
-        const fg_u64 da_ = opaque_desc(desc_v), db_ = opaque_desc(desc_do) + so;
+        const fg_u64 da_ = opaque_desc(desc_v), db_ = opaque_desc(desc_do) + so_do;
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) fg_wgmma_sdp(acc_dp, da_ + kmajor_off(kk, BN), db_ + kmajor_off(kk, BM), kk);
       }
@@ -491,11 +537,11 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
     for (int nj = 0; nj < NJ; ++nj) {
       float dd[2];
       if constexpr (V::VARLEN_ROWS) {  // (rows past the sequence have P = 0: any D does)
-        const fg_u32 at = sDd + (s * RS + (q_off & 3) + qh0 + 8 * nj + 2 * t) * 4;
+        const fg_u32 at = sDd + (s_do * RS + (q_off & 3) + qh0 + 8 * nj + 2 * t) * 4;
         dd[0] = lds_f32(at);
         dd[1] = lds_f32(at + 4);
       } else {
-        lds_f32x2(sDd + s * BM * 4 + (qh0 + 8 * nj + 2 * t) * 4, dd[0], dd[1]);
+        lds_f32x2(sDd + s_do * BM * 4 + (qh0 + 8 * nj + 2 * t) * 4, dd[0], dd[1]);
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -537,7 +583,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
     // ---- dV += P^T dO_i, dK += dS^T Q_i (RS; SPLIT: SS, A from sP / sdS), then dQ_i part = dS K (SS)
     wgmma_fence();
     {
-      const fg_u64 dv_ = opaque_desc(desc_domn) + so, dk_ = opaque_desc(desc_qmn) + so;
+      const fg_u64 dv_ = opaque_desc(desc_domn) + so_do, dk_ = opaque_desc(desc_qmn) + so;
       if constexpr (SPLIT) {  // A: 64 key rows of 128 bytes, k16 step kk at byte 32 kk of the row
         const fg_u64 pk_ = opaque_desc(desc_pk) + static_cast<fg_u64>(buf >> 4);
         const fg_u64 sk_ = opaque_desc(desc_dsk) + static_cast<fg_u64>(buf >> 4);
@@ -572,16 +618,22 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
 
     // ---- dQ_i += the part: thread's rows krow, krow + 8; columns dq_w0 + 8 nj + 2t (+1), its own nj
     if constexpr (STAGED) {
-      // WRITER: tile it % 2, free once the writer's adds of block it - 2 have read it.
-      const fg_u32 stg = WRITER ? sStg + static_cast<fg_u32>(it & 1) * STG_ONE : sStg;
-      if constexpr (WRITER) {
+      // WRITER: tile it % 2, free once the writer's adds of block it - 2 have read it. HALVES: the one tile
+      // (its first panel: column dq_c0), free once the writer has read the part before this warpgroup's
+      // turn (warpgroup cw - 1's of this block; the last one's of the block before for cw = 0).
+      const fg_u32 stg = WRITER && !HALVES ? sStg + static_cast<fg_u32>(it & 1) * STG_ONE : sStg;
+      if constexpr (HALVES) {
+        const int turn = cw == 0 ? it - 1 : it;  // bar_se(cw)'s completion to wait for
+        if (turn >= 0) mbar_wait(bar_se(cw), turn & 1);
+      } else if constexpr (WRITER) {
         if (it >= 2) mbar_wait(bar_se(it & 1), ((it >> 1) - 1) & 1);
       }
       // Column dq_w0 + 8 nj + 2t is in panel dq_w0/32 + nj/4, 16-byte chunk 2 (nj % 4) + t/2,
       // at byte 8 (t % 2); the chunk is swizzled with the row (r % 8 == g): per-row base XOR 32 (nj % 4).
+      const int pan0 = dq_w0 / 32 - (HALVES ? dq_c0 / 32 : 0);  // (the window's first panel in the tile)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const fg_u32 base = opaque(stg + (dq_w0 / 32) * BM * 128 + (krow + 8 * h) * 128 +
+        const fg_u32 base = opaque(stg + pan0 * BM * 128 + (krow + 8 * h) * 128 +
                                    (((t >> 1) ^ g) << 4) + (t & 1) * 8);
 #pragma unroll
         for (int nj = 0; nj < DQ_HI / 8; ++nj)
@@ -591,7 +643,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
       }
       fence_async_smem();
       if constexpr (WRITER) {
-        mbar_arrive(bar_sf(it & 1));  // to the dQ writer
+        mbar_arrive(bar_sf(HALVES ? cw : it & 1));  // to the dQ writer
       } else {
         named_sync(2 + cw, 128);
         if (ltid == 0) {
