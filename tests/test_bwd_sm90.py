@@ -144,7 +144,8 @@ def test_dispatch():
     key = ProblemKey("bwd_dkdv", "sm_90a", "bf16", 128, True, 4096)
     assert families.default_spec(key, BUDGET).kind == "bwd_sm90"
     assert dispatch.select(key, "h200", BUDGET).kind == "bwd_sm90"
-    # (d = 64 and 128 with the dQ writer warp first where DQ_WRITER_FROM puts it: 2 x 2 x 2 more specs)
+    # (the dQ writer warp first where DQ_WRITER_FROM puts it: d = 64 and 128 from a later bucket, 2 x 2 x 2 more
+    # specs; d = 256 from the first bucket, in place of its red.global tile)
     assert len(DEFAULTS) == 6 * 2 * 2 + 8 and all(s.kind == "bwd_sm90" and not s.check(H200) for s in DEFAULTS)
     # above d = 128 the det twin's two fp32 staging tiles do not fit: deterministic=True takes the mma.sync pair
     assert {s.head_dim for s in DEFAULTS if dispatch.deterministic_twin(s, BUDGET) is None} == {192, 256}
@@ -158,6 +159,14 @@ def test_dispatch():
     k128 = ProblemKey("bwd_dkdv", "sm_90a", "fp16", 128, True, 8192)
     assert dispatch.select(k128, "h200", BUDGET).dq_write == 2
     assert dispatch.select(k128.replace(bucket=4096), "h200", BUDGET).dq_write == 0
+    # d = 256: dq_write 4 (one staging tile in turns) from the first bucket for every key without packed rows,
+    # which take the red.global tile; so do the mods (the writer walks dense rows)
+    k256 = ProblemKey("bwd_dkdv", "sm_90a", "bf16", 256, True, 512)
+    for variant in ("", "win", "cap_alibi_sink"):
+        assert dispatch.select(k256.replace(variant=variant), None, BUDGET).dq_write == 4
+    assert dispatch.select(k256.replace(variant="vl"), None, BUDGET).dq_write == 1
+    assert dispatch.mod_backward_spec(k256, BUDGET, 5).dq_write == 1
+    assert dispatch.mod_backward_spec(k64, BUDGET, 5).dq_write == 0
     with pytest.raises(UnsupportedError, match="bwd_sm90 does not serve"):
         dispatch.select(ProblemKey("bwd_dkdv", "sm_80", "fp16", 64, False, 2048), None, 166912, family="bwd_sm90")
     with pytest.raises(UnsupportedError, match="head-dim tile"):
@@ -182,9 +191,9 @@ def test_tune_space_candidates():
     # above 128: the split tile (64 keys, 12 warps) whatever block_n the space names, where it fits
     big = [c for c in space.candidates(ProblemKey("bwd_dkdv", "sm_90a", "bf16", 256, True, 4096), H200)
            if c.kind == "bwd_sm90"]
-    assert [c.name for c in big] == ["bwd_sm90_d256_m64_n64_w12_s2_dq1_causal_bf16_sm90a",
-                                     "bwd_sm90_d256_m64_n64_w12_s2_dq3_causal_bf16_sm90a",
-                                     "bwd_sm90_d256_m64_n64_w12_s2_dq4_causal_bf16_sm90a"]
+    assert sorted(c.name for c in big) == ["bwd_sm90_d256_m64_n64_w12_s2_dq1_causal_bf16_sm90a",
+                                           "bwd_sm90_d256_m64_n64_w12_s2_dq3_causal_bf16_sm90a",
+                                           "bwd_sm90_d256_m64_n64_w12_s2_dq4_causal_bf16_sm90a"]
     # a varlen key: the writer walks dense rows only
     vl = space.candidates(ProblemKey("bwd_dkdv", "sm_90a", "bf16", 128, True, 4096, "vl"), H200, only=("bwd_sm90",))
     assert vl and {c.dq_write for c in vl if c.kind == "bwd_sm90"} == {0, 1, 3}

@@ -51,8 +51,8 @@ WRITER_DQ = (2, 4)
 # panels of 64-byte rows (panel_cols): fwd+bwd 1.2-1.3x (32) and 2.2-2.4x (96) the mma.sync path on an
 # H100; 32 takes d=64's rings, 96 d=128's. 192 and 256 split (64 keys, two warpgroups over their
 # columns), 256 with dQ by red.global (no room for the staging tile): fwd+bwd 2.2-2.4x (192) and
-# 1.8-1.9x (256) the mma.sync path on an H100. (The key tile 160 has no kernel here, its 80 columns a
-# warpgroup cannot start on a panel: the mma.sync kernel serves it.)
+# 1.8-1.9x (256) the mma.sync path on an H100; 256 takes dq_write 4 first (below). (The key tile 160 has
+# no kernel here, its 80 columns a warpgroup cannot start on a panel: the mma.sync kernel serves it.)
 BWD_SM90_TILES = {
     32: ((128, 3, 0), (128, 2, 0)),
     64: ((128, 3, 0), (128, 2, 0)),
@@ -61,11 +61,12 @@ BWD_SM90_TILES = {
     192: ((64, 2, 0),),
     256: ((64, 2, 1),),
 }
-# The dQ writer warp (dq_write 2) in place of the consumers' own TMA adds, for plain keys (dense rows and
-# no variant, where it was measured) of a head-dim tile from a bucket on. fwd+bwd on an H100, two runs
-# (docs/perf/backward.md): d=64 -1 to +5 % (+2 % on average) at N = 2k-16k; d=128 +2-3 % from 8k, -1
-# to -4 % at 2k.
-DQ_WRITER_FROM = {64: 2048, 128: 8192}
+# The dQ writer warp in place of the tile's own dQ write, head-dim tile -> (from which bucket, dq_write):
+# d=64 and 128 dq_write 2 for plain keys (no variant, where it was measured), fwd+bwd on an H100, two
+# runs (docs/perf/backward.md): d=64 -1 to +5 % (+2 % on average) at N = 2k-16k; d=128 +2-3 % from 8k,
+# -1 to -4 % at 2k. d=256 dq_write 4 for every key without packed rows (the writer walks dense rows):
+# fwd+bwd 1.25-1.27x the red.global tile at N = 2k and 8k, causal both (H100, one run).
+DQ_WRITER_FROM = {64: (2048, 2), 128: (8192, 2), 256: (512, 4)}
 
 
 class Bwd90Family(Family):
@@ -182,9 +183,19 @@ class Bwd90Family(Family):
         return bwd_head_dim_tile(d)
 
     def rule_keys(self, arch: str) -> list:
-        """The base keys and, where the rule takes the dQ writer from a bucket on, the same at that bucket."""
+        """The base keys and, where the rule takes the dQ writer from a later bucket, the same at that bucket."""
         keys = super().rule_keys(arch)
-        return keys + [k.replace(bucket=DQ_WRITER_FROM[k.head_dim]) for k in keys if k.head_dim in DQ_WRITER_FROM]
+        return keys + [k.replace(bucket=DQ_WRITER_FROM[k.head_dim][0]) for k in keys
+                       if k.head_dim in DQ_WRITER_FROM and DQ_WRITER_FROM[k.head_dim][0] > k.bucket]
+
+    @staticmethod
+    def writer_mode(key: ProblemKey) -> int | None:
+        """The dq_write with the dQ writer warp the rule puts first for ``key`` (DQ_WRITER_FROM), or None."""
+        from_bucket, mode = DQ_WRITER_FROM.get(key.head_dim, (None, None))
+        if from_bucket is None or key.bucket < from_bucket:
+            return None
+        plain = not key.variant if mode == 2 else "vl" not in key.variant.split("_")
+        return mode if plain else None
 
     def default_for(self, key: ProblemKey) -> bool:
         return key.arch == "sm_90a" and key.head_dim in BWD_SM90_TILES
@@ -195,12 +206,12 @@ class Bwd90Family(Family):
         if key.head_dim not in BWD_SM90_TILES:
             raise UnsupportedError(f"bwd_sm90 has no head-dim tile {key.head_dim} (it serves "
                                    f"{sorted(BWD_SM90_TILES)})")
-        from_bucket = DQ_WRITER_FROM.get(key.head_dim)
-        writer = not key.variant and from_bucket is not None and key.bucket >= from_bucket
+        writer = self.writer_mode(key)
         out = []
         for bn, st, dq_write in BWD_SM90_TILES[key.head_dim]:
-            # the writer's tile first, the rule's own behind it (a budget without room for two staging tiles)
-            for dq in (2, dq_write) if writer and dq_write == 0 else (dq_write,):
+            # the writer's tile first, the rule's own behind it (a budget without room for the writer's staging
+            # tiles; mods, which the writer does not take: dispatch.mod_backward_spec)
+            for dq in (writer, dq_write) if writer is not None else (dq_write,):
                 knobs = self.complete({"head_dim": key.head_dim, "block_n": bn, "stages": st, "dq_write": dq})
                 self._fit(out, self.spec(key, **{k: v for k, v in knobs.items() if k != "head_dim"}), budget)
         return self._fitting(out, key, budget)
