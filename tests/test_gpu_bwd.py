@@ -159,7 +159,7 @@ SM90_VARIANTS = [_sm90(d, 128, st, dq_write, c, dt) for d in (32, 64, 96, 128)
     # above d = 128: dK/dV split by columns over 64 keys (the rule's dQ write and, at 192, the other)
     _sm90(d, 64, 2, dq_write, c, dt) for d, dq_write in ((192, 0), (192, 1), (256, 1)) for c in (False, True)
     for dt in ("bf16", "fp16")] + [
-    # the vector adds after a lane-pair swap (dq_write 3; the tune space's)
+    # the vector adds after a lane-pair swap (dq_write 3; by name, out of the tune space)
     _sm90(d, bn, 2, 3, c) for d, bn in ((32, 64), (64, 128), (96, 128), (128, 128), (192, 64), (256, 64))
     for c in (False, True)] + [
     # one staging tile the warpgroups fill in turn beside a one-stage dO ring (dq_write 4; the tune space's):
