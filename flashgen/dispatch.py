@@ -164,14 +164,18 @@ def mod_backward_spec(key: ProblemKey, smem_budget: int, token: int, verify: boo
 @functools.lru_cache(maxsize=256)
 def deterministic_twin(spec: KernelSpec, smem_budget: int) -> KernelSpec | None:
     """The dK/dV kernel ``deterministic=True`` runs where dispatch picks ``spec``: bwd_sm90's ``det`` twin of
-    it (dQ's adds in a fixed order; packed rows and mods excepted), or None where the mma.sync pair
-    (bwd_dkdv_nodq + bwd_dq) computes dQ instead: there, and where the twin's two fp32 dQ staging tiles
-    do not fit ``smem_budget`` beside the rest (head dims above 128). (The torch layer also gives up a
-    twin whose build spills.) Cached: the backward asks on every deterministic call."""
+    it (dQ's adds in a fixed order; packed rows and mods excepted): its two fp32 dQ staging tiles, or where
+    they do not fit ``smem_budget`` beside the rest (head dims above 128) the one tile of a warpgroup's
+    columns (dq_write 4); None where neither fits, and where the mma.sync pair (bwd_dkdv_nodq + bwd_dq)
+    computes dQ instead. (The torch layer also gives up a twin whose build spills.) Cached: the backward
+    asks on every deterministic call."""
     if spec.kind != "bwd_sm90" or spec.varlen or spec.mod:
         return None
-    twin = spec.replace(det=True, dq_write=0).validate()
-    return twin if twin.smem_bytes() <= smem_budget else None
+    for dq_write in (0, 4):
+        twin = spec.replace(det=True, dq_write=dq_write).validate()
+        if twin.smem_bytes() <= smem_budget:
+            return twin
+    return None
 
 
 # The first-use search (``FLASHGEN_AUTOTUNE``, ``flashgen.autotune``): a function of one

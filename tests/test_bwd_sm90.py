@@ -147,9 +147,12 @@ def test_dispatch():
     # (the dQ writer warp first where DQ_WRITER_FROM puts it: d = 64 and 128 from a later bucket, 2 x 2 x 2 more
     # specs; d = 256 from the first bucket, in place of its red.global tile)
     assert len(DEFAULTS) == 6 * 2 * 2 + 8 and all(s.kind == "bwd_sm90" and not s.check(H200) for s in DEFAULTS)
-    # above d = 128 the det twin's two fp32 staging tiles do not fit: deterministic=True takes the mma.sync pair
-    assert {s.head_dim for s in DEFAULTS if dispatch.deterministic_twin(s, BUDGET) is None} == {192, 256}
-    assert len(DET) == 4 * 2 * 2 and all(not t.check(H200) for t in DET)
+    # above d = 128 the det twin's two fp32 staging tiles do not fit: it takes dq_write 4's one tile instead
+    assert all(dispatch.deterministic_twin(s, BUDGET) is not None for s in DEFAULTS)
+    assert {t.head_dim: t.dq_write for t in DET} == {32: 0, 64: 0, 96: 0, 128: 0, 192: 4, 256: 4}
+    assert len(DET) == 6 * 2 * 2 and all(not t.check(H200) for t in DET)
+    d256 = next(s for s in DEFAULTS if s.head_dim == 256)
+    assert dispatch.deterministic_twin(d256, bwd90(256, 64, dq_write=4).smem_bytes() - 1) is None
     assert [s for s in families.rule_specs("sm_80", 166912) if s.kind == "bwd_sm90"] == []
     k64 = ProblemKey("bwd_dkdv", "sm_90a", "fp16", 64, False, 2048)
     assert dispatch.select(k64, "h200", BUDGET, family="bwd_sm90") == bwd90(d=64, st=3, dq_write=2, dtype="fp16")

@@ -100,9 +100,9 @@ class Bwd90Family(Family):
         self.require(spec, (("head_dim", self.head_dims), ("block_m", self.block_ms), ("block_n", self.block_ns),
                             ("stages", self.stages), ("arch", self.archs), ("dq_write", tuple(DQ_WRITES))))
         check_mod(self, spec)
-        if spec.det and (spec.dq_write != 0 or spec.varlen or spec.mod):
-            raise ValueError(f"{self.kind}: det (deterministic dQ) takes the TMA adds (dq_write 0) and dense rows: "
-                             "no varlen, no mods")
+        if spec.det and (spec.dq_write not in (0, 4) or spec.varlen or spec.mod):
+            raise ValueError(f"{self.kind}: det (deterministic dQ) takes the TMA adds (dq_write 0 or 4) and dense "
+                             "rows: no varlen, no mods")
         if spec.dq_write in WRITER_DQ and (spec.varlen or spec.mod):
             raise ValueError(f"{self.kind}: dq_write {spec.dq_write} (the dQ writer warp) walks dense rows: "
                              "no varlen, no mods")

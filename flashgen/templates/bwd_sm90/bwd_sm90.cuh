@@ -43,14 +43,16 @@
 // (sP, sdS), and after the barrier adds dV[:, its D / 2 columns] += P^T dO and dK likewise by SS wgmmas
 // (A K-major from sP / sdS, B from the columns' first panel), then dQ as above (D / 2 columns each).
 //
-// Deterministic (DET, DQW = 0; its writer as DQW = 2's, with turns): the CTAs that add to one (batch,
+// Deterministic (DET, DQW = 0 or 4; its writer as DQW = 2's or 4's, with turns): the CTAs that add to one (batch,
 // query head, query block) of dQ take turns in a fixed order, so the fp32 sums, and dQ, are the same
 // bits on every run. p.dq_sem holds one counter per (batch, query head, query block), zeroed by the
 // host. The consumers stage dQ_i in one of two buffers and arrive on its full barrier; a dQ writer
 // (lane 0 of the producer warpgroup's second warp) waits for the buffer, waits (acquire) until the
 // counter reads its CTA's position, adds every dQ panel, waits for the adds to land, increments the
 // counter (release) and frees the buffer. So the consumers wait for a turn only when they are two
-// blocks ahead of it. The position is the order in which the CTAs reach the block
+// blocks ahead of it. (DQW = 4: the writer holds the block's turn over the warpgroups' parts of the one
+// tile, freeing the tile as each is read; the consumers wait for a turn within a block.) The position
+// is the order in which the CTAs reach the block
 // anyway: ascending key blocks without a right bound (every CTA walks the query blocks from the first),
 // descending with one (causal: the key block nearest the diagonal reaches the block first), and then
 // blockIdx.x counts the key blocks from the last, so that a CTA only ever waits for CTAs launched
@@ -205,7 +207,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   static_assert(BN % 64 == 0 && D % 32 == 0 && ST >= 2 && (!SPLIT || (BN == 64 && (D / 2) % 32 == 0)),
                 "bad bwd_sm90 tile");
   static_assert(DQ_HI <= 256, "dQ columns per warpgroup: one wgmma");
-  static_assert(!DET || DQW == 0, "deterministic dQ: the TMA adds");
+  static_assert(!DET || DQW == 0 || DQW == 4, "deterministic dQ: the TMA adds");
   static_assert(!WRITER || (!V::VARLEN_ROWS && !V::SPARSE), "the dQ writer walks dense rows");
 
   extern __shared__ unsigned char smem_raw[];
@@ -354,9 +356,14 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
       for (int it = 0; it < total; ++it) {
         const int i = it & 1, hq = hk * p.group + qh, m0 = qm * BM;
         if constexpr (HALVES) {  // each warpgroup's part in turn; the tile is then the next warpgroup's
+          int* sem = nullptr;  // DET: the block's turn is held over all the parts
 #pragma unroll 1
           for (int w = 0; w < NWG; ++w) {
             mbar_wait(bar_sf(w), it & 1);
+            if (DET && w == 0) {
+              sem = p.dq_sem + (static_cast<fg_i64>(b) * p.heads + hq) * (p.nq_pad / BM) + qm;
+              dq_turn_wait(sem, V::RIGHT ? var.block_end(m0, BM, BN) - 1 - n_block : n_block - var.block_first(m0, BN));
+            }
             const int c0 = w * DQ_LO + min(w, DQP % NWG) * 32, n = DQ_LO == DQ_HI || w < DQP % NWG ? DQ_HI : DQ_LO;
 #pragma unroll 1
             for (int pn = 0; pn < n / 32; ++pn)
@@ -364,6 +371,10 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
             bulk_commit();
             bulk_wait_read<0>();
             mbar_arrive(bar_se((w + 1) % NWG));
+          }
+          if constexpr (DET) {
+            bulk_wait<0>();  // every part landed: the turn passes on
+            dq_turn_done(sem);
           }
         } else {
           mbar_wait(bar_sf(i), (it >> 1) & 1);
