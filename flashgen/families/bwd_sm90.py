@@ -173,7 +173,8 @@ class Bwd90Family(Family):
                 "dq_n": self.dq_cols(spec)[0], "split": self.split(spec),
                 "qn": spec.block_m // 2 if self.split(spec) else spec.block_m,
                 "dkv_n": spec.head_dim // 2 if self.split(spec) else spec.head_dim,
-                "staging_bytes": self.staging_bytes(spec), "do_stages": self.do_stages(spec), "dq_write_how": DQ_WRITES[spec.dq_write],
+                "staging_bytes": self.staging_bytes(spec), "do_stages": self.do_stages(spec),
+                "dq_write_how": DQ_WRITES[spec.dq_write],
                 "dp_late": spec.dp_late, "det": spec.det, **variant_context(spec), **mod_context(spec, backward=True)}
 
     def param_struct(self):

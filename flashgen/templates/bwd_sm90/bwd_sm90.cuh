@@ -352,6 +352,17 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
         }
       }
     } else if (WRITER && tid == 32) {  // the dQ writer: the steps in the consumers' order (dense rows)
+      // DET: wait until query block qm's counter reads this CTA's turn (its counter returned), and pass the
+      // turn on once the adds have landed.
+      auto take_turn = [&](int hq, int qm, int m0) {
+        int* sem = p.dq_sem + (static_cast<fg_i64>(b) * p.heads + hq) * (p.nq_pad / BM) + qm;
+        dq_turn_wait(sem, V::RIGHT ? var.block_end(m0, BM, BN) - 1 - n_block : n_block - var.block_first(m0, BN));
+        return sem;
+      };
+      auto pass_turn = [](int* sem) {
+        bulk_wait<0>();
+        dq_turn_done(sem);
+      };
       int qh = 0, qm = m_first;
       for (int it = 0; it < total; ++it) {
         const int i = it & 1, hq = hk * p.group + qh, m0 = qm * BM;
@@ -360,10 +371,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
 #pragma unroll 1
           for (int w = 0; w < NWG; ++w) {
             mbar_wait(bar_sf(w), it & 1);
-            if (DET && w == 0) {
-              sem = p.dq_sem + (static_cast<fg_i64>(b) * p.heads + hq) * (p.nq_pad / BM) + qm;
-              dq_turn_wait(sem, V::RIGHT ? var.block_end(m0, BM, BN) - 1 - n_block : n_block - var.block_first(m0, BN));
-            }
+            if (DET && w == 0) sem = take_turn(hq, qm, m0);
             const int c0 = w * DQ_LO + min(w, DQP % NWG) * 32, n = DQ_LO == DQ_HI || w < DQP % NWG ? DQ_HI : DQ_LO;
 #pragma unroll 1
             for (int pn = 0; pn < n / 32; ++pn)
@@ -372,24 +380,17 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
             bulk_wait_read<0>();
             mbar_arrive(bar_se((w + 1) % NWG));
           }
-          if constexpr (DET) {
-            bulk_wait<0>();  // every part landed: the turn passes on
-            dq_turn_done(sem);
-          }
+          if constexpr (DET) pass_turn(sem);  // (every part landed)
         } else {
           mbar_wait(bar_sf(i), (it >> 1) & 1);
           int* sem = nullptr;
-          if constexpr (DET) {
-            sem = p.dq_sem + (static_cast<fg_i64>(b) * p.heads + hq) * (p.nq_pad / BM) + qm;
-            dq_turn_wait(sem, V::RIGHT ? var.block_end(m0, BM, BN) - 1 - n_block : n_block - var.block_first(m0, BN));
-          }
+          if constexpr (DET) sem = take_turn(hq, qm, m0);
 #pragma unroll 1
           for (int pn = 0; pn < D / 32; ++pn)
             tma_reduce_add_4d(&p.tm_dq, sStg + i * STG_ONE + pn * BM * 128, pn * 32, m0, hq, mb);
           bulk_commit();
           if constexpr (DET) {
-            bulk_wait<0>();  // landed: the turn passes on
-            dq_turn_done(sem);
+            pass_turn(sem);
           } else {
             bulk_wait_read<0>();  // read: the tile is free (the adds land on their own)
           }
