@@ -62,12 +62,12 @@ BWD_SM90_TILES = {
     192: ((64, 2, 0),),
     256: ((64, 2, 1),),
 }
-# The dQ writer warp in place of the tile's own dQ write, head-dim tile -> (from which bucket, dq_write):
-# d=64 and 128 dq_write 2 for plain keys (no variant, where it was measured), fwd+bwd on an H100, two
-# runs (docs/perf/backward.md): d=64 -1 to +5 % (+2 % on average) at N = 2k-16k; d=128 +2-3 % from 8k,
-# -1 to -4 % at 2k. d=256 dq_write 4 for every key without packed rows (the writer walks dense rows):
-# fwd+bwd 1.25-1.27x the red.global tile at N = 2k and 8k, causal both (H100, one run).
-DQ_WRITER_FROM = {64: (2048, 2), 128: (8192, 2), 256: (512, 4)}
+# The dQ writer warp in place of the tile's own dQ write, head-dim tile -> (from which bucket, dq_write,
+# whether for keys with variants too; never packed rows, which the writer does not walk): d=64 and 128
+# dq_write 2 for plain keys (where it was measured), fwd+bwd on an H100, two runs (docs/perf/backward.md):
+# d=64 -1 to +5 % (+2 % on average) at N = 2k-16k; d=128 +2-3 % from 8k, -1 to -4 % at 2k. d=256
+# dq_write 4 for every key: fwd+bwd 1.25-1.27x the red.global tile at N = 2k and 8k, causal both (H100).
+DQ_WRITER_FROM = {64: (2048, 2, False), 128: (8192, 2, False), 256: (512, 4, True)}
 
 
 class Bwd90Family(Family):
@@ -127,8 +127,9 @@ class Bwd90Family(Family):
         return out
 
     def staging_bytes(self, spec) -> int:
-        """The fp32 dQ staging tiles (dq_write 0, 2 and 4): two where a dQ writer adds them (det, dq_write 2),
-        one the consumers write while the writer adds the other; dq_write 4 one of a warpgroup's columns."""
+        """The fp32 dQ staging tiles (dq_write 0, 2 and 4): two where a dQ writer adds them (dq_write 2, det on
+        dq_write 0), one the consumers write while the writer adds the other; dq_write 4 one of a warpgroup's
+        columns."""
         if spec.dq_write == 4:
             return 4 * spec.block_m * self.dq_cols(spec)[0]
         tiles = {0: 2 if spec.det else 1, 1: 0, 2: 2, 3: 0}[spec.dq_write]
@@ -193,11 +194,11 @@ class Bwd90Family(Family):
     @staticmethod
     def writer_mode(key: ProblemKey) -> int | None:
         """The dq_write with the dQ writer warp the rule puts first for ``key`` (DQ_WRITER_FROM), or None."""
-        from_bucket, mode = DQ_WRITER_FROM.get(key.head_dim, (None, None))
-        if from_bucket is None or key.bucket < from_bucket:
+        if key.head_dim not in DQ_WRITER_FROM:
             return None
-        plain = not key.variant if mode == 2 else "vl" not in key.variant.split("_")
-        return mode if plain else None
+        from_bucket, mode, variants = DQ_WRITER_FROM[key.head_dim]
+        served = not key.variant or (variants and "vl" not in key.variant.split("_"))
+        return mode if served and key.bucket >= from_bucket else None
 
     def default_for(self, key: ProblemKey) -> bool:
         return key.arch == "sm_90a" and key.head_dim in BWD_SM90_TILES
