@@ -6,8 +6,9 @@ zeroes the dQ accumulator), the dK/dV kernel (K/V outer; dQ by fp32 atomics
 into the accumulator), ``bwd_convert`` (accumulator * scale -> dQ). With
 ``deterministic=True`` (or with ``torch.use_deterministic_algorithms(True)`` on)
 the result does not depend on the order in which blocks run: where ``bwd_sm90``
-serves the call its ``det`` twin adds dQ in a fixed order where it fits (a turn counter per
-query block, templates/bwd_sm90); elsewhere the dK/dV kernel skips dQ
+serves the call its ``det`` twin adds dQ in a fixed order (a turn counter per query
+block, templates/bwd_sm90; above d = 128 through dq_write 4's one staging tile,
+dispatch.deterministic_twin); elsewhere the dK/dV kernel skips dQ
 (``bwd_dkdv_nodq``) and a query-outer ``bwd_dq`` kernel computes dQ without
 atomics. The non-deterministic backward uses that pair too for the
 head dims where it is faster (``bwd.DQ_MODE``).

@@ -22,9 +22,9 @@ dK/dV with dQ atomics, convert), a bwd_dkdv_nodq or bwd_dq spec in the
 "separate" one (preprocess, dK/dV, dQ kernel). ``--kind bwd`` is the main kernel
 of the mode the default backward uses for the head dim (``bwd_main_kind``: bwd_dkdv where bwd_sm90
 serves it or the mma.sync kernel's ``families.bwd.DQ_MODE`` is "atomic", bwd_dkdv_nodq where
-"separate"); naming a key
-kind tunes that one (bwd_dkdv_nodq and bwd_dq also serve ``deterministic=True`` where bwd_sm90 does
-not; where it does, its det twin runs on the bwd_dkdv key's tile).
+"separate"); naming a key kind tunes that one (bwd_dkdv_nodq and bwd_dq also serve
+``deterministic=True`` where bwd_sm90 does not; where it does, its det twin runs on the bwd_dkdv key's
+tile).
 The dQ mode itself is not a knob: it is a per-head-dim rule of dispatch, and a
 table entry holds one spec for one key. The baseline of a backward key is
 its family's default rule, not the paper's forward rule.
