@@ -489,7 +489,7 @@ def fake_device(monkeypatch):
     from flashgen.api import backward, device
 
     class Dev:
-        index, arch, gpu, smem_budget = 0, "sm_90a", "h200", BUDGET
+        index, arch, gpu, smem_budget, sms = 0, "sm_90a", "h200", BUDGET, 132
 
     launched, maps = [], []
 
@@ -555,6 +555,10 @@ def test_host_launch_sequence(monkeypatch, how):
         backward.attention_backward(do, q, k, v, out, lse, True, 0.1, deterministic=True)
         assert [s.kind for s, _, _ in launched] == ["bwd_preprocess", "bwd_sm90", "bwd_convert"]
         assert launched[1][0] == bwd90(causal=True).replace(det=True) and launched[1][1] == (3, hk, b)
+        launched.clear()
+        # without a causal mask the det twin walks the query blocks rotated, in chunks of det_rotation's size
+        backward.attention_backward(do, q, k, v, out, lse, False, 0.1, deterministic=True)
+        assert launched[1][0] == bwd90().replace(det=True) and launched[1][2].dq_rot == 3  # (3 key, 5 query blocks)
         launched.clear()
         monkeypatch.setattr(backward, "_refused", lambda spec: True)  # a twin that spills: not taken
         backward.attention_backward(do, q, k, v, out, lse, True, 0.1, deterministic=True)
@@ -735,3 +739,83 @@ def test_dq_halves_turns_model():
         for seed in range(300):
             assert _halves_turns(nwg, 6, seed) is None, (nwg, seed)
     assert any(_halves_turns(2, 6, seed, own_barriers=False) for seed in range(300))
+
+
+def _rotated_order(key_blocks, query_blocks, rot):
+    """Each CTA's walk under chunk ``rot`` (det_walk's start, then cyclically) and, per query block, the
+    CTAs in the order they reach it: the chunks in order, within one by the step they reach it at."""
+    from flashgen.families.bwd_sm90 import det_walk
+
+    walks = [[(det_walk(n, key_blocks, query_blocks, rot)[0] + s) % query_blocks for s in range(query_blocks)]
+             for n in range(key_blocks)]
+    order = [sorted(range(key_blocks), key=lambda n: (n // rot, walks[n].index(m))) for m in range(query_blocks)]
+    return walks, order
+
+
+def test_det_rotation_turns_follow_arrival():
+    """The det twin's rotated walk (templates/bwd_sm90, rot_turn): every CTA visits every query block once,
+    the CTAs of a chunk reach a block at different steps, and each CTA's turn at a block is its place in the
+    order of arrival (the chunks before first), so the turns at a block are 0 .. K - 1. A chunk of 1 is the
+    walk from block 0 with the turns in key-block order."""
+    from flashgen.families.bwd_sm90 import det_rotation, det_walk
+
+    for kb in range(1, 14):
+        for mb in range(1, 14):
+            for rot in range(1, min(kb, mb) + 1):
+                walks, order = _rotated_order(kb, mb, rot)
+                for n in range(kb):
+                    assert sorted(walks[n]) == list(range(mb))
+                    turns = det_walk(n, kb, mb, rot)[1]
+                    assert [order[m].index(n) for m in range(mb)] == turns, (kb, mb, rot, n)
+                    if rot == 1:
+                        assert walks[n] == list(range(mb)) and turns == [n] * mb
+                for m in range(mb):
+                    for c in range(0, kb, rot):
+                        steps = [walks[n].index(m) for n in range(c, min(kb, c + rot))]
+                        assert len(set(steps)) == len(steps)
+    assert [det_rotation(*a, 132) for a in ((32, 32), (128, 128), (16, 32), (3, 5), (65, 129), (8, 2))] == \
+        [32, 64, 16, 3, 64, 2]
+    assert det_rotation(40, 40, 60) == 30 and det_rotation(0, 0, 132) == 1
+
+
+def _rotated_schedule(key_blocks, query_blocks, rot, slots, group, seed):
+    """One random schedule of the det twin's turns: CTAs start in launch order as slots free up (a CTA frees
+    its slot when done), each walks (query head, query block) steps, its heads in turn, and adds to a block
+    only when the block's counter reads its turn. Returns True if every CTA finishes, False at a deadlock."""
+    import random
+
+    from flashgen.families.bwd_sm90 import det_walk
+
+    rnd = random.Random(seed)
+    plan = [det_walk(n, key_blocks, query_blocks, rot) for n in range(key_blocks)]
+    counter = [[0] * query_blocks for _ in range(group)]
+    step, running, launched = [0] * key_blocks, [], 0
+    total = group * query_blocks
+    while True:
+        while launched < key_blocks and len(running) < slots:
+            running.append(launched)
+            launched += 1
+        ready = []
+        for n in running:
+            qh, s = divmod(step[n], query_blocks)
+            m = (plan[n][0] + s) % query_blocks
+            if counter[qh][m] == plan[n][1][m]:
+                ready.append((n, qh, m))
+        if not ready:
+            return not running and launched == key_blocks
+        n, qh, m = rnd.choice(ready)
+        counter[qh][m] += 1
+        step[n] += 1
+        if step[n] == total:
+            running.remove(n)
+
+
+def test_det_rotation_needs_a_chunk_resident():
+    """The rotated walk's turns always come (random schedules, GQA groups of 1 and 2) while a chunk fits the
+    slots the GPU holds at once, and can deadlock when it does not: a CTA waits for one of its chunk launched
+    after it. det_rotation keeps a chunk within half the SMs."""
+    for kb, mb, rot, slots in ((8, 8, 8, 8), (9, 5, 4, 4), (13, 13, 5, 6), (7, 3, 3, 3), (12, 12, 1, 2)):
+        for group in (1, 2):
+            for seed in range(40):
+                assert _rotated_schedule(kb, mb, rot, slots, group, seed), (kb, mb, rot, slots, group, seed)
+    assert not all(_rotated_schedule(8, 8, 8, 4, 1, seed) for seed in range(40))

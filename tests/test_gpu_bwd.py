@@ -288,11 +288,15 @@ def test_deterministic_mode_is_bitwise_reproducible(d, causal):
 @pytest.mark.parametrize("d", [32, 64, 96, 128, 192, 256])
 @pytest.mark.parametrize("shape,layout", [((2, 8, 2, 1023, 1024), "bhsd"), ((1, 4, 4, 113, 2051), "bshd"),
                                           ((3, 6, 3, 2049, 333), "bhsd"), ((1, 16, 2, 4096, 4096), "bshd"),
-                                          ((2, 2, 1, 1, 239), "bhsd"), ((1, 2, 2, 239, 1), "bshd")])
+                                          ((2, 2, 1, 1, 239), "bhsd"), ((1, 2, 2, 239, 1), "bshd"),
+                                          ((1, 2, 1, 4160, 8320), "bshd")])
 def test_deterministic_hopper_kernel(shape, layout, d, causal):
     """deterministic=True on sm_90a: bwd_sm90's det twin (dQ's adds take turns per query block; above d = 128
     from dq_write 4's one staging tile) serves the head dims it has tiles for, within the rule, and five passes
-    over fresh inputs of a shape with many CTAs per query block give the same bits."""
+    over fresh inputs of a shape with many CTAs per query block give the same bits. Without a causal mask the
+    key blocks walk rotated in chunks (families/bwd_sm90.det_rotation): one chunk of all of them (1023 x 1024,
+    2049 x 333, 4096), chunks of 2 with a short last one (113 x 2051), and chunks of 64 with a short last one
+    (4160 x 8320: 65 or 130 key blocks)."""
     if not is_sm90():
         pytest.skip("bwd_sm90 needs an sm_90a GPU")
     from flashgen.api import backward

@@ -33,6 +33,7 @@ from ..codegen import load
 from ..codegen.launch import ensure_context
 from ..families import bwd
 from ..families.base import stride_values, varlen_list_ints
+from ..families.bwd_sm90 import det_rotation
 from ..problem import ProblemKey, bucket_of, bwd_head_dim_tile
 from ..errors import UnsupportedError
 from ..variants import PLAIN
@@ -251,8 +252,9 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
 
     if kv_fam is not bwd.DKDV and not separate:  # bwd_sm90: Q, K, V, dO and dQ through tensor maps
         kv = load(kv_spec, index, accept_spills=mods is not None)  # (the least-spilling tile: mod_backward_spec)
+        rot = det_rotation(-(-nk // kv.spec.block_n), -(-nq // kv.spec.block_m), dev.sms) if det else 1
         params = kv.params(lse2=lse2.data_ptr(), dsum=dsum.data_ptr(), dq_acc=dq_acc.data_ptr(),
-                           dq_sem=dq_sem.data_ptr() if dq_sem is not None else 0, dk=dk.data_ptr(),
+                           dq_sem=dq_sem.data_ptr() if dq_sem is not None else 0, dq_rot=rot, dk=dk.data_ptr(),
                            dv=dv.data_ptr(), **stride_values("dk", sdk), **stride_values("dv", sdv), **common)
         if mods is not None:
             mods.fill(params)

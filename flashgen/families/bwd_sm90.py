@@ -32,6 +32,7 @@ SM90_BWD_PARAMS = (
     *VARIANT_PARAMS,
     *VARLEN_PARAMS,
     *MOD_PARAMS,
+    ("dq_rot", "int", I32),  # det without a right or left bound: the rotated walk's chunk (det_rotation)
 )
 
 # How dQ reaches the fp32 accumulator (KernelSpec.dq_write).
@@ -68,6 +69,34 @@ BWD_SM90_TILES = {
 # d=64 -1 to +5 % (+2 % on average) at N = 2k-16k; d=128 +2-3 % from 8k, -1 to -4 % at 2k. d=256
 # dq_write 4 for every key: fwd+bwd 1.25-1.27x the red.global tile at N = 2k and 8k, causal both (H100).
 DQ_WRITER_FROM = {64: (2048, 2, False), 128: (8192, 2, False), 256: (512, 4, True)}
+
+
+# The det twin's walk where every key block sees every query block (no causal mask, no window): CTA j of
+# a chunk of R consecutive key blocks starts at query block -j mod M (M query blocks) and walks them
+# cyclically, so at each step the chunk's CTAs add to R different blocks, and a block's turns go in the
+# order the CTAs reach it (the chunks before first). Walked from block 0 by all of them, the K key blocks
+# reached each block at the same step and took their turns one after another (a wavefront as deep as K).
+# A CTA may wait for a CTA of its chunk launched after it, so a chunk must fit the GPU at once: at most
+# half its SMs (room for a kernel beside it) and DET_ROTATION (docs/perf/backward.md, "The deterministic
+# mode").
+DET_ROTATION = 64
+
+
+def det_rotation(key_blocks: int, query_blocks: int, sms: int) -> int:
+    """The rotated walk's chunk R (the kernel's p.dq_rot): at most the query blocks (two CTAs of a chunk never
+    reach a block at the same step), half the SMs and DET_ROTATION; 1 is the walk from block 0."""
+    return max(1, min(key_blocks, query_blocks, sms // 2, DET_ROTATION))
+
+
+def det_walk(n_block: int, key_blocks: int, query_blocks: int, rot: int) -> tuple[int, list[int]]:
+    """Where key block ``n_block``'s CTA starts its walk over ``query_blocks`` blocks under chunk ``rot``, and its
+    turn at each query block (its position among the key blocks that add to it): the kernel's arithmetic
+    (templates/bwd_sm90/bwd_sm90.cuh, rot_turn), for the CPU tests."""
+    m = query_blocks
+    c, j = divmod(n_block, rot)
+    rc = min(rot, key_blocks - c * rot)
+    start = 0 if j == 0 else m - j
+    return start, [c * rot + (j + max(0, u + rc - m) if u + j < m else j - (m - u)) for u in range(m)]
 
 
 class Bwd90Family(Family):

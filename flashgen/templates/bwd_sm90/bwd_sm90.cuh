@@ -53,10 +53,15 @@
 // blocks ahead of it. (DQW = 4: the writer holds the block's turn over the warpgroups' parts of the one
 // tile, freeing the tile as each is read; the consumers wait for a turn within a block.) The position
 // is the order in which the CTAs reach the block
-// anyway: ascending key blocks without a right bound (every CTA walks the query blocks from the first),
-// descending with one (causal: the key block nearest the diagonal reaches the block first), and then
-// blockIdx.x counts the key blocks from the last, so that a CTA only ever waits for CTAs launched
-// before it.
+// anyway: descending key blocks with a right bound (causal: the key block nearest the diagonal reaches
+// the block first; blockIdx.x then counts the key blocks from the last, so that a CTA only ever waits
+// for CTAs launched before it), ascending with a left bound only (every CTA walks its query blocks from
+// the first). Without either bound (ROT) every key block sees every query block, and the key blocks
+// walk in chunks of p.dq_rot (families/bwd_sm90.det_rotation): CTA j of chunk c starts at query block
+// -j mod M and walks the M blocks cyclically, so the chunk's CTAs reach a block at different steps and
+// take their turns in that order, after the chunks before (rot_turn). From block 0 they would all reach
+// a block at the same step and wait for each other in turn. A CTA may then wait for one of its chunk
+// launched after it: the host keeps a chunk within what the GPU holds at once.
 //
 // Masking: keys >= nk (zero-filled by the TMA) get P = 0; blocks that cross a
 // row's visible range (the causal diagonal, a window's sides: V, common/variant.cuh)
@@ -257,6 +262,20 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   const int mb = V::VARLEN_ROWS ? 0 : b;  // the maps' batch coordinate (packed rows: one batch)
   const int m_first = var.query_first(n0, BM), m_end = var.query_end(n0, BN, BM);
   int total = max(0, m_end - m_first) * p.group;  // steps: (query head of the group, query block)
+  // DET without a right or left bound: the rotated walk (top of this file). j: the CTA's place in its chunk.
+  constexpr bool ROT = DET && !V::RIGHT && !V::LEFT;
+  const int rot_j = ROT ? n_block % p.dq_rot : 0;
+  const int m_start = ROT && rot_j ? m_end - rot_j : m_first;  // (p.dq_rot <= m_end - m_first = m_end)
+  // The dense walk: query blocks from m_start (cyclically past m_end), the group's query heads in turn.
+  auto advance = [&](int& qh, int& qm) {
+    if constexpr (ROT) {
+      if (++qm == m_end) qm = m_first;
+      if (qm == m_start) ++qh;
+    } else if (++qm == m_end) {
+      qm = m_first;
+      ++qh;
+    }
+  };
   if constexpr (V::SPARSE) {  // a block mask: its lists' lengths over the group's heads
     total = 0;
     for (int qh = 0; qh < p.group; ++qh) {
@@ -313,7 +332,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
         bulk_load((is_q ? sL : sDd) + s * ROW_BYTES, (is_q ? p.lse2 : p.dsum) + row, ROW_BYTES, bar);
       };
       if constexpr (ST_DO == ST) {  // Q_i and dO_i into stage i % ST once step i - ST is done
-        int qh = 0, qm = m_first;
+        int qh = 0, qm = m_start;
         bwd_sparse_walk walk{nullptr, -1, 0, 0};
         for (int it = 0; it < total; ++it) {
           const int s = it % ST;
@@ -326,44 +345,44 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
           const int hq = hk * p.group + qh, m0 = qm * BM;
           load(true, s, hq, m0);
           load(false, s, hq, m0);
-          if (!V::SPARSE && ++qm == m_end) {
-            qm = m_first;
-            ++qh;
-          }
+          if constexpr (!V::SPARSE) advance(qh, qm);
         }
       } else {  // (dense rows, the writer's) dO_i once step i - ST_DO is done, and with it Q_j, j = i + ST - ST_DO
-        int qh_q = 0, qm_q = m_first, qh_d = 0, qm_d = m_first, jq = 0;
+        int qh_q = 0, qm_q = m_start, qh_d = 0, qm_d = m_start, jq = 0;
         auto next_q = [&]() {
           load(true, jq++ % ST, hk * p.group + qh_q, qm_q * BM);
-          if (++qm_q == m_end) {
-            qm_q = m_first;
-            ++qh_q;
-          }
+          advance(qh_q, qm_q);
         };
         for (int it = 0; it < total; ++it) {
           if (it >= ST_DO) mbar_wait(bar_e((it - ST_DO) % ST), ((it - ST_DO) / ST) & 1);
           if (jq == it) next_q();  // (the first step's)
           load(false, it % ST_DO, hk * p.group + qh_d, qm_d * BM);
-          if (++qm_d == m_end) {
-            qm_d = m_first;
-            ++qh_d;
-          }
+          advance(qh_d, qm_d);
           while (jq < total && jq <= it + ST - ST_DO) next_q();
         }
       }
     } else if (WRITER && tid == 32) {  // the dQ writer: the steps in the consumers' order (dense rows)
       // DET: wait until query block qm's counter reads this CTA's turn (its counter returned), and pass the
       // turn on once the adds have landed.
+      // ROT: after the rot * c CTAs of the chunks before, the CTAs of its chunk (rc of them) that reach qm first,
+      // those at a smaller step (qm + j') mod M: the walks from m_start cover a cyclic run of the blocks.
+      auto rot_turn = [&](int qm) {
+        const int rot = p.dq_rot, c = n_block / rot, rc = min(rot, static_cast<int>(gridDim.x) - c * rot);
+        const int u = qm - m_first, m = m_end - m_first;
+        return c * rot + (u + rot_j < m ? rot_j + max(0, u + rc - m) : rot_j - (m - u));
+      };
       auto take_turn = [&](int hq, int qm, int m0) {
         int* sem = p.dq_sem + (static_cast<fg_i64>(b) * p.heads + hq) * (p.nq_pad / BM) + qm;
-        dq_turn_wait(sem, V::RIGHT ? var.block_end(m0, BM, BN) - 1 - n_block : n_block - var.block_first(m0, BN));
+        dq_turn_wait(sem, ROT         ? rot_turn(qm)
+                          : V::RIGHT ? var.block_end(m0, BM, BN) - 1 - n_block
+                                     : n_block - var.block_first(m0, BN));
         return sem;
       };
       auto pass_turn = [](int* sem) {
         bulk_wait<0>();
         dq_turn_done(sem);
       };
-      int qh = 0, qm = m_first;
+      int qh = 0, qm = m_start;
       for (int it = 0; it < total; ++it) {
         const int i = it & 1, hq = hk * p.group + qh, m0 = qm * BM;
         if constexpr (HALVES) {  // each warpgroup's part in turn; the tile is then the next warpgroup's
@@ -396,10 +415,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
           }
           mbar_arrive(bar_se(i));
         }
-        if (++qm == m_end) {
-          qm = m_first;
-          ++qh;
-        }
+        advance(qh, qm);
       }
       if constexpr (!DET) bulk_wait<0>();  // every add has landed before the CTA exits
     }
@@ -455,7 +471,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
 
   float acc_s[QN / 2], acc_dp[QN / 2], acc_dq[DQ_HI / 2];
   mbar_wait(bar_kv, 0);  // always: the CTA must not exit with the K/V copy in flight
-  int hc = 0, mc = m_first;
+  int hc = 0, mc = m_start;
   bwd_sparse_walk walk{nullptr, -1, 0, 0};
   bool partial = false;  // (V::SPARSE: the block mask's flag of this step's block)
   for (int it = 0; it < total; ++it) {
@@ -465,10 +481,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
       hc = walk.qh;
     }
     const int hq = hk * p.group + hc, m0 = mc * BM;
-    if (!V::SPARSE && ++mc == m_end) {
-      mc = m_first;
-      ++hc;
-    }
+    if constexpr (!V::SPARSE) advance(hc, mc);
     if constexpr (V::HAS_ALIBI || V::USER) var.set_head(p, b, hq);
     const fg_u64 so = static_cast<fg_u64>((s * QT_BYTES) >> 4);  // stage offset of Q's descriptors
     const fg_u64 so_do = static_cast<fg_u64>((s_do * QT_BYTES) >> 4);  // and of dO's
