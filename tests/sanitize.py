@@ -118,6 +118,8 @@ def _cases():
         ("fwd d64 799x3 causal bshd", fwd(1, 4, 1, 799, 3, 64, True, layout="bshd")),
         ("fwd d128 1023x1023 causal fp16", fwd(1, 2, 2, 1023, 1023, 128, True, dtype=torch.float16)),
         ("fwd d128 fwd_v2 113x203 causal", fwd(2, 4, 2, 113, 203, 128, True, family="fwd_v2")),
+        # d = 256's tile (128 x 80, overlap with early K release) over more K/V blocks than its two stages
+        ("fwd d256 300x1000 gqa full", fwd(2, 4, 2, 300, 1000, 256, False)),
         ("fwd d64 fwd_v2 239x1 full bshd", fwd(1, 2, 1, 239, 1, 64, False, layout="bshd", family="fwd_v2")),
     ]
     for d in (64, 128, 96):

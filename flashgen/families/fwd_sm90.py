@@ -88,11 +88,14 @@ TILE_PROLOGUE_CLK = 1500
 # From tuning over both forward families on the H200 (docs/perf/forward-hopper.md): fwd_sm90 won every
 # bf16 key; at N >= 2k the winners are 192x128 with warp specialization (d=64; 2 or 3 stages) and
 # 128x128, 3 stages, warp specialization and softmax overlap (d=128, most keys; the rest within a few
-# per cent). The second tile of each fits every sm_90a budget.
+# per cent). d=256: 128x80 (FA3's tile there), 2 stages, softmax overlap with early K release: with overlap
+# and no spare stage the consumers waited on K(j+1) every step (31 % of the warps' samples, H100) until K's
+# stage was released apart from V's; 1.12-1.28x cuDNN at N = 4k-16k, 1.20-1.55x the 128x64 tile it
+# replaces (H100, docs/perf/forward-hopper.md). The second tile of each fits every sm_90a budget.
 SM90_TILES = {
     64: ((192, 128, 3, "ws"), (128, 128, 2, "ws")),
     128: ((128, 128, 3, "ws_ov"), (128, 128, 2, "ws")),
-    256: ((128, 64, 2, "ws"),),
+    256: ((128, 80, 2, "ws_ov_kr"), (128, 64, 2, "ws")),
 }
 # The forward's default family on sm_90a when its head-dim tile pads the head dim by at most a third
 # (64, 96-128, 192-256: it ran ~1.4-2x fwd_v2's speed at d=64/128, so a third more work still wins);
