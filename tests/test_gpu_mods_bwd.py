@@ -154,8 +154,10 @@ def test_matches_flex_attention_gradients():
 
 @needs_sm90
 def test_mod_grad_refusals_before_launch():
-    q, k, v = (t.requires_grad_(True) for t in make_inputs(1, 2, 2, 64, 64, 256, torch.bfloat16))
-    with pytest.raises(flashgen.UnsupportedError, match="head-dim tile 256"):
+    """A mod's gradient where bwd_sm90 has no tile (head-dim tile 160: its forward runs on fwd_v2) and a
+    deterministic mask_mod backward are refused before the forward's launch, no gradient written."""
+    q, k, v = (t.requires_grad_(True) for t in make_inputs(1, 2, 2, 64, 64, 160, torch.bfloat16))
+    with pytest.raises(flashgen.UnsupportedError, match="head-dim tile 160"):
         flashgen.attention(q, k, v, score_mod=lambda s, b, h, qi, kv: s * 0.5)
     q, k, v = (t.detach().requires_grad_(True) for t in make_inputs(1, 2, 2, 64, 64, 64, torch.bfloat16))
     with pytest.raises(flashgen.UnsupportedError, match="deterministic"):
