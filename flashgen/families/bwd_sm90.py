@@ -91,7 +91,7 @@ def det_rotation(key_blocks: int, query_blocks: int, sms: int) -> int:
 def det_walk(n_block: int, key_blocks: int, query_blocks: int, rot: int) -> tuple[int, list[int]]:
     """Where key block ``n_block``'s CTA starts its walk over ``query_blocks`` blocks under chunk ``rot``, and its
     turn at each query block (its position among the key blocks that add to it): the kernel's arithmetic
-    (templates/bwd_sm90/bwd_sm90.cuh, rot_turn), for the CPU tests."""
+    (the bwd_sm90 template's rot_turn), for the CPU tests."""
     m = query_blocks
     c, j = divmod(n_block, rot)
     rc = min(rot, key_blocks - c * rot)
