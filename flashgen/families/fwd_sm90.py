@@ -90,8 +90,9 @@ TILE_PROLOGUE_CLK = 1500
 # 128x128, 3 stages, warp specialization and softmax overlap (d=128, most keys; the rest within a few
 # per cent). d=256: 128x80 (FA3's tile there), 2 stages, softmax overlap with early K release: with overlap
 # and no spare stage the consumers waited on K(j+1) every step (31 % of the warps' samples, H100) until K's
-# stage was released apart from V's; 1.12-1.28x cuDNN at N = 4k-16k, 1.20-1.55x the 128x64 tile it
-# replaces (H100, docs/perf/forward-hopper.md). The second tile of each fits every sm_90a budget.
+# stage was released apart from V's; 1.12-1.28x cuDNN at N = 4k-16k, 1.25-1.37x the 128x64 tile it
+# replaces there, 0.93-1.11x at 1k (H100, docs/perf/forward-hopper.md). The second tile of each fits
+# every sm_90a budget.
 SM90_TILES = {
     64: ((192, 128, 3, "ws"), (128, 128, 2, "ws")),
     128: ((128, 128, 3, "ws_ov"), (128, 128, 2, "ws")),

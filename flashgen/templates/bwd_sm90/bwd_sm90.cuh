@@ -53,10 +53,10 @@
 // blocks ahead of it. (DQW = 4: the writer holds the block's turn over the warpgroups' parts of the one
 // tile, freeing the tile as each is read; the consumers wait for a turn within a block.) The position
 // is the order in which the CTAs reach the block
-// anyway: descending key blocks with a right bound (causal: the key block nearest the diagonal reaches
-// the block first; blockIdx.x then counts the key blocks from the last, so that a CTA only ever waits
-// for CTAs launched before it), ascending with a left bound only (every CTA walks its query blocks from
-// the first). Without either bound (ROT) every key block sees every query block, and the key blocks
+// anyway: descending key blocks with a right bound (causal, windows: the key block nearest the diagonal
+// reaches the block first; blockIdx.x then counts the key blocks from the last, so that a CTA only ever
+// waits for CTAs launched before it). Without one (ROT; no variant has a left bound alone) every key
+// block sees every query block, and the key blocks
 // walk in chunks of p.dq_rot (families/bwd_sm90.det_rotation): CTA j of chunk c starts at query block
 // -j mod M and walks the M blocks cyclically, so the chunk's CTAs reach a block at different steps and
 // take their turns in that order, after the chunks before (rot_turn). From block 0 they would all reach
@@ -264,6 +264,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   int total = max(0, m_end - m_first) * p.group;  // steps: (query head of the group, query block)
   // DET without a right or left bound: the rotated walk (top of this file). j: the CTA's place in its chunk.
   constexpr bool ROT = DET && !V::RIGHT && !V::LEFT;
+  static_assert(!DET || ROT || V::RIGHT, "det: a walk with a left bound alone has no turn order here");
   const int rot_j = ROT ? n_block % p.dq_rot : 0;
   const int m_start = ROT && rot_j ? m_end - rot_j : m_first;  // (p.dq_rot <= m_end - m_first = m_end)
   // The dense walk: query blocks from m_start (cyclically past m_end), the group's query heads in turn.
@@ -373,9 +374,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
       };
       auto take_turn = [&](int hq, int qm, int m0) {
         int* sem = p.dq_sem + (static_cast<fg_i64>(b) * p.heads + hq) * (p.nq_pad / BM) + qm;
-        dq_turn_wait(sem, ROT         ? rot_turn(qm)
-                          : V::RIGHT ? var.block_end(m0, BM, BN) - 1 - n_block
-                                     : n_block - var.block_first(m0, BN));
+        dq_turn_wait(sem, ROT ? rot_turn(qm) : var.block_end(m0, BM, BN) - 1 - n_block);
         return sem;
       };
       auto pass_turn = [](int* sem) {
