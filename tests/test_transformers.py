@@ -340,6 +340,28 @@ def test_padding_and_packing_under_inference_mode(kernels):
     assert [c["path"] for c in kernels.calls] == ["varlen"] * 8
 
 
+def test_mask_memo_keeps_the_masks_in_use(monkeypatch):
+    """A full memo drops the entries of dead tensors, then the least recently used, never a mask still in
+    use: two masks used in turn beside seven older live entries are converted once each (emptying the whole
+    memo when full converted the first again, as the full suite's leftovers made happen in the test below)."""
+    monkeypatch.setattr(hf, "_memo_entries", {})
+    older = [torch.ones(2, 3, dtype=torch.bool) for _ in range(hf._MEMO_SIZE - 1)]
+    for t in older:
+        hf._memo(t, 1, lambda: "older")
+    gone = torch.ones(1, 1, dtype=torch.bool)
+    hf._memo(gone, 1, lambda: "gone")
+    del gone
+    made = []
+    a, b = torch.ones(2, 12, dtype=torch.bool), torch.ones(2, 12, dtype=torch.bool)
+    for mask in (a, b, a, b, a):
+        assert hf._memo(mask, 12, lambda m=mask: made.append(m) or id(m)) == id(mask)
+    assert len(made) == 2 and made[0] is a and made[1] is b
+    assert len(hf._memo_entries) <= hf._MEMO_SIZE
+    b.logical_not_()  # an in-place change misses
+    hf._memo(b, 12, lambda: made.append(b))
+    assert len(made) == 3
+
+
 def test_layers_share_the_rows_of_one_mask(kernels, monkeypatch):
     """The host reads of a padding mask happen once per mask and forward, not once per layer: Gemma 2's four
     layers use two masks (global and sliding), so two conversions; a new forward converts again."""

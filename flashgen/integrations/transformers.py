@@ -320,19 +320,26 @@ def _longest(given, cu, bound: int, compiling: bool) -> int:
 # One forward hands every layer the same mask (and position_ids) tensor: its rows are computed once.
 # Keyed by the tensor's id, checked against a weak reference (a dead or different tensor misses) and
 # its version counter (an in-place change misses); an inference-mode tensor has no version counter, so
-# its rows are computed every time.
+# its rows are computed every time. At most _MEMO_SIZE entries: a new one first drops those whose tensor
+# is gone, then the least recently used (emptying the whole memo could drop the other mask of a forward
+# in use, Gemma 2's global one between two sliding layers, and convert it again).
 _memo_entries: dict = {}
+_MEMO_SIZE = 8
 
 
 def _memo(tensor, extra, build):
     if tensor.is_inference():
         return build()
     key = (id(tensor), extra)
-    hit = _memo_entries.get(key)
+    hit = _memo_entries.pop(key, None)
     if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
+        _memo_entries[key] = hit  # (the most recently used last)
         return hit[2]
     value = build()
-    if len(_memo_entries) >= 8:
-        _memo_entries.clear()
+    if len(_memo_entries) >= _MEMO_SIZE:
+        for dead in [k for k, e in _memo_entries.items() if e[0]() is None]:
+            del _memo_entries[dead]
+        while len(_memo_entries) >= _MEMO_SIZE:
+            del _memo_entries[next(iter(_memo_entries))]
     _memo_entries[key] = (weakref.ref(tensor), tensor._version, value)
     return value
