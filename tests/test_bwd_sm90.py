@@ -40,7 +40,10 @@ VARIANTS = [bwd90(d, 128, st, w, c, dt) for d in (32, 64, 96, 128) for st in (2,
     bwd90(d, bn, 2, 3, c) for d, bn in ((32, 64), (64, 128), (96, 128), (128, 128), (192, 64), (256, 64))
     for c in (False, True)] + [
     # one staging tile the warpgroups fill in turn beside a one-stage dO ring (dq_write 4), in the tune space
-    bwd90(d, bn, st, 4, c) for d, bn, st in DQ_HALVES for c in (False, True)]
+    bwd90(d, bn, st, 4, c) for d, bn, st in DQ_HALVES for c in (False, True)] + [
+    # the same tile freed panel by panel (dq_write 5; by name, not measured yet), where the columns split evenly
+    bwd90(d, bn, st, 5, c) for d, bn, st in DQ_HALVES if d not in (32, 96) for c in (False, True)] + [
+    bwd90(d, 64, 2, 5, c).replace(det=True) for d in (192, 256) for c in (False, True)]
 # deterministic=True's twins of the defaults (dQ's adds take turns: the det field)
 DET = list(dict.fromkeys(t for t in (dispatch.deterministic_twin(s, BUDGET) for s in DEFAULTS) if t is not None))
 ALL = list(dict.fromkeys(DEFAULTS + VARIANTS + DET))
@@ -70,9 +73,15 @@ def test_names_and_rules():
     with pytest.raises(ValueError, match="arch"):
         s.replace(arch="sm_80").validate()
     with pytest.raises(ValueError, match="dq_write"):
-        s.replace(dq_write=5).validate()
+        s.replace(dq_write=6).validate()
     assert bwd90(dq_write=2).name == "bwd_sm90_d128_m64_n128_w12_s2_dq2_full_bf16_sm90a"
-    for w in (2, 4):
+    # dq_write 5 frees the one staging tile panel by panel: every warpgroup's part the same panels
+    det5 = bwd90(256, 64, dq_write=5).replace(det=True).validate()
+    assert det5.name == "bwd_sm90_d256_m64_n64_w12_s2_dq5_det_full_bf16_sm90a"
+    for d, bn in ((96, 128), (32, 128)):
+        with pytest.raises(ValueError, match="dq_write 5 frees the staging tile panel by panel"):
+            bwd90(d, bn, dq_write=5).validate()
+    for w in (2, 4, 5):
         for change in ({"varlen": True}, {"mod": 5}):
             with pytest.raises(ValueError, match=f"dq_write {w} .the dQ writer warp. walks dense rows"):
                 bwd90(dq_write=w).replace(**change).validate()
@@ -94,8 +103,9 @@ def test_family_rules_and_smem_formula():
     for s in ALL:
         d, bn, st = s.head_dim, s.block_n, s.stages
         # staging tiles of d columns: two where the dQ writer adds them; dq_write 4: one of a warpgroup's columns
-        staging = {0: 2 if s.det else 1, 1: 0, 2: 2, 3: 0, 4: fam.dq_cols(s)[0] / d}[s.dq_write]
-        st_do = 1 if s.dq_write == 4 else st  # (dq_write 4: dO's ring of one stage)
+        halves = fam.dq_cols(s)[0] / d
+        staging = {0: 2 if s.det else 1, 1: 0, 2: 2, 3: 0, 4: halves, 5: halves}[s.dq_write]
+        st_do = 1 if s.dq_write in (4, 5) else st  # (dq_write 4 and 5: dO's ring of one stage)
         p_t = 2 * bn * 64 * 2 if d > 128 else 0  # (split: P^T's two buffers)
         want = 2 * d * 2 * bn + (st + st_do) * 64 * d * 2 + 2 * bn * 64 * 2 + p_t + staging * 64 * d * 4 \
             + (st + st_do) * 64 * 4 + 1024
@@ -669,7 +679,7 @@ def test_dq_vector_adds_cover_each_element_once():
     assert sorted(added) == sorted(x for t in range(4) for x in acc[t])
 
 
-def _halves_turns(nwg, steps, seed, own_barriers=True):
+def _halves_turns(nwg, steps, seed, own_barriers=True, panels=1):
     """One random schedule of dq_write 4's hand-offs (templates/bwd_sm90), restated: each step, after the
     consumers' named barrier, warpgroup w waits on bar_se(w) (the part before its turn read: warpgroup w - 1's
     of this step, the last one's of the step before for w = 0), stages its part and arrives on bar_sf(w); the
@@ -677,7 +687,9 @@ def _halves_turns(nwg, steps, seed, own_barriers=True):
     bar_se(w + 1). An mbarrier's parity wait passes once the phase of that parity has completed, i.e. while
     its completed phases' count has the other parity (so a wait two phases early passes). Returns None,
     or what went wrong. ``own_barriers=False``: one shared bar_se, each use u waiting for use u - 1's read
-    (the parity of u - 1)."""
+    (the parity of u - 1). ``panels`` > 1: dq_write 5, the tile in panels, each with its own empty barrier
+    per warpgroup (bar_sep(w, p)): a warpgroup waits for panel p before staging it, the writer reads the
+    panels in order and frees each on its own."""
     import random
 
     rnd = random.Random(seed)
@@ -686,15 +698,18 @@ def _halves_turns(nwg, steps, seed, own_barriers=True):
     def passes(bar, k):  # wait for completion k: parity k & 1
         return done.get(bar, 0) & 1 != k & 1
 
-    tile = None  # ("written", it, w) or None (free: read)
-    cons = [[0, "sync"] for _ in range(nwg)]  # per warpgroup: step, where
-    wr = [0, 0]  # writer: step, warpgroup
+    def arrive(bar):
+        done[bar] = done.get(bar, 0) + 1
+
+    tile = [None] * panels  # per panel: ("written", it, w) or None (free: read)
+    cons = [[0, "sync", 0] for _ in range(nwg)]  # per warpgroup: step, where, the next panel to stage
+    wr = [0, 0, -1]  # writer: step, warpgroup, the last panel read (-1: waiting for the part)
     released = -1  # the last step whose named barrier every warpgroup has reached
     while True:
-        if all(c == [released + 1, "sync"] for c in cons):
+        if all(c[:2] == [released + 1, "sync"] for c in cons):
             released += 1
         moves = []
-        for w, (it, where) in enumerate(cons):
+        for w, (it, where, pn) in enumerate(cons):
             if it == steps:
                 continue
             if where == "sync" and released >= it:
@@ -702,42 +717,48 @@ def _halves_turns(nwg, steps, seed, own_barriers=True):
             elif where == "wait":
                 if own_barriers:
                     k = it - 1 if w == 0 else it
-                    ok = k < 0 or passes(("se", w), k)
+                    ok = k < 0 or passes(("se", w, pn), k)
                 else:
                     u = it * nwg + w
                     ok = u == 0 or passes("se", u - 1)
                 if ok:
                     moves.append(("stage", w))
-        if wr[0] < steps and passes(("sf", wr[1]), wr[0]):
+        if wr[0] < steps and (wr[2] >= 0 or passes(("sf", wr[1]), wr[0])):
             moves.append(("read", None))
         if not moves:
             return None if wr[0] == steps and all(c[0] == steps for c in cons) else "deadlock"
         what, w = rnd.choice(moves)
         if what == "sync":
-            cons[w][1] = "wait"
+            cons[w][1:] = ["wait", 0]
         elif what == "stage":
-            if tile is not None:
-                return f"warpgroup {w} staged step {cons[w][0]} over {tile}"
-            tile = ("written", cons[w][0], w)
-            done[("sf", w)] = done.get(("sf", w), 0) + 1
-            cons[w] = [cons[w][0] + 1, "sync"]
+            it, _, pn = cons[w]
+            if tile[pn] is not None:
+                return f"warpgroup {w} staged step {it} panel {pn} over {tile[pn]}"
+            tile[pn] = ("written", it, w)
+            if pn + 1 < panels:
+                cons[w][2] = pn + 1
+            else:
+                arrive(("sf", w))
+                cons[w] = [it + 1, "sync", 0]
         else:
-            it, w = wr
-            if tile != ("written", it, w):
-                return f"the writer read {tile} for step {it}, warpgroup {w}"
-            tile = None
-            nxt = ("se", (w + 1) % nwg) if own_barriers else "se"
-            done[nxt] = done.get(nxt, 0) + 1
-            wr[:] = [it + (w + 1) // nwg, (w + 1) % nwg]
+            it, w, last = wr
+            pn = last + 1
+            if tile[pn] != ("written", it, w):
+                return f"the writer read {tile[pn]} for step {it}, warpgroup {w}, panel {pn}"
+            tile[pn] = None
+            arrive(("se", (w + 1) % nwg, pn) if own_barriers else "se")
+            wr[:] = [it, w, pn] if pn + 1 < panels else [it + (w + 1) // nwg, (w + 1) % nwg, -1]
 
 
 def test_dq_halves_turns_model():
     """dq_write 4's one staging tile: over random schedules every part is staged on a free tile and read by
-    the writer once, with no deadlock, for 1-3 consumer warpgroups. The same hand-off on one shared
-    empty barrier fails: a warpgroup can wait two phases early (the parity of a phase not yet reached)."""
+    the writer once, with no deadlock, for 1-3 consumer warpgroups; dq_write 5's, freed panel by panel (2-4
+    panels a part), likewise. The same hand-off on one shared empty barrier fails: a warpgroup can wait two
+    phases early (the parity of a phase not yet reached)."""
     for nwg in (1, 2, 3):
-        for seed in range(300):
-            assert _halves_turns(nwg, 6, seed) is None, (nwg, seed)
+        for panels in (1, 2, 4):
+            for seed in range(200 if panels == 1 else 100):
+                assert _halves_turns(nwg, 6, seed, panels=panels) is None, (nwg, panels, seed)
     assert any(_halves_turns(2, 6, seed, own_barriers=False) for seed in range(300))
 
 

@@ -41,9 +41,13 @@ DQ_WRITES = {0: "TMA reduce-add from a shared-memory staging tile", 1: "red.glob
              3: "red.global.add.v4.f32 from registers, lane pairs swapping a pair of columns (measured below 1; not "
                 "in the tune space)",
              4: "TMA reduce-add from one staging tile of a warpgroup's columns, the warpgroups in turn, issued by "
-                "the dQ writer warp, beside a one-stage dO ring (dense rows, no mods)"}
+                "the dQ writer warp, beside a one-stage dO ring (dense rows, no mods)",
+             5: "as 4, the tile freed panel by panel (the next warpgroup stages a panel once the TMA has read it; "
+                "not measured yet, not in the tune space)"}
 # The modes whose adds the dQ writer warp issues: it walks dense rows (no packed rows, no mods).
-WRITER_DQ = (2, 4)
+WRITER_DQ = (2, 4, 5)
+# The modes with one staging tile of a warpgroup's columns that the warpgroups fill in turn.
+HALVES_DQ = (4, 5)
 
 # The default rule: head-dim tile -> (block_n, stages, dq_write) in order of preference; block_m is 64
 # and warps = 4 (consumer warpgroups + 1). FA3's shape: two consumer warpgroups of 64 keys and a producer.
@@ -129,12 +133,16 @@ class Bwd90Family(Family):
         self.require(spec, (("head_dim", self.head_dims), ("block_m", self.block_ms), ("block_n", self.block_ns),
                             ("stages", self.stages), ("arch", self.archs), ("dq_write", tuple(DQ_WRITES))))
         check_mod(self, spec)
-        if spec.det and (spec.dq_write not in (0, 4) or spec.varlen or spec.mod):
-            raise ValueError(f"{self.kind}: det (deterministic dQ) takes the TMA adds (dq_write 0 or 4) and dense "
+        if spec.det and (spec.dq_write not in (0, *HALVES_DQ) or spec.varlen or spec.mod):
+            raise ValueError(f"{self.kind}: det (deterministic dQ) takes the TMA adds (dq_write 0, 4 or 5) and dense "
                              "rows: no varlen, no mods")
         if spec.dq_write in WRITER_DQ and (spec.varlen or spec.mod):
             raise ValueError(f"{self.kind}: dq_write {spec.dq_write} (the dQ writer warp) walks dense rows: "
                              "no varlen, no mods")
+        if spec.dq_write == 5 and len(set(self.dq_cols(spec))) > 1:
+            raise ValueError(f"{self.kind}: dq_write 5 frees the staging tile panel by panel, for dQ's columns split "
+                             f"evenly over the warpgroups (head_dim={spec.head_dim}, block_n={spec.block_n}: "
+                             f"{self.dq_cols(spec)})")
         want = 4 * (self.consumers(spec) + 1)
         if spec.warps != want:
             raise ValueError(f"{self.kind}: block_n={spec.block_n} means {self.consumers(spec)} consumer "
@@ -156,18 +164,18 @@ class Bwd90Family(Family):
         return out
 
     def staging_bytes(self, spec) -> int:
-        """The fp32 dQ staging tiles (dq_write 0, 2 and 4): two where a dQ writer adds them (dq_write 2, det on
-        dq_write 0), one the consumers write while the writer adds the other; dq_write 4 one of a warpgroup's
-        columns."""
-        if spec.dq_write == 4:
+        """The fp32 dQ staging tiles (dq_write 0, 2, 4 and 5): two where a dQ writer adds them (dq_write 2, det on
+        dq_write 0), one the consumers write while the writer adds the other; dq_write 4 and 5 one of a
+        warpgroup's columns."""
+        if spec.dq_write in HALVES_DQ:
             return 4 * spec.block_m * self.dq_cols(spec)[0]
         tiles = {0: 2 if spec.det else 1, 1: 0, 2: 2, 3: 0}[spec.dq_write]
         return tiles * 4 * spec.block_m * spec.head_dim
 
     @staticmethod
     def do_stages(spec) -> int:
-        """Stages of the dO ring (and its D rows): the Q ring's, or one beside dq_write 4's staging tile."""
-        return 1 if spec.dq_write == 4 else spec.stages
+        """Stages of the dO ring (and its D rows): the Q ring's, or one beside dq_write 4's (5's) staging tile."""
+        return 1 if spec.dq_write in HALVES_DQ else spec.stages
 
     def smem_bytes(self, spec) -> int:
         # K, V (once); Q, dO (rings); two dS^T buffers; the fp32 dQ staging tiles;

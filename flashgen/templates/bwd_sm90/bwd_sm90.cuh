@@ -36,6 +36,10 @@
 //     DQW = 4: as 2, from one staging tile of a warpgroup's columns that the
 //              warpgroups fill in turn (the writer adds each part), beside a dO ring
 //              of one stage (ST_DO): the room a whole staging tile lacks at d = 256.
+//     DQW = 5: as 4, the tile freed panel by panel (PANELED): the writer commits each
+//              32-column panel's adds as its own bulk group and frees panel p once the
+//              TMA has read it (a barrier per warpgroup and panel), so the next
+//              warpgroup stages panel p while the TMA still reads the panels after it.
 // dK is scaled by the softmax scale at the end (dQ's scale: bwd_convert).
 //
 // Head dims above 128 (SPLIT): 64 keys a CTA and both consumer warpgroups over all of them; warpgroup
@@ -113,6 +117,19 @@ FG_DEVICE void dq_turn_done(int* sem) {
 // Wait until at most N bulk groups of this thread are still reading their shared-memory source.
 template <int N>
 FG_DEVICE void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory"); }
+// The same with N known only after unrolling (0 ... 7).
+FG_DEVICE void bulk_wait_read_n(int n) {
+  switch (n) {
+    case 0: bulk_wait_read<0>(); break;
+    case 1: bulk_wait_read<1>(); break;
+    case 2: bulk_wait_read<2>(); break;
+    case 3: bulk_wait_read<3>(); break;
+    case 4: bulk_wait_read<4>(); break;
+    case 5: bulk_wait_read<5>(); break;
+    case 6: bulk_wait_read<6>(); break;
+    default: bulk_wait_read<7>(); break;
+  }
+}
 // Wait until at most N bulk groups of this thread are incomplete (writes done).
 template <int N>
 FG_DEVICE void bulk_wait() { asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory"); }
@@ -197,12 +214,15 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   constexpr int DQP = D / 32;
   constexpr int DQ_LO = DQP / NWG * 32, DQ_HI = (DQP + NWG - 1) / NWG * 32;
   constexpr bool STAGED = DQW == 0 || DQW == 2 || DQW == 4;  // dQ through a shared-memory tile and the TMA's adds
-  constexpr bool HALVES = DQW == 4;       // one staging tile of DQ_HI columns, the warpgroups in turn
+  constexpr bool HALVES = DQW == 4 || DQW == 5;  // one staging tile of DQ_HI columns, the warpgroups in turn
+  constexpr bool PANELED = DQW == 5;     // ... freed panel by panel
+  constexpr int SE_PER = PANELED ? DQ_HI / 32 : 1;  // empty barriers per warpgroup's turn (one per panel)
   constexpr bool WRITER = DET || DQW == 2 || HALVES;  // the dQ writer adds the staged parts
   constexpr int ST_DO = HALVES ? 1 : ST;  // stages of dO (and D): Q's ring, or one beside the halves' tile
   constexpr int STG_ONE = BM * (HALVES ? DQ_HI : D) * 4;  // one fp32 dQ staging tile: panels of BM x 128 bytes
   constexpr int STG_BYTES = STAGED ? (WRITER && !HALVES ? 2 : 1) * STG_ONE : 0;  // (the writer's: two)
   constexpr int NSTG = HALVES ? NWG : 2;  // WRITER: the full / empty barrier pairs (tiles, or warpgroups' turns)
+  static_assert(!PANELED || (DQ_LO == DQ_HI && SE_PER <= 8), "dq_write 5: dQ's columns split evenly, 8 panels");
   constexpr int QN = SPLIT ? BM / 2 : BM;  // queries of a warpgroup's S^T / dP^T
   constexpr int DKV = SPLIT ? D / 2 : D;  // columns of a warpgroup's dK / dV
   constexpr int NJ = QN / 8;              // n8 chunks of S^T / dP^T
@@ -212,13 +232,13 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   static_assert(BN % 64 == 0 && D % 32 == 0 && ST >= 2 && (!SPLIT || (BN == 64 && (D / 2) % 32 == 0)),
                 "bad bwd_sm90 tile");
   static_assert(DQ_HI <= 256, "dQ columns per warpgroup: one wgmma");
-  static_assert(!DET || DQW == 0 || DQW == 4, "deterministic dQ: the TMA adds");
+  static_assert(!DET || DQW == 0 || HALVES, "deterministic dQ: the TMA adds");
   static_assert(!WRITER || (!V::VARLEN_ROWS && !V::SPARSE), "the dQ writer walks dense rows");
 
   extern __shared__ unsigned char smem_raw[];
   // K/V, then per stage: full Q (+LSE2), full dO (+D), empty; WRITER: full and empty per staging tile
   // (HALVES: per warpgroup, its turn on the one tile).
-  __shared__ __align__(8) fg_u64 bars[1 + 3 * ST + (WRITER ? 2 * NSTG : 0)];
+  __shared__ __align__(8) fg_u64 bars[1 + 3 * ST + (WRITER ? NSTG + NSTG * SE_PER : 0)];
   const fg_u32 sK = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const fg_u32 sV = sK + KV_BYTES;
   const fg_u32 sQ = sV + KV_BYTES;
@@ -236,9 +256,10 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   auto bar_do = [&](int s) { return bar_kv + 8u * (1 + ST + s); };
   auto bar_e = [&](int s) { return bar_kv + 8u * (1 + 2 * ST + s); };
   // WRITER: staging tile i written, and its adds have read it. HALVES: bar_sf(w) warpgroup w's part written,
-  // bar_se(w) the tile free for warpgroup w (the part before its turn read).
+  // bar_se(w) the tile free for warpgroup w (the part before its turn read); PANELED: bar_sep(w, p) its panel p.
   auto bar_sf = [&](int i) { return bar_kv + 8u * (1 + 3 * ST + i); };
   auto bar_se = [&](int i) { return bar_kv + 8u * (1 + 3 * ST + NSTG + i); };
+  auto bar_sep = [&](int w, int pn) { return bar_se(w * SE_PER + pn); };
 
   const int tid = threadIdx.x;
   int b = blockIdx.z, n_block = DET && V::RIGHT ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
@@ -304,6 +325,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
         mbar_init(bar_sf(i), 128 * (HALVES ? 1 : NWG));  // the consumer threads, after their staging stores
         mbar_init(bar_se(i), 1);                         // the dQ writer
       }
+      for (int i = NSTG; i < NSTG * SE_PER; ++i) mbar_init(bar_se(i), 1);  // (PANELED: the other panels')
     }
     mbar_init_fence();
   }
@@ -391,12 +413,25 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
             mbar_wait(bar_sf(w), it & 1);
             if (DET && w == 0) sem = take_turn(hq, qm, m0);
             const int c0 = w * DQ_LO + min(w, DQP % NWG) * 32, n = DQ_LO == DQ_HI || w < DQP % NWG ? DQ_HI : DQ_LO;
+            if constexpr (PANELED) {  // a bulk group per panel; panel pn free once at most SE_PER - 1 - pn are unread
+#pragma unroll
+              for (int pn = 0; pn < SE_PER; ++pn) {
+                tma_reduce_add_4d(&p.tm_dq, sStg + pn * BM * 128, c0 + pn * 32, m0, hq, mb);
+                bulk_commit();
+              }
+#pragma unroll
+              for (int pn = 0; pn < SE_PER; ++pn) {
+                bulk_wait_read_n(SE_PER - 1 - pn);
+                mbar_arrive(bar_sep((w + 1) % NWG, pn));
+              }
+            } else {
 #pragma unroll 1
-            for (int pn = 0; pn < n / 32; ++pn)
-              tma_reduce_add_4d(&p.tm_dq, sStg + pn * BM * 128, c0 + pn * 32, m0, hq, mb);
-            bulk_commit();
-            bulk_wait_read<0>();
-            mbar_arrive(bar_se((w + 1) % NWG));
+              for (int pn = 0; pn < n / 32; ++pn)
+                tma_reduce_add_4d(&p.tm_dq, sStg + pn * BM * 128, c0 + pn * 32, m0, hq, mb);
+              bulk_commit();
+              bulk_wait_read<0>();
+              mbar_arrive(bar_se((w + 1) % NWG));
+            }
           }
           if constexpr (DET) pass_turn(sem);  // (every part landed)
         } else {
@@ -646,24 +681,35 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
       // (its first panel: column dq_c0), free once the writer has read the part before this warpgroup's
       // turn (warpgroup cw - 1's of this block; the last one's of the block before for cw = 0).
       const fg_u32 stg = WRITER && !HALVES ? sStg + static_cast<fg_u32>(it & 1) * STG_ONE : sStg;
+      const int turn = cw == 0 ? it - 1 : it;  // HALVES: bar_se(cw)'s completion to wait for (PANELED: each panel's)
       if constexpr (HALVES) {
-        const int turn = cw == 0 ? it - 1 : it;  // bar_se(cw)'s completion to wait for
-        if (turn >= 0) mbar_wait(bar_se(cw), turn & 1);
+        if (!PANELED && turn >= 0) mbar_wait(bar_se(cw), turn & 1);
       } else if constexpr (WRITER) {
         if (it >= 2) mbar_wait(bar_se(it & 1), ((it >> 1) - 1) & 1);
       }
       // Column dq_w0 + 8 nj + 2t is in panel dq_w0/32 + nj/4, 16-byte chunk 2 (nj % 4) + t/2,
       // at byte 8 (t % 2); the chunk is swizzled with the row (r % 8 == g): per-row base XOR 32 (nj % 4).
       const int pan0 = dq_w0 / 32 - (HALVES ? dq_c0 / 32 : 0);  // (the window's first panel in the tile)
+      auto stage = [&](int nj0, int nj1) {  // accumulator chunks [nj0, nj1)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const fg_u32 base = opaque(stg + pan0 * BM * 128 + (krow + 8 * h) * 128 +
-                                   (((t >> 1) ^ g) << 4) + (t & 1) * 8);
+        for (int h = 0; h < 2; ++h) {
+          const fg_u32 base = opaque(stg + pan0 * BM * 128 + (krow + 8 * h) * 128 +
+                                     (((t >> 1) ^ g) << 4) + (t & 1) * 8);
 #pragma unroll
-        for (int nj = 0; nj < DQ_HI / 8; ++nj)
-          if (dq_own(nj))
-            sts_f32x2((base ^ ((nj % 4) << 5)) + (nj / 4) * BM * 128, acc_dq[4 * nj + 2 * h],
-                      acc_dq[4 * nj + 2 * h + 1]);
+          for (int nj = nj0; nj < nj1; ++nj)
+            if (dq_own(nj))
+              sts_f32x2((base ^ ((nj % 4) << 5)) + (nj / 4) * BM * 128, acc_dq[4 * nj + 2 * h],
+                        acc_dq[4 * nj + 2 * h + 1]);
+        }
+      };
+      if constexpr (PANELED) {  // panel pn (chunks 4 pn ... 4 pn + 3) once the writer has read the last part's panel pn
+#pragma unroll
+        for (int pn = 0; pn < SE_PER; ++pn) {
+          if (turn >= 0) mbar_wait(bar_sep(cw, pn), turn & 1);
+          stage(4 * pn, 4 * pn + 4);
+        }
+      } else {
+        stage(0, DQ_HI / 8);
       }
       fence_async_smem();
       if constexpr (WRITER) {
