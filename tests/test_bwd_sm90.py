@@ -762,11 +762,20 @@ def test_dq_halves_turns_model():
     assert any(_halves_turns(2, 6, seed, own_barriers=False) for seed in range(300))
 
 
+def det_walk(n_block, key_blocks, query_blocks, rot):
+    """The bwd_sm90 template's rotated walk (ROT, rot_turn), restated: where key block ``n_block``'s CTA starts
+    its walk over ``query_blocks`` blocks under chunk ``rot``, and its turn at each query block (its position
+    among the key blocks that add to it)."""
+    m = query_blocks
+    c, j = divmod(n_block, rot)
+    rc = min(rot, key_blocks - c * rot)
+    start = 0 if j == 0 else m - j
+    return start, [c * rot + (j + max(0, u + rc - m) if u + j < m else j - (m - u)) for u in range(m)]
+
+
 def _rotated_order(key_blocks, query_blocks, rot):
     """Each CTA's walk under chunk ``rot`` (det_walk's start, then cyclically) and, per query block, the
     CTAs in the order they reach it: the chunks in order, within one by the step they reach it at."""
-    from flashgen.families.bwd_sm90 import det_walk
-
     walks = [[(det_walk(n, key_blocks, query_blocks, rot)[0] + s) % query_blocks for s in range(query_blocks)]
              for n in range(key_blocks)]
     order = [sorted(range(key_blocks), key=lambda n: (n // rot, walks[n].index(m))) for m in range(query_blocks)]
@@ -778,7 +787,7 @@ def test_det_rotation_turns_follow_arrival():
     the CTAs of a chunk reach a block at different steps, and each CTA's turn at a block is its place in the
     order of arrival (the chunks before first), so the turns at a block are 0 .. K - 1. A chunk of 1 is the
     walk from block 0 with the turns in key-block order."""
-    from flashgen.families.bwd_sm90 import det_rotation, det_walk
+    from flashgen.families.bwd_sm90 import det_rotation
 
     for kb in range(1, 14):
         for mb in range(1, 14):
@@ -804,8 +813,6 @@ def _rotated_schedule(key_blocks, query_blocks, rot, slots, group, seed):
     its slot when done), each walks (query head, query block) steps, its heads in turn, and adds to a block
     only when the block's counter reads its turn. Returns True if every CTA finishes, False at a deadlock."""
     import random
-
-    from flashgen.families.bwd_sm90 import det_walk
 
     rnd = random.Random(seed)
     plan = [det_walk(n, key_blocks, query_blocks, rot) for n in range(key_blocks)]

@@ -92,17 +92,6 @@ def det_rotation(key_blocks: int, query_blocks: int, sms: int) -> int:
     return max(1, min(key_blocks, query_blocks, sms // 2, DET_ROTATION))
 
 
-def det_walk(n_block: int, key_blocks: int, query_blocks: int, rot: int) -> tuple[int, list[int]]:
-    """Where key block ``n_block``'s CTA starts its walk over ``query_blocks`` blocks under chunk ``rot``, and its
-    turn at each query block (its position among the key blocks that add to it): the kernel's arithmetic
-    (the bwd_sm90 template's rot_turn), for the CPU tests."""
-    m = query_blocks
-    c, j = divmod(n_block, rot)
-    rc = min(rot, key_blocks - c * rot)
-    start = 0 if j == 0 else m - j
-    return start, [c * rot + (j + max(0, u + rc - m) if u + j < m else j - (m - u)) for u in range(m)]
-
-
 class Bwd90Family(Family):
     @staticmethod
     def split(spec) -> bool:
