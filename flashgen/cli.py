@@ -132,8 +132,8 @@ def spec_from_args(args):
             spec = families.paged_spec(spec, page)
     except (TypeError, ValueError, UnsupportedError) as exc:
         raise FlashgenError(str(exc)) from None
-    if spec.smem_bytes() > budget:
-        raise FlashgenError(f"{spec.name} needs {spec.smem_bytes()} B of shared memory, over {budget} B")
+    if spec.smem_total() > budget:
+        raise FlashgenError(f"{spec.name} needs {spec.smem_total()} B of shared memory, over {budget} B")
     return spec
 
 

@@ -173,7 +173,7 @@ def deterministic_twin(spec: KernelSpec, smem_budget: int) -> KernelSpec | None:
         return None
     for dq_write in (0, 4):
         twin = spec.replace(det=True, dq_write=dq_write).validate()
-        if twin.smem_bytes() <= smem_budget:
+        if twin.smem_total() <= smem_budget:
             return twin
     return None
 

@@ -237,6 +237,11 @@ class KernelSpec:
         """Dynamic shared memory one CTA needs, in bytes."""
         return self.family.smem_bytes(self)
 
+    def smem_total(self) -> int:
+        """Dynamic plus static shared memory (a kernel's mbarriers) one CTA needs: what the per-block limit
+        bounds (a launch asks for at most the limit less the static bytes)."""
+        return self.family.smem_bytes(self) + self.family.static_smem_bytes(self)
+
     def check(self, profile) -> list[str]:
         """Reasons this spec cannot run on ``profile`` (empty list: feasible).
 
@@ -248,7 +253,7 @@ class KernelSpec:
         except (TypeError, ValueError) as exc:
             return [str(exc)]
         reasons = []
-        smem = self.smem_bytes()
+        smem = self.smem_total()
         if smem > profile.smem_per_block:
             reasons.append(f"shared memory {smem} B > {profile.name}'s {profile.smem_per_block} B per block")
         reasons += self.family.extra_checks(self, profile)

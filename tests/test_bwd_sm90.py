@@ -472,6 +472,8 @@ def compiled(compile_session):
 
 @pytest.mark.parametrize("spec", ALL, ids=lambda s: s.name)
 def test_compiles_clean_for_sm90a(spec, compiled):
+    # (the barriers the fit counts are the kernel's static shared memory)
+    assert compiled[spec].report.static_smem == spec.family.static_smem_bytes(spec), spec.name
     binary = clean_binary(compiled, spec)
     r = binary.report
     assert "C75" not in binary.log, binary.log  # C7508 setmaxnreg ignored, C7510-C7519 wgmma diagnostics

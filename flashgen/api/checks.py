@@ -165,8 +165,8 @@ def check_forced_spec(spec, want: dict, d: int, smem_budget: int) -> None:
              if getattr(spec, f) not in (v if isinstance(v, tuple) else (v,))}
     if wrong or spec.head_dim < d:
         raise ValueError(f"spec {spec.name} does not fit this problem ({want}, d={d})")
-    if spec.smem_bytes() > smem_budget:
-        raise UnsupportedError(f"spec {spec.name} needs {spec.smem_bytes()} B of shared memory, over the "
+    if spec.smem_total() > smem_budget:
+        raise UnsupportedError(f"spec {spec.name} needs {spec.smem_total()} B of shared memory, over the "
                                f"device's {smem_budget} B")
 
 

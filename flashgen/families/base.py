@@ -276,6 +276,11 @@ class Family:
     def smem_bytes(self, spec) -> int:
         return 2 * spec.head_dim * (spec.block_m + 2 * spec.stages * spec.block_n)
 
+    def static_smem_bytes(self, spec) -> int:
+        """Static shared memory of the kernel (its mbarriers), counted against the same per-block limit as
+        the dynamic bytes; 0 where a family's is small enough to leave to the dynamic bytes' slack."""
+        return 0
+
     def model_techniques(self, spec) -> tuple[float, float]:
         """What the spec's scheduling techniques change in the cost model's terms (tuner/cost.py):
         (factor on one K/V step's busy time, SM clocks of fixed latency added to every tile). A
@@ -350,7 +355,7 @@ class Family:
 
     def _fit(self, out: list, spec: KernelSpec, budget: int) -> None:
         """Append ``spec`` (validated) to ``out`` when it fits ``budget`` and is not there yet."""
-        if spec.validate().smem_bytes() <= budget and spec not in out:
+        if spec.validate().smem_total() <= budget and spec not in out:
             out.append(spec)
 
     def _fitting(self, out: list, key: ProblemKey, budget: int) -> list:

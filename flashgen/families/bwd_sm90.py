@@ -161,6 +161,16 @@ class Bwd90Family(Family):
         tiles = {0: 2 if spec.det else 1, 1: 0, 2: 2, 3: 0}[spec.dq_write]
         return tiles * 4 * spec.block_m * spec.head_dim
 
+    def static_smem_bytes(self, spec) -> int:
+        """The kernel's mbarriers (bars[] in the template): K/V, three per Q/dO stage, and with the dQ writer a
+        full and an empty one per staging tile or warpgroup's turn (dq_write 5: an empty one per panel);
+        8 bytes each, 16-byte aligned."""
+        writer = spec.det or spec.dq_write in WRITER_DQ
+        turns = self.consumers(spec) if spec.dq_write in HALVES_DQ else 2
+        panels = self.dq_cols(spec)[0] // 32 if spec.dq_write == 5 else 1
+        bars = 1 + 3 * spec.stages + (turns + turns * panels if writer else 0)
+        return -(-8 * bars // 16) * 16
+
     @staticmethod
     def do_stages(spec) -> int:
         """Stages of the dO ring (and its D rows): the Q ring's, or one beside dq_write 4's (5's) staging tile."""
