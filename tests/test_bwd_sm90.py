@@ -8,6 +8,7 @@ serialized or a warpgroup.arrive injected).
 """
 from __future__ import annotations
 
+import itertools
 
 import pytest
 
@@ -19,9 +20,9 @@ H200 = gpus.get("h200")
 BUDGET = gpus.ARCH_SMEM_PER_BLOCK["sm_90a"]
 
 
-def bwd90(d=128, bn=128, st=2, dq_write=0, causal=False, dtype="bf16"):
+def bwd90(d=128, bn=128, st=2, dq_write=0, causal=False, dtype="bf16", bm=64):
     consumers = 2 if d > 128 else bn // 64  # (above 128: two warpgroups over the same 64 keys)
-    return KernelSpec(kind="bwd_sm90", arch="sm_90a", dtype=dtype, head_dim=d, block_m=64, block_n=bn,
+    return KernelSpec(kind="bwd_sm90", arch="sm_90a", dtype=dtype, head_dim=d, block_m=bm, block_n=bn,
                       warps=4 * (consumers + 1), stages=st, dq_write=dq_write, causal=causal)
 
 
@@ -43,7 +44,12 @@ VARIANTS = [bwd90(d, 128, st, w, c, dt) for d in (32, 64, 96, 128) for st in (2,
     bwd90(d, bn, st, 4, c) for d, bn, st in DQ_HALVES for c in (False, True)] + [
     # the same tile freed panel by panel (dq_write 5; by name, not measured yet), where the columns split evenly
     bwd90(d, bn, st, 5, c) for d, bn, st in DQ_HALVES if d not in (32, 96) for c in (False, True)] + [
-    bwd90(d, 64, 2, 5, c).replace(det=True) for d in (192, 256) for c in (False, True)]
+    bwd90(d, 64, 2, 5, c).replace(det=True) for d in (192, 256) for c in (False, True)] + [
+    # 128 queries a step where the registers allow (the GPU tests' set; at d = 64 on 128 keys the writer's two
+    # staging tiles do not fit), and the det twins by name
+    bwd90(d, bn, 2, w, c, dt, bm=128) for d in (32, 64) for bn in (64, 128) for w in (0, 1, 2, 3, 4)
+    if (d, bn, w) != (64, 128, 2) for c in (False, True) for dt in (("bf16", "fp16") if w == 0 else ("bf16",))] + [
+    bwd90(d, 128, 2, w, c, bm=128).replace(det=True) for d, w in ((32, 0), (64, 4)) for c in (False, True)]
 # deterministic=True's twins of the defaults (dQ's adds take turns: the det field)
 DET = list(dict.fromkeys(t for t in (dispatch.deterministic_twin(s, BUDGET) for s in DEFAULTS) if t is not None))
 ALL = list(dict.fromkeys(DEFAULTS + VARIANTS + DET))
@@ -67,7 +73,13 @@ def test_names_and_rules():
     with pytest.raises(ValueError, match="warps"):
         s.replace(warps=8).validate()
     with pytest.raises(ValueError, match="block_m"):
-        s.replace(block_m=128).validate()
+        s.replace(block_m=96).validate()
+    # 128 queries a step (d <= 64 in practice): valid, but at d = 128 the consumers' values pass their registers,
+    # and the split tiles take 64
+    assert any("fp32 values per consumer thread" in r for r in s.replace(block_m=128).validate().check(H200))
+    assert not s.replace(head_dim=64, block_m=128).validate().check(H200)
+    with pytest.raises(ValueError, match="splits S.T / dP.T by queries"):
+        s.replace(head_dim=256, block_n=64, block_m=128).validate()
     with pytest.raises(ValueError, match="head_dim"):
         s.replace(head_dim=160).validate()
     with pytest.raises(ValueError, match="arch"):
@@ -101,14 +113,14 @@ def test_names_and_rules():
 def test_family_rules_and_smem_formula():
     fam = bwd90().family
     for s in ALL:
-        d, bn, st = s.head_dim, s.block_n, s.stages
+        d, bn, st, bm = s.head_dim, s.block_n, s.stages, s.block_m
         # staging tiles of d columns: two where the dQ writer adds them; dq_write 4: one of a warpgroup's columns
         halves = fam.dq_cols(s)[0] / d
         staging = {0: 2 if s.det else 1, 1: 0, 2: 2, 3: 0, 4: halves, 5: halves}[s.dq_write]
         st_do = 1 if s.dq_write in (4, 5) else st  # (dq_write 4 and 5: dO's ring of one stage)
-        p_t = 2 * bn * 64 * 2 if d > 128 else 0  # (split: P^T's two buffers)
-        want = 2 * d * 2 * bn + (st + st_do) * 64 * d * 2 + 2 * bn * 64 * 2 + p_t + staging * 64 * d * 4 \
-            + (st + st_do) * 64 * 4 + 1024
+        p_t = 2 * bn * bm * 2 if d > 128 else 0  # (split: P^T's two buffers)
+        want = 2 * d * 2 * bn + (st + st_do) * bm * d * 2 + 2 * bn * bm * 2 + p_t + staging * bm * d * 4 \
+            + (st + st_do) * bm * 4 + 1024
         assert s.smem_bytes() == want, s.name
         if d % 64 == 0:
             assert fam.dq_cols(s) == (d // fam.consumers(s),) * 2
@@ -141,6 +153,31 @@ def test_family_rules_and_smem_formula():
     struct = fam.param_struct()
     for name in ("tm_q", "tm_k", "tm_v", "tm_do", "tm_dq"):
         assert getattr(struct, name).offset % 64 == 0
+
+
+def test_block_m_128_fit_and_static_shared_memory():
+    """128 queries a step (by name and in the tune space): at d = 64 on 128 keys the dQ writer's two staging tiles
+    fill the block's dynamic shared memory exactly (232448 B) and the kernel's barriers (static) then do not fit,
+    so the fit refuses it; the det twin of the consumers' dQ (two staging tiles) does not fit either and takes the
+    one tile of a warpgroup's columns (dq_write 4). Above d = 64 the consumers' values pass their registers."""
+    fam = bwd90().family
+    wide = bwd90(64, bm=128)
+    assert not wide.check(H200) and fam.acc_floats(wide) == 192
+    writer = wide.replace(dq_write=2).validate()
+    assert writer.smem_bytes() == BUDGET and writer.smem_total() == BUDGET + 96
+    assert any("shared memory" in r for r in writer.check(H200))
+    twin = dispatch.deterministic_twin(wide, BUDGET)
+    assert (twin.block_m, twin.dq_write, twin.det) == (128, 4, True) and not twin.check(H200)
+    assert any("fp32 values per consumer thread" in r for r in bwd90(96, bm=128).check(H200))
+    # the tuner's candidates at d = 64 take both steps; at d = 128 the 128-query ones are refused by the registers
+    from flashgen.tuner import space
+
+    cands = [c for c in space.candidates(ProblemKey("bwd_dkdv", "sm_90a", "bf16", 64, True, 4096), H200)
+             if c.kind == "bwd_sm90"]
+    assert {c.block_m for c in cands} == {64, 128} and all(not c.check(H200) for c in cands)
+    # the barriers: K/V, three per stage, and the writer's full / empty pairs (dq_write 5: an empty one per panel)
+    assert fam.static_smem_bytes(bwd90()) == 64 and fam.static_smem_bytes(bwd90(dq_write=2)) == 96
+    assert fam.static_smem_bytes(bwd90(256, 64, dq_write=5)) == -(-8 * (1 + 6 + 2 + 2 * 4) // 16) * 16
 
 
 def test_dispatch():
@@ -300,9 +337,10 @@ def test_tensor_maps(monkeypatch, layout, d, D):
 # ---------------------------------------------------------------- the addressing model
 
 
-@pytest.mark.parametrize("d,bn", [(64, 128), (128, 128), (64, 64), (32, 128), (96, 128), (96, 64), (32, 64),
-                                  (192, 64), (256, 64)])
-def test_smem_layout_model(d, bn):
+@pytest.mark.parametrize("d,bn,bm", [(64, 128, 64), (128, 128, 64), (64, 64, 64), (32, 128, 64), (96, 128, 64),
+                                     (96, 64, 64), (32, 64, 64), (192, 64, 64), (256, 64, 64), (64, 128, 128),
+                                     (32, 128, 128), (64, 64, 128)])
+def test_smem_layout_model(d, bn, bm):
     """CPU model of bwd_sm90's shared-memory addressing (the constants of bwd_sm90.cuh, restated).
 
     Where the TMA puts Q, K, V, dO (panels of rb-byte rows, rb = 128 where d is a multiple of 64, else
@@ -319,12 +357,14 @@ def test_smem_layout_model(d, bn):
     (128-byte swizzle on 4-byte elements). Above d = 128 (split): both warpgroups hold every key, S^T
     / dP^T for 32 queries each (B's rows from 32 cw), P^T and dS^T stored with that query offset, and
     dV / dK of d / 2 columns each from SS descriptors (A K-major from the P^T / dS^T buffers, B MN-major
-    from the warpgroup's first panel).
+    from the warpgroup's first panel). A block of 128 queries (bm): S^T / dP^T of 128 queries, dS^T in two
+    panels of 64 queries (k16 step kk of the stores in panel kk / 4 at XOR 32 (kk % 4)), and dQ's part in
+    two m64 GEMMs, one per panel, staged at rows 64 mq + ....
     """
     import numpy as np
 
     split = d > 128
-    bm, st, nwg = 64, 2, 2 if split else bn // 64
+    st, nwg, mq_n = 2, 2 if split else bn // 64, bm // 64
     half = d // 2 if split else d  # a warpgroup's dK / dV columns
     qn = bm // 2 if split else bm  # a warpgroup's S^T / dP^T queries
     rb = 128 if half % 64 == 0 and d % 64 == 0 else 64  # bytes per swizzle row of Q, K, V, dO
@@ -386,7 +426,8 @@ def test_smem_layout_model(d, bn):
                 for kk in range(qn // 16):
                     for i in range(4):
                         for r in range(8):
-                            row_addr = (bases[8 * i + r] + off) ^ ((kk + qh0 // 16) << 5)
+                            row_addr = (((bases[8 * i + r] + off) ^ ((kk % 4 + qh0 // 16) << 5))
+                                        + (kk // 4) * bn * 128)
                             key, nj = k0 + wq * 16 + r + 8 * (i % 2), 2 * kk + i // 2
                             for t in range(4):
                                 a = row_addr + 4 * t
@@ -431,24 +472,26 @@ def test_smem_layout_model(d, bn):
         # dQ[:, window] = dS K[:, window]: A = dS MN-major (128-byte rows) from sdS, B = K MN-major
         kstart = sK + (w0 // pc) * bn * rb + (w0 % pc) * 2
         dQ = np.zeros((bm, dq_hi), dtype=np.int64)
-        for kk in range(bn // 16):
-            a0 = sdS + buf * ds_bytes + kk * 16 * 128
-            Am = np.array([[smem[mnmajor(a0, ds_bytes, k, m, row=128)] for k in range(16)] for m in range(bm)])
-            Bm = np.array([[smem[mnmajor(kstart + kk * 16 * rb, bn * rb, k, j)] for j in range(dq_hi)]
-                           for k in range(16)])
-            dQ += Am @ Bm
+        for mq in range(mq_n):  # queries [64 mq, 64 mq + 64): dS^T's panel mq
+            for kk in range(bn // 16):
+                a0 = sdS + buf * ds_bytes + mq * bn * 128 + kk * 16 * 128
+                Am = np.array([[smem[mnmajor(a0, ds_bytes, k, m, row=128)] for k in range(16)] for m in range(64)])
+                Bm = np.array([[smem[mnmajor(kstart + kk * 16 * rb, bn * rb, k, j)] for j in range(dq_hi)]
+                               for k in range(16)])
+                dQ[64 * mq:64 * mq + 64] += Am @ Bm
         assert (dQ == dS @ K[:, w0:w0 + dq_hi]).all()
         skip = (c0 - w0) // 8
-        # staging: thread (wq, g, t), row h, its own chunks nj hold dQ[krow + 8h, w0 + 8 nj + 2t (+1)]; the
-        # tile of all d columns (column col in panel col / 32), or dq_write 4's of the warpgroup's own, which
-        # the dQ writer adds from its first panel at column c0 (column col in panel (col - c0) / 32)
+        # staging: thread (wq, g, t), row h, its own chunks nj of part mq hold dQ[64 mq + krow + 8h, w0 + 8 nj
+        # + 2t (+1)]; the tile of all d columns (column col in panel col / 32), or dq_write 4's of the
+        # warpgroup's own, which the dQ writer adds from its first panel at column c0 (column col in panel
+        # (col - c0) / 32)
         for halves in (False, True):
             pan0 = w0 // 32 - (c0 // 32 if halves else 0)
             for wq in range(4):
                 for g in range(8):
                     for t in range(4):
-                        for h in range(2):
-                            r = wq * 16 + g + 8 * h
+                        for h, mq in itertools.product(range(2), range(mq_n)):
+                            r = 64 * mq + wq * 16 + g + 8 * h
                             base = sStg + pan0 * bm * 128 + r * 128 + (((t >> 1) ^ g) << 4) + (t & 1) * 8
                             for nj in range(skip, skip + n // 8):
                                 a = (base ^ ((nj % 4) << 5)) + (nj // 4) * bm * 128

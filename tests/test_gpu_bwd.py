@@ -142,11 +142,11 @@ def ran_family(family, d=None):
     assert ran.kind == family, ran.name
 
 
-def _sm90(d, bn=128, st=2, dq_write=0, causal=False, dtype="bf16"):
+def _sm90(d, bn=128, st=2, dq_write=0, causal=False, dtype="bf16", bm=64):
     from flashgen import KernelSpec
 
     consumers = 2 if d > 128 else bn // 64  # (above 128: two warpgroups over the same 64 keys)
-    return KernelSpec(kind="bwd_sm90", arch="sm_90a", dtype=dtype, head_dim=d, block_m=64, block_n=bn,
+    return KernelSpec(kind="bwd_sm90", arch="sm_90a", dtype=dtype, head_dim=d, block_m=bm, block_n=bn,
                       warps=4 * (consumers + 1), stages=st, dq_write=dq_write, causal=causal)
 
 
@@ -170,7 +170,12 @@ SM90_VARIANTS = [_sm90(d, 128, st, dq_write, c, dt) for d in (32, 64, 96, 128)
     # the same tile freed panel by panel (dq_write 5; by name), where dQ's columns split evenly
     _sm90(d, bn, st, 5, c, dt)
     for d, bn, st in ((64, 64, 2), (64, 128, 3), (128, 128, 2), (192, 64, 2), (256, 64, 2))
-    for c in (False, True) for dt in (("bf16", "fp16") if d == 256 else ("bf16",))]
+    for c in (False, True) for dt in (("bf16", "fp16") if d == 256 else ("bf16",))] + [
+    # 128 queries a step (block_m 128: S^T / dP^T of m64n128, dQ in two m64 GEMMs) where the registers allow (at
+    # d = 64 on 128 keys the writer's two staging tiles do not fit)
+    _sm90(d, bn, 2, dq_write, c, dt, bm=128) for d in (32, 64) for bn in (64, 128) for dq_write in (0, 1, 2, 3, 4)
+    if (d, bn, dq_write) != (64, 128, 2) for c in (False, True) for dt in (("bf16", "fp16") if dq_write == 0 else
+                                                                         ("bf16",))]
 
 
 FAMILIES = ["bwd_dkdv", "bwd_sm90"]
@@ -235,17 +240,21 @@ def test_grads_bwd_sm90_variants(nq, nk, spec):
     check(2, 4, 1, nq, nk, spec.head_dim, spec.dtype, spec.causal, spec=spec)
 
 
+# det twins reached by name: dq_write 5's (the staging tile freed panel by panel) and 128 queries a step
+DET_BY_NAME = [(d, 64, 5, 64) for d in (192, 256)] + [(32, 128, 0, 128), (64, 128, 4, 128)]
+
+
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [192, 256])
-def test_dq_write5_det_twin(d, causal):
-    """dq_write 5's det twin (the staging tile freed panel by panel, dQ's adds in turns; rotated without a mask)
-    through specs=: within the rule, and three passes over the same inputs give the same bits."""
+@pytest.mark.parametrize("d,bn,dq_write,bm", DET_BY_NAME, ids=[f"d{d}-dq{w}-m{m}" for d, _, w, m in DET_BY_NAME])
+def test_det_twin_by_name(d, bn, dq_write, bm, causal):
+    """Det twins outside the rule through specs= (dQ's adds in turns; rotated without a mask): within the rule,
+    and three passes over the same inputs give the same bits."""
     if not is_sm90():
         pytest.skip("bwd_sm90 needs an sm_90a GPU")
     import flashgen
     from flashgen.api.backward import attention_backward
 
-    spec = _sm90(d, 64, 2, 5, causal).replace(det=True).validate()
+    spec = _sm90(d, bn, 2, dq_write, causal, bm=bm).replace(det=True).validate()
     check(2, 4, 2, 1023, 1024, d, "bf16", causal, spec=spec)
     q, k, v, dout = make(2, 4, 2, 1023, 1024, d, torch.bfloat16, "bhsd")
     out, lse = flashgen.attention(q, k, v, causal=causal, return_lse=True)

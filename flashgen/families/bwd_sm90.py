@@ -5,8 +5,9 @@ mma.sync ``bwd_dkdv`` kernel and runs between the same preprocess and convert ke
 Head-dim tiles 32, 64, 96, 128, and 192 and 256 split (``split``); Q, K, V, dO in swizzle
 panels of 64 columns, or of 32 where a warpgroup's columns are an odd multiple of 32. block_n = 64 x
 consumer warpgroups (each owns 64 keys; split: two warpgroups over 64 keys); block_m = 64 queries per
-step; warps = 4 x (consumer warpgroups + the producer warpgroup); stages: the Q/dO ring; ``dq_write``:
-how dQ reaches the accumulator (DQ_WRITES). Always warp-specialized (the producer is not a field here).
+step, or 128 without the split (FA3's step at d = 64: S^T / dP^T of m64n128, dQ in two m64 GEMMs); warps =
+4 x (consumer warpgroups + the producer warpgroup); stages: the Q/dO ring; ``dq_write``: how dQ reaches the
+accumulator (DQ_WRITES). Always warp-specialized (the producer is not a field here).
 """
 from __future__ import annotations
 
@@ -138,13 +139,16 @@ class Bwd90Family(Family):
                              f"warpgroup(s) and a producer: warps={want}, got {spec.warps}")
         if spec.head_dim % 32:
             raise ValueError(f"{self.kind}: head_dim={spec.head_dim} is not a multiple of 32 (the dQ panels)")
+        if self.split(spec) and spec.block_m != 64:
+            raise ValueError(f"{self.kind}: head_dim={spec.head_dim} splits S^T / dP^T by queries over 64 a step: "
+                             f"block_m=64, got {spec.block_m}")
         if self.split(spec) and spec.block_n != 64:
             raise ValueError(f"{self.kind}: head_dim={spec.head_dim} splits dK/dV by columns over 64 keys: "
                              f"block_n=64, got {spec.block_n}")
 
     def complete(self, knobs: dict) -> dict:
-        """block_m is fixed (64) and warps follows from block_n (above head dim 128: two consumer
-        warpgroups whatever block_n): neither is a knob."""
+        """block_m defaults to 64 and warps follows from block_n (above head dim 128: two consumer
+        warpgroups whatever block_n): warps is not a knob."""
         out = dict(knobs)
         out.setdefault("block_m", 64)
         if "warps" not in out and "block_n" in out:
@@ -196,9 +200,9 @@ class Bwd90Family(Family):
     def acc_floats(self, spec) -> int:
         """fp32 values live per consumer thread at the peak: dK and dV (head_dim / 2 each; split: half
         that) plus S^T and dP^T (block_m / 2 each; split: half that), or plus packed P^T, dS^T and the dQ
-        part."""
+        part (one per 64 queries of the block)."""
         d, q = (spec.head_dim // 2, spec.block_m // 2) if self.split(spec) else (spec.head_dim, spec.block_m)
-        return d + max(q, q // 2 + self.dq_cols(spec)[0] // 2)
+        return d + max(q, q // 2 + spec.block_m // 64 * self.dq_cols(spec)[0] // 2)
 
     def extra_checks(self, spec, profile) -> list[str]:
         return hopper_checks(self, spec, profile, "addressing")
@@ -279,6 +283,7 @@ class Bwd90Family(Family):
 
 
 FAMILY = Bwd90Family("bwd_sm90", "bwd_sm90/bwd_sm90.cu.j2", SM90_BWD_PARAMS, problem="bwd_dkdv",
-                     head_dims=(32, 64, 96, 128, 192, 256), block_ms=(64,), block_ns=(64, 128), warps=(8, 12),
+                     head_dims=(32, 64, 96, 128, 192, 256), block_ms=(64, 128), block_ns=(64, 128), warps=(8, 12),
                      stages=(2, 3), archs=("sm_90a",), tiles=BWD_SM90_TILES, gemms=5, query_outer=False,
-                     tune_space=(("block_n", (64, 128)), ("stages", (2, 3)), ("dq_write", (0, 1, 2, 4))))
+                     tune_space=(("block_m", (64, 128)), ("block_n", (64, 128)), ("stages", (2, 3)),
+                                 ("dq_write", (0, 1, 2, 4))))

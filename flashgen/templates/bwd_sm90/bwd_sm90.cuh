@@ -10,8 +10,8 @@
 // in fp32 buffers padded to a multiple of 128 rows: padding rows have LSE2 =
 // +inf and D = 0, so they weigh nothing.)
 //
-// Per query block i (BM = 64 queries), each consumer warpgroup:
-//   S^T  = K_w Q_i^T         wgmma m64n64k16, A and B K-major from shared memory
+// Per query block i (BM = 64 or 128 queries), each consumer warpgroup:
+//   S^T  = K_w Q_i^T         wgmma m64nBMk16, A and B K-major from shared memory
 //   P^T  = exp2(S^T scale_log2 - LSE2_i)   (LSE2 per column; masked where needed)
 //   dP^T = V_w dO_i^T        wgmma SS, as S^T
 //   dS^T = P^T (dP^T - D_i)  -> bf16/fp16 to shared memory (sdS, two buffers)
@@ -19,8 +19,10 @@
 //                            layout of S^T is the A-fragment layout, as the
 //                            forward's P), dO_i MN-major (the forward's V)
 //   dK  += dS^T Q_i          wgmma RS, as dV
-//   dQ_i[:, cols of w] = dS K[:, cols of w]   wgmma m64n(D/NWG)k16 over all BN keys:
-//                            A = dS from sdS (stored [key][query]: MN-major A),
+//   dQ_i[:, cols of w] = dS K[:, cols of w]   wgmma m64n(D/NWG)k16 over all BN keys, one
+//                            per 64 queries of the block (BM / 64 accumulator sets):
+//                            A = dS from sdS (stored [key][query] in panels of 64
+//                            queries, one 128-byte row a key: MN-major A),
 //                            B = K MN-major. Needs every warpgroup's dS: one named
 //                            barrier over the consumers per block.
 //   the fp32 dQ part is added to the global accumulator (b, h, nq, D):
@@ -206,7 +208,8 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   constexpr fg_u64 SWZ = RB == 128 ? 1 : 2;  // the descriptors' swizzle mode
   constexpr int KV_BYTES = BN * D * 2;    // the K (or V) tile
   constexpr int QT_BYTES = BM * D * 2;    // one stage of Q (or dO)
-  constexpr int DS_BYTES = BN * BM * 2;   // one dS^T buffer: BN rows of BM = 64 elements
+  constexpr int DS_BYTES = BN * BM * 2;   // one dS^T buffer: MQ panels of BN rows of 64 queries (128 bytes)
+  constexpr int MQ = BM / 64;             // 64-query panels of dS^T, m64 dQ GEMMs of a block
   // dQ's D / 32 fp32 panels split over the consumer warpgroups: the first DQP % NWG take DQ_HI columns,
   // the others DQ_LO (D = 96: 64 and 32; D = 32: 32 and none; else D / NWG each). Every warpgroup's dQ
   // GEMM is DQ_HI wide (one wgmma shape: a branch between two made ptxas serialize the wgmmas, C7511 /
@@ -228,7 +231,8 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   constexpr int NJ = QN / 8;              // n8 chunks of S^T / dP^T
   constexpr int KP = QN / 16;             // k16 steps of P^T / dS^T in registers
   constexpr int KS = BM / 16;             // k16 steps of dV / dK
-  static_assert(BM == 64, "a dS^T row is one 128-byte swizzle row (64 queries)");
+  // (128 queries: S^T / dP^T of m64n128, 2 x 64 of P^T / dS^T's registers a thread; SPLIT halves 64)
+  static_assert(BM == 64 || (BM == 128 && !SPLIT), "a block of 64 queries, or 128 without SPLIT");
   static_assert(BN % 64 == 0 && D % 32 == 0 && ST >= 2 && (!SPLIT || (BN == 64 && (D / 2) % 32 == 0)),
                 "bad bwd_sm90 tile");
   static_assert(DQ_HI <= 256, "dQ columns per warpgroup: one wgmma");
@@ -503,7 +507,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
     acc_dv[i] = 0.f;
   }
 
-  float acc_s[QN / 2], acc_dp[QN / 2], acc_dq[DQ_HI / 2];
+  float acc_s[QN / 2], acc_dp[QN / 2], acc_dq[MQ][DQ_HI / 2];
   mbar_wait(bar_kv, 0);  // always: the CTA must not exit with the K/V copy in flight
   int hc = 0, mc = m_start;
   bwd_sparse_walk walk{nullptr, -1, 0, 0};
@@ -622,12 +626,13 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
     // per-lane base XOR 32 kk (the buffer and the row are 1024- and 128-byte aligned: bits 4-6 are the
     // chunk's). The base is rebuilt per block (opaque), as the dQ staging's are. (Sixteen 4-byte
     // stores a thread before: 4 instructions now.) SPLIT: every key row, this warpgroup's queries
-    // from qh0 (chunk 2 (kk + qh0 / 16) + l / 16: XOR 32 (kk + qh0 / 16)), and P^T likewise into sP.
+    // from qh0 (chunk 2 (kk + qh0 / 16) + l / 16: XOR 32 (kk + qh0 / 16)), and P^T likewise into sP. 128
+    // queries: step kk in panel kk / 4 (BN rows of 128 bytes each), at XOR 32 (kk % 4).
     {
       const fg_u32 base = opaque(sdS + ((SPLIT ? 0 : cw * 64) + wq * 16 + 8 * ((lane >> 3) & 1) + (lane & 7)) * 128 +
                                  ((((lane >> 4) ^ lane) & 7) << 4)) + buf;
 #pragma unroll
-      for (int kk = 0; kk < KP; ++kk) stsm_x4(base ^ ((kk + qh0 / 16) << 5), da[kk]);
+      for (int kk = 0; kk < KP; ++kk) stsm_x4((base ^ ((kk % 4 + qh0 / 16) << 5)) + (kk / 4) * BN * 128, da[kk]);
       if constexpr (SPLIT) {  // (sP: 1024-byte aligned, 2 DS_BYTES after sdS)
 #pragma unroll
         for (int kk = 0; kk < KP; ++kk) stsm_x4((base + 2 * DS_BYTES) ^ ((kk + qh0 / 16) << 5), pa[kk]);
@@ -661,7 +666,11 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
     {
       const fg_u64 da_ = opaque_desc(desc_ds) + static_cast<fg_u64>(buf >> 4), db_ = opaque_desc(desc_kmn);
 #pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) fg_wgmma_dq(acc_dq, da_ + ds_off(kk), db_ + mn_off(kk), kk);
+      for (int mq = 0; mq < MQ; ++mq) {  // queries [64 mq, 64 mq + 64): dS^T's panel mq
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+          fg_wgmma_dq(acc_dq[mq], da_ + ds_off(kk) + static_cast<fg_u64>(mq * BN * 128 >> 4), db_ + mn_off(kk), kk);
+      }
     }
     wgmma_commit();
     wgmma_wait<1>();
@@ -673,9 +682,10 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
     // no slower (docs/perf/backward.md).
     mbar_arrive(bar_e(s));
     wgmma_wait<0>();
-    reg_fence(acc_dq);
+#pragma unroll
+    for (int mq = 0; mq < MQ; ++mq) reg_fence(acc_dq[mq]);
 
-    // ---- dQ_i += the part: thread's rows krow, krow + 8; columns dq_w0 + 8 nj + 2t (+1), its own nj
+    // ---- dQ_i += the part: thread's rows 64 mq + krow, + 8; columns dq_w0 + 8 nj + 2t (+1), its own nj
     if constexpr (STAGED) {
       // WRITER: tile it % 2, free once the writer's adds of block it - 2 have read it. HALVES: the one tile
       // (its first panel: column dq_c0), free once the writer has read the part before this warpgroup's
@@ -692,14 +702,17 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
       const int pan0 = dq_w0 / 32 - (HALVES ? dq_c0 / 32 : 0);  // (the window's first panel in the tile)
       auto stage = [&](int nj0, int nj1) {  // accumulator chunks [nj0, nj1)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const fg_u32 base = opaque(stg + pan0 * BM * 128 + (krow + 8 * h) * 128 +
-                                     (((t >> 1) ^ g) << 4) + (t & 1) * 8);
+        for (int mq = 0; mq < MQ; ++mq) {
 #pragma unroll
-          for (int nj = nj0; nj < nj1; ++nj)
-            if (dq_own(nj))
-              sts_f32x2((base ^ ((nj % 4) << 5)) + (nj / 4) * BM * 128, acc_dq[4 * nj + 2 * h],
-                        acc_dq[4 * nj + 2 * h + 1]);
+          for (int h = 0; h < 2; ++h) {
+            const fg_u32 base = opaque(stg + pan0 * BM * 128 + (64 * mq + krow + 8 * h) * 128 +
+                                       (((t >> 1) ^ g) << 4) + (t & 1) * 8);
+#pragma unroll
+            for (int nj = nj0; nj < nj1; ++nj)
+              if (dq_own(nj))
+                sts_f32x2((base ^ ((nj % 4) << 5)) + (nj / 4) * BM * 128, acc_dq[mq][4 * nj + 2 * h],
+                          acc_dq[mq][4 * nj + 2 * h + 1]);
+          }
         }
       };
       if constexpr (PANELED) {  // panel pn (chunks 4 pn ... 4 pn + 3) once the writer has read the last part's panel pn
@@ -729,13 +742,16 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
     } else if constexpr (DQW == 1) {
       float* dq = p.dq_acc + ((static_cast<fg_i64>(mb) * p.heads + hq) * p.nq + q_off + m0) * D + dq_w0 + 2 * t;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = krow + 8 * h;
-        if (m0 + r < var.nq) {
+      for (int mq = 0; mq < MQ; ++mq) {
 #pragma unroll
-          for (int nj = 0; nj < DQ_HI / 8; ++nj)
-            if (dq_own(nj))
-              red_add_f32x2(dq + r * D + 8 * nj, acc_dq[4 * nj + 2 * h], acc_dq[4 * nj + 2 * h + 1]);
+        for (int h = 0; h < 2; ++h) {
+          const int r = 64 * mq + krow + 8 * h;
+          if (m0 + r < var.nq) {
+#pragma unroll
+            for (int nj = 0; nj < DQ_HI / 8; ++nj)
+              if (dq_own(nj))
+                red_add_f32x2(dq + r * D + 8 * nj, acc_dq[mq][4 * nj + 2 * h], acc_dq[mq][4 * nj + 2 * h + 1]);
+          }
         }
       }
     } else {
@@ -743,18 +759,22 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
       // keeps row krow + 8 and takes the partner's pair of it (columns 2t - 2, 2t - 1). Every lane
       // shuffles (the row bound is checked after).
       const bool odd = t & 1;
-      const int r = krow + (odd ? 8 : 0);
-      float* dq = p.dq_acc + ((static_cast<fg_i64>(mb) * p.heads + hq) * p.nq + q_off + m0 + r) * D + dq_w0 +
-                  2 * (t & ~1);
-      const bool in = m0 + r < var.nq;
 #pragma unroll
-      for (int nj = 0; nj < DQ_HI / 8; ++nj) {
-        if (dq_own(nj)) {  // acc_dq[4 nj], [4 nj + 1]: row krow; [4 nj + 2], [4 nj + 3]: row krow + 8
-          const float o0 = __shfl_xor_sync(0xffffffffu, odd ? acc_dq[4 * nj] : acc_dq[4 * nj + 2], 1);
-          const float o1 = __shfl_xor_sync(0xffffffffu, odd ? acc_dq[4 * nj + 1] : acc_dq[4 * nj + 3], 1);
-          const float k0 = odd ? acc_dq[4 * nj + 2] : acc_dq[4 * nj];
-          const float k1 = odd ? acc_dq[4 * nj + 3] : acc_dq[4 * nj + 1];
-          if (in) red_add_f32x4(dq + 8 * nj, odd ? o0 : k0, odd ? o1 : k1, odd ? k0 : o0, odd ? k1 : o1);
+      for (int mq = 0; mq < MQ; ++mq) {
+        const float* acc = acc_dq[mq];
+        const int r = 64 * mq + krow + (odd ? 8 : 0);
+        float* dq = p.dq_acc + ((static_cast<fg_i64>(mb) * p.heads + hq) * p.nq + q_off + m0 + r) * D + dq_w0 +
+                    2 * (t & ~1);
+        const bool in = m0 + r < var.nq;
+#pragma unroll
+        for (int nj = 0; nj < DQ_HI / 8; ++nj) {
+          if (dq_own(nj)) {  // acc[4 nj], [4 nj + 1]: row krow; [4 nj + 2], [4 nj + 3]: row krow + 8
+            const float o0 = __shfl_xor_sync(0xffffffffu, odd ? acc[4 * nj] : acc[4 * nj + 2], 1);
+            const float o1 = __shfl_xor_sync(0xffffffffu, odd ? acc[4 * nj + 1] : acc[4 * nj + 3], 1);
+            const float k0 = odd ? acc[4 * nj + 2] : acc[4 * nj];
+            const float k1 = odd ? acc[4 * nj + 3] : acc[4 * nj + 1];
+            if (in) red_add_f32x4(dq + 8 * nj, odd ? o0 : k0, odd ? o1 : k1, odd ? k0 : o0, odd ? k1 : o1);
+          }
         }
       }
     }
