@@ -227,8 +227,8 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
         shapes.note(key.replace(kind="bwd_dkdv_nodq" if separate else "bwd_dkdv"), (b, h, hk, nq, nk, d))
     dq_acc = None if separate else torch.empty((b, h, nq, d_tile), dtype=torch.float32, device=q.device)
     det = kv_spec is not None and getattr(kv_spec, "det", False)
-    # det: one turn counter per (batch, query head, query block of 64), from zero (templates/bwd_sm90)
-    dq_sem = torch.zeros(b * h * (nq_pad // 64), dtype=torch.int32, device=q.device) if det else None
+    # det: one turn counter per (batch, query head, query block of the kernel's), from zero (templates/bwd_sm90)
+    dq_sem = torch.zeros(b * h * (nq_pad // kv_spec.block_m), dtype=torch.int32, device=q.device) if det else None
     scale = float(softmax_scale)
     slopes, alibi_sb, _ = variant_tensors(alibi_slopes, None)
     common = {**bwd.common_values(nq, nk, nq_pad, h, hk, d, scale),
