@@ -145,8 +145,9 @@ def mod_backward_spec(key: ProblemKey, smem_budget: int, token: int, verify: boo
     if key.arch != "sm_90a" or key.head_dim not in fam.tiles:
         raise UnsupportedError(f"the backward of score_mod / mask_mod runs on bwd_sm90 (sm_90a, head-dim tiles "
                                f"{sorted(fam.tiles)}); this call has {key.arch}, head-dim tile {key.head_dim}")
+    # (the dQ writer walks dense rows: the rule's own tile follows its; 128 queries a step: not with mods yet)
     rule = [s.replace(causal=False, mod=token) for s in fam.rule(key.replace(causal=False, variant=""), smem_budget)
-            if s.dq_write not in WRITER_DQ]  # (the dQ writer walks dense rows: the rule's own tile follows its)
+            if s.dq_write not in WRITER_DQ and s.block_m == 64]
     rule = list(dict.fromkeys(rule))
     candidates = [s.validate() for s in rule + [s.replace(dp_late=True) for s in rule]]
     if not verify:

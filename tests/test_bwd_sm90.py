@@ -180,6 +180,25 @@ def test_block_m_128_fit_and_static_shared_memory():
     assert fam.static_smem_bytes(bwd90(256, 64, dq_write=5)) == -(-8 * (1 + 6 + 2 + 2 * 4) // 16) * 16
 
 
+def test_wide_step_rule():
+    """d = 64's plain keys take 128 queries a step first (WIDE_STEP); keys with variants, packed rows, mods and
+    the other head dims the 64-query tiles."""
+    from flashgen.families.bwd_sm90 import WIDE_STEP
+
+    fam = bwd90().family
+    for bucket in (512, 2048, 16384):
+        for causal in (False, True):
+            plain = fam.rule(ProblemKey("bwd_dkdv", "sm_90a", "bf16", 64, causal, bucket), BUDGET)
+            assert (plain[0].block_m, plain[0].block_n, plain[0].stages, plain[0].dq_write) == (128, *WIDE_STEP[64][0])
+            assert all(s.block_m == 64 for s in plain[1:])
+            for variant in ("cap", "win", "vl"):
+                key = ProblemKey("bwd_dkdv", "sm_90a", "bf16", 64, causal, bucket, variant)
+                assert all(s.block_m == 64 for s in fam.rule(key, BUDGET))
+    for d in (32, 96, 128, 192, 256):
+        assert all(s.block_m == 64 for s in fam.rule(ProblemKey("bwd_dkdv", "sm_90a", "bf16", d, False, 2048), BUDGET))
+    assert dispatch.mod_backward_spec(ProblemKey("bwd_dkdv", "sm_90a", "bf16", 64, False, 2048), BUDGET, 5).block_m == 64
+
+
 def test_dispatch():
     assert families.serving("bwd_dkdv", "sm_90a") == ("bwd_sm90", "bwd_dkdv")
     assert families.serving("bwd_dkdv", "sm_80") == ("bwd_dkdv",)
@@ -191,18 +210,20 @@ def test_dispatch():
     key = ProblemKey("bwd_dkdv", "sm_90a", "bf16", 128, True, 4096)
     assert families.default_spec(key, BUDGET).kind == "bwd_sm90"
     assert dispatch.select(key, "h200", BUDGET).kind == "bwd_sm90"
-    # (the dQ writer warp first where DQ_WRITER_FROM puts it: d = 64 and 128 from a later bucket, 2 x 2 x 2 more
-    # specs; d = 256 from the first bucket, in place of its red.global tile)
-    assert len(DEFAULTS) == 6 * 2 * 2 + 8 and all(s.kind == "bwd_sm90" and not s.check(H200) for s in DEFAULTS)
-    # above d = 128 the det twin's two fp32 staging tiles do not fit: it takes dq_write 4's one tile instead
+    # (the dQ writer warp first where DQ_WRITER_FROM puts it: d = 128 from a later bucket, 2 x 2 more specs; d = 64's
+    # 128-query tile comes before its writer tile at every bucket; d = 256 from the first bucket, in place of its
+    # red.global tile)
+    assert len(DEFAULTS) == 6 * 2 * 2 + 4 and all(s.kind == "bwd_sm90" and not s.check(H200) for s in DEFAULTS)
+    # above d = 128, and beside d = 64's 128-query step, the det twin's two fp32 staging tiles do not fit: it takes
+    # dq_write 4's one tile instead
     assert all(dispatch.deterministic_twin(s, BUDGET) is not None for s in DEFAULTS)
-    assert {t.head_dim: t.dq_write for t in DET} == {32: 0, 64: 0, 96: 0, 128: 0, 192: 4, 256: 4}
+    assert {t.head_dim: t.dq_write for t in DET} == {32: 0, 64: 4, 96: 0, 128: 0, 192: 4, 256: 4}
     assert len(DET) == 6 * 2 * 2 and all(not t.check(H200) for t in DET)
     d256 = next(s for s in DEFAULTS if s.head_dim == 256)
     assert dispatch.deterministic_twin(d256, bwd90(256, 64, dq_write=4).smem_bytes() - 1) is None
     assert [s for s in families.rule_specs("sm_80", 166912) if s.kind == "bwd_sm90"] == []
     k64 = ProblemKey("bwd_dkdv", "sm_90a", "fp16", 64, False, 2048)
-    assert dispatch.select(k64, "h200", BUDGET, family="bwd_sm90") == bwd90(d=64, st=3, dq_write=2, dtype="fp16")
+    assert dispatch.select(k64, "h200", BUDGET, family="bwd_sm90") == bwd90(d=64, dtype="fp16", bm=128)
     # the dQ writer only for plain keys from DQ_WRITER_FROM's bucket on (dense rows, where it was measured)
     assert dispatch.select(k64.replace(bucket=1024), "h200", BUDGET, family="bwd_sm90").dq_write == 0
     assert dispatch.select(k64.replace(variant="win"), "h200", BUDGET, family="bwd_sm90").dq_write == 0
@@ -669,7 +690,7 @@ def test_torch_deterministic_algorithms_take_the_deterministic_path(monkeypatch)
     torch.use_deterministic_algorithms(True)
     try:
         backward.attention_backward(do, q, q, q, out, lse, False, 0.1)
-        assert launched[1][0] == bwd90(d=64, st=3).replace(det=True)
+        assert launched[1][0] == bwd90(d=64, dq_write=4, bm=128).replace(det=True)
         with pytest.raises(RuntimeError, match="score_mod / mask_mod .* torch.use_deterministic_algorithms"):
             backward.attention_backward(do, q, q, q, out, lse, False, 0.1, mods=object())
         torch.use_deterministic_algorithms(True, warn_only=True)

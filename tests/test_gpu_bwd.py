@@ -269,18 +269,19 @@ def test_det_twin_by_name(d, bn, dq_write, bm, causal):
 @pytest.mark.parametrize("d,n,dtype", [(64, 2100, "bf16"), (64, 4097, "fp16"), (128, 8200, "bf16"), (256, 300, "fp16"),
                                        (256, 1000, "bf16")])
 def test_dq_writer_by_default(d, n, dtype, causal):
-    """Plain keys of d = 64 from 2k, d = 128 from 8k and d = 256 from the first bucket: the rule's kernel has
-    the dQ writer warp (families.bwd_sm90.DQ_WRITER_FROM: dq_write 2, and 4 at d = 256), through
-    flashgen.attention's autograd, within the rule."""
+    """Plain keys of d = 128 from 8k and d = 256 from the first bucket: the rule's kernel has the dQ writer warp
+    (families.bwd_sm90.DQ_WRITER_FROM: dq_write 2, and 4 at d = 256); d = 64 takes 128 queries a step first
+    (WIDE_STEP), its dQ by the consumers; through flashgen.attention's autograd, within the rule."""
     if not is_sm90():
         pytest.skip("bwd_sm90 needs an sm_90a GPU")
     from flashgen.api import backward
-    from flashgen.families.bwd_sm90 import DQ_WRITER_FROM
+    from flashgen.families.bwd_sm90 import DQ_WRITER_FROM, WIDE_STEP
 
     backward.last_specs.clear()
     check(1, 4, 2, n, n, d, dtype, causal)
     spec = backward.last_specs[torch.cuda.current_device()]
-    assert spec.kind == "bwd_sm90" and spec.dq_write == DQ_WRITER_FROM[d][1], spec.name
+    want = (128, WIDE_STEP[d][0][2]) if d in WIDE_STEP else (64, DQ_WRITER_FROM[d][1])
+    assert spec.kind == "bwd_sm90" and (spec.block_m, spec.dq_write) == want, spec.name
 
 
 @pytest.mark.parametrize("causal", [False, True])

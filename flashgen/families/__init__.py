@@ -118,7 +118,7 @@ def rule_specs(arch: str, budget: int) -> list:
                         specs.append(fam.rule(key, budget)[0])
                     except UnsupportedError:  # no tile of the rule fits this budget: nothing to pick
                         continue
-        out += [s for s in specs if s not in out]
+        out += [s for s in dict.fromkeys(specs) if s not in out]  # (keys of one family may share a tile)
     return out
 
 

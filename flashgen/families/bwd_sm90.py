@@ -74,6 +74,12 @@ BWD_SM90_TILES = {
 # d=64 -1 to +5 % (+2 % on average) at N = 2k-16k; d=128 +2-3 % from 8k, -1 to -4 % at 2k. d=256
 # dq_write 4 for every key: fwd+bwd 1.25-1.27x the red.global tile at N = 2k and 8k, causal both (H100).
 DQ_WRITER_FROM = {64: (2048, 2, False), 128: (8192, 2, False), 256: (512, 4, True)}
+# 128 queries a step, first for plain keys (no variant, packed rows or mods: the only keys measured with it),
+# head-dim tile -> (block_n, stages, dq_write): FA3's step at d = 64 (S^T / dP^T of m64n128, half the steps and
+# their fixed costs); fwd+bwd 1.03-1.12x the 64-query rule's kernel on an H100 at N = 2k and 8k, causal both
+# (docs/perf/backward.md). The dQ writer's two staging tiles do not fit beside it (232448 B and 96 B of
+# barriers), so the 64-query tiles with the writer follow it.
+WIDE_STEP = {64: ((128, 2, 0),)}
 
 
 # The det twin's walk where every key block sees every query block (no causal mask, no window): CTA j of
@@ -251,12 +257,19 @@ class Bwd90Family(Family):
                                    f"{sorted(BWD_SM90_TILES)})")
         writer = self.writer_mode(key)
         out = []
+
+        def add(bm, bn, st, dq):
+            knobs = self.complete({"head_dim": key.head_dim, "block_m": bm, "block_n": bn, "stages": st,
+                                   "dq_write": dq})
+            self._fit(out, self.spec(key, **{k: v for k, v in knobs.items() if k != "head_dim"}), budget)
+
+        for bn, st, dq_write in WIDE_STEP.get(key.head_dim, ()) if not key.variant else ():
+            add(128, bn, st, dq_write)
         for bn, st, dq_write in BWD_SM90_TILES[key.head_dim]:
             # the writer's tile first, the rule's own behind it (a budget without room for the writer's staging
             # tiles; mods, which the writer does not take: dispatch.mod_backward_spec)
             for dq in (writer, dq_write) if writer is not None else (dq_write,):
-                knobs = self.complete({"head_dim": key.head_dim, "block_n": bn, "stages": st, "dq_write": dq})
-                self._fit(out, self.spec(key, **{k: v for k, v in knobs.items() if k != "head_dim"}), budget)
+                add(64, bn, st, dq)
         return self._fitting(out, key, budget)
 
     # -- launch ---------------------------------------------------------------
