@@ -180,6 +180,21 @@ def clean_binary(compiled: dict, spec):
     return binary
 
 
+def ptx_of(spec) -> str:
+    """NVRTC's PTX of ``spec`` (compute_<arch>: no ptxas run, a fraction of a cubin's compile time), for checks
+    of which instructions a template's compile-time switches leave in a kernel."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    arch = spec.arch.replace("sm_", "compute_")
+    prog = nvrtc.createProgram(render(spec), f"{spec.name}.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", "--std=c++17"])
+        ptx = nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    return ptx.decode() if isinstance(ptx, bytes) else ptx
+
+
 def disassemblers() -> list:
     """cuobjdump / nvdisasm on PATH or from pip's nvidia-cuda wheels (optional tools)."""
     found = [shutil.which("cuobjdump"), shutil.which("nvdisasm")]

@@ -9,12 +9,13 @@ serialized or a warpgroup.arrive injected).
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 
 from flashgen import KernelSpec, UnsupportedError, dispatch, families, gpus
 from flashgen.problem import ProblemKey
-from build_util import clean_binary, r2ur_before_hgmma, sass_of
+from build_util import clean_binary, ptx_of, r2ur_before_hgmma, sass_of
 
 H200 = gpus.get("h200")
 BUDGET = gpus.ARCH_SMEM_PER_BLOCK["sm_90a"]
@@ -555,6 +556,23 @@ def test_sass_has_hgmma_tma_and_reduce(tmp_path, compiled):
     assert sass.count("HGMMA") >= 32
     for op in ("UTMALDG", "UBLKCP", "UTMAREDG", "USETMAXREG"):
         assert op in sass, op
+
+
+@pytest.mark.parametrize("spec", [bwd90(64, 128, 3 if w in (2, 4, 5) else 2, w) for w in range(6)]
+                         + [bwd90(64, 128, 2, 0).replace(det=True), bwd90(256, 64, 2, 5).replace(det=True)],
+                         ids=lambda s: s.name)
+def test_dq_path_matches_the_family(spec):
+    """The template's dQ path is the one the family's Python sets describe (WRITER_DQ, HALVES_DQ: the fit, the
+    writer's barriers, the host): a staged mode (dq_write 0, 2, 4, 5, and det) adds dQ only by the TMA's bulk
+    reduce, never by a thread's red.global; dq_write 1 and 3 only by red.global.add.v2 / .v4. (dq_write 5 once
+    fell through to the vector adds while its writer waited for staged parts: a hang the CPU tiers missed.)"""
+    ptx = ptx_of(spec.validate())
+    reds = set(re.findall(r"red\.global\.add\.v\d\.f32", ptx))
+    bulk = "cp.reduce.async.bulk" in ptx
+    if spec.dq_write in (1, 3):
+        assert reds == {f"red.global.add.v{2 if spec.dq_write == 1 else 4}.f32"} and not bulk, (reds, bulk)
+    else:
+        assert not reds and bulk, (reds, bulk)
 
 
 def fake_device(monkeypatch):

@@ -216,7 +216,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   // C7519), over a window of the columns that ends at D where its own are fewer; it adds only its own.
   constexpr int DQP = D / 32;
   constexpr int DQ_LO = DQP / NWG * 32, DQ_HI = (DQP + NWG - 1) / NWG * 32;
-  constexpr bool STAGED = DQW == 0 || DQW == 2 || DQW == 4;  // dQ through a shared-memory tile and the TMA's adds
+  constexpr bool STAGED = DQW == 0 || DQW == 2 || DQW == 4 || DQW == 5;  // dQ through a shared-memory tile and the TMA's adds
   constexpr bool HALVES = DQW == 4 || DQW == 5;  // one staging tile of DQ_HI columns, the warpgroups in turn
   constexpr bool PANELED = DQW == 5;     // ... freed panel by panel
   constexpr int SE_PER = PANELED ? DQ_HI / 32 : 1;  // empty barriers per warpgroup's turn (one per panel)
