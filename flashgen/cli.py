@@ -223,7 +223,9 @@ def cmd_show(args) -> int:
 
 def _show(sources, gpu) -> None:
     """Print each table of ``sources`` ((origin, Table)); with ``gpu``, mark the entry dispatch uses for
-    a key ('user' / 'shipped') and the one it passes over ('shadowed')."""
+    a key ('user' / 'shipped'), the one it passes over ('shadowed'), and one that only confirmed the
+    default rule of its day where the rule has moved since ('rule': dispatch.superseded_by; a line under
+    it names the rule's pick)."""
     for origin, table in sources:
         m = table.meta
         print(f"# {origin}: {table.path}\n#   gpu {m['gpu']} ({m.get('device_name', '')}), {m['arch']}, "
@@ -238,10 +240,13 @@ def _show(sources, gpu) -> None:
         for key in sorted(table.entries, key=lambda k: (k.kind, k.dtype, k.head_dim, k.causal, k.bucket)):
             e = table.entries[key]
             used = origin if gpu is None or tables.lookup_entry(gpu, key)[1] is e else "shadowed"
+            rule = dispatch.superseded_by(key, e, m["smem_per_block"]) if used == origin and gpu else None
             gain = f"{e['speedup']:.2f}x" if e.get("speedup") else "-"
             tf = f"{e['tflops']:.0f}" if e.get("tflops") else "-"
             print(f"{space.key_name(key):42s} {e['spec'].name:44s} {e['time_ms']:8.3f} {tf:>8s} {gain:>6s} "
-                  f"{used:>8s}")
+                  f"{'rule' if rule else used:>8s}")
+            if rule:
+                print(f"{'':42s}   the default rule of its day, since moved: {rule.name} serves")
 
 
 def main(argv=None) -> int:

@@ -3,7 +3,8 @@
 Order of lookup: the user's tuned table (``$FLASHGEN_HOME/configs/<gpu>.yaml``),
 the table shipped in ``flashgen/generated/<gpu>.yaml`` (both through
 ``flashgen.tables``), then the default rule of the key's family
-(``flashgen.families``). Decisions are cached per key, so a call costs one dict
+(``flashgen.families``). A table entry that only confirmed the default rule of its
+day gives way to the rule once the rule picks another tile (``superseded_by``). Decisions are cached per key, so a call costs one dict
 access after the first. Dispatch never imports Optuna.
 """
 from __future__ import annotations
@@ -50,12 +51,12 @@ def select(key: ProblemKey, gpu: str | None, smem_budget: int, verify: bool = Fa
                                f"(families there: {', '.join(families.serving(key.kind, key.arch)) or 'none'})")
     check = resource_problems if verify else None
     if gpu is not None:
-        spec = tables.lookup(gpu, key)
+        spec = _tuned(gpu, key, smem_budget)
         if spec is None and key.variant:
             # A variant the table has no entry for runs on the tile tuned for its plain problem, where
             # the variant takes that tile (FP8 takes none of bf16's 192-row or lean-softmax tiles);
             # otherwise the default rule, which knows the variant's tiles.
-            plain = tables.lookup(gpu, key.replace(variant=""))
+            plain = _tuned(gpu, key.replace(variant=""), smem_budget)
             try:
                 spec = plain.with_tokens(key.variant).validate() if plain is not None else None
             except (TypeError, ValueError):
@@ -73,6 +74,31 @@ def select(key: ProblemKey, gpu: str | None, smem_budget: int, verify: bool = Fa
                              "default rule", gpu, spec.name, "; ".join(problems))
     rule_args = {} if regime is None else {"regime": regime}
     return families.default_spec(key, smem_budget, check=check, family=family, **rule_args)
+
+
+def _tuned(gpu: str, key: ProblemKey, smem_budget: int) -> KernelSpec | None:
+    """The tuned tables' spec for ``key``, None where they have none or theirs is superseded (``superseded_by``)."""
+    hit = tables.lookup_entry(gpu, key)
+    return hit[1]["spec"] if hit is not None and superseded_by(key, hit[1], smem_budget) is None else None
+
+
+def superseded_by(key: ProblemKey, entry: dict, smem_budget: int) -> KernelSpec | None:
+    """The default rule's pick where a tuned ``entry`` for ``key`` only confirmed the rule of its day, else
+    None: the key's baseline is the default rule (``tables.rule_baselined``: the backward's keys, FP8
+    forwards), the tuner's winner was that baseline, and the rule picks another tile now, one the entry
+    does not record as beaten (not among its runners-up). Such an entry says that the old rule was the
+    best of the space searched then; the rule moved since on a measurement against it, so the rule of
+    now serves until a re-tune decides. (The shipped H200 table's backward keys were tuned before the dQ
+    writer and the 128-query step existed: 13 of its 16 entries are the rule of then.)"""
+    if not tables.rule_baselined(key) or entry.get("baseline") is None or entry["baseline"]["spec"] != entry["spec"]:
+        return None
+    try:
+        rule = families.default_spec(key, smem_budget)
+    except UnsupportedError:
+        return None
+    if rule == entry["spec"] or rule in {r["spec"] for r in entry.get("runners_up", ())}:
+        return None
+    return rule
 
 
 def mod_spec(key: ProblemKey, gpu: str | None, smem_budget: int, token: int, verify: bool = False,

@@ -646,6 +646,16 @@ def tables(gpu: str) -> list:
         return found
 
 
+# The problem kinds of the backward's tuned keys (the tuner's BWD_KEY_MODES).
+BACKWARD_KEY_KINDS = ("bwd_dkdv", "bwd_dkdv_nodq", "bwd_dq")
+
+
+def rule_baselined(key) -> bool:
+    """Whether ``key``'s entries record dispatch's default rule as their baseline: a backward key, or an FP8
+    forward key (the paper's tile is fwd_v2's, which takes no FP8 inputs); other keys record the paper rule."""
+    return key.kind in BACKWARD_KEY_KINDS or variants.key_flags(key.variant)["fp8"]
+
+
 def ranked(gpu: str, key) -> list:
     """[(origin, entry)] of every table that has ``key``, the one dispatch uses first: measured
     entries before model-ranked ones (unless ``FLASHGEN_PREFER_MODEL``), then the user's table before

@@ -143,7 +143,7 @@ def test_a_tuned_entry_that_spills_here_falls_back_to_the_rule(monkeypatch, capl
                        block_n=64, warps=4, stages=2, refill=2, causal=True)
     rule = families.default_spec(key, H200_SMEM)
     assert rule != tuned
-    monkeypatch.setattr(tables, "lookup", lambda gpu, k: tuned if k == key else None)
+    monkeypatch.setattr(tables, "lookup_entry", lambda gpu, k: ("user", {"spec": tuned}) if k == key else None)
     monkeypatch.setattr(dispatch, "resource_problems", lambda s: ["spills: 32 B stored"] if s == tuned else [])
     with caplog.at_level(logging.WARNING, logger="flashgen"):
         assert dispatch.select(key, "h200", H200_SMEM, verify=True) == rule
@@ -152,3 +152,47 @@ def test_a_tuned_entry_that_spills_here_falls_back_to_the_rule(monkeypatch, capl
     monkeypatch.setattr(dispatch, "resource_problems", lambda s: [])
     dispatch.clear()
     assert dispatch.select(key, "h200", H200_SMEM, verify=True) == tuned  # a clean entry is used as tuned
+
+
+def _entry(spec, baseline, runners=()):
+    return {"spec": spec, "baseline": {"spec": baseline, "time_ms": 1.0}, "runners_up": [{"spec": r, "time_ms": 1.1}
+                                                                                        for r in runners]}
+
+
+def test_an_entry_that_only_confirmed_an_old_rule_gives_way_to_the_rule(monkeypatch):
+    """A backward key's entry whose winner was its baseline (the default rule of its day) serves until the
+    rule moves; then the rule serves, for the key and for its variants (which take the plain key's tile),
+    unless the entry recorded the new pick as beaten. An entry that beat its baseline stays, and so does a
+    forward key's, whose baseline is the paper rule."""
+    from flashgen import tables
+
+    key = ProblemKey("bwd_dkdv", "sm_90a", "bf16", 64, False, 8192)
+    rule = families.default_spec(key, H200_SMEM)
+    old = rule.replace(block_m=64, stages=3, dq_write=0).validate()  # the rule before the 128-query step
+    assert old != rule
+    entries = {key: _entry(old, old)}
+    monkeypatch.setattr(tables, "lookup_entry", lambda gpu, k: ("shipped", entries[k]) if k in entries else None)
+    assert dispatch.superseded_by(key, entries[key], H200_SMEM) == rule
+    assert dispatch.select(key, "h200", H200_SMEM) == rule
+    win = key.replace(variant="win")
+    assert dispatch.select(win, "h200", H200_SMEM) == families.default_spec(win, H200_SMEM)
+    for entry in (_entry(rule, rule), _entry(old, old, runners=[rule]), _entry(old, old.replace(stages=2))):
+        entries[key] = entry
+        dispatch.clear()
+        assert dispatch.superseded_by(key, entry, H200_SMEM) is None
+        assert dispatch.select(key, "h200", H200_SMEM) == entry["spec"]
+    fwd = ProblemKey("fwd", "sm_90a", "bf16", 128, False, 2048)
+    paper = KernelSpec(kind="fwd_v2", arch="sm_90a", dtype="bf16", head_dim=128, block_m=128, block_n=64, warps=4,
+                       stages=2, refill=2)
+    assert families.default_spec(fwd, H200_SMEM) != paper
+    assert dispatch.superseded_by(fwd, _entry(paper, paper), H200_SMEM) is None
+
+
+def test_backward_key_kinds_are_the_tuners():
+    from flashgen import tables
+    from flashgen.tuner import space
+
+    assert tables.BACKWARD_KEY_KINDS == tuple(space.BWD_KEY_MODES)
+    assert space.baseline_label(ProblemKey("bwd_dq", "sm_80", "bf16", 64, False, 2048)) == "default-rule"
+    assert space.baseline_label(ProblemKey("fwd", "sm_90a", "bf16", 64, False, 2048, "fp8")) == "default-rule"
+    assert space.baseline_label(ProblemKey("fwd", "sm_90a", "bf16", 64, False, 2048)) == "paper-rule"

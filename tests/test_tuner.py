@@ -553,6 +553,25 @@ def test_show_without_tables(capsys, shipped_dir):
     os.environ.pop("FLASHGEN_GPU", None)
 
 
+def test_show_marks_an_entry_the_rule_has_moved_past(capsys, shipped_dir):
+    """A shipped backward entry that was its own baseline (the default rule of its day) is listed as 'rule'
+    with the pick that serves now; dispatch takes that pick (dispatch.superseded_by)."""
+    from flashgen.cli import main
+
+    key = ProblemKey("bwd_dkdv", "sm_90a", "bf16", 64, False, 4096)
+    rule = families.default_spec(key, H200.smem_per_block)
+    old = rule.replace(block_m=64, stages=3, dq_write=0).validate()
+    table = _table(entries=[(key, old, 1.0)])
+    table.entries[key].update(baseline={"spec": old, "time_ms": 1.0}, speedup=1.0)
+    tables.save(table, shipped_dir / "h200.yaml")
+    dispatch.clear()
+    assert main(["show", "--gpu", "h200"]) == 0
+    line, note = [x for x in capsys.readouterr().out.splitlines() if old.name in x or rule.name in x]
+    assert line.split()[-1] == "rule" and rule.name in note
+    assert dispatch.select(key, "h200", H200.smem_per_block) == rule
+    os.environ.pop("FLASHGEN_GPU", None)
+
+
 # -- one forward key, two families (fwd_v2 everywhere, fwd_sm90 on sm_90a) ---------------
 def _sm90(key, bm=128, bn=128, st=2, ws=True, pp=False, ov=False):
     return space.make_spec(key, "fwd_sm90", block_m=bm, block_n=bn, stages=st, warp_specialized=ws, pingpong=pp,

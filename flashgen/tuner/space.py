@@ -36,7 +36,7 @@ import itertools
 import random
 
 from .. import families as registry
-from .. import iomodel, mods, variants
+from .. import iomodel, mods, tables, variants
 from ..errors import UnsupportedError
 from ..families import bwd
 from ..problem import BUCKETS, ProblemKey, bwd_head_dim_tile, head_dim_tile
@@ -236,7 +236,7 @@ def baseline(key: ProblemKey, profile) -> KernelSpec | None:
     has no backward tile rule; the default is what runs without a table). None where the
     default rule has no tile that fits the budget (e.g. bwd_dkdv at d=128 in an L4's 99 KB):
     ``candidates`` then puts its first feasible spec in that place."""
-    if _default_baseline(key):
+    if tables.rule_baselined(key):
         try:
             return registry.default_spec(key, profile.smem_per_block)
         except UnsupportedError:
@@ -244,14 +244,8 @@ def baseline(key: ProblemKey, profile) -> KernelSpec | None:
     return paper_baseline(key, profile)
 
 
-def _default_baseline(key: ProblemKey) -> bool:
-    """A backward key, or an FP8 forward key (the paper's tile is fwd_v2's, which takes no FP8 inputs):
-    its gain is reported against dispatch's default rule."""
-    return is_backward(key.kind) or variants.key_flags(key.variant)["fp8"]
-
-
 def baseline_label(key: ProblemKey) -> str:
-    return "default-rule" if _default_baseline(key) else "paper-rule"
+    return "default-rule" if tables.rule_baselined(key) else "paper-rule"
 
 
 def parse_restrict(items, kinds) -> dict:
