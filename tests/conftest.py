@@ -13,7 +13,8 @@ the other tests run (``build_util.CompileSession``).
 Options: ``--update-golden`` rewrites the golden sources of tests/test_render.py instead of comparing
 them (after an intended template change); ``--no-precompile`` makes the GPU test modules skip their
 parallel precompile step; ``--failure-log FILE`` appends each failure's report to FILE as it happens;
-``--compile-tier-home DIR`` keeps the compile tier's binaries in DIR across
+``--test-timeout S`` ends the run when one test takes longer than S seconds (a hung kernel), naming it in
+the failure log; ``--compile-tier-home DIR`` keeps the compile tier's binaries in DIR across
 runs (a kernel whose source, options or compiler changed compiles again). Nothing GPU-specific is
 registered here: GPU tests (tests/test_gpu_*.py) mark themselves with ``pytest.mark.gpu`` and skip
 themselves without CUDA.
@@ -21,6 +22,7 @@ themselves without CUDA.
 from __future__ import annotations
 
 import itertools
+import os
 import re
 
 import pytest
@@ -34,6 +36,11 @@ def pytest_addoption(parser):
     parser.addoption("--failure-log", metavar="FILE", default=None,
                      help="append each failure's report to FILE as it happens (a run stopped by a time limit "
                           "keeps what failed before the stop; pytest prints its reports only at the end)")
+    parser.addoption("--test-timeout", metavar="SECONDS", type=float, default=None,
+                     help="end the run when one test takes longer (a kernel that hangs the GPU leaves nothing to "
+                          "go on with); with --failure-log the test's id and the Python stacks are that log's "
+                          "last entry, so a time-limited device call learns which test hung and keeps its "
+                          "remaining time")
     parser.addoption("--compile-tier-home", metavar="DIR", default=None,
                      help="the compile tier's FLASHGEN_HOME, kept across runs (default: a new one per run); "
                           "its binary cache is keyed by source, options, arch and versions, so only changed "
@@ -44,15 +51,65 @@ def pytest_runtest_logreport(report):
     """``--failure-log FILE``: each failed phase's report appended to FILE at once."""
     path = _failure_log[0]
     if path and report.failed:
+        _take_back(path, _running_mark(report.nodeid))  # (--test-timeout's line: the report names the test)
         with open(path, "a", encoding="utf-8") as f:
             f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n\n")
 
 
 _failure_log: list = [None]
+_test_timeout: list = [None]
 
 
 def pytest_configure(config):
     _failure_log[0] = config.getoption("--failure-log")
+    _test_timeout[0] = config.getoption("--test-timeout")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """``--test-timeout S``: a watchdog over each test (setup, call, teardown); past S seconds the process
+    dumps every thread's stack and exits (faulthandler: no Python code runs in a thread stuck in a CUDA
+    call). With ``--failure-log`` the test's id is written there beforehand (taken back when it ends in
+    time) and the stacks follow it; without, the stacks go to stderr (captured unless ``-s``)."""
+    timeout = _test_timeout[0]
+    if not timeout:
+        yield
+        return
+    import faulthandler
+    import sys
+
+    path, mark = _failure_log[0], _running_mark(item.nodeid)
+    log = None
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(mark)
+        log = open(path, "a", encoding="utf-8")  # noqa: SIM115 -- the watchdog writes the stacks here
+    faulthandler.dump_traceback_later(timeout, exit=True, file=log or sys.stderr)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        if log is not None:
+            log.close()
+            _take_back(path, mark)
+
+
+def _running_mark(nodeid: str) -> str:
+    return f"==== {nodeid} (running: ended by --test-timeout if stacks follow)\n"
+
+
+def _take_back(path: str, mark: str) -> None:
+    """Remove ``mark`` (the running test's line) from the end of the failure log, if it is there."""
+    tail = mark.encode()
+    if not os.path.exists(path):
+        return
+    with open(path, "rb+") as f:
+        f.seek(0, 2)
+        size = f.tell()
+        if size >= len(tail):
+            f.seek(size - len(tail))
+            if f.read() == tail:
+                f.truncate(size - len(tail))
 
 
 @pytest.fixture
