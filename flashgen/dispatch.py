@@ -4,8 +4,9 @@ Order of lookup: the user's tuned table (``$FLASHGEN_HOME/configs/<gpu>.yaml``),
 the table shipped in ``flashgen/generated/<gpu>.yaml`` (both through
 ``flashgen.tables``), then the default rule of the key's family
 (``flashgen.families``). A table entry that only confirmed the default rule of its
-day gives way to the rule once the rule picks another tile (``superseded_by``). Decisions are cached per key, so a call costs one dict
-access after the first. Dispatch never imports Optuna.
+day gives way to the rule once the rule picks another tile (``superseded_by``).
+Decisions are cached per key, so a call costs one dict access after the first.
+Dispatch never imports Optuna.
 """
 from __future__ import annotations
 
