@@ -19,7 +19,9 @@
 # Environment: OUT (default ./bench-results/device), FLASHGEN_COMMIT (the commit to record: a device
 # copy has no .git), FLASHGEN_HOME (default: a fresh temporary folder, so every kernel is compiled by
 # this host's NVRTC), TIMEOUT (seconds per step, default per step below), TIMEOUT_<STEP> (one step,
-# e.g. TIMEOUT_FWD=300). Carried wheels in .whl/ are installed into /tmp/site first.
+# e.g. TIMEOUT_FWD=300), TEST_TIMEOUT (seconds one GPU test's call may take before the tests step ends with
+# its name and stacks in failures.txt, default 120: a hung kernel then costs that, not the step's limit).
+# Carried wheels in .whl/ are installed into /tmp/site first.
 set -o pipefail
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$PWD
@@ -95,7 +97,7 @@ for spec in "$@"; do
     targets=("${words[@]:1}")
     [ ${#targets[@]} -eq 0 ] && targets=(tests/)
     timeout -k 10 "$limit" python3 -m pytest -q -m gpu "${targets[@]}" --junitxml="$dir/junit.xml" \
-      --failure-log="$dir/failures.txt" > "$dir/pytest.log" 2>&1
+      --failure-log="$dir/failures.txt" --test-timeout="${TEST_TIMEOUT:-120}" > "$dir/pytest.log" 2>&1
     rc=$?
     last=$(grep -E "passed|failed|error|skipped|no tests ran" "$dir/pytest.log" | tail -1)
   else

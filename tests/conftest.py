@@ -13,8 +13,8 @@ the other tests run (``build_util.CompileSession``).
 Options: ``--update-golden`` rewrites the golden sources of tests/test_render.py instead of comparing
 them (after an intended template change); ``--no-precompile`` makes the GPU test modules skip their
 parallel precompile step; ``--failure-log FILE`` appends each failure's report to FILE as it happens;
-``--test-timeout S`` ends the run when one test takes longer than S seconds (a hung kernel), naming it in
-the failure log; ``--compile-tier-home DIR`` keeps the compile tier's binaries in DIR across
+``--test-timeout S`` ends the run when one test's call takes longer than S seconds (a hung kernel),
+naming it in the failure log; ``--compile-tier-home DIR`` keeps the compile tier's binaries in DIR across
 runs (a kernel whose source, options or compiler changed compiles again). Nothing GPU-specific is
 registered here: GPU tests (tests/test_gpu_*.py) mark themselves with ``pytest.mark.gpu`` and skip
 themselves without CUDA.
@@ -37,7 +37,7 @@ def pytest_addoption(parser):
                      help="append each failure's report to FILE as it happens (a run stopped by a time limit "
                           "keeps what failed before the stop; pytest prints its reports only at the end)")
     parser.addoption("--test-timeout", metavar="SECONDS", type=float, default=None,
-                     help="end the run when one test takes longer (a kernel that hangs the GPU leaves nothing to "
+                     help="end the run when one test's call takes longer (a kernel that hangs the GPU leaves nothing to "
                           "go on with); with --failure-log the test's id and the Python stacks are that log's "
                           "last entry, so a time-limited device call learns which test hung and keeps its "
                           "remaining time")
@@ -66,8 +66,9 @@ def pytest_configure(config):
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    """``--test-timeout S``: a watchdog over each test (setup, call, teardown); past S seconds the process
+def pytest_runtest_call(item):
+    """``--test-timeout S``: a watchdog over each test's call (not its setup, where a GPU module's precompile
+    step may take minutes for all of its tests); past S seconds the process
     dumps every thread's stack and exits (faulthandler: no Python code runs in a thread stuck in a CUDA
     call). With ``--failure-log`` the test's id is written there beforehand (taken back when it ends in
     time) and the stacks follow it; without, the stacks go to stderr (captured unless ``-s``)."""
