@@ -196,3 +196,21 @@ def test_backward_key_kinds_are_the_tuners():
     assert space.baseline_label(ProblemKey("bwd_dq", "sm_80", "bf16", 64, False, 2048)) == "default-rule"
     assert space.baseline_label(ProblemKey("fwd", "sm_90a", "bf16", 64, False, 2048, "fp8")) == "default-rule"
     assert space.baseline_label(ProblemKey("fwd", "sm_90a", "bf16", 64, False, 2048)) == "paper-rule"
+
+
+def test_a_variant_does_not_ride_on_a_tuned_128_query_tile(monkeypatch):
+    """128 queries a step serves plain backward keys only (bwd_sm90 refuses it with a variant or mods): a
+    variant key whose plain key has a tuned 128-query entry takes the default rule's tile instead."""
+    from flashgen import tables
+
+    key = ProblemKey("bwd_dkdv", "sm_90a", "bf16", 64, True, 4096)
+    wide = families.default_spec(key, H200_SMEM)
+    assert wide.block_m == 128
+    monkeypatch.setattr(tables, "lookup_entry", lambda gpu, k: ("user", {"spec": wide}) if k == key else None)
+    assert dispatch.select(key, "h200", H200_SMEM) == wide
+    for variant in ("win", "cap", "alibi", "sink", "vl"):
+        with pytest.raises(ValueError, match="plain keys only"):
+            wide.with_tokens(variant).validate()
+        vkey = key.replace(variant=variant)
+        picked = dispatch.select(vkey, "h200", H200_SMEM)
+        assert picked == families.default_spec(vkey, H200_SMEM) and picked.block_m == 64, picked.name

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 
-from .. import tma
+from .. import tma, variants
 from ..errors import UnsupportedError
 from ..problem import ProblemKey, bwd_head_dim_tile
 from .base import (F32, I32, MOD_PARAMS, PTR, TMAP, VARIANT_PARAMS, VARLEN_PARAMS, Family, aligned_struct, check_mod,
@@ -139,6 +139,9 @@ class Bwd90Family(Family):
             raise ValueError(f"{self.kind}: dq_write 5 frees the staging tile panel by panel, for dQ's columns split "
                              f"evenly over the warpgroups (head_dim={spec.head_dim}, block_n={spec.block_n}: "
                              f"{self.dq_cols(spec)})")
+        if spec.block_m == 128 and (variants.spec_key(spec) or spec.mod):
+            raise ValueError(f"{self.kind}: block_m=128 serves plain keys only (a window, softcap, ALiBi, sinks, packed "
+                             f"rows or mods over 128-query blocks have not run on a GPU); got {spec.name}")
         want = 4 * (self.consumers(spec) + 1)
         if spec.warps != want:
             raise ValueError(f"{self.kind}: block_n={spec.block_n} means {self.consumers(spec)} consumer "
