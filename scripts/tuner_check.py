@@ -1,15 +1,17 @@
-"""The tuner's GPU checks in one command (an H200; at most 4 minutes: each step has its own time limit):
+"""The tuner's GPU checks in one command (an H200; at most 7 minutes: each step has its own time limit):
 
     python3 scripts/tuner_check.py [OUT]        (default OUT: ./bench-results/tuner-check)
 
 1. ``validate`` (100 s): ``flashgen tune --gpu h200 --d 64,128 --seqlens 1024,4096 --causal both
    --validate-model --trials 16``: the cost model's pick against the measured best on 8 forward keys
    (regret, Spearman); OUT/validate/validation.json, OUT/validate.log.
-2. ``record`` (80 s): the attention calls of a Llama-shaped layer with random inputs (GQA 32/8 heads,
-   d 128, 1999 tokens: a prefill, 16 decode steps over a 4096-token cache, a training step) under
-   ``flashgen.record``; then ``flashgen tune --from`` the shapes file (in this process, a narrowed space so
-   it is exhaustive and precompiled), and each tuned key timed at its recorded shape with the spec it ran
-   before against the one it runs now (interleaved rounds); OUT/record/record.json.
+2. ``record`` (240 s): a random-weight Llama-architecture model (transformers, ``attn_implementation="fgen"``;
+   ``MODEL``: 4 layers, GQA 16/4 heads of d 64) generating 16 tokens past a 1999-token prompt and taking
+   a training step on 2 x 4096 tokens, under ``flashgen.record``; then ``flashgen tune --from`` the shapes
+   file (in this process, the space ``SPACE``, small enough that every candidate is measured), each tuned
+   key timed at its recorded shape with the spec it ran before against the one it runs now, and the
+   model's two phases untuned against tuned (interleaved rounds: the user's table moved aside and back);
+   OUT/record/record.json.
 3. ``autotune`` (40 s + 20 s): a process with ``FLASHGEN_AUTOTUNE=1`` (budget 15 s) makes the first call of a
    key no table has (d 96, GQA 16/4, 3001 tokens): its time, the stored entry, the output against the fp32
    reference; a second process: its first call of that key (no search: read from the table), and the
@@ -34,10 +36,16 @@ sys.path.insert(0, ROOT)
 GPU = "h200"
 VALIDATE = ["--gpu", GPU, "--d", "64,128", "--seqlens", "1024,4096", "--causal", "both", "--validate-model",
             "--trials", "16"]
-# tune --from: a narrowed space (26 forward and 14 backward candidates at d 128), every one measured.
-SPACE = ["warp_specialized=true", "early_k_release=false", "lean_softmax=true", "fma_exp2=0", "persistent=false",
-         "refill=0", "softmax_overlap=true", "pingpong=false", "stages=3"]
-LAYER = dict(batch=2, heads=32, heads_kv=8, seqlen=1999, d=128, cache=4096, decode_steps=16)
+# tune --from: the forward's tiles, stages and the persistent kernel searched (the softmax flags held at
+# the shipped winners' most common values), so every candidate is measured: about 50 forward and 33
+# backward candidates per key at d 64.
+SPACE = ["block_m=64,128,192", "block_n=64,96,128", "stages=2,3", "early_k_release=false", "lean_softmax=true",
+         "fma_exp2=0", "softmax_overlap=true", "pingpong=false", "refill=0", "warps=4"]
+# Step 2's model: Llama architecture, random weights, GQA 16/4 heads of d 64; one 1999-token prompt
+# generating 16 tokens, and a training step on 2 rows of 4096 tokens (shapes far from the tables'
+# benchmark convention of hidden 2048 and 16k tokens per call).
+MODEL = dict(layers=4, hidden=1024, heads=16, kv_heads=4, intermediate=2816, vocab=32000, prompt=1999,
+             new_tokens=16, train_rows=2, train_seqlen=4096)
 NEW_KEY = dict(batch=2, heads=16, heads_kv=4, seqlen=3001, d=96)
 BUDGET_S = 15
 
@@ -61,52 +69,96 @@ def _interleaved(fns: dict, rounds: int = 5) -> dict:
 
 
 # -- step 2 ------------------------------------------------------------------------------------------
+def _model():
+    """The random-weight Llama-architecture model of step 2 (transformers, ``attn_implementation="fgen"``)."""
+    import torch
+    import transformers
+
+    from flashgen.integrations import transformers as hf
+
+    m = MODEL
+    cfg = transformers.LlamaConfig(hidden_size=m["hidden"], intermediate_size=m["intermediate"],
+                                   num_hidden_layers=m["layers"], num_attention_heads=m["heads"],
+                                   num_key_value_heads=m["kv_heads"], vocab_size=m["vocab"],
+                                   max_position_embeddings=max(m["prompt"] + m["new_tokens"], m["train_seqlen"]),
+                                   tie_word_embeddings=False, attention_dropout=0.0)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16,
+                                                             attn_implementation=hf.register())
+
+
+def _phases(model):
+    """{phase: a call}: one prompt generated ``new_tokens`` greedy tokens past (its prefill, then decode
+    steps), and one training step (forward with labels, ``loss.backward()``)."""
+    import torch
+
+    m = MODEL
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    prompt = torch.randint(1, m["vocab"], (1, m["prompt"]), device="cuda", generator=gen)
+    rows = torch.randint(1, m["vocab"], (m["train_rows"], m["train_seqlen"]), device="cuda", generator=gen)
+
+    def generate():
+        model.eval()
+        with torch.no_grad():
+            model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=m["new_tokens"],
+                           min_new_tokens=m["new_tokens"], do_sample=False, pad_token_id=0)
+
+    def train():
+        model.train()
+        model(rows, labels=rows).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return {"generate": generate, "train": train}
+
+
+def _table_switch(path):
+    """A function that makes dispatch read the user's table at ``path`` (True) or run without it (False),
+    by moving the file aside: the model's untuned and tuned runs in the same interleaved rounds."""
+    from flashgen import dispatch
+
+    aside = str(path) + ".aside"
+
+    def use(tuned: bool):
+        src, dst = (aside, path) if tuned else (path, aside)
+        if os.path.exists(src):
+            os.replace(src, dst)
+        dispatch.clear()
+    return use
+
+
 def step_record(out: str) -> int:
     import torch
 
     import flashgen
-    from flashgen import dispatch, shapes
+    from flashgen import dispatch, gpus, shapes, tables
     from flashgen.api import attention_backward
     from flashgen.api.device import Device
     from flashgen.cli import main
     from flashgen.tuner import space
+    from flashgen.tuner.run import recorded_keys
 
-    torch.manual_seed(0)
-    L, dt = LAYER, torch.bfloat16
-    b, h, hk, n, d = L["batch"], L["heads"], L["heads_kv"], L["seqlen"], L["d"]
-
-    def qkv():
-        return (torch.randn(b, h, n, d, device="cuda", dtype=dt),
-                *(torch.randn(b, hk, n, d, device="cuda", dtype=dt) for _ in range(2)))
-
-    def layer_calls():
-        q, k, v = qkv()
-        flashgen.attention(q, k, v, causal=True)  # prefill
-        kc, vc = (torch.randn(b, L["cache"], hk, d, device="cuda", dtype=dt) for _ in range(2))
-        lengths = torch.full((b,), n, dtype=torch.int32, device="cuda")
-        for _ in range(L["decode_steps"]):
-            flashgen.decode(torch.randn(b, 1, h, d, device="cuda", dtype=dt), kc, vc, lengths)
-        q, k, v = (t.requires_grad_() for t in qkv())  # a training step
-        flashgen.attention(q, k, v, causal=True).float().square().mean().backward()
-        torch.cuda.synchronize()
-
+    dt = torch.bfloat16
+    model = _model()
+    phases = _phases(model)
     path = os.path.join(out, "shapes.yaml")
     t0 = time.monotonic()
     with flashgen.record(path):
-        layer_calls()
+        for call in phases.values():
+            call()
+        torch.cuda.synchronize()
     recorded = shapes.by_key(shapes.load(path))
     dev = Device.of(0)
     tuned_kinds = [k for k in recorded if k.kind in space.TUNED_PROBLEMS and not (space.is_backward(k.kind)
                                                                                   and k.variant)]
     before = {k: dispatch.select(k, dev.gpu, dev.smem_budget, verify=True) for k in tuned_kinds}
-    from flashgen import gpus
-    from flashgen.tuner.run import recorded_keys
-
-    doc = {"recorded": {space.key_name(k): {"shape": s, "calls": c} for k, (s, c) in recorded.items()},
+    doc = {"model": {**MODEL, "head_dim": MODEL["hidden"] // MODEL["heads"],
+                     "parameters": sum(p.numel() for p in model.parameters())},
+           "recorded": {space.key_name(k): {"shape": s, "calls": c} for k, (s, c) in recorded.items()},
            "record_s": time.monotonic() - t0,
            "not_tuned": recorded_keys(path, gpus.get(GPU))[2]}  # what tune --from prints even with --quiet
     t1 = time.monotonic()
-    code = main(["tune", "--gpu", GPU, "--from", path, "--trials", "60", "--space", *SPACE, "--quiet"])
+    code = main(["tune", "--gpu", GPU, "--from", path, "--trials", "80", "--space", *SPACE, "--quiet"])
     doc.update({"tune_exit": code, "tune_s": time.monotonic() - t1, "keys": []})
     dispatch.clear()
     for key in tuned_kinds:
@@ -126,9 +178,26 @@ def step_record(out: str) -> int:
             def run(spec, key=key, q=q, k=k, v=v):
                 return flashgen.attention(q, k, v, causal=key.causal, spec=spec)
         ms = _interleaved({"before": lambda: run(before[key]), "after": lambda: run(after)})
-        doc["keys"].append({"key": space.key_name(key), "shape": recorded[key][0], "before": before[key].name,
-                            "after": after.name, "before_ms": ms["before"], "after_ms": ms["after"],
-                            "gain": ms["before"] / ms["after"]})
+        doc["keys"].append({"key": space.key_name(key), "shape": recorded[key][0], "calls": recorded[key][1],
+                            "before": before[key].name, "after": after.name, "before_ms": ms["before"],
+                            "after_ms": ms["after"], "gain": ms["before"] / ms["after"]})
+    # The whole model, untuned against tuned, in the same rounds (the table moved aside and back once per
+    # round and state; time_ms's warm-up calls select and load that state's kernels).
+    import statistics
+
+    from flashgen.bench.timing import time_ms
+
+    use = _table_switch(tables.default_path(GPU))
+    times = {(name, state): [] for name in phases for state in ("untuned", "tuned")}
+    for r in range(5):
+        for state in (("untuned", "tuned") if r % 2 == 0 else ("tuned", "untuned")):
+            use(state == "tuned")
+            for name, call in phases.items():
+                times[(name, state)].append(time_ms(call, budget_s=0.5, max_reps=10)["ms"])
+    use(True)
+    doc["model_ms"] = {f"{name} {state}": statistics.median(v) for (name, state), v in times.items()}
+    doc["model_gain"] = {name: statistics.median(times[(name, "untuned")]) / statistics.median(times[(name, "tuned")])
+                         for name in phases}
     _dump(os.path.join(out, "record.json"), doc)
     return 0 if code == 0 else 1
 
@@ -229,6 +298,9 @@ def _figures(out) -> list:
         lines.extend(f"  not tuned: {line}" for line in doc.get("not_tuned", []))
         lines += [f"  {r['key']} {r['shape']}: {r['before']} {r['before_ms']:.3f} ms -> {r['after']} "
                   f"{r['after_ms']:.3f} ms ({r['gain']:.3f}x)" for r in doc["keys"]]
+        lines += [f"  model {name}: {doc['model_ms'][name + ' untuned']:.2f} ms untuned, "
+                  f"{doc['model_ms'][name + ' tuned']:.2f} ms tuned ({gain:.3f}x)"
+                  for name, gain in doc.get("model_gain", {}).items()]
     except (OSError, ValueError, KeyError) as exc:
         lines.append(f"record: no result ({exc})")
     for name in ("first", "again"):
@@ -260,7 +332,7 @@ def main() -> int:
     status = [
         _run("validate", [py, "-m", "flashgen.cli", "tune", *VALIDATE, "--out", os.path.join(out, "validate")],
              env, 100, os.path.join(out, "validate.log")),
-        _run("record", [py, me, "--step", "record", os.path.join(out, "record")], env, 80,
+        _run("record", [py, me, "--step", "record", os.path.join(out, "record")], env, 240,
              os.path.join(out, "record.log")),
         _run("autotune first", [py, me, "--step", "autotune-first", os.path.join(out, "autotune")],
              {**env, "FLASHGEN_AUTOTUNE": "1", "FLASHGEN_AUTOTUNE_BUDGET": str(BUDGET_S)}, 40,
