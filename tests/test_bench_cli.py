@@ -127,6 +127,8 @@ def test_load_refuses_a_non_result(tmp_path):
     (["bench", "variants", "--cands", "fwd_sm90_nope"], "is not a kernel name"),
     (["bench", "variants", "--rounds", "0"], "--rounds"),
     (["bench", "variants", "--cases", "decode", "--decode-reps", "0"], "--decode-reps"),
+    (["bench", "variants", "--cases", "decode", "--decode-batches", "16,0"], "--decode-batches"),
+    (["bench", "variants", "--cases", "decode", "--decode-batches", "x"], "--decode-batches"),
     (["bench", "models", "--heads", "30"], "must divide --hidden"),
     (["bench", "models", "--hidden", "4096", "--heads", "8", "--kv-heads", "8"], "head dim"),
     (["bench", "models", "--rounds", "0"], "--rounds"),
@@ -153,7 +155,7 @@ def test_cli_errors_are_clean(capsys, argv, message):
     ["bench", "host"],
     ["bench", "startup", "--runs", "1"],
     ["bench", "variants", "--cases", "window,sinks"],
-    ["bench", "variants", "--cases", "decode"],
+    ["bench", "variants", "--cases", "decode", "--decode-batches", "16,32"],
     ["bench", "models", "--layers", "2", "--cases", "prefill"],
 ])
 def test_good_options_without_a_gpu(capsys, argv):

@@ -20,7 +20,7 @@ FlexAttention), above 1 meaning flashgen's variant is faster. ``--cands`` adds c
 names, ``c1``, ``c2``, ... in the table) for the variant call, timed where their flags fit the case.
 
 - ``decode`` (the section of that name): ``flashgen.decode`` over a 128k-key cache, bf16, GQA 32/8, one
-  new token, batch 1 and 4: plain, window (4096, 0), one sink per head, softcap 50, ALiBi, and softcap
+  new token, batch 1, 4 and 16 (``--decode-batches``): plain, window (4096, 0), one sink per head, softcap 50, ALiBi, and softcap
   and ALiBi written as score_mods (``softcap_mod``, ``alibi_mod``), all timed in the same interleaved rounds (per round: ``--decode-reps`` calls back to back, replayed from a CUDA graph,
   value checks off; a windowed call reads 8-34 MB, shorter than its own host work, so per-call events
   would time the host). TB/s on the K/V bytes each call reads: the whole cache, or with
@@ -69,7 +69,9 @@ IMPLS = ("flashgen", "flashgen_plain", "flex")
 RATIOS = (("x_plain", "flashgen_plain"), ("x_flex", "flex"))
 
 # The decode cases: (batch sizes, cache length, heads_q, heads_kv) and the variants, timed together.
-DECODE_BATCHES = (1, 4)
+# Batch 16 reads 268 MB through the window (16.8 MB a sequence), the size where plain decode streams
+# at full bandwidth; batches 1 and 4 are launch- and merge-bound (docs/perf/variants.md).
+DECODE_BATCHES = (1, 4, 16)
 DECODE_L, DECODE_HEADS, DECODE_KV_HEADS = 131072, 32, 8
 DECODE_WINDOW = 4096
 DECODE_VARIANTS = (("plain", {}), ("window", {"window": (DECODE_WINDOW, 0)}), ("sinks", {"sinks": "per head"}),
@@ -90,6 +92,9 @@ def add_args(p) -> None:
     p.add_argument("--cands", default="", help="candidate kernels for the variant call: full names, comma-separated")
     p.add_argument("--decode-reps", type=int, default=20,
                    help="decode: calls per variant per round, replayed back to back from a CUDA graph (default 20)")
+    p.add_argument("--decode-batches", default=",".join(map(str, DECODE_BATCHES)),
+                   help="decode: batch sizes, one row each (default %(default)s; the plain call reads a "
+                        f"{DECODE_L // 1024}k-key cache per sequence, {DECODE_L * DECODE_KV_HEADS * 2 * 2 * 128 >> 20} MB at d 128)")
 
 
 def parse(args) -> dict:
@@ -102,7 +107,7 @@ def parse(args) -> dict:
         KernelSpec.from_name(name)  # ValueError (one line, exit 2) for a name that is not a kernel's
     return {"cases": cases, "d": options.head_dims(str(args.d))[0], "impls": options.names(args.impls, IMPLS, "impls"),
             "rounds": int(args.rounds), "budget": float(args.budget), "cands": cands,
-            "decode_reps": int(args.decode_reps)}
+            "decode_reps": int(args.decode_reps), "decode_batches": options.ints(args.decode_batches, "decode-batches")}
 
 
 def _tensors(case: Case, h: int, device):
@@ -190,7 +195,7 @@ def decode_rows(settings, progress) -> list:
     from .. import api
 
     d, rows = settings["d"], []
-    for batch in DECODE_BATCHES:
+    for batch in settings["decode_batches"]:
         gen = torch.Generator(device="cuda").manual_seed(5000 + batch)
         q = torch.randn(batch, 1, DECODE_HEADS, d, device="cuda", dtype=torch.bfloat16, generator=gen)
         k = torch.randn(batch, DECODE_L, DECODE_KV_HEADS, d, device="cuda", dtype=torch.bfloat16, generator=gen)
