@@ -249,8 +249,17 @@ def _show(sources, gpu) -> None:
                 print(f"{'':42s}   the default rule of its day, since moved: {rule.name} serves")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser with one-line errors: a missing or unknown argument prints
+    ``<prog>: error: <what> (<prog> -h shows the usage)`` and exits 2, without the usage block.
+    Subcommands' parsers are of this class too (``add_subparsers`` takes the parent's)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} -h shows the usage)\n")
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="flashgen", description="FlashAttention kernel generator and autotuner")
+    parser = _Parser(prog="flashgen", description="FlashAttention kernel generator and autotuner")
     parser.add_argument("--version", action="version", version=f"flashgen {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("emit", help="print the exact CUDA source that would run")

@@ -33,9 +33,10 @@ def test_help_lists_the_commands(capsys):
 
 
 def test_no_command_is_a_usage_error(capsys):
-    """Without a subcommand argparse exits 2 with a usage line, no traceback."""
+    """Without a subcommand: exit 2, one line that names the missing command and where the usage is."""
     code, _, err = run_main(capsys)
-    assert code == 2 and "usage:" in err and "Traceback" not in err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("flashgen: error: ") and "command" in err and "flashgen -h" in err, err
 
 
 def test_emit_prints_the_source_that_runs(capsys):
@@ -166,13 +167,18 @@ def test_bad_spec_arguments_fail_cleanly(capsys, argv, message):
     (["emit", "--d", "64", "--gpu", "b200"], "invalid choice: 'b200'"),
     (["emit", "--d", "sixty-four"], "invalid int value"),
     (["emit"], "--d"),
+    (["show", "--gpu"], "expected one argument"),
+    (["tune", "--gpu", "h200", "--d", "64", "--no-such-option"], "unrecognized arguments: --no-such-option"),
+    (["bench", "fwd", "--d"], "expected one argument"),
+    (["no-such-command"], "invalid choice: 'no-such-command'"),
 ])
 def test_bad_argument_values_are_usage_errors(capsys, argv, message):
-    """Values argparse can refuse (choices, ints, required) exit 2 with a usage message, no traceback."""
+    """What argparse refuses (choices, ints, required, unknown options) exits 2 with one line naming it and
+    pointing at -h, not the usage block, and no traceback."""
     code, out, err = run_main(capsys, *argv)
     assert code == 2 and out == ""
-    assert "usage:" in err and message in err
-    assert "Traceback" not in err
+    assert err.count("\n") == 1 and message in err and " -h shows the usage" in err, err
+    assert "usage:" not in err and "Traceback" not in err
 
 
 def test_bad_argument_via_subprocess_has_no_traceback():
