@@ -22,7 +22,7 @@ names, ``c1``, ``c2``, ... in the table) for the variant call, timed where their
 - ``decode`` (the section of that name): ``flashgen.decode`` over a 128k-key cache, bf16, GQA 32/8, one
   new token, batch 1, 4 and 16 (``--decode-batches``): plain, window (4096, 0), one sink per head, softcap 50, ALiBi, and softcap
   and ALiBi written as score_mods (``softcap_mod``, ``alibi_mod``), all timed in the same interleaved rounds (per round: ``--decode-reps`` calls back to back, replayed from a CUDA graph,
-  value checks off; a windowed call reads 8-34 MB, shorter than its own host work, so per-call events
+  value checks off; a windowed call at batch 1-4 reads 8-34 MB, shorter than its own host work, so per-call events
   would time the host). TB/s on the K/V bytes each call reads: the whole cache, or with
   the window its 4097 keys per sequence; the window's calls rotate over sequence lengths 4225 keys apart
   (disjoint windows of one cache, at least 256 MB in all) so that L2 does not serve them. Each variant
