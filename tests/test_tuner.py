@@ -887,6 +887,8 @@ def test_bwd_problem_keys_follow_the_dq_mode():
     keys = space.problem_keys("bwd_dq", "sm_80", ["fp16"], [56], [False, True], [512, 1024])
     assert {(k.kind, k.head_dim, k.dtype) for k in keys} == {("bwd_dq", 64, "fp16")} and len(keys) == 4
     assert all(space.is_backward(k) for k in space.BWD_KEY_MODES) and not space.is_backward("fwd")
+    # the tables' list of backward key kinds (which keys record the default rule as their baseline) is the tuner's
+    assert set(tables.BACKWARD_KEY_KINDS) == set(space.BWD_KEY_MODES)
     assert space.problem_shape(BWD_KEY) == (4, 16, 4096, 128)  # hidden 2048, 16k tokens, as the forward
     assert space.key_flops(BWD_KEY) == 2.5 * space.key_flops(ProblemKey("fwd", *list(vars(BWD_KEY).values())[1:]))
 
