@@ -3,7 +3,8 @@
 The reference is the fp32 attention of the dequantized inputs (``x8 * descale``); the rule: the kernel's
 max error at most 2x that of the same reference with P rounded to e4m3 before P V (``reference``'s
 ``p_fp8``, the kernel's mixed precision) and stored in the output dtype, + the output dtype's rounding
-atol. The LSE (fp32 row sums of the unrounded P) within 1e-3 of the reference's. Fresh inputs every call,
+atol. The LSE (fp32 row sums of the unrounded P) within its row's allowance (``_lse_allowance``: the e4m3
+accumulation's error bound, at least 1e-3 of the row's LSE). Fresh inputs every call,
 the output poisoned first, odd sizes, GQA, both layouts, per-tensor and per-head descales (q's per query
 head and per KV head), dispatch's tile and every FP8 tile of the family forced, the variants.
 """
@@ -80,10 +81,27 @@ def check_fp8(b, hq, hk, nq, nk, d, causal, layout="bhsd", per="head", q_per_kv=
     masked = torch.isinf(ref_lse)
     assert torch.equal(torch.isinf(lse), masked)
     if (~masked).any():
-        lse_err = (lse[~masked] - ref_lse[~masked]).abs().max().item()
-        lse_tol = 1e-3 * max(1.0, ref_lse[~masked].abs().max().item())
-        assert lse_err <= lse_tol, f"lse err {lse_err:.3e} > tol {lse_tol:.3e}"
+        lse_err = (lse - ref_lse).abs()[~masked]
+        lse_tol = _lse_allowance(qf, kf, scale, ref_lse)[~masked]
+        worst = (lse_err - lse_tol).argmax()
+        assert (lse_err <= lse_tol).all(), f"lse err {lse_err[worst]:.3e} > tol {lse_tol[worst]:.3e} (its row)"
     return out
+
+
+# The e4m3 tensor-core product keeps about 14 bits when it adds into its accumulator (DeepSeek-V3's report,
+# section 3.3.2), once per wgmma's 32 columns of d: a score's error is bounded by ceil(d / 32) such units of
+# sum_i |q_i k_i|, not by the score, and a row's LSE (a smooth max of its scores, d LSE / d s_j = p_j) is
+# off by at most its largest score's error.
+FP8_ACC_UNIT = 2.0 ** -14
+
+
+def _lse_allowance(qf, kf, scale, ref_lse):
+    """Per row (b, h, nq): twice that bound, scale * ceil(d / 32) units * max_j sum_i |q_i k_ji| over the row's
+    keys, or 1e-3 of the row's |LSE| (at least 1e-3), whichever is larger."""
+    group, steps = qf.shape[1] // kf.shape[1], -(-qf.shape[-1] // 32)
+    mags = torch.matmul(qf.abs(), kf.abs().repeat_interleave(group, dim=1).transpose(-1, -2))
+    acc = 2 * steps * FP8_ACC_UNIT * scale * mags.amax(dim=-1)
+    return torch.maximum(acc, 1e-3 * ref_lse.abs().clamp(min=1.0))
 
 
 @pytest.mark.parametrize("nq,nk", SEQLENS)

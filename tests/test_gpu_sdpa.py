@@ -117,8 +117,9 @@ def test_masked_gradients(kind):
 
 @needs_sm90
 def test_masked_gradients_refused_unless_fallback():
-    """d = 256 has no mods backward: refused before any launch, or sent to torch with fallback=True."""
-    q, k, v = (t.requires_grad_(True) for t in inputs(1, 2, 2, 64, 64, 256))
+    """Head-dim tile 160 has no mods backward (bwd_sm90 has no such tile): refused before any launch, or sent
+    to torch with fallback=True."""
+    q, k, v = (t.requires_grad_(True) for t in inputs(1, 2, 2, 64, 64, 160))
     mask = torch.rand(64, 64, device="cuda") < 0.5
     with pytest.raises(flashgen.UnsupportedError, match="backward"):
         flashgen.sdpa(q, k, v, attn_mask=mask)
