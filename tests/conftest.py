@@ -15,7 +15,9 @@ them (after an intended template change); ``--no-precompile`` makes the GPU test
 parallel precompile step; ``--failure-log FILE`` appends each failure's report to FILE as it happens;
 ``--test-timeout S`` ends the run when one test's call takes longer than S seconds (a hung kernel),
 naming it in the failure log; ``--compile-tier-home DIR`` keeps the compile tier's binaries in DIR across
-runs (a kernel whose source, options or compiler changed compiles again). Nothing GPU-specific is
+runs (a kernel whose source, options or compiler changed compiles again); ``--shard K/N`` runs the K-th of
+N parts of the selected tests, whole files each (the GPU suite takes about 1300 s on an H100, more than
+one device call: ``scripts/device.sh "tests tests/ --shard 1/3"`` and so on). Nothing GPU-specific is
 registered here: GPU tests (tests/test_gpu_*.py) mark themselves with ``pytest.mark.gpu`` and skip
 themselves without CUDA.
 """
@@ -41,6 +43,10 @@ def pytest_addoption(parser):
                           "go on with); with --failure-log the test's id and the Python stacks are that log's "
                           "last entry, so a time-limited device call learns which test hung and keeps its "
                           "remaining time")
+    parser.addoption("--shard", metavar="K/N", default=None,
+                     help="run the K-th of N parts of the selected tests (1 <= K <= N), whole test files each, "
+                          "the files spread over the parts by their selected tests' count: a suite longer than "
+                          "one time-limited call runs as N calls")
     parser.addoption("--compile-tier-home", metavar="DIR", default=None,
                      help="the compile tier's FLASHGEN_HOME, kept across runs (default: a new one per run); "
                           "its binary cache is keyed by source, options, arch and versions, so only changed "
@@ -122,10 +128,39 @@ def _uses_compile_tier(item) -> bool:
     return "compile_session" in getattr(item, "fixturenames", ())
 
 
+def shard_of(counts: dict, shard: int, shards: int) -> set:
+    """The files of part ``shard`` (1-based) of ``shards``: ``counts`` (file -> selected tests) dealt out
+    largest first, each to the part with the fewest tests so far (ties: the lower part, then file name)."""
+    load = [0] * shards
+    mine = set()
+    for name in sorted(counts, key=lambda f: (-counts[f], f)):
+        part = min(range(shards), key=lambda i: (load[i], i))
+        load[part] += counts[name]
+        if part == shard - 1:
+            mine.add(name)
+    return mine
+
+
+def _parse_shard(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"(\d+)/(\d+)", text or "")
+    if not m or not 1 <= int(m[1]) <= int(m[2]):
+        raise pytest.UsageError(f"--shard takes K/N with 1 <= K <= N, got {text!r}")
+    return int(m[1]), int(m[2])
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    """The compile tier's tests (those that use ``compile_session``) run after all the others, which run
+    """``--shard K/N``: only the K-th part's files of the tests selected so far (after ``-m`` and ``-k``).
+    The compile tier's tests (those that use ``compile_session``) run after all the others, which run
     while the tier's kernels compile in the background (``_compile_tier``)."""
+    if config.getoption("--shard"):
+        shard, shards = _parse_shard(config.getoption("--shard"))
+        files = [item.nodeid.split("::")[0] for item in items]
+        mine = shard_of({f: files.count(f) for f in set(files)}, shard, shards)
+        kept = [item for item, f in zip(items, files) if f in mine]
+        if len(kept) < len(items):
+            config.hook.pytest_deselected(items=[item for item, f in zip(items, files) if f not in mine])
+            items[:] = kept
     tier = [item for item in items if _uses_compile_tier(item)]
     if tier:
         items[:] = [item for item in items if not _uses_compile_tier(item)] + tier
