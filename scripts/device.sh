@@ -46,7 +46,7 @@ COMMIT=${FLASHGEN_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export FLASHGEN_COMMIT=$COMMIT
 
 # Seconds per step unless TIMEOUT or TIMEOUT_<STEP> says otherwise; a device call has 600 s in all.
-# The GPU tests: a third of the suite (--shard K/3) about 430 s on an H100 (the whole, 1300 s, in two calls ran out at 560 s).
+# The GPU tests: a third of the suite (--shard K/3) about 430 s on an H100 (the whole suite: about 1300 s).
 default_timeout() {
   case $1 in
     tests) echo 560 ;; host|startup) echo 120 ;; sass) echo 500 ;; *) echo 420 ;;
