@@ -129,6 +129,7 @@ def test_load_refuses_a_non_result(tmp_path):
     (["bench", "variants", "--cases", "decode", "--decode-reps", "0"], "--decode-reps"),
     (["bench", "variants", "--cases", "decode", "--decode-batches", "16,0"], "--decode-batches"),
     (["bench", "variants", "--cases", "decode", "--decode-batches", "x"], "--decode-batches"),
+    (["bench", "mods", "--impls", "flashgen,rows"], "unknown rows"),
     (["bench", "models", "--heads", "30"], "must divide --hidden"),
     (["bench", "models", "--hidden", "4096", "--heads", "8", "--kv-heads", "8"], "head dim"),
     (["bench", "models", "--rounds", "0"], "--rounds"),
@@ -157,6 +158,7 @@ def test_cli_errors_are_clean(capsys, argv, message):
     ["bench", "variants", "--cases", "window,sinks"],
     ["bench", "variants", "--cases", "decode", "--decode-batches", "16,32"],
     ["bench", "models", "--layers", "2", "--cases", "prefill"],
+    ["bench", "mods", "--cases", "document", "--impls", "flashgen,flashgen_rows,builtin"],
 ])
 def test_good_options_without_a_gpu(capsys, argv):
     """Valid options get as far as the device check: one line, exit 2, no traceback."""

@@ -295,3 +295,68 @@ def test_int32_limits_are_refused_before_evaluation():
         return (b >= 0) & (h >= 0) & (q >= kv)
     with pytest.raises(UnsupportedError, match="int32 limit"):
         create_block_mask(both, 1024, 1024, 2**16, 2**16, device="cpu", BLOCK_SIZE=64)
+
+
+def reference_rows(dense: torch.Tensor):
+    """Each row's (first, last) visible key by looking at it, None where some row sees two runs; rows that see
+    nothing compared apart (any lo > hi is right there)."""
+    nb_, nh, q_len, kv_len = dense.shape
+    out = torch.zeros(nb_, nh, q_len, 2, dtype=torch.int32)
+    for b in range(nb_):
+        for h in range(nh):
+            for i in range(q_len):
+                cols = dense[b, h, i].nonzero().flatten().tolist()
+                if cols and cols[-1] - cols[0] + 1 != len(cols):
+                    return None
+                out[b, h, i] = torch.tensor([cols[0], cols[-1]] if cols else [1, 0])
+    return out
+
+
+def check_rows(rows, dense):
+    want = reference_rows(dense)
+    if want is None:
+        assert rows is None
+        return
+    assert rows.dtype == torch.int32 and rows.is_contiguous() and rows.shape == want.shape
+    empty = ~dense.any(dim=-1)
+    assert (rows[..., 0] > rows[..., 1])[empty].all()
+    assert torch.equal(rows[~empty], want[~empty])
+
+
+@pytest.mark.parametrize("name", list(MODS))
+@pytest.mark.parametrize("q_len,kv_len", SIZES)
+def test_row_bounds_match_each_rows_visible_run(name, q_len, kv_len):
+    """Every mask of MODS but the block-sparse one has one run of keys per row (the document mask per batch);
+    the block-sparse one has rows of two runs (None), and so does a strided mask."""
+    mod = MODS[name](q_len, kv_len)
+    mask = create_block_mask(mod, B, H, q_len, kv_len, device="cpu")
+    rows = mask.row_bounds()
+    check_rows(rows, dense_of(mod, q_len, kv_len)[:mask.Bm, :mask.Hm])
+    if name != "block_sparse":
+        assert rows is not None and rows.shape == (mask.Bm, mask.Hm, q_len, 2)
+    assert mask.row_bounds() is rows  # computed once
+
+
+def test_row_bounds_refuse_two_runs_and_keep_empty_rows():
+    strided = create_block_mask(lambda b, h, q, kv: kv % 2 == 0, None, None, 20, 30, device="cpu")
+    assert strided.row_bounds() is None
+    late = create_block_mask(lambda b, h, q, kv: (q >= 5) & (kv <= q) & (kv >= q - 3), None, None, 12, 9,
+                             device="cpu")
+    rows = late.row_bounds()
+    assert (rows[0, 0, :5, 0] > rows[0, 0, :5, 1]).all()  # rows 0-4 see nothing
+    assert rows[0, 0, 5:].tolist() == [[2, 5], [3, 6], [4, 7], [5, 8], [6, 8], [7, 8], [8, 8]]
+
+
+@pytest.mark.parametrize("cache", [True, False])
+@pytest.mark.parametrize("chunk", [100, 5000])
+def test_row_bounds_from_chunks_match_the_whole(monkeypatch, cache, chunk):
+    """Runs that cross the column chunks' edges join up (min of the firsts, max of the lasts, counts summed)."""
+    if not cache:
+        monkeypatch.setattr(blockmask, "DENSE_CACHE_BYTES", 0)
+    mod = document_mod(239, 203)
+    whole = create_block_mask(mod, B, H, 239, 203, device="cpu")
+    parts = create_block_mask(mod, B, H, 239, 203, device="cpu", BLOCK_SIZE=64, chunk_elements=chunk)
+    assert torch.equal(whole.row_bounds(), parts.row_bounds())
+    check_rows(parts.row_bounds(), dense_of(mod, 239, 203)[:B, :1])
+    two_runs = block_sparse_mod(239, 203)
+    assert create_block_mask(two_runs, B, H, 239, 203, device="cpu", chunk_elements=chunk).row_bounds() is None

@@ -65,11 +65,13 @@ def _fwd_key():
     return ProblemKey("fwd", Device.of(torch.cuda.current_device()).arch, "bf16", 128, False, 1024, "")
 
 
-def check_mods(b, hq, hk, nq, nk, d, dtype, name, layout="bhsd", block_mask=False, tokens=None):
-    """One call with ``example_mods``' ``name`` against the reference; ``tokens``: a fwd_sm90 tile (name tokens,
-    fwd_sm90.variant's) forced with the mods' token instead of dispatch's pick."""
+def check_mods(b, hq, hk, nq, nk, d, dtype, name, layout="bhsd", block_mask=False, tokens=None, rows=False,
+               given=None):
+    """One call with ``example_mods``' ``name`` (or the ``given`` (score_mod, mask_mod)) against the reference;
+    ``tokens``: a fwd_sm90 tile (name tokens, fwd_sm90.variant's) forced with the mods' token instead of
+    dispatch's pick; ``rows``: dispatch's kernel with ``row_bounds`` forced (the block mask made here)."""
     q, k, v = make_inputs(b, hq, hk, nq, nk, d, dtype, layout)
-    score_mod, mask_mod = example_mods(b, hq, nq, nk)[name]
+    score_mod, mask_mod = given or example_mods(b, hq, nq, nk)[name]
     scale = 1.0 / math.sqrt(d)
     extra = {"score_mod": score_mod, "mask_mod": mask_mod}
     if tokens is not None:
@@ -82,6 +84,9 @@ def check_mods(b, hq, hk, nq, nk, d, dtype, name, layout="bhsd", block_mask=Fals
                                                                    mod=mods.token_number(pair)).validate()
     if block_mask and mask_mod is not None:
         extra = {"score_mod": score_mod, "block_mask": flashgen.create_block_mask(mask_mod, b, hq, nq, nk)}
+    if rows:
+        extra = {"score_mod": score_mod, "block_mask": flashgen.create_block_mask(mask_mod, b, hq, nq, nk)}
+        extra["spec"] = _rows_spec(q, nq, d, dtype, score_mod, extra["block_mask"])
     poison_output(q)
     with torch.no_grad():
         out, lse = flashgen.attention(q, k, v, layout=layout, return_lse=True, **extra)
@@ -132,6 +137,62 @@ def test_mods_on_persistent_tiles(name, tokens):
     tile's block list as the one-tile kernels do."""
     check_mods(2, 4, 2, 1023, 1024, 128, torch.bfloat16, name, tokens=tokens)
     check_mods(1, 4, 4, 239, 1, 128, torch.bfloat16, name, tokens=tokens)
+
+
+def _rows_spec(q, nq, d, dtype, score_mod, block_mask):
+    """Dispatch's kernel for the call (its family: the fixture's) with ``row_bounds``."""
+    from flashgen import mods
+    from flashgen.api.device import Device
+    from flashgen.api.modcall import CAUSAL_LIKE, mod_spec
+
+    pair = mods.trace_pair(score_mod, block_mask.mask_mod)
+    mods.register(pair)
+    spec = mod_spec({torch.bfloat16: "bf16"}.get(dtype, "fp16"), d, nq, Device.of(q.device.index), pair,
+                    causal_like=block_mask.sparsity() >= CAUSAL_LIKE)
+    return spec.replace(row_bounds=True).validate()
+
+
+@pytest.mark.parametrize("nq,nk", [(113, 203), (1, 239), (239, 1), (799, 3), (1023, 1024)])
+@pytest.mark.parametrize("name", ["causal", "sliding", "prefix_lm", "document", "alibi_causal", "softcap_document"])
+def test_mods_row_bounds(family, name, nq, nk):
+    """KernelSpec.row_bounds: the partial blocks masked by each row's first and last visible key
+    (BlockMask.row_bounds) instead of the mask_mod; the example masks whose rows see one run of keys
+    (prefix_lm's bounds per batch)."""
+    check_mods(2, 4, 2, nq, nk, 128, torch.bfloat16, name, rows=True)
+    assert _ran(family) and all(p.rows is not None for p in _plans())
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_mods_row_bounds_per_batch_and_head(family, layout):
+    """Bounds that differ per head and per batch (a window per head, shifted per batch: strides in rows of both),
+    fp16, GQA."""
+    b, hq, hk, nq, nk = 3, 6, 2, 517, 700
+    wins = torch.randint(0, 400, (hq,), device="cuda", dtype=torch.int32)
+    shift = torch.randint(0, 50, (b,), device="cuda", dtype=torch.int32)
+    diag = torch.tensor([nk - nq], device="cuda", dtype=torch.int32)
+
+    def banded(b_, h, q, kv):
+        return (kv <= q + diag[0]) & (kv >= q + diag[0] - wins[h] - shift[b_])
+    check_mods(b, hq, hk, nq, nk, 64, torch.float16, "banded", layout=layout, rows=True, given=(None, banded))
+    assert _ran(family) and all(p.rows is not None and p.rows.shape[:2] == (b, hq) for p in _plans())
+
+
+def test_row_bounds_refused_where_a_row_sees_two_runs():
+    """A forced ``row_bounds`` kernel with a mask whose rows see several runs of keys is refused before launch."""
+    q, k, v = make_inputs(1, 2, 2, 300, 300, 128, torch.bfloat16, "bhsd")
+
+    def strided(b_, h, q_, kv):
+        return kv % 3 == 0
+    mask = flashgen.create_block_mask(strided, 1, 2, 300, 300)
+    spec = _rows_spec(q, 300, 128, torch.bfloat16, None, mask)
+    with pytest.raises(flashgen.UnsupportedError, match="more than one run"):
+        flashgen.attention(q, k, v, block_mask=mask, spec=spec)
+
+
+def _plans():
+    from flashgen.api.plans import cache
+
+    return [p for p in cache("attention with mods").values() if p.base.kernel is not None]
 
 
 def _ran(family) -> bool:

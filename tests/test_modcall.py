@@ -213,6 +213,79 @@ def test_mod_fields_are_packed_once_at_their_offsets():
     assert (params.bm_sb, params.bm_sh, params.bm_nb) == (0, 3, 2) and not params.mod.t[0]
 
 
+def test_row_bounds_field_rules_and_source():
+    """``row_bounds`` (token rb): the forward families with a mask_mod only; its kernel masks by the bounds
+    (ROWS, the sixth flag of fg_mod_variant) and still prints the mask_mod (the backward's and decode's)."""
+    pair = registered(None, document)
+    spec = mod_spec(pair).replace(row_bounds=True).validate()
+    assert spec.name.endswith("_rb_full_bf16_sm90a") and KernelSpec.from_name(spec.name) == spec
+    assert spec.to_dict()["row_bounds"] is True and "row_bounds" not in mod_spec(pair).to_dict()
+    src = render(spec)
+    assert "fg_mod_variant<false, true, false, false, false, true>" in src and "bm_rows" in src
+    assert "fg_mod_variant<false, true>" in render(mod_spec(pair))
+    with pytest.raises(ValueError, match="needs mod"):
+        fwd_sm90.variant(128, False, "ws").replace(row_bounds=True).validate()
+    for kind in ("bwd_sm90", "decode_split", "bwd_dkdv"):
+        with pytest.raises(ValueError, match="not a field of this kind"):
+            KernelSpec(kind=kind, head_dim=64, block_m=64, block_n=64, warps=4, mod=5, row_bounds=True).validate()
+    with pytest.raises(ValueError, match="no mask_mod"):
+        render(mod_spec(registered(alibi, None)).replace(row_bounds=True))
+
+
+@pytest.mark.parametrize("arch,family,d", [("sm_90a", "fwd_sm90", 64), ("sm_90a", "fwd_sm90", 128),
+                                           ("sm_90a", "fwd_sm90", 256), ("sm_80", "fwd_v2", 128),
+                                           ("sm_86", "fwd_v2", 64), ("sm_89", "fwd_v2", 256)])
+def test_row_bounds_kernels_compile_without_spills(arch, family, d, tmp_path, monkeypatch):
+    """Dispatch's document-mask kernel (with a softcap score_mod at d = 128) with ``row_bounds`` builds clean
+    offline for every arch that runs it."""
+    from flashgen import dispatch, gpus
+    from flashgen.codegen import build
+    from flashgen.problem import ProblemKey
+
+    monkeypatch.setenv("FLASHGEN_HOME", str(tmp_path))
+    pair = registered(softcap if d == 128 else None, document)
+    key = ProblemKey("fwd", arch, "bf16", d, True, 4096, "")
+    spec = dispatch.mod_spec(key, None, gpus.ARCH_SMEM_PER_BLOCK[arch], mods.token_number(pair), verify=True,
+                             family=family).replace(row_bounds=True).validate()
+    report = build(spec).report
+    assert spec.kind == family and report.spill_stores == 0 and report.stack_frame == 0, (spec.name, report)
+
+
+def test_row_bounds_are_packed_with_their_strides():
+    """The forward families' blocks carry the row bounds' address and (batch, head) strides in rows after the
+    block lists, in the one packed range; a block without those fields refuses them."""
+    import ctypes
+
+    from flashgen.api.modcall import _row_bounds, pack_mod_fields
+    from flashgen.families import bwd_sm90, fwd_v2
+
+    for fam in (fwd_sm90.FAMILY, fwd_v2.FAMILY):
+        struct = fam.param_struct()
+        for b, h, strides in ((2, None, (50, 0)), (None, 3, (0, 50)), (None, None, (0, 0)), (2, 3, (150, 50))):
+            mask = flashgen.create_block_mask(lambda b_, h_, q, kv: (kv <= q + b_) & (kv >= q - h_ - 3), b, h, 50, 60,
+                                              device="cpu")
+            rows, tiles = mask.row_bounds(), mask.for_tile(64, 64)
+            offset, blob = pack_mod_fields(struct, (), tiles, rows)
+            params = struct()
+            ctypes.memmove(ctypes.addressof(params) + offset, blob, len(blob))
+            assert params.bm_rows == rows.data_ptr() and (params.bm_rsb, params.bm_rsh) == strides, (b, h)
+            assert params.bm_count == tiles.counts.data_ptr()
+        offset, blob = pack_mod_fields(struct, (), tiles)
+        params = struct()
+        ctypes.memmove(ctypes.addressof(params) + offset, blob, len(blob))
+        assert not params.bm_rows and (params.bm_rsb, params.bm_rsh) == (0, 0)
+    with pytest.raises(ValueError, match="no row bounds fields"):
+        pack_mod_fields(bwd_sm90.FAMILY.param_struct(), (), tiles, rows)
+    spec = mod_spec(registered(None, document)).replace(row_bounds=True).validate()
+    assert _row_bounds(mod_spec(registered(None, document)), mask) is None
+    assert _row_bounds(spec, mask) is rows
+    with pytest.raises(flashgen.UnsupportedError, match="more than one run"):
+        _row_bounds(spec, flashgen.create_block_mask(lambda b_, h_, q, kv: kv % 3 == 0, None, None, 50, 60,
+                                                     device="cpu"))
+    with pytest.raises(flashgen.UnsupportedError, match="needs a mask_mod"):
+        _row_bounds(spec, None)
+
+
 @pytest.mark.parametrize("score,mask", [(alibi, None), (None, document), (alibi, document), (relative16, None),
                                         (lambda s, b, h, q, kv: 30.0 * torch.tanh(s / 30.0), document)])
 @pytest.mark.parametrize("d", [64, 128])

@@ -98,6 +98,7 @@ class BlockMask:
         self._bm, self._hm, self._chunk = bm, hm, chunk_elements
         self._cache_dense = bm * hm * q_len * kv_len <= DENSE_CACHE_BYTES
         self._dense = None
+        self._rows = None  # (row_bounds's answer,) once computed
         self._tiles = {}
         self._lock = threading.RLock()
 
@@ -194,6 +195,35 @@ class BlockMask:
         b, h = self.shape[:2]
         pairs = int(visible.sum(dtype=torch.int64).item()) * (b // self._bm) * (h // self._hm)
         return TileBlocks(block_m, block_n, counts, index, pairs)
+
+    def row_bounds(self) -> torch.Tensor | None:
+        """Each query row's visible keys as one run, where every row's are: int32 (Bm, Hm, Q_LEN, 2), row q's
+        first and last visible key (lo, hi), lo > hi for a row that sees none; None where some row sees
+        two runs (a random block-sparse mask). Computed once, from the mask at its creation, as the block
+        lists are: a kernel with ``KernelSpec.row_bounds`` masks its partial blocks by these two numbers
+        per row instead of calling mask_mod per score (a document mask's captured reads)."""
+        with self._lock:
+            if self._rows is None:
+                self._rows = (self._row_runs(),)
+            return self._rows[0]
+
+    def _row_runs(self) -> torch.Tensor | None:
+        shape = (self._bm, self._hm, self._q)
+        lo = torch.full(shape, self._k, dtype=torch.int64, device=self._device)
+        hi = torch.full(shape, -1, dtype=torch.int64, device=self._device)
+        seen = torch.zeros(shape, dtype=torch.int64, device=self._device)
+        for r0, c0, chunk in self._chunks(1, 1, self._dense_cached()):
+            rows, cols = slice(r0, r0 + chunk.shape[2]), chunk.shape[3]
+            hits = chunk.contiguous().view(torch.uint8)
+            any_ = hits.amax(dim=-1).bool()
+            first = torch.where(any_, hits.argmax(dim=-1) + c0, self._k)
+            last = torch.where(any_, c0 + cols - 1 - hits.flip(-1).argmax(dim=-1), -1)
+            lo[..., rows] = torch.minimum(lo[..., rows], first)
+            hi[..., rows] = torch.maximum(hi[..., rows], last)
+            seen[..., rows] += hits.sum(dim=-1, dtype=torch.int64)
+        if not bool(((seen == 0) | (seen == hi - lo + 1)).all()):
+            return None
+        return torch.stack((lo, hi), dim=-1).to(torch.int32).contiguous()
 
     def sparsity(self) -> float:
         """The fraction of (query block, key block) pairs skipped at BLOCK_SIZE, in [0, 1]."""

@@ -139,18 +139,19 @@ def fill_mods(params, offset: int, blob: bytes) -> None:
 class _ModPlan:
     """A checked call with mods: the forward's plan (``base``) and what each launch adds to its parameter
     block, packed once (``blob`` at ``offset``): the captured tensors' addresses, strides and sizes and
-    the block mask's lists at the kernel's tile (both kept alive here; ``current`` guards that the
-    captures are still the traced ones)."""
+    the block mask's lists at the kernel's tile and, for a ``row_bounds`` kernel, its row bounds (all kept
+    alive here; ``current`` guards that the captures are still the traced ones)."""
 
-    __slots__ = ("base", "pair", "captures", "tiles", "functions", "offset", "blob", "block_mask", "scale", "backward")
+    __slots__ = ("base", "pair", "captures", "tiles", "rows", "functions", "offset", "blob", "block_mask", "scale",
+                 "backward")
 
-    def __init__(self, base, pair, tiles, functions, struct=None, block_mask=None, scale=None):
-        self.base, self.pair, self.tiles, self.functions = base, pair, tiles, functions
+    def __init__(self, base, pair, tiles, functions, struct=None, block_mask=None, scale=None, rows=None):
+        self.base, self.pair, self.tiles, self.rows, self.functions = base, pair, tiles, rows, functions
         self.block_mask, self.scale, self.backward = block_mask, scale, None
         self.captures = tuple(pair.captures)
         self.offset, self.blob = 0, b""
         if struct is not None:
-            self.offset, self.blob = pack_mod_fields(struct, self.captures, tiles)
+            self.offset, self.blob = pack_mod_fields(struct, self.captures, tiles, rows)
 
     def current(self) -> bool:
         return still_traced(self.pair, self.functions)
@@ -166,9 +167,10 @@ def still_traced(pair, functions) -> bool:
 
 
 
-def pack_mod_fields(struct, captures, tiles) -> tuple[int, bytes]:
+def pack_mod_fields(struct, captures, tiles, rows=None) -> tuple[int, bytes]:
     """(offset, bytes) of a parameter block's mod fields (families.base.MOD_PARAMS, contiguous from ``mod``
-    to ``bm_nb``) for these captures and block lists."""
+    to ``bm_nb``, then MOD_ROWS_PARAMS to ``bm_rsh`` in the forward families' blocks) for these captures,
+    block lists and row bounds (``BlockMask.row_bounds``; None: null)."""
     scratch = struct()
     args = scratch.mod
     for slot, t in enumerate(captures):
@@ -179,7 +181,14 @@ def pack_mod_fields(struct, captures, tiles) -> tuple[int, bytes]:
     if tiles is not None:
         scratch.bm_count, scratch.bm_index = tiles.counts.data_ptr(), tiles.index.data_ptr()
         scratch.bm_sb, scratch.bm_sh, scratch.bm_nb = block_strides(tiles) + (tiles.index.shape[-1],)
-    start, end = struct.mod.offset, struct.bm_nb.offset + ctypes.sizeof(ctypes.c_int32)
+    last = struct.bm_rsh if hasattr(struct, "bm_rsh") else struct.bm_nb
+    if rows is not None:
+        if last is struct.bm_nb:
+            raise ValueError(f"{struct.__name__} has no row bounds fields")
+        bm, hm, nq, _ = rows.shape
+        scratch.bm_rows = rows.data_ptr()
+        scratch.bm_rsb, scratch.bm_rsh = (hm * nq if bm > 1 else 0), (nq if hm > 1 else 0)
+    start, end = struct.mod.offset, last.offset + ctypes.sizeof(ctypes.c_int32)
     return start, bytes(scratch)[start:end]
 
 
@@ -258,6 +267,7 @@ def _plan(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod,
                                    f"{getattr(spec, 'name', spec)!r}")
         check_forced_spec(spec, {"kind": dispatch.MOD_FAMILIES, "dtype": key.dtype, "arch": dev.arch, "causal": False,
                                  "mod": mods.token_number(pair)}, d, dev.smem_budget)
+    rows = _row_bounds(spec, block_mask)
     kern = load(spec, dev.index)
     fam = families.family(spec.kind)
     dims = (b, h, hk, nq, nk, d)
@@ -270,7 +280,22 @@ def _plan(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod,
     if mask_graph is not None:
         tiles = block_mask.for_tile(spec.block_m, spec.block_n)
         check_int32("the block mask's rows", tiles.counts.numel())
-    return _ModPlan(base, pair, tiles, functions, fam.param_struct(), block_mask, scale)
+    return _ModPlan(base, pair, tiles, functions, fam.param_struct(), block_mask, scale, rows)
+
+
+def _row_bounds(spec, block_mask):
+    """A ``row_bounds`` kernel's row bounds (``BlockMask.row_bounds``), None for any other kernel;
+    UnsupportedError where the call has no mask_mod or one of its rows sees two runs of keys."""
+    if not spec.row_bounds:
+        return None
+    if block_mask is None:
+        raise UnsupportedError(f"{spec.name} masks by each query row's bounds: the call needs a mask_mod")
+    rows = block_mask.row_bounds()
+    if rows is None:
+        raise UnsupportedError(f"{spec.name} masks by each query row's bounds: this mask has a row that sees more "
+                               "than one run of keys")
+    check_int32("the block mask's row bounds", rows.numel())
+    return rows
 
 
 def block_strides(tiles) -> tuple[int, int]:

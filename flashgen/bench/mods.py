@@ -65,7 +65,11 @@ CASES = (
 )
 CASE_NAMES = (*dict.fromkeys(c.name for c in CASES), "host")
 IMPLS = ("flashgen", "builtin", "flex")
+# flashgen_rows: the mods' kernel with KernelSpec.row_bounds (a mask_mod's partial blocks masked by each row's
+# bounds), where the case's mask has them; measured beside dispatch's kernel, which does not take it yet.
+KNOWN_IMPLS = (*IMPLS, "flashgen_rows")
 RATIOS = (("x_builtin", "builtin"), ("x_flex", "flex"))
+ROWS_RATIOS = (("rows_x_mods", "flashgen_rows", "flashgen"), ("rows_x_builtin", "flashgen_rows", "builtin"))
 MODES = ("fwd", "fwd+bwd")
 FAMILIES = ("auto", "fwd_v2")
 BWD_FLOPS = 2.5  # the backward's FLOPs over the forward's (the suite convention)
@@ -76,7 +80,8 @@ def add_args(p) -> None:
     p.add_argument("--cases", default=",".join(CASE_NAMES),
                    help=f"cases to run, comma-separated ({', '.join(CASE_NAMES)}; default all)")
     p.add_argument("--d", type=int, default=128, help="head dim (default 128)")
-    p.add_argument("--impls", default=",".join(IMPLS), help=f"implementations (default and known: {','.join(IMPLS)})")
+    p.add_argument("--impls", default=",".join(IMPLS),
+                   help=f"implementations (default {','.join(IMPLS)}; known: {','.join(KNOWN_IMPLS)})")
     p.add_argument("--mode", choices=MODES, default="fwd",
                    help="the forward alone (default), or a forward and its backward (torch.autograd.grad of the "
                         "output with a random dO; counted as 3.5 forwards)")
@@ -91,7 +96,7 @@ def parse(args) -> dict:
     options.positive(args.rounds, "rounds", integer=True)
     options.positive(args.budget, "budget")
     return {"cases": options.names(args.cases, CASE_NAMES, "cases"), "d": options.head_dims(str(args.d))[0],
-            "impls": options.names(args.impls, IMPLS, "impls"), "mode": args.mode, "rounds": int(args.rounds),
+            "impls": options.names(args.impls, KNOWN_IMPLS, "impls"), "mode": args.mode, "rounds": int(args.rounds),
             "budget": float(args.budget), "family": getattr(args, "family", "auto")}
 
 
@@ -184,6 +189,12 @@ def run(args, progress) -> dict:
             if impl == "flashgen":
                 makers[impl] = lambda: _timed(lambda: api.attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
                                                                     spec=mod_spec), (q, k, v), grads)
+            elif impl == "flashgen_rows":
+                def rows_call():
+                    spec = _rows_spec(settings["family"], q, score_mod, block_mask)  # (Skipped: no row bounds)
+                    return _timed(lambda: api.attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                                        spec=spec), (q, k, v), grads)
+                makers[impl] = rows_call
             elif impl == "builtin":
                 makers[impl] = lambda: _timed(*_builtin(q, k, v, builtin, bounds, api, builtin_spec), grads)
             else:
@@ -196,12 +207,14 @@ def run(args, progress) -> dict:
                 cell["tflops"] = flop / cell["ms"] / 1e9
         if "ms" in cells.get("flashgen", {}):  # the kernel the mods ran on (the plan of this case's call)
             cells["flashgen"]["spec"] = _mod_kernel(q, block_mask)
+        if "ms" in cells.get("flashgen_rows", {}):
+            cells["flashgen_rows"]["spec"] = _rows_spec(settings["family"], q, score_mod, block_mask).name
         if builtin_spec is not None and "ms" in cells.get("builtin", {}):
             cells["builtin"]["spec"] = builtin_spec.name
         label = f"{case.name}_gqa" if case.heads != case.kv_heads and case.name == "causal" else case.name
         row = {"case": label, "head_dim": d, "seqlen": case.n, "batch": case.batch, "heads": case.heads,
                "kv_heads": case.kv_heads, "pairs": pairs, "rounds": settings["rounds"], "results": cells}
-        add_ratios(row, "tflops", [(lbl, "flashgen", base) for lbl, base in RATIOS])
+        add_ratios(row, "tflops", [(lbl, "flashgen", base) for lbl, base in RATIOS] + list(ROWS_RATIOS))
         rows.append(row)
         progress(f"{label}: " + ", ".join(f"{i}={c['tflops']:.0f}" if "tflops" in c else f"{i}=-"
                                           for i, c in cells.items())
@@ -213,7 +226,9 @@ def run(args, progress) -> dict:
                           + (" (x 3.5: a forward and its backward)" if grads else "") + "; median of "
                           f"{settings['rounds']} interleaved rounds; x_builtin / x_flex: flashgen's mods over its "
                           "built-in equivalent / over FlexAttention (compiled) running the same functions",
-            "settings": settings, "impls": settings["impls"], "ratios": [r for r, _ in RATIOS], "rows": rows}
+            "settings": settings, "impls": settings["impls"],
+            "ratios": [r for r, _ in RATIOS] + ([r for r, _, _ in ROWS_RATIOS] if "flashgen_rows" in settings["impls"]
+                                                 else []), "rows": rows}
     if host is not None:
         result["sections"] = {"host": host}
     return result
@@ -331,6 +346,22 @@ def _forced(family: str, q, score_mod, block_mask, builtin, bounds):
         return spec, None
     key = ProblemKey("fwd", dev.arch, "bf16", head_dim_tile(d), variant.causal, bucket_of(n), variant.key())
     return spec, dispatch.select(key, dev.gpu, dev.smem_budget, verify=True, family=family)
+
+
+def _rows_spec(family: str, q, score_mod, block_mask):
+    """The mods call's kernel (dispatch's, or ``family``'s) with ``row_bounds``; ``Skipped`` where the case's
+    mask has no row bounds (no mask_mod, or a row that sees two runs of keys)."""
+    from ..api.device import Device
+    from ..api.modcall import CAUSAL_LIKE, mod_spec
+
+    if block_mask is None or block_mask.row_bounds() is None:
+        raise Skipped("the mask has no row bounds")
+    dev = Device.of(q.device.index)
+    pair = mods.trace_pair(score_mod, block_mask.mask_mod)
+    mods.register(pair)
+    spec = mod_spec("bf16", q.shape[-1], q.shape[-2], dev, pair, causal_like=block_mask.sparsity() >= CAUSAL_LIKE,
+                    family=None if family == "auto" else family)
+    return spec.replace(row_bounds=True).validate()
 
 
 def _builtin(q, k, v, builtin, bounds, api, spec=None):

@@ -79,6 +79,11 @@ MOD_PARAMS = (
     ("bm_sb", "int", I32), ("bm_sh", "int", I32), ("bm_nb", "int", I32),
 )
 
+# A mask_mod's row bounds (KernelSpec.row_bounds; the forward families): int32 pairs (first, last visible key)
+# per (batch, head, query row) of the block mask (BlockMask.row_bounds), their (batch, head) strides in rows
+# (0 where the mask does not depend on them). Null and 0 otherwise.
+MOD_ROWS_PARAMS = (("bm_rows", "const int*", PTR), ("bm_rsb", "int", I32), ("bm_rsh", "int", I32))
+
 
 # FP8 inputs' descale factors (fwd_sm90's fp8): fp32 pointers and their (batch, head) strides, q's with the
 # query heads per factor (api.fp8.descale_strides); null and 0 otherwise.
@@ -151,13 +156,19 @@ def mod_context(spec, backward: bool = False, linear: bool = False) -> dict:
     the spec's ``mod`` token names (flashgen.mods; this process must have traced them), and the
     ``variant_type`` that calls them (common/mod.cuh); nothing for a spec without mods. ``backward``: the
     backward kernel's functions (``ModPair.cuda_backward``: the score_mod unfolded, with its derivative).
-    ``linear`` (``Family.linear_mod``): the score_mod as a column-only bias (LINEAR)."""
+    ``linear`` (``Family.linear_mod``): the score_mod as a column-only bias (LINEAR). ``spec.row_bounds``:
+    the mask by each row's bounds (ROWS; ValueError for a pair without a mask_mod)."""
     if not spec.mod:
         return {"mod_source": ""}
     pair = mods.of_number(spec.mod)
+    rows = spec.row_bounds
+    if rows and pair.mask is None:
+        raise ValueError(f"{spec.name}: row_bounds masks by a mask_mod's row bounds; mod {spec.mod} has no mask_mod")
     flags = [pair.score is not None, pair.mask is not None] + ([pair.score_grad is not None] if backward else [])
     if linear:
         flags += [False, True, pair.linear.q_coef is not None]
+    if rows:
+        flags += [False] * (5 - len(flags)) + [True]
     return {"mod_source": pair.cuda_backward() if backward else pair.cuda(linear=linear),
             "variant_type": "fg_mod_variant<" + ", ".join("true" if f else "false" for f in flags) + ">"}
 
@@ -175,6 +186,8 @@ def check_mod(family, spec) -> None:
     if spec.mod and (spec.causal or spec.window or spec.softcap or spec.alibi or spec.sinks or spec.varlen):
         raise ValueError(f"{family.kind}: mod={spec.mod} takes no built-in variant (causal, window, softcap, alibi, "
                          "sinks, varlen): a mod expresses its own mask and scores")
+    if spec.row_bounds and not spec.mod:
+        raise ValueError(f"{family.kind}: row_bounds masks by a mask_mod's row bounds: it needs mod")
 
 
 def forward_values(dims, strides_bhs, o_strides, scale: float) -> dict:

@@ -25,7 +25,7 @@ from ..errors import UnsupportedError
 from ..problem import ProblemKey, smallest_tile
 from ..spec import KernelSpec
 from ..variants import PLAIN
-from .base import (F32, FP8_PARAMS, FWD_O32_PARAMS, I32, MOD_PARAMS, PTR, TMAP, VARIANT_PARAMS,
+from .base import (F32, FP8_PARAMS, FWD_O32_PARAMS, I32, MOD_PARAMS, MOD_ROWS_PARAMS, PTR, TMAP, VARIANT_PARAMS,
                    VARLEN_PARAMS, Family, aligned_struct, check_mod, forward_values, hopper_checks, mod_context,
                    mod_masked, strides, stride_values, variant_context, varlen_pairs)
 
@@ -54,6 +54,7 @@ SM90_PARAMS = (
     # Gathered paged K/V (spec.kv_gather): the caches themselves and their (page, head, row) element strides.
     ("kc", "const elem_t*", PTR), ("vc", "const elem_t*", PTR), *strides("k", "v"),
     *MOD_PARAMS,
+    *MOD_ROWS_PARAMS,
     # fp8: the descale factors of q, k and v (fp32), factor (b, h) at b * sb + (h / div) * sh, h the query
     # head for q (div: query heads per factor) and the KV head for k and v (api.fp8.descale_strides).
     *FP8_PARAMS,

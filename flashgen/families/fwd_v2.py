@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..problem import ProblemKey
 from ..variants import PLAIN
-from .base import (FWD_O32_PARAMS, FWD_PARAMS, MOD_PARAMS, VARIANT_PARAMS, VARLEN_PARAMS, Family, check_mod,
+from .base import (FWD_O32_PARAMS, FWD_PARAMS, MOD_PARAMS, MOD_ROWS_PARAMS, VARIANT_PARAMS, VARLEN_PARAMS, Family, check_mod,
                    forward_values, mod_context, variant_context, varlen_pairs)
 
 # The default rule: per head-dim tile, (block_m, block_n, warps, stages, refill, causal, arch) in
@@ -76,7 +76,7 @@ class FwdV2Family(Family):
 
 
 FAMILY = FwdV2Family(
-    "fwd_v2", "fwd_v2/fwd_v2.cu.j2", FWD_PARAMS + VARIANT_PARAMS + FWD_O32_PARAMS + VARLEN_PARAMS + MOD_PARAMS,
+    "fwd_v2", "fwd_v2/fwd_v2.cu.j2", FWD_PARAMS + VARIANT_PARAMS + FWD_O32_PARAMS + VARLEN_PARAMS + MOD_PARAMS + MOD_ROWS_PARAMS,
     problem="fwd", tiles=DEFAULT_TILES,
     tune_space=(("block_m", (64, 128, 192)), ("block_n", (32, 48, 64, 96, 128)), ("warps", (4, 8)),
                 ("stages", (2, 3, 4)), ("refill", (0, 1, 2))))

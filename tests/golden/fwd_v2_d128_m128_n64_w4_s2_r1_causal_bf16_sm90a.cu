@@ -1020,6 +1020,9 @@ struct fwd_v2_d128_m128_n64_w4_s2_r1_causal_bf16_sm90a_params {
   int bm_sb;
   int bm_sh;
   int bm_nb;
+  const int* bm_rows;
+  int bm_rsb;
+  int bm_rsh;
 };
 
 static_assert(2 * 128 * (128 + 2 * 2 * 64) == 98304,

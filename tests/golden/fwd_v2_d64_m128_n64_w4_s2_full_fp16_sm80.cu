@@ -1020,6 +1020,9 @@ struct fwd_v2_d64_m128_n64_w4_s2_full_fp16_sm80_params {
   int bm_sb;
   int bm_sh;
   int bm_nb;
+  const int* bm_rows;
+  int bm_rsb;
+  int bm_rsh;
 };
 
 static_assert(2 * 64 * (128 + 2 * 2 * 64) == 49152,

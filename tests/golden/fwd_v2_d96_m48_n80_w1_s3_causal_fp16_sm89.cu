@@ -1020,6 +1020,9 @@ struct fwd_v2_d96_m48_n80_w1_s3_causal_fp16_sm89_params {
   int bm_sb;
   int bm_sh;
   int bm_nb;
+  const int* bm_rows;
+  int bm_rsb;
+  int bm_rsh;
 };
 
 static_assert(2 * 96 * (48 + 2 * 3 * 80) == 101376,

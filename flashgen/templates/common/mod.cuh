@@ -56,14 +56,31 @@ FG_DEVICE void fg_mask_mod_row(F& s, int hh, int b, int h, int q, int c0, int li
     }
 }
 
+// ROWS (the forward families: KernelSpec.row_bounds): row q of batch b, head h sees exactly keys lo..hi, the
+// parameter block's bm_rows pair at (b bm_rsb + h bm_rsh + q) (BlockMask.row_bounds: a mask whose rows each
+// see one run of keys, lo > hi for none; hi < nk, so the key end needs no test of its own): a partial block
+// is masked by two compares a score, with one 8-byte read per row half, where the mask_mod would read its
+// captures per score. Rows past nq read the last row's bounds (their results are not written).
+template <typename F>
+FG_DEVICE void fg_mask_bounds_row(F& s, int hh, int c0, int lo, int hi) {
+#pragma unroll
+  for (int nj = 0; nj < frag<F>::N8; ++nj)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int col = c0 + 8 * nj + e;
+      if (col < lo || col > hi) frag<F>::at(s, nj, 2 * hh + e) = -INFINITY;
+    }
+}
+
 // LINEAR (fwd_sm90 only): the score_mod is x + a(b, h) kv + r(b, h, q) (flashgen.mods.linear: a is
 // fg_score_mod_kv, r(q) fg_score_mod_lin at x = 0, kv = 0) and runs as the built-in causal ALiBi does
 // (ALIBI_LINEAR): the scores stay raw q.k (the host sets the softmax's scales to the softmax scale's),
 // transform_cols adds a / scale times the column's offset in the block with one FFMA per score, and
 // alibi_row_offset gives the rest, (a c0 + r(q)) / scale. LINEAR_ROWS: r(q) = beta q + r(0) (beta is
 // fg_score_mod_q), so the offset is two FMAs on values set once per head, with no call of r in the loop.
-template <bool SCORE, bool MASK, bool GRAD = false, bool LINEAR = false, bool LINEAR_ROWS = false>
+template <bool SCORE, bool MASK, bool GRAD = false, bool LINEAR = false, bool LINEAR_ROWS = false, bool ROWS = false>
 struct fg_mod_variant {
+  static_assert(!ROWS || MASK, "row bounds are a mask_mod's");
   enum : int { RIGHT = 0, LEFT = 0, TRANSFORMS = SCORE && !LINEAR, HAS_SINK = 0, HAS_CAP = 0, HAS_ALIBI = 0,
                PLAIN = 0, VARLEN_ROWS = 0, ALIBI_LINEAR = LINEAR, SPARSE = MASK, DS_FACTOR = SCORE && GRAD, USER = 1 };
   int nq, nk, diag, b, h, count;
@@ -71,6 +88,7 @@ struct fg_mod_variant {
   float col_slope, row_slope, row_const, inv_scale;  // LINEAR: a, beta, r(0) over the scale; 1 / scale
   const fg_mod_args* args;
   const int* row;  // MASK: this query block's entries of bm_index
+  const int2* bounds;  // ROWS: this (batch, head)'s row bounds
 
   FG_DEVICE fg_mod_variant() {}
   template <typename Params>
@@ -82,6 +100,7 @@ struct fg_mod_variant {
     args = &p.mod;
     b = h = count = 0;
     row = nullptr;
+    bounds = nullptr;
     col_slope = row_slope = row_const = 0.f;
     inv_scale = LINEAR ? 1.f / scale : 1.f;
   }
@@ -94,6 +113,9 @@ struct fg_mod_variant {
       row_slope = fg_score_mod_q(0.f, b, h, 0, 0, *args) * inv_scale;
       row_const = fg_score_mod_lin(0.f, b, h, 0, 0, *args) * inv_scale;
     }
+    if constexpr (ROWS)
+      bounds = reinterpret_cast<const int2*>(p.bm_rows) + static_cast<fg_i64>(b) * p.bm_rsb +
+               static_cast<fg_i64>(h) * p.bm_rsh;
   }
   // MASK: the block list of query block m_block of (b, h) (set_head first).
   template <typename Params>
@@ -119,7 +141,12 @@ struct fg_mod_variant {
   }
   template <typename F>
   FG_DEVICE void mask(F& s, int hh, int row_, int c0) const {
-    fg_mask_mod_row<MASK>(s, hh, b, h, row_, c0, nk, *args);
+    if constexpr (ROWS) {
+      const int2 r = __ldg(bounds + min(row_, nq - 1));
+      fg_mask_bounds_row(s, hh, c0, r.x, r.y);
+    } else {
+      fg_mask_mod_row<MASK>(s, hh, b, h, row_, c0, nk, *args);
+    }
   }
   // The backward's walk: without a mask every query block sees every key block.
   FG_DEVICE int query_first(int, int) const { return 0; }
