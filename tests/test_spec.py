@@ -14,7 +14,7 @@ from flashgen.spec import ARCHS, DTYPES, fields_of
 
 FWD = FAMILIES["fwd_v2"]
 
-NAME_RE = re.compile(r"^fwd_v2_d\d+_m\d+_n\d+_w\d+_s\d+(_r[12])?(_win)?(_cap)?(_alibi)?(_sink)?(_vl)?(_mod\d+)?_(causal|full)_(fp16|bf16)"
+NAME_RE = re.compile(r"^fwd_v2_d\d+_m\d+_n\d+_w\d+_s\d+(_r[12])?(_win)?(_cap)?(_alibi)?(_sink)?(_vl)?(_mod\d+)?(_rb)?_(causal|full)_(fp16|bf16)"
                      r"_sm\d+a?$")
 
 
@@ -33,7 +33,7 @@ def _allowed(field: str) -> tuple:
 
 FIELDS = [f.name for f in fields_of("fwd_v2")]
 # compile-time switches (and a user mod's token): off over the grid below
-VARIANT_FIELDS = ("window", "softcap", "alibi", "sinks", "varlen", "mod")
+VARIANT_FIELDS = ("window", "softcap", "alibi", "sinks", "varlen", "mod", "row_bounds")
 
 
 def _valid_specs():
@@ -78,6 +78,8 @@ def test_every_field_changes_the_name(field):
     (a field added to KernelSpec is covered here without touching this test)."""
     base = KernelSpec(kind="fwd_v2", arch="sm_80", dtype="fp16", head_dim=96, block_m=64, block_n=64, warps=2,
                       stages=3, causal=False).validate()
+    if field == "row_bounds":  # (a mod's option: compared with the same mod without it)
+        base = base.replace(mod=5).validate()
     others = []
     for value in _allowed(field):
         if value != getattr(base, field):
