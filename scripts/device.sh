@@ -8,7 +8,7 @@
 # Steps run in the order given: `tests` is the GPU test suite (pytest -m gpu tests/; "tests ARGS"
 # runs pytest -m gpu ARGS instead, e.g. "tests tests/test_gpu_decode.py -x"; the whole suite takes about
 # 1300 s on an H100 with a fresh kernel cache, more than one device call: "tests tests/ --shard 1/3", 2/3 and
-# 3/3 in three calls; ARGS are split at spaces, so no quoted -k expression), every other
+# 3/3 in three calls; ARGS are split as the shell splits words, quotes kept: "tests tests/ -k 'a or b'"), every other
 # word is a `flashgen bench` suite (fwd, bwd, decode, ablation, ab, host, startup, sass), optionally quoted
 # together with its options. Each step writes into its own folder, packed as $OUT/<step>.tgz as soon
 # as the step ends (a step stopped by its timeout is packed with what it wrote so far: a suite's
@@ -81,8 +81,14 @@ declare -A SEEN
 STEPS=()
 FAILED=0
 for spec in "$@"; do
-  read -r -a words <<< "$spec"
-  name=${words[0]}
+  # A step's words as the shell would split them (quotes kept together: "tests tests/x.py -k 'a or b'").
+  mapfile -t words < <(python3 -c 'import shlex, sys; print("\n".join(shlex.split(sys.argv[1])))' "$spec" 2>/dev/null)
+  if [ ${#words[@]} -eq 0 ] && [ -n "${spec// /}" ]; then
+    echo ">> $spec: its quotes do not close; skipped" | tee -a "$SUMMARY"
+    FAILED=1
+    continue
+  fi
+  name=${words[0]:-}
   [ -z "$name" ] && continue
   SEEN[$name]=$(( ${SEEN[$name]:-0} + 1 ))
   step=$name
