@@ -160,23 +160,32 @@ def mod_family(key: ProblemKey) -> str:
                            f"serves {key.arch}")
 
 
-def mod_backward_spec(key: ProblemKey, smem_budget: int, token: int, verify: bool = False) -> KernelSpec:
-    """The dK/dV kernel of a call with user mods: ``key`` (a ``bwd_dkdv`` key of a head-dim tile bwd_sm90 has) served
-    by ``bwd_sm90`` with the mods' token, the rule's tiles in order, then each with dP^T's GEMM issued after
-    P^T (``dp_late``: a mod's functions that do not fit beside dP^T's accumulators). ``verify``: the first
-    that builds clean, else the one that spills least (at d = 128 a mod's functions can leave ptxas a few
-    registers short whichever way: ``codegen.load(..., accept_spills=True)`` takes it rather than leave
-    the mod without a backward). UnsupportedError where bwd_sm90 has no tile (the mma.sync backward
-    kernels take no mods)."""
+def mod_backward_spec(key: ProblemKey, smem_budget: int, token: int, verify: bool = False,
+                      family: str | None = None) -> KernelSpec:
+    """The dK/dV kernel of a call with user mods for ``key`` (a ``bwd_dkdv`` key), with the mods' token: on
+    sm_90a at the head-dim tiles bwd_sm90 has, bwd_sm90's rule tiles in order, then each with dP^T's GEMM
+    issued after P^T (``dp_late``: a mod's functions that do not fit beside dP^T's accumulators); elsewhere
+    (the other GPUs, head-dim tile 160) the mma.sync dK/dV kernel with dQ by atomics (``bwd_dkdv``), its rule's
+    tiles in order (UnsupportedError where none fits); ``family="bwd_dkdv"`` takes that kernel on sm_90a too
+    (tests, comparisons). ``verify``: the first that builds clean, else the one
+    that spills least (at d = 128 a mod's functions can leave ptxas a few registers short whichever way:
+    ``codegen.load(..., accept_spills=True)`` takes it rather than leave the mod without a backward)."""
     fam = families.family("bwd_sm90")
-    if key.arch != "sm_90a" or key.head_dim not in fam.tiles:
-        raise UnsupportedError(f"the backward of score_mod / mask_mod runs on bwd_sm90 (sm_90a, head-dim tiles "
-                               f"{sorted(fam.tiles)}); this call has {key.arch}, head-dim tile {key.head_dim}")
-    # (the dQ writer walks dense rows: the rule's own tile follows its; 128 queries a step: not with mods yet)
-    rule = [s.replace(causal=False, mod=token) for s in fam.rule(key.replace(causal=False, variant=""), smem_budget)
-            if s.dq_write not in WRITER_DQ and s.block_m == 64]
-    rule = list(dict.fromkeys(rule))
-    candidates = [s.validate() for s in rule + [s.replace(dp_late=True) for s in rule]]
+    plain = key.replace(causal=False, variant="")
+    if family not in (None, "bwd_sm90", "bwd_dkdv"):
+        raise ValueError(f"the backward of score_mod / mask_mod runs on bwd_sm90 or bwd_dkdv, not {family!r}")
+    if family == "bwd_dkdv" or key.arch != "sm_90a" or key.head_dim not in fam.tiles:
+        rule = [s.replace(causal=False, mod=token) for s in families.family("bwd_dkdv").rule(plain, smem_budget)]
+        candidates = [s.validate() for s in dict.fromkeys(rule)]
+        if not candidates:
+            raise UnsupportedError(f"no bwd_dkdv tile fits head-dim tile {key.head_dim} on {key.arch} for the "
+                                   "backward of score_mod / mask_mod")
+    else:
+        # (the dQ writer walks dense rows: the rule's own tile follows its; 128 queries a step: not with mods yet)
+        rule = [s.replace(causal=False, mod=token) for s in fam.rule(plain, smem_budget)
+                if s.dq_write not in WRITER_DQ and s.block_m == 64]
+        rule = list(dict.fromkeys(rule))
+        candidates = [s.validate() for s in rule + [s.replace(dp_late=True) for s in rule]]
     if not verify:
         return candidates[0]
     spilling = []

@@ -1,4 +1,5 @@
-"""GPU tier: the backward of user mods (flashgen.mods) on bwd_sm90.
+"""GPU tier: the backward of user mods (flashgen.mods) on bwd_sm90, and on the mma.sync bwd_dkdv (the other GPUs'
+and head-dim tile 160's; forced here beside bwd_sm90 by the ``mma_sync`` fixture).
 
 dQ, dK, dV through ``flashgen.attention(..., score_mod=, mask_mod=, block_mask=).backward`` against
 autograd through the fp32 reference on fp32 leaves (``flashgen.reference.grad_tolerance``: 2x the
@@ -40,9 +41,10 @@ def _precompile(request, tmp_path_factory):
                                           (SMALL, 256, "bf16", lengths)], backward=True)
 
 
-def check_mod_grads(b, hq, hk, nq, nk, d, dtype, name, layout="bhsd", block_mask=None):
+def check_mod_grads(b, hq, hk, nq, nk, d, dtype, name, layout="bhsd", block_mask=None, given=None):
+    """One call's dQ, dK, dV against the rule, with ``example_mods``' ``name`` or the ``given`` (score_mod, mask_mod)."""
     q, k, v = make_inputs(b, hq, hk, nq, nk, d, dtype, layout, 2.0)
-    score_mod, mask_mod = example_mods(b, hq, nq, nk)[name]
+    score_mod, mask_mod = given or example_mods(b, hq, nq, nk)[name]
     extra = {"score_mod": score_mod, "mask_mod": mask_mod}
     if block_mask is not None and mask_mod is not None:
         extra = {"score_mod": score_mod, "block_mask": block_mask(mask_mod)}
@@ -152,14 +154,73 @@ def test_matches_flex_attention_gradients():
         assert (a.grad.float() - f.grad.float()).abs().max().item() <= 2 * t, what
 
 
+@pytest.fixture
+def mma_sync(monkeypatch):
+    """The mods' backward on the mma.sync dK/dV kernel (bwd_dkdv), which the GPUs without bwd_sm90 run, here too
+    (a fresh plan cache, whose plans keep their backward kernel)."""
+    from flashgen import dispatch
+    from flashgen.api.plans import cache
+
+    real = dispatch.mod_backward_spec
+    monkeypatch.setattr(dispatch, "mod_backward_spec",
+                        lambda key, budget, token, verify=False, family=None: real(key, budget, token, verify, "bwd_dkdv"))
+    plans = cache("attention with mods")
+    plans.clear()
+    yield
+    plans.clear()
+
+
+def _backward_kinds() -> set:
+    from flashgen.api.plans import cache
+
+    return {p.backward.spec.kind for p in cache("attention with mods").values() if p.backward is not None}
+
+
+@pytest.mark.parametrize("nq,nk", [(113, 203), (1, 239), (239, 1), (799, 3), (1023, 1024)])
+@pytest.mark.parametrize("name", ["causal", "sliding", "document", "block_sparse", "alibi", "alibi_causal",
+                                  "softcap_document", "relative", "relative_bf16"])
+def test_mod_grads_on_the_mma_sync_backward(mma_sync, name, nq, nk):
+    """bwd_dkdv with the mods: the score_mod's derivative on dS, the block mask's per-key-block lists (per query
+    head of the GQA group), the mask on partial blocks and at both ends."""
+    check_mod_grads(2, 4, 2, nq, nk, 128, torch.bfloat16, name)
+    assert _backward_kinds() == {"bwd_dkdv"}
+
+
+@pytest.mark.parametrize("name", SMALL)
+@pytest.mark.parametrize("d", [64, 96, 256])
+def test_mod_grads_on_the_mma_sync_backward_fp16_bshd(mma_sync, name, d):
+    check_mod_grads(1, 4, 1, 799, 803, d, torch.float16, name, layout="bshd")
+    assert _backward_kinds() == {"bwd_dkdv"}
+
+
+def test_mod_grads_per_head_lists_on_the_mma_sync_backward(mma_sync):
+    """A mask that differs per head (a stride per query head) and per batch: each query head of a KV head's group
+    walks its own list, heads with an empty list passed over."""
+    b, hq, hk, nq, nk = 2, 6, 2, 300, 420
+    step = torch.tensor([1, 2, 3, 1, 5, 7], device="cuda")
+    cut = torch.tensor([0, 1000], device="cuda")
+
+    def striped(b_, h, q, kv):  # every step[h]-th key; batch 0 a band up to 120 keys past the row; head 3 none
+        return (kv % step[h] == 0) & (kv <= q + 120 + cut[b_]) & ((h != 3) | (q < 0))
+    check_mod_grads(b, hq, hk, nq, nk, 64, torch.bfloat16, "striped", given=(None, striped))
+    assert _backward_kinds() == {"bwd_dkdv"}
+
+
+@needs_sm90
+@pytest.mark.parametrize("name", ["causal", "document", "alibi_causal", "softcap_document"])
+def test_mod_grads_at_head_dim_160(name):
+    """Head-dim tile 160 has no bwd_sm90 tile: dispatch's mods backward is bwd_dkdv there (its forward fwd_v2)."""
+    from flashgen.api.plans import cache
+
+    cache("attention with mods").clear()
+    check_mod_grads(2, 4, 2, 333, 517, 160, torch.bfloat16, name)
+    assert _backward_kinds() == {"bwd_dkdv"}
+
+
 @needs_sm90
 def test_mod_grad_refusals_before_launch():
-    """A mod's gradient where bwd_sm90 has no tile (head-dim tile 160: its forward runs on fwd_v2) and a
-    deterministic mask_mod backward are refused before the forward's launch, no gradient written."""
-    q, k, v = (t.requires_grad_(True) for t in make_inputs(1, 2, 2, 64, 64, 160, torch.bfloat16))
-    with pytest.raises(flashgen.UnsupportedError, match="head-dim tile 160"):
-        flashgen.attention(q, k, v, score_mod=lambda s, b, h, qi, kv: s * 0.5)
-    q, k, v = (t.detach().requires_grad_(True) for t in make_inputs(1, 2, 2, 64, 64, 64, torch.bfloat16))
+    """A deterministic mask_mod backward is refused before the forward's launch, no gradient written."""
+    q, k, v = (t.requires_grad_(True) for t in make_inputs(1, 2, 2, 64, 64, 64, torch.bfloat16))
     with pytest.raises(flashgen.UnsupportedError, match="deterministic"):
         flashgen.attention(q, k, v, mask_mod=lambda b, h, qi, kv: qi >= kv, deterministic=True)
     assert q.grad is None and k.grad is None

@@ -100,28 +100,18 @@ def test_unmasked_gradients_flow():
 
 
 @needs_sm90
+@pytest.mark.parametrize("d", [64, 160])
 @pytest.mark.parametrize("kind", ["bool", "float", "top_left"])
-def test_masked_gradients(kind):
-    """A masked call's gradients (the mods' backward) against torch's SDPA in fp32 (every row sees a key)."""
-    q, k, v = (t.requires_grad_(True) for t in inputs(2, 4, 2, 150, 230))
+def test_masked_gradients(kind, d):
+    """A masked call's gradients (the mods' backward: bwd_sm90, and the mma.sync bwd_dkdv at head-dim tile 160)
+    against torch's SDPA in fp32 (every row sees a key)."""
+    q, k, v = (t.requires_grad_(True) for t in inputs(2, 4, 2, 150, 230, d))
     extra = {"is_causal": True} if kind == "top_left" else {
         "attn_mask": (torch.rand(150, 230, device="cuda") < 0.5) | (torch.arange(230, device="cuda") == 0)
         if kind == "bool" else torch.randn(2, 1, 150, 230, device="cuda")}
-    dout = torch.randn(2, 4, 150, 64, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn(2, 4, 150, d, device="cuda", dtype=torch.bfloat16)
     flashgen.sdpa(q, k, v, enable_gqa=True, **extra).backward(dout)
     leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
     F.scaled_dot_product_attention(*leaves, enable_gqa=True, **extra).backward(dout.float())
     for g, leaf in zip((q.grad, k.grad, v.grad), leaves):
         assert (g.float() - leaf.grad).abs().max().item() < 5e-2 * max(1.0, leaf.grad.abs().max().item())
-
-
-@needs_sm90
-def test_masked_gradients_refused_unless_fallback():
-    """Head-dim tile 160 has no mods backward (bwd_sm90 has no such tile): refused before any launch, or sent
-    to torch with fallback=True."""
-    q, k, v = (t.requires_grad_(True) for t in inputs(1, 2, 2, 64, 64, 160))
-    mask = torch.rand(64, 64, device="cuda") < 0.5
-    with pytest.raises(flashgen.UnsupportedError, match="backward"):
-        flashgen.sdpa(q, k, v, attn_mask=mask)
-    out = flashgen.sdpa(q, k, v, attn_mask=mask, fallback=True)
-    assert out.grad_fn is not None and torch.equal(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))

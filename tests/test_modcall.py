@@ -62,9 +62,11 @@ def test_mod_spec_rules(change, match):
 
 
 def test_mod_field_belongs_to_the_mod_families_only():
-    """fwd_sm90, fwd_v2, bwd_sm90 and decode_split take a mod token; the mma.sync backward kernels do not."""
+    """fwd_sm90, fwd_v2, bwd_sm90, bwd_dkdv and decode_split take a mod token; the deterministic mode's
+    mma.sync pair does not."""
     assert KernelSpec(kind="fwd_v2", head_dim=64, block_m=64, block_n=64, warps=4, mod=5).validate().mod == 5
-    for kind in ("bwd_dkdv", "bwd_dq"):
+    assert KernelSpec(kind="bwd_dkdv", head_dim=64, block_m=64, block_n=64, warps=4, mod=5).validate().mod == 5
+    for kind in ("bwd_dkdv_nodq", "bwd_dq"):
         with pytest.raises(ValueError, match="not a field of this kind"):
             KernelSpec(kind=kind, head_dim=64, block_m=64, block_n=64, warps=4, mod=5).validate()
     with pytest.raises(ValueError, match="built-in variant"):
@@ -308,16 +310,47 @@ def test_backward_kernels_with_mods_compile_without_spills(score, mask, d, tmp_p
     assert "fg_mod_variant<" + ", ".join("true" if f else "false" for f in flags) + ">" in src
 
 
-def test_backward_with_mods_needs_a_bwd_sm90_tile():
-    from flashgen import dispatch
+@pytest.mark.parametrize("score,mask", [(None, document), (softcap, document), (alibi, None), (relative16, None)])
+@pytest.mark.parametrize("arch,d", [("sm_80", 64), ("sm_80", 128), ("sm_86", 96), ("sm_89", 64), ("sm_80", 256),
+                                    ("sm_90a", 160)])
+def test_mma_sync_backward_serves_mods_elsewhere(score, mask, arch, d, tmp_path, monkeypatch):
+    """Where bwd_sm90 has no tile (the other GPUs, head-dim tile 160), the mods' backward is the mma.sync dK/dV
+    kernel with dQ by atomics (bwd_dkdv), the rule's tile, built clean offline; a mask walks the block mask's
+    per-key-block lists there (the kernel's SPARSE path)."""
+    from flashgen import dispatch, gpus
+    from flashgen.codegen import build
     from flashgen.problem import ProblemKey
 
-    with pytest.raises(flashgen.UnsupportedError, match="head-dim tile 160"):
-        dispatch.mod_backward_spec(ProblemKey("bwd_dkdv", "sm_90a", "bf16", 160, False, 4096, ""), 232448, 5)
-    with pytest.raises(flashgen.UnsupportedError, match="sm_80"):
-        dispatch.mod_backward_spec(ProblemKey("bwd_dkdv", "sm_80", "bf16", 128, False, 4096, ""), 166912, 5)
+    monkeypatch.setenv("FLASHGEN_HOME", str(tmp_path))
+    pair = registered(score, mask)
+    key = ProblemKey("bwd_dkdv", arch, "bf16", d, False, 4096, "")
+    spec = dispatch.mod_backward_spec(key, gpus.ARCH_SMEM_PER_BLOCK[arch], mods.token_number(pair), verify=True)
+    assert spec.kind == "bwd_dkdv" and spec.mod == mods.token_number(pair) and not spec.causal
+    report = build(spec).report
+    assert report.spill_stores == 0 and report.stack_frame == 0, (spec.name, report)
+    src = render(spec)
+    flags = [pair.score is not None, pair.mask is not None, pair.score_grad is not None]
+    assert "fg_mod_variant<" + ", ".join("true" if f else "false" for f in flags) + ">" in src
+
+
+def test_mods_backward_kinds_and_rules():
+    """bwd_dkdv takes a mod (its dQ by atomics); its no-dQ twin and the dQ kernel do not; no built-in variant
+    beside a mod; a plain bwd_dkdv kernel's source carries no mod functions."""
     with pytest.raises(ValueError, match="built-in variant"):
         KernelSpec(kind="bwd_sm90", head_dim=128, block_m=64, block_n=128, warps=12, mod=5, causal=True).validate()
+    with pytest.raises(ValueError, match="built-in variant"):
+        KernelSpec(kind="bwd_dkdv", head_dim=128, block_m=64, block_n=64, warps=8, mod=5, softcap=True).validate()
+    for kind in ("bwd_dkdv_nodq", "bwd_dq"):
+        with pytest.raises(ValueError, match="not a field of this kind"):
+            KernelSpec(kind=kind, head_dim=64, block_m=64, block_n=64, warps=4, mod=5).validate()
+    plain = render(KernelSpec(kind="bwd_dkdv", arch="sm_80", head_dim=64, block_m=64, block_n=64, warps=4).validate())
+    assert "fg_score_mod(" not in plain and "struct fg_mod_variant" not in plain
+    from flashgen import dispatch, gpus
+    from flashgen.problem import ProblemKey
+
+    with pytest.raises(flashgen.UnsupportedError, match="d=256"):  # (no d = 256 tile in 99 KB, as without mods)
+        dispatch.mod_backward_spec(ProblemKey("bwd_dkdv", "sm_89", "bf16", 256, False, 4096, ""),
+                                   gpus.ARCH_SMEM_PER_BLOCK["sm_89"], 5)
 
 
 def test_backward_takes_the_least_spilling_tile_when_none_is_clean(tmp_path, monkeypatch):

@@ -137,8 +137,8 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
     in fp32, (b, h, nq, d) (a sink forward's ``out32``): D = rowsum(dO O) is then taken from it rather
     than from the rounded ``out`` (with a sink, a row whose P nears 1 makes dP - D a difference of two
     close numbers, and the rounding of O alone put dQ/dK past the accuracy rule: docs/perf/variants.md).
-    ``mods`` (``api.modcall.ModBackward``): user mods, served by its ``bwd_sm90`` spec, its variant and
-    scales, and its mod fields in the kernel's parameters.
+    ``mods`` (``api.modcall.ModBackward``): user mods, served by its spec (``bwd_sm90``, or the mma.sync
+    ``bwd_dkdv`` where that has no tile), its variant and scales, and its mod fields in the kernel's parameters.
     """
     if not deterministic and torch.are_deterministic_algorithms_enabled():
         # torch.use_deterministic_algorithms(True): the deterministic path where there is one, else torch's
@@ -184,9 +184,11 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
     vkey = kernel_variant.key()
     key = ProblemKey("bwd_dkdv", dev.arch, dtype, d_tile, causal, bucket_of(nq), vkey)
     forced = specs.get("bwd_dkdv") if specs else (mods.spec if mods is not None else None)
-    if mods is not None and not all(_tma_ok(t) for t in (q, k, v, dout)):
-        raise UnsupportedError("the backward of score_mod / mask_mod runs on bwd_sm90, whose tensor maps need "
+    if mods is not None and mods.spec.kind != bwd.DKDV.kind and not all(_tma_ok(t) for t in (q, k, v, dout)):
+        raise UnsupportedError("the backward of score_mod / mask_mod runs on bwd_sm90 here, whose tensor maps need "
                                "16-byte aligned q, k, v, dout with strides in multiples of 16 bytes")
+    if mods is not None:  # (either kernel adds dQ into the fp32 accumulator)
+        dq_mode = "atomic"
     if forced is not None and forced.kind != bwd.DKDV.kind:  # a Hopper kernel: dQ always into the accumulator
         if (deterministic and not forced.det) or dq_mode == "separate":
             raise ValueError(f"a {forced.kind} spec without det adds dQ in any order: not with deterministic=True "
@@ -220,6 +222,9 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
     kv_fam = families.family(kv_spec.kind) if kv_spec is not None else bwd.DKDV
     if kv_fam is bwd.DKDV and dq_mode == "atomic" and b * h * nq * d_tile >= 2**32:
         # bwd_dkdv addresses the fp32 dQ accumulator by 32-bit element offsets.
+        if mods is not None:
+            raise UnsupportedError(f"the backward of score_mod / mask_mod on {kv_spec.name} adds dQ at 32-bit offsets: "
+                                   f"b * heads * nq * {d_tile} must stay below 2^32")
         dq_mode = "separate"
     separate = dq_mode == "separate"
     shapes.from_environment()
@@ -264,13 +269,15 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
         keep.append(_queue(launches, kv, kv_grid(kv.spec), params, packed, nk))
     else:
         kv = load(_select("bwd_dkdv_nodq", dev, dtype, d_tile, causal, nq, specs, vkey) if separate else kv_spec,
-                  index)
-        keep.append(_queue(launches, kv, kv_grid(kv.spec), kv.params(
+                  index, accept_spills=mods is not None)
+        params = kv.params(
             q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), dout=dout.data_ptr(), lse2=lse2.data_ptr(),
             dsum=dsum.data_ptr(), dq_acc=dq_acc.data_ptr() if dq_acc is not None else 0, dk=dk.data_ptr(),
             dv=dv.data_ptr(), **stride_values("q", sq), **stride_values("k", sk), **stride_values("v", sv),
-            **stride_values("dout", sdo), **stride_values("dk", sdk), **stride_values("dv", sdv), **common),
-            packed, nk))
+            **stride_values("dout", sdo), **stride_values("dk", sdk), **stride_values("dv", sdv), **common)
+        if mods is not None:
+            mods.fill(params)
+        keep.append(_queue(launches, kv, kv_grid(kv.spec), params, packed, nk))
     last_specs[index] = kv.spec
 
     if separate:

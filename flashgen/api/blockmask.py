@@ -157,7 +157,7 @@ class BlockMask:
         return self._tile(block_m, block_n, False)
 
     def for_key_tile(self, block_m: int, block_n: int) -> TileBlocks:
-        """The same blocks listed the other way, for the key-outer backward (``bwd_sm90``): per key block of
+        """The same blocks listed the other way, for the key-outer backward (``bwd_sm90``, ``bwd_dkdv``): per key block of
         ``block_n`` keys, the query blocks of ``block_m`` rows that see some of its keys. ``counts`` is
         (Bm, Hm, NB) and ``index`` (Bm, Hm, NB, MB), entries ``(q_block << 1) | partial``."""
         return self._tile(block_m, block_n, True)

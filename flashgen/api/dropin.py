@@ -10,9 +10,9 @@ which for fewer queries than keys is not flashgen's bottom-right ``causal``; tha
 - a float mask is added to the scores, as a score_mod that reads it.
 
 Both read the mask where it is (its size-1 dimensions broadcast: a mod's reads are clamped into each
-dimension), with no copy. A masked call's gradients come from the mods' backward (``bwd_sm90``: head
-dims up to 256 but 129-160, on sm_90a; a float mask that requires grad gets its gradient too,
-``api.capturegrad``). Dropout and a value head dim that differs from the query's are refused too.
+dimension), with no copy. A masked call's gradients come from the mods' backward (``bwd_sm90`` on sm_90a,
+the mma.sync ``bwd_dkdv`` elsewhere and at head dims 129-160; a float mask that requires grad gets its
+gradient too, ``api.capturegrad``). Dropout and a value head dim that differs from the query's are refused too.
 ``fallback=True`` sends what flashgen refuses (``UnsupportedError``) to torch's SDPA instead; argument
 mistakes raise either way.
 

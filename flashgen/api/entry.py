@@ -49,8 +49,9 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     - ``block_mask``: ``flashgen.create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN)``, made once and reused
       across calls and layers (without it a mask_mod call makes one and keeps the newest few).
     They may read captured CUDA tensors by index. They take none of causal, window, softcap, alibi_slopes
-    or sinks (write those as mods). The forward runs on fwd_sm90 (sm_90a) or fwd_v2 (sm_80 and later);
-    gradients (q, k, v, and captured tensors that require grad) on sm_90a, head dims up to 256 but 129-160.
+    or sinks (write those as mods). The forward runs on fwd_sm90 (sm_90a) or fwd_v2 (sm_80 and later), and
+    so do gradients (q, k, v, and captured tensors that require grad): bwd_sm90 on sm_90a, the mma.sync
+    bwd_dkdv elsewhere and at head dims 129-160.
 
     FP8 (sm_90a): q, k and v in ``torch.float8_e4m3fn`` stand for ``x8 * descale`` with fp32
     ``q_descale``, ``k_descale``, ``v_descale`` (all three required): one factor (shape () or (1,)) or one

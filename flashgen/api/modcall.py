@@ -5,8 +5,8 @@ The mods are traced once into expression graphs (``flashgen.mods``); the pair's 
 A mask comes with a block mask (``flashgen.api.blockmask``), made at the kernel's tile: the kernel
 visits only the key blocks it lists and calls the mask only on the partial ones. The forward runs on
 ``fwd_sm90`` (sm_90a) or ``fwd_v2`` (every other GPU: ``dispatch.mod_family``), the backward on
-``bwd_sm90`` (sm_90a, head-dim tiles 32 to 128, 192 and 256; elsewhere a call with mods has no
-backward): the score_mod's derivative (``mods.derivative``) multiplies dS, the block mask is listed per
+``bwd_sm90`` (sm_90a, head-dim tiles 32 to 128, 192 and 256) or the mma.sync ``bwd_dkdv`` (every other
+GPU, and head-dim tile 160): the score_mod's derivative (``mods.derivative``) multiplies dS, the block mask is listed per
 key block (``BlockMask.for_key_tile``). Captured tensors that require grad get theirs from
 ``api.capturegrad`` (torch, a block of rows at a time).
 """
@@ -53,9 +53,9 @@ def mod_forward(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mas
 
 
 def mod_attention(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask):
-    """The same with gradients: q, k and v (``bwd_sm90`` with the mods) and the captured tensors that
-    require grad (``api.capturegrad``, with torch). What the backward cannot serve (a head dim or GPU
-    without bwd_sm90) is refused before the forward's launch, and its kernel is chosen then."""
+    """The same with gradients: q, k and v (``bwd_sm90`` or ``bwd_dkdv`` with the mods) and the captured
+    tensors that require grad (``api.capturegrad``, with torch). The backward's kernel is chosen before the
+    forward's launch, so what it cannot serve is refused then."""
     plan = _planned(q, k, v, softmax_scale, layout, True, spec, score_mod, mask_mod, block_mask)
     if plan.base.kernel is not None and (q.requires_grad or k.requires_grad or v.requires_grad):
         backward_of(plan, q)  # (captures alone need no backward kernel)
@@ -308,7 +308,8 @@ def block_strides(tiles) -> tuple[int, int]:
 
 class ModBackward:
     """What the backward of a call with mods gives ``attention_backward``: the dK/dV kernel's ``spec``
-    (``bwd_sm90`` with the pair's token, ``dispatch.mod_backward_spec``), its ``variant`` (the score_mod
+    (``bwd_sm90``, or the mma.sync ``bwd_dkdv`` where that has no tile, with the pair's token:
+    ``dispatch.mod_backward_spec``), its ``variant`` (the score_mod
     folded as the forward's: ``score_in`` = k joins the scale before f, c the softmax's units), the
     gradients' factor ``grad_factor`` = c k (dS picks up f' in the kernel) and the kernel's mod fields
     (captures, the block mask listed per key block: ``BlockMask.for_key_tile``), packed once."""
@@ -324,8 +325,9 @@ class ModBackward:
         # load still refuses any other problem).
         problems = dispatch.resource_problems(self.spec)
         if problems:
-            logger().info("mods %s: the backward kernel %s spills (%s): no bwd_sm90 tile holds this mod's functions "
-                          "in registers; it runs anyway", pair.token, self.spec.name, "; ".join(problems))
+            logger().info("mods %s: the backward kernel %s spills (%s): no %s tile holds this mod's functions "
+                          "in registers; it runs anyway", pair.token, self.spec.name, "; ".join(problems),
+                          self.spec.kind)
         k_in, c_out = pair.factors
         self.score_in, self.grad_factor = k_in, k_in * c_out
         self.variant = Variant(scored=pair.score is not None, score_factor=c_out)
@@ -334,8 +336,8 @@ class ModBackward:
             tiles = plan.block_mask.for_key_tile(self.spec.block_m, self.spec.block_n)
             check_int32("the block mask's rows", tiles.counts.numel())
         self.tiles = tiles  # (kept alive with the captures while the plan lives)
-        self.offset, self.blob = pack_mod_fields(families.family("bwd_sm90").param_struct(), tuple(pair.captures),
-                                                 tiles)
+        self.offset, self.blob = pack_mod_fields(families.family(self.spec.kind).param_struct(),
+                                                 tuple(pair.captures), tiles)
 
     def fill(self, params) -> None:
         fill_mods(params, self.offset, self.blob)

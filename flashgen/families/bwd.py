@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 from ..problem import HEAD_DIM_TILES, ProblemKey, bwd_head_dim_tile
 from ..spec import DTYPES
-from .base import F32, I32, PTR, VARIANT_PARAMS, VARLEN_PARAMS, Family, strides, variant_context, varlen_pairs
+from .base import (F32, I32, MOD_PARAMS, PTR, VARIANT_PARAMS, VARLEN_PARAMS, Family, check_mod, mod_context, strides,
+                   variant_context, varlen_pairs)
 
 ROW_PAD = 128  # the LSE2 / D buffers hold a multiple of this many rows per (batch, head)
 
@@ -186,6 +187,7 @@ class BwdTileFamily(BwdFamily):
 
     def validate(self, spec) -> None:
         self.require(spec, self.value_rules())
+        check_mod(self, spec)
         bad = [k for k, v in self.splits(spec).items() if v is None]
         if bad:
             raise ValueError(f"{self.kind}: {spec.warps} warps cannot tile the {'/'.join(bad)} GEMM(s) of "
@@ -210,7 +212,9 @@ class BwdTileFamily(BwdFamily):
     def context(self, spec) -> dict:
         ctx = super().context(spec)
         sp = self.splits(spec)
-        ctx.update(wa=sp["wa"], wb=sp.get("wb", 0), wc=sp["wc"], dq_atomic=self.gemms == 5, **variant_context(spec))
+        ctx.update(wa=sp["wa"], wb=sp.get("wb", 0), wc=sp["wc"], dq_atomic=self.gemms == 5, mod=spec.mod,
+                   **variant_context(spec))
+        ctx.update(mod_context(spec, backward=True))  # (a mod's variant_type replaces the built-in one)
         return ctx
 
 
@@ -219,7 +223,9 @@ PREPROCESS = RowFamily("bwd_preprocess", "bwd/bwd_preprocess.cu.j2", PRE_PARAMS,
 CONVERT = RowFamily("bwd_convert", "bwd/bwd_convert.cu.j2", CONVERT_PARAMS, tiles=_ROW_TILES, gemms=0)
 # The dK/dV kernels own key rows (query_outer False) and do five GEMMs per step with dQ (S^T, dP^T, dV,
 # dK, dQ), four without; the dQ kernel owns query rows and does three (S, dP, dQ).
-DKDV = BwdTileFamily("bwd_dkdv", "bwd/bwd_dkdv.cu.j2", DKDV_PARAMS, tiles=DKDV_TILES, gemms=5, query_outer=False)
+# bwd_dkdv also serves user mods (KernelSpec.mod; dQ by its atomics): their captures and block lists follow.
+DKDV = BwdTileFamily("bwd_dkdv", "bwd/bwd_dkdv.cu.j2", DKDV_PARAMS + MOD_PARAMS, tiles=DKDV_TILES, gemms=5,
+                     query_outer=False)
 DKDV_NODQ = BwdTileFamily("bwd_dkdv_nodq", "bwd/bwd_dkdv.cu.j2", DKDV_PARAMS, tiles=DKDV_TILES, gemms=4,
                           query_outer=False)
 DQ = BwdTileFamily("bwd_dq", "bwd/bwd_dq.cu.j2", DQ_PARAMS, tiles=DQ_TILES, gemms=3)

@@ -12,11 +12,47 @@
 // Causal: query blocks that see none of the CTA's keys are skipped; only blocks
 // that cross the diagonal or the key end are masked. The softmax scale of dK is
 // applied once at the end; dQ's by bwd_convert.
+// User mods (V::USER, common/mod.cuh): the score_mod and its derivative per element (var.score, dS times
+// V::dS_factor as a softcap's), and with a mask_mod (V::SPARSE) the query blocks of each query head come
+// from the block mask's list for this key block (BlockMask.for_key_tile at this tile: entries
+// (query block << 1) | partial), the mask applied on partial blocks and at the key and query ends.
 // Packed rows (V::VARLEN_ROWS, common/varlen.cuh): blockIdx.x is a pair (sequence, key block) of
 // the work list; the sequence's rows start at cu_q / cu_k and the variant holds its lengths. Query
 // rows past the sequence's end (the next sequence's) load as zeros with LSE2 = +inf (P = 0) and add
 // nothing to dQ.
 #pragma once
+
+// SPARSE: the block mask's list of query blocks of (batch b, query head hq) for key block n_block (its
+// length in `count`), and a place in the lists of a KV head's group, head by head (heads whose list is
+// empty passed over). Templates, so that a kernel without mods (no block mask fields) never compiles them.
+template <typename Params>
+FG_DEVICE const int* fg_key_list(const Params& p, int b, int hq, int n_block, int& count) {
+  const fg_i64 r = static_cast<fg_i64>(b) * p.bm_sb + static_cast<fg_i64>(hq) * p.bm_sh + n_block;
+  count = __ldg(p.bm_count + r);
+  return p.bm_index + r * p.bm_nb;
+}
+
+struct fg_list_at {
+  int h, j, count;
+  const int* list;
+
+  template <typename Params>
+  FG_DEVICE void start(const Params& p, int b, int hk, int n_block) {
+    h = j = 0;
+    list = fg_key_list(p, b, hk * p.group, n_block, count);
+    while (count == 0 && h + 1 < p.group) list = fg_key_list(p, b, hk * p.group + ++h, n_block, count);
+  }
+  template <typename Params>
+  FG_DEVICE void next(const Params& p, int b, int hk, int n_block) {
+    if (++j < count) return;
+    j = 0;
+    do {
+      if (++h >= p.group) return;
+      list = fg_key_list(p, b, hk * p.group + h, n_block, count);
+    } while (count == 0);
+  }
+  FG_DEVICE int entry() const { return __ldg(list + j); }
+};
 
 template <int D, int BM, int BN, int NW, int ST, int WA, int WB, int WC, bool CAUSAL, bool DQ, bool BF16,
           typename V, typename Params>
@@ -80,7 +116,15 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
   // The query blocks that see this CTA's keys (the variant's rows: causal, a window; common/variant.cuh).
   const int m_first = var.query_first(n0, BM), m_end = var.query_end(n0, BN, BM);
   const int per_head = max(0, m_end - m_first);
-  const int total = per_head * p.group;
+  int total = per_head * p.group;
+  if constexpr (V::SPARSE) {
+    total = 0;
+    for (int qh = 0; qh < p.group; ++qh) {
+      int count;
+      fg_key_list(p, b, hk * p.group + qh, n0 / BN, count);
+      total += count;
+    }
+  }
 
   // K, V: one group of their own.
   Tile<D>::template load<BN, NTH>(sK, p.k + rows(p.k_sb, p.k_ss, sq.k_off) + hk * p.k_sh, p.k_ss, n0, nk(), p.d);
@@ -134,11 +178,21 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
     }
   };
   int qh = 0, qm = m_first;  // the next step to load
+  fg_list_at lq{}, lc{};      // SPARSE: the same as places in the lists
+  if constexpr (V::SPARSE) {
+    lq.start(p, b, hk, n0 / BN);
+    lc = lq;
+  }
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) {
     if (s < total) {
-      load_q(qh, qm, s);
-      next_block(qh, qm);
+      if constexpr (V::SPARSE) {
+        load_q(lq.h, lq.entry() >> 1, s);
+        lq.next(p, b, hk, n0 / BN);
+      } else {
+        load_q(qh, qm, s);
+        next_block(qh, qm);
+      }
     }
     cp_async_commit();
   }
@@ -166,16 +220,31 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
     {
       const int jn = it + ST - 1;
       if (jn < total) {
-        load_q(qh, qm, jn % ST);
-        next_block(qh, qm);
+        if constexpr (V::SPARSE) {
+          load_q(lq.h, lq.entry() >> 1, jn % ST);
+          lq.next(p, b, hk, n0 / BN);
+        } else {
+          load_q(qh, qm, jn % ST);
+          next_block(qh, qm);
+        }
       }
       cp_async_commit();
     }
     const int stage = it % ST;
+    bool partial = false;  // SPARSE: the list's flag for this block
+    if constexpr (V::SPARSE) {
+      const int entry = lc.entry();
+      hc = lc.h;
+      mc = entry >> 1;
+      partial = entry & 1;
+    }
     const int hq = hk * p.group + hc;
     const int m0 = mc * BM;
-    next_block(hc, mc);
-    if constexpr (V::HAS_ALIBI) var.set_head(p, b, hq);
+    if constexpr (V::SPARSE)
+      lc.next(p, b, hk, n0 / BN);
+    else
+      next_block(hc, mc);
+    if constexpr (V::HAS_ALIBI || V::USER) var.set_head(p, b, hq);
     const fg_u32 sQs = sQ + stage * TILE_Q, sdOs = sdO + stage * TILE_Q;
 
     // ---- A: S^T, then P^T (to shared memory), then dP^T and dS^T (to shared memory)
@@ -184,10 +253,13 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
     // so dS uses P rounded to the input dtype, as dV = P^T dO does (and as the
     // same-dtype reference does everywhere). P = 1 and P = 0 stay exact.
     {
-      const bool need_mask = var.needs_mask(n0, BN, m0, m0 + BM - 1);
+      // (SPARSE: the list's partial blocks, and the key and query ends, where a mod's value is anything)
+      const bool need_mask = V::SPARSE ? partial || n0 + BN > nk() || m0 + BM > nq()
+                                       : var.needs_mask(n0, BN, m0, m0 + BM - 1);
       fg_u32 pt[A_MT][A_NT][2];
-      // A softcap's dS factor 1 - t^2, packed like P (dS is rounded to the input dtype anyway).
-      fg_u32 cap_f[V::HAS_CAP ? A_MT : 1][V::HAS_CAP ? A_NT : 1][2];
+      // A softcap's dS factor 1 - t^2 (a score_mod's derivative), packed like P (dS is rounded to the input
+      // dtype anyway).
+      fg_u32 cap_f[V::DS_FACTOR ? A_MT : 1][V::DS_FACTOR ? A_NT : 1][2];
       {
         float s[A_MT][A_NT][4];
         zero_acc(s);
@@ -214,12 +286,12 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
                 } else {
                   float tv;
                   x = var.score(x, m0 + ql + e, n0 + a_m0 + mi * 16 + g + 8 * h, need_mask, tv);
-                  if constexpr (V::HAS_CAP) cf[e] = V::dS_factor(tv);
+                  if constexpr (V::DS_FACTOR) cf[e] = V::dS_factor(tv);
                 }
                 pe[e] = fast_exp2(fmaf(x, p.scale_log2, -l2[e]));
               }
               pt[mi][nj][h] = pack2<BF16>(pe[0], pe[1]);
-              if constexpr (V::HAS_CAP) cap_f[mi][nj][h] = pack2<BF16>(cf[0], cf[1]);
+              if constexpr (V::DS_FACTOR) cap_f[mi][nj][h] = pack2<BF16>(cf[0], cf[1]);
             }
         }
       }
@@ -239,7 +311,7 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
             for (int h = 0; h < 2; ++h) {
               float pe[2];
               unpack2<BF16>(pt[mi][nj][h], pe[0], pe[1]);
-              if constexpr (V::HAS_CAP) {
+              if constexpr (V::DS_FACTOR) {
                 float cf[2];
                 unpack2<BF16>(cap_f[mi][nj][h], cf[0], cf[1]);
                 pe[0] *= cf[0];
