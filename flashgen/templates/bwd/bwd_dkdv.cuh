@@ -22,38 +22,6 @@
 // nothing to dQ.
 #pragma once
 
-// SPARSE: the block mask's list of query blocks of (batch b, query head hq) for key block n_block (its
-// length in `count`), and a place in the lists of a KV head's group, head by head (heads whose list is
-// empty passed over). Templates, so that a kernel without mods (no block mask fields) never compiles them.
-template <typename Params>
-FG_DEVICE const int* fg_key_list(const Params& p, int b, int hq, int n_block, int& count) {
-  const fg_i64 r = static_cast<fg_i64>(b) * p.bm_sb + static_cast<fg_i64>(hq) * p.bm_sh + n_block;
-  count = __ldg(p.bm_count + r);
-  return p.bm_index + r * p.bm_nb;
-}
-
-struct fg_list_at {
-  int h, j, count;
-  const int* list;
-
-  template <typename Params>
-  FG_DEVICE void start(const Params& p, int b, int hk, int n_block) {
-    h = j = 0;
-    list = fg_key_list(p, b, hk * p.group, n_block, count);
-    while (count == 0 && h + 1 < p.group) list = fg_key_list(p, b, hk * p.group + ++h, n_block, count);
-  }
-  template <typename Params>
-  FG_DEVICE void next(const Params& p, int b, int hk, int n_block) {
-    if (++j < count) return;
-    j = 0;
-    do {
-      if (++h >= p.group) return;
-      list = fg_key_list(p, b, hk * p.group + h, n_block, count);
-    } while (count == 0);
-  }
-  FG_DEVICE int entry() const { return __ldg(list + j); }
-};
-
 template <int D, int BM, int BN, int NW, int ST, int WA, int WB, int WC, bool CAUSAL, bool DQ, bool BF16,
           typename V, typename Params>
 FG_DEVICE void bwd_dkdv_body(const Params& p) {
@@ -117,14 +85,7 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
   const int m_first = var.query_first(n0, BM), m_end = var.query_end(n0, BN, BM);
   const int per_head = max(0, m_end - m_first);
   int total = per_head * p.group;
-  if constexpr (V::SPARSE) {
-    total = 0;
-    for (int qh = 0; qh < p.group; ++qh) {
-      int count;
-      fg_key_list(p, b, hk * p.group + qh, n0 / BN, count);
-      total += count;
-    }
-  }
+  if constexpr (V::SPARSE) total = bwd_sparse_steps(p, b, hk, n0 / BN);  // (common/bwd_common.cuh)
 
   // K, V: one group of their own.
   Tile<D>::template load<BN, NTH>(sK, p.k + rows(p.k_sb, p.k_ss, sq.k_off) + hk * p.k_sh, p.k_ss, n0, nk(), p.d);
@@ -178,17 +139,14 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
     }
   };
   int qh = 0, qm = m_first;  // the next step to load
-  fg_list_at lq{}, lc{};      // SPARSE: the same as places in the lists
-  if constexpr (V::SPARSE) {
-    lq.start(p, b, hk, n0 / BN);
-    lc = lq;
-  }
+  bwd_sparse_walk lq{nullptr, -1, 0, 0}, lc = lq;  // SPARSE: the same as walks of the lists
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) {
     if (s < total) {
       if constexpr (V::SPARSE) {
-        load_q(lq.h, lq.entry() >> 1, s);
-        lq.next(p, b, hk, n0 / BN);
+        bool unused;
+        const int m_block = lq.next(p, b, hk, n0 / BN, unused);
+        load_q(lq.qh, m_block, s);
       } else {
         load_q(qh, qm, s);
         next_block(qh, qm);
@@ -221,8 +179,9 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
       const int jn = it + ST - 1;
       if (jn < total) {
         if constexpr (V::SPARSE) {
-          load_q(lq.h, lq.entry() >> 1, jn % ST);
-          lq.next(p, b, hk, n0 / BN);
+          bool unused;
+          const int m_block = lq.next(p, b, hk, n0 / BN, unused);
+          load_q(lq.qh, m_block, jn % ST);
         } else {
           load_q(qh, qm, jn % ST);
           next_block(qh, qm);
@@ -233,17 +192,12 @@ FG_DEVICE void bwd_dkdv_body(const Params& p) {
     const int stage = it % ST;
     bool partial = false;  // SPARSE: the list's flag for this block
     if constexpr (V::SPARSE) {
-      const int entry = lc.entry();
-      hc = lc.h;
-      mc = entry >> 1;
-      partial = entry & 1;
+      mc = lc.next(p, b, hk, n0 / BN, partial);
+      hc = lc.qh;
     }
     const int hq = hk * p.group + hc;
     const int m0 = mc * BM;
-    if constexpr (V::SPARSE)
-      lc.next(p, b, hk, n0 / BN);
-    else
-      next_block(hc, mc);
+    if constexpr (!V::SPARSE) next_block(hc, mc);
     if constexpr (V::HAS_ALIBI || V::USER) var.set_head(p, b, hq);
     const fg_u32 sQs = sQ + stage * TILE_Q, sdOs = sdO + stage * TILE_Q;
 

@@ -163,33 +163,6 @@ FG_DEVICE void sts_f32x2(fg_u32 addr, float a, float b) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b));
 }
 
-// User mods with a block mask (V::SPARSE, common/mod.cuh): the query blocks of (batch b, query head hq)
-// that see key block n_block, as (block << 1) | partial entries, and their count.
-template <typename Params>
-FG_DEVICE const int* bwd_block_list(const Params& p, int b, int hq, int n_block, int& count) {
-  const fg_i64 r = static_cast<fg_i64>(b) * p.bm_sb + static_cast<fg_i64>(hq) * p.bm_sh + n_block;
-  count = __ldg(p.bm_count + r);
-  return p.bm_index + r * p.bm_nb;
-}
-
-// The steps of a CTA under a block mask: (query head of the group, query block) pairs in the order of
-// the group's heads and each list's entries. The producer and the consumers walk the same sequence.
-struct bwd_sparse_walk {
-  const int* list;
-  int qh, j, count;
-  template <typename Params>
-  FG_DEVICE int next(const Params& p, int b, int hk, int n_block, bool& partial) {
-    while (j == count) {
-      ++qh;
-      j = 0;
-      list = bwd_block_list(p, b, hk * p.group + qh, n_block, count);
-    }
-    const int e = __ldg(list + j++);
-    partial = e & 1;
-    return e >> 1;
-  }
-};
-
 template <int D, int BM, int BN, int ST, int DQW, bool CAUSAL, bool BF16, int PRODUCER_REGS, int CONSUMER_REGS,
           typename V, bool DPL, bool DET, typename Params>
 FG_DEVICE void bwd_sm90_body(const Params& p) {
@@ -302,14 +275,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
       ++qh;
     }
   };
-  if constexpr (V::SPARSE) {  // a block mask: its lists' lengths over the group's heads
-    total = 0;
-    for (int qh = 0; qh < p.group; ++qh) {
-      int count;
-      bwd_block_list(p, b, hk * p.group + qh, n_block, count);
-      total += count;
-    }
-  }
+  if constexpr (V::SPARSE) total = bwd_sparse_steps(p, b, hk, n_block);  // a block mask: its lists' lengths
 
   if (tid == 0) {
     tma_prefetch_map(&p.tm_q);

@@ -384,3 +384,45 @@ FG_DEVICE void bwd_convert_body(const Params& p) {
     *reinterpret_cast<fg_u32x4*>(dq + static_cast<fg_i64>(row) * p.dq_ss + c * 8) = out;
   }
 }
+
+// User mods with a block mask (V::SPARSE, common/mod.cuh): the query blocks of (batch b, query head hq)
+// that see key block n_block, as (block << 1) | partial entries, and their count (BlockMask.for_key_tile).
+// Templates: a kernel without mods, whose parameter block has no block mask fields, never compiles them.
+template <typename Params>
+FG_DEVICE const int* bwd_block_list(const Params& p, int b, int hq, int n_block, int& count) {
+  const fg_i64 r = static_cast<fg_i64>(b) * p.bm_sb + static_cast<fg_i64>(hq) * p.bm_sh + n_block;
+  count = __ldg(p.bm_count + r);
+  return p.bm_index + r * p.bm_nb;
+}
+
+// The steps of a CTA under a block mask: (query head of the group, query block) pairs in the order of
+// the group's heads and each list's entries (heads whose list is empty passed over): ``next`` gives the
+// next step's query block (its flag in `partial`, its head in `qh`). bwd_sm90's producer and consumers, and
+// bwd_dkdv's loads and steps, walk the same sequence each.
+struct bwd_sparse_walk {
+  const int* list;
+  int qh, j, count;
+  template <typename Params>
+  FG_DEVICE int next(const Params& p, int b, int hk, int n_block, bool& partial) {
+    while (j == count) {
+      ++qh;
+      j = 0;
+      list = bwd_block_list(p, b, hk * p.group + qh, n_block, count);
+    }
+    const int e = __ldg(list + j++);
+    partial = e & 1;
+    return e >> 1;
+  }
+};
+
+// The steps of all the group's lists together.
+template <typename Params>
+FG_DEVICE int bwd_sparse_steps(const Params& p, int b, int hk, int n_block) {
+  int total = 0;
+  for (int qh = 0; qh < p.group; ++qh) {
+    int count;
+    bwd_block_list(p, b, hk * p.group + qh, n_block, count);
+    total += count;
+  }
+  return total;
+}
