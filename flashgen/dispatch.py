@@ -198,6 +198,22 @@ def mod_backward_spec(key: ProblemKey, smem_budget: int, token: int, verify: boo
     return min(spilling, key=lambda x: x[0])[1] if spilling else candidates[-1]
 
 
+def mod_backward_pair(key: ProblemKey, smem_budget: int, token: int, verify: bool = False) -> tuple:
+    """The deterministic backward of a call with user mods: (dK/dV kernel without dQ, dQ kernel), the mma.sync
+    pair (``bwd_dkdv_nodq``, ``bwd_dq``: dQ summed in a fixed order, no atomics) with the mods' token, each its
+    family's rule tiles for ``key``'s head-dim tile in order (``verify``: the first that builds clean).
+    UnsupportedError where a family has no tile that fits."""
+    pair = []
+    for kind in ("bwd_dkdv_nodq", "bwd_dq"):
+        rule = families.family(kind).rule(key.replace(kind=kind, causal=False, variant=""), smem_budget)
+        candidates = [s.validate() for s in dict.fromkeys(s.replace(causal=False, mod=token) for s in rule)]
+        if not candidates:
+            raise UnsupportedError(f"no {kind} tile fits head-dim tile {key.head_dim} on {key.arch} for the "
+                                   "deterministic backward of score_mod / mask_mod")
+        pair.append(first_clean(candidates, resource_problems if verify else None))
+    return tuple(pair)
+
+
 @functools.lru_cache(maxsize=256)
 def deterministic_twin(spec: KernelSpec, smem_budget: int) -> KernelSpec | None:
     """The dK/dV kernel ``deterministic=True`` runs where dispatch picks ``spec``: bwd_sm90's ``det`` twin of

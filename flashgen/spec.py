@@ -96,7 +96,7 @@ class KernelSpec:
     kv_gather: bool = _f(False, "ga", _SM90, "paged K/V rows gathered by the producer warpgroup with cp.async (16 bytes "
                          "a thread, rows of a block sharing a block-table entry in runs of page_rows) instead of TMA "
                          "boxes: for pages shorter than the boxes that run well", True)
-    mod: int = _f(0, "mod", ("fwd_sm90", "fwd_v2", "bwd_sm90", "bwd_dkdv", "decode_split"), "user mods (flashgen.mods): the 48-bit token of a traced score_mod / mask_mod pair, "
+    mod: int = _f(0, "mod", ("fwd_sm90", "fwd_v2", "bwd_sm90", "bwd_dkdv", "bwd_dkdv_nodq", "bwd_dq", "decode_split"), "user mods (flashgen.mods): the 48-bit token of a traced score_mod / mask_mod pair, "
                   "whose graphs are printed into the kernel as device functions (0: none)", True)
     row_bounds: bool = _f(False, "rb", ("fwd_sm90", "fwd_v2"), "a mask_mod's partial blocks masked by each query row's "
                           "first and last visible key (BlockMask.row_bounds, for masks whose rows each see one run "

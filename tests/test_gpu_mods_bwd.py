@@ -173,7 +173,7 @@ def mma_sync(monkeypatch):
 def _backward_kinds() -> set:
     from flashgen.api.plans import cache
 
-    return {p.backward.spec.kind for p in cache("attention with mods").values() if p.backward is not None}
+    return {m.spec.kind for p in cache("attention with mods").values() for m in p.backward.values()}
 
 
 @pytest.mark.parametrize("nq,nk", [(113, 203), (1, 239), (239, 1), (799, 3), (1023, 1024)])
@@ -217,13 +217,57 @@ def test_mod_grads_at_head_dim_160(name):
     assert _backward_kinds() == {"bwd_dkdv"}
 
 
-@needs_sm90
-def test_mod_grad_refusals_before_launch():
-    """A deterministic mask_mod backward is refused before the forward's launch, no gradient written."""
-    q, k, v = (t.requires_grad_(True) for t in make_inputs(1, 2, 2, 64, 64, 64, torch.bfloat16))
-    with pytest.raises(flashgen.UnsupportedError, match="deterministic"):
-        flashgen.attention(q, k, v, mask_mod=lambda b, h, qi, kv: qi >= kv, deterministic=True)
-    assert q.grad is None and k.grad is None
+@pytest.mark.parametrize("name", ["causal", "document", "block_sparse", "alibi_causal", "softcap_document",
+                                  "relative_bf16"])
+@pytest.mark.parametrize("nq,nk", [(113, 203), (239, 1), (1023, 1024)])
+def test_deterministic_mod_grads(name, nq, nk):
+    """deterministic=True with mods: the mma.sync pair (bwd_dkdv_nodq, then bwd_dq walking the forward's
+    per-query-block lists) within the rule, and the same bits on three runs."""
+    from flashgen.api.plans import cache
+
+    cache("attention with mods").clear()
+    b, hq, hk, d = 2, 4, 2, 128
+    q, k, v = make_inputs(b, hq, hk, nq, nk, d, torch.bfloat16, "bhsd", 2.0)
+    score_mod, mask_mod = example_mods(b, hq, nq, nk)[name]
+    dout = torch.randn_like(q)
+    runs = []
+    for _ in range(3):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        flashgen.attention(*leaves, score_mod=score_mod, mask_mod=mask_mod, deterministic=True).backward(dout)
+        runs.append([t.grad for t in leaves])
+    torch.cuda.synchronize()
+    assert _backward_kinds() == {"bwd_dkdv_nodq"}
+    for again in runs[1:]:
+        assert all(torch.equal(a, g) for a, g in zip(runs[0], again)), f"{name}: the gradients' bits differ"
+    ref, tol = grad_tolerance(q, k, v, dout, False, 1.0 / math.sqrt(d), score_mod=score_mod, mask_mod=mask_mod)
+    for what, g, r, t in zip(("dq", "dk", "dv"), runs[0], ref, tol):
+        assert torch.isfinite(g).all(), f"{name} {what}: non-finite"
+        err = (g.float() - r).abs().max().item()
+        assert err <= t, f"{name} {what}: max err {err:.3e} > tol {t:.3e}"
+
+
+def test_deterministic_algorithms_take_the_mods_pair():
+    """torch.use_deterministic_algorithms(True) without deterministic=: the backward takes the mods'
+    deterministic pair (no alert), with the same gradients as deterministic=True."""
+    from flashgen.api.plans import cache
+
+    cache("attention with mods").clear()
+    q, k, v = make_inputs(1, 4, 2, 300, 400, 64, torch.bfloat16, "bhsd", 2.0)
+    score_mod, mask_mod = example_mods(1, 4, 300, 400)["alibi_causal"]
+    dout = torch.randn_like(q)
+    grads = []
+    for flag in (False, True):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        out = flashgen.attention(*leaves, score_mod=score_mod, mask_mod=mask_mod, deterministic=flag)
+        previous = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(not flag)
+        try:
+            out.backward(dout)
+        finally:
+            torch.use_deterministic_algorithms(previous)
+        grads.append([t.grad for t in leaves])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert "bwd_dkdv_nodq" in _backward_kinds()
 
 
 @needs_sm90

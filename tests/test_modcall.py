@@ -62,11 +62,11 @@ def test_mod_spec_rules(change, match):
 
 
 def test_mod_field_belongs_to_the_mod_families_only():
-    """fwd_sm90, fwd_v2, bwd_sm90, bwd_dkdv and decode_split take a mod token; the deterministic mode's
-    mma.sync pair does not."""
-    assert KernelSpec(kind="fwd_v2", head_dim=64, block_m=64, block_n=64, warps=4, mod=5).validate().mod == 5
-    assert KernelSpec(kind="bwd_dkdv", head_dim=64, block_m=64, block_n=64, warps=4, mod=5).validate().mod == 5
-    for kind in ("bwd_dkdv_nodq", "bwd_dq"):
+    """The forward families, the backward's dK/dV and dQ kernels and decode_split take a mod token; the row
+    kernels (preprocess, convert) do not."""
+    for kind in ("fwd_v2", "bwd_dkdv", "bwd_dkdv_nodq", "bwd_dq"):
+        assert KernelSpec(kind=kind, head_dim=64, block_m=64, block_n=64, warps=4, mod=5).validate().mod == 5
+    for kind in ("bwd_preprocess", "bwd_convert"):
         with pytest.raises(ValueError, match="not a field of this kind"):
             KernelSpec(kind=kind, head_dim=64, block_m=64, block_n=64, warps=4, mod=5).validate()
     with pytest.raises(ValueError, match="built-in variant"):
@@ -334,15 +334,13 @@ def test_mma_sync_backward_serves_mods_elsewhere(score, mask, arch, d, tmp_path,
 
 
 def test_mods_backward_kinds_and_rules():
-    """bwd_dkdv takes a mod (its dQ by atomics); its no-dQ twin and the dQ kernel do not; no built-in variant
-    beside a mod; a plain bwd_dkdv kernel's source carries no mod functions."""
+    """No built-in variant beside a mod in the backward kernels; a plain bwd_dkdv kernel's source carries no mod
+    functions; no d = 256 tile in 99 KB."""
     with pytest.raises(ValueError, match="built-in variant"):
         KernelSpec(kind="bwd_sm90", head_dim=128, block_m=64, block_n=128, warps=12, mod=5, causal=True).validate()
-    with pytest.raises(ValueError, match="built-in variant"):
-        KernelSpec(kind="bwd_dkdv", head_dim=128, block_m=64, block_n=64, warps=8, mod=5, softcap=True).validate()
-    for kind in ("bwd_dkdv_nodq", "bwd_dq"):
-        with pytest.raises(ValueError, match="not a field of this kind"):
-            KernelSpec(kind=kind, head_dim=64, block_m=64, block_n=64, warps=4, mod=5).validate()
+    for kind in ("bwd_dkdv", "bwd_dkdv_nodq", "bwd_dq"):
+        with pytest.raises(ValueError, match="built-in variant"):
+            KernelSpec(kind=kind, head_dim=128, block_m=64, block_n=64, warps=8, mod=5, softcap=True).validate()
     plain = render(KernelSpec(kind="bwd_dkdv", arch="sm_80", head_dim=64, block_m=64, block_n=64, warps=4).validate())
     assert "fg_score_mod(" not in plain and "struct fg_mod_variant" not in plain
     from flashgen import dispatch, gpus
@@ -351,6 +349,59 @@ def test_mods_backward_kinds_and_rules():
     with pytest.raises(flashgen.UnsupportedError, match="d=256"):  # (no d = 256 tile in 99 KB, as without mods)
         dispatch.mod_backward_spec(ProblemKey("bwd_dkdv", "sm_89", "bf16", 256, False, 4096, ""),
                                    gpus.ARCH_SMEM_PER_BLOCK["sm_89"], 5)
+
+
+@pytest.mark.parametrize("score,mask", [(None, document), (softcap, document), (relative16, None)])
+@pytest.mark.parametrize("arch,d", [("sm_80", 64), ("sm_80", 128), ("sm_90a", 128), ("sm_90a", 160), ("sm_80", 256)])
+def test_deterministic_mods_backward_is_the_mma_sync_pair(score, mask, arch, d, tmp_path, monkeypatch):
+    """deterministic=True with mods: bwd_dkdv_nodq and bwd_dq with the mods' token (the dQ kernel walks the
+    forward's per-query-block lists), on every GPU, built clean offline."""
+    from flashgen import dispatch, gpus
+    from flashgen.codegen import build
+    from flashgen.problem import ProblemKey
+
+    monkeypatch.setenv("FLASHGEN_HOME", str(tmp_path))
+    pair = registered(score, mask)
+    key = ProblemKey("bwd_dkdv", arch, "bf16", d, False, 4096, "")
+    kv, dq = dispatch.mod_backward_pair(key, gpus.ARCH_SMEM_PER_BLOCK[arch], mods.token_number(pair), verify=True)
+    assert (kv.kind, dq.kind) == ("bwd_dkdv_nodq", "bwd_dq")
+    for spec in (kv, dq):
+        assert spec.mod == mods.token_number(pair) and not spec.causal and spec.arch == arch
+        report = build(spec).report
+        assert report.spill_stores == 0 and report.stack_frame == 0, (spec.name, report)
+        flags = [pair.score is not None, pair.mask is not None, pair.score_grad is not None]
+        assert "fg_mod_variant<" + ", ".join("true" if f else "false" for f in flags) + ">" in render(spec)
+
+
+def test_deterministic_mods_reach_the_backward(monkeypatch):
+    """flashgen.attention(..., deterministic=True) with mods is no longer refused: the flag picks the plan's
+    deterministic backward before the forward's launch and reaches attention_backward; without it, under
+    torch.use_deterministic_algorithms(True), the backward asks for the deterministic one. (Kernels stood in
+    for: no GPU here.)"""
+    from types import SimpleNamespace
+
+    from flashgen.api import modcall
+
+    pair = registered(None, document)
+    monkeypatch.setattr(modcall, "_planned", lambda *a: SimpleNamespace(base=SimpleNamespace(kernel=object()),
+                                                                         pair=pair, scale=0.125))
+    monkeypatch.setattr(modcall, "_launch", lambda plan, q_, k_, v_, r: (q_.detach() * 1.0, q_.new_zeros(q_.shape[:3])))
+    calls = []
+    monkeypatch.setattr(modcall, "backward_of", lambda plan, q_, det=False: calls.append(("plan", det)) or "mods")
+    monkeypatch.setattr(modcall, "attention_backward", lambda dout, q_, k_, v_, *a, deterministic, mods, **kw: (
+        calls.append(("run", deterministic, mods)), (torch.zeros_like(q_), torch.zeros_like(k_), torch.zeros_like(v_)))[1])
+    q = torch.randn(1, 2, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+    flashgen.attention(q, q, q, mask_mod=document, deterministic=True).sum().backward()
+    assert calls == [("plan", True), ("plan", True), ("run", True, "mods")]
+    calls.clear()
+    out = flashgen.attention(q, q, q, mask_mod=document)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        out.sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert calls == [("plan", False), ("plan", True), ("run", True, "mods")]
 
 
 def test_backward_takes_the_least_spilling_tile_when_none_is_clean(tmp_path, monkeypatch):
@@ -414,7 +465,7 @@ def test_captured_tensors_get_their_gradients(monkeypatch, qkv_grad):
     monkeypatch.setattr(modcall, "_planned", fake_planned)
     monkeypatch.setattr(modcall, "_launch", fake_launch)
     kernel_calls = []
-    monkeypatch.setattr(modcall, "backward_of", lambda plan, q_: kernel_calls.append("plan"))
+    monkeypatch.setattr(modcall, "backward_of", lambda plan, q_, det=False: kernel_calls.append("plan"))
     monkeypatch.setattr(modcall, "attention_backward", lambda dout, q_, k_, v_, *a, **kw: (
         kernel_calls.append("run"), (torch.zeros_like(q_), torch.zeros_like(k_), torch.zeros_like(v_)))[1])
     monkeypatch.setattr(capturegrad, "BLOCK_SCORES", 7 * b * h * nk)

@@ -138,15 +138,19 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
     than from the rounded ``out`` (with a sink, a row whose P nears 1 makes dP - D a difference of two
     close numbers, and the rounding of O alone put dQ/dK past the accuracy rule: docs/perf/variants.md).
     ``mods`` (``api.modcall.ModBackward``): user mods, served by its spec (``bwd_sm90``, or the mma.sync
-    ``bwd_dkdv`` where that has no tile), its variant and scales, and its mod fields in the kernel's parameters.
+    ``bwd_dkdv`` where that has no tile; made for ``deterministic``: the mma.sync pair), its variant and scales,
+    and its mod fields in the kernels' parameters.
     """
     if not deterministic and torch.are_deterministic_algorithms_enabled():
         # torch.use_deterministic_algorithms(True): the deterministic path where there is one, else torch's
         # alert (an error, or a warning with warn_only=True)
         if mods is None:
             deterministic = True
-        else:
+        elif not mods.deterministic:  # (api.modcall asks for the mods' deterministic pair then)
             _alert_nondeterministic("the backward of flashgen.attention with score_mod / mask_mod")
+    if mods is not None and deterministic != mods.deterministic:
+        raise ValueError(f"deterministic={deterministic} with the mods' {'deterministic ' if mods.deterministic else ''}"
+                         "backward kernels (api.modcall.backward_of(plan, q, deterministic))")
     if dout.shape != q.shape:
         raise ValueError(f"dout must have the shape of q {tuple(q.shape)}, got {tuple(dout.shape)}")
     if dout.dtype != q.dtype:
@@ -183,12 +187,15 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
     kernel_variant = variant.backward() if mods is None else mods.variant
     vkey = kernel_variant.key()
     key = ProblemKey("bwd_dkdv", dev.arch, dtype, d_tile, causal, bucket_of(nq), vkey)
-    forced = specs.get("bwd_dkdv") if specs else (mods.spec if mods is not None else None)
-    if mods is not None and mods.spec.kind != bwd.DKDV.kind and not all(_tma_ok(t) for t in (q, k, v, dout)):
-        raise UnsupportedError("the backward of score_mod / mask_mod runs on bwd_sm90 here, whose tensor maps need "
-                               "16-byte aligned q, k, v, dout with strides in multiples of 16 bytes")
-    if mods is not None:  # (either kernel adds dQ into the fp32 accumulator)
-        dq_mode = "atomic"
+    forced = specs.get("bwd_dkdv") if specs else None
+    if mods is not None:
+        if mods.spec.kind == "bwd_sm90" and not all(_tma_ok(t) for t in (q, k, v, dout)):
+            raise UnsupportedError("the backward of score_mod / mask_mod runs on bwd_sm90 here, whose tensor maps "
+                                   "need 16-byte aligned q, k, v, dout with strides in multiples of 16 bytes")
+        # bwd_sm90 and bwd_dkdv add dQ into the fp32 accumulator; the deterministic pair (bwd_dkdv_nodq, bwd_dq)
+        # sums it in a fixed order
+        dq_mode = "separate" if mods.deterministic else "atomic"
+        forced = None if mods.deterministic else mods.spec
     if forced is not None and forced.kind != bwd.DKDV.kind:  # a Hopper kernel: dQ always into the accumulator
         if (deterministic and not forced.det) or dq_mode == "separate":
             raise ValueError(f"a {forced.kind} spec without det adds dQ in any order: not with deterministic=True "
@@ -268,8 +275,10 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
             "dq_acc": (dq_acc.data_ptr(), (h * nq * d_tile, nq * d_tile, d_tile))})
         keep.append(_queue(launches, kv, kv_grid(kv.spec), params, packed, nk))
     else:
-        kv = load(_select("bwd_dkdv_nodq", dev, dtype, d_tile, causal, nq, specs, vkey) if separate else kv_spec,
-                  index, accept_spills=mods is not None)
+        if separate:
+            kv_spec = mods.spec if mods is not None else _select("bwd_dkdv_nodq", dev, dtype, d_tile, causal, nq, specs,
+                                                                  vkey)
+        kv = load(kv_spec, index, accept_spills=mods is not None)
         params = kv.params(
             q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), dout=dout.data_ptr(), lse2=lse2.data_ptr(),
             dsum=dsum.data_ptr(), dq_acc=dq_acc.data_ptr() if dq_acc is not None else 0, dk=dk.data_ptr(),
@@ -281,14 +290,17 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
     last_specs[index] = kv.spec
 
     if separate:
-        dqk = load(_select("bwd_dq", dev, dtype, d_tile, causal, nq, specs, vkey), index)
+        dqk = load(mods.dq_spec if mods is not None else _select("bwd_dq", dev, dtype, d_tile, causal, nq, specs, vkey),
+                   index, accept_spills=mods is not None)
         dq_grid = (bwd.varlen_grid(dqk.spec, nq, nk, packed[3], h, hk) if packed is not None
                    else (-(-nq // dqk.spec.block_m), h, b))
-        keep.append(_queue(launches, dqk, dq_grid, dqk.params(
+        params = dqk.params(
             q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), dout=dout.data_ptr(), lse2=lse2.data_ptr(),
             dsum=dsum.data_ptr(), dq=dq.data_ptr(), **stride_values("q", sq), **stride_values("k", sk),
-            **stride_values("v", sv), **stride_values("dout", sdo), **stride_values("dq", sdq), **common),
-            packed, nq))
+            **stride_values("v", sv), **stride_values("dout", sdo), **stride_values("dq", sdq), **common)
+        if mods is not None:
+            mods.fill_dq(params)
+        keep.append(_queue(launches, dqk, dq_grid, params, packed, nq))
     else:
         cv = load(_select("bwd_convert", dev, dtype, d_tile, False, nq, specs), index)
         launches.append((cv, (-(-nq // cv.spec.block_m), h, b), cv.params(

@@ -88,8 +88,8 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     flashgen's backward kernels (``flashgen.api.autograd``). ``deterministic=True``
     (or ``torch.use_deterministic_algorithms(True)`` when the backward runs) makes dQ
     independent of the order of its adds (on sm_90a the Hopper kernel adds in a fixed
-    order, elsewhere a separate query-outer dQ kernel computes it; somewhat slower);
-    dK and dV are deterministic either way.
+    order, elsewhere, and with mods everywhere, a separate query-outer dQ kernel computes it;
+    somewhat slower); dK and dV are deterministic either way.
     """
     check_flag("deterministic", deterministic)
     check_flag("check_values", check_values)
@@ -153,8 +153,7 @@ def _with_mods(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorit
     """The forward with user mods (api.modcall), after refusing what it does not combine with."""
     others = [name for name, on in (("causal", causal is not False), ("window", window is not None),
                                     ("softcap", softcap != 0.0), ("alibi_slopes", alibi_slopes is not None),
-                                    ("sinks", sinks is not None), ("deterministic", deterministic),
-                                    ("algorithm", algorithm != "v2")) if on]
+                                    ("sinks", sinks is not None), ("algorithm", algorithm != "v2")) if on]
     if others:
         raise UnsupportedError(f"score_mod / mask_mod / block_mask take none of {', '.join(others)}: express "
                                "them as mods (a causal or window mask_mod, a softcap or ALiBi score_mod)")
@@ -164,5 +163,6 @@ def _with_mods(q, k, v, causal, softmax_scale, layout, return_lse, spec, algorit
     if on_meta(q):  # shapes only
         return mod_meta(q, k, v, softmax_scale, layout, return_lse, score_mod, mask_mod, block_mask)
     if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v)):
-        return mod_attention(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask)
+        return mod_attention(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask,
+                             deterministic)
     return mod_forward(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask)

@@ -6,8 +6,9 @@ A mask comes with a block mask (``flashgen.api.blockmask``), made at the kernel'
 visits only the key blocks it lists and calls the mask only on the partial ones. The forward runs on
 ``fwd_sm90`` (sm_90a) or ``fwd_v2`` (every other GPU: ``dispatch.mod_family``), the backward on
 ``bwd_sm90`` (sm_90a, head-dim tiles 32 to 128, 192 and 256) or the mma.sync ``bwd_dkdv`` (every other
-GPU, and head-dim tile 160): the score_mod's derivative (``mods.derivative``) multiplies dS, the block mask is listed per
-key block (``BlockMask.for_key_tile``). Captured tensors that require grad get theirs from
+GPU, and head-dim tile 160; deterministic: the mma.sync pair ``bwd_dkdv_nodq`` + ``bwd_dq``): the
+score_mod's derivative (``mods.derivative``) multiplies dS, the block mask is listed per key block
+(``BlockMask.for_key_tile``; the dQ kernel's per query block, ``for_tile``). Captured tensors that require grad get theirs from
 ``api.capturegrad`` (torch, a block of rows at a time).
 """
 from __future__ import annotations
@@ -52,27 +53,30 @@ def mod_forward(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mas
     return (out, lse) if return_lse else out
 
 
-def mod_attention(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask):
+def mod_attention(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask,
+                  deterministic: bool = False):
     """The same with gradients: q, k and v (``bwd_sm90`` or ``bwd_dkdv`` with the mods) and the captured
     tensors that require grad (``api.capturegrad``, with torch). The backward's kernel is chosen before the
-    forward's launch, so what it cannot serve is refused then."""
+    forward's launch, so what it cannot serve is refused then. ``deterministic`` (or
+    ``torch.use_deterministic_algorithms(True)`` when the backward runs): dQ from the mma.sync pair, summed in a
+    fixed order."""
     plan = _planned(q, k, v, softmax_scale, layout, True, spec, score_mod, mask_mod, block_mask)
     if plan.base.kernel is not None and (q.requires_grad or k.requires_grad or v.requires_grad):
-        backward_of(plan, q)  # (captures alone need no backward kernel)
+        backward_of(plan, q, deterministic)  # (captures alone need no backward kernel)
     wanted = []  # the captures that require grad, each once (they join the function's inputs)
     for t in plan.pair.captures:
         if t.requires_grad and not any(t is w for w in wanted):
             wanted.append(t)
-    out, lse = _ModAttention.apply(q, k, v, plan, layout, *wanted)
+    out, lse = _ModAttention.apply(q, k, v, plan, layout, deterministic, *wanted)
     return (out, lse) if return_lse else out
 
 
 class _ModAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan, layout, *wanted):
+    def forward(ctx, q, k, v, plan, layout, deterministic, *wanted):
         out, lse = _launch(plan, q, k, v, True)
         ctx.save_for_backward(q, k, v, out, lse, *wanted)
-        ctx.plan, ctx.layout = plan, layout
+        ctx.plan, ctx.layout, ctx.deterministic = plan, layout, deterministic
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -81,17 +85,18 @@ class _ModAttention(torch.autograd.Function):
         q, k, v, out, lse, *wanted = ctx.saved_tensors
         plan = ctx.plan
         if plan.base.kernel is None or (dout is None and dlse is None):
-            return ((torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None)
+            return ((torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None, None)
                     + tuple(torch.zeros_like(t) for t in wanted))
         if dout is None:
             dout = torch.zeros_like(out)
         dq = dk = dv = None
         if any(ctx.needs_input_grad[:3]):
-            dq, dk, dv = attention_backward(dout, q, k, v, out, lse, False, plan.scale, ctx.layout, dlse=dlse,
-                                            mods=backward_of(plan, q))
+            det = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
+            dq, dk, dv = attention_backward(dout, q, k, v, out, lse, False, plan.scale, ctx.layout, deterministic=det,
+                                            dlse=dlse, mods=backward_of(plan, q, det))
         extra = capture_grads(plan.pair, wanted, q, k, v, out, lse, dout, dlse, plan.scale, ctx.layout) if wanted \
             else []
-        return (dq, dk, dv, None, None) + tuple(extra)
+        return (dq, dk, dv, None, None, None) + tuple(extra)
 
 
 def _planned(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod, block_mask):
@@ -147,7 +152,7 @@ class _ModPlan:
 
     def __init__(self, base, pair, tiles, functions, struct=None, block_mask=None, scale=None, rows=None):
         self.base, self.pair, self.tiles, self.rows, self.functions = base, pair, tiles, rows, functions
-        self.block_mask, self.scale, self.backward = block_mask, scale, None
+        self.block_mask, self.scale, self.backward = block_mask, scale, {}  # deterministic -> ModBackward
         self.captures = tuple(pair.captures)
         self.offset, self.blob = 0, b""
         if struct is not None:
@@ -309,18 +314,26 @@ def block_strides(tiles) -> tuple[int, int]:
 class ModBackward:
     """What the backward of a call with mods gives ``attention_backward``: the dK/dV kernel's ``spec``
     (``bwd_sm90``, or the mma.sync ``bwd_dkdv`` where that has no tile, with the pair's token:
-    ``dispatch.mod_backward_spec``), its ``variant`` (the score_mod
-    folded as the forward's: ``score_in`` = k joins the scale before f, c the softmax's units), the
-    gradients' factor ``grad_factor`` = c k (dS picks up f' in the kernel) and the kernel's mod fields
-    (captures, the block mask listed per key block: ``BlockMask.for_key_tile``), packed once."""
+    ``dispatch.mod_backward_spec``; ``deterministic``: the mma.sync pair, ``bwd_dkdv_nodq`` and ``dq_spec``,
+    ``bwd_dq``: ``dispatch.mod_backward_pair``), its ``variant`` (the score_mod folded as the forward's:
+    ``score_in`` = k joins the scale before f, c the softmax's units), the gradients' factor ``grad_factor``
+    = c k (dS picks up f' in the kernel) and each kernel's mod fields (captures, the block mask listed per
+    key block for the dK/dV kernel, ``BlockMask.for_key_tile``, and per query block for the dQ kernel,
+    ``for_tile``), packed once."""
 
-    def __init__(self, plan: "_ModPlan", q):
+    def __init__(self, plan: "_ModPlan", q, deterministic: bool = False):
         dev = Device.of(index_of(q))
         pair = plan.pair
         d = q.shape[-1]
         key = ProblemKey("bwd_dkdv", dev.arch, DTYPES[q.dtype], bwd_head_dim_tile(d), False,
                          bucket_of(plan.base.lse_shape[-1]), "")
-        self.spec = dispatch.mod_backward_spec(key, dev.smem_budget, mods.token_number(pair), verify=True)
+        token = mods.token_number(pair)
+        self.deterministic = deterministic
+        self.dq_spec = None
+        if deterministic:
+            self.spec, self.dq_spec = dispatch.mod_backward_pair(key, dev.smem_budget, token, verify=True)
+        else:
+            self.spec = dispatch.mod_backward_spec(key, dev.smem_budget, token, verify=True)
         # Spills only where no tile builds clean (dispatch.mod_backward_spec): taken, and said once (the
         # load still refuses any other problem).
         problems = dispatch.resource_problems(self.spec)
@@ -331,24 +344,36 @@ class ModBackward:
         k_in, c_out = pair.factors
         self.score_in, self.grad_factor = k_in, k_in * c_out
         self.variant = Variant(scored=pair.score is not None, score_factor=c_out)
+        captures = tuple(pair.captures)
+        self.tiles, self.offset, self.blob = self._fields(plan, self.spec, captures, by_key=True)
+        if self.dq_spec is not None:
+            self.dq_tiles, self.dq_offset, self.dq_blob = self._fields(plan, self.dq_spec, captures, by_key=False)
+
+    @staticmethod
+    def _fields(plan, spec, captures, by_key: bool):
+        """(the block lists at ``spec``'s tile, kept alive with the captures while the plan lives, and the packed
+        mod fields of its parameter block)."""
         tiles = None
-        if pair.mask is not None:
-            tiles = plan.block_mask.for_key_tile(self.spec.block_m, self.spec.block_n)
+        if plan.pair.mask is not None:
+            tiles = (plan.block_mask.for_key_tile if by_key else plan.block_mask.for_tile)(spec.block_m, spec.block_n)
             check_int32("the block mask's rows", tiles.counts.numel())
-        self.tiles = tiles  # (kept alive with the captures while the plan lives)
-        self.offset, self.blob = pack_mod_fields(families.family(self.spec.kind).param_struct(),
-                                                 tuple(pair.captures), tiles)
+        return (tiles, *pack_mod_fields(families.family(spec.kind).param_struct(), captures, tiles))
 
     def fill(self, params) -> None:
         fill_mods(params, self.offset, self.blob)
 
+    def fill_dq(self, params) -> None:
+        """The dQ kernel's (``deterministic``)."""
+        fill_mods(params, self.dq_offset, self.dq_blob)
 
 
-def backward_of(plan: "_ModPlan", q) -> ModBackward:
-    """The plan's backward part, made on first use (the plan cache keeps it)."""
-    if plan.backward is None:
-        plan.backward = ModBackward(plan, q)
-    return plan.backward
+def backward_of(plan: "_ModPlan", q, deterministic: bool = False) -> ModBackward:
+    """The plan's backward part (``deterministic``: its deterministic one), made on first use (the plan
+    cache keeps it)."""
+    found = plan.backward.get(deterministic)
+    if found is None:
+        found = plan.backward[deterministic] = ModBackward(plan, q, deterministic)
+    return found
 
 
 def mod_spec(dtype: str, d: int, nq: int, dev, pair, verify: bool = True, causal_like: bool = False,

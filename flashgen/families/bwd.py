@@ -223,12 +223,13 @@ PREPROCESS = RowFamily("bwd_preprocess", "bwd/bwd_preprocess.cu.j2", PRE_PARAMS,
 CONVERT = RowFamily("bwd_convert", "bwd/bwd_convert.cu.j2", CONVERT_PARAMS, tiles=_ROW_TILES, gemms=0)
 # The dK/dV kernels own key rows (query_outer False) and do five GEMMs per step with dQ (S^T, dP^T, dV,
 # dK, dQ), four without; the dQ kernel owns query rows and does three (S, dP, dQ).
-# bwd_dkdv also serves user mods (KernelSpec.mod; dQ by its atomics): their captures and block lists follow.
+# The dK/dV and dQ kernels also serve user mods (KernelSpec.mod): their captures and block lists follow.
 DKDV = BwdTileFamily("bwd_dkdv", "bwd/bwd_dkdv.cu.j2", DKDV_PARAMS + MOD_PARAMS, tiles=DKDV_TILES, gemms=5,
                      query_outer=False)
-DKDV_NODQ = BwdTileFamily("bwd_dkdv_nodq", "bwd/bwd_dkdv.cu.j2", DKDV_PARAMS, tiles=DKDV_TILES, gemms=4,
+DKDV_NODQ = BwdTileFamily("bwd_dkdv_nodq", "bwd/bwd_dkdv.cu.j2", DKDV_PARAMS + MOD_PARAMS, tiles=DKDV_TILES, gemms=4,
                           query_outer=False)
-DQ = BwdTileFamily("bwd_dq", "bwd/bwd_dq.cu.j2", DQ_PARAMS, tiles=DQ_TILES, gemms=3)
+# (bwd_dq's block lists, with mods, are the forward's: per query block, BlockMask.for_tile)
+DQ = BwdTileFamily("bwd_dq", "bwd/bwd_dq.cu.j2", DQ_PARAMS + MOD_PARAMS, tiles=DQ_TILES, gemms=3)
 FAMILIES = (PREPROCESS, DKDV, DKDV_NODQ, DQ, CONVERT)
 
 

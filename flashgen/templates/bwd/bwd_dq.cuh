@@ -7,6 +7,9 @@
 //   C: dQ += dS K (BM x D, warps WC x NW/WC, in registers for the whole walk)
 // and writes dQ * scale in the input dtype. The summation order is fixed, so
 // the result does not depend on scheduling.
+// User mods (V::USER, common/mod.cuh): the score_mod and its derivative per element (var.score, dS times
+// V::dS_factor), and with a mask_mod (V::SPARSE) the key blocks come from the block mask's list for this
+// query block (BlockMask.for_tile at this tile), the mask applied on partial blocks and at both ends.
 // Packed rows (V::VARLEN_ROWS, common/varlen.cuh): blockIdx.x is a pair (sequence, query block) of
 // the work list; the sequence's rows start at cu_q / cu_k and the variant holds its lengths. Rows
 // past the sequence's end load as zeros with LSE2 = +inf (P = 0) and are not stored.
@@ -60,7 +63,18 @@ FG_DEVICE void bwd_dq_body(const Params& p) {
   // The key blocks some row of this block sees: n_first .. n_first + n_blocks - 1 (common/variant.cuh).
   var.set_head(p, b, hq);
   const int n_first = var.block_first(m0, BN);
-  const int n_blocks = max(0, var.block_end(m0, BM, BN) - n_first);
+  int n_blocks = max(0, var.block_end(m0, BM, BN) - n_first);
+  if constexpr (V::SPARSE) {  // (common/mod.cuh: the list of (batch, head, query block))
+    var.set_block_row(p, m_block);
+    n_blocks = m0 < nq() ? var.count : 0;
+  }
+  // The j-th K/V block's first key.
+  auto key0 = [&](int j) {
+    if constexpr (V::SPARSE)
+      return var.block_at(j) * BN;
+    else
+      return (n_first + j) * BN;
+  };
 
   Tile<D>::template load<BM, NTH>(sQ, p.q + rows(p.q_sb, p.q_ss, sq.q_off) + hq * p.q_sh, p.q_ss, m0, nq(), p.d);
   Tile<D>::template load<BM, NTH>(sdO, p.dout + rows(p.dout_sb, p.dout_ss, sq.q_off) + hq * p.dout_sh, p.dout_ss, m0,
@@ -69,8 +83,8 @@ FG_DEVICE void bwd_dq_body(const Params& p) {
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) {
     if (s < n_blocks) {
-      Tile<D>::template load<BN, NTH>(sK + s * TILE_K, k, p.k_ss, (n_first + s) * BN, nk(), p.d);
-      Tile<D>::template load<BN, NTH>(sV + s * TILE_K, v, p.v_ss, (n_first + s) * BN, nk(), p.d);
+      Tile<D>::template load<BN, NTH>(sK + s * TILE_K, k, p.k_ss, key0(s), nk(), p.d);
+      Tile<D>::template load<BN, NTH>(sV + s * TILE_K, v, p.v_ss, key0(s), nk(), p.d);
     }
     cp_async_commit();
   }
@@ -113,14 +127,14 @@ FG_DEVICE void bwd_dq_body(const Params& p) {
       const int jn = j + ST - 1;
       if (jn < n_blocks) {
         const int sn = jn % ST;
-        Tile<D>::template load<BN, NTH>(sK + sn * TILE_K, k, p.k_ss, (n_first + jn) * BN, nk(), p.d);
-        Tile<D>::template load<BN, NTH>(sV + sn * TILE_K, v, p.v_ss, (n_first + jn) * BN, nk(), p.d);
+        Tile<D>::template load<BN, NTH>(sK + sn * TILE_K, k, p.k_ss, key0(jn), nk(), p.d);
+        Tile<D>::template load<BN, NTH>(sV + sn * TILE_K, v, p.v_ss, key0(jn), nk(), p.d);
       }
       cp_async_commit();
     }
     const int stage = j % ST;
     const fg_u32 sKj = sK + stage * TILE_K, sVj = sV + stage * TILE_K;
-    const int n0 = (n_first + j) * BN;
+    const int n0 = key0(j);
 
     {
       float s[A_MT][A_NT][4], dp[A_MT][A_NT][4];
@@ -128,7 +142,11 @@ FG_DEVICE void bwd_dq_body(const Params& p) {
       zero_acc(dp);
       warp_mma_t<A_MT, A_NT, D / 16, BF16>(s, sQ, qa, sKj, kb);
       warp_mma_t<A_MT, A_NT, D / 16, BF16>(dp, sdO, qa, sVj, kb);
-      const bool need_mask = var.needs_mask(n0, BN, m0, m0 + BM - 1);
+      bool need_mask;
+      if constexpr (V::SPARSE)  // (the list's partial blocks, and the key and query ends: a mod's value is anything)
+        need_mask = var.partial_at(j) || n0 + BN > nk() || m0 + BM > nq();
+      else
+        need_mask = var.needs_mask(n0, BN, m0, m0 + BM - 1);
 #pragma unroll
       for (int mi = 0; mi < A_MT; ++mi)
 #pragma unroll
@@ -146,7 +164,7 @@ FG_DEVICE void bwd_dq_body(const Params& p) {
             } else {
               float tv;
               x = var.score(x, m0 + a_m0 + mi * 16 + g + 8 * h, n0 + a_n0 + nj * 8 + 2 * t + (e & 1), need_mask, tv);
-              if constexpr (V::HAS_CAP) cf = V::dS_factor(tv);
+              if constexpr (V::DS_FACTOR) cf = V::dS_factor(tv);
             }
             const float pe = fast_exp2(fmaf(x, p.scale_log2, -l2[mi][h]));
             dp[mi][nj][e] = pe * cf * (dp[mi][nj][e] - dd[mi][h]);
