@@ -697,8 +697,10 @@ def test_head_dim_96_routes_by_family(monkeypatch):
 
 def test_torch_deterministic_algorithms_take_the_deterministic_path(monkeypatch):
     """torch.use_deterministic_algorithms(True) when the backward runs: the det twin, as deterministic=True
-    gives; a backward with no deterministic form (mods) raises torch's RuntimeError, or warns with
-    warn_only=True."""
+    gives; mods' backward kernels made without their deterministic form (api.modcall asks for that form under
+    the flag) raise torch's RuntimeError, or warn with warn_only=True."""
+    from types import SimpleNamespace
+
     torch = pytest.importorskip("torch")
     from flashgen.api import backward
 
@@ -710,7 +712,7 @@ def test_torch_deterministic_algorithms_take_the_deterministic_path(monkeypatch)
         backward.attention_backward(do, q, q, q, out, lse, False, 0.1)
         assert launched[1][0] == bwd90(d=64, dq_write=4, bm=128).replace(det=True)
         with pytest.raises(RuntimeError, match="score_mod / mask_mod .* torch.use_deterministic_algorithms"):
-            backward.attention_backward(do, q, q, q, out, lse, False, 0.1, mods=object())
+            backward.attention_backward(do, q, q, q, out, lse, False, 0.1, mods=SimpleNamespace(deterministic=False))
         torch.use_deterministic_algorithms(True, warn_only=True)
         with pytest.warns(UserWarning, match="no deterministic form"):
             backward._alert_nondeterministic("this backward")

@@ -144,9 +144,9 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
     if not deterministic and torch.are_deterministic_algorithms_enabled():
         # torch.use_deterministic_algorithms(True): the deterministic path where there is one, else torch's
         # alert (an error, or a warning with warn_only=True)
-        if mods is None:
+        if mods is None or mods.deterministic:  # (api.modcall asks for the mods' deterministic pair then)
             deterministic = True
-        elif not mods.deterministic:  # (api.modcall asks for the mods' deterministic pair then)
+        else:
             _alert_nondeterministic("the backward of flashgen.attention with score_mod / mask_mod")
     if mods is not None and deterministic != mods.deterministic:
         raise ValueError(f"deterministic={deterministic} with the mods' {'deterministic ' if mods.deterministic else ''}"
