@@ -175,11 +175,7 @@ def mod_backward_spec(key: ProblemKey, smem_budget: int, token: int, verify: boo
     if family not in (None, "bwd_sm90", "bwd_dkdv"):
         raise ValueError(f"the backward of score_mod / mask_mod runs on bwd_sm90 or bwd_dkdv, not {family!r}")
     if family == "bwd_dkdv" or key.arch != "sm_90a" or key.head_dim not in fam.tiles:
-        rule = [s.replace(causal=False, mod=token) for s in families.family("bwd_dkdv").rule(plain, smem_budget)]
-        candidates = [s.validate() for s in dict.fromkeys(rule)]
-        if not candidates:
-            raise UnsupportedError(f"no bwd_dkdv tile fits head-dim tile {key.head_dim} on {key.arch} for the "
-                                   "backward of score_mod / mask_mod")
+        candidates = _mma_mod_rule("bwd_dkdv", key, smem_budget, token)
     else:
         # (the dQ writer walks dense rows: the rule's own tile follows its; 128 queries a step: not with mods yet)
         rule = [s.replace(causal=False, mod=token) for s in fam.rule(plain, smem_budget)
@@ -203,15 +199,19 @@ def mod_backward_pair(key: ProblemKey, smem_budget: int, token: int, verify: boo
     pair (``bwd_dkdv_nodq``, ``bwd_dq``: dQ summed in a fixed order, no atomics) with the mods' token, each its
     family's rule tiles for ``key``'s head-dim tile in order (``verify``: the first that builds clean).
     UnsupportedError where a family has no tile that fits."""
-    pair = []
-    for kind in ("bwd_dkdv_nodq", "bwd_dq"):
-        rule = families.family(kind).rule(key.replace(kind=kind, causal=False, variant=""), smem_budget)
-        candidates = [s.validate() for s in dict.fromkeys(s.replace(causal=False, mod=token) for s in rule)]
-        if not candidates:
-            raise UnsupportedError(f"no {kind} tile fits head-dim tile {key.head_dim} on {key.arch} for the "
-                                   "deterministic backward of score_mod / mask_mod")
-        pair.append(first_clean(candidates, resource_problems if verify else None))
-    return tuple(pair)
+    return tuple(first_clean(_mma_mod_rule(kind, key, smem_budget, token), resource_problems if verify else None)
+                 for kind in ("bwd_dkdv_nodq", "bwd_dq"))
+
+
+def _mma_mod_rule(kind: str, key: ProblemKey, smem_budget: int, token: int) -> list:
+    """The mma.sync backward kernel ``kind``'s rule tiles for ``key``'s head-dim tile with the mods' token, in
+    order, each once (the family's rule refuses a head-dim tile none of its tiles fits)."""
+    rule = families.family(kind).rule(key.replace(kind=kind, causal=False, variant=""), smem_budget)
+    candidates = [s.validate() for s in dict.fromkeys(s.replace(causal=False, mod=token) for s in rule)]
+    if not candidates:
+        raise UnsupportedError(f"no {kind} tile fits head-dim tile {key.head_dim} on {key.arch} for the backward of "
+                               "score_mod / mask_mod")
+    return candidates
 
 
 @functools.lru_cache(maxsize=256)

@@ -86,7 +86,7 @@ def check_mods(b, hq, hk, nq, nk, d, dtype, name, layout="bhsd", block_mask=Fals
         extra = {"score_mod": score_mod, "block_mask": flashgen.create_block_mask(mask_mod, b, hq, nq, nk)}
     if rows:
         extra = {"score_mod": score_mod, "block_mask": flashgen.create_block_mask(mask_mod, b, hq, nq, nk)}
-        extra["spec"] = _rows_spec(q, nq, d, dtype, score_mod, extra["block_mask"])
+        extra["spec"] = _rows_spec(to_bhsd(q, layout), score_mod, extra["block_mask"])
     poison_output(q)
     with torch.no_grad():
         out, lse = flashgen.attention(q, k, v, layout=layout, return_lse=True, **extra)
@@ -139,17 +139,11 @@ def test_mods_on_persistent_tiles(name, tokens):
     check_mods(1, 4, 4, 239, 1, 128, torch.bfloat16, name, tokens=tokens)
 
 
-def _rows_spec(q, nq, d, dtype, score_mod, block_mask):
+def _rows_spec(q, score_mod, block_mask):
     """Dispatch's kernel for the call (its family: the fixture's) with ``row_bounds``."""
-    from flashgen import mods
-    from flashgen.api.device import Device
-    from flashgen.api.modcall import CAUSAL_LIKE, mod_spec
+    from flashgen.api.modcall import call_spec
 
-    pair = mods.trace_pair(score_mod, block_mask.mask_mod)
-    mods.register(pair)
-    spec = mod_spec({torch.bfloat16: "bf16"}.get(dtype, "fp16"), d, nq, Device.of(q.device.index), pair,
-                    causal_like=block_mask.sparsity() >= CAUSAL_LIKE)
-    return spec.replace(row_bounds=True).validate()
+    return call_spec(q, score_mod, block_mask).replace(row_bounds=True).validate()
 
 
 @pytest.mark.parametrize("nq,nk", [(113, 203), (1, 239), (239, 1), (799, 3), (1023, 1024)])
@@ -184,7 +178,7 @@ def test_row_bounds_refused_where_a_row_sees_two_runs():
     def strided(b_, h, q_, kv):
         return kv % 3 == 0
     mask = flashgen.create_block_mask(strided, 1, 2, 300, 300)
-    spec = _rows_spec(q, 300, 128, torch.bfloat16, None, mask)
+    spec = _rows_spec(q, None, mask)
     with pytest.raises(flashgen.UnsupportedError, match="more than one run"):
         flashgen.attention(q, k, v, block_mask=mask, spec=spec)
 

@@ -263,8 +263,7 @@ def _plan(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod,
                                "leaves float32's normal range")
     if spec is None:
         # A block mask that skips much of the square (causal, windows, documents) takes the causal key's tile.
-        sparse = block_mask is not None and block_mask.sparsity() >= CAUSAL_LIKE
-        spec = mod_spec(DTYPES[q.dtype], d, nq, dev, pair, causal_like=sparse)
+        spec = mod_spec(DTYPES[q.dtype], d, nq, dev, pair, causal_like=causal_like(block_mask))
     else:
         key = ProblemKey("fwd", dev.arch, DTYPES[q.dtype], head_dim_tile(d), False, bucket_of(nq), "")
         if getattr(spec, "kind", None) not in dispatch.MOD_FAMILIES:
@@ -383,6 +382,22 @@ def mod_spec(dtype: str, d: int, nq: int, dev, pair, verify: bool = True, causal
     ``dispatch.mod_family``'s)."""
     key = ProblemKey("fwd", dev.arch, dtype, head_dim_tile(d), causal_like, bucket_of(nq), "")
     return dispatch.mod_spec(key, dev.gpu, dev.smem_budget, mods.token_number(pair), verify, family)
+
+
+def causal_like(block_mask) -> bool:
+    """Whether a block mask skips much of the square (causal, windows, documents): its call takes the causal
+    key's tile."""
+    return block_mask is not None and block_mask.sparsity() >= CAUSAL_LIKE
+
+
+def call_spec(q, score_mod, block_mask, family: str | None = None):
+    """The forward kernel ``flashgen.attention(q, ..., score_mod=score_mod, block_mask=block_mask)`` runs (q in
+    the bhsd layout; ``family``: fwd_sm90 or fwd_v2 instead of ``dispatch.mod_family``'s), the pair traced and
+    registered: for benchmarks and tests that force a variant of it."""
+    pair = mods.trace_pair(score_mod, block_mask.mask_mod if block_mask is not None else None)
+    mods.register(pair)
+    return mod_spec(DTYPES[q.dtype], q.shape[-1], q.shape[-2], Device.of(index_of(q)), pair,
+                    causal_like=causal_like(block_mask), family=family)
 
 
 def check_block_mask_shape(block_mask, b: int, h: int, nq: int, nk: int) -> None:

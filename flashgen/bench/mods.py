@@ -184,14 +184,14 @@ def run(args, progress) -> dict:
         pairs = block_mask.for_tile(128, 128).pairs
         flop = 4.0 * case.batch * case.heads * pairs * d * (1 + BWD_FLOPS if grads else 1)
         mod_spec, builtin_spec = _forced(settings["family"], q, score_mod, block_mask, builtin, bounds)
-        makers = {}
+        makers, cells_spec = {}, {}  # (cells_spec: the forced kernels the makers chose)
         for impl in settings["impls"]:
             if impl == "flashgen":
                 makers[impl] = lambda: _timed(lambda: api.attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
                                                                     spec=mod_spec), (q, k, v), grads)
             elif impl == "flashgen_rows":
                 def rows_call():
-                    spec = _rows_spec(settings["family"], q, score_mod, block_mask)  # (Skipped: no row bounds)
+                    cells_spec["flashgen_rows"] = spec = _rows_spec(settings["family"], q, score_mod, block_mask)
                     return _timed(lambda: api.attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
                                                         spec=spec), (q, k, v), grads)
                 makers[impl] = rows_call
@@ -208,7 +208,7 @@ def run(args, progress) -> dict:
         if "ms" in cells.get("flashgen", {}):  # the kernel the mods ran on (the plan of this case's call)
             cells["flashgen"]["spec"] = _mod_kernel(q, block_mask)
         if "ms" in cells.get("flashgen_rows", {}):
-            cells["flashgen_rows"]["spec"] = _rows_spec(settings["family"], q, score_mod, block_mask).name
+            cells["flashgen_rows"]["spec"] = cells_spec["flashgen_rows"].name
         if builtin_spec is not None and "ms" in cells.get("builtin", {}):
             cells["builtin"]["spec"] = builtin_spec.name
         label = f"{case.name}_gqa" if case.heads != case.kv_heads and case.name == "causal" else case.name
@@ -329,14 +329,11 @@ def _forced(family: str, q, score_mod, block_mask, builtin, bounds):
     if family == "auto":
         return None, None
     from ..api.device import Device
-    from ..api.modcall import CAUSAL_LIKE, mod_spec
+    from ..api.modcall import call_spec
 
     dev = Device.of(q.device.index)
     d, n = q.shape[-1], q.shape[-2]
-    mask_mod = block_mask.mask_mod
-    pair = mods.trace_pair(score_mod, mask_mod)
-    mods.register(pair)
-    spec = mod_spec("bf16", d, n, dev, pair, causal_like=block_mask.sparsity() >= CAUSAL_LIKE, family=family)
+    spec = call_spec(q, score_mod, block_mask, family)
     if bounds is not None:
         variant = Variant.of(True, None, 0.0, False, False).replace(varlen=True)
     elif builtin is not None:
@@ -351,17 +348,11 @@ def _forced(family: str, q, score_mod, block_mask, builtin, bounds):
 def _rows_spec(family: str, q, score_mod, block_mask):
     """The mods call's kernel (dispatch's, or ``family``'s) with ``row_bounds``; ``Skipped`` where the case's
     mask has no row bounds (no mask_mod, or a row that sees two runs of keys)."""
-    from ..api.device import Device
-    from ..api.modcall import CAUSAL_LIKE, mod_spec
+    from ..api.modcall import call_spec
 
     if block_mask is None or block_mask.row_bounds() is None:
         raise Skipped("the mask has no row bounds")
-    dev = Device.of(q.device.index)
-    pair = mods.trace_pair(score_mod, block_mask.mask_mod)
-    mods.register(pair)
-    spec = mod_spec("bf16", q.shape[-1], q.shape[-2], dev, pair, causal_like=block_mask.sparsity() >= CAUSAL_LIKE,
-                    family=None if family == "auto" else family)
-    return spec.replace(row_bounds=True).validate()
+    return call_spec(q, score_mod, block_mask, None if family == "auto" else family).replace(row_bounds=True).validate()
 
 
 def _builtin(q, k, v, builtin, bounds, api, spec=None):
