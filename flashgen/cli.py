@@ -62,10 +62,17 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
                         "--causal: the causal key's tile")
     p.add_argument("--mask-mod", metavar="FILE.py:NAME", default=None,
                    help="a mask_mod(b, h, q_idx, kv_idx) function in FILE, likewise (with --score-mod or alone)")
+    p.add_argument("--row-bounds", action="store_true",
+                   help="with --mask-mod (forward): the kernel a call takes when every query row of its block mask "
+                        "sees one run of keys (causal, windows, documents): partial blocks masked by each row's "
+                        "first and last visible key instead of the mask_mod")
 
 
 def spec_from_args(args):
     """The spec dispatch would pick for these arguments, with any overrides applied and validated."""
+    if getattr(args, "row_bounds", False) and (not getattr(args, "mask_mod", None) or args.kind == "decode_split"):
+        raise FlashgenError("--row-bounds is for a forward with --mask-mod (its partial blocks masked by the rows' "
+                            "bounds)")
     if getattr(args, "score_mod", None) or getattr(args, "mask_mod", None):
         return _mod_spec_from_args(args)
     arch = args.arch or (gpus.get(args.gpu).arch if args.gpu else "sm_90a")
@@ -146,6 +153,7 @@ def _mod_spec_from_args(args):
                               ("--page-size", getattr(args, "page_size", None) is not None)) if on]
     if others:
         raise FlashgenError(f"--score-mod/--mask-mod take none of {', '.join(others)}: a mod expresses them")
+    rows = getattr(args, "row_bounds", False)
     arch = args.arch or (gpus.get(args.gpu).arch if args.gpu else "sm_90a")
     decode = args.kind == "decode_split"
     kinds = ("fwd", "decode_split") + dispatch.MOD_FAMILIES
@@ -168,7 +176,7 @@ def _mod_spec_from_args(args):
         else:
             key = ProblemKey("fwd", arch, args.dtype, head_dim_tile(args.d), args.causal, bucket_of(args.seqlen), "")
             spec = dispatch.mod_spec(key, args.gpu, budget, mods.token_number(pair), verify=True,
-                                     family=None if args.kind == "fwd" else args.kind)
+                                     family=None if args.kind == "fwd" else args.kind, row_bounds=rows)
     except UnsupportedError as exc:
         raise FlashgenError(str(exc)) from None
     overrides = {f: getattr(args, f) for f in ("block_m", "block_n", "warps", "stages") if getattr(args, f) is not None}

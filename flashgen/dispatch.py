@@ -103,7 +103,7 @@ def superseded_by(key: ProblemKey, entry: dict, smem_budget: int) -> KernelSpec 
 
 
 def mod_spec(key: ProblemKey, gpu: str | None, smem_budget: int, token: int, verify: bool = False,
-             family: str | None = None) -> KernelSpec:
+             family: str | None = None, row_bounds: bool = False) -> KernelSpec:
     """The kernel of a call with user mods (flashgen.mods; ``token`` the pair's number, KernelSpec.mod):
     the tuned table's entry for the mods' own key (variant "mod<token>", non-causal: ``flashgen tune
     --score-mod/--mask-mod``) where it is a ``family`` kernel that builds clean here; else ``key``'s tile in
@@ -112,18 +112,22 @@ def mod_spec(key: ProblemKey, gpu: str | None, smem_budget: int, token: int, ver
     flag off. Then the rule's tiles in order where the
     mods' kernel spills (a mod's functions take registers: captured reads, indices; three consumer
     warpgroups keep 160 each), then those tiles with 64-key blocks (half the score registers: a 4-D
-    capture's reads spill the d = 64 tiles of 128 keys). ``verify``: the resource check, as ``select``."""
+    capture's reads spill the d = 64 tiles of 128 keys). ``verify``: the resource check, as ``select``.
+    ``row_bounds``: the mask_mod's partial blocks masked by each row's bounds (KernelSpec.row_bounds: a block
+    mask whose rows each see one run of keys), on whichever tile is picked."""
     family = family or mod_family(key)
     if gpu is not None:  # the mods' own tuned entry (``flashgen tune --score-mod/--mask-mod``), keyed by their hash
         own = tables.lookup(gpu, key.replace(causal=False, variant=variants.mod_key(token)))
-        if own is not None and own.kind == family and not (verify and resource_problems(own)):
-            return own
+        if own is not None and own.kind == family:
+            own = own.replace(row_bounds=row_bounds).validate()
+            if not (verify and resource_problems(own)):
+                return own
     picked = select(key, gpu, smem_budget, verify=verify, family=family)
     rule = [s for s in families.family(family).rule(key, smem_budget) if s != picked]
     narrow = [s.replace(block_n=64) for s in [picked] + rule if s.block_n > 64]
     candidates = []
     for s in [picked] + rule + narrow:
-        s = s.replace(causal=False, mod=token)
+        s = s.replace(causal=False, mod=token, row_bounds=row_bounds)
         if s not in candidates:
             candidates.append(s.validate())
     return first_clean(candidates, resource_problems if verify else None)

@@ -369,8 +369,9 @@ def warm_mods(request, tmp_path_factory, calls, backward: bool = False, families
                 pair = mods.pair(mods.trace_score_mod(score) if score else None,
                                  mods.trace_mask_mod(mask) if mask else None)
                 mods.register(pair)
-                out |= {mod_spec(dtype, d, nq, dev, pair, verify, causal_like, family) for nq in lengths
-                        for causal_like in ((False, True) if mask else (False,)) for family in families}
+                out |= {mod_spec(dtype, d, nq, dev, pair, verify, causal_like, family, rows) for nq in lengths
+                        for causal_like in ((False, True) if mask else (False,)) for family in families
+                        for rows in ((False, True) if mask else (False,))}
                 if backward and is_sm90():
                     key = ProblemKey("bwd_dkdv", dev.arch, dtype, d, False, 1024, "")
                     out.add(dispatch.mod_backward_spec(key, dev.smem_budget, mods.token_number(pair), verify))

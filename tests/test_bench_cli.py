@@ -158,7 +158,7 @@ def test_cli_errors_are_clean(capsys, argv, message):
     ["bench", "variants", "--cases", "window,sinks"],
     ["bench", "variants", "--cases", "decode", "--decode-batches", "16,32"],
     ["bench", "models", "--layers", "2", "--cases", "prefill"],
-    ["bench", "mods", "--cases", "document", "--impls", "flashgen,flashgen_rows,builtin"],
+    ["bench", "mods", "--cases", "document", "--impls", "flashgen,flashgen_mask_mod,builtin"],
 ])
 def test_good_options_without_a_gpu(capsys, argv):
     """Valid options get as far as the device check: one line, exit 2, no traceback."""

@@ -258,6 +258,11 @@ def test_emit_and_compile_with_mods(capsys, tmp_path, monkeypatch):
     assert code == 0, err
     report = json.loads(out)
     assert report["spill_stores"] == 0 and "_mod" in report["spec"]
+    # --row-bounds: the kernel of a call whose rows each see one run of keys (no mask_mod per score)
+    code, out, err = run_main(capsys, "compile", "--d", "64", "--mask-mod", f"{path}:document", "--row-bounds", "--json")
+    assert code == 0, err
+    bounded = json.loads(out)
+    assert bounded["spill_stores"] == 0 and bounded["spec"] == report["spec"].replace("_full_", "_rb_full_")
     # other GPUs (and --kind fwd_v2 on sm_90a): the mma.sync forward with the same functions
     code, out, err = run_main(capsys, "emit", "--d", "128", "--kind", "decode_split", "--score-mod", f"{path}:alibi",
                               "--mask-mod", f"{path}:document")
@@ -282,6 +287,9 @@ def test_emit_and_compile_with_mods(capsys, tmp_path, monkeypatch):
     (["--score-mod", "{path}:alibi", "--kind", "bwd_dkdv"], "mods run in the forward"),
     (["--score-mod", "{path}:alibi", "--kind", "decode_split", "--window", "64,0"], "take none of --window"),
     (["--score-mod", "{path}:alibi", "--kind", "fwd_sm90", "--arch", "sm_80"], "fwd_sm90 on sm_90a"),
+    (["--score-mod", "{path}:alibi", "--row-bounds"], "--row-bounds is for a forward with --mask-mod"),
+    (["--row-bounds"], "--row-bounds is for a forward with --mask-mod"),
+    (["--mask-mod", "{path}:document", "--kind", "decode_split", "--row-bounds"], "--row-bounds is for a forward"),
 ])
 def test_mod_options_refused_in_one_line(capsys, tmp_path, args, match):
     pytest.importorskip("torch")

@@ -65,11 +65,12 @@ def _fwd_key():
     return ProblemKey("fwd", Device.of(torch.cuda.current_device()).arch, "bf16", 128, False, 1024, "")
 
 
-def check_mods(b, hq, hk, nq, nk, d, dtype, name, layout="bhsd", block_mask=False, tokens=None, rows=False,
+def check_mods(b, hq, hk, nq, nk, d, dtype, name, layout="bhsd", block_mask=False, tokens=None, rows=None,
                given=None):
     """One call with ``example_mods``' ``name`` (or the ``given`` (score_mod, mask_mod)) against the reference;
     ``tokens``: a fwd_sm90 tile (name tokens, fwd_sm90.variant's) forced with the mods' token instead of
-    dispatch's pick; ``rows``: dispatch's kernel with ``row_bounds`` forced (the block mask made here)."""
+    dispatch's pick; ``rows`` (the block mask made here): True, dispatch's pick, which must mask by the row
+    bounds; False, that kernel without them forced (the mask_mod per score of a partial block)."""
     q, k, v = make_inputs(b, hq, hk, nq, nk, d, dtype, layout)
     score_mod, mask_mod = given or example_mods(b, hq, nq, nk)[name]
     scale = 1.0 / math.sqrt(d)
@@ -84,9 +85,12 @@ def check_mods(b, hq, hk, nq, nk, d, dtype, name, layout="bhsd", block_mask=Fals
                                                                    mod=mods.token_number(pair)).validate()
     if block_mask and mask_mod is not None:
         extra = {"score_mod": score_mod, "block_mask": flashgen.create_block_mask(mask_mod, b, hq, nq, nk)}
-    if rows:
+    if rows is not None:
         extra = {"score_mod": score_mod, "block_mask": flashgen.create_block_mask(mask_mod, b, hq, nq, nk)}
-        extra["spec"] = _rows_spec(to_bhsd(q, layout), score_mod, extra["block_mask"])
+        spec = _call_spec(to_bhsd(q, layout), score_mod, extra["block_mask"])
+        assert spec.row_bounds, "dispatch's kernel for a mask whose rows see one run of keys masks by its row bounds"
+        if not rows:
+            extra["spec"] = spec.replace(row_bounds=False)
     poison_output(q)
     with torch.no_grad():
         out, lse = flashgen.attention(q, k, v, layout=layout, return_lse=True, **extra)
@@ -139,21 +143,22 @@ def test_mods_on_persistent_tiles(name, tokens):
     check_mods(1, 4, 4, 239, 1, 128, torch.bfloat16, name, tokens=tokens)
 
 
-def _rows_spec(q, score_mod, block_mask):
-    """Dispatch's kernel for the call (its family: the fixture's) with ``row_bounds``."""
+def _call_spec(q, score_mod, block_mask):
+    """Dispatch's kernel for the call (its family: the fixture's)."""
     from flashgen.api.modcall import call_spec
 
-    return call_spec(q, score_mod, block_mask).replace(row_bounds=True).validate()
+    return call_spec(q, score_mod, block_mask)
 
 
 @pytest.mark.parametrize("nq,nk", [(113, 203), (1, 239), (239, 1), (799, 3), (1023, 1024)])
 @pytest.mark.parametrize("name", ["causal", "sliding", "prefix_lm", "document", "alibi_causal", "softcap_document"])
-def test_mods_row_bounds(family, name, nq, nk):
-    """KernelSpec.row_bounds: the partial blocks masked by each row's first and last visible key
-    (BlockMask.row_bounds) instead of the mask_mod; the example masks whose rows see one run of keys
-    (prefix_lm's bounds per batch)."""
-    check_mods(2, 4, 2, nq, nk, 128, torch.bfloat16, name, rows=True)
-    assert _ran(family) and all(p.rows is not None for p in _plans())
+@pytest.mark.parametrize("rows", [True, False], ids=["row_bounds", "mask_mod"])
+def test_mods_row_bounds(family, name, nq, nk, rows):
+    """The example masks whose rows see one run of keys (prefix_lm's bounds per batch): dispatch's kernel
+    masks the partial blocks by each row's first and last visible key (KernelSpec.row_bounds,
+    BlockMask.row_bounds); the same tile forced without them calls the mask_mod per score."""
+    check_mods(2, 4, 2, nq, nk, 128, torch.bfloat16, name, rows=rows)
+    assert _ran(family) and all((p.rows is not None) == rows for p in _plans())
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
@@ -178,7 +183,9 @@ def test_row_bounds_refused_where_a_row_sees_two_runs():
     def strided(b_, h, q_, kv):
         return kv % 3 == 0
     mask = flashgen.create_block_mask(strided, 1, 2, 300, 300)
-    spec = _rows_spec(q, None, mask)
+    picked = _call_spec(q, None, mask)
+    assert not picked.row_bounds, "dispatch masks these rows by the mask_mod"
+    spec = picked.replace(row_bounds=True).validate()
     with pytest.raises(flashgen.UnsupportedError, match="more than one run"):
         flashgen.attention(q, k, v, block_mask=mask, spec=spec)
 

@@ -248,9 +248,9 @@ def test_row_bounds_kernels_compile_without_spills(arch, family, d, tmp_path, mo
     pair = registered(softcap if d == 128 else None, document)
     key = ProblemKey("fwd", arch, "bf16", d, True, 4096, "")
     spec = dispatch.mod_spec(key, None, gpus.ARCH_SMEM_PER_BLOCK[arch], mods.token_number(pair), verify=True,
-                             family=family).replace(row_bounds=True).validate()
+                             family=family, row_bounds=True)
     report = build(spec).report
-    assert spec.kind == family and report.spill_stores == 0 and report.stack_frame == 0, (spec.name, report)
+    assert spec.kind == family and spec.row_bounds and report.spill_stores == 0 and report.stack_frame == 0, (spec.name, report)
 
 
 def test_row_bounds_are_packed_with_their_strides():
@@ -286,6 +286,20 @@ def test_row_bounds_are_packed_with_their_strides():
                                                      device="cpu"))
     with pytest.raises(flashgen.UnsupportedError, match="needs a mask_mod"):
         _row_bounds(spec, None)
+
+
+def test_calls_take_row_bounds_where_every_row_sees_one_run():
+    """has_row_bounds, the call's choice: causal, window and document masks (one run of keys per row, rows
+    that see none included) yes; a strided mask (several runs) and no mask no."""
+    from flashgen.api.modcall import has_row_bounds
+
+    def window(b_, h_, q, kv):
+        return (kv <= q) & (kv > q - 7)
+    for fn in (lambda b_, h_, q, kv: q >= kv, window, lambda b_, h_, q, kv: kv > q + 40):
+        assert has_row_bounds(flashgen.create_block_mask(fn, None, None, 50, 60, device="cpu"))
+    assert not has_row_bounds(flashgen.create_block_mask(lambda b_, h_, q, kv: kv % 3 == 0, None, None, 50, 60,
+                                                         device="cpu"))
+    assert not has_row_bounds(None)
 
 
 @pytest.mark.parametrize("score,mask", [(alibi, None), (None, document), (alibi, document), (relative16, None),
@@ -636,6 +650,8 @@ def test_tune_model_keys_the_winner_by_the_mods_hash(capsys, tmp_path, monkeypat
     call_key = ProblemKey("fwd", "sm_90a", "bf16", 128, True, 4096, "")
     picked = dispatch.mod_spec(call_key, "h200", 232448, int(key.variant[3:]))
     assert picked.mod == int(key.variant[3:]) and picked == tables.lookup("h200", key)
+    bounded = dispatch.mod_spec(call_key, "h200", 232448, int(key.variant[3:]), row_bounds=True)
+    assert bounded == picked.replace(row_bounds=True), "a mask with row bounds keeps the tuned tile and masks by them"
     other = dispatch.mod_spec(call_key, "h200", 232448, mods.token_number(registered(alibi)))
     assert other != picked and other.mod == mods.token_number(registered(alibi))
 

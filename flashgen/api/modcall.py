@@ -3,7 +3,8 @@
 The mods are traced once into expression graphs (``flashgen.mods``); the pair's token joins the spec
 (``KernelSpec.mod``), whose kernel prints the graphs as device functions (templates/common/mod.cuh).
 A mask comes with a block mask (``flashgen.api.blockmask``), made at the kernel's tile: the kernel
-visits only the key blocks it lists and calls the mask only on the partial ones. The forward runs on
+visits only the key blocks it lists and calls the mask only on the partial ones (where every query row sees
+one run of keys, the forward masks those by each row's bounds instead: ``has_row_bounds``). The forward runs on
 ``fwd_sm90`` (sm_90a) or ``fwd_v2`` (every other GPU: ``dispatch.mod_family``), the backward on
 ``bwd_sm90`` (sm_90a, head-dim tiles 32 to 128, 192 and 256) or the mma.sync ``bwd_dkdv`` (every other
 GPU, and head-dim tile 160; deterministic: the mma.sync pair ``bwd_dkdv_nodq`` + ``bwd_dq``): the
@@ -263,7 +264,8 @@ def _plan(q, k, v, softmax_scale, layout, return_lse, spec, score_mod, mask_mod,
                                "leaves float32's normal range")
     if spec is None:
         # A block mask that skips much of the square (causal, windows, documents) takes the causal key's tile.
-        spec = mod_spec(DTYPES[q.dtype], d, nq, dev, pair, causal_like=causal_like(block_mask))
+        spec = mod_spec(DTYPES[q.dtype], d, nq, dev, pair, causal_like=causal_like(block_mask),
+                        row_bounds=has_row_bounds(block_mask))
     else:
         key = ProblemKey("fwd", dev.arch, DTYPES[q.dtype], head_dim_tile(d), False, bucket_of(nq), "")
         if getattr(spec, "kind", None) not in dispatch.MOD_FAMILIES:
@@ -376,18 +378,25 @@ def backward_of(plan: "_ModPlan", q, deterministic: bool = False) -> ModBackward
 
 
 def mod_spec(dtype: str, d: int, nq: int, dev, pair, verify: bool = True, causal_like: bool = False,
-             family: str | None = None):
+             family: str | None = None, row_bounds: bool = False):
     """The kernel of a call with mods on this device (``dispatch.mod_spec``; ``causal_like``: a block mask
     that skips much of the square takes the causal key's tile; ``family``: fwd_sm90 or fwd_v2, by default
-    ``dispatch.mod_family``'s)."""
+    ``dispatch.mod_family``'s; ``row_bounds``: a block mask whose rows each see one run of keys)."""
     key = ProblemKey("fwd", dev.arch, dtype, head_dim_tile(d), causal_like, bucket_of(nq), "")
-    return dispatch.mod_spec(key, dev.gpu, dev.smem_budget, mods.token_number(pair), verify, family)
+    return dispatch.mod_spec(key, dev.gpu, dev.smem_budget, mods.token_number(pair), verify, family, row_bounds)
 
 
 def causal_like(block_mask) -> bool:
     """Whether a block mask skips much of the square (causal, windows, documents): its call takes the causal
     key's tile."""
     return block_mask is not None and block_mask.sparsity() >= CAUSAL_LIKE
+
+
+def has_row_bounds(block_mask) -> bool:
+    """Whether every query row of a block mask sees one run of keys (causal, windows, documents, prefix-LM;
+    ``BlockMask.row_bounds``): its call's kernel masks the partial blocks by each row's first and last
+    visible key instead of calling the mask_mod per score (``KernelSpec.row_bounds``)."""
+    return block_mask is not None and block_mask.row_bounds() is not None
 
 
 def call_spec(q, score_mod, block_mask, family: str | None = None):
@@ -397,7 +406,7 @@ def call_spec(q, score_mod, block_mask, family: str | None = None):
     pair = mods.trace_pair(score_mod, block_mask.mask_mod if block_mask is not None else None)
     mods.register(pair)
     return mod_spec(DTYPES[q.dtype], q.shape[-1], q.shape[-2], Device.of(index_of(q)), pair,
-                    causal_like=causal_like(block_mask), family=family)
+                    causal_like=causal_like(block_mask), family=family, row_bounds=has_row_bounds(block_mask))
 
 
 def check_block_mask_shape(block_mask, b: int, h: int, nq: int, nk: int) -> None:

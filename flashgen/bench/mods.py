@@ -65,11 +65,11 @@ CASES = (
 )
 CASE_NAMES = (*dict.fromkeys(c.name for c in CASES), "host")
 IMPLS = ("flashgen", "builtin", "flex")
-# flashgen_rows: the mods' kernel with KernelSpec.row_bounds (a mask_mod's partial blocks masked by each row's
-# bounds), where the case's mask has them; measured beside dispatch's kernel, which does not take it yet.
-KNOWN_IMPLS = (*IMPLS, "flashgen_rows")
+# flashgen_mask_mod: the mods' kernel without KernelSpec.row_bounds (the mask_mod called per score of a partial
+# block), where the case's mask has row bounds (dispatch's kernel masks by them): what the bounds are worth.
+KNOWN_IMPLS = (*IMPLS, "flashgen_mask_mod")
 RATIOS = (("x_builtin", "builtin"), ("x_flex", "flex"))
-ROWS_RATIOS = (("rows_x_mods", "flashgen_rows", "flashgen"), ("rows_x_builtin", "flashgen_rows", "builtin"))
+ROWS_RATIOS = (("rows_gain", "flashgen", "flashgen_mask_mod"),)
 MODES = ("fwd", "fwd+bwd")
 FAMILIES = ("auto", "fwd_v2")
 BWD_FLOPS = 2.5  # the backward's FLOPs over the forward's (the suite convention)
@@ -189,9 +189,9 @@ def run(args, progress) -> dict:
             if impl == "flashgen":
                 makers[impl] = lambda: _timed(lambda: api.attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
                                                                     spec=mod_spec), (q, k, v), grads)
-            elif impl == "flashgen_rows":
+            elif impl == "flashgen_mask_mod":
                 def rows_call():
-                    cells_spec["flashgen_rows"] = spec = _rows_spec(settings["family"], q, score_mod, block_mask)
+                    cells_spec[impl] = spec = _mask_mod_spec(settings["family"], q, score_mod, block_mask)
                     return _timed(lambda: api.attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
                                                         spec=spec), (q, k, v), grads)
                 makers[impl] = rows_call
@@ -206,9 +206,9 @@ def run(args, progress) -> dict:
             if "ms" in cell:
                 cell["tflops"] = flop / cell["ms"] / 1e9
         if "ms" in cells.get("flashgen", {}):  # the kernel the mods ran on (the plan of this case's call)
-            cells["flashgen"]["spec"] = _mod_kernel(q, block_mask)
-        if "ms" in cells.get("flashgen_rows", {}):
-            cells["flashgen_rows"]["spec"] = cells_spec["flashgen_rows"].name
+            cells["flashgen"]["spec"] = _mod_kernel(q, block_mask, mod_spec)
+        if "ms" in cells.get("flashgen_mask_mod", {}):
+            cells["flashgen_mask_mod"]["spec"] = cells_spec["flashgen_mask_mod"].name
         if builtin_spec is not None and "ms" in cells.get("builtin", {}):
             cells["builtin"]["spec"] = builtin_spec.name
         label = f"{case.name}_gqa" if case.heads != case.kv_heads and case.name == "causal" else case.name
@@ -227,7 +227,7 @@ def run(args, progress) -> dict:
                           f"{settings['rounds']} interleaved rounds; x_builtin / x_flex: flashgen's mods over its "
                           "built-in equivalent / over FlexAttention (compiled) running the same functions",
             "settings": settings, "impls": settings["impls"],
-            "ratios": [r for r, _ in RATIOS] + ([r for r, _, _ in ROWS_RATIOS] if "flashgen_rows" in settings["impls"]
+            "ratios": [r for r, _ in RATIOS] + ([r for r, _, _ in ROWS_RATIOS] if "flashgen_mask_mod" in settings["impls"]
                                                  else []), "rows": rows}
     if host is not None:
         result["sections"] = {"host": host}
@@ -302,12 +302,13 @@ def host_section(progress) -> dict:
             "rows": [{**r, "results": {"value": {"value": r["value"]}}} for r in rows]}
 
 
-def _mod_kernel(q, block_mask) -> str:
-    """The spec name of the newest mods plan for ``q``'s shape with ``block_mask`` (api.modcall's cache)."""
+def _mod_kernel(q, block_mask, spec=None) -> str:
+    """The spec name of the newest mods plan for ``q``'s shape with ``block_mask`` and the forced ``spec`` (None:
+    dispatch's pick) (api.modcall's cache)."""
     from ..api.plans import cache
 
     names = [plan.base.kernel.spec.name for sig, plan in cache("attention with mods").items()
-             if sig[0] == q.shape and sig[-1] is block_mask and plan.base.kernel is not None]
+             if sig[0] == q.shape and sig[-1] is block_mask and sig[-4] == spec and plan.base.kernel is not None]
     return names[-1] if names else ""
 
 
@@ -345,14 +346,14 @@ def _forced(family: str, q, score_mod, block_mask, builtin, bounds):
     return spec, dispatch.select(key, dev.gpu, dev.smem_budget, verify=True, family=family)
 
 
-def _rows_spec(family: str, q, score_mod, block_mask):
-    """The mods call's kernel (dispatch's, or ``family``'s) with ``row_bounds``; ``Skipped`` where the case's
-    mask has no row bounds (no mask_mod, or a row that sees two runs of keys)."""
-    from ..api.modcall import call_spec
+def _mask_mod_spec(family: str, q, score_mod, block_mask):
+    """The mods call's kernel (dispatch's, or ``family``'s) without ``row_bounds``; ``Skipped`` where the case's
+    mask has no row bounds (no mask_mod, or a row that sees two runs of keys: the call's own kernel)."""
+    from ..api.modcall import call_spec, has_row_bounds
 
-    if block_mask is None or block_mask.row_bounds() is None:
+    if not has_row_bounds(block_mask):
         raise Skipped("the mask has no row bounds")
-    return call_spec(q, score_mod, block_mask, None if family == "auto" else family).replace(row_bounds=True).validate()
+    return call_spec(q, score_mod, block_mask, None if family == "auto" else family).replace(row_bounds=False)
 
 
 def _builtin(q, k, v, builtin, bounds, api, spec=None):
