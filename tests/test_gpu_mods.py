@@ -90,7 +90,7 @@ def check_mods(b, hq, hk, nq, nk, d, dtype, name, layout="bhsd", block_mask=Fals
         spec = _call_spec(to_bhsd(q, layout), score_mod, extra["block_mask"])
         assert spec.row_bounds, "dispatch's kernel for a mask whose rows see one run of keys masks by its row bounds"
         if not rows:
-            extra["spec"] = spec.replace(row_bounds=False)
+            extra["spec"] = _call_spec(to_bhsd(q, layout), score_mod, extra["block_mask"], row_bounds=False)
     poison_output(q)
     with torch.no_grad():
         out, lse = flashgen.attention(q, k, v, layout=layout, return_lse=True, **extra)
@@ -143,11 +143,11 @@ def test_mods_on_persistent_tiles(name, tokens):
     check_mods(1, 4, 4, 239, 1, 128, torch.bfloat16, name, tokens=tokens)
 
 
-def _call_spec(q, score_mod, block_mask):
-    """Dispatch's kernel for the call (its family: the fixture's)."""
+def _call_spec(q, score_mod, block_mask, row_bounds=None):
+    """Dispatch's kernel for the call (its family: the fixture's; ``row_bounds``: with or without them)."""
     from flashgen.api.modcall import call_spec
 
-    return call_spec(q, score_mod, block_mask)
+    return call_spec(q, score_mod, block_mask, row_bounds=row_bounds)
 
 
 @pytest.mark.parametrize("nq,nk", [(113, 203), (1, 239), (239, 1), (799, 3), (1023, 1024)])
@@ -156,7 +156,7 @@ def _call_spec(q, score_mod, block_mask):
 def test_mods_row_bounds(family, name, nq, nk, rows):
     """The example masks whose rows see one run of keys (prefix_lm's bounds per batch): dispatch's kernel
     masks the partial blocks by each row's first and last visible key (KernelSpec.row_bounds,
-    BlockMask.row_bounds); the same tile forced without them calls the mask_mod per score."""
+    BlockMask.row_bounds); dispatch's pick without them, forced, calls the mask_mod per score."""
     check_mods(2, 4, 2, nq, nk, 128, torch.bfloat16, name, rows=rows)
     assert _ran(family) and all((p.rows is not None) == rows for p in _plans())
 
@@ -266,5 +266,3 @@ def test_mod_refusals_before_launch():
         flashgen.attention(q, k, v, score_mod=control_flow)
     with pytest.raises(flashgen.UnsupportedError, match="causal"):
         flashgen.attention(q, k, v, causal=True, score_mod=lambda s, b, h, qi, kv: s)
-    with pytest.raises(flashgen.UnsupportedError, match="deterministic"):
-        flashgen.attention(q, k, v, deterministic=True, score_mod=lambda s, b, h, qi, kv: s)

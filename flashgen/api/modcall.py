@@ -399,14 +399,16 @@ def has_row_bounds(block_mask) -> bool:
     return block_mask is not None and block_mask.row_bounds() is not None
 
 
-def call_spec(q, score_mod, block_mask, family: str | None = None):
+def call_spec(q, score_mod, block_mask, family: str | None = None, row_bounds: bool | None = None):
     """The forward kernel ``flashgen.attention(q, ..., score_mod=score_mod, block_mask=block_mask)`` runs (q in
-    the bhsd layout; ``family``: fwd_sm90 or fwd_v2 instead of ``dispatch.mod_family``'s), the pair traced and
-    registered: for benchmarks and tests that force a variant of it."""
+    the bhsd layout; ``family``: fwd_sm90 or fwd_v2 instead of ``dispatch.mod_family``'s; ``row_bounds``: the
+    pick with or without them instead of the call's ``has_row_bounds``), the pair traced and registered: for
+    benchmarks and tests that force a variant of it."""
     pair = mods.trace_pair(score_mod, block_mask.mask_mod if block_mask is not None else None)
     mods.register(pair)
+    rows = has_row_bounds(block_mask) if row_bounds is None else row_bounds
     return mod_spec(DTYPES[q.dtype], q.shape[-1], q.shape[-2], Device.of(index_of(q)), pair,
-                    causal_like=causal_like(block_mask), family=family, row_bounds=has_row_bounds(block_mask))
+                    causal_like=causal_like(block_mask), family=family, row_bounds=rows)
 
 
 def check_block_mask_shape(block_mask, b: int, h: int, nq: int, nk: int) -> None:

@@ -191,7 +191,7 @@ def run(args, progress) -> dict:
                                                                     spec=mod_spec), (q, k, v), grads)
             elif impl == "flashgen_mask_mod":
                 def rows_call():
-                    cells_spec[impl] = spec = _mask_mod_spec(settings["family"], q, score_mod, block_mask)
+                    cells_spec["flashgen_mask_mod"] = spec = _mask_mod_spec(settings["family"], q, score_mod, block_mask)
                     return _timed(lambda: api.attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
                                                         spec=spec), (q, k, v), grads)
                 makers[impl] = rows_call
@@ -347,13 +347,14 @@ def _forced(family: str, q, score_mod, block_mask, builtin, bounds):
 
 
 def _mask_mod_spec(family: str, q, score_mod, block_mask):
-    """The mods call's kernel (dispatch's, or ``family``'s) without ``row_bounds``; ``Skipped`` where the case's
-    mask has no row bounds (no mask_mod, or a row that sees two runs of keys: the call's own kernel)."""
+    """The kernel dispatch (or ``family``'s rule) picks for the mods call without ``row_bounds`` (the mask_mod
+    per score); ``Skipped`` where the case's mask has no row bounds (no mask_mod, or a row that sees two runs of
+    keys: the call's own kernel)."""
     from ..api.modcall import call_spec, has_row_bounds
 
     if not has_row_bounds(block_mask):
         raise Skipped("the mask has no row bounds")
-    return call_spec(q, score_mod, block_mask, None if family == "auto" else family).replace(row_bounds=False)
+    return call_spec(q, score_mod, block_mask, None if family == "auto" else family, row_bounds=False)
 
 
 def _builtin(q, k, v, builtin, bounds, api, spec=None):
