@@ -164,8 +164,14 @@ def mod_family(key: ProblemKey) -> str:
                            f"serves {key.arch}")
 
 
+# Whether the backward of a mods call whose block mask has row bounds (every query row sees one run of keys)
+# takes bwd_sm90 with KernelSpec.row_bounds, as its forward does. Off until a GPU has checked and timed it
+# (tests/test_gpu_mods_bwd.py turns it on); the mask_mod per score of a partial block otherwise.
+MOD_BACKWARD_ROW_BOUNDS = False
+
+
 def mod_backward_spec(key: ProblemKey, smem_budget: int, token: int, verify: bool = False,
-                      family: str | None = None) -> KernelSpec:
+                      family: str | None = None, row_bounds: bool = False) -> KernelSpec:
     """The dK/dV kernel of a call with user mods for ``key`` (a ``bwd_dkdv`` key), with the mods' token: on
     sm_90a at the head-dim tiles bwd_sm90 has, bwd_sm90's rule tiles in order, then each with dP^T's GEMM
     issued after P^T (``dp_late``: a mod's functions that do not fit beside dP^T's accumulators); elsewhere
@@ -173,7 +179,9 @@ def mod_backward_spec(key: ProblemKey, smem_budget: int, token: int, verify: boo
     tiles in order (UnsupportedError where none fits); ``family="bwd_dkdv"`` takes that kernel on sm_90a too
     (tests, comparisons). ``verify``: the first that builds clean, else the one
     that spills least (at d = 128 a mod's functions can leave ptxas a few registers short whichever way:
-    ``codegen.load(..., accept_spills=True)`` takes it rather than leave the mod without a backward)."""
+    ``codegen.load(..., accept_spills=True)`` takes it rather than leave the mod without a backward).
+    ``row_bounds``: bwd_sm90's partial blocks masked by each query row's bounds (KernelSpec.row_bounds) where
+    such a tile builds clean, else the mask_mod's tiles (the mma.sync kernel keeps the mask_mod)."""
     fam = families.family("bwd_sm90")
     plain = key.replace(causal=False, variant="")
     if family not in (None, "bwd_sm90", "bwd_dkdv"):
@@ -185,7 +193,10 @@ def mod_backward_spec(key: ProblemKey, smem_budget: int, token: int, verify: boo
         rule = [s.replace(causal=False, mod=token) for s in fam.rule(plain, smem_budget)
                 if s.dq_write not in WRITER_DQ and s.block_m == 64]
         rule = list(dict.fromkeys(rule))
-        candidates = [s.validate() for s in rule + [s.replace(dp_late=True) for s in rule]]
+        # (row bounds: each tile with them, then without, before the same with dP^T late: the bounds' pointer
+        # takes registers, and where it spills the mask_mod's tile is the one to take)
+        order = [s.replace(row_bounds=True) for s in rule] + rule if row_bounds else rule
+        candidates = [s.validate() for s in order + [s.replace(dp_late=True) for s in order]]
     if not verify:
         return candidates[0]
     spilling = []

@@ -155,6 +155,60 @@ def test_matches_flex_attention_gradients():
 
 
 @pytest.fixture
+def backward_rows(monkeypatch):
+    """The mods' backward with row bounds (bwd_sm90 with KernelSpec.row_bounds where the block mask has them and
+    such a tile builds clean: dispatch.MOD_BACKWARD_ROW_BOUNDS, off by default), in a fresh plan cache."""
+    from flashgen import dispatch
+    from flashgen.api.plans import cache
+
+    monkeypatch.setattr(dispatch, "MOD_BACKWARD_ROW_BOUNDS", True)
+    plans = cache("attention with mods")
+    plans.clear()
+    yield
+    plans.clear()
+
+
+def _backward_specs() -> list:
+    from flashgen.api.plans import cache
+
+    return [m.spec for p in cache("attention with mods").values() for m in p.backward.values()]
+
+
+@needs_sm90
+@pytest.mark.parametrize("nq,nk", [(113, 203), (1, 239), (239, 1), (799, 3), (1023, 1024)])
+@pytest.mark.parametrize("name", ["causal", "sliding", "prefix_lm", "document", "softcap_document"])
+@pytest.mark.parametrize("d", [64, 256])
+def test_mod_grads_with_row_bounds(backward_rows, name, nq, nk, d):
+    """bwd_sm90 masking a partial block's scores by each query row's first and last visible key (the block
+    mask's row bounds) instead of the mask_mod: the masks whose rows each see one run of keys, odd sizes, GQA."""
+    check_mod_grads(2, 4, 2, nq, nk, d, torch.bfloat16, name)
+    specs = _backward_specs()
+    assert specs and all(s.kind == "bwd_sm90" for s in specs), [s.name for s in specs]
+    if name in ("causal", "document", "softcap_document"):  # (built clean with the bounds offline at 64 and 256)
+        assert all(s.row_bounds for s in specs), [s.name for s in specs]
+
+
+@needs_sm90
+def test_row_bounds_backward_per_batch_and_head(backward_rows):
+    """Bounds that differ per head and per batch (strides in rows of both), fp16, bshd, GQA; a mask with rows
+    of several runs keeps the mask_mod."""
+    b, hq, hk, nq, nk = 3, 6, 2, 517, 700
+    wins = torch.randint(0, 400, (hq,), device="cuda", dtype=torch.int32)
+    shift = torch.randint(0, 50, (b,), device="cuda", dtype=torch.int32)
+    diag = torch.tensor([nk - nq], device="cuda", dtype=torch.int32)
+
+    def banded(b_, h, q, kv):
+        return (kv <= q + diag[0]) & (kv >= q + diag[0] - wins[h] - shift[b_])
+    check_mod_grads(b, hq, hk, nq, nk, 64, torch.float16, "banded", layout="bshd", given=(None, banded))
+    assert all(s.row_bounds for s in _backward_specs())
+    from flashgen.api.plans import cache
+
+    cache("attention with mods").clear()
+    check_mod_grads(2, 4, 2, 300, 300, 64, torch.bfloat16, "block_sparse")
+    assert not any(s.row_bounds for s in _backward_specs())
+
+
+@pytest.fixture
 def mma_sync(monkeypatch):
     """The mods' backward on the mma.sync dK/dV kernel (bwd_dkdv), which the GPUs without bwd_sm90 run, here too
     (a fresh plan cache, whose plans keep their backward kernel)."""
@@ -163,7 +217,8 @@ def mma_sync(monkeypatch):
 
     real = dispatch.mod_backward_spec
     monkeypatch.setattr(dispatch, "mod_backward_spec",
-                        lambda key, budget, token, verify=False, family=None: real(key, budget, token, verify, "bwd_dkdv"))
+                        lambda key, budget, token, verify=False, family=None, row_bounds=False:
+                        real(key, budget, token, verify, "bwd_dkdv"))
     plans = cache("attention with mods")
     plans.clear()
     yield

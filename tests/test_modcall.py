@@ -216,7 +216,7 @@ def test_mod_fields_are_packed_once_at_their_offsets():
 
 
 def test_row_bounds_field_rules_and_source():
-    """``row_bounds`` (token rb): the forward families with a mask_mod only; its kernel masks by the bounds
+    """``row_bounds`` (token rb): the forward families and bwd_sm90 with a mask_mod only; its kernel masks by the bounds
     (ROWS, the sixth flag of fg_mod_variant) and still prints the mask_mod (the backward's and decode's)."""
     pair = registered(None, document)
     spec = mod_spec(pair).replace(row_bounds=True).validate()
@@ -227,7 +227,7 @@ def test_row_bounds_field_rules_and_source():
     assert "fg_mod_variant<false, true>" in render(mod_spec(pair))
     with pytest.raises(ValueError, match="needs mod"):
         fwd_sm90.variant(128, False, "ws").replace(row_bounds=True).validate()
-    for kind in ("bwd_sm90", "decode_split", "bwd_dkdv"):
+    for kind in ("decode_split", "bwd_dkdv", "bwd_dkdv_nodq", "bwd_dq"):
         with pytest.raises(ValueError, match="not a field of this kind"):
             KernelSpec(kind=kind, head_dim=64, block_m=64, block_n=64, warps=4, mod=5, row_bounds=True).validate()
     with pytest.raises(ValueError, match="no mask_mod"):
@@ -259,9 +259,9 @@ def test_row_bounds_are_packed_with_their_strides():
     import ctypes
 
     from flashgen.api.modcall import _row_bounds, pack_mod_fields
-    from flashgen.families import bwd_sm90, fwd_v2
+    from flashgen.families import bwd, bwd_sm90, fwd_v2
 
-    for fam in (fwd_sm90.FAMILY, fwd_v2.FAMILY):
+    for fam in (fwd_sm90.FAMILY, fwd_v2.FAMILY, bwd_sm90.FAMILY):
         struct = fam.param_struct()
         for b, h, strides in ((2, None, (50, 0)), (None, 3, (0, 50)), (None, None, (0, 0)), (2, 3, (150, 50))):
             mask = flashgen.create_block_mask(lambda b_, h_, q, kv: (kv <= q + b_) & (kv >= q - h_ - 3), b, h, 50, 60,
@@ -277,7 +277,7 @@ def test_row_bounds_are_packed_with_their_strides():
         ctypes.memmove(ctypes.addressof(params) + offset, blob, len(blob))
         assert not params.bm_rows and (params.bm_rsb, params.bm_rsh) == (0, 0)
     with pytest.raises(ValueError, match="no row bounds fields"):
-        pack_mod_fields(bwd_sm90.FAMILY.param_struct(), (), tiles, rows)
+        pack_mod_fields(bwd.DKDV.param_struct(), (), tiles, rows)
     spec = mod_spec(registered(None, document)).replace(row_bounds=True).validate()
     assert _row_bounds(mod_spec(registered(None, document)), mask) is None
     assert _row_bounds(spec, mask) is rows
@@ -322,6 +322,44 @@ def test_backward_kernels_with_mods_compile_without_spills(score, mask, d, tmp_p
     src = render(spec)
     flags = [pair.score is not None, pair.mask is not None, pair.score_grad is not None]
     assert "fg_mod_variant<" + ", ".join("true" if f else "false" for f in flags) + ">" in src
+
+
+@pytest.mark.parametrize("score,d,bounded", [(None, 64, True), (softcap, 128, False), (None, 256, True)])
+def test_backward_row_bounds_kernels(score, d, bounded, tmp_path, monkeypatch):
+    """bwd_sm90 with ``row_bounds`` (dispatch.mod_backward_spec(row_bounds=True)): the document mask's partial
+    blocks masked by the rows' bounds (ROWS, fg_mod_variant's sixth flag), built spill-free offline; at d = 128
+    the bounds spill (44 B under NVRTC 13.0: two registers a row of the thread's S^T columns where the mask_mod
+    keeps one) and the mask_mod's tile is taken; the rows' fields packed into its block; dispatch's own backward
+    keeps the mask_mod until a GPU has run the bounds."""
+    import ctypes
+
+    from flashgen import dispatch
+    from flashgen.api.modcall import pack_mod_fields
+    from flashgen.codegen import build
+    from flashgen.families import bwd_sm90
+    from flashgen.problem import ProblemKey
+
+    monkeypatch.setenv("FLASHGEN_HOME", str(tmp_path))
+    pair = registered(score, document)
+    key = ProblemKey("bwd_dkdv", "sm_90a", "bf16", d, False, 4096, "")
+    spec = dispatch.mod_backward_spec(key, 232448, mods.token_number(pair), verify=True, row_bounds=True)
+    plain = dispatch.mod_backward_spec(key, 232448, mods.token_number(pair), verify=True)
+    assert spec.kind == "bwd_sm90" and spec.row_bounds == bounded and not plain.row_bounds
+    report = build(spec).report
+    assert report.spill_stores == 0 and report.stack_frame == 0, (spec.name, report)
+    spec = spec.replace(row_bounds=True)
+    flags = [score is not None, True, pair.score_grad is not None, False, False, True]
+    assert "_rb_" in spec.name and KernelSpec.from_name(spec.name) == spec
+    assert "fg_mod_variant<" + ", ".join("true" if f else "false" for f in flags) + ">" in render(spec)
+    assert not dispatch.MOD_BACKWARD_ROW_BOUNDS
+    mask = flashgen.create_block_mask(document, None, None, 64, 64, device="cpu")
+    rows, tiles = mask.row_bounds(), mask.for_key_tile(spec.block_m, spec.block_n)
+    struct = bwd_sm90.FAMILY.param_struct()
+    offset, blob = pack_mod_fields(struct, (), tiles, rows)
+    params = struct()
+    params.dq_rot = 7
+    ctypes.memmove(ctypes.addressof(params) + offset, blob, len(blob))
+    assert params.bm_rows == rows.data_ptr() and params.bm_count == tiles.counts.data_ptr() and params.dq_rot == 7
 
 
 @pytest.mark.parametrize("score,mask", [(None, document), (softcap, document), (alibi, None), (relative16, None)])

@@ -334,7 +334,8 @@ class ModBackward:
         if deterministic:
             self.spec, self.dq_spec = dispatch.mod_backward_pair(key, dev.smem_budget, token, verify=True)
         else:
-            self.spec = dispatch.mod_backward_spec(key, dev.smem_budget, token, verify=True)
+            rows = dispatch.MOD_BACKWARD_ROW_BOUNDS and has_row_bounds(plan.block_mask)
+            self.spec = dispatch.mod_backward_spec(key, dev.smem_budget, token, verify=True, row_bounds=rows)
         # Spills only where no tile builds clean (dispatch.mod_backward_spec): taken, and said once (the
         # load still refuses any other problem).
         problems = dispatch.resource_problems(self.spec)
@@ -353,12 +354,14 @@ class ModBackward:
     @staticmethod
     def _fields(plan, spec, captures, by_key: bool):
         """(the block lists at ``spec``'s tile, kept alive with the captures while the plan lives, and the packed
-        mod fields of its parameter block)."""
+        mod fields of its parameter block, with the row bounds for a ``row_bounds`` kernel: the block mask's,
+        which it keeps)."""
         tiles = None
         if plan.pair.mask is not None:
             tiles = (plan.block_mask.for_key_tile if by_key else plan.block_mask.for_tile)(spec.block_m, spec.block_n)
             check_int32("the block mask's rows", tiles.counts.numel())
-        return (tiles, *pack_mod_fields(families.family(spec.kind).param_struct(), captures, tiles))
+        rows = _row_bounds(spec, plan.block_mask)
+        return (tiles, *pack_mod_fields(families.family(spec.kind).param_struct(), captures, tiles, rows))
 
     def fill(self, params) -> None:
         fill_mods(params, self.offset, self.blob)

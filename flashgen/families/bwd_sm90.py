@@ -16,8 +16,8 @@ import ctypes
 from .. import tma, variants
 from ..errors import UnsupportedError
 from ..problem import ProblemKey, bwd_head_dim_tile
-from .base import (F32, I32, MOD_PARAMS, PTR, TMAP, VARIANT_PARAMS, VARLEN_PARAMS, Family, aligned_struct, check_mod,
-                   hopper_checks, mod_context, strides, variant_context)
+from .base import (F32, I32, MOD_PARAMS, MOD_ROWS_PARAMS, PTR, TMAP, VARIANT_PARAMS, VARLEN_PARAMS, Family,
+                   aligned_struct, check_mod, hopper_checks, mod_context, strides, variant_context)
 
 # The parameter block: tensor maps first (64-byte aligned, as the C struct's alignas(64) wants),
 # Q/K/V/dO in the input dtype with 64-column boxes, and the fp32 dQ accumulator (b, h, nq, head-dim
@@ -33,6 +33,7 @@ SM90_BWD_PARAMS = (
     *VARIANT_PARAMS,
     *VARLEN_PARAMS,
     *MOD_PARAMS,
+    *MOD_ROWS_PARAMS,
     ("dq_rot", "int", I32),  # det without a right or left bound: the rotated walk's chunk (det_rotation)
 )
 

@@ -56,11 +56,12 @@ FG_DEVICE void fg_mask_mod_row(F& s, int hh, int b, int h, int q, int c0, int li
     }
 }
 
-// ROWS (the forward families: KernelSpec.row_bounds): row q of batch b, head h sees exactly keys lo..hi, the
-// parameter block's bm_rows pair at (b bm_rsb + h bm_rsh + q) (BlockMask.row_bounds: a mask whose rows each
-// see one run of keys, lo > hi for none; hi < nk, so the key end needs no test of its own): a partial block
-// is masked by two compares a score, with one 8-byte read per row half, where the mask_mod would read its
-// captures per score. Rows past nq read the last row's bounds (their results are not written).
+// ROWS (the forward families and bwd_sm90: KernelSpec.row_bounds): row q of batch b, head h sees exactly
+// keys lo..hi, the parameter block's bm_rows pair at (b bm_rsb + h bm_rsh + q) (BlockMask.row_bounds: a mask
+// whose rows each see one run of keys, lo > hi for none; hi < nk, so the key end needs no test of its own):
+// a partial block is masked by two compares a score, with one 8-byte read per row half (the backward's
+// score: per query row of its S^T), where the mask_mod would read its captures per score. Rows past nq
+// read the last row's bounds (their results are not written).
 template <typename F>
 FG_DEVICE void fg_mask_bounds_row(F& s, int hh, int c0, int lo, int hi) {
 #pragma unroll
@@ -153,6 +154,7 @@ struct fg_mod_variant {
   FG_DEVICE int query_end(int, int, int bm) const { return ceil_div(nq, bm); }
   // One score of the backward's S (raw x of query `row`, key `key`): the score_mod's value (t_out: its
   // derivative, GRAD), and -inf where `masked` (a partial block, the key end, the rows past nq) hides it.
+  // ROWS (bwd_sm90): the row's bounds instead of the mask_mod, as the forward's mask.
   FG_DEVICE float score(float x, int row, int key, bool masked, float& t_out) const {
     if constexpr (SCORE && GRAD)
       x = fg_score_mod_grad(x * scale, b, h, row, key, *args, t_out);
@@ -160,7 +162,12 @@ struct fg_mod_variant {
       x = fg_score_mod(x * scale, b, h, row, key, *args);
     if (masked) {
       bool seen = key < nk && row < nq;
-      if constexpr (MASK) seen = seen && fg_mask_mod(b, h, row, key, *args);
+      if constexpr (ROWS) {
+        const int2 r = __ldg(bounds + min(row, nq - 1));
+        seen = seen && key >= r.x && key <= r.y;
+      } else if constexpr (MASK) {
+        seen = seen && fg_mask_mod(b, h, row, key, *args);
+      }
       if (!seen) x = -INFINITY;
     }
     return x;
