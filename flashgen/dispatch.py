@@ -114,22 +114,23 @@ def mod_spec(key: ProblemKey, gpu: str | None, smem_budget: int, token: int, ver
     warpgroups keep 160 each), then those tiles with 64-key blocks (half the score registers: a 4-D
     capture's reads spill the d = 64 tiles of 128 keys). ``verify``: the resource check, as ``select``.
     ``row_bounds``: the mask_mod's partial blocks masked by each row's bounds (KernelSpec.row_bounds: a block
-    mask whose rows each see one run of keys), on whichever tile is picked."""
+    mask whose rows each see one run of keys): those tiles first, then the same without them."""
     family = family or mod_family(key)
     if gpu is not None:  # the mods' own tuned entry (``flashgen tune --score-mod/--mask-mod``), keyed by their hash
         own = tables.lookup(gpu, key.replace(causal=False, variant=variants.mod_key(token)))
         if own is not None and own.kind == family:
-            own = own.replace(row_bounds=row_bounds).validate()
-            if not (verify and resource_problems(own)):
-                return own
+            for mine in ([own.replace(row_bounds=True).validate()] if row_bounds else []) + [own]:
+                if not (verify and resource_problems(mine)):
+                    return mine
     picked = select(key, gpu, smem_budget, verify=verify, family=family)
     rule = [s for s in families.family(family).rule(key, smem_budget) if s != picked]
     narrow = [s.replace(block_n=64) for s in [picked] + rule if s.block_n > 64]
     candidates = []
-    for s in [picked] + rule + narrow:
-        s = s.replace(causal=False, mod=token, row_bounds=row_bounds)
-        if s not in candidates:
-            candidates.append(s.validate())
+    for bounds in ((True, False) if row_bounds else (False,)):  # (each tile with the bounds first: they pay most)
+        for s in [picked] + rule + narrow:
+            s = s.replace(causal=False, mod=token, row_bounds=bounds)
+            if s not in candidates:
+                candidates.append(s.validate())
     return first_clean(candidates, resource_problems if verify else None)
 
 
