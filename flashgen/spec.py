@@ -98,9 +98,9 @@ class KernelSpec:
                          "boxes: for pages shorter than the boxes that run well", True)
     mod: int = _f(0, "mod", ("fwd_sm90", "fwd_v2", "bwd_sm90", "bwd_dkdv", "bwd_dkdv_nodq", "bwd_dq", "decode_split"), "user mods (flashgen.mods): the 48-bit token of a traced score_mod / mask_mod pair, "
                   "whose graphs are printed into the kernel as device functions (0: none)", True)
-    row_bounds: bool = _f(False, "rb", ("fwd_sm90", "fwd_v2", "bwd_sm90"), "a mask_mod's partial blocks masked by each query row's "
-                          "first and last visible key (BlockMask.row_bounds, for masks whose rows each see one run "
-                          "of keys) instead of calling the mask_mod per score", True)
+    row_bounds: bool = _f(False, "rb", ("fwd_sm90", "fwd_v2", "bwd_sm90"), "a mask_mod's partial blocks masked by "
+                          "each query row's first and last visible key (BlockMask.row_bounds, for masks whose rows "
+                          "each see one run of keys) instead of calling the mask_mod per score", True)
     fp8: bool = _f(False, "fp8", ("fwd_sm90", "decode_split"), "float8 e4m3 operands with fp32 descale factors: q, k "
                    "and v in the forward, the KV cache in decode; dtype is the output's (and decode's query's)", True)
 

@@ -290,6 +290,18 @@ def check_decode_lse(lse, ref_lse, low_lse, masked, ns):
 # ---- user mods (flashgen.mods): FlexAttention's examples, for the mods' forward and backward tiers
 
 
+def banded_mask(b, hq, nq, nk):
+    """A mask_mod whose rows each see one run of keys that differs per head and per batch (a window per head,
+    shifted per batch, bottom-right aligned): row bounds with strides in rows of both."""
+    wins = torch.randint(0, 400, (hq,), device="cuda", dtype=torch.int32)
+    shift = torch.randint(0, 50, (b,), device="cuda", dtype=torch.int32)
+    diag = torch.tensor([nk - nq], device="cuda", dtype=torch.int32)
+
+    def banded(b_, h, q, kv):
+        return (kv <= q + diag[0]) & (kv >= q + diag[0] - wins[h] - shift[b_])
+    return banded
+
+
 def example_mods(b, hq, nq, nk):
     """name -> (score_mod, mask_mod) of FlexAttention's examples, with fresh captured tensors."""
     dev = "cuda"

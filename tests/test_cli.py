@@ -259,7 +259,8 @@ def test_emit_and_compile_with_mods(capsys, tmp_path, monkeypatch):
     report = json.loads(out)
     assert report["spill_stores"] == 0 and "_mod" in report["spec"]
     # --row-bounds: the kernel of a call whose rows each see one run of keys (no mask_mod per score)
-    code, out, err = run_main(capsys, "compile", "--d", "64", "--mask-mod", f"{path}:document", "--row-bounds", "--json")
+    code, out, err = run_main(capsys, "compile", "--d", "64", "--mask-mod", f"{path}:document", "--row-bounds",
+                              "--json")
     assert code == 0, err
     bounded = json.loads(out)
     assert bounded["spill_stores"] == 0 and bounded["spec"] == report["spec"].replace("_full_", "_rb_full_")

@@ -22,7 +22,8 @@ pytestmark = [
 
 import flashgen  # noqa: E402
 from flashgen.reference import allowance, reference  # noqa: E402
-from gpu_util import MOD_NAMES, example_mods, is_sm90, make_inputs, poison_output, to_bhsd, warm_mods  # noqa: E402
+from gpu_util import (MOD_NAMES, banded_mask, example_mods, is_sm90, make_inputs, poison_output, to_bhsd,  # noqa: E402
+                      warm_mods)
 
 needs_sm90 = pytest.mark.skipif(not is_sm90(), reason="user mods run on fwd_sm90 (an sm_90 GPU)")
 FAMILIES = ["fwd_sm90", "fwd_v2"]
@@ -166,13 +167,8 @@ def test_mods_row_bounds_per_batch_and_head(family, layout):
     """Bounds that differ per head and per batch (a window per head, shifted per batch: strides in rows of both),
     fp16, GQA."""
     b, hq, hk, nq, nk = 3, 6, 2, 517, 700
-    wins = torch.randint(0, 400, (hq,), device="cuda", dtype=torch.int32)
-    shift = torch.randint(0, 50, (b,), device="cuda", dtype=torch.int32)
-    diag = torch.tensor([nk - nq], device="cuda", dtype=torch.int32)
-
-    def banded(b_, h, q, kv):
-        return (kv <= q + diag[0]) & (kv >= q + diag[0] - wins[h] - shift[b_])
-    check_mods(b, hq, hk, nq, nk, 64, torch.float16, "banded", layout=layout, rows=True, given=(None, banded))
+    check_mods(b, hq, hk, nq, nk, 64, torch.float16, "banded", layout=layout, rows=True,
+               given=(None, banded_mask(b, hq, nq, nk)))
     assert _ran(family) and all(p.rows is not None and p.rows.shape[:2] == (b, hq) for p in _plans())
 
 

@@ -25,7 +25,7 @@ pytestmark = [
 
 import flashgen  # noqa: E402
 from flashgen.reference import allowance, grad_tolerance, reference  # noqa: E402
-from gpu_util import MOD_NAMES, example_mods, is_sm90, make_inputs, to_bhsd, warm_mods  # noqa: E402
+from gpu_util import MOD_NAMES, banded_mask, example_mods, is_sm90, make_inputs, to_bhsd, warm_mods  # noqa: E402
 
 needs_sm90 = pytest.mark.skipif(not is_sm90(), reason="the mods' backward runs on bwd_sm90 (an sm_90 GPU)")
 
@@ -193,13 +193,8 @@ def test_row_bounds_backward_per_batch_and_head(backward_rows):
     """Bounds that differ per head and per batch (strides in rows of both), fp16, bshd, GQA; a mask with rows
     of several runs keeps the mask_mod."""
     b, hq, hk, nq, nk = 3, 6, 2, 517, 700
-    wins = torch.randint(0, 400, (hq,), device="cuda", dtype=torch.int32)
-    shift = torch.randint(0, 50, (b,), device="cuda", dtype=torch.int32)
-    diag = torch.tensor([nk - nq], device="cuda", dtype=torch.int32)
-
-    def banded(b_, h, q, kv):
-        return (kv <= q + diag[0]) & (kv >= q + diag[0] - wins[h] - shift[b_])
-    check_mod_grads(b, hq, hk, nq, nk, 64, torch.float16, "banded", layout="bshd", given=(None, banded))
+    check_mod_grads(b, hq, hk, nq, nk, 64, torch.float16, "banded", layout="bshd",
+                    given=(None, banded_mask(b, hq, nq, nk)))
     assert all(s.row_bounds for s in _backward_specs())
     from flashgen.api.plans import cache
 

@@ -250,7 +250,8 @@ def test_row_bounds_kernels_compile_without_spills(arch, family, d, tmp_path, mo
     spec = dispatch.mod_spec(key, None, gpus.ARCH_SMEM_PER_BLOCK[arch], mods.token_number(pair), verify=True,
                              family=family, row_bounds=True)
     report = build(spec).report
-    assert spec.kind == family and spec.row_bounds and report.spill_stores == 0 and report.stack_frame == 0, (spec.name, report)
+    assert spec.kind == family and spec.row_bounds, spec.name
+    assert report.spill_stores == 0 and report.stack_frame == 0, (spec.name, report)
 
 
 def test_row_bounds_are_packed_with_their_strides():

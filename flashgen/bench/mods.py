@@ -191,7 +191,8 @@ def run(args, progress) -> dict:
                                                                     spec=mod_spec), (q, k, v), grads)
             elif impl == "flashgen_mask_mod":
                 def rows_call():
-                    cells_spec["flashgen_mask_mod"] = spec = _mask_mod_spec(settings["family"], q, score_mod, block_mask)
+                    spec = _mask_mod_spec(settings["family"], q, score_mod, block_mask)
+                    cells_spec["flashgen_mask_mod"] = spec
                     return _timed(lambda: api.attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
                                                         spec=spec), (q, k, v), grads)
                 makers[impl] = rows_call
@@ -227,8 +228,8 @@ def run(args, progress) -> dict:
                           f"{settings['rounds']} interleaved rounds; x_builtin / x_flex: flashgen's mods over its "
                           "built-in equivalent / over FlexAttention (compiled) running the same functions",
             "settings": settings, "impls": settings["impls"],
-            "ratios": [r for r, _ in RATIOS] + ([r for r, _, _ in ROWS_RATIOS] if "flashgen_mask_mod" in settings["impls"]
-                                                 else []), "rows": rows}
+            "ratios": [r for r, _ in RATIOS] + ([r for r, _, _ in ROWS_RATIOS]
+                                                 if "flashgen_mask_mod" in settings["impls"] else []), "rows": rows}
     if host is not None:
         result["sections"] = {"host": host}
     return result

@@ -79,9 +79,9 @@ MOD_PARAMS = (
     ("bm_sb", "int", I32), ("bm_sh", "int", I32), ("bm_nb", "int", I32),
 )
 
-# A mask_mod's row bounds (KernelSpec.row_bounds; the forward families and bwd_sm90): int32 pairs (first, last visible key)
-# per (batch, head, query row) of the block mask (BlockMask.row_bounds), their (batch, head) strides in rows
-# (0 where the mask does not depend on them). Null and 0 otherwise.
+# A mask_mod's row bounds (KernelSpec.row_bounds; the forward families and bwd_sm90): int32 pairs (first, last
+# visible key) per (batch, head, query row) of the block mask (BlockMask.row_bounds), their (batch, head)
+# strides in rows (0 where the mask does not depend on them). Null and 0 otherwise.
 MOD_ROWS_PARAMS = (("bm_rows", "const int*", PTR), ("bm_rsb", "int", I32), ("bm_rsh", "int", I32))
 
 
