@@ -119,19 +119,21 @@ def mod_spec(key: ProblemKey, gpu: str | None, smem_budget: int, token: int, ver
     if gpu is not None:  # the mods' own tuned entry (``flashgen tune --score-mod/--mask-mod``), keyed by their hash
         own = tables.lookup(gpu, key.replace(causal=False, variant=variants.mod_key(token)))
         if own is not None and own.kind == family:
-            for mine in ([own.replace(row_bounds=True).validate()] if row_bounds else []) + [own]:
+            for mine in _bounds_first([own], row_bounds):
                 if not (verify and resource_problems(mine)):
                     return mine
     picked = select(key, gpu, smem_budget, verify=verify, family=family)
     rule = [s for s in families.family(family).rule(key, smem_budget) if s != picked]
     narrow = [s.replace(block_n=64) for s in [picked] + rule if s.block_n > 64]
-    candidates = []
-    for bounds in ((True, False) if row_bounds else (False,)):  # (each tile with the bounds first: they pay most)
-        for s in [picked] + rule + narrow:
-            s = s.replace(causal=False, mod=token, row_bounds=bounds)
-            if s not in candidates:
-                candidates.append(s.validate())
-    return first_clean(candidates, resource_problems if verify else None)
+    tiles = list(dict.fromkeys(s.replace(causal=False, mod=token) for s in [picked] + rule + narrow))
+    return first_clean(_bounds_first(tiles, row_bounds), resource_problems if verify else None)
+
+
+def _bounds_first(specs: list, row_bounds: bool) -> list:
+    """Mods kernels in order, validated: with ``row_bounds``, each with KernelSpec.row_bounds first (they pay most:
+    a document mask's forward 1.6x), then the same without (the bounds' registers can make a tile spill where
+    the mask_mod's does not)."""
+    return [s.validate() for s in ([s.replace(row_bounds=True) for s in specs] if row_bounds else []) + specs]
 
 
 def mod_decode_spec(key: ProblemKey, gpu: str | None, smem_budget: int, token: int, regime: str,
@@ -194,10 +196,9 @@ def mod_backward_spec(key: ProblemKey, smem_budget: int, token: int, verify: boo
         rule = [s.replace(causal=False, mod=token) for s in fam.rule(plain, smem_budget)
                 if s.dq_write not in WRITER_DQ and s.block_m == 64]
         rule = list(dict.fromkeys(rule))
-        # (row bounds: each tile with them, then without, before the same with dP^T late: the bounds' pointer
-        # takes registers, and where it spills the mask_mod's tile is the one to take)
-        order = [s.replace(row_bounds=True) for s in rule] + rule if row_bounds else rule
-        candidates = [s.validate() for s in order + [s.replace(dp_late=True) for s in order]]
+        # (with row bounds: each tile with them, then without, before any tile with dP^T late)
+        order = _bounds_first(rule, row_bounds)
+        candidates = order + [s.replace(dp_late=True).validate() for s in order]
     if not verify:
         return candidates[0]
     spilling = []

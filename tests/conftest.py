@@ -23,6 +23,7 @@ themselves without CUDA.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import re
@@ -156,7 +157,7 @@ def pytest_collection_modifyitems(config, items):
     if config.getoption("--shard"):
         shard, shards = _parse_shard(config.getoption("--shard"))
         files = [item.nodeid.split("::")[0] for item in items]
-        mine = shard_of({f: files.count(f) for f in set(files)}, shard, shards)
+        mine = shard_of(collections.Counter(files), shard, shards)
         kept = [item for item, f in zip(items, files) if f in mine]
         if len(kept) < len(items):
             config.hook.pytest_deselected(items=[item for item, f in zip(items, files) if f not in mine])

@@ -9,8 +9,8 @@ one run of keys, the forward masks those by each row's bounds instead: ``has_row
 ``bwd_sm90`` (sm_90a, head-dim tiles 32 to 128, 192 and 256) or the mma.sync ``bwd_dkdv`` (every other
 GPU, and head-dim tile 160; deterministic: the mma.sync pair ``bwd_dkdv_nodq`` + ``bwd_dq``): the
 score_mod's derivative (``mods.derivative``) multiplies dS, the block mask is listed per key block
-(``BlockMask.for_key_tile``; the dQ kernel's per query block, ``for_tile``). Captured tensors that require grad get theirs from
-``api.capturegrad`` (torch, a block of rows at a time).
+(``BlockMask.for_key_tile``; the dQ kernel's per query block, ``for_tile``). Captured tensors that require
+grad get theirs from ``api.capturegrad`` (torch, a block of rows at a time).
 """
 from __future__ import annotations
 
@@ -175,8 +175,8 @@ def still_traced(pair, functions) -> bool:
 
 def pack_mod_fields(struct, captures, tiles, rows=None) -> tuple[int, bytes]:
     """(offset, bytes) of a parameter block's mod fields (families.base.MOD_PARAMS, contiguous from ``mod``
-    to ``bm_nb``, then MOD_ROWS_PARAMS to ``bm_rsh`` in the forward families' blocks) for these captures,
-    block lists and row bounds (``BlockMask.row_bounds``; None: null)."""
+    to ``bm_nb``, then MOD_ROWS_PARAMS to ``bm_rsh`` in the forward families' and bwd_sm90's blocks) for these
+    captures, block lists and row bounds (``BlockMask.row_bounds``; None: null)."""
     scratch = struct()
     args = scratch.mod
     for slot, t in enumerate(captures):

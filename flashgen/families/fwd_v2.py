@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from ..problem import ProblemKey
 from ..variants import PLAIN
-from .base import (FWD_O32_PARAMS, FWD_PARAMS, MOD_PARAMS, MOD_ROWS_PARAMS, VARIANT_PARAMS, VARLEN_PARAMS, Family, check_mod,
-                   forward_values, mod_context, variant_context, varlen_pairs)
+from .base import (FWD_O32_PARAMS, FWD_PARAMS, MOD_PARAMS, MOD_ROWS_PARAMS, VARIANT_PARAMS, VARLEN_PARAMS, Family,
+                   check_mod, forward_values, mod_context, variant_context, varlen_pairs)
 
 # The default rule: per head-dim tile, (block_m, block_n, warps, stages, refill, causal, arch) in
 # order of preference, None meaning any; the first that fits the GPU's shared memory is used.
@@ -76,7 +76,8 @@ class FwdV2Family(Family):
 
 
 FAMILY = FwdV2Family(
-    "fwd_v2", "fwd_v2/fwd_v2.cu.j2", FWD_PARAMS + VARIANT_PARAMS + FWD_O32_PARAMS + VARLEN_PARAMS + MOD_PARAMS + MOD_ROWS_PARAMS,
+    "fwd_v2", "fwd_v2/fwd_v2.cu.j2",
+    FWD_PARAMS + VARIANT_PARAMS + FWD_O32_PARAMS + VARLEN_PARAMS + MOD_PARAMS + MOD_ROWS_PARAMS,
     problem="fwd", tiles=DEFAULT_TILES,
     tune_space=(("block_m", (64, 128, 192)), ("block_n", (32, 48, 64, 96, 128)), ("warps", (4, 8)),
                 ("stages", (2, 3, 4)), ("refill", (0, 1, 2))))

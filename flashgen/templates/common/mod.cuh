@@ -140,10 +140,12 @@ struct fg_mod_variant {
   FG_DEVICE void transform(F& s, int hh, int row_, int c0) const {
     fg_score_mod_row(s, hh, b, h, row_, c0, scale, *args);
   }
+  // ROWS: query row `row_`'s (first, last) visible key (rows past nq: the last row's).
+  FG_DEVICE int2 bounds_of(int row_) const { return __ldg(bounds + min(row_, nq - 1)); }
   template <typename F>
   FG_DEVICE void mask(F& s, int hh, int row_, int c0) const {
     if constexpr (ROWS) {
-      const int2 r = __ldg(bounds + min(row_, nq - 1));
+      const int2 r = bounds_of(row_);
       fg_mask_bounds_row(s, hh, c0, r.x, r.y);
     } else {
       fg_mask_mod_row<MASK>(s, hh, b, h, row_, c0, nk, *args);
@@ -163,7 +165,7 @@ struct fg_mod_variant {
     if (masked) {
       bool seen = key < nk && row < nq;
       if constexpr (ROWS) {
-        const int2 r = __ldg(bounds + min(row, nq - 1));
+        const int2 r = bounds_of(row);
         seen = seen && key >= r.x && key <= r.y;
       } else if constexpr (MASK) {
         seen = seen && fg_mask_mod(b, h, row, key, *args);
