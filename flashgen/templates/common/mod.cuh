@@ -83,8 +83,7 @@ template <bool SCORE, bool MASK, bool GRAD = false, bool LINEAR = false, bool LI
 struct fg_mod_variant {
   static_assert(!ROWS || MASK, "row bounds are a mask_mod's");
   enum : int { RIGHT = 0, LEFT = 0, TRANSFORMS = SCORE && !LINEAR, HAS_SINK = 0, HAS_CAP = 0, HAS_ALIBI = 0,
-               PLAIN = 0, VARLEN_ROWS = 0, ALIBI_LINEAR = LINEAR, SPARSE = MASK, DS_FACTOR = SCORE && GRAD, USER = 1,
-               RAW_MAX = 0 };
+               PLAIN = 0, VARLEN_ROWS = 0, ALIBI_LINEAR = LINEAR, SPARSE = MASK, DS_FACTOR = SCORE && GRAD, USER = 1 };
   int nq, nk, diag, b, h, count;
   float scale;
   float col_slope, row_slope, row_const, inv_scale;  // LINEAR: a, beta, r(0) over the scale; 1 / scale

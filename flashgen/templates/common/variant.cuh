@@ -94,7 +94,6 @@ struct fg_variant {
                VARLEN_ROWS = VARLEN, ALIBI_LINEAR = ALIBI && CAUSAL && !WINDOW,
                SPARSE = 0 /* key blocks from a block mask's list: common/mod.cuh */,
                DS_FACTOR = SOFTCAP /* the backward's dS takes dS_factor of score's t_out */,
-               RAW_MAX = SOFTCAP && !ALIBI /* the row max of the raw scores, capped once: capped_max */,
                USER = 0 /* user mods (common/mod.cuh) */ };
   int nq, nk, diag, left, right;
   float cap_in, slope, sink;
@@ -172,13 +171,6 @@ struct fg_variant {
   FG_DEVICE void transform_cols(F& s, int h) const {
     if constexpr (SOFTCAP) softcap_row(s, h, cap_in);
     if constexpr (ALIBI_LINEAR) alibi_cols(s, h, slope);
-  }
-  // RAW_MAX: tanh is increasing, so the largest capped score of a row is the cap of its largest raw score;
-  // fwd_sm90 takes the raw max while the tanhs run and caps it once here (-inf, a row that sees no key of
-  // the block, stays -inf). The same instruction on the same value: the max key's t, bit for bit.
-  FG_DEVICE float capped_max(float raw) const {
-    if constexpr (RAW_MAX) return raw == -INFINITY ? raw : fast_tanh(raw * cap_in);
-    return raw;
   }
   FG_DEVICE float alibi_row_offset(int row, int c0) const {
     if constexpr (ALIBI_LINEAR) return slope * static_cast<float>(c0 - row - diag);

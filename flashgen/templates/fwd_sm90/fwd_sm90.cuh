@@ -660,20 +660,6 @@ struct fwd_sm90_cta {
   FG_DEVICE void softmax(int j, float (&acc_s)[BN / 2], float (&row_max)[2], float (&row_sum)[2],
                          float (&alpha)[2]) const {
     const int n0 = kv_block(j) * BN;
-    const bool masked = block_needs_mask(j, n0);
-    // RAW_MAX (a softcap alone): the block's row max over the raw scores, its quad max and shuffles free
-    // to run while the tanhs do (variant.cuh, capped_max); the mask then goes on before it, and again
-    // after the tanh (which turns -inf into -1).
-    float raw_max[2];
-    if constexpr (V::RAW_MAX) {
-      if (masked) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) var.mask(acc_s, h, row_base + 8 * h, n0 + 2 * t);
-      }
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-        raw_max[h] = quad_max(TREE_MAX ? tree_row_max(acc_s, h, -INFINITY) : fold_row_max(acc_s, h, -INFINITY));
-    }
     if constexpr (V::ALIBI_LINEAR) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) var.transform_cols(acc_s, h);
@@ -681,7 +667,7 @@ struct fwd_sm90_cta {
 #pragma unroll
       for (int h = 0; h < 2; ++h) var.transform(acc_s, h, row_base + 8 * h, n0 + 2 * t);
     }
-    if (masked) {
+    if (block_needs_mask(j, n0)) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) var.mask(acc_s, h, row_base + 8 * h, n0 + 2 * t);
     }
@@ -692,15 +678,13 @@ struct fwd_sm90_cta {
       // The row max as a tree at d = 64 and with LEAN (a chain elsewhere: the same value, bit for bit):
       // at d = 64 the GEMMs are short and the chain's latency showed (H100, docs/perf/fp8.md: FP8
       // +2-9 %, bf16 +1-4 %); at d = 128 and 256 the tree measured within the spread (0.95-1.03x).
-      if constexpr (V::RAW_MAX)
-        mx = fmaxf(row_max[h], var.capped_max(raw_max[h]));
-      else if constexpr (V::ALIBI_LINEAR)
+      if constexpr (V::ALIBI_LINEAR)
         mx = fmaxf(row_max[h], (TREE_MAX ? tree_row_max(acc_s, h, -INFINITY) : fold_row_max(acc_s, h, -INFINITY)) + off);
       else if constexpr (TREE_MAX)
         mx = tree_row_max(acc_s, h, row_max[h]);
       else
         mx = fold_row_max(acc_s, h, row_max[h]);
-      if constexpr (!V::RAW_MAX) mx = quad_max(mx);
+      mx = quad_max(mx);
       // LEAN: keep the old max unless this one is more than 2^8 above it (in P = 2^(scaled s - m)). The
       // scale is positive (api.checked_scale): a first finite max over -inf reads +inf and moves; both -inf
       // reads NaN and stays.
