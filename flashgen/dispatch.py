@@ -167,10 +167,13 @@ def mod_family(key: ProblemKey) -> str:
                            f"serves {key.arch}")
 
 
-# Whether the backward of a mods call whose block mask has row bounds (every query row sees one run of keys)
-# takes bwd_sm90 with KernelSpec.row_bounds, as its forward does. Off until a GPU has checked and timed it
-# (tests/test_gpu_mods_bwd.py turns it on); the mask_mod per score of a partial block otherwise.
-MOD_BACKWARD_ROW_BOUNDS = False
+def mod_backward_row_bounds(pair) -> bool:
+    """Whether the backward of a mods call whose block mask has row bounds (every query row sees one run of keys)
+    takes bwd_sm90 with KernelSpec.row_bounds, as its forward does: where the mask_mod reads a captured tensor
+    (document ids). The backward's S^T puts a different query row in each of a thread's scores, so the bounds
+    cost a load per score of a partial block: cheaper than a mask_mod's reads (documents, fwd+bwd 1.27x on an
+    H100), dearer than index compares alone (causal 0.83x, window 0.93x): docs/perf/mods.md."""
+    return pair.mask is not None and bool(pair.mask.captures)
 
 
 def mod_backward_spec(key: ProblemKey, smem_budget: int, token: int, verify: bool = False,

@@ -157,11 +157,12 @@ def test_matches_flex_attention_gradients():
 @pytest.fixture
 def backward_rows(monkeypatch):
     """The mods' backward with row bounds (bwd_sm90 with KernelSpec.row_bounds where the block mask has them and
-    such a tile builds clean: dispatch.MOD_BACKWARD_ROW_BOUNDS, off by default), in a fresh plan cache."""
+    such a tile builds clean) for every mask_mod, not only those that read a tensor
+    (dispatch.mod_backward_row_bounds), in a fresh plan cache."""
     from flashgen import dispatch
     from flashgen.api.plans import cache
 
-    monkeypatch.setattr(dispatch, "MOD_BACKWARD_ROW_BOUNDS", True)
+    monkeypatch.setattr(dispatch, "mod_backward_row_bounds", lambda pair: True)
     plans = cache("attention with mods")
     plans.clear()
     yield

@@ -25,6 +25,10 @@ def document(b, h, q, kv):
     return (DOC[q] == DOC[kv]) & (q >= kv)
 
 
+def causal(b, h, q, kv):
+    return q >= kv
+
+
 def relative16(score, b, h, q, kv):
     return score + REL16[h, q - kv + 100]
 
@@ -331,7 +335,7 @@ def test_backward_row_bounds_kernels(score, d, bounded, tmp_path, monkeypatch):
     blocks masked by the rows' bounds (ROWS, fg_mod_variant's sixth flag), built spill-free offline; at d = 128
     the bounds spill (44 B under NVRTC 13.0: two registers a row of the thread's S^T columns where the mask_mod
     keeps one) and the mask_mod's tile is taken; the rows' fields packed into its block; dispatch's own backward
-    keeps the mask_mod until a GPU has run the bounds."""
+    takes the bounds for a mask_mod that reads a tensor (the document ids), not for index compares alone."""
     import ctypes
 
     from flashgen import dispatch
@@ -352,7 +356,7 @@ def test_backward_row_bounds_kernels(score, d, bounded, tmp_path, monkeypatch):
     flags = [score is not None, True, pair.score_grad is not None, False, False, True]
     assert "_rb_" in spec.name and KernelSpec.from_name(spec.name) == spec
     assert "fg_mod_variant<" + ", ".join("true" if f else "false" for f in flags) + ">" in render(spec)
-    assert not dispatch.MOD_BACKWARD_ROW_BOUNDS
+    assert dispatch.mod_backward_row_bounds(pair) and not dispatch.mod_backward_row_bounds(registered(score, causal))
     mask = flashgen.create_block_mask(document, None, None, 64, 64, device="cpu")
     rows, tiles = mask.row_bounds(), mask.for_key_tile(spec.block_m, spec.block_n)
     struct = bwd_sm90.FAMILY.param_struct()
