@@ -125,7 +125,8 @@ def _cases():
     for d in (64, 128, 96):
         for causal in (False, True):
             cases.append((f"bwd d{d} 113x203 gqa {'causal' if causal else 'full'}", bwd(2, 4, 2, 113, 203, d, causal)))
-    # d = 256: the staging tile the two warpgroups fill in turn (dq_write 4), over several query blocks a CTA
+    # d = 256: the staging tile the two warpgroups fill in turn, freed panel by panel (dq_write 5), over several query
+    # blocks a CTA
     cases.append(("bwd d256 300x700 gqa causal", bwd(2, 4, 2, 300, 700, 256, True)))
     cases.append(("bwd d256 300x700 gqa deterministic", bwd(2, 4, 2, 300, 700, 256, False, deterministic=True)))
     cases.append(("bwd d128 239x1023 causal deterministic", bwd(1, 2, 1, 239, 1023, 128, True, deterministic=True)))

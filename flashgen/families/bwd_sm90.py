@@ -45,7 +45,7 @@ DQ_WRITES = {0: "TMA reduce-add from a shared-memory staging tile", 1: "red.glob
              4: "TMA reduce-add from one staging tile of a warpgroup's columns, the warpgroups in turn, issued by "
                 "the dQ writer warp, beside a one-stage dO ring (dense rows, no mods)",
              5: "as 4, the tile freed panel by panel (the next warpgroup stages a panel once the TMA has read it; "
-                "not measured yet, not in the tune space)"}
+                "not in the tune space)"}
 # The modes whose adds the dQ writer warp issues: it walks dense rows (no packed rows, no mods).
 WRITER_DQ = (2, 4, 5)
 # The modes with one staging tile of a warpgroup's columns that the warpgroups fill in turn.
@@ -59,7 +59,7 @@ HALVES_DQ = (4, 5)
 # panels of 64-byte rows (panel_cols): fwd+bwd 1.2-1.3x (32) and 2.2-2.4x (96) the mma.sync path on an
 # H100; 32 takes d=64's rings, 96 d=128's. 192 and 256 split (64 keys, two warpgroups over their
 # columns), 256 with dQ by red.global (no room for the staging tile): fwd+bwd 2.2-2.4x (192) and
-# 1.8-1.9x (256) the mma.sync path on an H100; 256 takes dq_write 4 first (below). (The key tile 160 has
+# 1.8-1.9x (256) the mma.sync path on an H100; 256 takes dq_write 5 first (below). (The key tile 160 has
 # no kernel here, its 80 columns a warpgroup cannot start on a panel: the mma.sync kernel serves it.)
 BWD_SM90_TILES = {
     32: ((128, 3, 0), (128, 2, 0)),
@@ -73,8 +73,9 @@ BWD_SM90_TILES = {
 # whether for keys with variants too; never packed rows, which the writer does not walk): d=64 and 128
 # dq_write 2 for plain keys (where it was measured), fwd+bwd on an H100, two runs (docs/perf/backward.md):
 # d=64 -1 to +5 % (+2 % on average) at N = 2k-16k; d=128 +2-3 % from 8k, -1 to -4 % at 2k. d=256
-# dq_write 4 for every key: fwd+bwd 1.25-1.27x the red.global tile at N = 2k and 8k, causal both (H100).
-DQ_WRITER_FROM = {64: (2048, 2, False), 128: (8192, 2, False), 256: (512, 4, True)}
+# dq_write 5 for every key: dq_write 4 measured fwd+bwd 1.25-1.27x the red.global tile at N = 2k and 8k, causal
+# both, and 5 (its tile freed panel by panel) 1.00-1.07x dq_write 4 at N = 2k-16k, causal both (H100).
+DQ_WRITER_FROM = {64: (2048, 2, False), 128: (8192, 2, False), 256: (512, 5, True)}
 # 128 queries a step, first for plain keys (no variant, packed rows or mods: the only keys measured with it),
 # head-dim tile -> (block_n, stages, dq_write): FA3's step at d = 64 (S^T / dP^T of m64n128, half the steps and
 # their fixed costs); fwd+bwd 1.03-1.12x the 64-query rule's kernel on an H100 at N = 2k and 8k, causal both
