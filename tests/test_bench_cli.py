@@ -278,6 +278,64 @@ def test_interleaved_times_in_rounds_order_and_keeps_errors():
     assert times["bad"] == "RuntimeError: out of memory"
 
 
+class _FakeCuda:
+    """torch.cuda for time_ms without a GPU: a stream as a list of operations; a call (``fn``) takes ``host_s`` of
+    the host's time and ``gpu_ms`` of the stream's; an event reads the stream's clock when the stream reaches it,
+    which a sleep kernel (its cycles at timing.AHEAD_HZ) holds back while the host queues behind it."""
+
+    def __init__(self, host_s, gpu_ms, clock):
+        self.host_s, self.gpu_ms, self.clock, self.ops = host_s, gpu_ms, clock, []
+        cuda = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.at = None
+
+            def record(self):
+                cuda.ops.append(("event", self))
+
+            def elapsed_time(self, other):
+                return other.at - self.at
+        self.Event = Event
+
+    def call(self):
+        self.clock.now += self.host_s
+        self.ops.append(("kernel", self.gpu_ms))
+
+    def _sleep(self, cycles):
+        self.ops.append(("sleep", cycles / timing.AHEAD_HZ * 1e3))
+
+    def synchronize(self):
+        """Run the stream: it starts when the host first queued work (ms on the host's clock)."""
+        gpu = self.clock.now * 1e3 - sum(self.host_s * 1e3 for op in self.ops if op[0] == "kernel")
+        host = gpu
+        for kind, arg in self.ops:
+            if kind == "kernel":
+                host += self.host_s * 1e3  # the launch reaches the stream only when the host has made it
+                gpu = max(gpu, host) + arg
+            elif kind == "sleep":
+                gpu = max(gpu, host) + arg
+            else:
+                arg.at = max(gpu, host)
+        self.ops = []
+
+
+@pytest.mark.parametrize("ahead,expect_ms", [(False, 0.030), (True, 0.004)])
+def test_time_ms_ahead_times_the_gpu_of_host_bound_calls(monkeypatch, ahead, expect_ms):
+    """A call whose launch takes 30 us of host time and 4 us of the GPU's: per-call events time the host; with
+    ``ahead`` a sleep kernel (twice the queued calls' host time) holds the stream while they queue, and each
+    call's events then time its 4 us."""
+    import sys
+    import types
+
+    clock = types.SimpleNamespace(now=100.0)
+    cuda = _FakeCuda(30e-6, 0.004, clock)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock.now)
+    out = timing.time_ms(cuda.call, budget_s=0.3, max_reps=30, ahead=ahead)
+    assert out["reps"] == 30 and out["ms"] == pytest.approx(expect_ms, rel=1e-6)
+
+
 def test_summary_median_and_spread():
     s = timing.summary([2.0, 1.0, 4.0], unit="us")
     assert s == {"us": 2.0, "rounds_us": [2.0, 1.0, 4.0], "spread_pct": 150.0}

@@ -1,6 +1,7 @@
 """Timing and run metadata shared by the suites.
 
-- ``time_ms``: median of CUDA-event-timed calls (one measurement);
+- ``time_ms``: median of CUDA-event-timed calls (one measurement; ``ahead``: the calls queued behind a sleep
+  kernel, so that their events time the GPU's work where the host's launch is the longer);
 - ``graph_us``: µs per call of back-to-back calls replayed from a CUDA graph (the GPU's time for calls
   shorter than their host work, which ``time_ms``'s per-call events would count);
 - ``rounds_order`` / ``interleaved`` / ``summary``: interleaved rounds -- every implementation of a cell
@@ -32,12 +33,25 @@ from ..version import __version__
 from .report import save
 
 
-def time_ms(fn, budget_s: float = 0.3, min_reps: int = 3, max_reps: int = 30, warmup: int = 2) -> dict:
+# ``time_ms(ahead=True)``: the sleep kernel's length, a multiple of the host time of the calls queued behind it,
+# at most AHEAD_MAX_S, in clock cycles at AHEAD_HZ (above the SM clocks of the GPUs here: a slower clock only
+# sleeps longer).
+AHEAD_MARGIN, AHEAD_MAX_S, AHEAD_HZ = 2.0, 0.05, 2.0e9
+
+
+def time_ms(fn, budget_s: float = 0.3, min_reps: int = 3, max_reps: int = 30, warmup: int = 2,
+            ahead: bool = False) -> dict:
     """Median milliseconds of ``fn()`` by CUDA events after ``warmup`` calls.
 
     The repeat count adapts to the call's length: as many as fit in ``budget_s``
     (at least ``min_reps``, at most ``max_reps``), so slow implementations cost
     a few calls instead of thirty. Returns {"ms", "reps"}.
+
+    ``ahead``: a sleep kernel holds the stream while the timed calls are queued behind it (``AHEAD_MARGIN``
+    times their host time, measured on the probe call), so each call's events time its GPU work, as a CUDA
+    graph's replay would run it, where its host work is the longer (a decode step, a short prefill: per-call
+    events there time the host, which is the same for every tile and hides the kernels' differences). A
+    ``fn`` that synchronises inside gets host-paced times, as without ``ahead``.
     """
     import torch
 
@@ -45,14 +59,18 @@ def time_ms(fn, budget_s: float = 0.3, min_reps: int = 3, max_reps: int = 30, wa
         fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
     start.record()
     fn()
     end.record()
+    host_s = time.perf_counter() - t0
     torch.cuda.synchronize()
     first = max(start.elapsed_time(end), 1e-3)
     reps = int(min(max_reps, max(min_reps, budget_s * 1e3 / first)))
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    if ahead:
+        torch.cuda._sleep(int(min(AHEAD_MAX_S, AHEAD_MARGIN * reps * host_s) * AHEAD_HZ))
     for s, e in zip(starts, ends):
         s.record()
         fn()
