@@ -9,8 +9,9 @@
    ``MODEL``: 4 layers, GQA 16/4 heads of d 64) generating 16 tokens past a 1999-token prompt and taking
    a training step on 2 x 4096 tokens, under ``flashgen.record``; then ``flashgen tune --from`` the shapes
    file (in this process, the space ``SPACE``, small enough that every candidate is measured), each tuned
-   key timed at its recorded shape with the spec it ran before against the one it runs now, and the
-   model's two phases untuned against tuned (interleaved rounds: the user's table moved aside and back);
+   key timed at its recorded shape with the spec it ran before against the one it runs now (and against itself:
+   ``control``, the timing's spread at that key), and the model's two phases untuned against tuned
+   (interleaved rounds: the user's table moved aside and back);
    OUT/record/record.json.
 3. ``autotune`` (40 s + 20 s): a process with ``FLASHGEN_AUTOTUNE=1`` (budget 15 s) makes the first call of a
    key no table has (d 96, GQA 16/4, 3001 tokens): its time, the stored entry, the output against the fp32
@@ -179,10 +180,14 @@ def step_record(out: str) -> int:
         else:
             def run(spec, key=key, q=q, k=k, v=v):
                 return flashgen.attention(q, k, v, causal=key.causal, spec=spec)
-        ms = _interleaved({"before": lambda: run(before[key]), "after": lambda: run(after)})
+        # "control": the spec it ran before, timed again in the same rounds (a new spec object, as "after" is): the
+        # timing's own spread at this key, which a gain must clear to count
+        ms = _interleaved({"before": lambda: run(before[key]), "after": lambda: run(after),
+                           "control": lambda: run(before[key].replace())})
         doc["keys"].append({"key": space.key_name(key), "shape": recorded[key][0], "calls": recorded[key][1],
                             "before": before[key].name, "after": after.name, "before_ms": ms["before"],
-                            "after_ms": ms["after"], "gain": ms["before"] / ms["after"]})
+                            "after_ms": ms["after"], "gain": ms["before"] / ms["after"],
+                            "control": ms["before"] / ms["control"]})
     # The whole model, untuned against tuned, in the same rounds (the table moved aside and back once per
     # round and state; time_ms's warm-up calls select and load that state's kernels).
     import statistics
@@ -299,7 +304,8 @@ def _figures(out) -> list:
                      f"(exit {doc['tune_exit']})")
         lines.extend(f"  not tuned: {line}" for line in doc.get("not_tuned", []))
         lines += [f"  {r['key']} {r['shape']}: {r['before']} {r['before_ms']:.3f} ms -> {r['after']} "
-                  f"{r['after_ms']:.3f} ms ({r['gain']:.3f}x)" for r in doc["keys"]]
+                  f"{r['after_ms']:.3f} ms ({r['gain']:.3f}x; the same spec again: {r.get('control', 0):.3f}x)"
+                  for r in doc["keys"]]
         lines += [f"  model {name}: {doc['model_ms'][name + ' untuned']:.2f} ms untuned, "
                   f"{doc['model_ms'][name + ' tuned']:.2f} ms tuned ({gain:.3f}x)"
                   for name, gain in doc.get("model_gain", {}).items()]
