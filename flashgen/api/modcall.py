@@ -334,7 +334,7 @@ class ModBackward:
         if deterministic:
             self.spec, self.dq_spec = dispatch.mod_backward_pair(key, dev.smem_budget, token, verify=True)
         else:
-            rows = has_row_bounds(plan.block_mask) and dispatch.mod_backward_row_bounds(pair)
+            rows = dispatch.mod_backward_row_bounds(pair) and has_row_bounds(plan.block_mask)
             self.spec = dispatch.mod_backward_spec(key, dev.smem_budget, token, verify=True, row_bounds=rows)
         # Spills only where no tile builds clean (dispatch.mod_backward_spec): taken, and said once (the
         # load still refuses any other problem).
