@@ -1,8 +1,9 @@
-"""The tuner's GPU checks in one command (an H200; at most 7 minutes: each step has its own time limit):
+"""The tuner's GPU checks in one command, for the GPU it runs on (the H200 its target; at most 7 minutes:
+each step has its own time limit):
 
     python3 scripts/tuner_check.py [OUT]        (default OUT: ./bench-results/tuner-check)
 
-1. ``validate`` (100 s): ``flashgen tune --gpu h200 --d 64,128 --seqlens 1024,4096 --causal both
+1. ``validate`` (100 s): ``flashgen tune --gpu GPU --d 64,128 --seqlens 1024,4096 --causal both
    --validate-model --trials 16``: the cost model's pick against the measured best on 8 forward keys
    (regret, Spearman); OUT/validate/validation.json, OUT/validate.log.
 2. ``record`` (240 s): a random-weight Llama-architecture model (transformers, ``attn_implementation="fgen"``;
@@ -34,7 +35,16 @@ import time
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, ROOT)
 
-GPU = "h200"
+
+def _gpu() -> str:
+    """The profile of the GPU this runs on (its tables, its tune), the H200's where the device is none we know."""
+    from flashgen import gpus
+
+    prof = gpus.detect()
+    return prof.name if prof else "h200"
+
+
+GPU = _gpu()
 VALIDATE = ["--gpu", GPU, "--d", "64,128", "--seqlens", "1024,4096", "--causal", "both", "--validate-model",
             "--trials", "16"]
 # tune --from: the forward's tiles, stages and the persistent kernel searched (the softmax flags held at
