@@ -301,7 +301,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
   }
   __syncthreads();
 
-  const int wg = tid / 128;
+  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);  // warp-uniform for the compiler (the branch below)
   if (wg == 0) {  // ---- producer warpgroup: one thread issues every load
     if constexpr (NWG >= 2) regs_dec<PRODUCER_REGS>();
     if (tid == 0) {
