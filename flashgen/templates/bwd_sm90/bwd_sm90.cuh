@@ -608,7 +608,9 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
     if constexpr (DQW == 0 && !WRITER) {
       if (ltid == 0) bulk_wait_read<0>();  // the previous dQ reduce has read the staging tile
     }
-    named_sync(1, 128 * NWG);  // every warpgroup's dS^T is in sdS
+    // Every warpgroup's dS^T is in sdS past this barrier. dV and dK read only this warpgroup's registers
+    // (not SPLIT), so they are issued before it: the tensor pipe starts on them while the warpgroups meet.
+    if constexpr (SPLIT) named_sync(1, 128 * NWG);
 
     // ---- dV += P^T dO_i, dK += dS^T Q_i (RS; SPLIT: SS, A from sP / sdS), then dQ_i part = dS K (SS)
     wgmma_fence();
@@ -629,6 +631,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
       }
     }
     wgmma_commit();
+    if constexpr (!SPLIT) named_sync(1, 128 * NWG);
     {
       const fg_u64 da_ = opaque_desc(desc_ds) + static_cast<fg_u64>(buf >> 4), db_ = opaque_desc(desc_kmn);
 #pragma unroll
