@@ -78,6 +78,8 @@ class KernelSpec:
     dp_late: bool = _f(False, "dpl", ("bwd_sm90",), "dP^T's GEMM issued after P^T instead of while P^T is computed: "
                        "its accumulators are not live there (for user mods whose functions need the registers)",
                        True)
+    dq_early: bool = _f(False, "dqe", ("bwd_sm90",), "dQ's GEMM issued between dV's and dK's, so that dQ's write "
+                        "runs while dK's GEMM does (tile without the split only)", True)
     det: bool = _f(False, "det", ("bwd_sm90",), "deterministic dQ: the CTAs add to each query block's fp32 dQ in a "
                    "fixed order (a counter per block), so dQ has the same bits on every run", True)
     # The variants (flashgen.variants): compile-time switches; their values (the window's sides, the

@@ -50,7 +50,13 @@ VARIANTS = [bwd90(d, 128, st, w, c, dt) for d in (32, 64, 96, 128) for st in (2,
     # staging tiles do not fit), and the det twins by name
     bwd90(d, bn, 2, w, c, dt, bm=128) for d in (32, 64) for bn in (64, 128) for w in (0, 1, 2, 3, 4)
     if (d, bn, w) != (64, 128, 2) for c in (False, True) for dt in (("bf16", "fp16") if w == 0 else ("bf16",))] + [
-    bwd90(d, 128, 2, w, c, bm=128).replace(det=True) for d, w in ((32, 0), (64, 4)) for c in (False, True)]
+    bwd90(d, 128, 2, w, c, bm=128).replace(det=True) for d, w in ((32, 0), (64, 4)) for c in (False, True)] + [
+    # dQ's GEMM between dV's and dK's (dq_early; by name, not measured yet): the rule's tiles up to d = 128 with each
+    # dQ write, 128 queries a step, and a det twin
+    bwd90(d, 128, st, w, c).replace(dq_early=True) for d, st in ((32, 3), (64, 3), (96, 2), (128, 2))
+    for w in (0, 1, 2, 4) for c in (False, True) if (d, st, w) != (32, 3, 4)] + [
+    bwd90(64, 128, 2, 0, c, bm=128).replace(dq_early=True) for c in (False, True)] + [
+    bwd90(128, 128, 2, 0, c).replace(dq_early=True, det=True) for c in (False, True)]
 # deterministic=True's twins of the defaults (dQ's adds take turns: the det field)
 DET = list(dict.fromkeys(t for t in (dispatch.deterministic_twin(s, BUDGET) for s in DEFAULTS) if t is not None))
 ALL = list(dict.fromkeys(DEFAULTS + VARIANTS + DET))
@@ -70,7 +76,9 @@ def test_names_and_rules():
             det.replace(causal=False, **change).validate()
     from flashgen.codegen import render
 
-    assert "false,\n                true>(p);" in render(det) and "false,\n                false>(p);" in render(s)
+    # (the body's last template arguments: dp_late, then dq_early and det)
+    assert "false,\n                false, true>(p);" in render(det)
+    assert "false,\n                false, false>(p);" in render(s)
     with pytest.raises(ValueError, match="warps"):
         s.replace(warps=8).validate()
     with pytest.raises(ValueError, match="block_m"):
@@ -88,6 +96,12 @@ def test_names_and_rules():
     with pytest.raises(ValueError, match="dq_write"):
         s.replace(dq_write=6).validate()
     assert bwd90(dq_write=2).name == "bwd_sm90_d128_m64_n128_w12_s2_dq2_full_bf16_sm90a"
+    # dQ's GEMM between dV's and dK's: the tiles without the split
+    early = bwd90(dq_write=2).replace(dq_early=True).validate()
+    assert early.name == "bwd_sm90_d128_m64_n128_w12_s2_dq2_dqe_full_bf16_sm90a"
+    assert KernelSpec.from_name(early.name) == early
+    with pytest.raises(ValueError, match="dq_early"):
+        bwd90(256, 64, dq_write=5).replace(dq_early=True).validate()
     # dq_write 5 frees the one staging tile panel by panel: every warpgroup's part the same panels
     det5 = bwd90(256, 64, dq_write=5).replace(det=True).validate()
     assert det5.name == "bwd_sm90_d256_m64_n64_w12_s2_dq5_det_full_bf16_sm90a"

@@ -175,7 +175,13 @@ SM90_VARIANTS = [_sm90(d, 128, st, dq_write, c, dt) for d in (32, 64, 96, 128)
     # d = 64 on 128 keys the writer's two staging tiles do not fit)
     _sm90(d, bn, 2, dq_write, c, dt, bm=128) for d in (32, 64) for bn in (64, 128) for dq_write in (0, 1, 2, 3, 4)
     if (d, bn, dq_write) != (64, 128, 2) for c in (False, True) for dt in (("bf16", "fp16") if dq_write == 0 else
-                                                                         ("bf16",))]
+                                                                         ("bf16",))] + [
+    # dQ's GEMM between dV's and dK's (dq_early; by name): the rule's tiles with each staged dQ write, 128 queries a
+    # step, a det twin
+    _sm90(d, 128, st, dq_write, c).replace(dq_early=True) for d, st in ((32, 3), (64, 3), (96, 2), (128, 2))
+    for dq_write in (0, 2, 4) for c in (False, True) if (d, st, dq_write) != (32, 3, 4)] + [
+    _sm90(64, 128, 2, 0, c, bm=128).replace(dq_early=True) for c in (False, True)] + [
+    _sm90(128, 128, 2, 0, c).replace(dq_early=True, det=True) for c in (False, True)]
 
 
 FAMILIES = ["bwd_dkdv", "bwd_sm90"]

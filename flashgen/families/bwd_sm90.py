@@ -141,6 +141,10 @@ class Bwd90Family(Family):
             raise ValueError(f"{self.kind}: dq_write 5 frees the staging tile panel by panel, for dQ's columns split "
                              f"evenly over the warpgroups (head_dim={spec.head_dim}, block_n={spec.block_n}: "
                              f"{self.dq_cols(spec)})")
+        if spec.dq_early and self.split(spec):
+            raise ValueError(f"{self.kind}: dq_early orders the GEMMs of the tile without the split (head dims up to "
+                             "128: the split tile's dV and dK read both warpgroups' P^T and dS^T, so all three GEMMs "
+                             f"wait for its barrier); got {spec.name}")
         if spec.block_m == 128 and (variants.spec_key(spec) or spec.mod):
             raise ValueError(f"{self.kind}: block_m=128 serves plain keys only (a window, softcap, ALiBi, sinks, packed "
                              f"rows or mods over 128-query blocks have not run on a GPU); got {spec.name}")
@@ -227,7 +231,7 @@ class Bwd90Family(Family):
                 "dkv_n": spec.head_dim // 2 if self.split(spec) else spec.head_dim,
                 "staging_bytes": self.staging_bytes(spec), "do_stages": self.do_stages(spec),
                 "dq_write_how": DQ_WRITES[spec.dq_write],
-                "dp_late": spec.dp_late, "det": spec.det, **variant_context(spec), **mod_context(spec, backward=True)}
+                "dp_late": spec.dp_late, "dq_early": spec.dq_early, "det": spec.det, **variant_context(spec), **mod_context(spec, backward=True)}
 
     def param_struct(self):
         return aligned_struct(self)

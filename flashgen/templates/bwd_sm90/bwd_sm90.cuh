@@ -164,7 +164,7 @@ FG_DEVICE void sts_f32x2(fg_u32 addr, float a, float b) {
 }
 
 template <int D, int BM, int BN, int ST, int DQW, bool CAUSAL, bool BF16, int PRODUCER_REGS, int CONSUMER_REGS,
-          typename V, bool DPL, bool DET, typename Params>
+          typename V, bool DPL, bool DQE, bool DET, typename Params>
 FG_DEVICE void bwd_sm90_body(const Params& p) {
   // SPLIT (D > 128): dK and dV split by columns over two consumer warpgroups of the same 64 keys (each
   // warpgroup's D floats of dK/dV a thread, beside S^T and dP^T, pass the registers above 128): S^T and
@@ -609,10 +609,25 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
       if (ltid == 0) bulk_wait_read<0>();  // the previous dQ reduce has read the staging tile
     }
     // Every warpgroup's dS^T is in sdS past this barrier. dV and dK read only this warpgroup's registers
-    // (not SPLIT), so they are issued before it: the tensor pipe starts on them while the warpgroups meet.
+    // (not SPLIT), so they are issued before it (DQ_EARLY: dV alone): the tensor pipe starts on them while
+    // the warpgroups meet.
     if constexpr (SPLIT) named_sync(1, 128 * NWG);
 
     // ---- dV += P^T dO_i, dK += dS^T Q_i (RS; SPLIT: SS, A from sP / sdS), then dQ_i part = dS K (SS)
+    // DQ_EARLY (KernelSpec.dq_early; not SPLIT): dV, the barrier, dQ, then dK, so that dQ's write below runs
+    // while dK's GEMM does, and the Q/dO stage is released after it.
+    constexpr bool DQ_EARLY = DQE;
+    static_assert(!DQE || !SPLIT, "dq_early: the tile without the split");
+    auto issue_dq = [&]() {
+      const fg_u64 da_ = opaque_desc(desc_ds) + static_cast<fg_u64>(buf >> 4), db_ = opaque_desc(desc_kmn);
+#pragma unroll
+      for (int mq = 0; mq < MQ; ++mq) {  // queries [64 mq, 64 mq + 64): dS^T's panel mq
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+          fg_wgmma_dq(acc_dq[mq], da_ + ds_off(kk) + static_cast<fg_u64>(mq * BN * 128 >> 4), db_ + mn_off(kk), kk);
+      }
+      wgmma_commit();
+    };
     wgmma_fence();
     {
       const fg_u64 dv_ = opaque_desc(desc_domn) + so_do, dk_ = opaque_desc(desc_qmn) + so;
@@ -623,36 +638,43 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
         for (int kk = 0; kk < KS; ++kk) fg_wgmma_dkv(acc_dv, pk_ + 2 * kk, dv_ + mn_off(kk));
 #pragma unroll
         for (int kk = 0; kk < KS; ++kk) fg_wgmma_dkv(acc_dk, sk_ + 2 * kk, dk_ + mn_off(kk));
+        wgmma_commit();
+        issue_dq();
+      } else if constexpr (DQ_EARLY) {
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) fg_wgmma_dkv(acc_dv, pa[kk], dv_ + mn_off(kk));
+        wgmma_commit();
+        named_sync(1, 128 * NWG);
+        issue_dq();
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) fg_wgmma_dkv(acc_dk, da[kk], dk_ + mn_off(kk));
+        wgmma_commit();
       } else {
 #pragma unroll
         for (int kk = 0; kk < KS; ++kk) fg_wgmma_dkv(acc_dv, pa[kk], dv_ + mn_off(kk));
 #pragma unroll
         for (int kk = 0; kk < KS; ++kk) fg_wgmma_dkv(acc_dk, da[kk], dk_ + mn_off(kk));
+        wgmma_commit();
+        named_sync(1, 128 * NWG);
+        issue_dq();
       }
     }
-    wgmma_commit();
-    if constexpr (!SPLIT) named_sync(1, 128 * NWG);
-    {
-      const fg_u64 da_ = opaque_desc(desc_ds) + static_cast<fg_u64>(buf >> 4), db_ = opaque_desc(desc_kmn);
-#pragma unroll
-      for (int mq = 0; mq < MQ; ++mq) {  // queries [64 mq, 64 mq + 64): dS^T's panel mq
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
-          fg_wgmma_dq(acc_dq[mq], da_ + ds_off(kk) + static_cast<fg_u64>(mq * BN * 128 >> 4), db_ + mn_off(kk), kk);
-      }
-    }
-    wgmma_commit();
     wgmma_wait<1>();
     reg_fence(acc_dv);
-    reg_fence(acc_dk);
-    // Q_i, dO_i, LSE2_i, D_i no longer needed. Every consumer thread arrives for its own reads: with one
-    // arrive per warp (ordered after the other lanes' reads by the named barrier above) compute-sanitizer's
-    // racecheck reported write-after-read hazards on the LSE2 / D stages; the per-thread arrives measured
-    // no slower (docs/perf/backward.md).
-    mbar_arrive(bar_e(s));
-    wgmma_wait<0>();
+    if constexpr (DQ_EARLY) {
 #pragma unroll
-    for (int mq = 0; mq < MQ; ++mq) reg_fence(acc_dq[mq]);
+      for (int mq = 0; mq < MQ; ++mq) reg_fence(acc_dq[mq]);
+    } else {
+      reg_fence(acc_dk);
+      // Q_i, dO_i, LSE2_i, D_i no longer needed. Every consumer thread arrives for its own reads: with one
+      // arrive per warp (ordered after the other lanes' reads by the named barrier above) compute-sanitizer's
+      // racecheck reported write-after-read hazards on the LSE2 / D stages; the per-thread arrives measured
+      // no slower (docs/perf/backward.md).
+      mbar_arrive(bar_e(s));
+      wgmma_wait<0>();
+#pragma unroll
+      for (int mq = 0; mq < MQ; ++mq) reg_fence(acc_dq[mq]);
+    }
 
     // ---- dQ_i += the part: thread's rows 64 mq + krow, + 8; columns dq_w0 + 8 nj + 2t (+1), its own nj
     if constexpr (STAGED) {
@@ -746,6 +768,11 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
           }
         }
       }
+    }
+    if constexpr (DQ_EARLY) {  // dK's GEMM done: Q_i, dO_i, LSE2_i, D_i no longer needed (as above)
+      wgmma_wait<0>();
+      reg_fence(acc_dk);
+      mbar_arrive(bar_e(s));
     }
   }
   if constexpr (DQW == 0 && !WRITER) {
