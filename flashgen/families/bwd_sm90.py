@@ -231,7 +231,8 @@ class Bwd90Family(Family):
                 "dkv_n": spec.head_dim // 2 if self.split(spec) else spec.head_dim,
                 "staging_bytes": self.staging_bytes(spec), "do_stages": self.do_stages(spec),
                 "dq_write_how": DQ_WRITES[spec.dq_write],
-                "dp_late": spec.dp_late, "dq_early": spec.dq_early, "det": spec.det, **variant_context(spec), **mod_context(spec, backward=True)}
+                "dp_late": spec.dp_late, "dq_early": spec.dq_early, "det": spec.det, **variant_context(spec),
+                **mod_context(spec, backward=True)}
 
     def param_struct(self):
         return aligned_struct(self)
