@@ -21,10 +21,10 @@ H200 = gpus.get("h200")
 BUDGET = gpus.ARCH_SMEM_PER_BLOCK["sm_90a"]
 
 
-def bwd90(d=128, bn=128, st=2, dq_write=0, causal=False, dtype="bf16", bm=64):
+def bwd90(d=128, bn=128, st=2, dq_write=0, causal=False, dtype="bf16", bm=64, dqe=False):
     consumers = 2 if d > 128 else bn // 64  # (above 128: two warpgroups over the same 64 keys)
     return KernelSpec(kind="bwd_sm90", arch="sm_90a", dtype=dtype, head_dim=d, block_m=bm, block_n=bn,
-                      warps=4 * (consumers + 1), stages=st, dq_write=dq_write, causal=causal)
+                      warps=4 * (consumers + 1), stages=st, dq_write=dq_write, causal=causal, dq_early=dqe)
 
 
 # dq_write 4's tiles in the tests (the GPU tests' too): one warpgroup (the tile is all of dQ), an uneven split
@@ -51,10 +51,11 @@ VARIANTS = [bwd90(d, 128, st, w, c, dt) for d in (32, 64, 96, 128) for st in (2,
     bwd90(d, bn, 2, w, c, dt, bm=128) for d in (32, 64) for bn in (64, 128) for w in (0, 1, 2, 3, 4)
     if (d, bn, w) != (64, 128, 2) for c in (False, True) for dt in (("bf16", "fp16") if w == 0 else ("bf16",))] + [
     bwd90(d, 128, 2, w, c, bm=128).replace(det=True) for d, w in ((32, 0), (64, 4)) for c in (False, True)] + [
-    # dQ's GEMM between dV's and dK's (dq_early; by name, not measured yet): the rule's tiles up to d = 128 with each
-    # dQ write, 128 queries a step, and a det twin
+    # dQ's GEMM between dV's and dK's (dq_early, which the rule and the tuner's candidates take up to d = 128): the
+    # rule's tiles up to d = 128 with each dQ write, one warpgroup of 64 keys, 128 queries a step, and a det twin
     bwd90(d, 128, st, w, c).replace(dq_early=True) for d, st in ((32, 3), (64, 3), (96, 2), (128, 2))
     for w in (0, 1, 2, 4) for c in (False, True) if (d, st, w) != (32, 3, 4)] + [
+    bwd90(d, 64, 2, w, c, dqe=True) for d in (64, 128) for w in (0, 1) for c in (False, True)] + [
     bwd90(64, 128, 2, 0, c, bm=128).replace(dq_early=True) for c in (False, True)] + [
     bwd90(128, 128, 2, 0, c).replace(dq_early=True, det=True) for c in (False, True)]
 # deterministic=True's twins of the defaults (dQ's adds take turns: the det field)
@@ -238,7 +239,7 @@ def test_dispatch():
     assert dispatch.deterministic_twin(d256, bwd90(256, 64, dq_write=4).smem_bytes() - 1) is None
     assert [s for s in families.rule_specs("sm_80", 166912) if s.kind == "bwd_sm90"] == []
     k64 = ProblemKey("bwd_dkdv", "sm_90a", "fp16", 64, False, 2048)
-    assert dispatch.select(k64, "h200", BUDGET, family="bwd_sm90") == bwd90(d=64, dtype="fp16", bm=128)
+    assert dispatch.select(k64, "h200", BUDGET, family="bwd_sm90") == bwd90(d=64, dtype="fp16", bm=128, dqe=True)
     # the dQ writer only for plain keys from DQ_WRITER_FROM's bucket on (dense rows, where it was measured)
     assert dispatch.select(k64.replace(bucket=1024), "h200", BUDGET, family="bwd_sm90").dq_write == 0
     assert dispatch.select(k64.replace(variant="win"), "h200", BUDGET, family="bwd_sm90").dq_write == 0
@@ -653,7 +654,7 @@ def test_host_launch_sequence(monkeypatch, how):
     kinds = [s.kind for s, _, _ in launched]
     assert kinds == ["bwd_preprocess", "bwd_sm90", "bwd_convert"], kinds
     spec, grid, p = launched[1]
-    assert spec == (bwd90(causal=True) if how == "env" else specs["bwd_dkdv"])
+    assert spec == (bwd90(causal=True, dqe=True) if how == "env" else specs["bwd_dkdv"])
     assert grid == (3, hk, b) and backward.last_specs[0] == spec
     assert (p.nq, p.nk, p.nq_pad, p.heads, p.group, p.d) == (nq, nk, 384, h, h // hk, d)
     assert p.scale == pytest.approx(0.1) and p.scale_log2 == pytest.approx(0.1 * 1.4426950408889634)
@@ -664,11 +665,11 @@ def test_host_launch_sequence(monkeypatch, how):
     if how == "env":  # deterministic: the det twin of the same tile (dQ's adds take turns), or the mma.sync pair
         backward.attention_backward(do, q, k, v, out, lse, True, 0.1, deterministic=True)
         assert [s.kind for s, _, _ in launched] == ["bwd_preprocess", "bwd_sm90", "bwd_convert"]
-        assert launched[1][0] == bwd90(causal=True).replace(det=True) and launched[1][1] == (3, hk, b)
+        assert launched[1][0] == bwd90(causal=True, dqe=True).replace(det=True) and launched[1][1] == (3, hk, b)
         launched.clear()
         # without a causal mask the det twin walks the query blocks rotated, in chunks of det_rotation's size
         backward.attention_backward(do, q, k, v, out, lse, False, 0.1, deterministic=True)
-        assert launched[1][0] == bwd90().replace(det=True) and launched[1][2].dq_rot == 3  # (3 key, 5 query blocks)
+        assert launched[1][0] == bwd90(dqe=True).replace(det=True) and launched[1][2].dq_rot == 3  # (3 key, 5 query blocks)
         launched.clear()
         monkeypatch.setattr(backward, "_refused", lambda spec: True)  # a twin that spills: not taken
         backward.attention_backward(do, q, k, v, out, lse, True, 0.1, deterministic=True)
@@ -699,9 +700,9 @@ def test_head_dim_96_routes_by_family(monkeypatch):
 
     monkeypatch.delenv("FLASHGEN_BWD_FAMILY", raising=False)
     assert kinds() == ["bwd_preprocess", "bwd_sm90", "bwd_convert"]
-    assert launched[1][0] == bwd90(96) and launched[1][1] == (2, hk, b)
+    assert launched[1][0] == bwd90(96, dqe=True) and launched[1][1] == (2, hk, b)
     assert ("bf16", (d, nq, h, b), (32, 64, 1, 1)) in maps and ("fp32", (96, nq, h, b), (32, 64, 1, 1)) in maps
-    assert kinds(deterministic=True)[1] == "bwd_sm90" and launched[1][0] == bwd90(96).replace(det=True)
+    assert kinds(deterministic=True)[1] == "bwd_sm90" and launched[1][0] == bwd90(96, dqe=True).replace(det=True)
     assert kinds(dq_mode="separate") == ["bwd_preprocess", "bwd_dkdv_nodq", "bwd_dq"]
     monkeypatch.setenv("FLASHGEN_BWD_FAMILY", "bwd_dkdv")
     assert kinds() == ["bwd_preprocess", "bwd_dkdv_nodq", "bwd_dq"]
@@ -726,7 +727,7 @@ def test_torch_deterministic_algorithms_take_the_deterministic_path(monkeypatch)
     torch.use_deterministic_algorithms(True)
     try:
         backward.attention_backward(do, q, q, q, out, lse, False, 0.1)
-        assert launched[1][0] == bwd90(d=64, dq_write=4, bm=128).replace(det=True)
+        assert launched[1][0] == bwd90(d=64, dq_write=4, bm=128, dqe=True).replace(det=True)
         with pytest.raises(RuntimeError, match="score_mod / mask_mod .* torch.use_deterministic_algorithms"):
             backward.attention_backward(do, q, q, q, out, lse, False, 0.1, mods=SimpleNamespace(deterministic=False))
         torch.use_deterministic_algorithms(True, warn_only=True)

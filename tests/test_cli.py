@@ -202,9 +202,9 @@ def test_emit_by_kind(capsys, kind, prefix):
 
 
 @pytest.mark.parametrize("args,want", [
-    (("--kind", "bwd_dkdv", "--d", "128", "--causal"), "bwd_sm90_d128_m64_n128_w12_s2_det_causal_bf16_sm90a"),
-    (("--kind", "bwd_sm90", "--d", "64"), "bwd_sm90_d64_m128_n128_w12_s2_dq4_det_full_bf16_sm90a"),
-    (("--kind", "bwd_dkdv", "--d", "80"), "bwd_sm90_d96_m64_n128_w12_s2_det_full_bf16_sm90a"),
+    (("--kind", "bwd_dkdv", "--d", "128", "--causal"), "bwd_sm90_d128_m64_n128_w12_s2_dqe_det_causal_bf16_sm90a"),
+    (("--kind", "bwd_sm90", "--d", "64"), "bwd_sm90_d64_m128_n128_w12_s2_dq4_dqe_det_full_bf16_sm90a"),
+    (("--kind", "bwd_dkdv", "--d", "80"), "bwd_sm90_d96_m64_n128_w12_s2_dqe_det_full_bf16_sm90a"),
     (("--kind", "bwd_dq", "--d", "96"), "bwd_dq_d96_m64_n64_w8_s2_full_bf16_sm90a")])
 def test_emit_deterministic(capsys, args, want):
     """--deterministic: the dK/dV kernel deterministic=True runs (bwd_sm90's det twin); the mma.sync pair's

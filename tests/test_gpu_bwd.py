@@ -176,10 +176,12 @@ SM90_VARIANTS = [_sm90(d, 128, st, dq_write, c, dt) for d in (32, 64, 96, 128)
     _sm90(d, bn, 2, dq_write, c, dt, bm=128) for d in (32, 64) for bn in (64, 128) for dq_write in (0, 1, 2, 3, 4)
     if (d, bn, dq_write) != (64, 128, 2) for c in (False, True) for dt in (("bf16", "fp16") if dq_write == 0 else
                                                                          ("bf16",))] + [
-    # dQ's GEMM between dV's and dK's (dq_early; by name): the rule's tiles with each staged dQ write, 128 queries a
-    # step, a det twin
+    # dQ's GEMM between dV's and dK's (dq_early, which the rule and the tuner's candidates take up to d = 128): the
+    # rule's tiles with each dQ write, one warpgroup of 64 keys, 128 queries a step, a det twin
     _sm90(d, 128, st, dq_write, c).replace(dq_early=True) for d, st in ((32, 3), (64, 3), (96, 2), (128, 2))
-    for dq_write in (0, 2, 4) for c in (False, True) if (d, st, dq_write) != (32, 3, 4)] + [
+    for dq_write in (0, 1, 2, 4) for c in (False, True) if (d, st, dq_write) != (32, 3, 4)] + [
+    _sm90(d, 64, 2, dq_write, c).replace(dq_early=True) for d in (64, 128) for dq_write in (0, 1)
+    for c in (False, True)] + [
     _sm90(64, 128, 2, 0, c, bm=128).replace(dq_early=True) for c in (False, True)] + [
     _sm90(128, 128, 2, 0, c).replace(dq_early=True, det=True) for c in (False, True)]
 

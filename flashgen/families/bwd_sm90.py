@@ -82,6 +82,10 @@ DQ_WRITER_FROM = {64: (2048, 2, False), 128: (8192, 2, False), 256: (512, 5, Tru
 # (docs/perf/backward.md). The dQ writer's two staging tiles do not fit beside it (232448 B and 96 B of
 # barriers), so the 64-query tiles with the writer follow it.
 WIDE_STEP = {64: ((128, 2, 0),)}
+# dQ's GEMM between dV's and dK's (KernelSpec.dq_early) on every tile without the split (head dims up to 128):
+# the backward alone 1.03-1.06x (d = 64, 128 queries a step) and 1.03-1.08x (d = 128, dq_write 0 and 2) the
+# same tile without it at N = 2k-8k, causal both, one run on an H100 (docs/perf/backward.md). complete() sets it,
+# for the rule's tiles and the tuner's candidates alike.
 
 
 # The det twin's walk where every key block sees every query block (no causal mask, no window): CTA j of
@@ -163,9 +167,12 @@ class Bwd90Family(Family):
 
     def complete(self, knobs: dict) -> dict:
         """block_m defaults to 64 and warps follows from block_n (above head dim 128: two consumer
-        warpgroups whatever block_n): warps is not a knob."""
+        warpgroups whatever block_n): warps is not a knob. dq_early is on where the tile has no split
+        (head dims up to 128, ``split``)."""
         out = dict(knobs)
         out.setdefault("block_m", 64)
+        if "dq_early" not in out and "head_dim" in out:
+            out["dq_early"] = out["head_dim"] <= 128
         if "warps" not in out and "block_n" in out:
             consumers = 2 if out.get("head_dim", 0) > 128 else out["block_n"] // 64
             out["warps"] = 4 * (consumers + 1)
