@@ -191,8 +191,9 @@ def test_mod_grads_with_row_bounds(backward_rows, name, nq, nk, d):
 
 @needs_sm90
 def test_row_bounds_backward_per_batch_and_head(backward_rows):
-    """Bounds that differ per head and per batch (strides in rows of both), fp16, bshd, GQA; a mask with rows
-    of several runs keeps the mask_mod."""
+    """Bounds that differ per head and per batch (strides in rows of both), fp16, bshd, GQA; a mask whose rows
+    each see two runs of keys keeps the mask_mod. (example_mods' block_sparse would not do: its random 128 x 128
+    blocks at 300 x 300 give every row one run two times in three.)"""
     b, hq, hk, nq, nk = 3, 6, 2, 517, 700
     check_mod_grads(b, hq, hk, nq, nk, 64, torch.float16, "banded", layout="bshd",
                     given=(None, banded_mask(b, hq, nq, nk)))
@@ -200,7 +201,10 @@ def test_row_bounds_backward_per_batch_and_head(backward_rows):
     from flashgen.api.plans import cache
 
     cache("attention with mods").clear()
-    check_mod_grads(2, 4, 2, 300, 300, 64, torch.bfloat16, "block_sparse")
+    def two_runs(b_, h, q, kv):
+        return (kv < 64) | (kv >= 192)
+
+    check_mod_grads(2, 4, 2, 300, 300, 64, torch.bfloat16, "two_runs", given=(None, two_runs))
     assert not any(s.row_bounds for s in _backward_specs())
 
 
