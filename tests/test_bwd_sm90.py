@@ -245,7 +245,7 @@ def test_dispatch():
     assert dispatch.select(k64.replace(variant="win"), "h200", BUDGET, family="bwd_sm90").dq_write == 0
     k128 = ProblemKey("bwd_dkdv", "sm_90a", "fp16", 128, True, 8192)
     assert dispatch.select(k128, "h200", BUDGET).dq_write == 2
-    assert dispatch.select(k128.replace(bucket=1024), "h200", BUDGET).dq_write == 0
+    assert dispatch.select(k128.replace(bucket=512), "h200", BUDGET).dq_write == 0
     # d = 256: dq_write 5 (one staging tile in turns, freed panel by panel) from the first bucket for every key
     # without packed rows, which take the red.global tile; so do the mods (the writer walks dense rows)
     k256 = ProblemKey("bwd_dkdv", "sm_90a", "bf16", 256, True, 512)

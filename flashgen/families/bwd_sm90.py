@@ -73,10 +73,10 @@ BWD_SM90_TILES = {
 # whether for keys with variants too; never packed rows, which the writer does not walk): d=64 and 128
 # dq_write 2 for plain keys (where it was measured), fwd+bwd on an H100, two runs (docs/perf/backward.md):
 # d=64 -1 to +5 % (+2 % on average) at N = 2k-16k; d=128 +2-3 % from 8k, -1 to -4 % at 2k, and with dq_early
-# (below) the backward alone 1.01-1.06x dq_write 0 from 2k (one run), so from 2k. d=256
+# (below) the backward alone 1.03-1.08x dq_write 0 at 1k-2k and 1.01x at 512 (one run), so from 1k. d=256
 # dq_write 5 for every key: dq_write 4 measured fwd+bwd 1.25-1.27x the red.global tile at N = 2k and 8k, causal
 # both, and 5 (its tile freed panel by panel) 1.00-1.07x dq_write 4 at N = 2k-16k, causal both (H100).
-DQ_WRITER_FROM = {64: (2048, 2, False), 128: (2048, 2, False), 256: (512, 5, True)}
+DQ_WRITER_FROM = {64: (2048, 2, False), 128: (1024, 2, False), 256: (512, 5, True)}
 # 128 queries a step, first for plain keys (no variant, packed rows or mods: the only keys measured with it),
 # head-dim tile -> (block_n, stages, dq_write): FA3's step at d = 64 (S^T / dP^T of m64n128, half the steps and
 # their fixed costs); fwd+bwd 1.03-1.12x the 64-query rule's kernel on an H100 at N = 2k and 8k, causal both
