@@ -213,6 +213,9 @@ def step_record(out: str) -> int:
                 times[(name, state)].append(time_ms(call, budget_s=0.5, max_reps=10)["ms"])
     use(True)
     doc["model_ms"] = {f"{name} {state}": statistics.median(v) for (name, state), v in times.items()}
+    # each state's rounds, and their spread ((max - min) / median): the noise a model gain is read against
+    doc["model_rounds_ms"] = {f"{name} {state}": v for (name, state), v in times.items()}
+    doc["model_spread"] = {f"{name} {state}": (max(v) - min(v)) / statistics.median(v) for (name, state), v in times.items()}
     doc["model_gain"] = {name: statistics.median(times[(name, "untuned")]) / statistics.median(times[(name, "tuned")])
                          for name in phases}
     _dump(os.path.join(out, "record.json"), doc)
@@ -316,8 +319,10 @@ def _figures(out) -> list:
         lines += [f"  {r['key']} {r['shape']}: {r['before']} {r['before_ms']:.3f} ms -> {r['after']} "
                   f"{r['after_ms']:.3f} ms ({r['gain']:.3f}x; the same spec again: {r.get('control', 0):.3f}x)"
                   for r in doc["keys"]]
+        spread = doc.get("model_spread", {})
         lines += [f"  model {name}: {doc['model_ms'][name + ' untuned']:.2f} ms untuned, "
-                  f"{doc['model_ms'][name + ' tuned']:.2f} ms tuned ({gain:.3f}x)"
+                  f"{doc['model_ms'][name + ' tuned']:.2f} ms tuned ({gain:.3f}x; rounds spread "
+                  f"{100 * spread.get(name + ' untuned', 0):.1f} % / {100 * spread.get(name + ' tuned', 0):.1f} %)"
                   for name, gain in doc.get("model_gain", {}).items()]
     except (OSError, ValueError, KeyError) as exc:
         lines.append(f"record: no result ({exc})")
