@@ -215,7 +215,8 @@ def step_record(out: str) -> int:
     doc["model_ms"] = {f"{name} {state}": statistics.median(v) for (name, state), v in times.items()}
     # each state's rounds, and their spread ((max - min) / median): the noise a model gain is read against
     doc["model_rounds_ms"] = {f"{name} {state}": v for (name, state), v in times.items()}
-    doc["model_spread"] = {f"{name} {state}": (max(v) - min(v)) / statistics.median(v) for (name, state), v in times.items()}
+    doc["model_spread"] = {f"{name} {state}": (max(v) - min(v)) / statistics.median(v)
+                           for (name, state), v in times.items()}
     doc["model_gain"] = {name: statistics.median(times[(name, "untuned")]) / statistics.median(times[(name, "tuned")])
                          for name in phases}
     _dump(os.path.join(out, "record.json"), doc)

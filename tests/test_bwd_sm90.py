@@ -669,7 +669,8 @@ def test_host_launch_sequence(monkeypatch, how):
         launched.clear()
         # without a causal mask the det twin walks the query blocks rotated, in chunks of det_rotation's size
         backward.attention_backward(do, q, k, v, out, lse, False, 0.1, deterministic=True)
-        assert launched[1][0] == bwd90(dqe=True).replace(det=True) and launched[1][2].dq_rot == 3  # (3 key, 5 query blocks)
+        # (3 key, 5 query blocks)
+        assert launched[1][0] == bwd90(dqe=True).replace(det=True) and launched[1][2].dq_rot == 3
         launched.clear()
         monkeypatch.setattr(backward, "_refused", lambda spec: True)  # a twin that spills: not taken
         backward.attention_backward(do, q, k, v, out, lse, True, 0.1, deterministic=True)

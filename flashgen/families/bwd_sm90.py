@@ -172,11 +172,11 @@ class Bwd90Family(Family):
         (head dims up to 128, ``split``)."""
         out = dict(knobs)
         out.setdefault("block_m", 64)
-        if "dq_early" not in out and "head_dim" in out:
-            out["dq_early"] = out["head_dim"] <= 128
+        split = out.get("head_dim", 0) > 128  # (``split``'s test, on the knobs)
+        if "head_dim" in out:
+            out.setdefault("dq_early", not split)
         if "warps" not in out and "block_n" in out:
-            consumers = 2 if out.get("head_dim", 0) > 128 else out["block_n"] // 64
-            out["warps"] = 4 * (consumers + 1)
+            out["warps"] = 4 * ((2 if split else out["block_n"] // 64) + 1)
         return out
 
     def staging_bytes(self, spec) -> int:
