@@ -154,16 +154,20 @@ def test_a_tuned_entry_that_spills_here_falls_back_to_the_rule(monkeypatch, capl
     assert dispatch.select(key, "h200", H200_SMEM, verify=True) == tuned  # a clean entry is used as tuned
 
 
-def _entry(spec, baseline, runners=()):
-    return {"spec": spec, "baseline": {"spec": baseline, "time_ms": 1.0}, "runners_up": [{"spec": r, "time_ms": 1.1}
-                                                                                        for r in runners]}
+def _entry(spec, baseline, runners=(), speedup=None):
+    entry = {"spec": spec, "baseline": {"spec": baseline, "time_ms": 1.0},
+             "runners_up": [{"spec": r, "time_ms": 1.1} for r in runners]}
+    if speedup is not None:
+        entry["speedup"] = speedup
+    return entry
 
 
 def test_an_entry_that_only_confirmed_an_old_rule_gives_way_to_the_rule(monkeypatch):
     """A backward key's entry whose winner was its baseline (the default rule of its day) serves until the
     rule moves; then the rule serves, for the key and for its variants (which take the plain key's tile),
-    unless the entry recorded the new pick as beaten. An entry that beat its baseline stays, and so does a
-    forward key's, whose baseline is the paper rule."""
+    unless the entry recorded the new pick as beaten. So does an entry that beat its baseline inside the
+    tuner's noise (dispatch.CONFIRMED_WITHIN). An entry that beat its baseline beyond it stays, or that does not
+    say by how much, and so does a forward key's, whose baseline is the paper rule."""
     from flashgen import tables
 
     key = ProblemKey("bwd_dkdv", "sm_90a", "bf16", 64, False, 8192)
@@ -176,7 +180,11 @@ def test_an_entry_that_only_confirmed_an_old_rule_gives_way_to_the_rule(monkeypa
     assert dispatch.select(key, "h200", H200_SMEM) == rule
     win = key.replace(variant="win")
     assert dispatch.select(win, "h200", H200_SMEM) == families.default_spec(win, H200_SMEM)
-    for entry in (_entry(rule, rule), _entry(old, old, runners=[rule]), _entry(old, old.replace(stages=2))):
+    near = _entry(old, old.replace(stages=2), speedup=1.004)
+    assert dispatch.superseded_by(key, near, H200_SMEM) == rule
+    for entry in (_entry(rule, rule), _entry(old, old, runners=[rule]), _entry(old, old.replace(stages=2)),
+                  _entry(old, old.replace(stages=2), speedup=dispatch.CONFIRMED_WITHIN),
+                  _entry(old, old.replace(stages=2), runners=[rule], speedup=1.004), _entry(old, rule, speedup=1.004)):
         entries[key] = entry
         dispatch.clear()
         assert dispatch.superseded_by(key, entry, H200_SMEM) is None
