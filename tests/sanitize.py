@@ -131,6 +131,8 @@ def _cases():
     cases.append(("bwd d256 300x700 gqa deterministic", bwd(2, 4, 2, 300, 700, 256, False, deterministic=True)))
     cases.append(("bwd d128 239x1023 causal deterministic", bwd(1, 2, 1, 239, 1023, 128, True, deterministic=True)))
     cases.append(("bwd d64 300x700 gqa deterministic", bwd(2, 4, 2, 300, 700, 64, False, deterministic=True)))
+    # d = 128 from 1k queries: the dQ writer warp's two staging tiles beside dq_early's dQ before dK
+    cases.append(("bwd d128 700x300 gqa causal", bwd(2, 4, 2, 700, 300, 128, True)))
     short = [0, 5, 650]
     for page in (None, 16):
         for with_new in (False, True):
