@@ -270,9 +270,10 @@ class Sm90Family(Family):
 
     def regs(self, spec) -> tuple[int, int]:
         """(producer, consumer) registers per thread after setmaxnreg (only with warp specialization and
-        two or three consumers, or one with ctas 2); (0, 0): no setmaxnreg. persistent: the producer's tile loop (fetching tiles, the Q ring)
-        spilled at 24 (NVRTC 13.5: 4-8 bytes), so it keeps 40 (two consumers, 232 each) or 32 (three,
-        160 each); 128 x 40 + 256 x 232 = 64512 and 128 x 32 + 384 x 160 = 65536 registers."""
+        two or three consumers, or one with ctas 2); (0, 0): no setmaxnreg. persistent: the producer's tile
+        loop (fetching tiles, the Q ring) spilled at 24 (NVRTC 13.5: 4-8 bytes), so it keeps 40 (two
+        consumers, 232 each) or 32 (three, 160 each); 128 x 40 + 256 x 232 = 64512 and 128 x 32 + 384 x 160
+        = 65536 registers."""
         if not spec.warp_specialized:
             return (0, 0)
         if spec.ctas == 2:  # one consumer, two CTAs an SM: 128 x 24 + 128 x 232 = 32768 registers, half of them
