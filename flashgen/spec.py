@@ -73,9 +73,6 @@ class KernelSpec:
                             "tree row max; O rescaled only when the row max grows by more than 2^8")
     persistent: bool = _f(False, "ps", _SM90,
                           "one CTA per SM walks the tiles; its loads run ahead across tiles")
-    ctas: int = _f(1, "cta", _SM90, "CTAs an SM is to hold at once: __launch_bounds__' minimum, so that ptxas keeps "
-                   "a thread's registers within 65536 / (threads x ctas) (2: one-warpgroup tiles, whose prologue "
-                   "the other CTA's loop can hide)", True)
     kv_load: int = _f(0, "ld", ("decode_split",), "how K/V reach shared memory (families.decode.KV_LOADS)")
     dq_write: int = _f(0, "dq", ("bwd_sm90",), "how dQ reaches its fp32 accumulator (families.bwd_sm90.DQ_WRITES)")
     dp_late: bool = _f(False, "dpl", ("bwd_sm90",), "dP^T's GEMM issued after P^T instead of while P^T is computed: "

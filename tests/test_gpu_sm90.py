@@ -35,9 +35,6 @@ NEW_FLAGS_D64 = ["ws_pp_fx1_kr_ls_s4", "ws_pp_kr_s3_m192", "ws_pp_fx1_kr_ls_s3_m
                  "ws_fx2_kr_ls_m192", "ws_pp_fx1_kr_ls_s3_n192"]
 NEW_FLAGS_D256 = ["ws_kr", "ws_pp_fx1_kr_ls", "ws_pp_ov_fx2_kr_ls", "ws_fx4"]
 ALL_NEW = "ws_pp_fx2_kr_ls"  # every later technique, valid at every head dim (2 stages)
-# Two CTAs an SM (ctas 2, one consumer warpgroup of 64 rows: block_m 64 given apart)
-CTA2_CASES = [(64, "ws_n128_cta2"), (64, "ws_ov_s3_n128_cta2"), (64, "ws_ov_ls_n192_cta2"), (128, "ws_n64_cta2"),
-              (128, "ws_ov_n80_cta2"), (128, "ws_ov_ls_n64_cta2")]
 
 
 def label(tokens):
@@ -62,8 +59,7 @@ ALL_SPECS = sorted({sp(d, "bf16", c, "", 64) for d in (64, 128, 256) for c in (F
                       for dt in ("fp16", "bf16")}
                    | {sp(d, "bf16", c, f) for d, f in NEW_CASES for c in (False, True)}
                    | {sp(64, "bf16", True, f) for f in ("ws_fx4_ls", "fx4_ls")}
-                   | {sp(128, "bf16", True, "ws_pp_ov_fx2_kr_ls_s3")}
-                   | {sp(d, dt, c, f, 64) for d, f in CTA2_CASES for c in (False, True) for dt in ("bf16", "fp16")},
+                   | {sp(128, "bf16", True, "ws_pp_ov_fx2_kr_ls_s3")},
                    key=lambda s: s.name)
 
 
@@ -112,19 +108,6 @@ def test_new_flags_small(d, flags, causal):
     (lean_softmax)."""
     check(1, 2, 2, 300, 1023, d, "bf16", causal, spec=sp(d, "bf16", causal, flags))
     check(2, 3, 3, 113, 203, d, "bf16", causal, spec=sp(d, "bf16", causal, flags))
-
-
-@needs_sm90
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d,flags", CTA2_CASES)
-def test_two_ctas_an_sm(d, flags, causal, dtype):
-    """ctas 2 (setmaxnreg's 24 / 232 split of half an SM's registers): odd sizes, several K/V blocks, GQA, more
-    CTAs than two an SM holds, a key length that is not a block's multiple."""
-    spec = sp(d, dtype, causal, flags, 64)
-    check(1, 2, 2, 300, 1023, d, dtype, causal, spec=spec)
-    check(2, 3, 3, 113, 203, d, dtype, causal, spec=spec)
-    check(4, 8, 2, 1023, 1021, d, dtype, causal, spec=spec)
 
 
 @needs_sm90

@@ -53,12 +53,6 @@ PERSIST_NAMES = {128: ("ws_ps", "ws_ov_s3_ps", "ws_pp_s3_ps", "ws_kr_ps", "ws_pp
                       "ws_ov_s3_m192_ps")}
 PERSIST_VARIANTS = [variant(d, c, n) for d, names in PERSIST_NAMES.items() for n in names for c in (False, True)]
 NEW_VARIANTS += PERSIST_VARIANTS
-# Two CTAs an SM ("cta2"): one consumer warpgroup (block_m 64) of 232 registers beside a producer of 24, each
-# CTA half an SM's registers and at most half its shared memory.
-CTA2_NAMES = {64: ("ws_n128_cta2", "ws_ov_s3_n128_cta2", "ws_ov_ls_n192_cta2"),
-              128: ("ws_n64_cta2", "ws_ov_n80_cta2", "ws_ov_ls_n64_cta2")}
-CTA2_VARIANTS = [variant(d, c, n, block_m=64) for d, names in CTA2_NAMES.items() for n in names for c in (False, True)]
-NEW_VARIANTS += CTA2_VARIANTS
 ALL = list(dict.fromkeys(DEFAULTS + VARIANTS + NEW_VARIANTS))
 
 
@@ -107,18 +101,6 @@ def test_names_and_rules():
     assert fam.q_pieces(s3n) == 3 and s3n.smem_bytes() == sm90(bn=112, st=3).smem_bytes() + 64 * 128 * 2
     assert not s3n.check(H200)
     assert all(not v.check(H200) for v in PERSIST_VARIANTS)
-    # ctas 2: named only when set; a one-consumer tile of one tile a CTA, setmaxnreg giving the consumer 232
-    c2 = variant(128, True, "ws_n64_cta2", block_m=64).validate()
-    assert c2.name == "fwd_sm90_d128_m64_n64_w8_s2_ws_cta2_causal_bf16_sm90a" == KernelSpec.from_name(c2.name).name
-    assert KernelSpec.from_dict(c2.to_dict()) == c2 and fam.regs(c2) == (24, 232) and not c2.check(H200)
-    assert "ctas" not in s.to_dict() and fam.regs(c2.replace(ctas=1)) == (0, 0)
-    for bad in (s.replace(ctas=2), c2.replace(ctas=3), c2.replace(persistent=True),
-                c2.replace(warp_specialized=False, warps=4)):
-        with pytest.raises(ValueError, match="ctas"):
-            bad.validate()
-    big = variant(128, False, "ws_ov_n128_cta2", block_m=64).validate()  # 148 KB a CTA: two do not fit an SM
-    assert any("ctas=2" in r for r in big.check(H200))
-    assert all(not v.check(H200) for v in CTA2_VARIANTS)
     rec = s.to_dict()
     del rec["persistent"]  # a field left out of a record keeps its default
     assert KernelSpec.from_dict(rec) == s

@@ -412,11 +412,11 @@ def aligned_struct(fam: Family):
 def hopper_checks(fam, spec, profile, reserved: str) -> list[str]:
     """The checks the Hopper families (fwd_sm90, bwd_sm90) share: sm_90a only, and the fp32 values a
     consumer thread keeps live (``fam.acc_floats``) within its registers after setmaxnreg
-    (``fam.regs``; without it the launch's share, of ``spec.ctas`` CTAs an SM) less 32 for ``reserved``."""
+    (``fam.regs``; without warp specialization the launch's share) less 32 for ``reserved``."""
     reasons = []
     if profile.arch != "sm_90a":
         reasons.append(f"{fam.kind} needs sm_90a (wgmma, TMA), {profile.name} is {profile.arch}")
-    budget = fam.regs(spec)[1] or min(255, 65536 // (spec.warps * 32 * spec.ctas) // 8 * 8)
+    budget = fam.regs(spec)[1] or min(255, 65536 // (spec.warps * 32) // 8 * 8)
     if fam.acc_floats(spec) > budget - 32:
         reasons.append(f"{fam.acc_floats(spec)} fp32 values per consumer thread > {budget - 32} "
                        f"({budget} registers less {reserved}; would spill)")

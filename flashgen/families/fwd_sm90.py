@@ -217,12 +217,6 @@ class Sm90Family(Family):
                                  f"transpose V), contiguous K/V, no mods and no lean softmax, block_m 64 or 128, "
                                  f"block_n in {FP8_BLOCK_NS}; got "
                                  f"{', '.join(refused) or f'block_n={spec.block_n}'}")
-        if spec.ctas not in (1, 2) or (spec.ctas == 2 and not (
-                spec.warp_specialized and self.consumers(spec) == 1 and not (
-                    spec.persistent or spec.fp8 or spec.page_rows or spec.kv_gather))):
-            raise ValueError(f"{self.kind}: ctas={spec.ctas}: 1, or 2 for a warp-specialized tile of one consumer "
-                             "warpgroup (block_m 64) whose producer is one thread issuing the TMA loads of one tile "
-                             "(not persistent, fp8, paged): setmaxnreg gives it 24 registers and the consumer 232")
         if spec.page_rows and spec.persistent and spec.block_m >= 192:
             raise ValueError(f"{self.kind}: page_rows with persistent at block_m {spec.block_m}: three consumer "
                              "warpgroups leave the producer 32 registers and the paged loads spill them; drop "
@@ -270,14 +264,11 @@ class Sm90Family(Family):
 
     def regs(self, spec) -> tuple[int, int]:
         """(producer, consumer) registers per thread after setmaxnreg (only with warp specialization and
-        two or three consumers, or one with ctas 2); (0, 0): no setmaxnreg. persistent: the producer's tile
-        loop (fetching tiles, the Q ring) spilled at 24 (NVRTC 13.5: 4-8 bytes), so it keeps 40 (two
-        consumers, 232 each) or 32 (three, 160 each); 128 x 40 + 256 x 232 = 64512 and 128 x 32 + 384 x 160
-        = 65536 registers."""
+        two or three consumers). persistent: the producer's tile loop (fetching tiles, the Q ring)
+        spilled at 24 (NVRTC 13.5: 4-8 bytes), so it keeps 40 (two consumers, 232 each) or 32 (three,
+        160 each); 128 x 40 + 256 x 232 = 64512 and 128 x 32 + 384 x 160 = 65536 registers."""
         if not spec.warp_specialized:
             return (0, 0)
-        if spec.ctas == 2:  # one consumer, two CTAs an SM: 128 x 24 + 128 x 232 = 32768 registers, half of them
-            return (24, 232)
         if spec.fp8:  # warps 1-3 of the producer transpose V: 64 registers hold a step's 16 words and addresses
             return {2: (64, 216)}.get(self.consumers(spec), (0, 0))
         if spec.persistent:
@@ -318,18 +309,13 @@ class Sm90Family(Family):
         return spec.head_dim // 2 + spec.block_n // 2 + spec.block_n // (8 if spec.fp8 else 4)
 
     def extra_checks(self, spec, profile) -> list[str]:
-        reasons = hopper_checks(self, spec, profile, "addressing and softmax state")
-        need = spec.ctas * (spec.smem_bytes() + self.STATIC_RESERVE + 1024)
-        if spec.ctas > 1 and need > profile.smem_per_sm:
-            reasons.append(f"ctas={spec.ctas}: {need} B of shared memory (each CTA's, its barriers and the 1 KB the "
-                           f"driver reserves) > {profile.smem_per_sm} B an SM has")
-        return reasons
+        return hopper_checks(self, spec, profile, "addressing and softmax state")
 
     def context(self, spec) -> dict:
         producer, consumer = self.regs(spec)
         return {"params": [(n, c) for n, c, _ in self.params],
                 "param_bytes": ctypes.sizeof(self.param_struct()),
-                "producer_regs": producer, "consumer_regs": consumer,
+                "producer_regs": producer or 24, "consumer_regs": consumer or 240,
                 "q_pieces": self.q_pieces(spec), "in_bytes": 1 if spec.fp8 else 2,
                 **variant_context(spec), **mod_context(spec, linear=self.linear_mod(spec))}
 

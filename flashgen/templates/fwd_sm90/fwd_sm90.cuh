@@ -1080,7 +1080,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   if constexpr (WS) {
     const int wg = tid / 128;
     if (wg == 0) {
-      if constexpr (PRODUCER_REGS > 0) regs_dec<PRODUCER_REGS>();
+      if constexpr (NWG >= 2) regs_dec<PRODUCER_REGS>();
       if constexpr (FP8) {
         if (tid == 0) cta.produce_fp8();
         else if (tid >= 32) cta.transpose_v(tid - 32);
@@ -1104,7 +1104,7 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
       }
       return;
     }
-    if constexpr (CONSUMER_REGS > 0) regs_inc<CONSUMER_REGS>();
+    if constexpr (NWG >= 2) regs_inc<CONSUMER_REGS>();
     cw = __shfl_sync(0xffffffffu, wg, 0) - 1;
   } else {
     cw = __shfl_sync(0xffffffffu, tid / 128, 0);
