@@ -100,6 +100,11 @@ WIDE_STEP = {64: ((128, 2, 0),)}
 DET_ROTATION = 64
 
 
+def splits(head_dim: int) -> bool:
+    """Whether a tile of this head dim splits dK and dV by columns over two consumer warpgroups (above 128)."""
+    return head_dim > 128
+
+
 def det_rotation(key_blocks: int, query_blocks: int, sms: int) -> int:
     """The rotated walk's chunk R (the kernel's p.dq_rot): at most the query blocks (two CTAs of a chunk never
     reach a block at the same step), half the SMs and DET_ROTATION; 1 is the walk from block 0."""
@@ -112,7 +117,7 @@ class Bwd90Family(Family):
         """Head dims above 128: dK and dV split by columns over two consumer warpgroups of the same 64
         keys (S^T / dP^T by queries, P^T and dS^T through shared memory): each warpgroup's dK/dV for
         all the columns would not fit its registers."""
-        return spec.head_dim > 128
+        return splits(spec.head_dim)
 
     def consumers(self, spec) -> int:
         return 2 if self.split(spec) else spec.block_n // 64
@@ -172,7 +177,7 @@ class Bwd90Family(Family):
         (head dims up to 128, ``split``)."""
         out = dict(knobs)
         out.setdefault("block_m", 64)
-        split = out.get("head_dim", 0) > 128  # (``split``'s test, on the knobs)
+        split = splits(out.get("head_dim", 0))
         if "head_dim" in out:
             out.setdefault("dq_early", not split)
         if "warps" not in out and "block_n" in out:

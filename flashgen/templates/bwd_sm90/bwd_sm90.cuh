@@ -164,7 +164,7 @@ FG_DEVICE void sts_f32x2(fg_u32 addr, float a, float b) {
 }
 
 template <int D, int BM, int BN, int ST, int DQW, bool CAUSAL, bool BF16, int PRODUCER_REGS, int CONSUMER_REGS,
-          typename V, bool DPL, bool DQE, bool DET, typename Params>
+          typename V, bool DPL, bool DQ_EARLY, bool DET, typename Params>
 FG_DEVICE void bwd_sm90_body(const Params& p) {
   // SPLIT (D > 128): dK and dV split by columns over two consumer warpgroups of the same 64 keys (each
   // warpgroup's D floats of dK/dV a thread, beside S^T and dP^T, pass the registers above 128): S^T and
@@ -616,8 +616,7 @@ FG_DEVICE void bwd_sm90_body(const Params& p) {
     // ---- dV += P^T dO_i, dK += dS^T Q_i (RS; SPLIT: SS, A from sP / sdS), then dQ_i part = dS K (SS)
     // DQ_EARLY (KernelSpec.dq_early; not SPLIT): dV, the barrier, dQ, then dK, so that dQ's write below runs
     // while dK's GEMM does, and the Q/dO stage is released after it.
-    constexpr bool DQ_EARLY = DQE;
-    static_assert(!DQE || !SPLIT, "dq_early: the tile without the split");
+    static_assert(!DQ_EARLY || !SPLIT, "dq_early: the tile without the split");
     auto issue_dq = [&]() {
       const fg_u64 da_ = opaque_desc(desc_ds) + static_cast<fg_u64>(buf >> 4), db_ = opaque_desc(desc_kmn);
 #pragma unroll
