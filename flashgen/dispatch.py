@@ -190,7 +190,7 @@ def mod_backward_spec(key: ProblemKey, smem_budget: int, token: int, verify: boo
     """The dK/dV kernel of a call with user mods for ``key`` (a ``bwd_dkdv`` key), with the mods' token: on
     sm_90a at the head-dim tiles bwd_sm90 has, bwd_sm90's rule tiles in order, then each with dP^T's GEMM
     issued after P^T (``dp_late``: a mod's functions that do not fit beside dP^T's accumulators); elsewhere
-    (the other GPUs, head-dim tile 160) the mma.sync dK/dV kernel with dQ by atomics (``bwd_dkdv``), its rule's
+    (the other GPUs) the mma.sync dK/dV kernel with dQ by atomics (``bwd_dkdv``), its rule's
     tiles in order (UnsupportedError where none fits); ``family="bwd_dkdv"`` takes that kernel on sm_90a too
     (tests, comparisons). ``verify``: the first that builds clean, else the one
     that spills least (at d = 128 a mod's functions can leave ptxas a few registers short whichever way:

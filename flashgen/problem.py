@@ -69,8 +69,16 @@ def head_dim_tile(d: int) -> int:
     return smallest_tile(d, HEAD_DIM_TILES)
 
 
-def bwd_head_dim_tile(d: int) -> int:
-    """The backward keys' head-dim tile: ``head_dim_tile`` with 224 taken by 256 (no 224 tile in the
-    backward: every warp split of a 224-wide head dim spills its dK/dV accumulators)."""
+# Backward head-dim tiles taken by a larger one, per arch ("" any): 224 by 256 everywhere (no 224 tile in the
+# backward: every warp split of a 224-wide head dim spills its dK/dV accumulators); on sm_90a 160 by 192, so
+# that bwd_sm90 serves it (its split tile gives each of two warpgroups half the columns, 80 of 160, which no
+# swizzle panel of 32 or 64 columns starts; a 96 / 64 split would cost what 192's 96 / 96 costs on dK and dV,
+# the larger half setting the step). tests/test_bwd_cpu.py checks that every tile here is one bwd_sm90 has.
+BWD_TILE_UP = {"": {224: 256}, "sm_90a": {224: 256, 160: 192}}
+
+
+def bwd_head_dim_tile(d: int, arch: str) -> int:
+    """The backward keys' head-dim tile on ``arch``: ``head_dim_tile``, raised where ``BWD_TILE_UP`` says
+    (every backward kernel of the call, preprocess, dK/dV, convert and the dQ accumulator, runs at it)."""
     tile = head_dim_tile(d)
-    return 256 if tile == 224 else tile
+    return BWD_TILE_UP.get(arch, BWD_TILE_UP[""]).get(tile, tile)

@@ -171,11 +171,30 @@ def test_bwd_rule_picks_the_sm80_fallback_for_d256():
     assert big.smem_bytes() > gpus.ARCH_SMEM_PER_BLOCK["sm_80"]
 
 
-@pytest.mark.parametrize("d,tile", [(8, 32), (64, 64), (200, 256), (224, 256), (256, 256)])
-def test_bwd_head_dim_tile(d, tile):
-    """The backward maps head dims to tiles like the forward, except that 224 runs on the 256 tile."""
-    assert bwd_head_dim_tile(d) == tile
-    assert families.problem_key("bwd_dkdv", "sm_90a", "bf16", d, False, 512).head_dim == tile
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("d", [8, 64, 136, 160, 168, 200, 224, 256])
+def test_bwd_head_dim_tile(d, arch):
+    """The backward maps head dims to tiles like the forward, except that 224 runs on the 256 tile, and on
+    sm_90a 160 on the 192 tile (bwd_sm90 has no 160 tile); the problem key agrees."""
+    want = {8: 32, 64: 64, 136: 160, 160: 160, 168: 192, 200: 256, 224: 256, 256: 256}[d]
+    if arch == "sm_90a" and want == 160:
+        want = 192
+    assert bwd_head_dim_tile(d, arch) == want
+    assert families.problem_key("bwd_dkdv", arch, "bf16", d, False, 512).head_dim == want
+
+
+def test_bwd_sm90_serves_every_backward_tile_of_its_arch():
+    """Every head dim's backward tile on sm_90a is one bwd_sm90 has, so the Hopper backward serves them all (the
+    mma.sync dK/dV kernel only where a caller forces it)."""
+    from flashgen.families.bwd_sm90 import BWD_SM90_TILES
+    from flashgen.problem import HEAD_DIM_TILES
+
+    tiles = {bwd_head_dim_tile(d, "sm_90a") for d in range(8, 257, 8)}
+    assert tiles <= set(BWD_SM90_TILES), tiles - set(BWD_SM90_TILES)
+    for d in range(8, 257, 8):
+        key = families.problem_key("bwd_dkdv", "sm_90a", "bf16", d, True, 2048)
+        assert families.default_family(key) == "bwd_sm90", d
+    assert {bwd_head_dim_tile(d, "sm_80") for d in range(8, 257, 8)} == set(HEAD_DIM_TILES) - {224}
 
 
 def test_bwd_row_kernels_are_never_causal():

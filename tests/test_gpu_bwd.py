@@ -46,7 +46,7 @@ def _dispatch_picks(verify):
         for dtype in ("bf16", "fp16"):
             for causal in (False, True):
                 for problem in ("fwd", *backward):
-                    tile = head_dim_tile(d) if problem == "fwd" else bwd_head_dim_tile(d)
+                    tile = head_dim_tile(d) if problem == "fwd" else bwd_head_dim_tile(d, dev.arch)
                     key = ProblemKey(problem, dev.arch, dtype, tile, causal, BUCKETS[0])
                     specs.add(dispatch.select(key, dev.gpu, dev.smem_budget, verify=verify))
                     if problem == "bwd_dkdv":  # each family (FLASHGEN_BWD_FAMILY forces one), where it serves
@@ -137,7 +137,7 @@ def ran_family(family, d=None):
     from flashgen.problem import bwd_head_dim_tile
 
     ran = backward.last_specs[torch.cuda.current_device()]
-    if family == "bwd_dkdv" and d is not None and bwd.dq_mode(bwd_head_dim_tile(d)) == "separate":
+    if family == "bwd_dkdv" and d is not None and bwd.dq_mode(bwd_head_dim_tile(d, ran.arch)) == "separate":
         family = "bwd_dkdv_nodq"
     assert ran.kind == family, ran.name
 
@@ -190,11 +190,12 @@ FAMILIES = ["bwd_dkdv", "bwd_sm90"]
 
 
 def serves(family: str, d: int) -> bool:
-    """Whether ``family`` has a head-dim tile for d (bwd_sm90: 32, 64, 96, 128, 192, 256; the mma.sync kernels: all)."""
+    """Whether ``family`` has a head-dim tile for d (bwd_sm90, on sm_90a: 32, 64, 96, 128, 192, 256, with 129-160 on
+    192; the mma.sync kernels: all)."""
     from flashgen.families.bwd_sm90 import BWD_SM90_TILES
     from flashgen.problem import bwd_head_dim_tile
 
-    return family != "bwd_sm90" or bwd_head_dim_tile(d) in BWD_SM90_TILES
+    return family != "bwd_sm90" or bwd_head_dim_tile(d, "sm_90a") in BWD_SM90_TILES
 
 
 # (family, head dim) pairs each family serves: no case is collected only to be skipped.
@@ -315,7 +316,7 @@ def test_grads_both_dq_modes(nq, nk, d, causal, mode, monkeypatch):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 128, 192, 256])
+@pytest.mark.parametrize("d", [64, 128, 160, 192, 256])
 def test_deterministic_mode_is_bitwise_reproducible(d, causal):
     """deterministic=True: three backward passes give bitwise identical dQ, dK, dV, within the rule."""
     check(2, 8, 2, 1023, 1024, d, "bf16", causal, deterministic=True)

@@ -55,7 +55,7 @@ def test_tuned_backward_entries_are_served_and_correct():
         spec = entries[key]
         n = key.bucket - 3
         d = key.head_dim - 8 if key.head_dim > 32 else key.head_dim
-        assert bucket_of(n) == key.bucket and bwd_head_dim_tile(d) == key.head_dim
+        assert bucket_of(n) == key.bucket and bwd_head_dim_tile(d, dev.arch) == key.head_dim
         torch.manual_seed(key.bucket + key.head_dim)
         q, dout = (torch.randn(1, 2, n, d, device="cuda", dtype=dtypes[key.dtype]) for _ in range(2))
         k, v = (torch.randn(1, 1, n, d, device="cuda", dtype=dtypes[key.dtype]) for _ in range(2))

@@ -876,14 +876,14 @@ def test_bwd_candidates_validate_and_fit(gpu, kind, d):
 
 def test_bwd_problem_keys_follow_the_dq_mode():
     """--kind bwd: per head dim the main kernel of dispatch's dQ mode, on the backward's tile
-    (224 runs on 256): the mma.sync kernel's mode (separate at 96 and 160) where it is the default,
-    the dK/dV kernel with dQ where bwd_sm90 serves; a key kind by name: that kind."""
+    (224 runs on 256, and on sm_90a 160 on 192): the mma.sync kernel's mode (separate at 96 and 160) where it
+    is the default, the dK/dV kernel with dQ where bwd_sm90 serves; a key kind by name: that kind."""
     assert families.bwd.dq_mode(96) == "separate" and families.bwd.dq_mode(128) == "atomic"
     keys = space.problem_keys("bwd", "sm_90a", ["bf16"], [64, 96, 128, 160, 224], [True], [2048])
     got = {(k.kind, k.head_dim) for k in keys}
-    assert got == {("bwd_dkdv", 64), ("bwd_dkdv", 96), ("bwd_dkdv", 128), ("bwd_dkdv_nodq", 160), ("bwd_dkdv", 256)}
-    keys = space.problem_keys("bwd", "sm_80", ["bf16"], [64, 96], [True], [2048])
-    assert {(k.kind, k.head_dim) for k in keys} == {("bwd_dkdv", 64), ("bwd_dkdv_nodq", 96)}
+    assert got == {("bwd_dkdv", 64), ("bwd_dkdv", 96), ("bwd_dkdv", 128), ("bwd_dkdv", 192), ("bwd_dkdv", 256)}
+    keys = space.problem_keys("bwd", "sm_80", ["bf16"], [64, 96, 160], [True], [2048])
+    assert {(k.kind, k.head_dim) for k in keys} == {("bwd_dkdv", 64), ("bwd_dkdv_nodq", 96), ("bwd_dkdv_nodq", 160)}
     keys = space.problem_keys("bwd_dq", "sm_80", ["fp16"], [56], [False, True], [512, 1024])
     assert {(k.kind, k.head_dim, k.dtype) for k in keys} == {("bwd_dq", 64, "fp16")} and len(keys) == 4
     assert all(space.is_backward(k) for k in space.BWD_KEY_MODES) and not space.is_backward("fwd")
@@ -1098,7 +1098,7 @@ def test_bwd_entries_round_trip_and_dispatch_reads_them(shipped_dir, capsys, mon
     from flashgen.api.backward import dkdv_family
 
     launch_key = families.problem_key("bwd_dkdv", "sm_90a", "bf16", 120, True, 4000)
-    assert launch_key == ProblemKey("bwd_dkdv", "sm_90a", "bf16", bwd_head_dim_tile(120), True, bucket_of(4000))
+    assert launch_key == ProblemKey("bwd_dkdv", "sm_90a", "bf16", bwd_head_dim_tile(120, "sm_90a"), True, bucket_of(4000))
     monkeypatch.setattr(dispatch, "resource_problems", lambda s: [])
     dispatch.clear()
     assert dispatch.select(launch_key, "h200", H200.smem_per_block, verify=True,

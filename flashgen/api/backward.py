@@ -15,8 +15,8 @@ head dims where it is faster (``bwd.DQ_MODE``).
 
 The dK/dV kernel is the ``bwd_dkdv`` problem's pick: on sm_90a ``bwd_sm90``
 where it serves the call (TMA + wgmma, dQ into the same accumulator; head-dim
-tiles 32, 64, 96, 128, 192 and 256, strides its tensor maps can step), else the mma.sync
-``bwd_dkdv``. ``FLASHGEN_BWD_FAMILY=bwd_dkdv`` (or ``=bwd_sm90``) forces one
+tiles 32, 64, 96, 128, 192 and 256, head dims 129-160 on the 192 tile; strides
+its tensor maps can step), else the mma.sync ``bwd_dkdv``. ``FLASHGEN_BWD_FAMILY=bwd_dkdv`` (or ``=bwd_sm90``) forces one
 family for study; ``specs={"bwd_dkdv": <KernelSpec>}`` forces one kernel.
 
 Used by the autograd op in ``flashgen.api.autograd``; callable directly for study.
@@ -175,7 +175,7 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
     ensure_context(index)  # (the autograd engine's thread may have no current context yet)
     dev = Device.of(index)
     dtype = DTYPES[q.dtype]
-    d_tile = bwd_head_dim_tile(d)
+    d_tile = bwd_head_dim_tile(d, dev.arch)
     # Packed rows: a sequence's last query block reads LSE2 / D rows up to a block (and bwd_sm90's aligned
     # copy 4 rows) past the packed end; ROW_PAD more rows keep those reads inside the buffers.
     nq_pad = -(-(nq + (bwd.ROW_PAD if packed is not None else 0)) // bwd.ROW_PAD) * bwd.ROW_PAD

@@ -326,7 +326,7 @@ class ModBackward:
         dev = Device.of(index_of(q))
         pair = plan.pair
         d = q.shape[-1]
-        key = ProblemKey("bwd_dkdv", dev.arch, DTYPES[q.dtype], bwd_head_dim_tile(d), False,
+        key = ProblemKey("bwd_dkdv", dev.arch, DTYPES[q.dtype], bwd_head_dim_tile(d, dev.arch), False,
                          bucket_of(plan.base.lse_shape[-1]), "")
         token = mods.token_number(pair)
         self.deterministic = deterministic

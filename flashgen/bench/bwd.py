@@ -159,9 +159,9 @@ def _makers(settings, dev, mode, tensors, d, causal, n):
 
     def named_spec(name):
         spec = KernelSpec.from_name(name)
-        if (spec.head_dim, spec.causal) != (bwd_head_dim_tile(d), causal):
-            raise Skipped(f"{name} is not this cell's kernel (head-dim tile {bwd_head_dim_tile(d)}, "
-                          f"causal {causal})")
+        tile = bwd_head_dim_tile(d, dev.arch)
+        if (spec.head_dim, spec.causal) != (tile, causal):
+            raise Skipped(f"{name} is not this cell's kernel (head-dim tile {tile}, causal {causal})")
         return spec
 
     def grads(out):

@@ -74,7 +74,7 @@ def problem_key(problem: str, arch: str, dtype: str, d: int, causal: bool, seqle
     kinds = PROBLEMS.get(problem)
     if not kinds:
         raise ValueError(f"unknown problem {problem!r}; known: {sorted(PROBLEMS)}")
-    return ProblemKey(problem, arch, dtype, FAMILIES[kinds[0]].key_tile(d), causal, bucket_of(seqlen))
+    return ProblemKey(problem, arch, dtype, FAMILIES[kinds[0]].key_tile(d, arch), causal, bucket_of(seqlen))
 
 
 def fallback_family(problem: str, arch: str) -> str:

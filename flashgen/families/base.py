@@ -320,8 +320,8 @@ class Family:
         return spec.warps * 32
 
     # -- problems and tiles -------------------------------------------------
-    def key_tile(self, d: int) -> int:
-        """The head-dim tile of the problem key for an input head dim ``d`` (the families of one
+    def key_tile(self, d: int, arch: str) -> int:
+        """The head-dim tile of the problem key for an input head dim ``d`` on ``arch`` (the families of one
         problem agree on it)."""
         return head_dim_tile(d)
 

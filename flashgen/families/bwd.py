@@ -133,8 +133,8 @@ def dq_mode(head_dim_tile: int) -> str:
 class BwdFamily(Family):
     """What the backward's kinds share: their keys' head-dim tile (no 224)."""
 
-    def key_tile(self, d: int) -> int:
-        return bwd_head_dim_tile(d)
+    def key_tile(self, d: int, arch: str) -> int:
+        return bwd_head_dim_tile(d, arch)
 
 
 @dataclass(frozen=True)

@@ -59,8 +59,9 @@ HALVES_DQ = (4, 5)
 # panels of 64-byte rows (panel_cols): fwd+bwd 1.2-1.3x (32) and 2.2-2.4x (96) the mma.sync path on an
 # H100; 32 takes d=64's rings, 96 d=128's. 192 and 256 split (64 keys, two warpgroups over their
 # columns), 256 with dQ by red.global (no room for the staging tile): fwd+bwd 2.2-2.4x (192) and
-# 1.8-1.9x (256) the mma.sync path on an H100; 256 takes dq_write 5 first (below). (The key tile 160 has
-# no kernel here, its 80 columns a warpgroup cannot start on a panel: the mma.sync kernel serves it.)
+# 1.8-1.9x (256) the mma.sync path on an H100; 256 takes dq_write 5 first (below). (No 160 tile, its 80 columns
+# a warpgroup start on no panel: on sm_90a the backward's keys put head dims 129-160 on the 192 tile,
+# problem.BWD_TILE_UP.)
 BWD_SM90_TILES = {
     32: ((128, 3, 0), (128, 2, 0)),
     64: ((128, 3, 0), (128, 2, 0)),
@@ -251,8 +252,8 @@ class Bwd90Family(Family):
         return aligned_struct(self)
 
     # -- problems and rule ----------------------------------------------------
-    def key_tile(self, d: int) -> int:
-        return bwd_head_dim_tile(d)
+    def key_tile(self, d: int, arch: str) -> int:
+        return bwd_head_dim_tile(d, arch)
 
     def rule_keys(self, arch: str) -> list:
         """The base keys and, where the rule takes the dQ writer from a later bucket, the same at that bucket."""

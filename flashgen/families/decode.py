@@ -259,7 +259,7 @@ class DecodeSplitFamily(Family):
             ctx["variant_type"] = "decode_mod_variant<" + ", ".join("true" if f else "false" for f in flags) + ">"
         return ctx
 
-    def key_tile(self, d: int) -> int:
+    def key_tile(self, d: int, arch: str) -> int:
         return smallest_tile(d, DECODE_HEAD_DIMS)
 
     def tile(self, key: ProblemKey) -> int:
@@ -319,7 +319,7 @@ class DecodeCombineFamily(Family):
     def acc_floats(self, spec) -> int:
         return 4
 
-    def key_tile(self, d: int) -> int:
+    def key_tile(self, d: int, arch: str) -> int:
         return smallest_tile(d, DECODE_HEAD_DIMS)
 
     def rule(self, key: ProblemKey, budget: int) -> list:

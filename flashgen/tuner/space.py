@@ -16,7 +16,7 @@ constraint violation, never launched).
 
 The backward (``--kind bwd``) is tuned through the same keys dispatch reads for
 it: ProblemKey(bwd_dkdv | bwd_dkdv_nodq | bwd_dq, arch, dtype,
-``problem.bwd_head_dim_tile(d)``, causal, bucket). Each such key kind runs in one dQ mode
+``problem.bwd_head_dim_tile(d, arch)``, causal, bucket). Each such key kind runs in one dQ mode
 (``BWD_KEY_MODES``): a bwd_dkdv spec in the "atomic" backward (preprocess,
 dK/dV with dQ atomics, convert), a bwd_dkdv_nodq or bwd_dq spec in the
 "separate" one (preprocess, dK/dV, dQ kernel). ``--kind bwd`` is the main kernel
@@ -83,7 +83,7 @@ def problem_keys(kind: str, arch: str, dtypes, head_dims, causals, buckets=BUCKE
     ``variants`` (problem-key variant tokens; "" plain)."""
     if kind == "bwd" or is_backward(kind):
         kinds = {t: bwd_main_kind(t, arch) if kind == "bwd" else problem_of(kind)
-                 for t in sorted({bwd_head_dim_tile(d) for d in head_dims})}
+                 for t in sorted({bwd_head_dim_tile(d, arch) for d in head_dims})}
     else:
         kinds = {t: problem_of(kind) for t in sorted({head_dim_tile(d) for d in head_dims})}
     return [ProblemKey(k, arch, dt, d, c, n, var)
