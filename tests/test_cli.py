@@ -205,6 +205,7 @@ def test_emit_by_kind(capsys, kind, prefix):
     (("--kind", "bwd_dkdv", "--d", "128", "--causal"), "bwd_sm90_d128_m64_n128_w12_s2_dqe_det_causal_bf16_sm90a"),
     (("--kind", "bwd_sm90", "--d", "64"), "bwd_sm90_d64_m128_n128_w12_s2_dq4_dqe_det_full_bf16_sm90a"),
     (("--kind", "bwd_dkdv", "--d", "80"), "bwd_sm90_d96_m64_n128_w12_s2_dqe_det_full_bf16_sm90a"),
+    (("--kind", "bwd_dkdv", "--d", "160"), "bwd_sm90_d192_m64_n64_w12_s2_dq4_det_full_bf16_sm90a"),
     (("--kind", "bwd_dq", "--d", "96"), "bwd_dq_d96_m64_n64_w8_s2_full_bf16_sm90a")])
 def test_emit_deterministic(capsys, args, want):
     """--deterministic: the dK/dV kernel deterministic=True runs (bwd_sm90's det twin); the mma.sync pair's
@@ -215,11 +216,12 @@ def test_emit_deterministic(capsys, args, want):
 
 
 @pytest.mark.parametrize("args,message", [
-    (("--kind", "fwd", "--d", "64"), "--kind fwd: --deterministic is the backward's"),
-    (("--kind", "bwd_dkdv", "--d", "160"), "here (bwd_dkdv) deterministic=True computes dQ in bwd_dkdv_nodq and bwd_dq"),
-    (("--kind", "bwd_dkdv", "--d", "64", "--varlen"), "here (bwd_sm90) deterministic=True computes dQ in")])
+    (("--arch", "sm_90a", "--kind", "fwd", "--d", "64"), "--kind fwd: --deterministic is the backward's"),
+    (("--arch", "sm_80", "--kind", "bwd_dkdv", "--d", "160"),
+     "here (bwd_dkdv) deterministic=True computes dQ in bwd_dkdv_nodq and bwd_dq"),
+    (("--arch", "sm_90a", "--kind", "bwd_dkdv", "--d", "64", "--varlen"), "here (bwd_sm90) deterministic=True computes dQ in")])
 def test_emit_deterministic_refusals(capsys, args, message):
-    code, out, err = run_main(capsys, "emit", "--arch", "sm_90a", "--deterministic", *args)
+    code, out, err = run_main(capsys, "emit", "--deterministic", *args)
     assert code == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1
 
 
