@@ -20,7 +20,7 @@ from flashgen.codegen import parse_ptxas_log
 from flashgen.errors import UnsupportedError
 from flashgen.families import bwd, bwd_sm90, decode, fwd_v1, fwd_v2, paged_spec, standard
 from flashgen.families.decode import PAGE_SIZES
-from flashgen.problem import BUCKETS, HEAD_DIM_TILES, ProblemKey
+from flashgen.problem import BUCKETS, HEAD_DIM_TILES, ProblemKey, bwd_head_dim_tile
 from flashgen.spec import DTYPES
 from build_util import clean_binary
 
@@ -162,15 +162,19 @@ def test_rule_specs_are_the_picks_of_every_key(arch):
 def test_bwd_default_specs_cover_every_key():
     """The backward rule has a spec per (kind, head-dim tile, dtype, causal) for each arch; the row
     kernels (preprocess, convert) have no causal variant, so one spec serves both keys. On sm_90a the
-    bwd_dkdv problem's d=64/128 keys take bwd_sm90 specs (families.default_family), and the mma.sync
-    bwd_dkdv tiles the torch layer falls back to there (families.fallback_family) are compiled too."""
-    tiles = len(bwd.DKDV_TILES)
+    bwd_dkdv problem's keys take bwd_sm90 specs (families.default_family; no 160 key there, its head dims on
+    192's), and the mma.sync bwd_dkdv tiles the torch layer falls back to there (families.fallback_family) are
+    compiled too."""
+    assert len(bwd.DKDV_TILES) == len(bwd.BWD_HEAD_DIMS)
     bwd_problems = ("bwd_preprocess", "bwd_dkdv", "bwd_dkdv_nodq", "bwd_dq", "bwd_convert")
     assert set(bwd_problems) == {families.family(k).serves for k in families.FAMILIES if k.startswith("bwd")}
     for arch in ARCHES:
         budget = BUDGET[arch]
+        key_tiles = sorted({bwd_head_dim_tile(d, arch) for d in bwd.BWD_HEAD_DIMS})
+        assert (160 in key_tiles) == (arch != "sm_90a")
+        tiles = len(key_tiles)
         for problem in bwd_problems:
-            keys = [ProblemKey(problem, arch, dt, d, c, 512) for d in bwd.BWD_HEAD_DIMS for dt in DTYPES
+            keys = [ProblemKey(problem, arch, dt, d, c, 512) for d in key_tiles for dt in DTYPES
                     for c in (False, True)]
             specs = list(dict.fromkeys(families.default_spec(k, budget) for k in keys))
             assert set(specs) <= set(SPECS)

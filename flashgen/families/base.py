@@ -378,11 +378,16 @@ class Family:
         return out
 
     def rule_keys(self, arch: str) -> list:
-        """Every key the default rule may be asked for on ``arch`` (for the compile tier)."""
+        """Every key the default rule may be asked for on ``arch`` (for the compile tier): its tiles that are
+        key tiles there (the backward's 160 is not one on sm_90a: problem.BWD_TILE_UP)."""
         if not self.runs_on(arch):
             return []
-        dims = sorted(self.tiles) if self.tiles else self.head_dims
-        return [ProblemKey(self.serves, arch, dt, d, c, 512) for d in dims for dt in DTYPES for c in (False, True)]
+        return [ProblemKey(self.serves, arch, dt, d, c, 512) for d in self.key_tiles(arch) for dt in DTYPES
+                for c in (False, True)]
+
+    def key_tiles(self, arch: str) -> list:
+        """The family's head-dim tiles (or head dims) that are a key's tile on ``arch``, in order."""
+        return [d for d in (sorted(self.tiles) if self.tiles else self.head_dims) if self.key_tile(d, arch) == d]
 
     # -- launch -------------------------------------------------------------
     def needs_tile_counters(self, spec) -> bool:

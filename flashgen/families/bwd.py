@@ -161,7 +161,7 @@ class RowFamily(BwdFamily):
         return super().spec(key, **fields).replace(causal=False)
 
     def rule_keys(self, arch: str) -> list:
-        return [ProblemKey(self.kind, arch, dt, d, False, 512) for d in sorted(self.tiles) for dt in DTYPES]
+        return [ProblemKey(self.kind, arch, dt, d, False, 512) for d in self.key_tiles(arch) for dt in DTYPES]
 
 
 @dataclass(frozen=True)
