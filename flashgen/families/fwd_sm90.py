@@ -104,8 +104,8 @@ SM90_TILES = {
 # tokens) or None), ...), the first whose bucket holds the key's (None: SM90_TILES' own; 512 was not measured).
 # The 192-row tiles the H200's tuned table picks from N = 2k, persistent up to the bucket where the persistent
 # kernel's Q ring (the next tile's Q loading during this tile: the 3-stage 128x128 tile at d = 128 has no room
-# for it) stops paying: on an H100, one run against the tiles above, forward 1.13-1.19x at d = 64 and
-# 0.99-1.18x at d = 128 (N = 1k-2k, causal both), 1.03-1.12x at 4k-16k (docs/perf/forward-hopper.md, "N = 1k").
+# for it) stops paying: on an H100, one run against the tiles above, forward 1.12-1.19x at d = 64 and
+# 0.99-1.18x at d = 128 (N = 1k-2k, causal both), 1.04-1.14x at 4k-16k (docs/perf/forward-hopper.md, "N = 1k").
 DENSE_FIRST = {
     64: ((512, None), (4096, (192, 128, 3, "ws_ov_kr_ps")), (16384, (192, 128, 3, "ws_ov_kr_ls"))),
     128: ((512, None), (2048, (192, 80, 3, "ws_ov_ls_ps")), (16384, (192, 80, 3, "ws_ov_ls"))),
