@@ -74,7 +74,8 @@ def head_dim_tile(d: int) -> int:
 # that bwd_sm90 serves it (its split tile gives each of two warpgroups half the columns, 80 of 160, which no
 # swizzle panel of 32 or 64 columns starts; a 96 / 64 split would cost what 192's 96 / 96 costs on dK and dV,
 # the larger half setting the step). tests/test_bwd_cpu.py checks that every tile here is one bwd_sm90 has.
-BWD_TILE_UP = {"": {224: 256}, "sm_90a": {224: 256, 160: 192}}
+_BWD_TILE_UP_ANY = {224: 256}
+BWD_TILE_UP = {"": _BWD_TILE_UP_ANY, "sm_90a": {**_BWD_TILE_UP_ANY, 160: 192}}
 
 
 def bwd_head_dim_tile(d: int, arch: str) -> int:

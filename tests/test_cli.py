@@ -219,7 +219,8 @@ def test_emit_deterministic(capsys, args, want):
     (("--arch", "sm_90a", "--kind", "fwd", "--d", "64"), "--kind fwd: --deterministic is the backward's"),
     (("--arch", "sm_80", "--kind", "bwd_dkdv", "--d", "160"),
      "here (bwd_dkdv) deterministic=True computes dQ in bwd_dkdv_nodq and bwd_dq"),
-    (("--arch", "sm_90a", "--kind", "bwd_dkdv", "--d", "64", "--varlen"), "here (bwd_sm90) deterministic=True computes dQ in")])
+    (("--arch", "sm_90a", "--kind", "bwd_dkdv", "--d", "64", "--varlen"),
+     "here (bwd_sm90) deterministic=True computes dQ in")])
 def test_emit_deterministic_refusals(capsys, args, message):
     code, out, err = run_main(capsys, "emit", "--deterministic", *args)
     assert code == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1

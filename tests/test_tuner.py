@@ -1098,7 +1098,8 @@ def test_bwd_entries_round_trip_and_dispatch_reads_them(shipped_dir, capsys, mon
     from flashgen.api.backward import dkdv_family
 
     launch_key = families.problem_key("bwd_dkdv", "sm_90a", "bf16", 120, True, 4000)
-    assert launch_key == ProblemKey("bwd_dkdv", "sm_90a", "bf16", bwd_head_dim_tile(120, "sm_90a"), True, bucket_of(4000))
+    assert launch_key == ProblemKey("bwd_dkdv", "sm_90a", "bf16", bwd_head_dim_tile(120, "sm_90a"), True,
+                                    bucket_of(4000))
     monkeypatch.setattr(dispatch, "resource_problems", lambda s: [])
     dispatch.clear()
     assert dispatch.select(launch_key, "h200", H200.smem_per_block, verify=True,

@@ -16,8 +16,9 @@ head dims where it is faster (``bwd.DQ_MODE``).
 The dK/dV kernel is the ``bwd_dkdv`` problem's pick: on sm_90a ``bwd_sm90``
 where it serves the call (TMA + wgmma, dQ into the same accumulator; head-dim
 tiles 32, 64, 96, 128, 192 and 256, head dims 129-160 on the 192 tile; strides
-its tensor maps can step), else the mma.sync ``bwd_dkdv``. ``FLASHGEN_BWD_FAMILY=bwd_dkdv`` (or ``=bwd_sm90``) forces one
-family for study; ``specs={"bwd_dkdv": <KernelSpec>}`` forces one kernel.
+its tensor maps can step), else the mma.sync ``bwd_dkdv``.
+``FLASHGEN_BWD_FAMILY=bwd_dkdv`` (or ``=bwd_sm90``) forces one family for study;
+``specs={"bwd_dkdv": <KernelSpec>}`` forces one kernel.
 
 Used by the autograd op in ``flashgen.api.autograd``; callable directly for study.
 """
