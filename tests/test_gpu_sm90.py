@@ -240,8 +240,8 @@ def test_cuda_graph_and_host_overhead():
 # FLASHGEN_PERSIST_CTAS caps the grid, so these small problems still give each CTA several tiles: the K/V
 # ring, the Q ring and the ping-pong barriers then carry across tiles (1: one CTA walks every tile).
 # Q pieces (fwd_sm90.cuh): ws_ov_s3 / ws_pp_s3 at d=128 have none spare, ws_pp_ov_s3_n112 one (two
-# consumers), ws_pp_ov_s4_m192_n80 one (three consumers), the rest a second tile's worth; the persistent tiles
-# measured for the dense rule at N = 1k-4k among them (docs/perf/forward-hopper.md, "N = 1k").
+# consumers), ws_pp_ov_s4_m192_n80 one (three consumers), the rest a second tile's worth; the dense rule's
+# persistent tiles (fwd_sm90.DENSE_FIRST) among them.
 PERSIST_CASES = [(128, f) for f in ("ws_ps", "ws_ov_ps_s3", "ws_pp_ps_s3", "ws_pp_kr_ps", "ws_pp_ov_kr_ps",
                                     "ws_pp_ov_ps_s3_n112", "ws_pp_ov_ps_s4_m192_n80", "ws_ov_ls_ps_s3_m192_n80")] + [
     (64, f) for f in ("ws_ps", "ws_ps_s3_m192", "ws_pp_kr_ps_s3", "ws_kr_ps_s3_m192", "ws_pp_kr_ps_s3_m192",

@@ -15,7 +15,8 @@ import pytest
 from flashgen import KernelSpec, UnsupportedError, dispatch, families, gpus, mods
 from flashgen.codegen import parse_ptxas_log
 from flashgen.families.fwd_sm90 import ABLATION, FAMILY, persist_ctas_per_sm, tile_sections, variant, warps_for
-from flashgen.problem import ProblemKey, smallest_tile
+from flashgen.families import fwd_sm90
+from flashgen.problem import BUCKETS, ProblemKey, smallest_tile
 from build_util import clean_binary, r2ur_before_hgmma, sass_of
 
 H200 = gpus.get("h200")
@@ -108,9 +109,23 @@ def test_names_and_rules():
 
 
 def test_default_rule():
-    # head dims x dtypes x causal, bf16/fp16 inputs and FP8 inputs (the fp8 variant key)
-    assert len(DEFAULTS) == 3 * 2 * 2 * 2 and all(s.kind == "fwd_sm90" for s in DEFAULTS)
+    # head dims x dtypes x causal, bf16/fp16 inputs and FP8 inputs (the fp8 variant key); the dense keys at d 64 and
+    # 128 with a first tile for each bucket range of DENSE_FIRST past 512 (two each)
+    assert len(DEFAULTS) == 3 * 2 * 2 * 2 + 2 * 2 * 2 * 2 and all(s.kind == "fwd_sm90" for s in DEFAULTS)
     assert sum(s.fp8 for s in DEFAULTS) == 3 * 2 * 2
+    for d, ranges in fwd_sm90.DENSE_FIRST.items():
+        for lo, hi in zip((0,) + tuple(upto for upto, _ in ranges), (upto for upto, _ in ranges)):
+            for n in (b for b in BUCKETS if lo < b <= hi):
+                key = ProblemKey("fwd", "sm_90a", "bf16", d, True, n)
+                row = dict(ranges)[hi]
+                spec = families.default_spec(key, gpus.ARCH_SMEM_PER_BLOCK["sm_90a"])
+                if row is None:  # SM90_TILES' own first tile
+                    assert (spec.block_m, spec.block_n, spec.stages) == fwd_sm90.SM90_TILES[d][0][:3], n
+                else:
+                    assert (spec.block_m, spec.block_n, spec.stages) == row[:3] and f"_{row[3]}_" in spec.name, n
+                # a variant's key (here a window) keeps SM90_TILES' tile
+                win = families.default_spec(key.replace(variant="win"), gpus.ARCH_SMEM_PER_BLOCK["sm_90a"])
+                assert (win.block_m, win.block_n, win.stages) == fwd_sm90.SM90_TILES[d][0][:3]
     assert [s for s in families.rule_specs("sm_80", 166912) if s.kind == "fwd_sm90"] == []
     key = ProblemKey("fwd", "sm_80", "bf16", 128, False, 2048)
     assert families.serving("fwd", "sm_80") == ("fwd_v2",) and families.default_family(key) == "fwd_v2"

@@ -265,6 +265,8 @@ def test_forward_default_family_per_arch():
     assert {default(a, d) for a in ("sm_80", "sm_86", "sm_89") for d in HEAD_DIM_TILES} == {"fwd_v2"}
     key = ProblemKey("fwd", "sm_90a", "bf16", 128, True, 4096)
     spec = families.default_spec(key, gpus.get("h200").smem_per_block)
+    assert (spec.kind, spec.block_m, spec.block_n, spec.stages, spec.softmax_overlap) == ("fwd_sm90", 192, 80, 3, True)
+    spec = families.default_spec(key.replace(variant="win"), gpus.get("h200").smem_per_block)  # a variant's key
     assert (spec.kind, spec.block_m, spec.block_n, spec.stages, spec.softmax_overlap) == ("fwd_sm90", 128, 128, 3, True)
 
 

@@ -99,6 +99,17 @@ SM90_TILES = {
     128: ((128, 128, 3, "ws_ov"), (128, 128, 2, "ws")),
     256: ((128, 80, 2, "ws_ov_kr"), (128, 64, 2, "ws")),
 }
+# Dense keys (no variant: no window, softcap, ALiBi, sinks, packed or paged rows, FP8; the mods ride on them)
+# take a first tile by bucket before SM90_TILES': head-dim tile -> ((up to bucket, (block_m, block_n, stages,
+# tokens) or None), ...), the first whose bucket holds the key's (None: SM90_TILES' own; 512 was not measured).
+# The 192-row tiles the H200's tuned table picks from N = 2k, persistent up to the bucket where the persistent
+# kernel's Q ring (the next tile's Q loading during this tile: the 3-stage 128x128 tile at d = 128 has no room
+# for it) stops paying: on an H100, one run against the tiles above, forward 1.12-1.19x at d = 64 and
+# 0.99-1.18x at d = 128 (N = 1k-2k, causal both), 1.04-1.14x at 4k-16k (docs/perf/forward-hopper.md, "N = 1k").
+DENSE_FIRST = {
+    64: ((512, None), (4096, (192, 128, 3, "ws_ov_kr_ps")), (16384, (192, 128, 3, "ws_ov_kr_ls"))),
+    128: ((512, None), (2048, (192, 80, 3, "ws_ov_ls_ps")), (16384, (192, 80, 3, "ws_ov_ls"))),
+}
 # The forward's default family on sm_90a when its head-dim tile pads the head dim by at most a third
 # (64, 96-128, 192-256: it ran ~1.4-2x fwd_v2's speed at d=64/128, so a third more work still wins);
 # fwd_v2 elsewhere (d=32, d=160 on the 256 tile, every other arch).
@@ -336,7 +347,12 @@ class Sm90Family(Family):
         if not self.runs_on(key.arch):
             raise UnsupportedError(f"fwd_sm90 (wgmma + TMA) needs an sm_90a GPU (H100/H200), not {key.arch}")
         out = []
-        for bm, bn, st, tokens in (FP8_TILES if is_fp8(key) else SM90_TILES)[self.tile(key)]:
+        tile = self.tile(key)
+        rows = (FP8_TILES if is_fp8(key) else SM90_TILES)[tile]
+        first = next((row for upto, row in DENSE_FIRST.get(tile, ()) if key.bucket <= upto), None)
+        if first is not None and not key.variant:
+            rows = (first, *rows)
+        for bm, bn, st, tokens in rows:
             spec = self.spec(key, block_m=bm, block_n=bn, stages=st).with_tokens(tokens)
             self._fit(out, spec.replace(warps=warps_for(bm, spec.warp_specialized)), budget)
         return self._fitting(out, key, budget)
@@ -344,8 +360,11 @@ class Sm90Family(Family):
     def rule_keys(self, arch: str) -> list:
         if not self.runs_on(arch):
             return []
-        return [ProblemKey("fwd", arch, dt, d, c, 512, variant) for d in SM90_HEAD_DIMS for dt in ("fp16", "bf16")
+        keys = [ProblemKey("fwd", arch, dt, d, c, 512, variant) for d in SM90_HEAD_DIMS for dt in ("fp16", "bf16")
                 for c in (False, True) for variant in ("", "fp8")]
+        # (and the dense keys of each later bucket range of DENSE_FIRST)
+        return keys + [k.replace(bucket=upto) for k in keys if not k.variant
+                       for upto, _ in DENSE_FIRST.get(k.head_dim, ())[1:]]
 
     # -- launch ---------------------------------------------------------------
     def needs_tile_counters(self, spec) -> bool:
