@@ -787,8 +787,10 @@ struct fwd_sm90_cta {
     c.desc_q = sw_desc<ROWB>(c.sQw);
     c.desc_k = sw_desc<ROWB>(c.sK);
     if constexpr (FP8) {  // V^T: K-major
-      c.desc_v = sw_desc<VT_ROWB>(c.sV);
-      c.desc_vl = sw_desc<VT_LAST>(c.sV);
+      // (from lane 0: else ptxas rebuilds the last P V's descriptors per thread, an R2UR before each wgmma)
+      const fg_u32 sv = __shfl_sync(0xffffffffu, c.sV, 0);
+      c.desc_v = sw_desc<VT_ROWB>(sv);
+      c.desc_vl = sw_desc<VT_LAST>(sv);
     }
     else c.desc_v = sw128_desc(c.sV, BN * 128, 1024);
 
