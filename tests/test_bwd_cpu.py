@@ -136,6 +136,96 @@ def test_no_grad_inputs_skip_the_op(monkeypatch):
 # ---------------------------------------------------------------- specs and rules
 
 
+def _reference(q, k, v, causal, scale, layout):
+    """(out, lse) in fp32 torch (GQA by repeated heads), causal aligned at the last rows."""
+    if layout == "bshd":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = q.float() @ k.float().transpose(-1, -2) * scale
+    if causal:
+        nq, nk = s.shape[-2:]
+        s = s.masked_fill(torch.ones(nq, nk, dtype=torch.bool).tril(nk - nq).logical_not(), float("-inf"))
+    lse = s.logsumexp(-1)
+    out = (s.softmax(-1) @ v.float()).to(q.dtype)
+    return (out.transpose(1, 2) if layout == "bshd" else out), lse
+
+
+def _kernels_in_torch(monkeypatch):
+    """flashgen.api.autograd's forward and backward replaced by _reference and its autograd: the wiring around
+    them (saved tensors, flags, dout / dlse, the gradients' order) runs as it would around the kernels."""
+    def forward(q, k, v, causal, scale, layout, return_lse, spec, algorithm, window, softcap, alibi, sinks, out32):
+        assert return_lse and window is None and sinks is None
+        return _reference(q, k, v, causal, scale, layout)
+
+    def attention_backward(dout, q, k, v, out, lse, causal, scale, layout, deterministic, dlse, packed=None, **_):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        with torch.enable_grad():
+            o, l = _reference(*leaves, causal, scale, layout)
+            if packed is not None:  # (one sequence: the reference's LSE is (1, heads, n) as the packed one)
+                l = l.reshape(lse.shape)
+            grads = torch.autograd.grad((o, l), leaves, (dout, dlse if dlse is not None else torch.zeros_like(l)))
+        return grads
+
+    def packed_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, seqused_k, window, softcap, alibi, sinks,
+                       out32=None):
+        out, lse = _reference(q[None], k[None], v[None], causal, scale, "bshd")
+        return out[0], lse[0]
+
+    monkeypatch.setattr(flashgen.api.autograd, "forward", forward)
+    monkeypatch.setattr(flashgen.api.autograd, "attention_backward", attention_backward)
+    monkeypatch.setattr(flashgen.api.autograd, "packed_forward", packed_forward)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("used", ["out", "lse", "both"])
+def test_eager_autograd_wiring_matches_torch(monkeypatch, layout, used):
+    """Eager calls run the ops' forward and formula through a plain autograd.Function (no custom-op dispatch,
+    whose host time exceeded a 1k training step's kernels): with the kernels replaced by torch's arithmetic,
+    the gradients of q, k and v (GQA) through out, lse or both equal torch autograd's of the same arithmetic."""
+    _kernels_in_torch(monkeypatch)
+    torch.manual_seed(0)
+    shape = (lambda b, h, n, d: (b, h, n, d)) if layout == "bhsd" else (lambda b, h, n, d: (b, n, h, d))
+    q = torch.randn(*shape(2, 6, 37, 16), dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(*shape(2, 2, 37, 16), dtype=torch.float64, requires_grad=True) for _ in range(2))
+    w_out, w_lse = torch.randn(*shape(2, 6, 37, 16), dtype=torch.float64), torch.randn(2, 6, 37, dtype=torch.float64)
+
+    def loss(out, lse):
+        return {"out": (out * w_out).sum(), "lse": (lse * w_lse).sum(),
+                "both": (out * w_out).sum() + (lse * w_lse).sum()}[used]
+
+    out, lse = flashgen.api.autograd.attention_op(q, k, v, True, 0.3, layout, True, False, None)
+    assert type(out.grad_fn).__name__ == "_EagerBackward"
+    got = torch.autograd.grad(loss(out, lse), (q, k, v))
+    want = torch.autograd.grad(loss(*_reference(q, k, v, True, 0.3, layout)), (q, k, v), materialize_grads=True)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and torch.allclose(g, w, atol=1e-10)
+
+
+def test_eager_autograd_wiring_packed_rows(monkeypatch):
+    """The same for attention_varlen's path (one packed sequence): gradients through out and lse."""
+    _kernels_in_torch(monkeypatch)
+    torch.manual_seed(1)
+    q = torch.randn(29, 4, 16, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(29, 2, 16, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    cu = torch.tensor([0, 29], dtype=torch.int32)
+    w_out, w_lse = torch.randn(29, 4, 16, dtype=torch.float64), torch.randn(4, 29, dtype=torch.float64)
+    out, lse = flashgen.api.autograd.attention_varlen_op(q, k, v, cu, cu, 29, 29, True, 0.3)
+    assert type(out.grad_fn).__name__ == "_EagerBackward"
+    got = torch.autograd.grad((out * w_out).sum() + (lse * w_lse).sum(), (q, k, v))
+    ro, rl = _reference(q[None], k[None], v[None], True, 0.3, "bshd")
+    want = torch.autograd.grad((ro[0] * w_out).sum() + (rl[0] * w_lse).sum(), (q, k, v))
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and torch.allclose(g, w, atol=1e-10)
+
+
+def test_meta_and_compiled_calls_keep_the_ops():
+    """Meta tensors (and torch.compile, test above) go through the registered op and its fake kernel."""
+    q = meta(1, 2, 8, 64, grad=True)
+    out = flashgen.api.autograd.attention_op(q, q, q, False, None, "bhsd", False, False, None)
+    assert type(out.grad_fn).__name__ != "_EagerBackward" and "flashgen" in type(out.grad_fn).__name__
+
+
 def test_warp_split_minimises_fragment_loads():
     """The split of an m x n tile over warps: fewest fragment loads per mma, ties to more warps on m,
     None when 16x16 steps cannot cover it."""
