@@ -9,6 +9,9 @@ it reads 14-16 µs in steady state). Rows (``entry``, ``call``):
 - ``attention``: the default path (dispatch's pick), each forward family forced (``spec=``), and
   SDPA's flash backend on the same inputs for scale;
 - ``decode``: split, one split, paged, with the value checks (a device sync), SDPA flash (GQA);
+- ``training``: a forward with q, k, v requiring grad and its ``torch.autograd.grad`` (``step``), each
+  half alone (``forward``; ``backward``, the graph retained), the same step through the registered custom
+  op (``step, op``: what eager calls ran before ``api.autograd._Eager``), SDPA flash and cuDNN's step;
 - ``decode parts`` (unless ``--no-parts``): an unsplit decode call taken apart -- the output
   allocation, the parameter block copy, the pointer reads, the stream/device and capture queries,
   the launch alone -- next to the whole call and a bare ``torch.empty`` as the host's speed unit;
@@ -29,7 +32,7 @@ from .fwd import pick
 from .registry import Suite, register
 from .timing import error_text, host_row, meta, require_cuda
 
-ENTRIES = ("attention", "decode")
+ENTRIES = ("attention", "decode", "training")
 
 
 def add_args(p) -> None:
@@ -81,6 +84,39 @@ def attention_rows(calls=200, rounds=20, warmup=1000, progress=print) -> list:
                          spec=""))
     for r in rows:
         progress(f"host attention {r['call']}: {r['results']['host']}")
+    return rows
+
+
+def training_rows(calls=200, rounds=20, warmup=1000, progress=print) -> list:
+    """A training step's host time (1 x 2 x 128 x 64, bf16, causal): flashgen's eager step, its halves, the
+    step through the registered op, SDPA flash and cuDNN."""
+    import torch
+
+    from .. import api
+
+    q, k, v = (torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    dout = torch.randn_like(q)
+
+    def step(attend):
+        return lambda: torch.autograd.grad(attend(), (q, k, v), dout)
+
+    def through_op():
+        return torch.ops.flashgen.attn_fwd(q, k, v, True, 0.125, "bhsd", False)[0]
+
+    saved = api.attention(q, k, v, causal=True)
+    calls_of = {
+        "step": step(lambda: api.attention(q, k, v, causal=True)),
+        "forward": lambda: api.attention(q, k, v, causal=True),
+        "backward": lambda: torch.autograd.grad(saved, (q, k, v), dout, retain_graph=True),
+        "step, op": step(through_op),
+    }
+    rows = [host_row("training", name, fn, calls, rounds, warmup, spec="") for name, fn in calls_of.items()]
+    for impl in ("sdpa_flash", "sdpa_cudnn"):
+        rows.append(host_row("training", f"step, {impl}", step(baselines.sdpa(impl, q, k, v, causal=True)), calls,
+                             rounds, warmup, spec=""))
+    for r in rows:
+        progress(f"host training {r['call']}: {r['results']['host']}")
     return rows
 
 
@@ -156,6 +192,8 @@ def run(args, progress) -> dict:
     common = {"calls": settings["calls"], "rounds": settings["rounds"], "progress": progress}
     if "attention" in settings["entries"]:
         result_rows += attention_rows(warmup=settings["warmup"], **common)
+    if "training" in settings["entries"]:
+        result_rows += training_rows(warmup=settings["warmup"], **common)
     if "decode" in settings["entries"]:
         result_rows += host_rows(warmup=settings["warmup"], **common)
         if settings["parts"]:
@@ -173,5 +211,5 @@ def run(args, progress) -> dict:
     return result
 
 
-register(Suite("host", "per-call host time of flashgen.attention and flashgen.decode (cached plans), next to "
-                       "SDPA; a decode call part by part", add_args, run))
+register(Suite("host", "per-call host time of flashgen.attention and flashgen.decode (cached plans) and of a "
+                       "training step, next to SDPA; a decode call part by part", add_args, run))
