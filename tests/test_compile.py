@@ -135,7 +135,8 @@ def _picked(problem: str, arch: str) -> list:
 def test_default_specs_cover_every_key():
     """SPECS holds the default rule's spec for every (head dim, dtype, causal, bucket) forward key of each arch:
     one per key on sm_80 (fwd_v2's tiles), shared between head dims on the same fwd_sm90 tile and between the
-    buckets of a range of fwd_sm90.DENSE_FIRST on sm_90a (FP8 inputs' keys: test_rule_specs_are_the_picks_of_every_key)."""
+    buckets of a range of fwd_sm90.DENSE_FIRST on sm_90a (FP8 inputs' keys:
+    test_rule_specs_are_the_picks_of_every_key)."""
     assert len(SPECS) == len(set(SPECS))
     fwd = [s for s in SPECS if families.family(s.kind).serves == "fwd" and not getattr(s, "fp8", False)]
     assert len([s for s in fwd if s.arch == "sm_80"]) == len(fwd_v2.DEFAULT_TILES) * 2 * 2

@@ -135,12 +135,15 @@ class _Eager(torch.autograd.Function):
     (their fake kernels, no graph breaks)."""
 
     @staticmethod
-    def forward(ctx, op, *inputs):
-        output = op.forward(*inputs)
-        op.setup_context(ctx, inputs, output)
+    def forward(op, *inputs):
+        return op.forward(*inputs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # (the separate form: what torch.func's transforms need)
+        op, *rest = inputs
+        op.setup_context(ctx, tuple(rest), output)
         ctx.op = op
         ctx.set_materialize_grads(False)  # (None for an unused output, as the op's formula gets)
-        return output
 
     @staticmethod
     def backward(ctx, *grads):
