@@ -55,9 +55,9 @@ def _window(win_left: int, win_right: int):
 
 
 def _attn_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float, layout: str,
-             deterministic: bool, win_left: int = -1, win_right: int = -1, softcap: float = 0.0,
-             alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
-             keep_fp32: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+              deterministic: bool, win_left: int = -1, win_right: int = -1, softcap: float = 0.0,
+              alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+              keep_fp32: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Forward: (out, lse, out32). ``deterministic`` is only carried to the backward."""
     out32 = q.new_empty(_out32_shape(q, layout, sinks is not None and keep_fp32), dtype=torch.float32)
     out, lse = forward(q, k, v, causal, softmax_scale, layout, True, None, "v2", _window(win_left, win_right),
@@ -77,9 +77,9 @@ def _attn_fwd_fake(q, k, v, causal, softmax_scale, layout, deterministic, win_le
 
 
 def _attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
-             causal: bool, softmax_scale: float, layout: str, deterministic: bool, win_left: int = -1,
-             win_right: int = -1, softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
-             sinks: Optional[Tensor] = None, out32: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+              causal: bool, softmax_scale: float, layout: str, deterministic: bool, win_left: int = -1,
+              win_right: int = -1, softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+              sinks: Optional[Tensor] = None, out32: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Backward: (dq, dk, dv, dsinks), contiguous in the shapes of q, k, v (and the sinks'; empty without)."""
     variant = Variant.of(causal, _window(win_left, win_right), softcap, alibi_slopes is not None, sinks is not None)
     grads = attention_backward(dout, q, k, v, out, lse, variant.causal, softmax_scale, layout, deterministic, dlse,
@@ -169,7 +169,8 @@ def _run(op: Op, registered, q: Tensor, *args):
 
 def attention_op(q, k, v, causal, softmax_scale, layout, return_lse, deterministic, spec, window=None, softcap=0.0,
                  alibi_slopes=None, sinks=None):
-    """``flashgen.attention`` through the custom op (differentiable, traceable by torch.compile)."""
+    """``flashgen.attention`` with autograd: the custom op while torch.compile traces (or on meta tensors), else
+    the op's forward and formula through ``_Eager``."""
     if spec is not None:
         raise ValueError("spec= forces one forward kernel and is not supported when a gradient is needed "
                          "or under torch.compile; call under torch.no_grad()")
@@ -195,10 +196,10 @@ def _packed_out32_shape(q: Tensor, kept: bool):
 
 
 def _attn_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
-                    max_seqlen_k: int, causal: bool, softmax_scale: float, deterministic: bool = False,
-                    seqused_k: Optional[Tensor] = None, win_left: int = -1, win_right: int = -1, softcap: float = 0.0,
-                    alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
-                    keep_fp32: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                     max_seqlen_k: int, causal: bool, softmax_scale: float, deterministic: bool = False,
+                     seqused_k: Optional[Tensor] = None, win_left: int = -1, win_right: int = -1, softcap: float = 0.0,
+                     alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+                     keep_fp32: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Packed-rows forward: (out (total_q, heads, d), lse (heads, total_q), out32); values unchecked (the
     entry's). ``deterministic`` is only carried to the backward; out32 as ``attn_fwd``'s, (heads, total_q, d)."""
     out32 = q.new_empty(_packed_out32_shape(q, sinks is not None and keep_fp32), dtype=torch.float32)
@@ -220,10 +221,10 @@ def _attn_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 
 
 def _attn_varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
-                    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seqused_k: Optional[Tensor], causal: bool,
-                    softmax_scale: float, deterministic: bool, win_left: int = -1, win_right: int = -1,
-                    softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
-                    out32: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seqused_k: Optional[Tensor], causal: bool,
+                     softmax_scale: float, deterministic: bool, win_left: int = -1, win_right: int = -1,
+                     softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+                     out32: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Packed-rows backward: (dq, dk, dv, dsinks) in the packed shapes (dsinks empty without sinks); the
     tensors go to ``attention_backward`` as one batch of packed rows."""
     variant = Variant.of(causal, _window(win_left, win_right), softcap, alibi_slopes is not None, sinks is not None,
@@ -321,7 +322,7 @@ def attention_paged_op(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seql
 
 def attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                         deterministic=False, seqused_k=None, window=None, softcap=0.0, alibi_slopes=None, sinks=None):
-    """``attention_varlen`` through the custom op (differentiable, traceable by torch.compile): (out, lse)."""
+    """``attention_varlen`` with autograd, as ``attention_op``: (out, lse)."""
     if not isinstance(q, Tensor) or q.dim() != 3:
         raise ValueError("q must be a 3-D torch.Tensor (total_tokens, heads, d)")
     scale = checked_scale(softmax_scale, q.shape[-1])
