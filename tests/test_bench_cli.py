@@ -154,6 +154,7 @@ def test_cli_errors_are_clean(capsys, argv, message):
     ["bench", "ablation", "--d", "64", "--variants", "plain,ws"],
     ["bench", "ab", "--cands", "default", "--shapes", "1,2,128,64"],
     ["bench", "host"],
+    ["bench", "host", "--entries", "training"],
     ["bench", "startup", "--runs", "1"],
     ["bench", "variants", "--cases", "window,sinks"],
     ["bench", "variants", "--cases", "decode", "--decode-batches", "16,32"],
