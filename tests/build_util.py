@@ -8,7 +8,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Mapping
 from concurrent.futures import ProcessPoolExecutor
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from flashgen.bench.sass import disassemble, disassemblers
 from flashgen.codegen import build, render
 from flashgen.testing import ENVIRONMENT
 
@@ -195,19 +195,9 @@ def ptx_of(spec) -> str:
     return ptx.decode() if isinstance(ptx, bytes) else ptx
 
 
-def disassemblers() -> list:
-    """cuobjdump / nvdisasm on PATH or from pip's nvidia-cuda wheels (optional tools)."""
-    found = [shutil.which("cuobjdump"), shutil.which("nvdisasm")]
-    pip_bin = Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / \
-        "site-packages" / "nvidia" / "cu13" / "bin"
-    found += [str(pip_bin / "cuobjdump"), str(pip_bin / "nvdisasm")]
-    return [f for f in found if f and os.path.exists(f)]
-
-
 def _sass(tool, cubin_path) -> str:
-    args = [tool, "--dump-sass", cubin_path] if tool.endswith("cuobjdump") else [tool, cubin_path]
-    out = subprocess.run(args, capture_output=True, text=True, timeout=120)
-    return out.stdout if out.returncode == 0 else ""
+    """The SASS ``tool`` reads from the cubin at ``cubin_path`` ("" where it reads none)."""
+    return disassemble(Path(cubin_path).read_bytes(), [tool])[0]
 
 
 def sass_of(spec, cubin: bytes, tmp_path):
