@@ -1,8 +1,8 @@
 """The torch layer: input checks, one plan cache per entry point, launches, autograd.
 
 - ``attention`` (``api.entry``: the forward is ``api.forward``, the study
-  algorithms ``api.baselines``), differentiable through the custom ops of
-  ``api.autograd`` whose backward is ``api.backward``;
+  algorithms ``api.baselines``), differentiable through
+  ``api.autograd`` (custom ops under torch.compile) whose backward is ``api.backward``;
 - ``attention_varlen`` (``api.packed``): packed rows (cu_seqlens), the forward ``api.forward``'s;
 - ``decode`` (``api.decoding``): Flash-Decoding over a contiguous or paged KV cache;
 - ``sdpa`` (``api.dropin``): torch's scaled_dot_product_attention signature, masks as user mods;

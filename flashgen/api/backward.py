@@ -20,7 +20,7 @@ its tensor maps can step), else the mma.sync ``bwd_dkdv``.
 ``FLASHGEN_BWD_FAMILY=bwd_dkdv`` (or ``=bwd_sm90``) forces one family for study;
 ``specs={"bwd_dkdv": <KernelSpec>}`` forces one kernel.
 
-Used by the autograd op in ``flashgen.api.autograd``; callable directly for study.
+Used by ``flashgen.api.autograd`` (the custom op, and its eager path); callable directly for study.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""``flashgen.attention``: the forward, or the custom op when a gradient is needed.
+"""``flashgen.attention``: the forward, or ``api.autograd`` when a gradient is needed.
 
-The forward itself is ``api.forward``; the differentiable path (and the one
-torch.compile traces) is the ``flashgen::attn_fwd`` custom op of ``api.autograd``.
+The forward itself is ``api.forward``; the differentiable path is ``api.autograd``'s: the
+``flashgen::attn_fwd`` custom op while torch.compile traces, its forward and formula through a plain
+autograd.Function in eager calls.
 """
 from __future__ import annotations
 
@@ -84,8 +85,8 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     outputs of the right shapes and dtypes, launching nothing.
 
     Differentiable: when q, k or v requires grad (or under torch.compile) the
-    call goes through the ``flashgen::attn_fwd`` custom op, whose backward runs
-    flashgen's backward kernels (``flashgen.api.autograd``). ``deterministic=True``
+    call goes through ``flashgen.api.autograd`` (the ``flashgen::attn_fwd`` custom op
+    under torch.compile), whose backward runs flashgen's backward kernels. ``deterministic=True``
     (or ``torch.use_deterministic_algorithms(True)`` when the backward runs) makes dQ
     independent of the order of its adds (on sm_90a the Hopper kernel adds in a fixed
     order, elsewhere, and with mods everywhere, a separate query-outer dQ kernel computes it;

@@ -4,7 +4,8 @@ The sequences of a batch are laid end to end, ``cu_seqlens`` gives where each st
 (sequence, query block) tiles on the device (templates/common/varlen.cuh), so no tile is spent on padding
 and the host never reads the lengths on the hot path. The launch is ``api.forward.packed_forward``; this
 module checks the values (one device sync, unless the caller opts out) and routes torch.compile through
-the ``flashgen::attn_varlen_fwd`` custom op (``api.autograd``), which gradients go through as well.
+the ``flashgen::attn_varlen_fwd`` custom op (``api.autograd``); gradients go through its forward and
+formula (the op under torch.compile, a plain autograd.Function in eager calls).
 """
 from __future__ import annotations
 
@@ -41,9 +42,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     rows, not a crash of the process, only as far as they stay inside the tensors.
 
     Returns the output (total_q, heads, d) in q's dtype and, with ``return_lse``, the log-sum-exp of the
-    scaled scores, fp32 (heads, total_q). Differentiable (q, k, v, sinks) through the
-    ``flashgen::attn_varlen_fwd`` custom op, whose backward walks the packed rows too; ``deterministic``
-    as ``flashgen.attention``'s. TypeError/ValueError on bad inputs, always before anything is launched.
+    scaled scores, fp32 (heads, total_q). Differentiable (q, k, v, sinks) through
+    ``flashgen::attn_varlen_fwd``'s formula (``api.autograd``), whose backward walks the packed rows too;
+    ``deterministic`` as ``flashgen.attention``'s. TypeError/ValueError on bad inputs, always before anything
+    is launched.
 
     Paged K/V (chunked prefill against a serving engine's cache): with ``block_table`` int32 (seqs,
     max_pages), k and v are caches (pages, page_size, heads_kv, d) as ``flashgen.decode`` takes them
