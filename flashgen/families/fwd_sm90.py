@@ -349,9 +349,9 @@ class Sm90Family(Family):
         out = []
         tile = self.tile(key)
         rows = (FP8_TILES if is_fp8(key) else SM90_TILES)[tile]
-        first = next((row for upto, row in DENSE_FIRST.get(tile, ()) if key.bucket <= upto), None)
-        if first is not None and not key.variant:
-            rows = (first, *rows)
+        if not key.variant:  # (the dense keys' first tile per bucket range; a variant key keeps the table's order)
+            first = next((row for upto, row in DENSE_FIRST.get(tile, ()) if key.bucket <= upto), None)
+            rows = rows if first is None else (first, *rows)
         for bm, bn, st, tokens in rows:
             spec = self.spec(key, block_m=bm, block_n=bn, stages=st).with_tokens(tokens)
             self._fit(out, spec.replace(warps=warps_for(bm, spec.warp_specialized)), budget)
