@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 
-from . import families, tables, variants
+from . import families, mods, tables, variants
 from .codegen import build
 from .errors import CompileError, UnsupportedError
 from .families.base import first_clean
@@ -123,26 +123,43 @@ def mod_spec(key: ProblemKey, gpu: str | None, smem_budget: int, token: int, ver
     warpgroups keep 160 each), then those tiles with 64-key blocks (half the score registers: a 4-D
     capture's reads spill the d = 64 tiles of 128 keys). ``verify``: the resource check, as ``select``.
     ``row_bounds``: the mask_mod's partial blocks masked by each row's bounds (KernelSpec.row_bounds: a block
-    mask whose rows each see one run of keys): those tiles first, then the same without them."""
+    mask whose rows each see one run of keys): where the mask_mod reads memory per score (``mask_reads_per_score``)
+    every tile with them first, then the same without; a mask of index compares alone takes them only on a tile
+    where they build clean, each tile with them and then without (on one tile they gain a few per cent over such
+    a mask_mod; the 192-row tile, where they spill, is about ten per cent faster than the next clean one)."""
     family = family or mod_family(key)
     if gpu is not None:  # the mods' own tuned entry (``flashgen tune --score-mod/--mask-mod``), keyed by their hash
         own = tables.lookup(gpu, key.replace(causal=False, variant=variants.mod_key(token)))
         if own is not None and own.kind == family:
-            for mine in _bounds_first([own], row_bounds):
+            for mine in _bounds_first([own], row_bounds, True):
                 if not (verify and resource_problems(mine)):
                     return mine
     picked = select(key, gpu, smem_budget, verify=verify, family=family)
     rule = [s for s in families.family(family).rule(key, smem_budget) if s != picked]
     narrow = [s.replace(block_n=64) for s in [picked] + rule if s.block_n > 64]
     tiles = list(dict.fromkeys(s.replace(causal=False, mod=token) for s in [picked] + rule + narrow))
-    return first_clean(_bounds_first(tiles, row_bounds), resource_problems if verify else None)
+    anywhere = row_bounds and mask_reads_per_score(mods.lookup(mods.token_text(token)))
+    return first_clean(_bounds_first(tiles, row_bounds, anywhere), resource_problems if verify else None)
 
 
-def _bounds_first(specs: list, row_bounds: bool) -> list:
-    """Mods kernels in order, validated: with ``row_bounds``, each with KernelSpec.row_bounds first (they pay most:
-    a document mask's forward 1.6x), then the same without (the bounds' registers can make a tile spill where
-    the mask_mod's does not)."""
-    return [s.validate() for s in ([s.replace(row_bounds=True) for s in specs] if row_bounds else []) + specs]
+def _bounds_first(specs: list, row_bounds: bool, anywhere: bool) -> list:
+    """Mods kernels in order, validated: with ``row_bounds`` and ``anywhere``, each with KernelSpec.row_bounds
+    first (they pay most where the mask_mod reads memory: a document mask's forward 1.6x), then the same
+    without (the bounds' registers can make a tile spill where the mask_mod's does not); with ``row_bounds``
+    alone, each tile with them and then without, so that the bounds never cost the tile."""
+    if not row_bounds:
+        return [s.validate() for s in specs]
+    if anywhere:
+        return [s.validate() for s in [s.replace(row_bounds=True) for s in specs] + specs]
+    return [t.validate() for s in specs for t in (s.replace(row_bounds=True), s)]
+
+
+def mask_reads_per_score(pair) -> bool:
+    """Whether a pair's mask_mod reads a captured tensor at the query's or key's position (document ids:
+    ``Graph.reads_by_position``): there the row bounds replace reads per score, and pay for a later tile in the
+    forward and for a load per score in the backward; with index compares alone (causal, windows, offsets read
+    as ``off[0]``) they gain a few per cent on one tile (docs/perf/mods.md)."""
+    return pair.mask is not None and pair.mask.reads_by_position()
 
 
 def mod_decode_spec(key: ProblemKey, gpu: str | None, smem_budget: int, token: int, regime: str,
@@ -178,11 +195,11 @@ def mod_family(key: ProblemKey) -> str:
 
 def mod_backward_row_bounds(pair) -> bool:
     """Whether the backward of a mods call whose block mask has row bounds (every query row sees one run of keys)
-    takes bwd_sm90 with KernelSpec.row_bounds, as its forward does: where the mask_mod reads a captured tensor
-    (document ids). The backward's S^T puts a different query row in each of a thread's scores, so the bounds
-    cost a load per score of a partial block: cheaper than a mask_mod's reads (documents, fwd+bwd 1.27x on an
-    H100), dearer than index compares alone (causal 0.83x, window 0.93x): docs/perf/mods.md."""
-    return pair.mask is not None and bool(pair.mask.captures)
+    takes bwd_sm90 with KernelSpec.row_bounds, as its forward does: where the mask_mod reads memory per score
+    (document ids: ``mask_reads_per_score``). The backward's S^T puts a different query row in each of a thread's
+    scores, so the bounds cost a load per score of a partial block: cheaper than a mask_mod's reads (documents,
+    fwd+bwd 1.27x on an H100), dearer than index compares alone (causal 0.83x, window 0.93x): docs/perf/mods.md."""
+    return mask_reads_per_score(pair)
 
 
 def mod_backward_spec(key: ProblemKey, smem_budget: int, token: int, verify: bool = False,
@@ -208,8 +225,8 @@ def mod_backward_spec(key: ProblemKey, smem_budget: int, token: int, verify: boo
         rule = [s.replace(causal=False, mod=token) for s in fam.rule(plain, smem_budget)
                 if s.dq_write not in WRITER_DQ and s.block_m == 64]
         rule = list(dict.fromkeys(rule))
-        # (with row bounds: each tile with them, then without, before any tile with dP^T late)
-        order = _bounds_first(rule, row_bounds)
+        # (with row bounds: every tile with them, then the same without, before any tile with dP^T late)
+        order = _bounds_first(rule, row_bounds, True)
         candidates = order + [s.replace(dp_late=True).validate() for s in order]
     if not verify:
         return candidates[0]

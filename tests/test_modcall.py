@@ -699,6 +699,29 @@ def test_tune_model_keys_the_winner_by_the_mods_hash(capsys, tmp_path, monkeypat
     assert other != picked and other.mod == mods.token_number(registered(alibi))
 
 
+def test_row_bounds_never_cost_an_index_mask_its_tile(tmp_path, monkeypatch):
+    """With row bounds, a mask_mod of index compares alone (causal) keeps dispatch's tile: the bounds where that
+    tile builds clean with them, else the mask_mod on it (the H200's d = 128 causal pick, a 192-row tile of three
+    consumer warpgroups, spills with them); a mask that reads a captured tensor per score (documents) takes the
+    bounds on the first tile where they build clean."""
+    from flashgen import dispatch, gpus
+    from flashgen.codegen import build
+    from flashgen.problem import ProblemKey
+
+    monkeypatch.setenv("FLASHGEN_HOME", str(tmp_path))
+    key = ProblemKey("fwd", "sm_90a", "bf16", 128, True, 8192, "")
+    budget = gpus.get("h200").smem_per_block
+    index, docs = registered(None, causal), registered(None, document)
+    assert not dispatch.mask_reads_per_score(index) and dispatch.mask_reads_per_score(docs)
+    picked = dispatch.mod_spec(key, "h200", budget, mods.token_number(index), verify=True)
+    spec = dispatch.mod_spec(key, "h200", budget, mods.token_number(index), verify=True, row_bounds=True)
+    bounded = picked.replace(row_bounds=True).validate()
+    assert spec == (picked if build(bounded).report.problems() else bounded), (picked.name, spec.name)
+    spec = dispatch.mod_spec(key, "h200", budget, mods.token_number(docs), verify=True, row_bounds=True)
+    report = build(spec).report
+    assert spec.row_bounds and report.spill_stores == 0 and report.stack_frame == 0, (spec.name, report)
+
+
 def test_mod_keys_count_the_pairs_their_mask_lets_through():
     """The tuner's FLOPs of a mod key (its table entry's TFLOP/s, its time estimate) count the (query, key)
     pairs the mask_mod lets through, as the benchmarks do; a score_mod alone leaves the square."""
