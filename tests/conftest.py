@@ -16,8 +16,8 @@ parallel precompile step; ``--failure-log FILE`` appends each failure's report t
 ``--test-timeout S`` ends the run when one test's call takes longer than S seconds (a hung kernel),
 naming it in the failure log; ``--compile-tier-home DIR`` keeps the compile tier's binaries in DIR across
 runs (a kernel whose source, options or compiler changed compiles again); ``--shard K/N`` runs the K-th of
-N parts of the selected tests, whole files each (the GPU suite takes about 1300 s on an H100, more than
-one device call: ``scripts/device.sh "tests tests/ --shard 1/3"`` and so on). Nothing GPU-specific is
+N parts of the selected tests, whole files each (the GPU suite takes about 1900 s on an H100, more than
+one device call: ``scripts/device.sh "tests tests/ --shard 1/5"`` and so on). Nothing GPU-specific is
 registered here: GPU tests (tests/test_gpu_*.py) mark themselves with ``pytest.mark.gpu`` and skip
 themselves without CUDA.
 """
