@@ -702,7 +702,7 @@ def test_tune_model_keys_the_winner_by_the_mods_hash(capsys, tmp_path, monkeypat
 def test_row_bounds_never_cost_an_index_mask_its_tile(tmp_path, monkeypatch):
     """With row bounds, a mask_mod of index compares alone (causal) keeps dispatch's tile: the bounds where that
     tile builds clean with them, else the mask_mod on it (the H200's d = 128 causal pick, a 192-row tile of three
-    consumer warpgroups, spills with them); a mask that reads a captured tensor per score (documents) takes the
+    consumer warpgroups, spills with them); a mask that reads a captured tensor (documents) takes the
     bounds on the first tile where they build clean."""
     from flashgen import dispatch, gpus
     from flashgen.codegen import build
@@ -712,7 +712,7 @@ def test_row_bounds_never_cost_an_index_mask_its_tile(tmp_path, monkeypatch):
     key = ProblemKey("fwd", "sm_90a", "bf16", 128, True, 8192, "")
     budget = gpus.get("h200").smem_per_block
     index, docs = registered(None, causal), registered(None, document)
-    assert not dispatch.mask_reads_per_score(index) and dispatch.mask_reads_per_score(docs)
+    assert not dispatch.mask_reads_captures(index) and dispatch.mask_reads_captures(docs)
     picked = dispatch.mod_spec(key, "h200", budget, mods.token_number(index), verify=True)
     spec = dispatch.mod_spec(key, "h200", budget, mods.token_number(index), verify=True, row_bounds=True)
     bounded = picked.replace(row_bounds=True).validate()

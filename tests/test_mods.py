@@ -111,24 +111,6 @@ def test_graph_attributes():
     assert ops == ["in", "in", "le"]  # q >= kv is kv <= q
 
 
-OFFSET = torch.tensor([5], dtype=torch.int32)
-LENGTHS = torch.tensor([100, 7], dtype=torch.int64)
-
-
-@pytest.mark.parametrize("fn,per_score", [
-    (causal, False), (sliding_window, False), (prefix_lm, False), (alibi, False), (softcap, False),
-    (lambda b, h, q, kv: q + OFFSET[0] >= kv, False),  # an offset read at a constant index
-    (lambda b, h, q, kv: kv < LENGTHS[b], False),  # a length per batch
-    (document, True), (block_sparse, True), (relative_bias, True),
-    (lambda b, h, q, kv: DOC[(q + OFFSET[0]) % K] == 0, True)])  # a chain through a load and back to q
-def test_reads_by_position(fn, per_score):
-    """``Graph.reads_by_position``: a capture read at an index that depends on q or kv, not one by b, h or
-    constants alone."""
-    score = fn.__code__.co_argcount == 5
-    graph = (mods.trace_score_mod if score else mods.trace_mask_mod)(fn, allow_cpu=True)
-    assert graph.reads_by_position() is per_score
-
-
 def test_common_subexpressions_are_shared():
     graph = mods.trace_score_mod(lambda s, b, h, q, kv: s + SLOPES[h] * SLOPES[h] + (q - kv) * (q - kv),
                                  allow_cpu=True)

@@ -82,24 +82,6 @@ class Graph:
         k, _, c, _ = self._folds()
         return k, c
 
-    def reads_by_position(self) -> bool:
-        """Whether a capture is read at an index that depends on the query or key position (q, kv): a load per
-        score, as document ids are read. A read indexed by b, h and constants alone (``off[0]``, a slope per
-        head) is the same for every score of a head."""
-        varies = set()
-        for i, n in enumerate(self.nodes):
-            if n.op == "in":
-                on = n.args[0] in ("q", "kv")
-            elif n.op == "const":
-                on = False
-            else:
-                on = any(a in varies for a in (n.args[1:] if n.op == "load" else n.args))
-                if on and n.op == "load":
-                    return True
-            if on:
-                varies.add(i)
-        return False
-
     def _folds(self) -> tuple:
         """(k, the k * score nodes, c, f's position or None): ``factors`` and what ``cuda(fold=True)`` drops.
         A result that is itself k * score keeps its multiply in k (s * 2: k = 2, c = 1)."""
