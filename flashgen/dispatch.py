@@ -123,10 +123,11 @@ def mod_spec(key: ProblemKey, gpu: str | None, smem_budget: int, token: int, ver
     warpgroups keep 160 each), then those tiles with 64-key blocks (half the score registers: a 4-D
     capture's reads spill the d = 64 tiles of 128 keys). ``verify``: the resource check, as ``select``.
     ``row_bounds``: the mask_mod's partial blocks masked by each row's bounds (KernelSpec.row_bounds: a block
-    mask whose rows each see one run of keys): where the mask_mod reads a captured tensor (``mask_reads_captures``)
-    every tile with them first, then the same without; a mask of index compares alone takes them only on a tile
-    where they build clean, each tile with them and then without (on one tile they gain a few per cent over such
-    a mask_mod; the 192-row tile, where they spill, is about ten per cent faster than the next clean one)."""
+    mask whose rows each see one run of keys): where the mask_mod reads a captured tensor per score
+    (``mask_loads_per_score``) every tile with them first, then the same without; a mask of index compares alone
+    takes them only on a tile where they build clean, each tile with them and then without (on one tile they gain
+    a few per cent over such a mask_mod; the 192-row tile, where they spill, is about ten per cent faster than the
+    next clean one)."""
     family = family or mod_family(key)
     if gpu is not None:  # the mods' own tuned entry (``flashgen tune --score-mod/--mask-mod``), keyed by their hash
         own = tables.lookup(gpu, key.replace(causal=False, variant=variants.mod_key(token)))
@@ -138,7 +139,7 @@ def mod_spec(key: ProblemKey, gpu: str | None, smem_budget: int, token: int, ver
     rule = [s for s in families.family(family).rule(key, smem_budget) if s != picked]
     narrow = [s.replace(block_n=64) for s in [picked] + rule if s.block_n > 64]
     tiles = list(dict.fromkeys(s.replace(causal=False, mod=token) for s in [picked] + rule + narrow))
-    anywhere = row_bounds and mask_reads_captures(mods.lookup(mods.token_text(token)))
+    anywhere = row_bounds and mask_loads_per_score(mods.lookup(mods.token_text(token)))
     return first_clean(_bounds_first(tiles, row_bounds, anywhere), resource_problems if verify else None)
 
 
@@ -154,13 +155,14 @@ def _bounds_first(specs: list, row_bounds: bool, anywhere: bool) -> list:
     return [t.validate() for s in specs for t in (s.replace(row_bounds=True), s)]
 
 
-def mask_reads_captures(pair) -> bool:
-    """Whether a pair's mask_mod reads a captured tensor (document ids, an offset read as ``off[0]``, a length per
-    batch): the kernel then loads per score of a partial block (even a read at a constant index: 132 LDG in the
-    d = 128 tile against 4 without), which the row bounds replace, paying for a later tile in the forward and for
-    a load per score in the backward; with index compares alone (causal, windows written with constants) they
-    gain a few per cent on one tile (docs/perf/mods.md)."""
-    return pair.mask is not None and bool(pair.mask.captures)
+def mask_loads_per_score(pair) -> bool:
+    """Whether a pair's mask_mod reads a captured tensor at an index that depends on q or kv (document ids): the
+    kernel then loads per score of a partial block (260 LDG in the d = 128 128 x 128 tile), which the row bounds
+    replace, paying for a later tile in the forward and for a load per score in the backward. Reads at constant or
+    per-(batch, head) indices (an offset read as ``off[0]``, a length per batch) are made once per head
+    (``Graph.cuda_hoisted``), so such a mask is index compares, as causal and windows written with constants are:
+    there the bounds gain a few per cent on one tile (docs/perf/mods.md)."""
+    return pair.mask is not None and pair.mask.loads_per_score()
 
 
 def mod_decode_spec(key: ProblemKey, gpu: str | None, smem_budget: int, token: int, regime: str,
@@ -197,10 +199,10 @@ def mod_family(key: ProblemKey) -> str:
 def mod_backward_row_bounds(pair) -> bool:
     """Whether the backward of a mods call whose block mask has row bounds (every query row sees one run of keys)
     takes bwd_sm90 with KernelSpec.row_bounds, as its forward does: where the mask_mod reads a captured tensor
-    (``mask_reads_captures``: document ids). The backward's S^T puts a different query row in each of a thread's
-    scores, so the bounds cost a load per score of a partial block: cheaper than a mask_mod's reads (documents,
+    per score (``mask_loads_per_score``: document ids). The backward's S^T puts a different query row in each of a
+    thread's scores, so the bounds cost a load per score of a partial block: cheaper than a mask_mod's reads (documents,
     fwd+bwd 1.27x on an H100), dearer than index compares alone (causal 0.83x, window 0.93x): docs/perf/mods.md."""
-    return mask_reads_captures(pair)
+    return mask_loads_per_score(pair)
 
 
 def mod_backward_spec(key: ProblemKey, smem_budget: int, token: int, verify: bool = False,

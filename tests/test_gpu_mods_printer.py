@@ -82,6 +82,8 @@ def cuda_tensors():
         "wide": torch.randint(-2 ** 40, 2 ** 40, (B, H), device="cuda", generator=g),
         "doc": torch.repeat_interleave(torch.arange(9, device="cuda", dtype=torch.int32), 40)[:K],
         "blocks": torch.rand(2, 2, 3, 3, device="cuda", generator=g) < 0.5,
+        "lens": torch.randint(-40, 300, (B,), device="cuda", dtype=torch.int32, generator=g),
+        "flags": torch.rand(H, device="cuda", generator=g) < 0.5,
     }
 
 
@@ -97,6 +99,8 @@ def pairs():
            + s // 0.75 + s % -0.5), M(lambda b, h, q, kv: (q >= kv) | (kv < 9))),
         (S(lambda s, b, h, q, kv: (s * 1e10).int().float() + torch.where(q > kv, torch.minimum(q, kv), kv).float()
            + torch.maximum(s, s * -2.0)), M(lambda b, h, q, kv: ~((q - kv) % 3 == 0) & (q - kv <= 40))),
+        # a mask whose reads are per head (made once per head: Graph.cuda_hoisted) beside its per-score compares
+        (None, M(lambda b, h, q, kv: (q + t["lens"][0] >= kv) | ((kv <= t["lens"][b] - h * 7) & t["flags"][h]))),
     ]
     # (/ and the float functions print as the hardware's approximations: mods/graph.py)
     approx = [

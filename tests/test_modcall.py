@@ -700,10 +700,11 @@ def test_tune_model_keys_the_winner_by_the_mods_hash(capsys, tmp_path, monkeypat
 
 
 def test_row_bounds_never_cost_an_index_mask_its_tile(tmp_path, monkeypatch):
-    """With row bounds, a mask_mod of index compares alone (causal) keeps dispatch's tile: the bounds where that
-    tile builds clean with them, else the mask_mod on it (the H200's d = 128 causal pick, a 192-row tile of three
-    consumer warpgroups, spills with them); a mask that reads a captured tensor (documents) takes the
-    bounds on the first tile where they build clean."""
+    """With row bounds, a mask_mod of index compares alone (causal, and an offset read as ``off[0]``, which the
+    kernel reads once per head) keeps dispatch's tile: the bounds where that tile builds clean with them, else the
+    mask_mod on it (the H200's d = 128 causal pick, a 192-row tile of three consumer warpgroups, spills with them);
+    a mask that reads a captured tensor per score (documents) takes the bounds on the first tile where they build
+    clean."""
     from flashgen import dispatch, gpus
     from flashgen.codegen import build
     from flashgen.problem import ProblemKey
@@ -711,12 +712,17 @@ def test_row_bounds_never_cost_an_index_mask_its_tile(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHGEN_HOME", str(tmp_path))
     key = ProblemKey("fwd", "sm_90a", "bf16", 128, True, 8192, "")
     budget = gpus.get("h200").smem_per_block
-    index, docs = registered(None, causal), registered(None, document)
-    assert not dispatch.mask_reads_captures(index) and dispatch.mask_reads_captures(docs)
-    picked = dispatch.mod_spec(key, "h200", budget, mods.token_number(index), verify=True)
-    spec = dispatch.mod_spec(key, "h200", budget, mods.token_number(index), verify=True, row_bounds=True)
-    bounded = picked.replace(row_bounds=True).validate()
-    assert spec == (picked if build(bounded).report.problems() else bounded), (picked.name, spec.name)
+    off = torch.tensor([0], dtype=torch.int32)
+    docs = registered(None, document)
+    assert dispatch.mask_loads_per_score(docs)
+    for mask in (causal, lambda b, h, q, kv: q + off[0] >= kv):
+        index = registered(None, mask)
+        assert not dispatch.mask_loads_per_score(index)
+        picked = dispatch.mod_spec(key, "h200", budget, mods.token_number(index), verify=True)
+        spec = dispatch.mod_spec(key, "h200", budget, mods.token_number(index), verify=True, row_bounds=True)
+        bounded = picked.replace(row_bounds=True).validate()
+        assert spec == (picked if build(bounded).report.problems() else bounded), (picked.name, spec.name)
+        assert (picked.block_m, picked.block_n) == (192, 80), picked.name  # the causal key's tile, clean
     spec = dispatch.mod_spec(key, "h200", budget, mods.token_number(docs), verify=True, row_bounds=True)
     report = build(spec).report
     assert spec.row_bounds and report.spill_stores == 0 and report.stack_frame == 0, (spec.name, report)

@@ -362,6 +362,28 @@ def test_cuda_compiles_with_nvrtc():
     assert binary.cubin and not binary.report.problems()
 
 
+def test_reads_at_per_head_indices_print_apart_from_the_per_score_compares():
+    """A mask_mod's reads at constant or (b, h) indices (an offset as ``off[0]``, a length per batch) and what is
+    computed from them alone go to ``fg_mask_mod_head``, which a kernel calls once per head; the per-score
+    function reads them from its struct and compares indices. A read at a q- or kv-dependent index (document
+    ids) stays per score, and so does everything after the first q or kv."""
+    off, lens = torch.tensor([3], dtype=torch.int32), torch.tensor([5, 9], dtype=torch.int32)
+    offset = mods.trace_mask_mod(lambda b, h, q, kv: (q + off[0] >= kv) | (kv < lens[b] * 2 + h), allow_cpu=True)
+    text = offset.cuda_hoisted("fg_mask_mod")
+    head, score = text.split("FG_DEVICE bool fg_mask_mod(", 1)
+    assert head.count("__ldg(") == 2 and "__ldg(" not in score, text
+    assert not offset.loads_per_score() and len(offset.hoisted()) == 2, offset.hoisted()  # off[0], lens[b] * 2 + h
+    assert {offset.nodes[i].dtype for i in offset.hoisted()} == {"i32"}
+    docs = mods.trace_mask_mod(document, allow_cpu=True)
+    assert docs.loads_per_score() and docs.hoisted() == ()
+    text = docs.cuda_hoisted("fg_mask_mod")
+    assert "struct fg_mask_mod_head_t { };" in text and text.split("FG_DEVICE bool fg_mask_mod(", 1)[1].count("__ldg") == 2
+    whole = mods.trace_mask_mod(lambda b, h, q, kv: lens[b] > h, allow_cpu=True)  # no q or kv: all of it per head
+    assert whole.hoisted() == (len(whole.nodes) - 1,) and "return v" in whole.cuda_hoisted("m").split("k) {")[1]
+    with pytest.raises(ModError, match="prints a mask_mod"):
+        mods.trace_score_mod(alibi, allow_cpu=True).cuda_hoisted("f")
+
+
 # ---------------------------------------------------------------- pairs, registry, cache
 
 
@@ -370,7 +392,7 @@ def test_pairs_slots_and_tokens():
     both = mods.pair(score, mask)
     assert both.captures == (SLOPES, DOC) and re.fullmatch(r"[0-9a-f]{12}", both.token)
     text = both.cuda()
-    assert "fg_score_mod" in text and "fg_mask_mod" in text and "a.t[1]" in text.split("fg_mask_mod")[1]
+    assert "fg_score_mod" in text and "fg_mask_mod" in text and "a.t[1]" in text.split("FG_DEVICE bool fg_mask_mod(")[1]
     assert len({both.token, mods.pair(score, None).token, mods.pair(None, mask).token}) == 3
     assert "return true;" in mods.pair(score, None).cuda() and "return score;" in mods.pair(None, mask).cuda()
     assert mods.pair(mods.trace_score_mod(alibi, allow_cpu=True), mask).token == both.token

@@ -193,7 +193,7 @@ class ModPair:
 
     def cuda(self, linear: bool = False) -> str:
         """``fg_score_mod`` (its factors folded out: ``factors``) and ``fg_mask_mod`` (a pass-through one
-        for a missing half); ``linear`` (a pair whose ``linear`` is not None) adds that form's functions, of
+        for a missing half; its per-head reads apart: ``Graph.cuda_hoisted``); ``linear`` (a pair whose ``linear`` is not None) adds that form's functions, of
         the same arguments: ``fg_score_mod_lin`` (f, |.| rewritten), ``fg_score_mod_kv`` (a) and, where r is
         linear in q, ``fg_score_mod_q`` (its coefficient)."""
         score = self.score.cuda("fg_score_mod", fold=True) if self.score else passthrough_cuda("score", "fg_score_mod")
@@ -204,10 +204,13 @@ class ModPair:
             score += "\n" + form.f.cuda("fg_score_mod_lin") + "\n" + form.kv_coef.cuda("fg_score_mod_kv")
             if form.q_coef is not None:
                 score += "\n" + form.q_coef.cuda("fg_score_mod_q")
-        slot0 = len(self.score.captures) if self.score else 0
-        mask = self.mask.cuda("fg_mask_mod", slot0) if self.mask else passthrough_cuda("mask", "fg_mask_mod")
-        return score + "\n" + mask
+        return score + "\n" + self._mask_cuda()
 
+    def _mask_cuda(self) -> str:
+        """``fg_mask_mod`` with its per-head part apart (``Graph.cuda_hoisted``), or the pass-through one."""
+        if self.mask is None:
+            return passthrough_cuda("mask", "fg_mask_mod")
+        return self.mask.cuda_hoisted("fg_mask_mod", len(self.score.captures) if self.score else 0)
 
     @property
     def score_grad(self) -> Graph | None:
@@ -231,9 +234,7 @@ class ModPair:
             grad = self.score_grad
             if grad is not None:
                 score += "\n" + grad.cuda_with_value("fg_score_mod_grad", len(self.score.inner().nodes) - 1)
-        slot0 = len(self.score.captures) if self.score else 0
-        mask = self.mask.cuda("fg_mask_mod", slot0) if self.mask else passthrough_cuda("mask", "fg_mask_mod")
-        return score + "\n" + mask
+        return score + "\n" + self._mask_cuda()
 
 
 def from_files(score_text: str | None, mask_text: str | None, allow_cpu: bool = False,

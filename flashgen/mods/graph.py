@@ -156,6 +156,58 @@ class Graph:
         lines += [f"    return v{result};", "}", ""]
         return "\n".join(lines)
 
+    def per_head(self) -> frozenset:
+        """Positions of the nodes whose value depends on neither the score nor q nor kv: b, h, constants, and
+        arithmetic and captured-tensor reads over those (``off[0]``, ``prefix[b]``, ``slope[h]``)."""
+        fixed = set()
+        for i, n in enumerate(self.nodes):
+            if n.op == "in":
+                if n.args[0] in ("b", "h"):
+                    fixed.add(i)
+            elif n.op == "const" or all(a in fixed for a in (n.args[1:] if n.op == "load" else n.args)):
+                fixed.add(i)
+        return frozenset(fixed)
+
+    def hoisted(self) -> tuple:
+        """The per-head nodes (``per_head``) a kernel computes once per (batch, head) and keeps: each that is not a
+        constant or an input and that a per-score node (or the result) reads."""
+        fixed, last = self.per_head(), len(self.nodes) - 1
+        used = {a for i, n in enumerate(self.nodes) if i not in fixed and n.op not in ("const", "in")
+                for a in (n.args[1:] if n.op == "load" else n.args)}
+        return tuple(i for i in sorted(fixed & (used | {last})) if self.nodes[i].op not in ("const", "in"))
+
+    def loads_per_score(self) -> bool:
+        """Whether the graph reads a captured tensor at an index that depends on q, kv or the score (document ids
+        ``doc[q]``): reads at per-head indices (``per_head``) are not, a kernel makes them once per head."""
+        fixed = self.per_head()
+        return any(n.op == "load" and i not in fixed for i, n in enumerate(self.nodes))
+
+    def cuda_hoisted(self, fname: str, slot0: int = 0) -> str:
+        """The graph as three device functions: ``{fname}_head(b, h, a)``, the ``hoisted`` nodes in a struct
+        ``{fname}_head_t`` (empty where there are none); ``fname`` with that struct as a last argument, the
+        per-score rest; and ``fname`` of the usual arguments, the two together. A kernel calls the head once
+        per (batch, head): a read at a constant or per-head index is then one load per head, where the
+        compiler would repeat it per score (a wgmma's memory clobber between blocks keeps it in the loop)."""
+        self.cuda(fname, slot0)  # the name and slot checks
+        if self.kind != "mask":
+            raise ModError("cuda_hoisted prints a mask_mod")
+        fixed, keep = self.per_head(), self.hoisted()
+        struct, head = f"{fname}_head_t", f"{fname}_head"
+        lines = [f"struct {struct} {{" + "".join(f" {CTYPES[self.nodes[i].dtype]} v{i};" for i in keep) + " };",
+                 f"FG_DEVICE {struct} {head}(int b, int h, const fg_mod_args& a) {{"]
+        lines += [f"    const {CTYPES[n.dtype]} v{i} = {self._expr(n, slot0)};"
+                  for i, n in enumerate(self.nodes) if i in fixed and i <= max(keep, default=-1)]
+        lines += ["    return {" + ", ".join(f"v{i}" for i in keep) + "};", "}",
+                  HEADS[self.kind].format(fname)[:-1] + f", const {struct}& k) {{"]
+        for i, n in enumerate(self.nodes):
+            if i in keep:
+                lines.append(f"    const {CTYPES[n.dtype]} v{i} = k.v{i};")
+            elif i not in fixed or n.op in ("const", "in"):
+                lines.append(f"    const {CTYPES[n.dtype]} v{i} = {self._expr(n, slot0)};")
+        lines += [f"    return v{len(self.nodes) - 1};", "}",
+                  HEADS[self.kind].format(fname) + " {", f"    return {fname}(b, h, q, kv, a, {head}(b, h, a));", "}", ""]
+        return "\n".join(lines)
+
     def cuda_with_value(self, fname: str, value: int) -> str:
         """A derivative graph (``mods.derivative``: the score_mod's nodes first) as one device function that
         returns node ``value`` (the score_mod's result) and writes this graph's result (the derivative) to
@@ -371,6 +423,10 @@ def _c_const(dtype: str, value) -> str:
 
 
 def passthrough_cuda(kind: str, fname: str) -> str:
-    """The device function of a missing half of a pair: the score unchanged, or every key visible."""
-    return HEADS[kind].format(fname) + (" {\n    return score;\n}\n" if kind == "score" else
-                                        " {\n    return true;\n}\n")
+    """The device function of a missing half of a pair: the score unchanged, or every key visible (a mask with
+    ``Graph.cuda_hoisted``'s head and struct, both empty)."""
+    if kind == "score":
+        return HEADS[kind].format(fname) + " {\n    return score;\n}\n"
+    return (f"struct {fname}_head_t {{ }};\nFG_DEVICE {fname}_head_t {fname}_head(int, int, const fg_mod_args&) "
+            f"{{ return {{}}; }}\n" + HEADS[kind].format(fname)[:-1] + f", const {fname}_head_t&) {{ return true; }}\n"
+            + HEADS[kind].format(fname) + " {\n    return true;\n}\n")

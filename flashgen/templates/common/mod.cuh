@@ -42,16 +42,17 @@ FG_DEVICE void fg_score_mod_row(F& s, int hh, int b, int h, int q, int c0, float
 }
 
 // The keys at or past `limit`, and (MASK) those the mask_mod hides, of row half hh become -inf (indices as
-// fg_score_mod_row's).
+// fg_score_mod_row's; k: fg_mask_mod_head(b, h, a), the mask's per-head values).
 template <bool MASK, typename F>
-FG_DEVICE void fg_mask_mod_row(F& s, int hh, int b, int h, int q, int c0, int limit, const fg_mod_args& a) {
+FG_DEVICE void fg_mask_mod_row(F& s, int hh, int b, int h, int q, int c0, int limit, const fg_mod_args& a,
+                               const fg_mask_mod_head_t& k) {
 #pragma unroll
   for (int nj = 0; nj < frag<F>::N8; ++nj)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int col = c0 + 8 * nj + e;
       bool seen = col < limit;
-      if constexpr (MASK) seen = seen && fg_mask_mod(b, h, q, col, a);
+      if constexpr (MASK) seen = seen && fg_mask_mod(b, h, q, col, a, k);
       if (!seen) frag<F>::at(s, nj, 2 * hh + e) = -INFINITY;
     }
 }
@@ -90,6 +91,7 @@ struct fg_mod_variant {
   const fg_mod_args* args;
   const int* row;  // MASK: this query block's entries of bm_index
   const int2* bounds;  // ROWS: this (batch, head)'s row bounds
+  fg_mask_mod_head_t mask_head;  // MASK: the mask_mod's per-head values (reads at constant or (b, h) indices)
 
   FG_DEVICE fg_mod_variant() {}
   template <typename Params>
@@ -114,6 +116,7 @@ struct fg_mod_variant {
       row_slope = fg_score_mod_q(0.f, b, h, 0, 0, *args) * inv_scale;
       row_const = fg_score_mod_lin(0.f, b, h, 0, 0, *args) * inv_scale;
     }
+    if constexpr (MASK && !ROWS) mask_head = fg_mask_mod_head(b, h, *args);
     if constexpr (ROWS)
       bounds = reinterpret_cast<const int2*>(p.bm_rows) + static_cast<fg_i64>(b) * p.bm_rsb +
                static_cast<fg_i64>(h) * p.bm_rsh;
@@ -148,7 +151,7 @@ struct fg_mod_variant {
       const int2 r = bounds_of(row_);
       fg_mask_bounds_row(s, hh, c0, r.x, r.y);
     } else {
-      fg_mask_mod_row<MASK>(s, hh, b, h, row_, c0, nk, *args);
+      fg_mask_mod_row<MASK>(s, hh, b, h, row_, c0, nk, *args, mask_head);
     }
   }
   // The backward's walk: without a mask every query block sees every key block.
@@ -168,7 +171,7 @@ struct fg_mod_variant {
         const int2 r = bounds_of(row);
         seen = seen && key >= r.x && key <= r.y;
       } else if constexpr (MASK) {
-        seen = seen && fg_mask_mod(b, h, row, key, *args);
+        seen = seen && fg_mask_mod(b, h, row, key, *args, mask_head);
       }
       if (!seen) x = -INFINITY;
     }

@@ -19,6 +19,7 @@ struct decode_mod_variant : decode_variant<false, false, false, false> {
   enum : int { WIN = 0, CAP = 0, SLOPES = 0, SINK = 0, TRANSFORMS = SCORE, MASK_ALL = MASK };
   int b_, hq[2], qi[2];
   const fg_mod_args* args;
+  fg_mask_mod_head_t mask_head[2];  // MASK: the mask_mod's per-head values of each row half's head
 
   // This thread's rows r0 + g + 8 h: their query heads and positions (padded rows past p.rows get values
   // too: their heads stay within the KV head's group, and their results are never stored).
@@ -31,6 +32,7 @@ struct decode_mod_variant : decode_variant<false, false, false, false> {
       const int r = r0 + g + 8 * h;
       hq[h] = head_of(p, hk, r);
       qi[h] = r / p.group + diag;
+      if constexpr (MASK) mask_head[h] = fg_mask_mod_head(b, hq[h], p.mod);
     }
   }
 
@@ -43,6 +45,6 @@ struct decode_mod_variant : decode_variant<false, false, false, false> {
   // The kernel's limit (keys at or past `hi`), then the mask_mod.
   template <typename Params, typename F>
   FG_DEVICE void mask(const Params& p, F& s, int h, int r, int diag, int c0, int hi) const {
-    fg_mask_mod_row<MASK>(s, h, b_, hq[h], qi[h], c0, hi, *args);
+    fg_mask_mod_row<MASK>(s, h, b_, hq[h], qi[h], c0, hi, *args, mask_head[h]);
   }
 };
