@@ -761,3 +761,23 @@ def test_bwd_dkdv_columns():
     with pytest.raises(timing.Skipped, match="not this cell's kernel"):
         makers["dkdv:" + names.split(",")[0]]()  # causal kernel, non-causal cell
 
+
+
+def test_mods_cases_take_a_block_mask_per_batch_where_the_mask_reads_b():
+    """The mods suite's cases: each traces on the CPU; a case whose mask_mod reads b (prefix-LM, one prefix length
+    per batch) is marked per_batch, so that its block masks (flashgen's and FlexAttention's) are made per batch, and
+    no other is; the prefix-LM mask shows each batch's prefix and the causal part."""
+    import torch
+
+    from flashgen import mods
+    from flashgen.bench import mods as suite
+
+    for case in suite.CASES:
+        score_mod, mask_mod, _, _ = suite.case_mods(suite.Case(case.name, 64, 2, 2, 2, case.per_batch), "cpu")
+        graph = mods.trace_mask_mod(mask_mod, allow_cpu=True)
+        assert case.per_batch == ("b" in graph.uses), case
+    _, prefix_lm, _, _ = suite.case_mods(suite.Case("prefix", 8192, 2, 2, 2, True), "cpu")
+    b, q, kv = (torch.arange(2).view(2, 1, 1), torch.arange(8192).view(1, -1, 1), torch.arange(8192).view(1, 1, -1))
+    got = mods.trace_mask_mod(prefix_lm, allow_cpu=True).evaluate(None, b, 0, q, kv)
+    want = (kv <= torch.tensor(suite.PREFIXES).view(2, 1, 1)) | (q >= kv)
+    assert torch.equal(got, want)

@@ -16,6 +16,8 @@ Cases (bf16, d = 128 unless ``--d``; the mods are FlexAttention's examples):
   mask_mod over captured document ids; built-in: ``attention_varlen`` on the same documents;
 - ``relative``: a relative-position bias table (heads x (2N - 1), captured) as a score_mod, causal, 8k
   MHA; no built-in equivalent;
+- ``prefix``: prefix-LM, ``kv <= prefix[b] | q >= kv`` with a captured prefix length per batch (1500 and
+  3000 of 8k, MHA 16 heads x batch 2: the block mask per batch); no built-in equivalent;
 - ``host`` (a section of its own): an ALiBi score_mod with the causal mask_mod on 1 x 2 x 128 x 64
   inputs: the first call with a mod no cache has seen (trace, render, NVRTC, load: its constant is
   new each run), the host time per later call (``timing.host_us``, cached plan) next to the plain
@@ -56,12 +58,13 @@ class Case:
     heads: int
     kv_heads: int
     batch: int
+    per_batch: bool = False  # the mask reads b: block masks (flashgen's and FlexAttention's) per batch
 
 
 CASES = (
     Case("causal", 8192, 16, 16, 2), Case("causal", 8192, 32, 8, 1), Case("alibi", 8192, 16, 16, 2),
     Case("softcap", 8192, 16, 16, 2), Case("window", 32768, 32, 8, 1), Case("document", 32768, 32, 8, 1),
-    Case("relative", 8192, 16, 16, 2),
+    Case("relative", 8192, 16, 16, 2), Case("prefix", 8192, 16, 16, 2, per_batch=True),
 )
 CASE_NAMES = (*dict.fromkeys(c.name for c in CASES), "host")
 IMPLS = ("flashgen", "builtin", "flex")
@@ -73,7 +76,7 @@ ROWS_RATIOS = (("rows_gain", "flashgen", "flashgen_mask_mod"),)
 MODES = ("fwd", "fwd+bwd")
 FAMILIES = ("auto", "fwd_v2")
 BWD_FLOPS = 2.5  # the backward's FLOPs over the forward's (the suite convention)
-WINDOW, SOFTCAP, DOCS = 4096, 50.0, 16
+WINDOW, SOFTCAP, DOCS, PREFIXES = 4096, 50.0, 16, (1500, 3000)
 
 
 def add_args(p) -> None:
@@ -157,6 +160,12 @@ def case_mods(case: Case, device):
         def relative(score, b, h_, q, kv):
             return score + bias[h_, q - kv + (n - 1)]
         return relative, causal, None, None
+    if case.name == "prefix":
+        prefix = torch.tensor(PREFIXES[:case.batch], dtype=torch.int32, device=device)
+
+        def prefix_lm(b, h_, q, kv):
+            return (kv <= prefix[b]) | (q >= kv)
+        return None, prefix_lm, None, None
     raise ValueError(f"unknown mods case {case.name!r}")
 
 
@@ -180,9 +189,10 @@ def run(args, progress) -> dict:
 
         q, k, v = (t.requires_grad_(grads) for t in (rnd(case.heads), rnd(case.kv_heads), rnd(case.kv_heads)))
         score_mod, mask_mod, builtin, bounds = case_mods(case, q.device)
-        block_mask = api.create_block_mask(mask_mod, None, None, case.n, case.n)
-        pairs = block_mask.for_tile(128, 128).pairs
-        flop = 4.0 * case.batch * case.heads * pairs * d * (1 + BWD_FLOPS if grads else 1)
+        mask_batch = case.batch if case.per_batch else None
+        block_mask = api.create_block_mask(mask_mod, mask_batch, None, case.n, case.n)
+        pairs = block_mask.for_tile(128, 128).pairs  # over the mask's batches (one where it takes none)
+        flop = 4.0 * (case.batch // (mask_batch or 1)) * case.heads * pairs * d * (1 + BWD_FLOPS if grads else 1)
         mod_spec, builtin_spec = _forced(settings["family"], q, score_mod, block_mask, builtin, bounds)
         makers, cells_spec = {}, {}  # (cells_spec: the forced kernels the makers chose)
         for impl in settings["impls"]:
@@ -379,7 +389,8 @@ def _flex(q, k, v, score_mod, mask_mod, case):
     from torch.nn.attention.flex_attention import create_block_mask
 
     fn = baselines.flex_fn()
-    block_mask = create_block_mask(mask_mod, None, None, case.n, case.n, device=q.device)
+    block_mask = create_block_mask(mask_mod, case.batch if case.per_batch else None, None, case.n, case.n,
+                                   device=q.device)
     gqa = q.shape[1] != k.shape[1]
     scale = 1.0 / math.sqrt(q.shape[-1])
     return lambda: fn(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa, scale=scale)
