@@ -112,7 +112,7 @@ def superseded_by(key: ProblemKey, entry: dict, smem_budget: int) -> KernelSpec 
 
 
 def mod_spec(key: ProblemKey, gpu: str | None, smem_budget: int, token: int, verify: bool = False,
-             family: str | None = None, row_bounds: bool = False) -> KernelSpec:
+             family: str | None = None, row_bounds: bool | str = False) -> KernelSpec:
     """The kernel of a call with user mods (flashgen.mods; ``token`` the pair's number, KernelSpec.mod):
     the tuned table's entry for the mods' own key (variant "mod<token>", non-causal: ``flashgen tune
     --score-mod/--mask-mod``) where it is a ``family`` kernel that builds clean here; else ``key``'s tile in
@@ -127,7 +127,8 @@ def mod_spec(key: ProblemKey, gpu: str | None, smem_budget: int, token: int, ver
     (``mask_loads_per_score``) every tile with them first, then the same without; a mask of index compares alone
     takes them only on a tile where they build clean, each tile with them and then without (on one tile they gain
     a few per cent over such a mask_mod; the 192-row tile, where they spill, is about ten per cent faster than the
-    next clean one)."""
+    next clean one). ``row_bounds="first"``: the bounds first on every tile whatever the mask reads (tests and
+    benchmarks that force the bounds' kernel)."""
     family = family or mod_family(key)
     if gpu is not None:  # the mods' own tuned entry (``flashgen tune --score-mod/--mask-mod``), keyed by their hash
         own = tables.lookup(gpu, key.replace(causal=False, variant=variants.mod_key(token)))
@@ -139,7 +140,7 @@ def mod_spec(key: ProblemKey, gpu: str | None, smem_budget: int, token: int, ver
     rule = [s for s in families.family(family).rule(key, smem_budget) if s != picked]
     narrow = [s.replace(block_n=64) for s in [picked] + rule if s.block_n > 64]
     tiles = list(dict.fromkeys(s.replace(causal=False, mod=token) for s in [picked] + rule + narrow))
-    anywhere = row_bounds and mask_loads_per_score(mods.lookup(mods.token_text(token)))
+    anywhere = row_bounds == "first" or (row_bounds and mask_loads_per_score(mods.lookup(mods.token_text(token))))
     return first_clean(_bounds_first(tiles, row_bounds, anywhere), resource_problems if verify else None)
 
 
@@ -206,7 +207,7 @@ def mod_backward_row_bounds(pair) -> bool:
 
 
 def mod_backward_spec(key: ProblemKey, smem_budget: int, token: int, verify: bool = False,
-                      family: str | None = None, row_bounds: bool = False) -> KernelSpec:
+                      family: str | None = None, row_bounds: bool | str = False) -> KernelSpec:
     """The dK/dV kernel of a call with user mods for ``key`` (a ``bwd_dkdv`` key), with the mods' token: on
     sm_90a at the head-dim tiles bwd_sm90 has, bwd_sm90's rule tiles in order, then each with dP^T's GEMM
     issued after P^T (``dp_late``: a mod's functions that do not fit beside dP^T's accumulators); elsewhere

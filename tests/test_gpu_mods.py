@@ -70,8 +70,10 @@ def check_mods(b, hq, hk, nq, nk, d, dtype, name, layout="bhsd", block_mask=Fals
                given=None):
     """One call with ``example_mods``' ``name`` (or the ``given`` (score_mod, mask_mod)) against the reference;
     ``tokens``: a fwd_sm90 tile (name tokens, fwd_sm90.variant's) forced with the mods' token instead of
-    dispatch's pick; ``rows`` (the block mask made here): True, dispatch's pick, which must mask by the row
-    bounds; False, that kernel without them forced (the mask_mod per score of a partial block)."""
+    dispatch's pick; ``rows`` (the block mask made here): dispatch's pick masks by the row bounds where the mask
+    reads a captured tensor per score (else where they build clean on its tile); True runs the bounds' kernel (the
+    first tile where they build clean, forced where the pick has none); False, the pick without them forced (the
+    mask_mod per score of a partial block)."""
     q, k, v = make_inputs(b, hq, hk, nq, nk, d, dtype, layout)
     score_mod, mask_mod = given or example_mods(b, hq, nq, nk)[name]
     scale = 1.0 / math.sqrt(d)
@@ -88,10 +90,15 @@ def check_mods(b, hq, hk, nq, nk, d, dtype, name, layout="bhsd", block_mask=Fals
         extra = {"score_mod": score_mod, "block_mask": flashgen.create_block_mask(mask_mod, b, hq, nq, nk)}
     if rows is not None:
         extra = {"score_mod": score_mod, "block_mask": flashgen.create_block_mask(mask_mod, b, hq, nq, nk)}
+        from flashgen import dispatch, mods
+
         spec = _call_spec(to_bhsd(q, layout), score_mod, extra["block_mask"])
-        assert spec.row_bounds, "dispatch's kernel for a mask whose rows see one run of keys masks by its row bounds"
+        if dispatch.mask_loads_per_score(mods.of_number(spec.mod)):
+            assert spec.row_bounds, "dispatch's kernel for a mask that reads per score masks by its row bounds"
         if not rows:
             extra["spec"] = _call_spec(to_bhsd(q, layout), score_mod, extra["block_mask"], row_bounds=False)
+        elif not spec.row_bounds:
+            extra["spec"] = _call_spec(to_bhsd(q, layout), score_mod, extra["block_mask"], row_bounds="first")
     poison_output(q)
     with torch.no_grad():
         out, lse = flashgen.attention(q, k, v, layout=layout, return_lse=True, **extra)
@@ -155,8 +162,8 @@ def _call_spec(q, score_mod, block_mask, row_bounds=None):
 @pytest.mark.parametrize("name", ["causal", "sliding", "prefix_lm", "document", "alibi_causal", "softcap_document"])
 @pytest.mark.parametrize("rows", [True, False], ids=["row_bounds", "mask_mod"])
 def test_mods_row_bounds(family, name, nq, nk, rows):
-    """The example masks whose rows see one run of keys (prefix_lm's bounds per batch): dispatch's kernel
-    masks the partial blocks by each row's first and last visible key (KernelSpec.row_bounds,
+    """The example masks whose rows see one run of keys (prefix_lm's bounds per batch): the kernel with the
+    bounds masks the partial blocks by each row's first and last visible key (KernelSpec.row_bounds,
     BlockMask.row_bounds); dispatch's pick without them, forced, calls the mask_mod per score."""
     check_mods(2, 4, 2, nq, nk, 128, torch.bfloat16, name, rows=rows)
     assert _ran(family) and all((p.rows is not None) == rows for p in _plans())

@@ -381,7 +381,7 @@ def backward_of(plan: "_ModPlan", q, deterministic: bool = False) -> ModBackward
 
 
 def mod_spec(dtype: str, d: int, nq: int, dev, pair, verify: bool = True, causal_like: bool = False,
-             family: str | None = None, row_bounds: bool = False):
+             family: str | None = None, row_bounds: bool | str = False):
     """The kernel of a call with mods on this device (``dispatch.mod_spec``; ``causal_like``: a block mask
     that skips much of the square takes the causal key's tile; ``family``: fwd_sm90 or fwd_v2, by default
     ``dispatch.mod_family``'s; ``row_bounds``: a block mask whose rows each see one run of keys)."""
@@ -402,11 +402,11 @@ def has_row_bounds(block_mask) -> bool:
     return block_mask is not None and block_mask.row_bounds() is not None
 
 
-def call_spec(q, score_mod, block_mask, family: str | None = None, row_bounds: bool | None = None):
+def call_spec(q, score_mod, block_mask, family: str | None = None, row_bounds: bool | str | None = None):
     """The forward kernel ``flashgen.attention(q, ..., score_mod=score_mod, block_mask=block_mask)`` runs (q in
     the bhsd layout; ``family``: fwd_sm90 or fwd_v2 instead of ``dispatch.mod_family``'s; ``row_bounds``: the
-    pick with or without them instead of the call's ``has_row_bounds``), the pair traced and registered: for
-    benchmarks and tests that force a variant of it."""
+    pick with or without them instead of the call's ``has_row_bounds``, "first": with them on the first tile
+    where they build clean), the pair traced and registered: for benchmarks and tests that force a variant of it."""
     pair = mods.trace_pair(score_mod, block_mask.mask_mod if block_mask is not None else None)
     mods.register(pair)
     rows = has_row_bounds(block_mask) if row_bounds is None else row_bounds
