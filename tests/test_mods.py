@@ -377,7 +377,8 @@ def test_reads_at_per_head_indices_print_apart_from_the_per_score_compares():
     docs = mods.trace_mask_mod(document, allow_cpu=True)
     assert docs.loads_per_score() and docs.hoisted() == ()
     text = docs.cuda_hoisted("fg_mask_mod")
-    assert "struct fg_mask_mod_head_t { };" in text and text.split("FG_DEVICE bool fg_mask_mod(", 1)[1].count("__ldg") == 2
+    assert "struct fg_mask_mod_head_t { };" in text
+    assert text.split("FG_DEVICE bool fg_mask_mod(", 1)[1].count("__ldg") == 2
     whole = mods.trace_mask_mod(lambda b, h, q, kv: lens[b] > h, allow_cpu=True)  # no q or kv: all of it per head
     assert whole.hoisted() == (len(whole.nodes) - 1,) and "return v" in whole.cuda_hoisted("m").split("k) {")[1]
     with pytest.raises(ModError, match="prints a mask_mod"):

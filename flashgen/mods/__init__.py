@@ -193,9 +193,9 @@ class ModPair:
 
     def cuda(self, linear: bool = False) -> str:
         """``fg_score_mod`` (its factors folded out: ``factors``) and ``fg_mask_mod`` (a pass-through one
-        for a missing half; its per-head reads apart: ``Graph.cuda_hoisted``); ``linear`` (a pair whose ``linear`` is not None) adds that form's functions, of
-        the same arguments: ``fg_score_mod_lin`` (f, |.| rewritten), ``fg_score_mod_kv`` (a) and, where r is
-        linear in q, ``fg_score_mod_q`` (its coefficient)."""
+        for a missing half; its per-head reads apart: ``Graph.cuda_hoisted``); ``linear`` (a pair whose
+        ``linear`` is not None) adds that form's functions, of the same arguments: ``fg_score_mod_lin`` (f, |.|
+        rewritten), ``fg_score_mod_kv`` (a) and, where r is linear in q, ``fg_score_mod_q`` (its coefficient)."""
         score = self.score.cuda("fg_score_mod", fold=True) if self.score else passthrough_cuda("score", "fg_score_mod")
         if linear:
             form = self.linear

@@ -205,7 +205,8 @@ class Graph:
             elif i not in fixed or n.op in ("const", "in"):
                 lines.append(f"    const {CTYPES[n.dtype]} v{i} = {self._expr(n, slot0)};")
         lines += [f"    return v{len(self.nodes) - 1};", "}",
-                  HEADS[self.kind].format(fname) + " {", f"    return {fname}(b, h, q, kv, a, {head}(b, h, a));", "}", ""]
+                  HEADS[self.kind].format(fname) + " {",
+                  f"    return {fname}(b, h, q, kv, a, {head}(b, h, a));", "}", ""]
         return "\n".join(lines)
 
     def cuda_with_value(self, fname: str, value: int) -> str:
