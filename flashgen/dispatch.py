@@ -207,7 +207,7 @@ def mod_backward_row_bounds(pair) -> bool:
 
 
 def mod_backward_spec(key: ProblemKey, smem_budget: int, token: int, verify: bool = False,
-                      family: str | None = None, row_bounds: bool | str = False) -> KernelSpec:
+                      family: str | None = None, row_bounds: bool = False) -> KernelSpec:
     """The dK/dV kernel of a call with user mods for ``key`` (a ``bwd_dkdv`` key), with the mods' token: on
     sm_90a at the head-dim tiles bwd_sm90 has, bwd_sm90's rule tiles in order, then each with dP^T's GEMM
     issued after P^T (``dp_late``: a mod's functions that do not fit beside dP^T's accumulators); elsewhere

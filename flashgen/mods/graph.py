@@ -2,6 +2,7 @@
 the package's docstring's). No torch at import: the evaluator imports it."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -52,8 +53,8 @@ HEADS = {"score": "FG_DEVICE float {}(float score, int b, int h, int q, int kv, 
 @dataclass(frozen=True, eq=False)
 class Graph:
     """A traced mod: ``nodes`` in dependency order (the last is the result), ``captures`` the tensors it
-    reads (slot order: first use in ``nodes``, whose order is canonical, not the source's), ``capture_types`` their (dtype name, ndim). ``uses`` are the inputs it
-    reads; ``hash`` is the sha256 of its canonical form (nodes, ops, exact constants, capture dtypes and
+    reads (slot order: first use in ``nodes``, whose order is canonical, not the source's), ``capture_types``
+    their (dtype name, ndim). ``uses`` are the inputs it reads; ``hash`` is the sha256 of its canonical form (nodes, ops, exact constants, capture dtypes and
     ndims), which two spellings of one mod share and no capture's values, shape or identity enter."""
 
     kind: str
@@ -140,11 +141,7 @@ class Graph:
         capture i as slot ``slot0 + i`` of ``fg_mod_args`` (the kernel header defines it, ``FG_DEVICE``
         and ``fg_clampi``). ``fold``: a score_mod's ``factors`` are left to the caller (its score argument
         is k * score, its result is f, not c * f)."""
-        if not isinstance(fname, str) or not _IDENT.match(fname) or fname in _C_WORDS:
-            raise ModError(f"the device function name {fname!r} is not a C identifier")
-        if type(slot0) is not int or slot0 < 0 or slot0 + len(self.captures) > MAX_CAPTURES:
-            raise ModError(f"captures at slots {slot0}..{slot0 + len(self.captures) - 1} do not fit the "
-                           f"{MAX_CAPTURES} slots of fg_mod_args")
+        self._check_print(fname, slot0)
         scaled, result = (), len(self.nodes) - 1
         if fold and self.kind == "score":
             _, scaled, _, inner = self._folds()
@@ -156,6 +153,15 @@ class Graph:
         lines += [f"    return v{result};", "}", ""]
         return "\n".join(lines)
 
+    def _check_print(self, fname, slot0: int = 0) -> None:
+        """``ModError`` unless ``fname`` is a C identifier and the captures fit ``fg_mod_args`` from ``slot0``."""
+        if not isinstance(fname, str) or not _IDENT.match(fname) or fname in _C_WORDS:
+            raise ModError(f"the device function name {fname!r} is not a C identifier")
+        if type(slot0) is not int or slot0 < 0 or slot0 + len(self.captures) > MAX_CAPTURES:
+            raise ModError(f"captures at slots {slot0}..{slot0 + len(self.captures) - 1} do not fit the "
+                           f"{MAX_CAPTURES} slots of fg_mod_args")
+
+    @functools.cached_property
     def per_head(self) -> frozenset:
         """Positions of the nodes whose value depends on neither the score nor q nor kv: b, h, constants, and
         arithmetic and captured-tensor reads over those (``off[0]``, ``prefix[b]``, ``slope[h]``)."""
@@ -171,7 +177,7 @@ class Graph:
     def hoisted(self) -> tuple:
         """The per-head nodes (``per_head``) a kernel computes once per (batch, head) and keeps: each that is not a
         constant or an input and that a per-score node (or the result) reads."""
-        fixed, last = self.per_head(), len(self.nodes) - 1
+        fixed, last = self.per_head, len(self.nodes) - 1
         used = {a for i, n in enumerate(self.nodes) if i not in fixed and n.op not in ("const", "in")
                 for a in (n.args[1:] if n.op == "load" else n.args)}
         return tuple(i for i in sorted(fixed & (used | {last})) if self.nodes[i].op not in ("const", "in"))
@@ -179,7 +185,7 @@ class Graph:
     def loads_per_score(self) -> bool:
         """Whether the graph reads a captured tensor at an index that depends on q, kv or the score (document ids
         ``doc[q]``): reads at per-head indices (``per_head``) are not, a kernel makes them once per head."""
-        fixed = self.per_head()
+        fixed = self.per_head
         return any(n.op == "load" and i not in fixed for i, n in enumerate(self.nodes))
 
     def cuda_hoisted(self, fname: str, slot0: int = 0) -> str:
@@ -188,10 +194,10 @@ class Graph:
         per-score rest; and ``fname`` of the usual arguments, the two together. A kernel calls the head once
         per (batch, head): a read at a constant or per-head index is then one load per head, where the
         compiler would repeat it per score (a wgmma's memory clobber between blocks keeps it in the loop)."""
-        self.cuda(fname, slot0)  # the name and slot checks
+        self._check_print(fname, slot0)
         if self.kind != "mask":
             raise ModError("cuda_hoisted prints a mask_mod")
-        fixed, keep = self.per_head(), self.hoisted()
+        fixed, keep = self.per_head, self.hoisted()
         struct, head = f"{fname}_head_t", f"{fname}_head"
         lines = [f"struct {struct} {{" + "".join(f" {CTYPES[self.nodes[i].dtype]} v{i};" for i in keep) + " };",
                  f"FG_DEVICE {struct} {head}(int b, int h, const fg_mod_args& a) {{"]
@@ -215,10 +221,8 @@ class Graph:
         its last argument, ``float& grad``: the nodes both need are computed once (a softcap's tanh)."""
         if self.kind != "score" or type(value) is not int or not 0 <= value < len(self.nodes):
             raise ModError(f"cuda_with_value takes a score graph and one of its node positions, got {value!r}")
-        head = HEADS["score"].format(fname)
-        if not _IDENT.match(fname) or fname in _C_WORDS:
-            raise ModError(f"the device function name {fname!r} is not a C identifier")
-        lines = [head[:-1] + ", float& grad) {"]
+        self._check_print(fname)
+        lines = [HEADS["score"].format(fname)[:-1] + ", float& grad) {"]
         for i, n in enumerate(self.nodes):
             lines.append(f"    const {CTYPES[n.dtype]} v{i} = {self._expr(n, 0)};")
         lines += [f"    grad = v{len(self.nodes) - 1};", f"    return v{value};", "}", ""]
