@@ -54,8 +54,9 @@ HEADS = {"score": "FG_DEVICE float {}(float score, int b, int h, int q, int kv, 
 class Graph:
     """A traced mod: ``nodes`` in dependency order (the last is the result), ``captures`` the tensors it
     reads (slot order: first use in ``nodes``, whose order is canonical, not the source's), ``capture_types``
-    their (dtype name, ndim). ``uses`` are the inputs it reads; ``hash`` is the sha256 of its canonical form (nodes, ops, exact constants, capture dtypes and
-    ndims), which two spellings of one mod share and no capture's values, shape or identity enter."""
+    their (dtype name, ndim). ``uses`` are the inputs it reads; ``hash`` is the sha256 of its canonical form
+    (nodes, ops, exact constants, capture dtypes and ndims), which two spellings of one mod share and no
+    capture's values, shape or identity enter."""
 
     kind: str
     nodes: tuple
