@@ -105,6 +105,10 @@ class KernelSpec:
                           "each see one run of keys) instead of calling the mask_mod per score", True)
     fp8: bool = _f(False, "fp8", ("fwd_sm90", "decode_split"), "float8 e4m3 operands with fp32 descale factors: q, k "
                    "and v in the forward, the KV cache in decode; dtype is the output's (and decode's query's)", True)
+    bias_gemm: bool = _f(False, "bg", _SM90, "the column part of a linear bias (causal ALiBi without a window or a "
+                         "softcap, a linear score_mod) added to S by one more k16 step of S = Q K^T's GEMM (bf16 "
+                         "operands, constant columns in shared memory) instead of an FFMA per score (not with fp8)",
+                         True)
 
     # -- identity ---------------------------------------------------------
     @property

@@ -15,12 +15,17 @@ fp8: Q, K and V in float8 e4m3 (one byte an element: a 64-byte swizzle at d = 64
 producer warpgroup's warp 0 issues the loads and warps 1-3 transpose each V block into V^T (wgmma takes
 FP8 operands K-major only) through two raw V buffers; O is written from the registers. The descale
 factors (``FP8_PARAMS``) join the scales per tile. One tile per CTA, contiguous K/V, no mods.
+
+bias_gemm (opt-in; no rule or tuning space takes it yet): a linear bias's column part, causal ALiBi's or a
+linear score_mod's slope times the key's column in its block, comes out of S's GEMM as one more k16 step
+(bf16 operands: the slope split in two halves from registers, constant columns in a small tile after the V
+ring, ``bias_tile_bytes``), so the softmax adds nothing per score.
 """
 from __future__ import annotations
 
 import ctypes
 
-from .. import settings, tma
+from .. import mods, settings, tma
 from ..errors import UnsupportedError
 from ..problem import ProblemKey, smallest_tile
 from ..spec import KernelSpec
@@ -138,6 +143,13 @@ def is_fp8(key: ProblemKey) -> bool:
     return "fp8" in key.variant.split("_")
 
 
+def bias_tile_bytes(block_n: int) -> int:
+    """Bytes of bias_gemm's B tile (templates/fwd_sm90/fwd_sm90.cuh, fill_bias_tile): 32 per 8 keys of a
+    block (two 16-byte rows of their columns, B's k = 0 and 1) and 128 more, which the GEMM's rows k 2-15 of
+    the last keys read (times zeros of A)."""
+    return 4 * block_n + 128
+
+
 def warps_for(block_m: int, warp_specialized: bool) -> int:
     """4 warps per consumer warpgroup (64 rows each), 4 more for the producer warpgroup."""
     return 4 * (block_m // 64 + int(warp_specialized))
@@ -228,10 +240,36 @@ class Sm90Family(Family):
                                  f"transpose V), contiguous K/V, no mods and no lean softmax, block_m 64 or 128, "
                                  f"block_n in {FP8_BLOCK_NS}; got "
                                  f"{', '.join(refused) or f'block_n={spec.block_n}'}")
+        if spec.bias_gemm:
+            self.check_bias_gemm(spec)
         if spec.page_rows and spec.persistent and spec.block_m >= 192:
             raise ValueError(f"{self.kind}: page_rows with persistent at block_m {spec.block_m}: three consumer "
                              "warpgroups leave the producer 32 registers and the paged loads spill them; drop "
                              "persistent (families.paged_spec does)")
+
+    def check_bias_gemm(self, spec, render: bool = False) -> None:
+        """``ValueError`` unless ``spec.bias_gemm`` has a linear bias to move into S's GEMM: causal ALiBi with
+        no window and no softcap (the bias joins after the cap's tanh), or a score_mod the kernel runs in
+        the linear form; bf16/fp16 operands (an fp8 GEMM's k step is 32). A mod pair this process has not
+        traced is checked when the kernel is rendered (``render``)."""
+        if spec.fp8:
+            raise ValueError(f"{self.kind}: bias_gemm adds a k16 step of bf16 operands to S's GEMM; an fp8 spec's "
+                             "steps are k32 e4m3: drop bias_gemm or fp8")
+        if spec.mod:
+            try:
+                linear = self.linear_mod(spec)
+            except mods.UnknownModError:
+                if render:
+                    raise
+                return
+            if not linear:
+                raise ValueError(f"{self.kind}: bias_gemm needs a score_mod of the linear form (score + a(b, h) kv + "
+                                 f"r(b, h, q): flashgen.mods.linear); mod {spec.mod} has none")
+            return
+        if not (spec.alibi and spec.causal and not spec.window and not spec.softcap):
+            raise ValueError(f"{self.kind}: bias_gemm moves causal ALiBi's column part into S's GEMM: it needs alibi "
+                             "and causal, with no window (keys on both sides of the diagonal) and no softcap (the bias "
+                             f"joins after its tanh); got {spec.name}")
 
     def complete(self, knobs: dict) -> dict:
         """warps follows from block_m and warp_specialized: not a knob."""
@@ -266,9 +304,11 @@ class Sm90Family(Family):
         # Q pieces of 64 rows, K and V rings, and 1 KB to align the tiles to 1024 bytes (the
         # 128-byte swizzle's period); the mbarriers are static shared memory. fp8: one byte an element,
         # the V ring holds V^T, and two raw V blocks more.
+        # bias_gemm: the GEMM's constant B tile after the V ring.
         if spec.fp8:
             return spec.head_dim * (pieces * 64 + 2 * spec.stages * spec.block_n + 2 * spec.block_n) + 1024
-        return 2 * spec.head_dim * (pieces * 64 + 2 * spec.stages * spec.block_n) + 1024
+        bias = bias_tile_bytes(spec.block_n) if spec.bias_gemm else 0
+        return 2 * spec.head_dim * (pieces * 64 + 2 * spec.stages * spec.block_n) + 1024 + bias
 
     def smem_bytes(self, spec) -> int:
         return self._smem(spec, self.q_pieces(spec))
@@ -323,11 +363,14 @@ class Sm90Family(Family):
         return hopper_checks(self, spec, profile, "addressing and softmax state")
 
     def context(self, spec) -> dict:
+        if spec.bias_gemm:
+            self.check_bias_gemm(spec, render=True)
         producer, consumer = self.regs(spec)
         return {"params": [(n, c) for n, c, _ in self.params],
                 "param_bytes": ctypes.sizeof(self.param_struct()),
                 "producer_regs": producer or 24, "consumer_regs": consumer or 240,
                 "q_pieces": self.q_pieces(spec), "in_bytes": 1 if spec.fp8 else 2,
+                "bias_bytes": bias_tile_bytes(spec.block_n) if spec.bias_gemm else 0,
                 **variant_context(spec), **mod_context(spec, linear=self.linear_mod(spec))}
 
     def param_struct(self):

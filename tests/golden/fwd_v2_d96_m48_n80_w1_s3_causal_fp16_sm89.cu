@@ -277,6 +277,7 @@ FG_DEVICE void p_frag(fg_u32 (&a)[4], F& s, int kk) {
 //   mask                      hide what one row half does not see (-inf)
 //   transform                 softcap, then ALiBi, on one row half of S (every block)
 //   transform_cols            the same, with causal ALiBi's row part left to alibi_row_offset (fwd_sm90)
+//   col_slope_of              causal ALiBi's slope per key (fwd_sm90's bias GEMM adds the column part)
 //
 // (A softcapped kernel's parameter block carries scale = c: see the host's Variant.values.)
 //   finish                    1 / l and the LSE of a row, with the sink in the denominator
@@ -423,6 +424,9 @@ struct fg_variant {
     if constexpr (ALIBI_LINEAR) return slope * static_cast<float>(c0 - row - diag);
     return 0.f;
   }
+  // ALIBI_LINEAR's column slope: the bias grows by it per key (fwd_sm90's BIAS_GEMM puts it in S's GEMM and
+  // calls alibi_row_offset with the block's first key for c0).
+  FG_DEVICE float col_slope_of() const { return ALIBI_LINEAR ? slope : 0.f; }
   // The query blocks (of bm rows; m_blocks in all) that see some key of block [n0, n0 + bn): [first, end).
   FG_DEVICE int query_first(int n0, int bm) const {
     if constexpr (RIGHT) return min(ceil_div(nq, bm), max(0, n0 - diag - (WINDOW ? right : 0)) / bm);

@@ -190,6 +190,8 @@ struct fg_mod_variant {
       return fmaf(col_slope, static_cast<float>(c0), fg_score_mod_lin(0.f, b, h, row_, 0, *args) * inv_scale);
     return 0.f;
   }
+  // LINEAR's a / scale, the bias's growth per key (fwd_sm90's BIAS_GEMM: variant.cuh's col_slope_of).
+  FG_DEVICE float col_slope_of() const { return LINEAR ? col_slope : 0.f; }
   FG_DEVICE void finish(float m, float l, float scale_, float& inv, float& lse) const {
     inv = row_inv(l);
     lse = row_lse(m, l, scale_);

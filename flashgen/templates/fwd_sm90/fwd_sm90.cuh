@@ -72,6 +72,15 @@
 //            the consumers' P registers hold them. P is rounded to e4m3 (its row sums stay fp32); the
 //            descale factors join the scales per tile (fp8_scales); O goes from the registers to
 //            global memory (epilogue_direct).
+//  BIAS_GEMM (V::ALIBI_LINEAR, not FP8) the linear bias's column part, slope times the key's column in
+//            its block, comes out of S's GEMM: one more wgmma k16 step per block (issue_s) with A from
+//            registers, the slope split into two bf16 halves hi + lo in columns 0 and 1 of every row
+//            (bias_frag, per tile), and B a constant tile with B[0][j] = B[1][j] = j (fill_bias_tile,
+//            once per CTA), so S = Q K^T + (hi + lo) j in fp32 (hi + lo carries ~16 of the slope's bits:
+//            products of 8-bit halves and integers below 256 are exact). The softmax then adds nothing per
+//            score; the row part, the slope times (n0 - row - diag), goes into the row max and the
+//            exp2's offset as before (alibi_row_offset with the block's first key instead of the
+//            thread's first column).
 //
 // Q pieces: each consumer warpgroup's 64 Q rows are a piece of their own (a TMA
 // box of 64 rows, its own full barrier), so a warpgroup starts as soon as its
@@ -97,7 +106,7 @@
 
 template <int D, int BM, int BN, int ST, bool WS, bool PINGPONG, bool OVERLAP, bool CAUSAL, bool BF16,
           int FMA_EXP2, bool EARLY_K, bool LEAN, bool PERSISTENT, int QP, int PAGE_ROWS, bool GATHER, bool FP8,
-          typename V, typename Params>
+          bool BIAS_GEMM, typename V, typename Params>
 struct fwd_sm90_cta {
   // (Enumerators, not static constexpr members: NVRTC emits such a member as a global object.)
   enum : int {
@@ -119,6 +128,7 @@ struct fwd_sm90_cta {
     VR = FP8 ? 2 : 0,
     TREE_MAX = LEAN || D <= 64,    // the row max as a tree (softmax below)
     TRANSPOSERS = 96,              // FP8: the producer warpgroup's warps 1-3 (warp 0 issues the TMA)
+    BIAS_BYTES = 4 * BN + 128,     // BIAS_GEMM: the B tile (fill_bias_tile; families.fwd_sm90.bias_tile_bytes)
     NBAR = EARLY_K ? 4 : 3,        // barriers per stage
     // Paged K/V (PAGE_ROWS > 0): a K/V block is CHUNKS boxes of PAGE_ROWS rows, each from its own page.
     CHUNKS = PAGE_ROWS ? BN / PAGE_ROWS : 1,
@@ -131,6 +141,8 @@ struct fwd_sm90_cta {
                 "paged K/V: boxes of a multiple of 8 rows dividing BN (whole 1024-byte swizzle atoms), packed rows");
   static_assert(!GATHER || (PAGE_ROWS > 0 && WS && !PERSISTENT && (BN * CPR) % 128 == 0),
                 "gathered K/V rows: paged, by the producer warpgroup of a one-tile-per-CTA kernel");
+  static_assert(!BIAS_GEMM || (!FP8 && V::ALIBI_LINEAR && !V::HAS_CAP),
+                "bias_gemm: a linear bias (causal ALiBi without a softcap, a linear score_mod) in a bf16/fp16 kernel");
   static_assert(!FP8 || (WS && !PERSISTENT && PAGE_ROWS == 0 && !V::VARLEN_ROWS && !V::SPARSE && !V::USER &&
                          (BN == 64 || BN == 128 || BN == 192)),
                 "FP8: a one-tile-per-CTA kernel with the producer warpgroup (its warps transpose V), contiguous K/V, "
@@ -170,7 +182,7 @@ struct fwd_sm90_cta {
     sQ = (smem_base + 1023u) & ~1023u;  // 128B-swizzle tiles want 1024-byte alignment
     sK = sQ + QP * QW_BYTES;
     sV = sK + ST * KV_BYTES;   // (FP8: V^T, written by the producer warpgroup)
-    sVr = sV + ST * KV_BYTES;  // (FP8: VR raw V blocks as the TMA brings them)
+    sVr = sV + ST * KV_BYTES;  // (FP8: VR raw V blocks as the TMA brings them; BIAS_GEMM: the B tile)
     bar0 = bars;
     pin_slot = bar0 + 8u * (QP + NBAR * ST);
     page_slot = bar0 + 8u * (QP + NBAR * ST + 1 + (PERSISTENT ? QP : 0));  // paged: CHUNKS ints after the barriers
@@ -306,6 +318,34 @@ struct fwd_sm90_cta {
       mbar_init(bar_vre(i), TRANSPOSERS);
     }
     mbar_init_fence();
+  }
+
+  // BIAS_GEMM's B tile (MN-major, no swizzle: a core matrix is 8 k rows of 16 bytes, each 8 consecutive
+  // columns n; LBO = SBO = 32 bytes between core matrices along n and along k, so the two offsets cannot be
+  // taken for each other): BIAS_BYTES after the V ring, 16-byte chunk c holding the 8 bf16 values
+  // 8 (c / 2) ... 8 (c / 2) + 7. B[k][n] then sits in chunk 2 (n / 8) + k % 8 + 2 (k / 8) at element n % 8:
+  // n for k = 0 and 1, the only rows that meet A's nonzero columns (bias_frag); rows k 2-15 read other
+  // chunks, finite values times A's zeros (the last keys' read the 128 bytes past 4 BN). Written by every
+  // thread before the kernel's first barrier (the proxy fence: wgmma reads it through the async proxy).
+  FG_DEVICE fg_u32 bias_tile() const { return sV + ST * KV_BYTES; }
+  FG_DEVICE void fill_bias_tile() const {
+    for (int c = tid; c < BIAS_BYTES / 16; c += static_cast<int>(blockDim.x)) {
+      const float n = static_cast<float>(8 * (c / 2));
+      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(bias_tile() + 16u * c),
+                   "r"(pack2<true>(n, n + 1.f)), "r"(pack2<true>(n + 2.f, n + 3.f)), "r"(pack2<true>(n + 4.f, n + 5.f)),
+                   "r"(pack2<true>(n + 6.f, n + 7.f)) : "memory");
+    }
+    fence_proxy_async_smem();
+  }
+  // BIAS_GEMM's A fragment for the current tile (m64k16, as P's: register 0 holds row g's columns 2t, 2t + 1,
+  // register 1 row g + 8's, registers 2 and 3 columns 2t + 8, 2t + 9): the slope over the scale, rounded
+  // to bf16 (hi, column 0) and its remainder rounded (lo, column 1) in the lanes of t = 0, zeros elsewhere.
+  FG_DEVICE void bias_frag(fg_u32 (&a)[4]) const {
+    const float x = var.col_slope_of();
+    const float hi = __uint_as_float(pack2<true>(x, 0.f) << 16);  // (bf16 -> fp32: the low half moved up)
+    const fg_u32 w = pack2<true>(x, x - hi);
+    a[0] = a[1] = t == 0 ? w : 0u;
+    a[2] = a[3] = 0u;
   }
 
   // ---- producer: the TMA loads (one thread) ----
@@ -610,10 +650,12 @@ struct fwd_sm90_cta {
     }
   }
 
-  FG_DEVICE void issue_s(float (&acc_s)[BN / 2], int s) const {
+  // S = Q K^T of stage s; BIAS_GEMM: then S += A B^T, the bias's column part (ba: bias_frag).
+  FG_DEVICE void issue_s(float (&acc_s)[BN / 2], int s, const fg_u32 (&ba)[4]) const {
     const fg_u64 dk = desc_k + static_cast<fg_u64>((s * KV_BYTES) >> 4);
 #pragma unroll
     for (int kk = 0; kk < D / KSTEP; ++kk) fg_wgmma_qk(acc_s, desc_q + kmajor_off(kk, 64), dk + kmajor_off(kk, BN), kk);
+    if constexpr (BIAS_GEMM) fg_wgmma_bias(acc_s, ba, smem_desc(bias_tile(), 32, 32, 0));
   }
   FG_DEVICE void issue_pv(float (&acc_o)[D / 2], const fg_u32 (&pa)[KV_STEPS][4], int s) const {
     const fg_u64 stage = static_cast<fg_u64>((s * KV_BYTES) >> 4), dv = desc_v + stage;
@@ -650,7 +692,8 @@ struct fwd_sm90_cta {
   // ALIBI_LINEAR (causal ALiBi): the scores leave transform_cols without their row part off = slope (c0 -
   // row - diag) (variant.cuh), which joins the thread's block max before the quad max and the exp2's offset:
   // exp2((s + off) scale_log2 - m_scaled) = exp2(s scale_log2 - (m_scaled - off scale_log2)). One FFMA per
-  // score instead of an FADD and an FFMA.
+  // score instead of an FADD and an FFMA; none with BIAS_GEMM, whose S has the column part from the GEMM
+  // (off = slope (n0 - row - diag)).
   // Whether key block j (keys from n0) needs masking for this warpgroup's rows: a block mask's partial
   // flag (or the key end), else the variant's range test.
   FG_DEVICE bool block_needs_mask(int j, int n0) const {
@@ -661,8 +704,10 @@ struct fwd_sm90_cta {
                          float (&alpha)[2]) const {
     const int n0 = kv_block(j) * BN;
     if constexpr (V::ALIBI_LINEAR) {
+      if constexpr (!BIAS_GEMM) {  // (BIAS_GEMM: S's GEMM has added the column part)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) var.transform_cols(acc_s, h);
+        for (int h = 0; h < 2; ++h) var.transform_cols(acc_s, h);
+      }
     } else if constexpr (V::TRANSFORMS) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) var.transform(acc_s, h, row_base + 8 * h, n0 + 2 * t);
@@ -674,7 +719,8 @@ struct fwd_sm90_cta {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float mx;
-      const float off = var.alibi_row_offset(row_base + 8 * h, n0 + 2 * t);
+      // (BIAS_GEMM: S holds the slope times the key's column in the block, so the rest is from key n0 on)
+      const float off = var.alibi_row_offset(row_base + 8 * h, BIAS_GEMM ? n0 : n0 + 2 * t);
       // The row max as a tree at d = 64 and with LEAN (a chain elsewhere: the same value, bit for bit):
       // at d = 64 the GEMMs are short and the chain's latency showed (H100, docs/perf/fp8.md: FP8
       // +2-9 %, bf16 +1-4 %); at d = 128 and 256 the tree measured within the spread (0.95-1.03x).
@@ -799,6 +845,8 @@ struct fwd_sm90_cta {
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc_s[i] = s_carry[i];
     fg_u32 pa[KV_STEPS][4];
+    fg_u32 ba[4];  // BIAS_GEMM: the slope's A fragment (its head's)
+    if constexpr (BIAS_GEMM) c.bias_frag(ba);
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f}, alpha[2] = {1.f, 1.f};
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) acc_o[i] = 0.f;
@@ -821,7 +869,7 @@ struct fwd_sm90_cta {
         c.kv_wait(c.bar_k(s), ph);
         c.pp_begin();
         wgmma_fence();
-        c.issue_s(acc_s, s);
+        c.issue_s(acc_s, s, ba);
         wgmma_commit();
         c.pp_end(false);
         wgmma_wait<0>();
@@ -846,7 +894,7 @@ struct fwd_sm90_cta {
       c.kv_wait(c.bar_k(kv0 % ST), (kv0 / ST) & 1);
       c.pp_begin();
       wgmma_fence();
-      c.issue_s(acc_s, kv0 % ST);
+      c.issue_s(acc_s, kv0 % ST, ba);
       wgmma_commit();
       c.pp_end(false);
       wgmma_wait<0>();
@@ -862,7 +910,7 @@ struct fwd_sm90_cta {
         c.pp_begin();
         reg_fence(acc_o);
         wgmma_fence();
-        c.issue_s(acc_s, s);
+        c.issue_s(acc_s, s, ba);
         wgmma_commit();
         c.issue_pv(acc_o, pa, sp);
         wgmma_commit();
@@ -1034,7 +1082,7 @@ struct fwd_sm90_cta {
 // tile loop; the stages are fwd_sm90_cta's.
 template <int D, int BM, int BN, int ST, bool WS, bool PINGPONG, bool OVERLAP, bool CAUSAL, bool BF16,
           int PRODUCER_REGS, int CONSUMER_REGS, int FMA_EXP2, bool EARLY_K, bool LEAN, bool PERSISTENT, int QP,
-          int PAGE_ROWS, bool GATHER, bool FP8, typename V, typename Params>
+          int PAGE_ROWS, bool GATHER, bool FP8, bool BIAS_GEMM, typename V, typename Params>
 FG_DEVICE void fwd_sm90_body(const Params& p) {
   constexpr int NWG = BM / 64;  // consumer warpgroups
   static_assert(BM % 64 == 0 && D % 64 == 0 && BN % 16 == 0 && ST >= 2, "bad fwd_sm90 tile");
@@ -1065,10 +1113,11 @@ FG_DEVICE void fwd_sm90_body(const Params& p) {
   // 4 R->UR moves before every wgmma (SASS) and 8-15 % of the persistent kernel's speed lost (H200).
   __shared__ int tile_slot[PERSISTENT ? 2 : 1];
   using cta_t = fwd_sm90_cta<D, BM, BN, ST, WS, PINGPONG, OVERLAP, CAUSAL, BF16, FMA_EXP2, EARLY_K, LEAN,
-                             PERSISTENT, QP, PAGE_ROWS, GATHER, FP8, V, Params>;
+                             PERSISTENT, QP, PAGE_ROWS, GATHER, FP8, BIAS_GEMM, V, Params>;
   cta_t cta(p, smem_addr(smem_raw), smem_addr(bars), tile_slot);
   const int tid = cta.tid;
 
+  if constexpr (BIAS_GEMM) cta.fill_bias_tile();
   if (tid == 0) cta.init_barriers();
   __syncthreads();
 
