@@ -54,6 +54,14 @@ PERSIST_NAMES = {128: ("ws_ps", "ws_ov_s3_ps", "ws_pp_s3_ps", "ws_kr_ps", "ws_pp
                       "ws_ov_s3_m192_ps")}
 PERSIST_VARIANTS = [variant(d, c, n) for d, names in PERSIST_NAMES.items() for n in names for c in (False, True)]
 NEW_VARIANTS += PERSIST_VARIANTS
+# bias_gemm (causal ALiBi's column part from S's GEMM) on the H200's causal ALiBi picks (d 64, 128, 256: tuned
+# and rule tiles), the 128x128 3-stage tile (the largest ring it fits beside), fp16, one consumer warpgroup
+# without a producer, ping-pong with early K release, packed rows. Each with its twin without bias_gemm.
+BIAS_GEMM_TOKENS = [(64, "ws_pp_ov_ls_s3_m192", {}), (128, "ws_ov_ls_ps_s4_m192_n80", {}), (256, "ws_ov_kr_n80", {}),
+                    (128, "ws_ov_s3", {"dtype": "fp16"}), (64, "", {"block_m": 64}), (128, "ws_pp_kr_ls_s3", {}),
+                    (128, "ws_ov_s3", {"varlen": True})]
+BIAS_GEMM = [variant(d, True, t, alibi=True, bias_gemm=True, **kw) for d, t, kw in BIAS_GEMM_TOKENS]
+NEW_VARIANTS += BIAS_GEMM + [s.replace(bias_gemm=False) for s in BIAS_GEMM]
 ALL = list(dict.fromkeys(DEFAULTS + VARIANTS + NEW_VARIANTS))
 
 
@@ -106,6 +114,63 @@ def test_names_and_rules():
     del rec["persistent"]  # a field left out of a record keeps its default
     assert KernelSpec.from_dict(rec) == s
     assert not sm90(d=128, bn=128).check(gpus.get("a100")) == []  # not an sm_90a GPU
+
+
+def test_bias_gemm_spec():
+    """bias_gemm: named "bg" when set (after the variant tokens), round-tripped by name and record, left out of a
+    record without it; its B tile (4 BN + 128 bytes) joins the shared memory, and the candidates fit the H200
+    beside the largest rings (the tuned causal ALiBi tile keeps its spare Q piece); refused with a message
+    naming it wherever its bias is not the linear one or the GEMM's steps are not k16."""
+    s = variant(128, True, "ws_ov_ls_ps_s4_m192_n80", alibi=True, bias_gemm=True)
+    assert s.name == "fwd_sm90_d128_m192_n80_w16_s4_ws_ov_ls_ps_alibi_bg_causal_bf16_sm90a"
+    assert KernelSpec.from_name(s.name) == s == KernelSpec.from_dict(s.to_dict()) and s.to_dict()["bias_gemm"]
+    twin = s.replace(bias_gemm=False)
+    assert "bias_gemm" not in twin.to_dict() and "_bg_" not in twin.name and twin.with_tokens("bg") == s
+    fam = s.family
+    assert s.smem_bytes() == twin.smem_bytes() + 4 * 80 + 128 and fam.q_pieces(s) == fam.q_pieces(twin) == 4
+    assert all(not b.check(H200) for b in BIAS_GEMM)
+    alibi = dict(alibi=True, bias_gemm=True)
+    for causal, fields, match in ((True, dict(bias_gemm=True), "needs alibi and causal"),
+                                  (False, alibi, "needs alibi and causal"),
+                                  (True, dict(alibi, window=True), "no window"),
+                                  (True, dict(alibi, softcap=True), "no softcap"),
+                                  (True, dict(alibi, fp8=True), "bias_gemm .* fp8")):
+        with pytest.raises(ValueError, match=match):
+            variant(128, causal, "ws", **fields)
+    with pytest.raises(ValueError, match="bias_gemm"):
+        KernelSpec.from_name(s.name.replace("_causal_", "_full_"))
+    with pytest.raises(ValueError, match="not a field of this kind"):  # fwd_v2 keeps the FFMA per score
+        KernelSpec(causal=True, **alibi).validate()
+
+    def alibi_mod(score, b, h, q, kv):
+        return score + 0.25 * (kv - q)
+
+    def softcap_mod(score, b, h, q, kv):
+        return 30.0 * pytest.importorskip("torch").tanh(score / 30.0)
+
+    for fn, linear in ((alibi_mod, True), (softcap_mod, False)):
+        pair = mods.pair(mods.trace_score_mod(fn, allow_cpu=True), None)
+        mods.register(pair)
+        spec = variant(128, False, "ws_ov_s3", mod=mods.token_number(pair))
+        if linear:
+            assert spec.replace(bias_gemm=True).validate().name.endswith("_bg_full_bf16_sm90a")
+        else:
+            with pytest.raises(ValueError, match="bias_gemm needs a score_mod of the linear form"):
+                spec.replace(bias_gemm=True).validate()
+
+
+def test_bias_gemm_source():
+    """The bias GEMM's wgmma (bf16, register A, transposed B, accumulating) is printed only into a bias_gemm
+    kernel, whose kernel instantiation takes BIAS_GEMM on; an fp16 kernel's QK steps stay f16."""
+    from flashgen.codegen import render
+
+    s = variant(128, True, "ws_ov_s3", dtype="fp16", alibi=True, bias_gemm=True)
+    src, twin = render(s), render(s.replace(bias_gemm=False))
+    assert "FG_DEVICE void fg_wgmma_bias(" in src and "FG_DEVICE void fg_wgmma_bias(" not in twin
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " in src and "1, 1, 1, 1;" in src
+    assert "m64n128k16.f32.f16.f16" in src and "m64n128k16.f32.bf16.bf16" not in twin
+    assert "true, fg_variant<true, false, false, true, false>>(p);" in src
+    assert "false, fg_variant<true, false, false, true, false>>(p);" in twin
 
 
 def test_default_rule():
@@ -196,6 +261,28 @@ def test_sass_has_hgmma_and_tma(tmp_path, compiled):
         raise binary
     sass, _ = sass_of(spec, binary.cubin, tmp_path)
     assert "HGMMA" in sass and "UTMALDG" in sass
+
+
+def test_bias_gemm_sass(tmp_path, compiled):
+    """Against its twin, a bias_gemm kernel issues one more HGMMA per S issue site (m64nBNk16 with A from
+    registers and B transposed: the bias step) and BN / 2 fewer FFMA per site (the per-score column FFMA of the
+    consumer's BN / 2 scores). Needs a disassembler that reads NVRTC's cubin (skips without)."""
+    import re
+
+    for spec in BIAS_GEMM:
+        sass = {}
+        for s in (spec, spec.replace(bias_gemm=False)):
+            binary = clean_binary(compiled, s)
+            sass[s.bias_gemm], _ = sass_of(s, binary.cubin, tmp_path)
+
+        def count(text, op):
+            return len(re.findall(op, text))
+
+        sites = count(sass[True], r"\bHGMMA\b") - count(sass[False], r"\bHGMMA\b")
+        # (register A, transposed B: P V's form too where BN = D, so counted against the twin)
+        rs = rf"HGMMA\.64x{spec.block_n}x16\.F32\.BF16 R\d+, R\d+, gdesc\[UR\d+\]\.tnspB"
+        assert sites >= 1 and count(sass[True], rs) - count(sass[False], rs) == sites, spec.name
+        assert count(sass[False], r"\bFFMA\b") - count(sass[True], r"\bFFMA\b") == sites * spec.block_n // 2, spec.name
 
 
 def test_wgmma_descriptors_stay_in_uniform_registers(tmp_path, compiled):
