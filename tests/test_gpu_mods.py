@@ -67,13 +67,14 @@ def _fwd_key():
 
 
 def check_mods(b, hq, hk, nq, nk, d, dtype, name, layout="bhsd", block_mask=False, tokens=None, rows=None,
-               given=None):
+               given=None, bias_gemm=False):
     """One call with ``example_mods``' ``name`` (or the ``given`` (score_mod, mask_mod)) against the reference;
     ``tokens``: a fwd_sm90 tile (name tokens, fwd_sm90.variant's) forced with the mods' token instead of
     dispatch's pick; ``rows`` (the block mask made here): dispatch's pick masks by the row bounds where the mask
     reads a captured tensor per score (else where they build clean on its tile); True runs the bounds' kernel (the
     first tile where they build clean, forced where the pick has none); False, the pick without them forced (the
-    mask_mod per score of a partial block)."""
+    mask_mod per score of a partial block); ``bias_gemm``: the forced tile with KernelSpec.bias_gemm (a linear
+    score_mod's column part from S's GEMM)."""
     q, k, v = make_inputs(b, hq, hk, nq, nk, d, dtype, layout)
     score_mod, mask_mod = given or example_mods(b, hq, nq, nk)[name]
     scale = 1.0 / math.sqrt(d)
@@ -85,7 +86,8 @@ def check_mods(b, hq, hk, nq, nk, d, dtype, name, layout="bhsd", block_mask=Fals
         pair = mods.pair(mods.trace_score_mod(score_mod) if score_mod else None,
                          mods.trace_mask_mod(mask_mod) if mask_mod else None)
         extra["spec"] = fwd_sm90.variant(d, False, tokens).replace(dtype={torch.bfloat16: "bf16"}.get(dtype, "fp16"),
-                                                                   mod=mods.token_number(pair)).validate()
+                                                                   mod=mods.token_number(pair),
+                                                                   bias_gemm=bias_gemm).validate()
     if block_mask and mask_mod is not None:
         extra = {"score_mod": score_mod, "block_mask": flashgen.create_block_mask(mask_mod, b, hq, nq, nk)}
     if rows is not None:
@@ -149,6 +151,17 @@ def test_mods_on_persistent_tiles(name, tokens):
     tile's block list as the one-tile kernels do."""
     check_mods(2, 4, 2, 1023, 1024, 128, torch.bfloat16, name, tokens=tokens)
     check_mods(1, 4, 4, 239, 1, 128, torch.bfloat16, name, tokens=tokens)
+
+
+@needs_sm90
+@pytest.mark.parametrize("nq,nk", [(113, 203), (1, 239), (239, 1), (799, 3), (1023, 1024)])
+@pytest.mark.parametrize("tokens", ["ws_ov_s3", "ws_ov_ls_ps_s4_m192_n80"])
+@pytest.mark.parametrize("name", ["alibi_causal", "alibi_flex"])
+def test_linear_mods_bias_gemm(name, tokens, nq, nk):
+    """The linear score_mods (ALiBi under a causal mask_mod, FlexAttention's ALiBi) with their column part
+    from S's GEMM (KernelSpec.bias_gemm), and at d = 64 in fp16 (the bias step stays bf16)."""
+    check_mods(2, 4, 2, nq, nk, 128, torch.bfloat16, name, tokens=tokens, bias_gemm=True)
+    check_mods(1, 4, 1, nq, nk, 64, torch.float16, name, layout="bshd", tokens="ws_pp_ov_ls_s3_m192", bias_gemm=True)
 
 
 def _call_spec(q, score_mod, block_mask, row_bounds=None):

@@ -3,8 +3,9 @@
 Each call against the fp32 reference with the 2x rule (tests/gpu_util.py's ``check``: output poisoned
 first and written everywhere, LSE -inf exactly where a row sees nothing, the sink's logit where it has
 one). Dispatch's pick (fwd_sm90 on an H200) over FlashAttention-3's seqlen pairs and windows, softcaps,
-slopes and sinks, each alone and together; then fwd_v2 forced, and the fwd_sm90 techniques (ping-pong,
-early K release, lean softmax, FMA exp2, persistent) under every variant at once.
+slopes and sinks, each alone and together; then fwd_v2 forced, the fwd_sm90 techniques (ping-pong,
+early K release, lean softmax, FMA exp2, persistent) under every variant at once, and causal ALiBi with its
+column part from S's GEMM (bias_gemm) forced on the ALiBi tiles.
 """
 from __future__ import annotations
 
@@ -33,6 +34,12 @@ needs_sm90 = pytest.mark.skipif(not is_sm90(), reason="fwd_sm90 needs an sm_90 G
 SM90_TECHNIQUES = ["", "ws", "ws_pp", "ws_pp_ov", "ws_pp_kr_ls_s3", "ws_pp_fx1_kr_ls_s3", "ws_ps", "ws_pp_kr_ps",
                    "ws_s3_m192", "ws_pp_ov_fx1_kr_ls_s3_m192"]
 V2_VARIANTS = [{"window": (256, 0)}, {"window": (100, 37)}, {"softcap": 15.0}, {"alibi": "head"}, {"sinks": True}, ALL]
+# bias_gemm (KernelSpec.bias_gemm, forced: no rule takes it yet): causal ALiBi's column part from one more k16
+# step of S's GEMM. (head dim, tokens, dtype): the H200's causal ALiBi tiles at d 64, 128 and 256, the 128x128
+# 3-stage overlap tile, ping-pong with early K release and lean softmax, fp16 (the bias step stays bf16).
+BIAS_GEMM_CASES = [(64, "ws_pp_ov_ls_s3_m192", "bf16"), (128, "ws_ov_ls_ps_s4_m192_n80", "bf16"),
+                   (256, "ws_ov_kr_n80", "bf16"), (128, "ws_ov_s3", "bf16"), (128, "ws_pp_kr_ls_s3", "bf16"),
+                   (64, "ws_pp_ov_ls_s3_m192", "fp16"), (128, "ws_ov_s3", "fp16")]
 
 
 def _flags(causal, variant):
@@ -54,6 +61,10 @@ def _v2(d, causal, variant, dtype="bf16"):
 
 def _sm90(d, causal, tokens):
     return fwd_sm90.variant(d, causal, tokens).replace(window=True, softcap=True, alibi=True, sinks=True).validate()
+
+
+def _bias_gemm(d, tokens, dtype):
+    return fwd_sm90.variant(d, True, tokens, dtype=dtype, alibi=True, bias_gemm=True)
 
 
 def _picks(verify):
@@ -88,6 +99,7 @@ def precompiled(request, tmp_path_factory):
     if is_sm90():
         specs |= {_sm90(d, c, t) for d in (64, 128) for c in (False, True) for t in SM90_TECHNIQUES
                   if "m192" not in t or d == 64}
+        specs |= {_bias_gemm(d, t, dt) for d, t, dt in BIAS_GEMM_CASES}
     warm(specs, tmp_path_factory, pick=_picks)
 
 
@@ -114,6 +126,27 @@ def test_softcap(nq, nk, softcap, causal, d):
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_alibi(nq, nk, alibi, causal, d):
     check(2, 4, 2, nq, nk, d, "bf16", causal, variant={"alibi": alibi})
+
+
+@needs_sm90
+@pytest.mark.parametrize("nq,nk", [(113, 203), (1, 239), (239, 1), (799, 3), (1023, 1023), (1023, 1024), (2048, 2048)])
+@pytest.mark.parametrize("alibi", ["head", "batch"])
+@pytest.mark.parametrize("d,tokens,dtype", BIAS_GEMM_CASES, ids=[f"d{d}-{t}-{dt}" for d, t, dt in BIAS_GEMM_CASES])
+def test_alibi_bias_gemm(nq, nk, alibi, d, tokens, dtype):
+    """Causal ALiBi with its column part from S's GEMM (bias_gemm; GQA, 2 query heads a KV head): the 2x rule,
+    the LSE -inf exactly where a row sees no key (rows past nk's diagonal at nq > nk) and within 1e-3 elsewhere.
+    A wrong B tile or descriptor (the bias step's operands), a wrong A fragment (the slope's halves) or a row
+    offset out of step with the GEMM's columns shifts the bias by whole slopes per key: far past the rule."""
+    check(2, 4, 2, nq, nk, d, dtype, True, spec=_bias_gemm(d, tokens, dtype), variant={"alibi": alibi})
+
+
+@needs_sm90
+@pytest.mark.parametrize("nq,nk", [(113, 203), (1023, 1024)])
+@pytest.mark.parametrize("d,tokens,dtype", BIAS_GEMM_CASES[:2], ids=[f"d{d}-{t}" for d, t, _ in BIAS_GEMM_CASES[:2]])
+def test_alibi_bias_gemm_layout_and_groups(nq, nk, d, tokens, dtype):
+    """The same with (batch, seqlen, heads, d) inputs, 4 query heads a KV head and larger inputs."""
+    check(1, 8, 2, nq, nk, d, dtype, True, "bshd", magnitude=2.0, spec=_bias_gemm(d, tokens, dtype),
+          variant={"alibi": "batch"})
 
 
 @pytest.mark.parametrize("nq,nk", [(1, 1), (113, 203), (239, 1), (799, 3), (1024, 1023)])

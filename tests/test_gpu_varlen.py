@@ -188,6 +188,17 @@ def test_sm90_techniques(tokens, causal):
 
 
 @needs_sm90
+@pytest.mark.parametrize("alibi", ["batch", "head"])
+@pytest.mark.parametrize("tokens", ["ws_ov_s3", "ws_ov_ls_ps_s4_m192_n80"])
+def test_alibi_bias_gemm(tokens, alibi):
+    """Causal ALiBi with its column part from S's GEMM (bias_gemm) over packed rows: the slope of each
+    sequence's tile (per-sequence slopes with "batch")."""
+    spec = fwd_sm90.variant(128, True, tokens, varlen=True, alibi=True, bias_gemm=True)
+    check_varlen(*LENGTHS["odd"], 4, 2, 128, "bf16", True, spec=spec, variant={"alibi": alibi})
+    check_varlen(*LENGTHS["one_long"], 4, 2, 128, "bf16", True, spec=spec, variant={"alibi": alibi})
+
+
+@needs_sm90
 @pytest.mark.parametrize("ctas", [1, 3])
 def test_persistent_few_ctas(ctas, monkeypatch):
     """More tiles per CTA than the SMs give (and fewer tiles than CTAs elsewhere in this file)."""
