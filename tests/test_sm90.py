@@ -118,7 +118,7 @@ def test_names_and_rules():
 
 def test_bias_gemm_spec():
     """bias_gemm: named "bg" when set (after the variant tokens), round-tripped by name and record, left out of a
-    record without it; its B tile (4 BN + 128 bytes) joins the shared memory, and the candidates fit the H200
+    record without it; its B tile (8 BN + 128 bytes) joins the shared memory, and the candidates fit the H200
     beside the largest rings (the tuned causal ALiBi tile keeps its spare Q piece); refused with a message
     naming it wherever its bias is not the linear one or the GEMM's steps are not k16."""
     s = variant(128, True, "ws_ov_ls_ps_s4_m192_n80", alibi=True, bias_gemm=True)
@@ -127,7 +127,7 @@ def test_bias_gemm_spec():
     twin = s.replace(bias_gemm=False)
     assert "bias_gemm" not in twin.to_dict() and "_bg_" not in twin.name and twin.with_tokens("bg") == s
     fam = s.family
-    assert s.smem_bytes() == twin.smem_bytes() + 4 * 80 + 128 and fam.q_pieces(s) == fam.q_pieces(twin) == 4
+    assert s.smem_bytes() == twin.smem_bytes() + 8 * 80 + 128 and fam.q_pieces(s) == fam.q_pieces(twin) == 4
     assert all(not b.check(H200) for b in BIAS_GEMM)
     alibi = dict(alibi=True, bias_gemm=True)
     for causal, fields, match in ((True, dict(bias_gemm=True), "needs alibi and causal"),

@@ -18,7 +18,7 @@ factors (``FP8_PARAMS``) join the scales per tile. One tile per CTA, contiguous 
 
 bias_gemm (opt-in; no rule or tuning space takes it yet): a linear bias's column part, causal ALiBi's or a
 linear score_mod's slope times the key's column in its block, comes out of S's GEMM as one more k16 step
-(bf16 operands: the slope split in two halves from registers, constant columns in a small tile after the V
+(bf16 operands: the slope split in three parts from registers, constant columns in a small tile after the V
 ring, ``bias_tile_bytes``), so the softmax adds nothing per score.
 """
 from __future__ import annotations
@@ -144,10 +144,10 @@ def is_fp8(key: ProblemKey) -> bool:
 
 
 def bias_tile_bytes(block_n: int) -> int:
-    """Bytes of bias_gemm's B tile (templates/fwd_sm90/fwd_sm90.cuh, fill_bias_tile): 32 per 8 keys of a
-    block (two 16-byte rows of their columns, B's k = 0 and 1) and 128 more, which the GEMM's rows k 2-15 of
+    """Bytes of bias_gemm's B tile (templates/fwd_sm90/fwd_sm90.cuh, fill_bias_tile): 64 per 8 keys of a
+    block (four 16-byte rows of their columns, B's k = 0-3) and 128 more, which the GEMM's rows k 4-15 of
     the last keys read (times zeros of A)."""
-    return 4 * block_n + 128
+    return 8 * block_n + 128
 
 
 def warps_for(block_m: int, warp_specialized: bool) -> int:

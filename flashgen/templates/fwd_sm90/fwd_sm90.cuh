@@ -74,10 +74,10 @@
 //            global memory (epilogue_direct).
 //  BIAS_GEMM (V::ALIBI_LINEAR, not FP8) the linear bias's column part, slope times the key's column in
 //            its block, comes out of S's GEMM: one more wgmma k16 step per block (issue_s) with A from
-//            registers, the slope split into two bf16 halves hi + lo in columns 0 and 1 of every row
-//            (bias_frag, per tile), and B a constant tile with B[0][j] = B[1][j] = j (fill_bias_tile,
-//            once per CTA), so S = Q K^T + (hi + lo) j in fp32 (hi + lo carries ~16 of the slope's bits:
-//            products of 8-bit halves and integers below 256 are exact). The softmax then adds nothing per
+//            registers, the slope split into three bf16 parts hi + mid + lo in columns 0-2 of every row
+//            (bias_frag, per tile), and B a constant tile with B[k][j] = j for k = 0-3 (fill_bias_tile,
+//            once per CTA), so S = Q K^T + (hi + mid + lo) j in fp32 (the parts carry the slope's 24 bits:
+//            products of 8-bit parts and integers below 256 are exact). The softmax then adds nothing per
 //            score; the row part, the slope times (n0 - row - diag), goes into the row max and the
 //            exp2's offset as before (alibi_row_offset with the block's first key instead of the
 //            thread's first column).
@@ -128,7 +128,7 @@ struct fwd_sm90_cta {
     VR = FP8 ? 2 : 0,
     TREE_MAX = LEAN || D <= 64,    // the row max as a tree (softmax below)
     TRANSPOSERS = 96,              // FP8: the producer warpgroup's warps 1-3 (warp 0 issues the TMA)
-    BIAS_BYTES = 4 * BN + 128,     // BIAS_GEMM: the B tile (fill_bias_tile; families.fwd_sm90.bias_tile_bytes)
+    BIAS_BYTES = 8 * BN + 128,     // BIAS_GEMM: the B tile (fill_bias_tile; families.fwd_sm90.bias_tile_bytes)
     NBAR = EARLY_K ? 4 : 3,        // barriers per stage
     // Paged K/V (PAGE_ROWS > 0): a K/V block is CHUNKS boxes of PAGE_ROWS rows, each from its own page.
     CHUNKS = PAGE_ROWS ? BN / PAGE_ROWS : 1,
@@ -321,16 +321,16 @@ struct fwd_sm90_cta {
   }
 
   // BIAS_GEMM's B tile (MN-major, no swizzle: a core matrix is 8 k rows of 16 bytes, each 8 consecutive
-  // columns n; LBO = SBO = 32 bytes between core matrices along n and along k, so the two offsets cannot be
+  // columns n; LBO = SBO = 64 bytes between core matrices along n and along k, so the two offsets cannot be
   // taken for each other): BIAS_BYTES after the V ring, 16-byte chunk c holding the 8 bf16 values
-  // 8 (c / 2) ... 8 (c / 2) + 7. B[k][n] then sits in chunk 2 (n / 8) + k % 8 + 2 (k / 8) at element n % 8:
-  // n for k = 0 and 1, the only rows that meet A's nonzero columns (bias_frag); rows k 2-15 read other
-  // chunks, finite values times A's zeros (the last keys' read the 128 bytes past 4 BN). Written by every
-  // thread before the kernel's first barrier (the proxy fence: wgmma reads it through the async proxy).
+  // 8 (c / 4) ... 8 (c / 4) + 7. B[k][n] then sits in chunk 4 (n / 8) + k % 8 + 4 (k / 8) at element n % 8:
+  // n for k = 0-3, which hold the rows that meet A's nonzero columns (bias_frag: 0-2); rows k 4-15 read
+  // other chunks, finite values times A's zeros (the last keys' read the 128 bytes past 8 BN). Written by
+  // every thread before the kernel's first barrier (the proxy fence: wgmma reads it through the async proxy).
   FG_DEVICE fg_u32 bias_tile() const { return sV + ST * KV_BYTES; }
   FG_DEVICE void fill_bias_tile() const {
     for (int c = tid; c < BIAS_BYTES / 16; c += static_cast<int>(blockDim.x)) {
-      const float n = static_cast<float>(8 * (c / 2));
+      const float n = static_cast<float>(8 * (c / 4));
       asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(bias_tile() + 16u * c),
                    "r"(pack2<true>(n, n + 1.f)), "r"(pack2<true>(n + 2.f, n + 3.f)), "r"(pack2<true>(n + 4.f, n + 5.f)),
                    "r"(pack2<true>(n + 6.f, n + 7.f)) : "memory");
@@ -338,15 +338,17 @@ struct fwd_sm90_cta {
     fence_proxy_async_smem();
   }
   // BIAS_GEMM's A fragment for the current tile (m64k16, as P's: register 0 holds row g's columns 2t, 2t + 1,
-  // register 1 row g + 8's, registers 2 and 3 columns 2t + 8, 2t + 9): the slope over the scale, rounded
-  // to bf16 (hi, column 0) and its remainder rounded (lo, column 1) in the lanes of t = 0, zeros elsewhere.
+  // register 1 row g + 8's, registers 2 and 3 columns 2t + 8, 2t + 9): the slope over the scale x as three
+  // bf16 parts, hi = x rounded, mid = (x - hi) rounded, lo = (x - hi - mid) rounded (each difference exact in
+  // fp32), in columns 0, 1 (the lanes of t = 0) and 2 (t = 1), zeros elsewhere: hi + mid + lo is x to ~2^-25.
   FG_DEVICE void bias_frag(fg_u32 (&a)[4]) const {
     const float x = var.col_slope_of();
-    const float hi = __uint_as_float(pack2<true>(x, 0.f) << 16);  // (bf16 -> fp32: the low half moved up)
-    const fg_u32 w = pack2<true>(x, x - hi);
-    a[0] = a[1] = t == 0 ? w : 0u;
+    const float hi = bf16_round(x), r = x - hi, mid = bf16_round(r);
+    const fg_u32 w = t == 0 ? pack2<true>(hi, mid) : t == 1 ? pack2<true>(r - mid, 0.f) : 0u;
+    a[0] = a[1] = w;
     a[2] = a[3] = 0u;
   }
+  static FG_DEVICE float bf16_round(float x) { return __uint_as_float(pack2<true>(x, 0.f) << 16); }
 
   // ---- producer: the TMA loads (one thread) ----
   // Load K/V block j of this tile at ring position r (stage r % ST, use r / ST) once the consumers have
@@ -655,7 +657,7 @@ struct fwd_sm90_cta {
     const fg_u64 dk = desc_k + static_cast<fg_u64>((s * KV_BYTES) >> 4);
 #pragma unroll
     for (int kk = 0; kk < D / KSTEP; ++kk) fg_wgmma_qk(acc_s, desc_q + kmajor_off(kk, 64), dk + kmajor_off(kk, BN), kk);
-    if constexpr (BIAS_GEMM) fg_wgmma_bias(acc_s, ba, smem_desc(bias_tile(), 32, 32, 0));
+    if constexpr (BIAS_GEMM) fg_wgmma_bias(acc_s, ba, smem_desc(bias_tile(), 64, 64, 0));
   }
   FG_DEVICE void issue_pv(float (&acc_o)[D / 2], const fg_u32 (&pa)[KV_STEPS][4], int s) const {
     const fg_u64 stage = static_cast<fg_u64>((s * KV_BYTES) >> 4), dv = desc_v + stage;
