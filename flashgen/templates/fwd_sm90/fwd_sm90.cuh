@@ -783,7 +783,8 @@ struct fwd_sm90_cta {
     }
   }
   // Debug (p.dbg_s != null, bench/smoke_sm90.py --isolated): the raw S = Q K^T of key block 0 of
-  // query block 0 (batch 0, head 0), unscaled and unmasked, as fp32 [BM][BN] rows.
+  // query block 0 (batch 0, head 0), unscaled and unmasked, as fp32 [BM][BN] rows (BIAS_GEMM: with the
+  // bias's column part, the slope times the column).
   FG_DEVICE void dump_s(const float (&acc_s)[BN / 2]) const {
     if (p.dbg_s != nullptr && m_block == 0 && hq == 0 && b == 0) {
       const int r = cw * 64 + wq * 16 + g;
