@@ -340,7 +340,8 @@ struct fwd_sm90_cta {
   // BIAS_GEMM's A fragment for the current tile (m64k16, as P's: register 0 holds row g's columns 2t, 2t + 1,
   // register 1 row g + 8's, registers 2 and 3 columns 2t + 8, 2t + 9): the slope over the scale x as three
   // bf16 parts, hi = x rounded, mid = (x - hi) rounded, lo = (x - hi - mid) rounded (each difference exact in
-  // fp32), in columns 0, 1 (the lanes of t = 0) and 2 (t = 1), zeros elsewhere: hi + mid + lo is x to ~2^-25.
+  // fp32), in columns 0, 1 (the lanes of t = 0) and 2 (t = 1), zeros elsewhere: hi + mid + lo = x exactly
+  // (x's 24 bits, 8 a part; fp32's exponent range).
   FG_DEVICE void bias_frag(fg_u32 (&a)[4]) const {
     const float x = var.col_slope_of();
     const float hi = bf16_round(x), r = x - hi, mid = bf16_round(r);
