@@ -37,8 +37,8 @@ struct decode_mod_variant : decode_variant<false, false, false, false> {
   }
 
   // The score_mod on row half h of S; c0 is the key of this thread's first column (common/mod.cuh).
-  template <typename F>
-  FG_DEVICE void transform(F& s, int h, int c0, float cap_in) const {
+  template <typename Params, typename F>
+  FG_DEVICE void transform(const Params&, F& s, int h, int, int, int c0, float cap_in) const {
     fg_score_mod_row(s, h, b_, hq[h], qi[h], c0, cap_in, *args);
   }
 

@@ -728,7 +728,8 @@ struct decode_split_cta {
       const int n0 = n_begin + j * BN;
       if constexpr (VAR::TRANSFORMS) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) var.transform(acc_s, h, n0 + w_row + 2 * t, cap_factor(p.cap_in, kd));
+        for (int h = 0; h < 2; ++h) var.transform(p, acc_s, h, r0 + g + 8 * h, diag, n0 + w_row + 2 * t,
+                                                    cap_factor(p.cap_in, kd));
       }
 
       // ---- mask: the split end, the sequence end, the causal diagonal (and the window's start) ----

@@ -27,7 +27,6 @@ struct decode_variant {
   // (MASK_ALL: every block is masked, not only those the causal edge or a split's end crosses.)
   enum : int { WIN = WINDOW, CAP = SOFTCAP, SLOPES = ALIBI, SINK = SINKS, TRANSFORMS = SOFTCAP || ALIBI,
                MASK_ALL = WINDOW };
-  float dg[2];      // ALIBI: row half h's diagonal key tok + diag (o = key - dg)
   float slope[2];   // ALIBI: row half h's slope over the score's unit
 
   // The query head of packed row r.
@@ -51,18 +50,19 @@ struct decode_variant {
     for (int h = 0; h < 2; ++h) {
       const int r = r0 + g + 8 * h;
       if constexpr (ALIBI) {
-        dg[h] = static_cast<float>(r / p.group + diag);
         slope[h] = p.alibi[static_cast<fg_i64>(b) * p.alibi_sb + head_of(p, hk, r)] /
                    (scale_log2 * 0.6931471805599453f);
       }
     }
   }
 
-  // Softcap, then ALiBi, on row half h of S; c0 is the key of this thread's first column.
-  template <typename F>
-  FG_DEVICE void transform(F& s, int h, int c0, float cap_in) const {
+  // Softcap, then ALiBi, on row half h (packed row r) of S; c0 is the key of this thread's first column.
+  // (The row's diagonal key r / group + diag is recomputed per call, not kept: as two registers across
+  // the block loop they made the n64 tile spill.)
+  template <typename Params, typename F>
+  FG_DEVICE void transform(const Params& p, F& s, int h, int r, int diag, int c0, float cap_in) const {
     if constexpr (SOFTCAP) softcap_row(s, h, cap_in);
-    if constexpr (ALIBI) alibi_row(s, h, static_cast<float>(c0) - dg[h], slope[h]);  // o at the first column
+    if constexpr (ALIBI) alibi_row(s, h, static_cast<float>(c0 - (r / p.group + diag)), slope[h]);  // o at c0
   }
 
   // Row half h (packed row r) of S: keys at or past `hi` (the row's causal and split limit) become -inf,
