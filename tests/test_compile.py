@@ -60,6 +60,11 @@ VARIANT_SPECS = sorted(
 # takes the plain key's tile (decode_split's rule). Every combination of switches on those tiles compiled clean once (300 kernels);
 # these are the ones the tier keeps building.
 DECODE_VARIANTS = ("win", "cap", "alibi", "sink", "win_cap_alibi_sink")
+# Dispatch's causal ALiBi picks on Hopper, which take the bias's column part in S's GEMM (dispatch.with_bias_gemm)
+# where it builds: every shipped table's, both 16-bit dtypes, with and without sinks.
+BIAS_GEMM_PICKS = sorted({dispatch.select(ProblemKey("fwd", "sm_90a", dt, d, True, n, v), gpu, BUDGET_OF["sm_90a"])
+                          for gpu in tables.shipped_gpus() for dt in DTYPES for d in (64, 128, 256)
+                          for n in (1024, 8192) for v in ("alibi", "alibi_sink")}, key=lambda s: s.name)
 DECODE_VARIANT_SPECS = sorted({s.with_tokens(v).validate() for s in SPECS if s.kind == "decode_split"
                                for v in DECODE_VARIANTS}, key=lambda s: s.name)
 # Packed rows (varlen): every shipped forward entry with the switch (dispatch runs the plain entry's tile
@@ -87,7 +92,7 @@ PAGED_SPECS = sorted({paged_spec(s, page) for s in VARLEN_SPECS if s.kind == "fw
 DET_SPECS = sorted({t for s in SPECS + SHIPPED_SPECS if s.kind == "bwd_sm90"
                     for t in [dispatch.deterministic_twin(s, BUDGET_OF[s.arch])] if t is not None},
                    key=lambda s: s.name)
-ALL_SPECS = list(dict.fromkeys(SPECS + BULK_SPECS + SHIPPED_SPECS + VARIANT_SPECS
+ALL_SPECS = list(dict.fromkeys(SPECS + BULK_SPECS + SHIPPED_SPECS + VARIANT_SPECS + BIAS_GEMM_PICKS
                                + DECODE_VARIANT_SPECS + VARLEN_SPECS + PAGED_SPECS + DET_SPECS))  # each spec once, in that order
 BUDGET = gpus.ARCH_SMEM_PER_BLOCK
 BASELINE_KINDS = (*standard.KINDS, fwd_v1.KIND)

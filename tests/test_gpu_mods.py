@@ -155,7 +155,7 @@ def test_mods_on_persistent_tiles(name, tokens):
 
 @needs_sm90
 @pytest.mark.parametrize("nq,nk", [(113, 203), (1, 239), (239, 1), (799, 3), (1023, 1024)])
-@pytest.mark.parametrize("tokens", ["ws_ov_s3", "ws_ov_ls_ps_s4_m192_n80"])
+@pytest.mark.parametrize("tokens", ["ws_ov_s3", "ws_ov_ls_ps_s2"])  # (the 192 x 80 tile spills with alibi_causal)
 @pytest.mark.parametrize("name", ["alibi_causal", "alibi_flex"])
 def test_linear_mods_bias_gemm(name, tokens, nq, nk):
     """The linear score_mods (ALiBi under a causal mask_mod, FlexAttention's ALiBi) with their column part
