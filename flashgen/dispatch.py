@@ -141,25 +141,25 @@ def mod_spec(key: ProblemKey, gpu: str | None, smem_budget: int, token: int, ver
     warpgroups keep 160 each), then those tiles with 64-key blocks (half the score registers: a 4-D
     capture's reads spill the d = 64 tiles of 128 keys). ``verify``: the resource check, as ``select``.
     ``row_bounds``: the mask_mod's partial blocks masked by each row's bounds (KernelSpec.row_bounds: a block
-    mask whose rows each see one run of keys), taken where the mask_mod reads a captured tensor per score
-    (``mask_loads_per_score``): every tile with them first, then the same without. A mask of index compares
-    alone (causal, windows, an offset or a length per batch read once per head) runs the mask_mod: the bounds'
-    kernel was 2-6 % slower there (docs/perf/mods.md). ``row_bounds="first"``: the bounds first on every tile
-    whatever the mask reads (tests and benchmarks that force the bounds' kernel)."""
+    mask whose rows each see one run of keys): where the mask_mod reads a captured tensor per score
+    (``mask_loads_per_score``) every tile with them first, then the same without; a mask of index compares alone
+    takes them only on a tile where they build clean, each tile with them and then without (on one tile they gain
+    a few per cent over such a mask_mod; the 192-row tile, where they spill, is about ten per cent faster than the
+    next clean one). ``row_bounds="first"``: the bounds first on every tile whatever the mask reads (tests and
+    benchmarks that force the bounds' kernel)."""
     family = family or mod_family(key)
-    pair = mods.lookup(mods.token_text(token))
-    row_bounds = row_bounds == "first" or bool(row_bounds and mask_loads_per_score(pair))
     if gpu is not None:  # the mods' own tuned entry (``flashgen tune --score-mod/--mask-mod``), keyed by their hash
         own = tables.lookup(gpu, key.replace(causal=False, variant=variants.mod_key(token)))
         if own is not None and own.kind == family:
-            for mine in _bounds_first(_bias_gemm_first([own], smem_budget), row_bounds):
+            for mine in _bounds_first(_bias_gemm_first([own], smem_budget), row_bounds, True):
                 if not (verify and resource_problems(mine)):
                     return mine
     picked = select(key, gpu, smem_budget, verify=verify, family=family)
     rule = [s for s in families.family(family).rule(key, smem_budget) if s != picked]
     narrow = [s.replace(block_n=64) for s in [picked] + rule if s.block_n > 64]
     tiles = list(dict.fromkeys(s.replace(causal=False, mod=token) for s in [picked] + rule + narrow))
-    return first_clean(_bounds_first(_bias_gemm_first(tiles, smem_budget), row_bounds),
+    anywhere = row_bounds == "first" or (row_bounds and mask_loads_per_score(mods.lookup(mods.token_text(token))))
+    return first_clean(_bounds_first(_bias_gemm_first(tiles, smem_budget), row_bounds, anywhere),
                        resource_problems if verify else None)
 
 
@@ -173,13 +173,16 @@ def _bias_gemm_first(specs: list, smem_budget: int) -> list:
     return out
 
 
-def _bounds_first(specs: list, row_bounds: bool) -> list:
-    """Mods kernels in order, validated: with ``row_bounds``, each with KernelSpec.row_bounds first (they pay
-    where the mask_mod reads memory: a document mask's forward 1.6-1.7x), then the same without (the bounds'
-    registers can make a tile spill where the mask_mod's does not)."""
+def _bounds_first(specs: list, row_bounds: bool, anywhere: bool) -> list:
+    """Mods kernels in order, validated: with ``row_bounds`` and ``anywhere``, each with KernelSpec.row_bounds
+    first (they pay most where the mask_mod reads memory: a document mask's forward 1.6x), then the same
+    without (the bounds' registers can make a tile spill where the mask_mod's does not); with ``row_bounds``
+    alone, each tile with them and then without, so that the bounds never cost the tile."""
     if not row_bounds:
         return [s.validate() for s in specs]
-    return [s.validate() for s in [s.replace(row_bounds=True) for s in specs] + specs]
+    if anywhere:
+        return [s.validate() for s in [s.replace(row_bounds=True) for s in specs] + specs]
+    return [t.validate() for s in specs for t in (s.replace(row_bounds=True), s)]
 
 
 def mask_loads_per_score(pair) -> bool:
@@ -188,7 +191,7 @@ def mask_loads_per_score(pair) -> bool:
     replace, paying for a later tile in the forward and for a load per score in the backward. Reads at constant or
     per-(batch, head) indices (an offset read as ``off[0]``, a length per batch) are made once per head
     (``Graph.cuda_hoisted``), so such a mask is index compares, as causal and windows written with constants are:
-    there the mask_mod's kernel runs faster than the bounds' (docs/perf/mods.md)."""
+    there the bounds gain a few per cent on one tile (docs/perf/mods.md)."""
     return pair.mask is not None and pair.mask.loads_per_score()
 
 
@@ -256,7 +259,7 @@ def mod_backward_spec(key: ProblemKey, smem_budget: int, token: int, verify: boo
                 if s.dq_write not in WRITER_DQ and s.block_m == 64]
         rule = list(dict.fromkeys(rule))
         # (with row bounds: every tile with them, then the same without, before any tile with dP^T late)
-        order = _bounds_first(rule, row_bounds)
+        order = _bounds_first(rule, row_bounds, True)
         candidates = order + [s.replace(dp_late=True).validate() for s in order]
     if not verify:
         return candidates[0]
