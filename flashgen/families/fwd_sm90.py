@@ -144,7 +144,7 @@ def is_fp8(key: ProblemKey) -> bool:
 
 
 def bias_tile_bytes(block_n: int) -> int:
-    """Bytes of bias_gemm's B tile (templates/fwd_sm90/fwd_sm90.cuh, fill_bias_tile): 64 per 8 keys of a
+    """Bytes of bias_gemm's B tile (the kernel's fill_bias_tile): 64 per 8 keys of a
     block (four 16-byte rows of their columns, B's k = 0-3) and 128 more, which the GEMM's rows k 4-15 of
     the last keys read (times zeros of A)."""
     return 8 * block_n + 128

@@ -128,7 +128,7 @@ struct fwd_sm90_cta {
     VR = FP8 ? 2 : 0,
     TREE_MAX = LEAN || D <= 64,    // the row max as a tree (softmax below)
     TRANSPOSERS = 96,              // FP8: the producer warpgroup's warps 1-3 (warp 0 issues the TMA)
-    BIAS_BYTES = 8 * BN + 128,     // BIAS_GEMM: the B tile (fill_bias_tile; families.fwd_sm90.bias_tile_bytes)
+    BIAS_BYTES = 8 * BN + 128,     // BIAS_GEMM: the B tile (fill_bias_tile; the host sizes it the same)
     NBAR = EARLY_K ? 4 : 3,        // barriers per stage
     // Paged K/V (PAGE_ROWS > 0): a K/V block is CHUNKS boxes of PAGE_ROWS rows, each from its own page.
     CHUNKS = PAGE_ROWS ? BN / PAGE_ROWS : 1,
