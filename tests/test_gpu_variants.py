@@ -149,6 +149,17 @@ def test_alibi_bias_gemm_layout_and_groups(nq, nk, d, tokens, dtype):
           variant={"alibi": "batch"})
 
 
+@needs_sm90
+@pytest.mark.parametrize("nq,nk", [(113, 203), (239, 1), (799, 3), (1023, 1024)])
+@pytest.mark.parametrize("sinks", [True, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("d,tokens,dtype", BIAS_GEMM_CASES[:3], ids=[f"d{d}-{t}" for d, t, _ in BIAS_GEMM_CASES[:3]])
+def test_alibi_bias_gemm_with_sinks(nq, nk, sinks, d, tokens, dtype):
+    """Causal ALiBi with sinks on the bias GEMM's kernels, as dispatch picks them (dispatch.with_bias_gemm): the
+    sink joins each row's finish, which the bias step leaves alone; LSE with the sink."""
+    spec = _bias_gemm(d, tokens, dtype).replace(sinks=True).validate()
+    check(2, 4, 2, nq, nk, d, dtype, True, spec=spec, variant={"alibi": "head", "sinks": sinks})
+
+
 @pytest.mark.parametrize("nq,nk", [(1, 1), (113, 203), (239, 1), (799, 3), (1024, 1023)])
 @pytest.mark.parametrize("window", [(-1, -1), (0, 0), (100, 37)], ids=str)
 @pytest.mark.parametrize("sinks", [True, torch.bfloat16], ids=["fp32", "bf16"])
