@@ -85,11 +85,11 @@ def with_bias_gemm(spec: KernelSpec, smem_budget: int, check=None) -> KernelSpec
     finds nothing wrong with it; else ``spec``. The softmax then adds nothing per score: causal ALiBi 8k on an
     H100, the same tile with it and without in two runs, 0.745 -> 0.786x the plain kernel at d = 64, 0.824 ->
     0.864x at d = 128 (docs/perf/variants.md)."""
-    if spec.kind != "fwd_sm90" or spec.bias_gemm or spec.fp8 or not (spec.alibi or spec.mod):
+    if spec.bias_gemm or not (spec.alibi or spec.mod):
         return spec
     try:
         bias = spec.replace(bias_gemm=True).validate()
-    except ValueError:  # no linear bias (a window, a softcap, a score_mod of another form): the family says why
+    except ValueError:  # another kind, fp8, no linear bias (a window, a softcap, a score_mod of another form)
         return spec
     if bias.smem_total() > smem_budget or (check is not None and check(bias)):
         return spec
